@@ -1,0 +1,47 @@
+# kvserve front door: `make serve` and `make test` set everything up on a fresh machine.
+SHELL := /bin/bash
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+PYTHON ?= python3
+FIXTURES ?= .fixtures
+APT_PACKAGES := build-essential cmake ccache pkg-config libboost-all-dev libyaml-cpp-dev nlohmann-json3-dev \
+  libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev
+DEPS_STAMP := .deps-stamp
+SERVE_ARGS ?=
+
+.PHONY: deps build test test-cpp test-py serve fixtures bench clean
+
+# Idempotent: the stamp records the package lists and requirements it was made from.
+deps: $(DEPS_STAMP)
+$(DEPS_STAMP): requirements.txt Makefile
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	$(PYTHON) -m pip install -q --disable-pip-version-check -r requirements.txt
+	@touch $(DEPS_STAMP)
+
+$(BUILD_DIR)/CMakeCache.txt: | deps
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release
+
+build: deps $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+fixtures: build
+	$(PYTHON) tools/make_fixture_models.py --out $(FIXTURES)
+
+test: deps build fixtures
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+	KVSERVE_BIN=$(CURDIR)/$(BUILD_DIR)/kvserve KVSERVE_FIXTURES=$(CURDIR)/$(FIXTURES) \
+	  $(PYTHON) -m pytest -q tests
+
+serve: deps build
+	./$(BUILD_DIR)/kvserve generate --model models/tiny-llama --prompt "The passkey is 4711. Remember it." \
+	  --max-tokens 32 $(SERVE_ARGS)
+
+bench: build
+	$(PYTHON) bench/bench_backend.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks.md
+
+clean:
+	rm -rf $(BUILD_DIR) $(FIXTURES)

@@ -1,0 +1,44 @@
+#pragma once
+// Engine request and output types shared by the CLI, the HTTP server and the scheduler.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sampling_params.h"
+
+namespace kvserve {
+
+// What a client asks the engine to do: a tokenized prompt, sampling, and the KV policy to use.
+struct GenerationRequest {
+  std::string request_id;
+  std::vector<int64_t> prompt_ids;
+  SamplingParams sampling;
+  std::string kv_policy;  // a named policy from the config; empty = the engine's default
+};
+
+struct TokenLogprob {
+  int64_t token_id = 0;
+  std::string token;  // decoded text of this single token
+  double logprob = 0.0;
+};
+
+// Emitted by the engine as a request progresses; the last event has finished = true.
+struct GenerationEvent {
+  std::string text_delta;                 // new complete UTF-8 text since the previous event
+  std::vector<int64_t> token_ids;         // tokens generated in this step
+  std::vector<TokenLogprob> chosen;       // per token, when logprobs were requested
+  std::vector<std::vector<TokenLogprob>> top_logprobs;
+  bool finished = false;
+  std::string finish_reason;              // "stop" | "length" | "abort" | "error"
+  std::string error;                      // when finish_reason == "error"
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t kept_kv_tokens = 0;             // KV tokens the policy kept after prefill (all layers)
+  int64_t full_kv_tokens = 0;             // what full KV would have held
+};
+
+using EventCallback = std::function<void(const GenerationEvent&)>;
+
+}  // namespace kvserve

@@ -1,0 +1,37 @@
+#pragma once
+// KvMemory: the interface between the model and a KV cache (contiguous here, paged in cache_manager).
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve {
+
+// Which sequences a decode step covers and where each new token sits (its true position).
+struct DecodeBatch {
+  std::vector<int64_t> seq_ids;
+  std::vector<int64_t> positions;
+};
+
+class KvMemory {
+ public:
+  virtual ~KvMemory() = default;
+  // Called once before the first layer of a sequence's prefill.
+  virtual void begin_prefill(int64_t seq_id, int64_t prompt_len) = 0;
+  // One layer's full prompt K/V after RoPE ([KV, T, D]) and queries ([H, T, D]); the memory keeps
+  // all of it or a policy's selection. Called for layers in increasing order.
+  virtual void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                             const torch::Tensor& v) = 0;
+  // Called after the last layer (policies that rebalance across layers settle here).
+  virtual void end_prefill(int64_t seq_id) = 0;
+  // Appends one token per sequence (k, v: [B, KV, D]) to `layer` and returns attention of q
+  // ([B, H, D]) over each sequence's cached tokens of that layer, the new one included: [B, H, D].
+  virtual torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
+                                         const torch::Tensor& k, const torch::Tensor& v) = 0;
+  // Frees everything the sequence holds.
+  virtual void release(int64_t seq_id) = 0;
+  // Tokens held for (sequence, layer); layers may differ once a policy compressed them.
+  virtual int64_t cached_tokens(int64_t seq_id, int64_t layer) const = 0;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,168 @@
+#include "model_config.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kv_check.h"
+
+namespace kvserve {
+namespace {
+
+using nlohmann::json;
+
+// Reads a field with a clear error naming the file and key when it has the wrong type.
+template <typename T>
+std::optional<T> get_opt(const json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    KV_FAIL(where << ": key '" << key << "' has the wrong type (" << it->type_name() << ")");
+  }
+}
+
+template <typename T>
+T get_req(const json& j, const char* key, const std::string& where) {
+  auto v = get_opt<T>(j, key, where);
+  if (!v) KV_FAIL(where << ": missing required key '" << key << "'");
+  return *v;
+}
+
+std::vector<int64_t> id_list(const json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return {};
+  if (it->is_number_integer()) return {it->get<int64_t>()};
+  if (it->is_array()) {
+    std::vector<int64_t> out;
+    for (const auto& e : *it) {
+      if (!e.is_number_integer()) KV_FAIL(where << ": key '" << key << "' must hold integers");
+      out.push_back(e.get<int64_t>());
+    }
+    return out;
+  }
+  KV_FAIL(where << ": key '" << key << "' must be an integer or a list of integers");
+}
+
+void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
+  // transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_scaling.
+  const json* rp = nullptr;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    auto it = j.find(key);
+    if (it != j.end() && !it->is_null()) {
+      if (!it->is_object()) KV_FAIL(where << ": key '" << key << "' must be an object");
+      rp = &*it;
+      break;
+    }
+  }
+  if (rp) {
+    const std::string sub = where + ": rope parameters";
+    if (auto theta = get_opt<double>(*rp, "rope_theta", sub)) c.rope_theta = *theta;
+    std::string type = get_opt<std::string>(*rp, "rope_type", sub)
+                           .value_or(get_opt<std::string>(*rp, "type", sub).value_or("default"));
+    auto& s = c.rope_scaling;
+    if (type == "default") {
+      s.kind = RopeScaling::Kind::kDefault;
+    } else if (type == "linear") {
+      s.kind = RopeScaling::Kind::kLinear;
+      s.factor = get_req<double>(*rp, "factor", sub);
+    } else if (type == "llama3") {
+      s.kind = RopeScaling::Kind::kLlama3;
+      s.factor = get_req<double>(*rp, "factor", sub);
+      s.low_freq_factor = get_req<double>(*rp, "low_freq_factor", sub);
+      s.high_freq_factor = get_req<double>(*rp, "high_freq_factor", sub);
+      s.original_max_position_embeddings = get_req<int64_t>(*rp, "original_max_position_embeddings", sub);
+      KV_CHECK(s.high_freq_factor > s.low_freq_factor,
+               sub << ": high_freq_factor must exceed low_freq_factor");
+    } else {
+      KV_FAIL(sub << ": unsupported rope_type '" << type << "' (supported: default, linear, llama3)");
+    }
+    KV_CHECK(s.factor > 0, sub << ": factor must be positive");
+  }
+  if (auto theta = get_opt<double>(j, "rope_theta", where)) c.rope_theta = *theta;
+  KV_CHECK(c.rope_theta > 0, where << ": rope_theta must be positive");
+}
+
+}  // namespace
+
+ModelConfig parse_model_config(const std::string& text, const std::string& where) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    KV_FAIL(where << ": malformed JSON: " << e.what());
+  }
+  if (!j.is_object()) KV_FAIL(where << ": top level must be a JSON object");
+
+  ModelConfig c;
+  auto archs = j.find("architectures");
+  if (archs != j.end() && archs->is_array() && !archs->empty() && (*archs)[0].is_string()) {
+    c.architecture = (*archs)[0].get<std::string>();
+  }
+  c.model_type = get_opt<std::string>(j, "model_type", where).value_or("");
+  if (c.architecture.empty()) {
+    if (c.model_type == "llama") c.architecture = "LlamaForCausalLM";
+    else if (c.model_type == "mistral") c.architecture = "MistralForCausalLM";
+    else if (c.model_type == "qwen2") c.architecture = "Qwen2ForCausalLM";
+  }
+  if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
+      c.architecture != "Qwen2ForCausalLM") {
+    KV_FAIL(where << ": unknown architecture '" << c.architecture
+                  << "' (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)");
+  }
+  const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
+
+  c.vocab_size = get_req<int64_t>(j, "vocab_size", where);
+  c.hidden_size = get_req<int64_t>(j, "hidden_size", where);
+  c.intermediate_size = get_req<int64_t>(j, "intermediate_size", where);
+  c.num_hidden_layers = get_req<int64_t>(j, "num_hidden_layers", where);
+  c.num_attention_heads = get_req<int64_t>(j, "num_attention_heads", where);
+  c.num_key_value_heads = get_opt<int64_t>(j, "num_key_value_heads", where).value_or(c.num_attention_heads);
+  c.max_position_embeddings = get_opt<int64_t>(j, "max_position_embeddings", where).value_or(2048);
+  c.rms_norm_eps = get_opt<double>(j, "rms_norm_eps", where).value_or(1e-6);
+  c.tie_word_embeddings = get_opt<bool>(j, "tie_word_embeddings", where).value_or(false);
+  if (qwen2) {
+    c.attention_bias = true;
+  } else {
+    c.attention_bias = get_opt<bool>(j, "attention_bias", where).value_or(false);
+    c.o_proj_bias = c.attention_bias;
+    c.mlp_bias = get_opt<bool>(j, "mlp_bias", where).value_or(false);
+  }
+  for (auto [key, v] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
+                        {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
+                        {"num_attention_heads", c.num_attention_heads},
+                        {"num_key_value_heads", c.num_key_value_heads},
+                        {"max_position_embeddings", c.max_position_embeddings}}) {
+    KV_CHECK(v > 0 && v < (int64_t{1} << 31), where << ": key '" << key << "' must be a positive integer, got " << v);
+  }
+  KV_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
+           where << ": num_attention_heads (" << c.num_attention_heads
+                 << ") must be a multiple of num_key_value_heads (" << c.num_key_value_heads << ")");
+  c.head_dim = get_opt<int64_t>(j, "head_dim", where).value_or(0);
+  if (c.head_dim == 0) {
+    KV_CHECK(c.hidden_size % c.num_attention_heads == 0,
+             where << ": hidden_size must be a multiple of num_attention_heads when head_dim is absent");
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  KV_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, where << ": head_dim must be a positive even number");
+  KV_CHECK(c.rms_norm_eps > 0, where << ": rms_norm_eps must be positive");
+  parse_rope(j, c, where);
+  const bool sliding = get_opt<bool>(j, "use_sliding_window", where).value_or(!qwen2);
+  if (sliding) c.sliding_window = get_opt<int64_t>(j, "sliding_window", where);
+  c.bos_token_ids = id_list(j, "bos_token_id", where);
+  c.eos_token_ids = id_list(j, "eos_token_id", where);
+  c.torch_dtype = get_opt<std::string>(j, "dtype", where).value_or(get_opt<std::string>(j, "torch_dtype", where).value_or(""));
+  return c;
+}
+
+ModelConfig load_model_config(const std::string& model_dir) {
+  const std::string path = model_dir + "/config.json";
+  std::ifstream f(path, std::ios::binary);
+  if (!f) KV_FAIL(path << ": cannot open (is --model a Hugging Face model directory?)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_model_config(ss.str(), path);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,29 @@
+#pragma once
+// SamplingParams: how one request picks its tokens and when it stops (OpenAI + vLLM fields).
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvserve {
+
+struct SamplingParams {
+  double temperature = 1.0;  // 0 = greedy
+  double top_p = 1.0;
+  int64_t top_k = 0;         // 0 = off
+  double min_p = 0.0;
+  double repetition_penalty = 1.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  std::optional<uint64_t> seed;
+  int64_t max_tokens = 16;
+  int64_t min_tokens = 0;
+  std::vector<std::string> stop;          // stop strings (not included in the output)
+  std::vector<int64_t> stop_token_ids;    // in addition to the model's EOS ids
+  bool ignore_eos = false;
+  bool include_stop_str_in_output = false;
+  int64_t logprobs = -1;                  // -1: none; n >= 0: chosen token's logprob + top-n
+  bool skip_special_tokens = true;
+};
+
+}  // namespace kvserve

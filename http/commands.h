@@ -1,0 +1,11 @@
+#pragma once
+// The kvserve CLI's subcommands; each lives in its own cmd_*.cpp and registers itself on the app.
+#include <CLI/CLI.hpp>
+
+namespace kvserve::cli {
+
+void add_generate_command(CLI::App& app);    // cmd_generate.cpp
+void add_forward_command(CLI::App& app);     // cmd_forward.cpp
+void add_tokenize_commands(CLI::App& app);   // cmd_tokenize.cpp: tokenize, detokenize
+
+}  // namespace kvserve::cli

@@ -1,0 +1,22 @@
+// kvserve: command-line entry point.
+#include <iostream>
+
+#include "commands.h"
+#include "kv_check.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvserve: an LLM serving engine with per-layer KV-cache compression"};
+  app.require_subcommand(1);
+  kvserve::cli::add_generate_command(app);
+  kvserve::cli::add_forward_command(app);
+  kvserve::cli::add_tokenize_commands(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    std::cerr << "kvserve: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
