@@ -1,0 +1,89 @@
+#pragma once
+// Engine: the continuous-batching loop on its own thread; HTTP and the CLI submit requests to it.
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine_types.h"
+
+namespace kvserve {
+
+class LlamaModel;
+class Tokenizer;
+
+// Scheduler and memory limits of one engine.
+struct EngineOptions {
+  int64_t max_num_seqs = 32;              // sequences decoding at once
+  int64_t max_num_batched_tokens = 8192;  // prompt tokens prefilled per step
+  int64_t max_waiting = 256;              // queue bound; submit() beyond it throws EngineOverloaded
+  int64_t max_model_len = 0;              // 0 = the model's max_position_embeddings
+  int64_t kv_cache_bytes = int64_t{1} << 30;
+  int64_t block_size = 16;
+  std::string default_policy = "full";
+  // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
+  std::map<std::string, std::map<std::string, std::string>> policies;
+};
+
+// A snapshot for /metrics and /health.
+struct EngineStats {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  int64_t kv_blocks_total = 0;
+  int64_t kv_blocks_used = 0;
+  int64_t kv_blocks_high_water = 0;
+  int64_t prompt_tokens_total = 0;
+  int64_t generation_tokens_total = 0;
+  int64_t preemptions_total = 0;
+  int64_t steps_total = 0;
+};
+
+// Thrown by submit() when the queue is full (HTTP maps it to 429/503).
+class EngineOverloaded : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Engine {
+ public:
+  Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options);
+  ~Engine();  // shutdown(false)
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues. Throws KvError for a bad request (unknown kv_policy, prompt longer than
+  // max_model_len, empty prompt) and EngineOverloaded when the queue is full. `on_event` runs on the
+  // engine thread and must not block; the last event it gets has finished = true.
+  void submit(GenerationRequest request, EventCallback on_event);
+  // Cancels a queued or running request (its blocks return to the pool within one step); the
+  // request's last event has finish_reason "abort". Unknown ids are ignored.
+  void cancel(const std::string& request_id);
+  // Stops admitting; drain = finish in-flight work first, else abort it; joins the loop thread.
+  void shutdown(bool drain);
+  // Fails every in-flight request with `error` and marks the engine unhealthy (dead rank etc.).
+  bool healthy() const { return healthy_.load(); }
+
+  EngineStats stats() const;
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const LlamaModel& model() const { return *model_; }
+  std::vector<std::string> policy_names() const;
+  bool has_policy(const std::string& name) const;
+
+ private:
+  struct Impl;
+  void loop();
+  std::shared_ptr<LlamaModel> model_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  EngineOptions options_;
+  std::unique_ptr<Impl> impl_;
+  std::atomic<bool> healthy_{true};
+  std::thread thread_;
+};
+
+}  // namespace kvserve
