@@ -1,0 +1,115 @@
+#pragma once
+// ServerConfig: the YAML configuration of `kvserve serve`, parsed into plain structs.
+//
+// Layout of a config file (every section and key optional; unknown keys are errors):
+//   model:     {path, served_model_name, device, dtype, max_model_len}
+//   server:    {host, port, api_key, api_key_env, max_body_bytes, request_timeout_s,
+//               idle_timeout_s, max_concurrent_connections, threads, drain_timeout_s}
+//   cache:     {block_size, kv_cache_bytes}
+//   scheduler: {max_num_seqs, max_num_batched_tokens, max_waiting}
+//   policies:  {<name>: {<param>: <scalar>, ...}, ...}
+//   default_policy: <name>
+// Sections are parsed by a table of section parsers (server_config.cpp), so later sections
+// (e.g. `rollout:`) add one entry there and one struct here.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace kvserve::config {
+
+struct ModelSection {
+  std::string path = "models/tiny-llama";  // Hugging Face model directory
+  std::string served_model_name;           // name in /v1/models; empty = last path component
+  std::string device = "cpu";              // cpu | cuda | cuda:<index>
+  std::string dtype = "float32";           // float32 | bfloat16 | float16 | auto
+  int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
+};
+
+struct ServerSection {
+  std::string host = "127.0.0.1";
+  int port = 8000;  // 0 = any free port (printed on stderr)
+  std::string api_key;                       // empty = no authentication (unless the env var is set)
+  std::string api_key_env = "KVSERVE_API_KEY";  // env var read when api_key is empty
+  int64_t max_body_bytes = int64_t{1} << 20;
+  double request_timeout_s = 600.0;  // a whole request (including a streamed response)
+  double idle_timeout_s = 60.0;      // a keep-alive connection with nothing to read
+  int64_t max_concurrent_connections = 256;
+  int threads = 2;                   // I/O threads
+  double drain_timeout_s = 30.0;     // SIGTERM: how long in-flight requests may still run
+};
+
+struct CacheSection {
+  int64_t block_size = 16;
+  int64_t kv_cache_bytes = int64_t{1} << 30;
+};
+
+struct SchedulerSection {
+  int64_t max_num_seqs = 32;
+  int64_t max_num_batched_tokens = 8192;
+  int64_t max_waiting = 256;
+};
+
+// A named KV policy: its parameters as given in YAML (scalars kept as text); the policies
+// library interprets and validates them.
+struct PolicySpec {
+  std::string name;
+  std::map<std::string, std::string> params;
+  int line = 0;  // 1-based line of its definition (0 = implicit)
+};
+
+struct ServerConfig {
+  std::string source;  // file name (or "<string>") the config came from
+  ModelSection model;
+  ServerSection server;
+  CacheSection cache;
+  SchedulerSection scheduler;
+  std::map<std::string, PolicySpec> policies;  // always holds at least `full`
+  std::string default_policy = "full";
+
+  // The served model name: served_model_name or the model directory's last component.
+  std::string model_name() const;
+};
+
+// One problem found in a config: where and what.
+struct ConfigIssue {
+  std::string file;
+  int line = 0;    // 1-based; 0 = unknown
+  int column = 0;  // 1-based; 0 = unknown
+  std::string key;  // dotted path, e.g. "server.port"
+  std::string message;
+  std::string format() const;  // "file:line:col: key 'server.port': message"
+};
+
+// Thrown by the parsers with every problem found (not just the first).
+class ConfigError : public std::runtime_error {
+ public:
+  explicit ConfigError(std::vector<ConfigIssue> issues);
+  const std::vector<ConfigIssue>& issues() const { return issues_; }
+
+ private:
+  std::vector<ConfigIssue> issues_;
+};
+
+// Parses YAML text; `source` names the file in errors. Throws ConfigError.
+ServerConfig parse_server_config(const std::string& yaml_text, const std::string& source = "<string>");
+// Reads and parses a file. Throws ConfigError (also for an unreadable file).
+ServerConfig load_server_config(const std::string& path);
+// A config with every default (no file).
+ServerConfig default_server_config();
+
+// Resolves the API key: `api_key` if set, else the environment variable `api_key_env`.
+std::string effective_api_key(const ServerSection& server);
+
+// "2GiB", "512MiB", "1.5GB", "4096", "64k" -> bytes; throws std::invalid_argument.
+int64_t parse_byte_size(const std::string& text);
+// Checks a device string (cpu | cuda | cuda:N); throws std::invalid_argument.
+void validate_device(const std::string& device);
+
+// Post-parse checks shared by the YAML path and CLI overrides (ports, sizes, default policy...).
+// Returns problems; empty = valid.
+std::vector<ConfigIssue> validate(const ServerConfig& config);
+
+}  // namespace kvserve::config

@@ -1,0 +1,184 @@
+// ServerConfig YAML parsing: valid files, defaults, sizes, and a table of malformed cases that must
+// each name the line and key.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "server_config.h"
+
+using kvserve::config::ConfigError;
+using kvserve::config::parse_byte_size;
+using kvserve::config::parse_server_config;
+
+TEST(ServerConfig, DefaultsFromEmptyFile) {
+  auto c = parse_server_config("", "empty.yaml");
+  EXPECT_EQ(c.server.host, "127.0.0.1");
+  EXPECT_EQ(c.server.port, 8000);
+  EXPECT_EQ(c.default_policy, "full");
+  ASSERT_EQ(c.policies.count("full"), 1u);
+  EXPECT_EQ(c.model_name(), "tiny-llama");
+}
+
+TEST(ServerConfig, FullFile) {
+  const char* yaml = R"(
+model:
+  path: /models/llama-3-8b/
+  device: cuda:1
+  dtype: bfloat16
+  max_model_len: 8192
+server:
+  host: 0.0.0.0
+  port: 9000
+  api_key: secret
+  max_body_bytes: 2MiB
+  request_timeout_s: 30
+  idle_timeout_s: 5.5
+  max_concurrent_connections: 64
+cache:
+  block_size: 32
+  kv_cache_bytes: 2GiB
+scheduler:
+  max_num_seqs: 8
+  max_num_batched_tokens: 4096
+  max_waiting: 10
+policies:
+  pyramid128:
+    type: pyramidkv
+    budget: 128
+    window: 8
+  knorm:
+    type: knorm
+    skip_layers: [0, 1]
+default_policy: pyramid128
+)";
+  auto c = parse_server_config(yaml, "full.yaml");
+  EXPECT_EQ(c.model.path, "/models/llama-3-8b/");
+  EXPECT_EQ(c.model_name(), "llama-3-8b");
+  EXPECT_EQ(c.model.device, "cuda:1");
+  EXPECT_EQ(c.model.dtype, "bfloat16");
+  EXPECT_EQ(c.model.max_model_len, 8192);
+  EXPECT_EQ(c.server.host, "0.0.0.0");
+  EXPECT_EQ(c.server.port, 9000);
+  EXPECT_EQ(c.server.api_key, "secret");
+  EXPECT_EQ(c.server.max_body_bytes, 2 << 20);
+  EXPECT_DOUBLE_EQ(c.server.idle_timeout_s, 5.5);
+  EXPECT_EQ(c.server.max_concurrent_connections, 64);
+  EXPECT_EQ(c.cache.block_size, 32);
+  EXPECT_EQ(c.cache.kv_cache_bytes, int64_t{2} << 30);
+  EXPECT_EQ(c.scheduler.max_num_seqs, 8);
+  EXPECT_EQ(c.scheduler.max_num_batched_tokens, 4096);
+  EXPECT_EQ(c.scheduler.max_waiting, 10);
+  EXPECT_EQ(c.default_policy, "pyramid128");
+  ASSERT_EQ(c.policies.size(), 3u);  // + implicit full
+  EXPECT_EQ(c.policies.at("pyramid128").params.at("budget"), "128");
+  EXPECT_EQ(c.policies.at("pyramid128").line, 23);
+  EXPECT_EQ(c.policies.at("knorm").params.at("skip_layers"), "0,1");
+  EXPECT_TRUE(c.policies.count("full"));
+}
+
+TEST(ServerConfig, ByteSizes) {
+  EXPECT_EQ(parse_byte_size("4096"), 4096);
+  EXPECT_EQ(parse_byte_size("1KiB"), 1024);
+  EXPECT_EQ(parse_byte_size("1k"), 1024);
+  EXPECT_EQ(parse_byte_size("1.5GB"), 1500000000);
+  EXPECT_EQ(parse_byte_size("2 GiB"), int64_t{2} << 30);
+  EXPECT_EQ(parse_byte_size("512mib"), int64_t{512} << 20);
+  EXPECT_THROW(parse_byte_size("lots"), std::invalid_argument);
+  EXPECT_THROW(parse_byte_size("2XB"), std::invalid_argument);
+  EXPECT_THROW(parse_byte_size("-1"), std::invalid_argument);
+  EXPECT_THROW(parse_byte_size("99999999999TB"), std::invalid_argument);
+}
+
+TEST(ServerConfig, ApiKeyFromEnvironment) {
+  auto c = parse_server_config("server:\n  api_key_env: KVSERVE_TEST_KEY_XYZ\n", "env.yaml");
+  ::setenv("KVSERVE_TEST_KEY_XYZ", "from-env", 1);
+  EXPECT_EQ(kvserve::config::effective_api_key(c.server), "from-env");
+  c.server.api_key = "explicit";
+  EXPECT_EQ(kvserve::config::effective_api_key(c.server), "explicit");
+  ::unsetenv("KVSERVE_TEST_KEY_XYZ");
+}
+
+TEST(ServerConfig, LoadMissingFileNamesIt) {
+  try {
+    kvserve::config::load_server_config("/nonexistent/kv.yaml");
+    FAIL() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/kv.yaml"), std::string::npos);
+  }
+}
+
+TEST(ServerConfig, DefaultYamlIsValid) {
+  auto c = kvserve::config::load_server_config(std::string(KVSERVE_SOURCE_DIR) + "/configs/default.yaml");
+  EXPECT_EQ(c.server.host, "127.0.0.1");
+  EXPECT_EQ(c.server.port, 8000);
+  EXPECT_EQ(c.model.device, "cpu");
+  EXPECT_EQ(c.model.path, "models/tiny-llama");
+}
+
+struct BadCase {
+  const char* name;
+  const char* yaml;
+  int line;             // expected 1-based line of the first issue
+  const char* key;      // expected key of the first issue
+  const char* message;  // a fragment of the message
+};
+
+class MalformedConfig : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(MalformedConfig, NamesFileLineAndKey) {
+  const BadCase& bc = GetParam();
+  try {
+    parse_server_config(bc.yaml, "bad.yaml");
+    FAIL() << bc.name << ": accepted";
+  } catch (const ConfigError& e) {
+    ASSERT_FALSE(e.issues().empty());
+    const auto& first = e.issues().front();
+    EXPECT_EQ(first.file, "bad.yaml") << bc.name;
+    EXPECT_EQ(first.line, bc.line) << bc.name << ": " << e.what();
+    EXPECT_EQ(first.key, bc.key) << bc.name << ": " << e.what();
+    EXPECT_NE(first.message.find(bc.message), std::string::npos) << bc.name << ": " << e.what();
+    std::string what = e.what();
+    EXPECT_NE(what.find("bad.yaml:" + std::to_string(bc.line)), std::string::npos) << what;
+  }
+}
+
+const BadCase kBadCases[] = {
+    {"syntax", "server:\n  port: [1, 2\n", 3, "", "YAML syntax error"},
+    {"top_level_list", "- a\n- b\n", 1, "", "must be a mapping"},
+    {"unknown_top_key", "model:\n  path: x\nservre:\n  port: 1\n", 3, "servre", "valid keys at top level: model, server"},
+    {"unknown_server_key", "server:\n  prot: 80\n", 2, "server.prot", "valid keys in 'server': host, port"},
+    {"port_type", "server:\n  port: eighty\n", 2, "server.port", "expected an integer"},
+    {"port_range", "server:\n  port: 70000\n", 2, "server.port", "between 0 and 65535"},
+    {"port_huge", "server:\n  port: 99999999999999999999999\n", 2, "server.port", "between"},
+    {"port_float", "server:\n  port: 80.5\n", 2, "server.port", "expected an integer"},
+    {"port_list", "server:\n  port: [80]\n", 2, "server.port", "got a list"},
+    {"section_scalar", "server: 8000\n", 1, "server", "expected a mapping"},
+    {"duplicate_key", "server:\n  port: 1\n  port: 2\n", 3, "server.port", "duplicate key"},
+    {"bad_device", "model:\n  device: tpu\n", 2, "model.device", "cpu, cuda or cuda:<index>"},
+    {"bad_dtype", "model:\n  dtype: int4\n", 2, "model.dtype", "float32"},
+    {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
+    {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
+    {"neg_timeout", "server:\n  idle_timeout_s: -1\n", 2, "server.idle_timeout_s", "between"},
+    {"nan_timeout", "server:\n  request_timeout_s: .nan\n", 2, "server.request_timeout_s", "expected a number"},
+    {"policy_not_map", "policies:\n  p1: 5\n", 2, "policies.p1", "expected a mapping of parameters"},
+    {"policy_nested", "policies:\n  p1:\n    budget:\n      a: 1\n", 4, "policies.p1.budget", "scalar or a list"},
+    {"policy_bad_name", "policies:\n  \"bad name\": {type: full}\n", 2, "policies.bad name", "policy names"},
+    {"policy_dup", "policies:\n  a: {type: full}\n  a: {type: full}\n", 3, "policies.a", "duplicate policy"},
+    {"unknown_default_policy", "policies:\n  a: {type: full}\ndefault_policy: pyramid\n", 3, "default_policy",
+     "not a defined policy"},
+    {"scheduler_key", "scheduler:\n  max_num_seqs: 4\n  max_seqs: 3\n", 3, "scheduler.max_seqs", "max_num_seqs"},
+    {"host_null", "server:\n  host:\n", 2, "server.host", "expected a string"},
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kBadCases),
+                         [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
+
+TEST(ServerConfig, ReportsEveryProblem) {
+  try {
+    parse_server_config("server:\n  port: x\n  host: [1]\nmodel:\n  colour: red\n", "multi.yaml");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.issues().size(), 3u) << e.what();
+  }
+}
