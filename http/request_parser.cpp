@@ -1,0 +1,359 @@
+// OpenAI request bodies -> ParsedRequest, with a 400 naming the field for anything wrong.
+#include "request_parser.h"
+
+#include <cmath>
+#include <limits>
+#include <set>
+#include <sstream>
+
+namespace kvserve::http {
+
+using nlohmann::json;
+
+namespace {
+
+std::string type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "a boolean";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned: return "an integer";
+    case json::value_t::number_float: return "a number";
+    case json::value_t::string: return "a string";
+    case json::value_t::array: return "an array";
+    case json::value_t::object: return "an object";
+    default: return "an unsupported value";
+  }
+}
+
+[[noreturn]] void bad(const std::string& param, const std::string& message) {
+  throw ApiError(400, message, param);
+}
+
+[[noreturn]] void wrong_type(const std::string& param, const char* expected, const json& got) {
+  bad(param, "'" + param + "' must be " + expected + ", got " + type_name(got));
+}
+
+std::string num_str(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+// Field readers: `present` = the key exists and is not null.
+const json* field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+bool get_bool(const json& obj, const char* key, bool fallback) {
+  const json* v = field(obj, key);
+  if (!v) return fallback;
+  if (!v->is_boolean()) wrong_type(key, "a boolean", *v);
+  return v->get<bool>();
+}
+
+int64_t as_int(const json& v, const std::string& name, int64_t lo, int64_t hi) {
+  if (v.is_number_float()) {
+    double d = v.get<double>();
+    if (std::isfinite(d) && std::floor(d) == d && std::fabs(d) < 9e15) {
+      // 3.0 is accepted as 3 (JSON does not distinguish); huge floats fall through to the range error.
+      int64_t i = static_cast<int64_t>(d);
+      if (i < lo || i > hi) bad(name, "'" + name + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + num_str(d));
+      return i;
+    }
+    if (std::isfinite(d) && std::floor(d) == d)
+      bad(name, "'" + name + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + num_str(d));
+    wrong_type(name, "an integer", v);
+  }
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi) || static_cast<int64_t>(u) < lo) bad(name, "'" + name + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + std::to_string(u));
+    return static_cast<int64_t>(u);
+  }
+  if (!v.is_number_integer()) wrong_type(name, "an integer", v);
+  int64_t i = v.get<int64_t>();
+  if (i < lo || i > hi) bad(name, "'" + name + "' must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + std::to_string(i));
+  return i;
+}
+
+std::optional<int64_t> get_int(const json& obj, const char* key, int64_t lo, int64_t hi) {
+  const json* v = field(obj, key);
+  if (!v) return std::nullopt;
+  return as_int(*v, key, lo, hi);
+}
+
+std::optional<double> get_number(const json& obj, const char* key, double lo, double hi, bool lo_open = false) {
+  const json* v = field(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) wrong_type(key, "a number", *v);
+  double d = v->get<double>();
+  if (!std::isfinite(d) || d < lo || d > hi || (lo_open && d == lo)) {
+    bad(key, "'" + std::string(key) + "' must be " + (lo_open ? "> " : ">= ") + num_str(lo) + " and <= " + num_str(hi) + ", got " + num_str(d));
+  }
+  return d;
+}
+
+std::optional<std::string> get_string(const json& obj, const char* key) {
+  const json* v = field(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) wrong_type(key, "a string", *v);
+  return v->get<std::string>();
+}
+
+void reject_if_set(const json& obj, const char* key, const std::string& why) {
+  const json* v = field(obj, key);
+  if (!v) return;
+  if ((v->is_array() || v->is_object()) && v->empty()) return;
+  bad(key, "'" + std::string(key) + "' is not supported" + (why.empty() ? "" : ": " + why));
+}
+
+// Fields common to both endpoints.
+void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits) {
+  if (auto m = get_string(body, "model")) r.model = *m;
+  r.stream = get_bool(body, "stream", false);
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) wrong_type("stream_options", "an object", *so);
+    if (!r.stream) bad("stream_options", "'stream_options' is only allowed when 'stream' is true");
+    if (auto it = so->find("include_usage"); it != so->end() && !it->is_null()) {
+      if (!it->is_boolean()) wrong_type("stream_options.include_usage", "a boolean", *it);
+      r.include_usage = it->get<bool>();
+    }
+  }
+  auto& s = r.sampling;
+  if (auto n = get_int(body, "n", 1, limits.max_n)) r.n = *n;
+  if (const json* best_of = field(body, "best_of")) {
+    int64_t b = as_int(*best_of, "best_of", 1, limits.max_n);
+    if (b != r.n) bad("best_of", "'best_of' different from 'n' is not supported");
+  }
+  if (auto v = get_number(body, "temperature", 0.0, 2.0)) s.temperature = *v;
+  if (auto v = get_number(body, "top_p", 0.0, 1.0, /*lo_open=*/true)) s.top_p = *v;
+  if (auto v = get_int(body, "top_k", -1, int64_t{1} << 31)) s.top_k = *v < 0 ? 0 : *v;
+  if (auto v = get_number(body, "min_p", 0.0, 1.0)) s.min_p = *v;
+  if (auto v = get_number(body, "presence_penalty", -2.0, 2.0)) s.presence_penalty = *v;
+  if (auto v = get_number(body, "frequency_penalty", -2.0, 2.0)) s.frequency_penalty = *v;
+  if (auto v = get_number(body, "repetition_penalty", 0.0, 10.0, /*lo_open=*/true)) s.repetition_penalty = *v;
+  if (auto v = get_int(body, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
+    s.seed = static_cast<uint64_t>(*v);
+
+  // max_completion_tokens (chat, newer) wins over max_tokens.
+  std::optional<int64_t> max_tokens = get_int(body, "max_tokens", 1, limits.max_tokens);
+  if (auto mct = get_int(body, "max_completion_tokens", 1, limits.max_tokens)) max_tokens = mct;
+  if (max_tokens) s.max_tokens = *max_tokens;
+  r.max_tokens = max_tokens;
+  if (auto v = get_int(body, "min_tokens", 0, limits.max_tokens)) {
+    s.min_tokens = *v;
+    if (max_tokens && *v > *max_tokens) bad("min_tokens", "'min_tokens' must not exceed 'max_tokens'");
+  }
+
+  if (const json* stop = field(body, "stop")) {
+    if (stop->is_string()) {
+      if (stop->get<std::string>().empty()) bad("stop", "'stop' must not be an empty string");
+      s.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (static_cast<int64_t>(stop->size()) > limits.max_stop)
+        bad("stop", "'stop' has at most " + std::to_string(limits.max_stop) + " entries");
+      for (size_t i = 0; i < stop->size(); ++i) {
+        const json& e = (*stop)[i];
+        std::string name = "stop[" + std::to_string(i) + "]";
+        if (!e.is_string()) wrong_type(name, "a string", e);
+        if (e.get<std::string>().empty()) bad(name, "'" + name + "' must not be an empty string");
+        s.stop.push_back(e.get<std::string>());
+      }
+    } else {
+      wrong_type("stop", "a string or an array of strings", *stop);
+    }
+  }
+  if (const json* ids = field(body, "stop_token_ids")) {
+    if (!ids->is_array()) wrong_type("stop_token_ids", "an array of integers", *ids);
+    for (size_t i = 0; i < ids->size(); ++i)
+      s.stop_token_ids.push_back(as_int((*ids)[i], "stop_token_ids[" + std::to_string(i) + "]", 0, int64_t{1} << 31));
+  }
+  s.ignore_eos = get_bool(body, "ignore_eos", false);
+  s.include_stop_str_in_output = get_bool(body, "include_stop_str_in_output", false);
+  s.skip_special_tokens = get_bool(body, "skip_special_tokens", true);
+  if (auto u = get_string(body, "user")) r.user = *u;
+  if (auto p = get_string(body, "kv_policy")) {
+    if (p->empty()) bad("kv_policy", "'kv_policy' must not be empty");
+    r.kv_policy = *p;
+  }
+  reject_if_set(body, "logit_bias", "");
+  reject_if_set(body, "prompt_logprobs", "");
+  reject_if_set(body, "guided_json", "");
+  reject_if_set(body, "guided_regex", "");
+}
+
+std::vector<int64_t> token_list(const json& arr, const std::string& name) {
+  std::vector<int64_t> out;
+  out.reserve(arr.size());
+  for (size_t i = 0; i < arr.size(); ++i)
+    out.push_back(as_int(arr[i], name + "[" + std::to_string(i) + "]", 0, int64_t{1} << 31));
+  return out;
+}
+
+void parse_prompt(const json& body, ParsedRequest& r, const ParserLimits& limits) {
+  const json* p = field(body, "prompt");
+  if (!p) bad("prompt", "'prompt' is required");
+  if (p->is_string()) {
+    r.prompts.push_back({p->get<std::string>(), {}, false});
+  } else if (p->is_array()) {
+    if (p->empty()) bad("prompt", "'prompt' must not be empty");
+    if ((*p)[0].is_number()) {
+      PromptInput in;
+      in.is_tokens = true;
+      in.token_ids = token_list(*p, "prompt");
+      r.prompts.push_back(std::move(in));
+    } else {
+      if (static_cast<int64_t>(p->size()) > limits.max_prompts)
+        bad("prompt", "'prompt' has at most " + std::to_string(limits.max_prompts) + " entries");
+      for (size_t i = 0; i < p->size(); ++i) {
+        const json& e = (*p)[i];
+        std::string name = "prompt[" + std::to_string(i) + "]";
+        if (e.is_string()) {
+          r.prompts.push_back({e.get<std::string>(), {}, false});
+        } else if (e.is_array()) {
+          if (e.empty()) bad(name, "'" + name + "' must not be empty");
+          PromptInput in;
+          in.is_tokens = true;
+          in.token_ids = token_list(e, name);
+          r.prompts.push_back(std::move(in));
+        } else {
+          wrong_type(name, "a string or an array of token ids", e);
+        }
+      }
+    }
+  } else {
+    wrong_type("prompt", "a string, an array of strings or an array of token ids", *p);
+  }
+  if (static_cast<int64_t>(r.prompts.size() * r.n) > limits.max_prompts)
+    bad("n", "'n' times the number of prompts must be at most " + std::to_string(limits.max_prompts));
+}
+
+const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool"};
+
+void parse_messages(const json& body, ParsedRequest& r) {
+  const json* m = field(body, "messages");
+  if (!m) bad("messages", "'messages' is required");
+  if (!m->is_array()) wrong_type("messages", "an array", *m);
+  if (m->empty()) bad("messages", "'messages' must not be empty");
+  r.messages = json::array();
+  for (size_t i = 0; i < m->size(); ++i) {
+    const json& msg = (*m)[i];
+    const std::string name = "messages[" + std::to_string(i) + "]";
+    if (!msg.is_object()) wrong_type(name, "an object", msg);
+    json out = msg;
+    auto role = msg.find("role");
+    if (role == msg.end() || role->is_null()) bad(name + ".role", "'" + name + ".role' is required");
+    if (!role->is_string()) wrong_type(name + ".role", "a string", *role);
+    if (!kRoles.count(role->get<std::string>()))
+      bad(name + ".role", "'" + name + ".role' must be one of system, developer, user, assistant, tool; got '" +
+                              role->get<std::string>() + "'");
+    auto content = msg.find("content");
+    if (content == msg.end() || content->is_null()) {
+      if (role->get<std::string>() != "assistant") bad(name + ".content", "'" + name + ".content' is required");
+      out["content"] = "";
+    } else if (content->is_array()) {
+      // Content parts: text parts are joined (as vLLM does); anything else is not supported.
+      std::string text;
+      for (size_t j = 0; j < content->size(); ++j) {
+        const json& part = (*content)[j];
+        const std::string pname = name + ".content[" + std::to_string(j) + "]";
+        if (!part.is_object()) wrong_type(pname, "an object", part);
+        auto type = part.find("type");
+        if (type == part.end() || !type->is_string()) bad(pname + ".type", "'" + pname + ".type' is required");
+        if (type->get<std::string>() != "text")
+          bad(pname + ".type", "content part type '" + type->get<std::string>() + "' is not supported (text only)");
+        auto t = part.find("text");
+        if (t == part.end() || !t->is_string()) bad(pname + ".text", "'" + pname + ".text' must be a string");
+        if (!text.empty()) text += "\n";
+        text += t->get<std::string>();
+      }
+      out["content"] = text;
+    } else if (!content->is_string()) {
+      wrong_type(name + ".content", "a string or an array of content parts", *content);
+    }
+    if (auto n = msg.find("name"); n != msg.end() && !n->is_null() && !n->is_string())
+      wrong_type(name + ".name", "a string", *n);
+    r.messages.push_back(std::move(out));
+  }
+}
+
+}  // namespace
+
+json parse_json_body(std::string_view body) {
+  if (body.empty()) throw ApiError(400, "the request body is empty; expected a JSON object");
+  std::string last_key;
+  json j;
+  try {
+    j = json::parse(body.begin(), body.end(), [&](int /*depth*/, json::parse_event_t event, json& parsed) {
+      if (event == json::parse_event_t::key) last_key = parsed.get<std::string>();
+      return true;
+    });
+  } catch (const json::exception& e) {
+    std::string msg = e.what();
+    // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
+    if (auto pos = msg.find("] "); pos != std::string::npos && msg.rfind("[json.exception", 0) == 0) msg = msg.substr(pos + 2);
+    if (!last_key.empty())
+      throw ApiError(400, "invalid JSON in the request body (after field '" + last_key + "'): " + msg, last_key);
+    throw ApiError(400, "invalid JSON in the request body: " + msg);
+  }
+  if (!j.is_object()) throw ApiError(400, "the request body must be a JSON object, got " + type_name(j));
+  return j;
+}
+
+ParsedRequest parse_completion_json(const json& body, const ParserLimits& limits) {
+  ParsedRequest r;
+  r.endpoint = Endpoint::kCompletions;
+  parse_common(body, r, limits);
+  parse_prompt(body, r, limits);
+  r.echo = get_bool(body, "echo", false);
+  if (auto lp = get_int(body, "logprobs", 0, limits.max_logprobs)) {
+    r.want_logprobs = true;
+    r.top_logprobs = *lp;
+  }
+  reject_if_set(body, "suffix", "");
+  r.sampling.logprobs = r.want_logprobs ? r.top_logprobs : -1;
+  return r;
+}
+
+ParsedRequest parse_chat_json(const json& body, const ParserLimits& limits) {
+  ParsedRequest r;
+  r.endpoint = Endpoint::kChatCompletions;
+  parse_common(body, r, limits);
+  parse_messages(body, r);
+  r.want_logprobs = get_bool(body, "logprobs", false);
+  if (auto t = get_int(body, "top_logprobs", 0, limits.max_logprobs)) {
+    if (!r.want_logprobs) bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true");
+    r.top_logprobs = *t;
+  }
+  r.sampling.logprobs = r.want_logprobs ? r.top_logprobs : -1;
+  r.add_generation_prompt = get_bool(body, "add_generation_prompt", true);
+  r.continue_final_message = get_bool(body, "continue_final_message", false);
+  if (r.continue_final_message && r.add_generation_prompt && field(body, "add_generation_prompt"))
+    bad("continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true");
+  if (r.continue_final_message) r.add_generation_prompt = false;
+  if (const json* kw = field(body, "chat_template_kwargs")) {
+    if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", *kw);
+    r.chat_template_kwargs = *kw;
+  }
+  reject_if_set(body, "tools", "tool calling");
+  reject_if_set(body, "functions", "function calling");
+  if (const json* rf = field(body, "response_format")) {
+    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
+    auto t = rf->find("type");
+    if (t == rf->end() || !t->is_string() || t->get<std::string>() != "text")
+      bad("response_format", "only response_format {\"type\": \"text\"} is supported");
+  }
+  return r;
+}
+
+ParsedRequest parse_completion_request(std::string_view body, const ParserLimits& limits) {
+  return parse_completion_json(parse_json_body(body), limits);
+}
+
+ParsedRequest parse_chat_request(std::string_view body, const ParserLimits& limits) {
+  return parse_chat_json(parse_json_body(body), limits);
+}
+
+}  // namespace kvserve::http

@@ -1,0 +1,69 @@
+#pragma once
+// Parsing and validation of OpenAI request bodies, apart from the transport. Every problem is an
+// ApiError(400) whose `param` names the offending field.
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "api_error.h"
+#include "sampling_params.h"
+
+namespace kvserve::http {
+
+// One prompt of /v1/completions: text, or token ids given directly.
+struct PromptInput {
+  std::string text;
+  std::vector<int64_t> token_ids;
+  bool is_tokens = false;
+};
+
+enum class Endpoint { kCompletions, kChatCompletions };
+
+struct ParsedRequest {
+  Endpoint endpoint = Endpoint::kCompletions;
+  std::string model;  // empty = not given
+  // /v1/completions
+  std::vector<PromptInput> prompts;
+  bool echo = false;
+  // /v1/chat/completions: messages as given (validated shape), for the chat template.
+  nlohmann::json messages = nlohmann::json::array();
+  bool add_generation_prompt = true;
+  bool continue_final_message = false;
+  nlohmann::json chat_template_kwargs = nlohmann::json::object();
+  // both
+  SamplingParams sampling;
+  std::optional<int64_t> max_tokens;  // as given (sampling.max_tokens keeps its default otherwise)
+  int64_t n = 1;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  // Logprobs: chat uses logprobs (bool) + top_logprobs; completions use logprobs (int).
+  bool want_logprobs = false;
+  int64_t top_logprobs = 0;
+  std::string user;
+  std::string kv_policy;  // empty = not given
+};
+
+// Limits the parser enforces (beyond types).
+struct ParserLimits {
+  int64_t max_n = 16;
+  int64_t max_tokens = 1 << 20;
+  int64_t max_stop = 16;
+  int64_t max_logprobs = 20;
+  int64_t max_prompts = 64;
+};
+
+// Parses JSON text, reporting syntax errors, invalid UTF-8 and number overflow as ApiError(400)
+// (naming the last field seen when there is one). A body must be a JSON object.
+nlohmann::json parse_json_body(std::string_view body);
+
+ParsedRequest parse_completion_request(std::string_view body, const ParserLimits& limits = {});
+ParsedRequest parse_chat_request(std::string_view body, const ParserLimits& limits = {});
+// Same, from an already parsed object.
+ParsedRequest parse_completion_json(const nlohmann::json& body, const ParserLimits& limits = {});
+ParsedRequest parse_chat_json(const nlohmann::json& body, const ParserLimits& limits = {});
+
+}  // namespace kvserve::http
