@@ -1,0 +1,177 @@
+// Prometheus text exposition of the server's metrics.
+#include "metrics.h"
+
+#include <cmath>
+#include <cstdio>
+
+namespace kvserve::http {
+
+namespace {
+
+std::string fmt(double v) {
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  if (std::isnan(v)) return "NaN";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  // Shorter form when it round-trips.
+  char short_buf[64];
+  std::snprintf(short_buf, sizeof short_buf, "%g", v);
+  return std::strtod(short_buf, nullptr) == v ? short_buf : buf;
+}
+
+const std::vector<double> kTtftBuckets = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                                          0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0};
+const std::vector<double> kItlBuckets = {0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                                         0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0};
+const std::vector<double> kE2eBuckets = {0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                                         20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0};
+
+void header(std::string& out, const std::string& name, const char* type, const char* help) {
+  out += "# HELP " + name + " " + help + "\n";
+  out += "# TYPE " + name + " " + type + "\n";
+}
+
+}  // namespace
+
+std::string prometheus_escape(const std::string& value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\') out += "\\\\";
+    else if (c == '"') out += "\\\"";
+    else if (c == '\n') out += "\\n";
+    else out += c;
+  }
+  return out;
+}
+
+Histogram::Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::observe(double value) {
+  if (!std::isfinite(value)) return;
+  size_t i = 0;
+  while (i < bounds_.size() && value > bounds_[i]) ++i;
+  ++counts_[i];
+  sum_ += value;
+  ++count_;
+}
+
+void Histogram::render(std::string& out, const std::string& name, const std::string& labels) const {
+  uint64_t cumulative = 0;
+  for (size_t i = 0; i <= bounds_.size(); ++i) {
+    cumulative += counts_[i];
+    std::string le = i < bounds_.size() ? fmt(bounds_[i]) : "+Inf";
+    out += name + "_bucket{" + labels + ",le=\"" + le + "\"} " + std::to_string(cumulative) + "\n";
+  }
+  out += name + "_sum{" + labels + "} " + fmt(sum_) + "\n";
+  out += name + "_count{" + labels + "} " + std::to_string(count_) + "\n";
+}
+
+ServerMetrics::ServerMetrics(std::string model_name)
+    : model_name_(std::move(model_name)), ttft_(kTtftBuckets), itl_(kItlBuckets), e2e_(kE2eBuckets), queue_(kE2eBuckets) {
+  for (const char* reason : {"stop", "length", "abort", "error"}) finished_[reason] = 0;
+}
+
+void ServerMetrics::set_model_name(std::string name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_name_ = std::move(name);
+}
+
+void ServerMetrics::observe_ttft(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ttft_.observe(s);
+}
+void ServerMetrics::observe_inter_token(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  itl_.observe(s);
+}
+void ServerMetrics::observe_e2e(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  e2e_.observe(s);
+}
+void ServerMetrics::observe_queue(double s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_.observe(s);
+}
+
+void ServerMetrics::request_finished(const std::string& reason, const std::string& policy, int64_t kept, int64_t full) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++finished_[reason.empty() ? "unknown" : reason];
+  if (!policy.empty()) {
+    auto& p = policies_[policy];
+    ++p.requests;
+    p.kept += static_cast<uint64_t>(std::max<int64_t>(kept, 0));
+    p.full += static_cast<uint64_t>(std::max<int64_t>(full, 0));
+  }
+}
+
+void ServerMetrics::http_response(int status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++http_status_[status];
+}
+
+std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::string model = "model_name=\"" + prometheus_escape(model_name_) + "\"";
+  std::string out;
+  auto gauge = [&](const char* name, const char* help, double v) {
+    header(out, name, "gauge", help);
+    out += std::string(name) + "{" + model + "} " + fmt(v) + "\n";
+  };
+  auto counter = [&](const char* name, const char* help, double v) {
+    header(out, name, "counter", help);
+    out += std::string(name) + "{" + model + "} " + fmt(v) + "\n";
+  };
+  EngineStats s = stats.value_or(EngineStats{});
+  gauge("kvserve:num_requests_running", "Requests in the running batch.", static_cast<double>(s.running));
+  gauge("kvserve:num_requests_waiting", "Requests waiting to be scheduled.", static_cast<double>(s.waiting));
+  gauge("kvserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+        s.kv_blocks_total > 0 ? static_cast<double>(s.kv_blocks_used) / static_cast<double>(s.kv_blocks_total) : 0.0);
+  gauge("kvserve:kv_cache_blocks_used", "KV-cache blocks in use.", static_cast<double>(s.kv_blocks_used));
+  gauge("kvserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", static_cast<double>(s.kv_blocks_total));
+  gauge("kvserve:kv_cache_blocks_high_water", "Most KV-cache blocks ever in use at once.",
+        static_cast<double>(s.kv_blocks_high_water));
+  counter("kvserve:prompt_tokens_total", "Prefilled prompt tokens.", static_cast<double>(s.prompt_tokens_total));
+  counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
+  counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));
+  counter("kvserve:engine_steps_total", "Engine scheduler steps.", static_cast<double>(s.steps_total));
+
+  header(out, "kvserve:request_success_total", "counter", "Finished requests by finish reason.");
+  for (const auto& [reason, n] : finished_)
+    out += "kvserve:request_success_total{" + model + ",finished_reason=\"" + prometheus_escape(reason) + "\"} " +
+           std::to_string(n) + "\n";
+
+  header(out, "kvserve:time_to_first_token_seconds", "histogram", "Time to first token.");
+  ttft_.render(out, "kvserve:time_to_first_token_seconds", model);
+  header(out, "kvserve:inter_token_latency_seconds", "histogram", "Time between generated tokens.");
+  itl_.render(out, "kvserve:inter_token_latency_seconds", model);
+  header(out, "kvserve:e2e_request_latency_seconds", "histogram", "End-to-end request latency.");
+  e2e_.render(out, "kvserve:e2e_request_latency_seconds", model);
+  header(out, "kvserve:request_queue_time_seconds", "histogram",
+         "Time from arrival until the first engine event (queue + prefill).");
+  queue_.render(out, "kvserve:request_queue_time_seconds", model);
+
+  header(out, "kvserve:kv_requests_total", "counter", "Finished requests per KV policy.");
+  for (const auto& [policy, t] : policies_)
+    out += "kvserve:kv_requests_total{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +
+           std::to_string(t.requests) + "\n";
+  header(out, "kvserve:kv_kept_tokens_total", "counter", "KV tokens kept after prefill, all layers, per policy.");
+  for (const auto& [policy, t] : policies_)
+    out += "kvserve:kv_kept_tokens_total{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +
+           std::to_string(t.kept) + "\n";
+  header(out, "kvserve:kv_full_tokens_total", "counter", "KV tokens full attention would have kept, per policy.");
+  for (const auto& [policy, t] : policies_)
+    out += "kvserve:kv_full_tokens_total{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +
+           std::to_string(t.full) + "\n";
+  header(out, "kvserve:kv_compression_ratio", "gauge", "Kept / full KV tokens so far, per policy.");
+  for (const auto& [policy, t] : policies_)
+    out += "kvserve:kv_compression_ratio{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +
+           fmt(t.full > 0 ? static_cast<double>(t.kept) / static_cast<double>(t.full) : 1.0) + "\n";
+
+  header(out, "kvserve:http_responses_total", "counter", "HTTP responses by status code.");
+  for (const auto& [status, n] : http_status_)
+    out += "kvserve:http_responses_total{" + model + ",status=\"" + std::to_string(status) + "\"} " +
+           std::to_string(n) + "\n";
+  return out;
+}
+
+}  // namespace kvserve::http

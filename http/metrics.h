@@ -1,0 +1,68 @@
+#pragma once
+// ServerMetrics: counters and histograms for GET /metrics (Prometheus text format, vLLM-style names
+// under the `kvserve:` prefix, every series labelled with model_name). Thread-safe.
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace kvserve::http {
+
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void observe(double value);
+  // Appends `name_bucket{...,le=..}`, `name_sum`, `name_count` lines; `labels` is `k="v",...`.
+  void render(std::string& out, const std::string& name, const std::string& labels) const;
+  uint64_t count() const { return count_; }
+
+ private:
+  std::vector<double> bounds_;
+  std::vector<uint64_t> counts_;  // per bucket (not cumulative); last = +Inf
+  double sum_ = 0.0;
+  uint64_t count_ = 0;
+};
+
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(std::string model_name);
+
+  void observe_ttft(double seconds);
+  void observe_inter_token(double seconds);
+  void observe_e2e(double seconds);
+  void observe_queue(double seconds);
+  // A finished engine request (one choice): its finish reason and policy's KV accounting.
+  void request_finished(const std::string& finish_reason, const std::string& policy, int64_t kept_kv_tokens,
+                        int64_t full_kv_tokens);
+  void http_response(int status);
+  // Counts tokens the HTTP layer saw (used when the engine's stats are not available).
+  void set_model_name(std::string name);
+
+  // Prometheus text; `stats` is null while the model loads.
+  std::string render(const std::optional<EngineStats>& stats) const;
+
+ private:
+  mutable std::mutex mu_;
+  std::string model_name_;
+  Histogram ttft_;
+  Histogram itl_;
+  Histogram e2e_;
+  Histogram queue_;
+  std::map<std::string, uint64_t> finished_;  // finish_reason -> count
+  struct PolicyTotals {
+    uint64_t requests = 0;
+    uint64_t kept = 0;
+    uint64_t full = 0;
+  };
+  std::map<std::string, PolicyTotals> policies_;
+  std::map<int, uint64_t> http_status_;
+};
+
+// Escapes a Prometheus label value (backslash, quote, newline).
+std::string prometheus_escape(const std::string& value);
+
+}  // namespace kvserve::http
