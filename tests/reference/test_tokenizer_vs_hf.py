@@ -1,0 +1,286 @@
+"""kvserve's tokenizer against Hugging Face `tokenizers`, token for token, on the fixture tokenizers.
+
+Runs `$KVSERVE_BIN tokenize/detokenize` on >= 5,000 generated lines per tokenizer (English, CJK,
+Arabic, emoji with ZWJ and skin tones, code, whitespace runs, control characters, digit runs,
+special-token look-alikes) and compares with `tokenizers.Tokenizer.from_file(...)`.
+Fixtures come from $KVSERVE_FIXTURES/tokenizers, or are trained into a temporary folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import unicodedata
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+NAMES = ["bytelevel", "metaspace", "metaspace_pt", "qwen2"]
+N_LINES = 5200
+
+# --------------------------------------------------------------------------------------------
+# Deterministic test text.
+
+_EN = ("The quick brown fox jumps over the lazy dog. It's what we'd've done; they'RE here, I'M sure, "
+       "you'll SEE. Don't stop — \"quoted\" (parens) [brackets] {braces} <angle> e.g. i.e. U.S.A. "
+       "naïve café résumé Ångström ﬁnance").split(" ")
+_CJK = ["数据模型", "注意力机制", "东京都", "日本語のテキスト", "こんにちは世界", "カタカナ", "한국어 텍스트",
+        "안녕하세요", "漢字かな交じり文", "中文，标点。", "「括弧」", "ｆｕｌｌｗｉｄｔｈ", "〇一二三"]
+_ARABIC = ["مرحبا بالعالم", "اللغة العربية", "السَّلَامُ عَلَيْكُمْ", "١٢٣٤٥", "كتاب‎", "שלום עולם",
+           "नमस्ते दुनिया", "สวัสดีครับ", "Привет, мир!", "Γειά σου κόσμε", "Straße", "ǅemal"]
+_EMOJI = ["😀", "👍🏽", "👍🏿", "👨‍👩‍👧‍👦", "🏳️‍🌈", "❤️", "🤖", "🇯🇵", "🇩🇪", "✨", "1️⃣", "👩🏻‍💻",
+          "🧑‍🤝‍🧑", "👁️‍🗨️", "🫠", "☕", "✊🏾", "🏴‍☠️"]
+_CODE = ["def f(x):", "    return x + 1", "for (int i = 0; i < n; ++i) { s += a[i]; }",
+         "if x != None and y >= 3: print(f'{x!r}')", "#include <vector>", "SELECT * FROM t WHERE id = 42;",
+         "let v: Vec<u8> = vec![0x1f, 0xff];", "\tindent\t\t  mixed", "a->b ?? c ?: d", "x<<=2; y>>>=1;",
+         "/* comment */ // line", "$HOME/.config/~user", "https://example.com/a?b=c&d=e#f", "{\"k\": [1, 2.5e-3]}"]
+_SPECIAL = ["<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", "<s>", "</s>", "<unk>", "<|im_start|>",
+            "<|im_end|>", "<|endoftext|>", "<tool_call>", "<0x41>", "<0xZZ>", "<|eot", "<s", "< s>", "<|start_header_id|>"]
+_CONTROL = ["\x00", "\x01", "\x07", "\x08", "\x0b", "\x0c", "\r", "\x1b", "\x1c", "\x1f", "\x7f", "\x85",
+            "\u200b", "\u200c", "\u200d", "\u200e", "\ufeff", "\u2028", "\u2029", "\u00ad", "\ufffd", "\ue000"]
+_SPACES = [" ", "\t", "\u00a0", "\u3000", "\u2003", "\u1680", "\u202f"]
+# Combining sequences that NFC changes (the qwen2 fixture normalizes with NFC).
+_COMBINING = ["e\u0301", "A\u030a", "o\u0308\u0304", "\u1100\u1161\u11a8", "\u0915\u093c", "Å", "Ω",
+              "\u0644\u0653", "q\u0307\u0323", "\u1e0b\u0323", "\u00c5\u0301", "\u3099ka\u3099", "ｶﾞ"]
+
+
+def _random_char(rng: random.Random) -> str:
+    ranges = [(0x20, 0x7E), (0xA0, 0x24F), (0x370, 0x52F), (0x590, 0x6FF), (0x900, 0xDFF), (0x1100, 0x11FF),
+              (0x1E00, 0x1FFF), (0x2000, 0x2BFF), (0x3000, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3),
+              (0xF900, 0xFFFD), (0x1F300, 0x1FAFF), (0x20000, 0x2A6DF), (0x10000, 0x1034F)]
+    while True:
+        lo, hi = rng.choice(ranges)
+        c = chr(rng.randint(lo, hi))
+        if c != "\n" and unicodedata.category(c) not in ("Cn", "Cs"):
+            return c
+
+
+def _segment(rng: random.Random) -> str:
+    k = rng.random()
+    if k < 0.25:
+        words = [rng.choice(_EN) for _ in range(rng.randint(1, 12))]
+        if rng.random() < 0.2:
+            words = [w.upper() for w in words]
+        return " ".join(words)
+    if k < 0.35:
+        return rng.choice(" ").join(rng.choice(_CJK) for _ in range(rng.randint(1, 4)))
+    if k < 0.43:
+        return " ".join(rng.choice(_ARABIC) for _ in range(rng.randint(1, 3)))
+    if k < 0.51:
+        return rng.choice(["", " "]).join(rng.choice(_EMOJI) for _ in range(rng.randint(1, 6)))
+    if k < 0.59:
+        return rng.choice(_CODE)
+    if k < 0.66:
+        return "".join(rng.choice(_SPACES) for _ in range(rng.randint(1, 40 if rng.random() < 0.3 else 4)))
+    if k < 0.72:
+        return "".join(rng.choice(_CONTROL) for _ in range(rng.randint(1, 4)))
+    if k < 0.79:
+        n = rng.randint(1, 40)
+        return "".join(rng.choice("0123456789") for _ in range(n)) + rng.choice(["", ".5", ",000", "%", "٣"])
+    if k < 0.86:
+        return rng.choice(_SPECIAL)
+    if k < 0.91:
+        return rng.choice(_COMBINING)
+    return "".join(_random_char(rng) for _ in range(rng.randint(1, 12)))
+
+
+def make_lines(seed: int = 1234, n: int = N_LINES) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        parts = [_segment(rng) for _ in range(rng.randint(1, 6))]
+        line = "".join(p + rng.choice(["", " ", " ", "  ", "\t", ""]) for p in parts)
+        if i % 97 == 0:
+            line = ""
+        elif i % 89 == 0:
+            line = " " * rng.randint(1, 300)
+        elif i % 83 == 0:
+            line = line * rng.randint(20, 60)  # long lines: long words and long whitespace runs
+        lines.append(line.replace("\n", " "))
+    return lines
+
+
+def make_multiline_texts(seed: int = 99, n: int = 400) -> list[str]:
+    rng = random.Random(seed)
+    seps = ["\n", "\n\n", "\r\n", " \n", "\n  ", "\t\n", "\n\n\n    ", "\n<|eot_id|>\n", "\n</s>"]
+    return ["".join(_segment(rng) + rng.choice(seps) for _ in range(rng.randint(1, 6))) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures.
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    fixtures = os.environ.get("KVSERVE_FIXTURES")
+    if fixtures:
+        base = pathlib.Path(fixtures) / "tokenizers"
+        if all((base / n / "tokenizer.json").exists() for n in ("bytelevel", "metaspace")):
+            return {n: base / n for n in NAMES if (base / n / "tokenizer.json").exists()}
+    sys.path.insert(0, str(ROOT / "tools"))
+    from make_fixture_tokenizers import make_tokenizers
+    return make_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+
+
+@pytest.fixture(scope="module")
+def kvserve_bin() -> str:
+    path = os.environ.get("KVSERVE_BIN")
+    if not path:
+        candidate = ROOT / "build" / "kvserve"
+        if not candidate.exists():
+            pytest.skip("KVSERVE_BIN is not set and build/kvserve does not exist")
+        path = str(candidate)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lines() -> list[str]:
+    return make_lines()
+
+
+def _run(bin_path: str, args: list[str]) -> list[str]:
+    res = subprocess.run([bin_path, *args], capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr.decode(errors="replace")
+    out = res.stdout.decode("utf-8")
+    assert out.endswith("\n") or out == ""
+    return out.split("\n")[:-1]
+
+
+def kv_tokenize(bin_path: str, model: pathlib.Path, texts: list[str], tmp: pathlib.Path, special: bool = True,
+                json_input: bool = False) -> list[list[int]]:
+    f = tmp / "in.txt"
+    if json_input:
+        f.write_text("".join(json.dumps(t) + "\n" for t in texts), encoding="utf-8")
+    else:
+        f.write_bytes("".join(t + "\n" for t in texts).encode("utf-8", errors="surrogateescape"))
+    args = ["tokenize", "--model", str(model), "--text-file", str(f)]
+    args += [] if special else ["--no-special"]
+    args += ["--json-input"] if json_input else []
+    out = _run(bin_path, args)
+    assert len(out) == len(texts)
+    return [json.loads(o) for o in out]
+
+
+def kv_detokenize(bin_path: str, model: pathlib.Path, ids: list[list[int]], tmp: pathlib.Path,
+                  skip_special: bool = False) -> list[str]:
+    f = tmp / "ids.txt"
+    f.write_text("".join(json.dumps(i) + "\n" for i in ids), encoding="utf-8")
+    args = ["detokenize", "--model", str(model), "--ids-file", str(f)] + (["--skip-special"] if skip_special else [])
+    out = _run(bin_path, args)
+    assert len(out) == len(ids)
+    return [json.loads(o) for o in out]
+
+
+def _report(kind: str, bad: list[tuple], total: int) -> str:
+    head = "\n".join(f"  {b!r}" for b in bad[:5])
+    return f"{len(bad)}/{total} {kind} differ from HF; first:\n{head}"
+
+
+# --------------------------------------------------------------------------------------------
+# Tests.
+
+def test_corpus_has_the_required_mix(lines):
+    text = "".join(lines)
+    assert len(lines) >= 5000
+    for probe in ["数据", "مرحبا", "👨‍👩‍👧‍👦", "👍🏽", "def f(x):", "\t", "\x85", "\x00", "0123"[:1]]:
+        assert probe in text, probe
+    assert any(" " * 30 in l for l in lines)
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special", "no_special"])
+@pytest.mark.parametrize("name", NAMES)
+def test_ids_identical_to_hf(name, special, tokenizer_dirs, kvserve_bin, lines, tmp_path):
+    if name not in tokenizer_dirs:
+        pytest.skip(f"fixture tokenizer {name} not generated")
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    want = [e.ids for e in hf.encode_batch(lines, add_special_tokens=special)]
+    got = kv_tokenize(kvserve_bin, tokenizer_dirs[name], lines, tmp_path, special=special)
+    bad = [(l, g, w) for l, g, w in zip(lines, got, want) if g != w]
+    assert not bad, _report("token id lists", bad, len(lines))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_multiline_texts_identical_to_hf(name, tokenizer_dirs, kvserve_bin, tmp_path):
+    if name not in tokenizer_dirs:
+        pytest.skip(f"fixture tokenizer {name} not generated")
+    texts = make_multiline_texts()
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    want = [e.ids for e in hf.encode_batch(texts)]
+    got = kv_tokenize(kvserve_bin, tokenizer_dirs[name], texts, tmp_path, json_input=True)
+    bad = [(t, g, w) for t, g, w in zip(texts, got, want) if g != w]
+    assert not bad, _report("token id lists", bad, len(texts))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_invalid_utf8_is_replaced_like_python(name, tokenizer_dirs, kvserve_bin, tmp_path):
+    """Bytes that are not UTF-8 tokenize as Python's errors='replace' decoding of them."""
+    if name not in tokenizer_dirs:
+        pytest.skip(f"fixture tokenizer {name} not generated")
+    rng = random.Random(7)
+    raw = []
+    for _ in range(300):
+        good = rng.choice(_EN + _CJK + _EMOJI).encode()
+        junk = bytes(rng.choice([0x80, 0xBF, 0xC0, 0xC2, 0xE0, 0xE2, 0xED, 0xF0, 0xF4, 0xF5, 0xFF, 0xA0, 0x9F])
+                     for _ in range(rng.randint(1, 4)))
+        cut = good[: rng.randint(0, len(good))]
+        raw.append(cut + junk + good)
+    f = tmp_path / "raw.txt"
+    f.write_bytes(b"".join(r + b"\n" for r in raw))
+    out = _run(kvserve_bin, ["tokenize", "--model", str(tokenizer_dirs[name]), "--text-file", str(f)])
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    want = [e.ids for e in hf.encode_batch([r.decode("utf-8", "replace") for r in raw])]
+    got = [json.loads(o) for o in out]
+    bad = [(r, g, w) for r, g, w in zip(raw, got, want) if g != w]
+    assert not bad, _report("token id lists", bad, len(raw))
+
+
+@pytest.mark.parametrize("skip_special", [False, True], ids=["keep_special", "skip_special"])
+@pytest.mark.parametrize("name", NAMES)
+def test_detokenize_matches_hf(name, skip_special, tokenizer_dirs, kvserve_bin, lines, tmp_path):
+    if name not in tokenizer_dirs:
+        pytest.skip(f"fixture tokenizer {name} not generated")
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    ids = [e.ids for e in hf.encode_batch(lines)]
+    want = hf.decode_batch(ids, skip_special_tokens=skip_special)
+    got = kv_detokenize(kvserve_bin, tokenizer_dirs[name], ids, tmp_path, skip_special=skip_special)
+    # The acceptance criterion: round trips wherever HF's do ...
+    roundtrip = [i for i, l in enumerate(lines) if hf.decode(ids[i], skip_special_tokens=True) == l]
+    assert len(roundtrip) > len(lines) // 4
+    bad_rt = [(lines[i], got[i]) for i in roundtrip if skip_special and got[i] != lines[i]]
+    assert not bad_rt, _report("round trips", bad_rt, len(roundtrip))
+    # ... and, stronger, the same text as HF's decode everywhere.
+    bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, _report("decoded texts", bad, len(lines))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_detokenize_random_ids_matches_hf(name, tokenizer_dirs, kvserve_bin, tmp_path):
+    """Arbitrary id sequences (split characters, stray byte pieces, specials) decode like HF."""
+    if name not in tokenizer_dirs:
+        pytest.skip(f"fixture tokenizer {name} not generated")
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    n = hf.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(3)
+    ids = [[rng.randrange(n) for _ in range(rng.randint(0, 30))] for _ in range(1500)]
+    want = hf.decode_batch(ids, skip_special_tokens=False)
+    got = kv_detokenize(kvserve_bin, tokenizer_dirs[name], ids, tmp_path)
+    bad = [(i, g, w) for i, g, w in zip(ids, got, want) if g != w]
+    assert not bad, _report("decoded texts", bad, len(ids))
+
+
+def test_cli_errors_are_clean(tokenizer_dirs, kvserve_bin, tmp_path):
+    f = tmp_path / "ids.txt"
+    f.write_text("[1, 2, \"x\"]\n", encoding="utf-8")
+    res = subprocess.run([kvserve_bin, "detokenize", "--model", str(tokenizer_dirs["bytelevel"]), "--ids-file", str(f)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and res.stderr.startswith("kvserve: error: ") and "ids.txt:1" in res.stderr
+    bad_model = tmp_path / "bad"
+    bad_model.mkdir()
+    (bad_model / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {"a": 0}}}', encoding="utf-8")
+    res = subprocess.run([kvserve_bin, "tokenize", "--model", str(bad_model), "--text-file", str(f)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "tokenizer.json" in res.stderr and "model.merges" in res.stderr
