@@ -7,5 +7,6 @@ namespace kvserve::cli {
 void add_generate_command(CLI::App& app);    // cmd_generate.cpp
 void add_forward_command(CLI::App& app);     // cmd_forward.cpp
 void add_tokenize_commands(CLI::App& app);   // cmd_tokenize.cpp: tokenize, detokenize
+void add_chat_template_command(CLI::App& app);  // cmd_chat_template.cpp: chat-template
 
 }  // namespace kvserve::cli
