@@ -1,0 +1,568 @@
+// The OpenAI-compatible routes: request -> engine requests -> JSON or SSE, with metrics.
+#include "openai_service.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <set>
+
+#include "kv_check.h"
+
+namespace kvserve::http {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const char* kvserve_version() { return "0.1.0"; }
+
+HttpResponse error_response(const ApiError& error) {
+  HttpResponse r;
+  r.status = error.status();
+  r.body = dump_json(error.to_json());
+  return r;
+}
+
+namespace {
+
+std::string random_hex(size_t n) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static const char* digits = "0123456789abcdef";
+  std::string s(n, '0');
+  for (auto& c : s) c = digits[rng() & 15];
+  return s;
+}
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+HttpResponse json_response(int status, const json& body) {
+  HttpResponse r;
+  r.status = status;
+  r.body = dump_json(body);
+  return r;
+}
+
+json utf8_bytes(const std::string& s) {
+  json arr = json::array();
+  for (unsigned char c : s) arr.push_back(static_cast<int>(c));
+  return arr;
+}
+
+std::string sse(const json& j) { return "data: " + dump_json(j) + "\n\n"; }
+
+// Per choice (one engine request) state.
+struct Choice {
+  std::string request_id;
+  size_t prompt_index = 0;
+  std::string text;
+  int64_t completion_tokens = 0;
+  bool finished = false;
+  bool first_token_seen = false;
+  std::string finish_reason;
+  std::string error;
+  int64_t kept_kv = 0;
+  int64_t full_kv = 0;
+  Clock::time_point last_token;
+  // logprobs, accumulated for non-streaming responses
+  json chat_logprobs = json::array();  // chat: content entries
+  json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), text_offset = json::array();
+  size_t text_bytes = 0;  // completions text_offset
+};
+
+// One HTTP generation request: n choices per prompt, possibly streamed.
+struct Exchange {
+  std::mutex mu;
+  std::shared_ptr<ResponseChannel> channel;
+  std::shared_ptr<ServingBackend> backend;
+  std::shared_ptr<ServerMetrics> metrics;
+  std::shared_ptr<std::atomic<int64_t>> in_flight;
+  ParsedRequest req;
+  bool chat = false;
+  std::string id;
+  std::string model;
+  std::string policy;
+  int64_t created = 0;
+  Clock::time_point arrival;
+  std::vector<Choice> choices;
+  std::vector<int64_t> prompt_tokens;  // per prompt
+  std::vector<std::string> echo_text;  // per prompt (completions echo)
+  size_t remaining = 0;
+  bool started = false;  // stream headers sent (events before that are buffered)
+  bool done = false;     // the response is complete (or failed); later events are ignored
+  bool aborted = false;
+  std::vector<std::string> pending;  // stream chunks produced before `started`
+  HeaderList headers;
+
+  ~Exchange() { in_flight->fetch_sub(1); }
+
+  json usage() const {
+    int64_t prompt = 0, completion = 0, kept = 0, full = 0;
+    for (int64_t p : prompt_tokens) prompt += p;
+    for (const auto& c : choices) {
+      completion += c.completion_tokens;
+      kept += c.kept_kv;
+      full += c.full_kv;
+    }
+    return {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion},
+            {"kv_policy", policy},
+            {"kv_kept_tokens", kept},
+            {"kv_full_tokens", full}};
+  }
+
+  json chunk_base() const {
+    return {{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"}, {"created", created}, {"model", model}};
+  }
+
+  void emit(std::string data) {
+    if (started) channel->stream(std::move(data));
+    else pending.push_back(std::move(data));
+  }
+
+  // Logprobs of one event in the wire format of this endpoint.
+  json event_logprobs(const GenerationEvent& ev, Choice& c) const {
+    if (chat) {
+      json content = json::array();
+      for (size_t i = 0; i < ev.chosen.size(); ++i) {
+        const auto& t = ev.chosen[i];
+        json top = json::array();
+        if (i < ev.top_logprobs.size())
+          for (const auto& alt : ev.top_logprobs[i])
+            top.push_back({{"token", alt.token}, {"logprob", alt.logprob}, {"bytes", utf8_bytes(alt.token)}});
+        content.push_back({{"token", t.token}, {"logprob", t.logprob}, {"bytes", utf8_bytes(t.token)}, {"top_logprobs", top}});
+      }
+      return {{"content", content}};
+    }
+    json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+    for (size_t i = 0; i < ev.chosen.size(); ++i) {
+      const auto& t = ev.chosen[i];
+      tokens.push_back(t.token);
+      lps.push_back(t.logprob);
+      json top = json::object();
+      if (i < ev.top_logprobs.size())
+        for (const auto& alt : ev.top_logprobs[i]) top[alt.token] = alt.logprob;
+      tops.push_back(top);
+      offsets.push_back(c.text_bytes);
+      c.text_bytes += t.token.size();
+    }
+    return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  }
+
+  void on_event(size_t index, const GenerationEvent& ev) {
+    std::lock_guard<std::mutex> lock(mu);
+    Choice& c = choices[index];
+    if (c.finished) return;
+    const auto now = Clock::now();
+    const int64_t ntok = static_cast<int64_t>(ev.token_ids.size());
+    if (ntok > 0) {
+      if (!c.first_token_seen) {
+        c.first_token_seen = true;
+        const double ttft = std::chrono::duration<double>(now - arrival).count();
+        metrics->observe_ttft(ttft);
+        metrics->observe_queue(ttft);
+        for (int64_t k = 1; k < ntok; ++k) metrics->observe_inter_token(0.0);
+      } else {
+        const double per = std::chrono::duration<double>(now - c.last_token).count() / static_cast<double>(ntok);
+        for (int64_t k = 0; k < ntok; ++k) metrics->observe_inter_token(per);
+      }
+      c.last_token = now;
+    }
+    c.completion_tokens = std::max(c.completion_tokens + ntok, ev.completion_tokens);
+    c.text += ev.text_delta;
+    json lp = nullptr;
+    if (req.want_logprobs && !ev.chosen.empty()) {
+      lp = event_logprobs(ev, c);
+      if (chat) {
+        for (auto& e : lp["content"]) c.chat_logprobs.push_back(e);
+      } else {
+        for (auto& e : lp["tokens"]) c.tokens.push_back(e);
+        for (auto& e : lp["token_logprobs"]) c.token_logprobs.push_back(e);
+        for (auto& e : lp["top_logprobs"]) c.top_logprobs.push_back(e);
+        for (auto& e : lp["text_offset"]) c.text_offset.push_back(e);
+      }
+    }
+    if (ev.finished) {
+      c.finished = true;
+      c.finish_reason = ev.finish_reason.empty() ? "stop" : ev.finish_reason;
+      c.error = ev.error;
+      c.kept_kv = ev.kept_kv_tokens;
+      c.full_kv = ev.full_kv_tokens;
+      metrics->request_finished(c.finish_reason, policy, c.kept_kv, c.full_kv);
+    }
+    if (done) return;
+    if (req.stream) stream_event(index, ev, lp);
+    if (ev.finished && --remaining == 0) finish();
+  }
+
+  void stream_event(size_t index, const GenerationEvent& ev, const json& lp) {
+    Choice& c = choices[index];
+    const bool has_content = !ev.text_delta.empty() || !lp.is_null();
+    if (has_content) {
+      json choice = {{"index", index}, {"logprobs", lp}, {"finish_reason", nullptr}};
+      if (chat) choice["delta"] = {{"content", ev.text_delta}};
+      else choice["text"] = ev.text_delta;
+      json chunk = chunk_base();
+      chunk["choices"] = json::array({choice});
+      if (req.include_usage) chunk["usage"] = nullptr;
+      emit(sse(chunk));
+    }
+    if (ev.finished) {
+      if (c.finish_reason == "error") {
+        emit(sse(ApiError(500, "generation failed: " + c.error, "", "server_error").to_json()));
+        return;
+      }
+      json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", wire_finish_reason(c.finish_reason)}};
+      if (chat) choice["delta"] = json::object();
+      else choice["text"] = "";
+      json chunk = chunk_base();
+      chunk["choices"] = json::array({choice});
+      if (req.include_usage) chunk["usage"] = nullptr;
+      emit(sse(chunk));
+    }
+  }
+
+  static std::string wire_finish_reason(const std::string& r) {
+    // OpenAI knows stop | length; vLLM also reports abort.
+    return r;
+  }
+
+  void finish() {
+    done = true;
+    const double e2e = std::chrono::duration<double>(Clock::now() - arrival).count();
+    metrics->observe_e2e(e2e);
+    if (req.stream) {
+      if (req.include_usage) {
+        json chunk = chunk_base();
+        chunk["choices"] = json::array();
+        chunk["usage"] = usage();
+        emit(sse(chunk));
+      }
+      emit("data: [DONE]\n\n");
+      if (started) channel->end_stream();
+      return;
+    }
+    for (const auto& c : choices) {
+      if (c.finish_reason == "error") {
+        HttpResponse r = error_response(ApiError(500, "generation failed: " + c.error, "", "server_error"));
+        r.headers = headers;
+        channel->respond(std::move(r));
+        return;
+      }
+    }
+    json out_choices = json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      const Choice& c = choices[i];
+      json choice = {{"index", i}, {"finish_reason", wire_finish_reason(c.finish_reason)}};
+      if (chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+        choice["logprobs"] = req.want_logprobs ? json{{"content", c.chat_logprobs}} : json(nullptr);
+      } else {
+        std::string text = c.text;
+        if (req.echo) text = echo_text[c.prompt_index] + text;
+        choice["text"] = text;
+        choice["logprobs"] = req.want_logprobs ? json{{"tokens", c.tokens},
+                                                      {"token_logprobs", c.token_logprobs},
+                                                      {"top_logprobs", c.top_logprobs},
+                                                      {"text_offset", c.text_offset}}
+                                               : json(nullptr);
+      }
+      out_choices.push_back(choice);
+    }
+    json body = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
+                 {"model", model}, {"choices", out_choices}, {"usage", usage()}};
+    if (chat) body["system_fingerprint"] = nullptr;
+    HttpResponse r = json_response(200, body);
+    r.headers = headers;
+    channel->respond(std::move(r));
+  }
+
+  // The client left: cancel what still runs.
+  void abort() {
+    std::vector<std::string> ids;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (done) return;
+      aborted = true;
+      done = true;
+      for (const auto& c : choices)
+        if (!c.finished && !c.request_id.empty()) ids.push_back(c.request_id);
+    }
+    for (const auto& rid : ids) backend->cancel(rid);
+  }
+};
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+OpenAIService::OpenAIService(ServiceOptions options)
+    : options_(std::move(options)), metrics_(std::make_shared<ServerMetrics>(options_.model_name)) {}
+
+void OpenAIService::set_backend(std::shared_ptr<ServingBackend> backend) {
+  std::lock_guard<std::mutex> lock(mu_);
+  backend_ = std::move(backend);
+}
+
+std::shared_ptr<ServingBackend> OpenAIService::backend() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return backend_;
+}
+
+bool OpenAIService::authorized(const HttpRequest& req) const {
+  if (options_.api_key.empty()) return true;
+  std::string auth = req.header("authorization");
+  const std::string prefix = "Bearer ";
+  if (auth.size() < prefix.size() || !std::equal(prefix.begin(), prefix.end(), auth.begin(), [](char a, char b) {
+        return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
+      }))
+    return false;
+  return constant_time_equal(auth.substr(prefix.size()), options_.api_key);
+}
+
+HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) {
+  handled = true;
+  const std::string path = req.path();
+  auto method_must_be = [&](const char* m) {
+    if (req.method != m) {
+      ApiError e(405, "method " + req.method + " is not allowed on " + path + " (use " + m + ")");
+      HttpResponse r = error_response(e);
+      r.headers.push_back({"Allow", m});
+      return std::optional<HttpResponse>(r);
+    }
+    return std::optional<HttpResponse>();
+  };
+  if (path == "/health") {
+    if (auto r = method_must_be("GET")) return *r;
+    auto b = backend();
+    if (!b) return error_response(ApiError(503, "the model is loading"));
+    if (!b->healthy()) return error_response(ApiError(503, "the engine is unhealthy"));
+    if (shutting_down_) return error_response(ApiError(503, "the server is shutting down"));
+    HttpResponse r;
+    r.content_type = "text/plain";
+    r.body = "";
+    return r;
+  }
+  if (path == "/version") {
+    if (auto r = method_must_be("GET")) return *r;
+    return json_response(200, {{"version", kvserve_version()}});
+  }
+  if (path == "/metrics") {
+    if (auto r = method_must_be("GET")) return *r;
+    auto b = backend();
+    HttpResponse r;
+    r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+    r.body = metrics_->render(b ? std::optional<EngineStats>(b->stats()) : std::nullopt);
+    return r;
+  }
+  if (path == "/v1/models" || path.rfind("/v1/models/", 0) == 0) {
+    if (auto r = method_must_be("GET")) return *r;
+    if (!authorized(req)) return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "", "", "invalid_api_key"));
+    auto b = backend();
+    json model = {{"id", options_.model_name},
+                  {"object", "model"},
+                  {"created", std::chrono::duration_cast<std::chrono::seconds>(started_.time_since_epoch()).count()},
+                  {"owned_by", "kvserve"},
+                  {"root", options_.model_name},
+                  {"parent", nullptr}};
+    if (b) {
+      model["max_model_len"] = b->max_model_len();
+      model["kv_policies"] = b->policy_names();
+      model["default_kv_policy"] = b->default_policy();
+    }
+    if (path == "/v1/models" ) return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
+    std::string id = path.substr(std::string("/v1/models/").size());
+    if (id != options_.model_name)
+      return error_response(ApiError(404, "the model '" + id + "' does not exist", "model", "", "model_not_found"));
+    return json_response(200, model);
+  }
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    if (auto r = method_must_be("POST")) return *r;
+    handled = false;
+    return {};
+  }
+  return error_response(ApiError(404, "no route for " + req.method + " " + path, "", "", "not_found"));
+}
+
+void OpenAIService::handle(HttpRequest req, std::shared_ptr<ResponseChannel> channel) {
+  try {
+    bool handled = false;
+    HttpResponse r = route_simple(req, handled);
+    if (handled) {
+      metrics_->http_response(r.status);
+      channel->respond(std::move(r));
+      return;
+    }
+    generate(req, req.path() == "/v1/chat/completions" ? Endpoint::kChatCompletions : Endpoint::kCompletions, channel);
+  } catch (const ApiError& e) {
+    metrics_->http_response(e.status());
+    channel->respond(error_response(e));
+  } catch (const EngineOverloaded& e) {
+    metrics_->http_response(429);
+    channel->respond(error_response(ApiError(429, e.what(), "", "", "engine_overloaded")));
+  } catch (const KvError& e) {
+    metrics_->http_response(400);
+    channel->respond(error_response(ApiError(400, e.what())));
+  } catch (const std::exception& e) {
+    metrics_->http_response(500);
+    channel->respond(error_response(ApiError(500, std::string("internal error: ") + e.what())));
+  }
+}
+
+void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std::shared_ptr<ResponseChannel> channel) {
+  if (!authorized(http_req))
+    throw ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "", "", "invalid_api_key");
+  auto backend = this->backend();
+  if (!backend) throw ApiError(503, "the model is loading; retry shortly");
+  if (shutting_down_) throw ApiError(503, "the server is shutting down");
+  if (!backend->healthy()) throw ApiError(503, "the engine is unhealthy");
+
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  ParsedRequest req = chat ? parse_chat_request(http_req.body, options_.limits)
+                           : parse_completion_request(http_req.body, options_.limits);
+  if (!req.model.empty() && req.model != options_.model_name)
+    throw ApiError(404, "the model '" + req.model + "' does not exist (this server serves '" + options_.model_name + "')",
+                   "model", "", "model_not_found");
+  std::string policy = req.kv_policy.empty() ? backend->default_policy() : req.kv_policy;
+  if (!backend->has_policy(policy)) {
+    std::string names;
+    for (const auto& n : backend->policy_names()) names += (names.empty() ? "" : ", ") + n;
+    throw ApiError(400, "unknown kv_policy '" + policy + "' (configured: " + names + ")", "kv_policy");
+  }
+
+  // Tokenize every prompt.
+  std::vector<std::vector<int64_t>> prompts;
+  std::vector<std::string> echo;
+  const int64_t vocab = backend->vocab_size();
+  if (chat) {
+    std::string text = backend->render_chat(req);
+    prompts.push_back(backend->encode(text, /*add_special_tokens=*/false));
+    echo.push_back(text);
+  } else {
+    for (size_t i = 0; i < req.prompts.size(); ++i) {
+      const auto& p = req.prompts[i];
+      const std::string param = req.prompts.size() > 1 ? "prompt[" + std::to_string(i) + "]" : "prompt";
+      if (p.is_tokens) {
+        for (int64_t t : p.token_ids)
+          if (t >= vocab) throw ApiError(400, "token id " + std::to_string(t) + " in '" + param + "' is outside the vocabulary (" + std::to_string(vocab) + ")", param);
+        prompts.push_back(p.token_ids);
+        echo.push_back(req.echo ? backend->decode(p.token_ids) : std::string());
+      } else {
+        prompts.push_back(backend->encode(p.text, /*add_special_tokens=*/true));
+        echo.push_back(p.text);
+      }
+    }
+  }
+  const int64_t max_len = backend->max_model_len();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::string param = chat ? "messages" : "prompt";
+    const int64_t n = static_cast<int64_t>(prompts[i].size());
+    if (n == 0) throw ApiError(400, "the prompt is empty", param);
+    if (max_len > 0 && n >= max_len)
+      throw ApiError(400, "this model's maximum context length is " + std::to_string(max_len) + " tokens, but the prompt has " +
+                              std::to_string(n) + " tokens", param);
+    if (max_len > 0 && req.max_tokens && n + *req.max_tokens > max_len)
+      throw ApiError(400, "this model's maximum context length is " + std::to_string(max_len) + " tokens; the prompt (" +
+                              std::to_string(n) + " tokens) plus max_tokens (" + std::to_string(*req.max_tokens) + ") exceeds it",
+                     chat && req.max_tokens ? "max_tokens" : "max_tokens");
+  }
+
+  auto ex = std::make_shared<Exchange>();
+  in_flight_->fetch_add(1);
+  ex->in_flight = in_flight_;
+  ex->channel = channel;
+  ex->backend = backend;
+  ex->metrics = metrics_;
+  ex->chat = chat;
+  ex->id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
+  ex->model = options_.model_name;
+  ex->policy = policy;
+  ex->created = unix_now();
+  ex->arrival = Clock::now();
+  ex->echo_text = echo;
+  ex->headers = {{"X-KV-Policy", policy}, {"X-Request-Id", http_req.header("x-request-id").empty() ? ex->id : http_req.header("x-request-id")}};
+  for (const auto& p : prompts) ex->prompt_tokens.push_back(static_cast<int64_t>(p.size()));
+  const size_t total = prompts.size() * static_cast<size_t>(req.n);
+  ex->choices.resize(total);
+  ex->remaining = total;
+  ex->req = std::move(req);
+  const ParsedRequest& r = ex->req;
+  if (options_.log_requests) {
+    std::cerr << "kvserve: " << ex->id << " " << http_req.path() << " prompts=" << prompts.size() << " n=" << r.n
+              << " prompt_tokens=" << prompts[0].size() << " max_tokens=" << r.sampling.max_tokens << " policy=" << policy
+              << (r.stream ? " stream" : "") << "\n";
+  }
+
+  // Submit every choice. Events may arrive before all are submitted; they are buffered (stream)
+  // or accumulated until the last choice finishes.
+  size_t submitted = 0;
+  try {
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      for (int64_t k = 0; k < r.n; ++k) {
+        const size_t index = p * static_cast<size_t>(r.n) + static_cast<size_t>(k);
+        GenerationRequest g;
+        g.request_id = ex->id + "-" + std::to_string(index);
+        g.prompt_ids = prompts[p];
+        g.sampling = r.sampling;
+        if (g.sampling.seed && k > 0) g.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(k);
+        if (!r.max_tokens && chat && max_len > 0) g.sampling.max_tokens = max_len - static_cast<int64_t>(prompts[p].size());
+        else if (!r.max_tokens && max_len > 0)
+          g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));
+        g.kv_policy = policy;
+        {
+          std::lock_guard<std::mutex> lock(ex->mu);
+          ex->choices[index].request_id = g.request_id;
+          ex->choices[index].prompt_index = p;
+        }
+        backend->submit(std::move(g), [ex, index](const GenerationEvent& ev) { ex->on_event(index, ev); });
+        ++submitted;
+      }
+    }
+  } catch (...) {
+    std::vector<std::string> cancel;
+    {
+      std::lock_guard<std::mutex> lock(ex->mu);
+      ex->done = true;
+      for (size_t i = 0; i < submitted; ++i) cancel.push_back(ex->choices[i].request_id);
+    }
+    for (const auto& id : cancel) backend->cancel(id);
+    throw;
+  }
+  metrics_->http_response(200);
+
+  std::weak_ptr<Exchange> weak = ex;
+  channel->on_abort([weak] {
+    if (auto e = weak.lock()) e->abort();
+  });
+  if (r.stream) {
+    std::lock_guard<std::mutex> lock(ex->mu);
+    if (ex->aborted) return;
+    HeaderList headers = ex->headers;
+    headers.push_back({"Cache-Control", "no-cache"});
+    channel->begin_stream(200, headers);
+    if (chat) {
+      for (size_t i = 0; i < total; ++i) {
+        json chunk = ex->chunk_base();
+        chunk["choices"] = json::array({{{"index", i}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+        if (r.include_usage) chunk["usage"] = nullptr;
+        channel->stream(sse(chunk));
+      }
+    }
+    ex->started = true;
+    for (auto& chunk : ex->pending) channel->stream(std::move(chunk));
+    ex->pending.clear();
+    if (ex->done && !ex->aborted) channel->end_stream();
+  }
+}
+
+}  // namespace kvserve::http

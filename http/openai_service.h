@@ -1,0 +1,64 @@
+#pragma once
+// OpenAIService: the routes of the OpenAI-compatible API over a ServingBackend, independent of the
+// transport: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models, /health, /version,
+// /metrics. Auth, error bodies and per-request metrics live here.
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "http_types.h"
+#include "metrics.h"
+#include "request_parser.h"
+#include "serving_backend.h"
+
+namespace kvserve::http {
+
+struct ServiceOptions {
+  std::string model_name = "model";
+  std::string api_key;  // empty = no auth
+  ParserLimits limits;
+  bool log_requests = true;
+};
+
+class OpenAIService {
+ public:
+  explicit OpenAIService(ServiceOptions options);
+
+  // Installs the loaded model (before this, /health and the API answer 503).
+  void set_backend(std::shared_ptr<ServingBackend> backend);
+  std::shared_ptr<ServingBackend> backend() const;
+  // Stop taking new generation requests (503); in-flight ones continue.
+  void begin_shutdown() { shutting_down_ = true; }
+  bool shutting_down() const { return shutting_down_; }
+  // Generation requests still producing output.
+  int64_t in_flight() const { return in_flight_->load(); }
+
+  // Handles one request: answers through `channel`, now or later (from the engine's thread).
+  void handle(HttpRequest request, std::shared_ptr<ResponseChannel> channel);
+
+  ServerMetrics& metrics() { return *metrics_; }
+  const ServiceOptions& options() const { return options_; }
+
+ private:
+  HttpResponse route_simple(const HttpRequest& req, bool& handled);
+  void generate(const HttpRequest& req, Endpoint endpoint, std::shared_ptr<ResponseChannel> channel);
+  bool authorized(const HttpRequest& req) const;
+
+  ServiceOptions options_;
+  mutable std::mutex mu_;
+  std::shared_ptr<ServingBackend> backend_;
+  std::atomic<bool> shutting_down_{false};
+  std::shared_ptr<std::atomic<int64_t>> in_flight_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::shared_ptr<ServerMetrics> metrics_;
+  std::chrono::system_clock::time_point started_ = std::chrono::system_clock::now();
+};
+
+// The error response for an ApiError (JSON body, status).
+HttpResponse error_response(const ApiError& error);
+
+// Version string reported by GET /version.
+const char* kvserve_version();
+
+}  // namespace kvserve::http

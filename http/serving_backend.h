@@ -1,0 +1,49 @@
+#pragma once
+// ServingBackend: what the HTTP layer needs from a loaded model (engine + tokenizer + chat
+// template). The real one wraps kvserve::Engine (engine_backend.cpp); tests can supply their own.
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "engine_types.h"
+
+namespace kvserve {
+class Tokenizer;
+}
+
+namespace kvserve::http {
+
+struct ParsedRequest;
+
+class ServingBackend {
+ public:
+  virtual ~ServingBackend() = default;
+  // Queues a request; throws KvError (bad request -> 400) or EngineOverloaded (-> 429).
+  // `on_event` runs on the engine's thread and must not block.
+  virtual void submit(GenerationRequest request, EventCallback on_event) = 0;
+  virtual void cancel(const std::string& request_id) = 0;
+  virtual EngineStats stats() const = 0;
+  virtual bool healthy() const = 0;
+  virtual bool has_policy(const std::string& name) const = 0;
+  virtual std::vector<std::string> policy_names() const = 0;
+  virtual std::string default_policy() const = 0;
+  virtual std::vector<int64_t> encode(const std::string& text, bool add_special_tokens) const = 0;
+  virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
+  // Renders the chat template for a chat request; throws ApiError(400) when the template fails.
+  virtual std::string render_chat(const ParsedRequest& request) const = 0;
+  virtual int64_t max_model_len() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  // Stops the engine: drain = finish in-flight work, else abort it.
+  virtual void shutdown(bool drain) = 0;
+};
+
+// The backend over a real Engine (which must outlive nothing: the backend owns it).
+std::shared_ptr<ServingBackend> make_engine_backend(std::unique_ptr<Engine> engine,
+                                                    std::shared_ptr<const Tokenizer> tokenizer,
+                                                    int64_t max_model_len, std::string default_policy);
+
+}  // namespace kvserve::http
