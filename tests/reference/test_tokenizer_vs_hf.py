@@ -21,6 +21,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NAMES = ["bytelevel", "metaspace", "metaspace_pt", "qwen2"]
+VARIANTS = ["gpt2_variant", "llama2_variant", "metaspace_always_0", "metaspace_never_1", "metaspace_first_0",
+            "metaspace_legacy", "split_variant"]
 N_LINES = 5200
 
 # --------------------------------------------------------------------------------------------
@@ -114,16 +116,82 @@ def make_multiline_texts(seed: int = 99, n: int = 400) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # Fixtures.
 
+def _added(data, content, **kw):
+    ids = [t["id"] for t in data["added_tokens"]] + list(data["model"]["vocab"].values())
+    tok = {"id": max(ids) + 1, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+           "normalized": False, "special": False}
+    tok.update(kw)
+    data["added_tokens"].append(tok)
+
+def _flags(data, content, **kw):
+    for t in data["added_tokens"]:
+        if t["content"] == content:
+            t.update(kw)
+
+def make_variants(base: dict[str, pathlib.Path], out: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Edited copies of the fixtures covering options the trained ones do not use (added-token
+    lstrip/rstrip/single_word/normalized, GPT-2 ByteLevel with prefix space, Metaspace schemes,
+    legacy Metaspace, Strip/NFC normalizers, Digits and every Split behavior)."""
+    out = pathlib.Path(out)
+    res = {}
+    def load(name):
+        return json.loads((base[name] / "tokenizer.json").read_text(encoding="utf-8"))
+    def save(name, data, src):
+        d = out / name; d.mkdir(parents=True, exist_ok=True)
+        (d / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+        (d / "tokenizer_config.json").write_text((base[src] / "tokenizer_config.json").read_text(encoding="utf-8"), encoding="utf-8")
+        res[name] = d
+    d = load("bytelevel")
+    d["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    d["model"]["ignore_merges"] = False
+    d["post_processor"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
+    _flags(d, "<|eot_id|>", lstrip=True, rstrip=True)
+    _flags(d, "<|end_of_text|>", single_word=True)
+    _added(d, "foo bar", normalized=True, single_word=True)
+    _added(d, "<tool>", normalized=False, lstrip=True)
+    _added(d, "data", normalized=True)
+    save("gpt2_variant", d, "bytelevel")
+    d = load("metaspace")
+    _flags(d, "</s>", lstrip=True)
+    _flags(d, "<s>", rstrip=True)
+    _added(d, "[INST]", normalized=True)
+    _added(d, "the", normalized=True, single_word=True)
+    _added(d, "x y", normalized=False, special=True)
+    save("llama2_variant", d, "metaspace")
+    for scheme, split in (("always", False), ("never", True), ("first", False)):
+        d = load("metaspace_pt")
+        d["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split}
+        d["decoder"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme, "split": split}
+        _flags(d, "<unk>", lstrip=True, rstrip=True, normalized=True)
+        save(f"metaspace_{scheme}_{int(split)}", d, "metaspace_pt")
+    d = load("metaspace_pt")
+    d["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "add_prefix_space": True}
+    d["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Metaspace", "replacement": "▁", "add_prefix_space": True}]}
+    d["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Strip", "strip_left": False, "strip_right": True}]}
+    save("metaspace_legacy", d, "metaspace_pt")
+    d = load("qwen2")
+    d["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "Split", "pattern": {"String": "e"}, "behavior": "MergedWithPrevious", "invert": False},
+        {"type": "Split", "pattern": {"Regex": "[aeiou]+"}, "behavior": "MergedWithNext", "invert": False},
+        {"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Contiguous", "invert": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    save("split_variant", d, "qwen2")
+    return res
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
     fixtures = os.environ.get("KVSERVE_FIXTURES")
     if fixtures:
         base = pathlib.Path(fixtures) / "tokenizers"
-        if all((base / n / "tokenizer.json").exists() for n in ("bytelevel", "metaspace")):
-            return {n: base / n for n in NAMES if (base / n / "tokenizer.json").exists()}
+        if all((base / n / "tokenizer.json").exists() for n in NAMES):
+            dirs = {n: base / n for n in NAMES}
+            return {**dirs, **make_variants(dirs, tmp_path_factory.mktemp("variants"))}
     sys.path.insert(0, str(ROOT / "tools"))
     from make_fixture_tokenizers import make_tokenizers
-    return make_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+    dirs = make_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+    return {**dirs, **make_variants(dirs, tmp_path_factory.mktemp("variants"))}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +243,28 @@ def kv_detokenize(bin_path: str, model: pathlib.Path, ids: list[list[int]], tmp:
     return [json.loads(o) for o in out]
 
 
+_HF_CACHE: dict = {}
+
+
+def hf_tokenizer(path: pathlib.Path):
+    key = ("tok", str(path))
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    return _HF_CACHE[key]
+
+
+def hf_encode(path: pathlib.Path, texts: list[str], special: bool = True) -> list[list[int]]:
+    key = ("ids", str(path), special, id(texts))
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = [e.ids for e in hf_tokenizer(path).encode_batch(texts, add_special_tokens=special)]
+    return _HF_CACHE[key]
+
+
+def lines_for(name: str, lines: list[str]) -> list[str]:
+    # The variants only add options on top of the base fixtures: a shorter corpus keeps the suite fast.
+    return lines if name in NAMES else lines[:1500]
+
+
 def _report(kind: str, bad: list[tuple], total: int) -> str:
     head = "\n".join(f"  {b!r}" for b in bad[:5])
     return f"{len(bad)}/{total} {kind} differ from HF; first:\n{head}"
@@ -192,24 +282,23 @@ def test_corpus_has_the_required_mix(lines):
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["special", "no_special"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + VARIANTS)
 def test_ids_identical_to_hf(name, special, tokenizer_dirs, kvserve_bin, lines, tmp_path):
     if name not in tokenizer_dirs:
         pytest.skip(f"fixture tokenizer {name} not generated")
-    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
-    want = [e.ids for e in hf.encode_batch(lines, add_special_tokens=special)]
+    lines = lines_for(name, lines)
+    want = hf_encode(tokenizer_dirs[name], lines, special)
     got = kv_tokenize(kvserve_bin, tokenizer_dirs[name], lines, tmp_path, special=special)
     bad = [(l, g, w) for l, g, w in zip(lines, got, want) if g != w]
     assert not bad, _report("token id lists", bad, len(lines))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + VARIANTS)
 def test_multiline_texts_identical_to_hf(name, tokenizer_dirs, kvserve_bin, tmp_path):
     if name not in tokenizer_dirs:
         pytest.skip(f"fixture tokenizer {name} not generated")
-    texts = make_multiline_texts()
-    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
-    want = [e.ids for e in hf.encode_batch(texts)]
+    texts = make_multiline_texts(n=400 if name in NAMES else 150)
+    want = [e.ids for e in hf_tokenizer(tokenizer_dirs[name]).encode_batch(texts)]
     got = kv_tokenize(kvserve_bin, tokenizer_dirs[name], texts, tmp_path, json_input=True)
     bad = [(t, g, w) for t, g, w in zip(texts, got, want) if g != w]
     assert not bad, _report("token id lists", bad, len(texts))
@@ -231,7 +320,7 @@ def test_invalid_utf8_is_replaced_like_python(name, tokenizer_dirs, kvserve_bin,
     f = tmp_path / "raw.txt"
     f.write_bytes(b"".join(r + b"\n" for r in raw))
     out = _run(kvserve_bin, ["tokenize", "--model", str(tokenizer_dirs[name]), "--text-file", str(f)])
-    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    hf = hf_tokenizer(tokenizer_dirs[name])
     want = [e.ids for e in hf.encode_batch([r.decode("utf-8", "replace") for r in raw])]
     got = [json.loads(o) for o in out]
     bad = [(r, g, w) for r, g, w in zip(raw, got, want) if g != w]
@@ -239,33 +328,36 @@ def test_invalid_utf8_is_replaced_like_python(name, tokenizer_dirs, kvserve_bin,
 
 
 @pytest.mark.parametrize("skip_special", [False, True], ids=["keep_special", "skip_special"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + VARIANTS)
 def test_detokenize_matches_hf(name, skip_special, tokenizer_dirs, kvserve_bin, lines, tmp_path):
     if name not in tokenizer_dirs:
         pytest.skip(f"fixture tokenizer {name} not generated")
-    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
-    ids = [e.ids for e in hf.encode_batch(lines)]
+    lines = lines_for(name, lines)
+    hf = hf_tokenizer(tokenizer_dirs[name])
+    ids = hf_encode(tokenizer_dirs[name], lines)
     want = hf.decode_batch(ids, skip_special_tokens=skip_special)
     got = kv_detokenize(kvserve_bin, tokenizer_dirs[name], ids, tmp_path, skip_special=skip_special)
     # The acceptance criterion: round trips wherever HF's do ...
-    roundtrip = [i for i, l in enumerate(lines) if hf.decode(ids[i], skip_special_tokens=True) == l]
-    assert len(roundtrip) > len(lines) // 4
-    bad_rt = [(lines[i], got[i]) for i in roundtrip if skip_special and got[i] != lines[i]]
-    assert not bad_rt, _report("round trips", bad_rt, len(roundtrip))
+    if skip_special:
+        roundtrip = [i for i, l in enumerate(lines) if want[i] == l]
+        # (The variants' lstrip/rstrip added tokens swallow spaces, so few of their lines round-trip.)
+        assert name in VARIANTS or len(roundtrip) > len(lines) // 4
+        bad_rt = [(lines[i], got[i]) for i in roundtrip if got[i] != lines[i]]
+        assert not bad_rt, _report("round trips", bad_rt, len(roundtrip))
     # ... and, stronger, the same text as HF's decode everywhere.
     bad = [(i, g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert not bad, _report("decoded texts", bad, len(lines))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + VARIANTS)
 def test_detokenize_random_ids_matches_hf(name, tokenizer_dirs, kvserve_bin, tmp_path):
     """Arbitrary id sequences (split characters, stray byte pieces, specials) decode like HF."""
     if name not in tokenizer_dirs:
         pytest.skip(f"fixture tokenizer {name} not generated")
-    hf = tokenizers.Tokenizer.from_file(str(tokenizer_dirs[name] / "tokenizer.json"))
+    hf = hf_tokenizer(tokenizer_dirs[name])
     n = hf.get_vocab_size(with_added_tokens=True)
     rng = random.Random(3)
-    ids = [[rng.randrange(n) for _ in range(rng.randint(0, 30))] for _ in range(1500)]
+    ids = [[rng.randrange(n) for _ in range(rng.randint(0, 30))] for _ in range(1500 if name in NAMES else 500)]
     want = hf.decode_batch(ids, skip_special_tokens=False)
     got = kv_detokenize(kvserve_bin, tokenizer_dirs[name], ids, tmp_path)
     bad = [(i, g, w) for i, g, w in zip(ids, got, want) if g != w]
