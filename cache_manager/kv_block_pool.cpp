@@ -1,0 +1,51 @@
+#include "kv_block_pool.h"
+
+#include <ATen/DeviceAccelerator.h>
+
+#include <limits>
+
+#include "kv_check.h"
+
+namespace kvserve {
+
+int64_t KvBlockPool::bytes_per_block(int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                                     torch::ScalarType dtype) {
+  return 2 * num_kv_heads * block_size * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
+int64_t KvBlockPool::resolve_num_blocks(const KvPoolOptions& o) {
+  KV_CHECK(o.num_kv_heads > 0 && o.head_dim > 0 && o.block_size > 0,
+           "KV pool needs positive num_kv_heads, head_dim and block_size (got " << o.num_kv_heads << ", " << o.head_dim
+                                                                                << ", " << o.block_size << ")");
+  const int64_t bb = bytes_per_block(o.num_kv_heads, o.block_size, o.head_dim, o.dtype);
+  int64_t n = 0;
+  if (o.num_blocks > 0) {
+    n = o.num_blocks;
+  } else if (o.kv_cache_bytes > 0) {
+    n = o.kv_cache_bytes / bb;
+  } else if (o.device_memory_fraction > 0.0) {
+    KV_CHECK(o.device.is_cuda(), "device_memory_fraction needs a CUDA device (pool device is " << o.device << ")");
+    KV_CHECK(o.device_memory_fraction <= 1.0, "device_memory_fraction " << o.device_memory_fraction << " > 1");
+    // Runtime dispatch through the accelerator API: no CUDA headers, so CPU-only builds link too.
+    const auto [free_bytes, total_bytes] = at::accelerator::getMemoryInfo(o.device.has_index() ? o.device.index() : 0);
+    (void)total_bytes;
+    n = static_cast<int64_t>(static_cast<double>(free_bytes) * o.device_memory_fraction) / bb;
+  } else {
+    KV_FAIL("KV pool size not given: set num_blocks, kv_cache_bytes or device_memory_fraction");
+  }
+  KV_CHECK(n > 0, "KV pool too small: " << o.kv_cache_bytes << " bytes hold no block of " << bb << " bytes");
+  KV_CHECK(n <= std::numeric_limits<int32_t>::max(), "KV pool of " << n << " blocks exceeds int32 block ids");
+  return n;
+}
+
+KvBlockPool::KvBlockPool(const KvPoolOptions& options) : options_(options) {
+  KV_CHECK(options.dtype == torch::kFloat32 || options.dtype == torch::kBFloat16 || options.dtype == torch::kFloat16,
+           "KV pool dtype must be float32, bfloat16 or float16, got " << options.dtype);
+  num_blocks_ = resolve_num_blocks(options);
+  block_bytes_ = bytes_per_block(options.num_kv_heads, options.block_size, options.head_dim, options.dtype);
+  // empty, not zeros: untouched pages cost no RSS; readers never look past a layer's length.
+  storage_ = torch::empty({num_blocks_, 2, options.num_kv_heads, options.block_size, options.head_dim},
+                          torch::TensorOptions().dtype(options.dtype).device(options.device));
+}
+
+}  // namespace kvserve

@@ -1,0 +1,54 @@
+#pragma once
+// KvBlockPool: the one tensor that holds a shard's K/V blocks, sized in bytes.
+#include <torch/torch.h>
+
+#include <cstdint>
+
+namespace kvserve {
+
+// What the pool stores and how big it is; plain values so configs can fill them.
+struct KvPoolOptions {
+  int64_t num_kv_heads = 0;  // KV heads of this shard (after tensor-parallel split)
+  int64_t head_dim = 0;
+  int64_t block_size = 16;  // tokens per block
+  // Pool size, in order of precedence: num_blocks (> 0), kv_cache_bytes (> 0), or on CUDA
+  // device_memory_fraction of the device's currently free memory.
+  int64_t num_blocks = 0;
+  int64_t kv_cache_bytes = 0;
+  double device_memory_fraction = 0.0;
+  torch::ScalarType dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+};
+
+// Storage [num_blocks, 2, KV, block_size, D]: one block = K then V of all KV heads of one layer for
+// block_size tokens. Each (block, K|V, head) is a contiguous [block_size, D] tile, so the decode
+// kernel streams a head's keys and values with unit stride and never touches other heads' data.
+class KvBlockPool {
+ public:
+  explicit KvBlockPool(const KvPoolOptions& options);
+
+  static int64_t bytes_per_block(int64_t num_kv_heads, int64_t block_size, int64_t head_dim, torch::ScalarType dtype);
+  // How many blocks `options` asks for (resolves bytes / device fraction); throws on a zero pool.
+  static int64_t resolve_num_blocks(const KvPoolOptions& options);
+
+  const torch::Tensor& storage() const { return storage_; }
+  torch::Tensor keys() const { return storage_.select(1, 0); }    // [N, KV, bs, D] view
+  torch::Tensor values() const { return storage_.select(1, 1); }  // [N, KV, bs, D] view
+
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return options_.block_size; }
+  int64_t num_kv_heads() const { return options_.num_kv_heads; }
+  int64_t head_dim() const { return options_.head_dim; }
+  int64_t block_bytes() const { return block_bytes_; }
+  int64_t total_bytes() const { return block_bytes_ * num_blocks_; }
+  torch::ScalarType dtype() const { return options_.dtype; }
+  torch::Device device() const { return options_.device; }
+
+ private:
+  KvPoolOptions options_;
+  int64_t block_bytes_ = 0;
+  int64_t num_blocks_ = 0;
+  torch::Tensor storage_;
+};
+
+}  // namespace kvserve

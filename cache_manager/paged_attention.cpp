@@ -1,0 +1,368 @@
+#include "paged_attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSERVE_PAGED_AVX2 1
+#endif
+
+#include "kv_check.h"
+
+namespace kvserve {
+namespace {
+
+struct Shapes {
+  int64_t B, H, KV, G, D, bs, N, max_blocks;
+};
+
+Shapes check_args(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& table,
+                  const torch::Tensor& lengths) {
+  KV_CHECK(q.dim() == 3, "paged attention: q must be [B, H, D], got " << q.sizes());
+  KV_CHECK(pool.dim() == 5 && pool.size(1) == 2, "paged attention: pool must be [N, 2, KV, bs, D], got " << pool.sizes());
+  Shapes s{};
+  s.B = q.size(0);
+  s.H = q.size(1);
+  s.D = q.size(2);
+  s.N = pool.size(0);
+  s.KV = pool.size(2);
+  s.bs = pool.size(3);
+  KV_CHECK(pool.size(4) == s.D, "paged attention: head_dim of q (" << s.D << ") != pool's (" << pool.size(4) << ")");
+  KV_CHECK(s.KV > 0 && s.H % s.KV == 0, "paged attention: " << s.H << " query heads not a multiple of " << s.KV
+                                                              << " KV heads");
+  s.G = s.H / s.KV;
+  KV_CHECK(table.dim() == 2 && table.size(0) == s.B, "paged attention: block_table must be [B=" << s.B << ", max_blocks], got "
+                                                                                              << table.sizes());
+  KV_CHECK(lengths.dim() == 1 && lengths.size(0) == s.B, "paged attention: lengths must be [B=" << s.B << "], got "
+                                                                                               << lengths.sizes());
+  KV_CHECK(table.scalar_type() == torch::kInt32 && lengths.scalar_type() == torch::kInt32,
+           "paged attention: block_table and lengths must be int32");
+  s.max_blocks = table.size(1);
+  return s;
+}
+
+double resolve_scale(double scale, int64_t D) { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)); }
+
+// Host-side length check shared by all paths: a table too short for its length would read garbage.
+void check_lengths(const Shapes& s, const int32_t* lens) {
+  for (int64_t b = 0; b < s.B; ++b) {
+    KV_CHECK(lens[b] >= 0 && (lens[b] + s.bs - 1) / s.bs <= s.max_blocks,
+             "paged attention: sequence " << b << " length " << lens[b] << " needs more than " << s.max_blocks
+                                          << " blocks");
+  }
+}
+
+#ifdef KVSERVE_PAGED_AVX2
+
+// 2^x for x <= 0 (scores minus their running max); lanes below -126 (incl. -inf) flush to exactly 0.
+inline __m256 exp2_ps(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-126.0f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(x, n);  // [-0.5, 0.5]
+  // Taylor series of e^(r ln 2) to degree 7: relative error < 1e-8 on [-0.5, 0.5].
+  __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428441e-03f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-03f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lane i of the result = horizontal sum of a[i]: eight dot products finished with 7 shuffles+adds.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // [a0 a1 a2 a3 | a0 a1 a2 a3] (low / high halves)
+  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // same for a4..a7
+  const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+  return _mm256_add_ps(lo, hi);
+}
+
+// A slice of one (sequence, KV head)'s blocks; long contexts are split so that all threads stay busy.
+struct WorkItem {
+  int32_t b, kvh, blk_begin, blk_end;
+};
+
+// Online-softmax partial over blocks [blk_begin, blk_end) for the G query heads of KV head kvh.
+// Writes unnormalised acc [G, D], running max m [G] (log2 domain) and sum l [G].
+template <int kD>
+void attend_chunk(const Shapes& s, const float* q, float qscale, const float* pool, const int32_t* table_row,
+                  int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc) {
+  const int64_t D = kD ? kD : s.D;
+  const int64_t G = s.G, bs = s.bs;
+  const int64_t tile = bs * D;           // one head's K (or V) in one block
+  const int64_t block_stride = 2 * s.KV * tile;
+  const float* qg0 = q + (static_cast<int64_t>(w.b) * s.H + static_cast<int64_t>(w.kvh) * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = qg0[i] * qscale;
+  std::fill(acc, acc + G * D, 0.0f);
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+  }
+  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+
+  for (int64_t blk = w.blk_begin; blk < w.blk_end; ++blk) {
+    const float* K = pool + static_cast<int64_t>(table_row[blk]) * block_stride + w.kvh * tile;
+    const float* V = K + s.KV * tile;
+    const int64_t n = std::min<int64_t>(bs, len - blk * bs);
+    const int64_t ntiles = (n + 7) / 8;
+    if (blk + 1 < w.blk_end) {  // the next block is elsewhere in memory: start its first lines early
+      const float* nk = pool + static_cast<int64_t>(table_row[blk + 1]) * block_stride + w.kvh * tile;
+      _mm_prefetch(reinterpret_cast<const char*>(nk), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(nk + s.KV * tile), _MM_HINT_T0);
+    }
+
+    // Scores (already in log2 units): each K row is read from memory once, then from L1 for the other heads.
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      float* sg = sc + g * bs;
+      for (int64_t t0 = 0; t0 < ntiles * 8; t0 += 8) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + (t0 + i) * D + d), a[i]);
+        }
+        __m256 sv = hsum8(a);
+        if (t0 + 8 > n) {  // slots past the length hold stale data: mask them out
+          const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(n - t0)), _CMP_LT_OQ);
+          sv = _mm256_blendv_ps(neg_inf, sv, valid);
+        }
+        _mm256_storeu_ps(sg + t0, sv);
+      }
+    }
+
+    // Online softmax: rescale the running state once per block, not per token.
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = sc + g * bs;
+      __m256 mx = _mm256_loadu_ps(sg);
+      for (int64_t j = 1; j < ntiles; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + 8 * j));
+      const float m_new = std::max(m[g], hmax(mx));
+      if (m_new > m[g]) {
+        const float corr = std::exp2(m[g] - m_new);  // 0 on the first block (m = -inf)
+        l[g] *= corr;
+        const __m256 cv = _mm256_set1_ps(corr);
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(_mm256_loadu_ps(ag + d), cv));
+        m[g] = m_new;
+      }
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < ntiles; ++j) {
+        const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + 8 * j), mv));
+        _mm256_storeu_ps(sg + 8 * j, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      l[g] += hsum(sum);
+    }
+
+    // acc += p · V, valid rows only (stale rows may hold NaN and 0 * NaN is NaN).
+    for (int64_t d = 0; d < D; d += 8) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = sc + g * bs;
+        float* ag = acc + g * D + d;
+        __m256 a0 = _mm256_loadu_ps(ag);
+        __m256 a1 = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 1 < n; t += 2) {
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), _mm256_loadu_ps(V + t * D + d), a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + 1), _mm256_loadu_ps(V + (t + 1) * D + d), a1);
+        }
+        if (t < n) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), _mm256_loadu_ps(V + t * D + d), a0);
+        _mm256_storeu_ps(ag, _mm256_add_ps(a0, a1));
+      }
+    }
+  }
+}
+
+using ChunkFn = void (*)(const Shapes&, const float*, float, const float*, const int32_t*, int64_t, const WorkItem&,
+                         float*, float*, float*, float*, float*);
+
+// Tokens per split-K chunk are at least this many blocks, so the merge stays negligible.
+constexpr int64_t kMinChunkBlocks = 16;
+
+torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, const torch::Tensor& pool,
+                                       const torch::Tensor& table_in, const torch::Tensor& lengths_in, double scale) {
+  const torch::Tensor table = table_in.to(torch::kCPU).contiguous();
+  const torch::Tensor lengths = lengths_in.to(torch::kCPU).contiguous();
+  const torch::Tensor qc = q.contiguous();
+  const int32_t* tab = table.data_ptr<int32_t>();
+  const int32_t* lens = lengths.data_ptr<int32_t>();
+  check_lengths(s, lens);
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t nb = (lens[b] + s.bs - 1) / s.bs;
+    for (int64_t j = 0; j < nb; ++j) {
+      KV_CHECK(tab[b * s.max_blocks + j] >= 0 && tab[b * s.max_blocks + j] < s.N,
+               "paged attention: block id " << tab[b * s.max_blocks + j] << " out of range");
+    }
+  }
+
+  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t total_blocks = 0;
+  for (int64_t b = 0; b < s.B; ++b) total_blocks += (lens[b] + s.bs - 1) / s.bs * s.KV;
+  const int64_t chunk = std::max<int64_t>(kMinChunkBlocks, (total_blocks + 4 * nthreads - 1) / (4 * nthreads));
+
+  std::vector<WorkItem> items;
+  std::vector<int64_t> first_item(static_cast<size_t>(s.B * s.KV) + 1, 0);
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t nb = (lens[b] + s.bs - 1) / s.bs;
+    for (int64_t h = 0; h < s.KV; ++h) {
+      first_item[b * s.KV + h] = static_cast<int64_t>(items.size());
+      for (int64_t c = 0; c < nb; c += chunk) {
+        items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(c),
+                         static_cast<int32_t>(std::min(nb, c + chunk))});
+      }
+    }
+  }
+  first_item[s.B * s.KV] = static_cast<int64_t>(items.size());
+  // Longest first, handed out dynamically: batches with very different lengths still balance.
+  std::vector<int32_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) {
+    return items[x].blk_end - items[x].blk_begin > items[y].blk_end - items[y].blk_begin;
+  });
+
+  const int64_t G = s.G, D = s.D;
+  std::vector<float> part_acc(items.size() * G * D), part_m(items.size() * G), part_l(items.size() * G);
+  const ChunkFn fn = D == 64 ? &attend_chunk<64> : D == 128 ? &attend_chunk<128> : &attend_chunk<0>;
+  const float qscale = static_cast<float>(scale * 1.4426950408889634);  // fold log2(e): softmax via exp2
+  const float* qp = qc.data_ptr<float>();
+  const float* pp = pool.data_ptr<float>();
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(nthreads, std::max<int64_t>(n_items, 1)), 1, [&](int64_t, int64_t) {
+    std::vector<float> qs(G * D), sc(G * s.bs);
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      const int64_t i = order[k];
+      const WorkItem& w = items[i];
+      fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, lens[w.b], w, part_acc.data() + i * G * D,
+         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data());
+    }
+  });
+
+  torch::Tensor out = torch::empty({s.B, s.H, D}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, s.B * s.KV, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t i0 = first_item[bh], i1 = first_item[bh + 1];
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (bh * G + g) * D;
+        if (i0 == i1) {  // empty layer: nothing to attend to
+          std::fill(o, o + D, 0.0f);
+          continue;
+        }
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t i = i0; i < i1; ++i) M = std::max(M, part_m[i * G + g]);
+        float L = 0.0f;
+        std::fill(o, o + D, 0.0f);
+        for (int64_t i = i0; i < i1; ++i) {
+          const float w = std::exp2(part_m[i * G + g] - M);
+          L += w * part_l[i * G + g];
+          const float* a = part_acc.data() + (i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.0f / L;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+  return out;
+}
+#endif  // KVSERVE_PAGED_AVX2
+
+}  // namespace
+
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
+                              const torch::Tensor& lengths, double scale) {
+  const Shapes s = check_args(q, pool, block_table, lengths);
+  scale = resolve_scale(scale, s.D);
+#ifdef KVSERVE_PAGED_AVX2
+  if (pool.device().is_cpu() && q.device().is_cpu() && pool.scalar_type() == torch::kFloat32 &&
+      q.scalar_type() == torch::kFloat32 && pool.is_contiguous() && s.D % 8 == 0 && s.bs % 8 == 0) {
+    return paged_attention_cpu_avx2(s, q, pool, block_table, lengths, scale);
+  }
+#endif
+  return paged_attention_gather(q, pool, block_table, lengths, scale);
+}
+
+torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
+                                     const torch::Tensor& lengths, double scale) {
+  const Shapes s = check_args(q, pool, block_table, lengths);
+  scale = resolve_scale(scale, s.D);
+  {
+    const torch::Tensor lens_host = lengths.to(torch::kCPU).contiguous();
+    check_lengths(s, lens_host.data_ptr<int32_t>());
+  }
+  const auto dev = pool.device();
+  if (s.max_blocks == 0) return torch::zeros_like(q);
+  const torch::Tensor idx = block_table.to(dev, torch::kLong).reshape({-1});
+  const torch::Tensor lens = lengths.to(dev, torch::kLong);
+  const int64_t S = s.max_blocks * s.bs;
+  // [B*maxb, 2, KV, bs, D] → K, V as [B, KV, S, D]
+  const torch::Tensor blocks = pool.index_select(0, idx).view({s.B, s.max_blocks, 2, s.KV, s.bs, s.D});
+  const torch::Tensor k = blocks.select(2, 0).permute({0, 2, 1, 3, 4}).reshape({s.B, s.KV, S, s.D});
+  const torch::Tensor v = blocks.select(2, 1).permute({0, 2, 1, 3, 4}).reshape({s.B, s.KV, S, s.D});
+  const torch::Tensor qg = q.to(dev, pool.scalar_type()).view({s.B, s.KV, s.G, s.D});
+  torch::Tensor scores = torch::matmul(qg, k.transpose(-1, -2)).to(torch::kFloat32).mul_(scale);  // [B, KV, G, S]
+  // Stale slots may hold NaN/inf: replace, don't add, so nothing leaks through the mask.
+  const torch::Tensor invalid = torch::arange(S, lens.options()).view({1, S}) >= lens.view({s.B, 1});
+  scores.masked_fill_(invalid.view({s.B, 1, 1, S}), -std::numeric_limits<float>::infinity());
+  torch::Tensor probs = torch::softmax(scores, -1).nan_to_num_(0.0);  // empty rows → 0
+  const torch::Tensor vz = v.masked_fill(invalid.view({s.B, 1, S, 1}), 0);
+  torch::Tensor out = torch::matmul(probs.to(pool.scalar_type()), vz);  // [B, KV, G, D]
+  return out.reshape({s.B, s.H, s.D}).to(q.device(), q.scalar_type());
+}
+
+torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Tensor& pool,
+                                        const torch::Tensor& block_table, const torch::Tensor& lengths,
+                                        double scale) {
+  const Shapes s = check_args(q, pool, block_table, lengths);
+  scale = resolve_scale(scale, s.D);
+  const torch::Tensor table = block_table.to(torch::kCPU, torch::kLong);
+  const torch::Tensor lens = lengths.to(torch::kCPU, torch::kLong);
+  torch::Tensor out = torch::zeros({s.B, s.H, s.D}, q.options().dtype(torch::kFloat64));
+  for (int64_t b = 0; b < s.B; ++b) {
+    const int64_t len = lens[b].item<int64_t>();
+    if (len == 0) continue;
+    const int64_t nb = (len + s.bs - 1) / s.bs;
+    const torch::Tensor blocks = pool.index_select(0, table[b].narrow(0, 0, nb).to(pool.device())).to(torch::kFloat64);
+    const torch::Tensor k = blocks.select(1, 0).permute({1, 0, 2, 3}).reshape({s.KV, nb * s.bs, s.D}).narrow(1, 0, len);
+    const torch::Tensor v = blocks.select(1, 1).permute({1, 0, 2, 3}).reshape({s.KV, nb * s.bs, s.D}).narrow(1, 0, len);
+    const torch::Tensor qb = q[b].to(torch::kFloat64).view({s.KV, s.G, s.D});
+    const torch::Tensor p = torch::softmax(torch::matmul(qb, k.transpose(1, 2)) * scale, -1);
+    out[b].copy_(torch::matmul(p, v).reshape({s.H, s.D}).to(out.device()));
+  }
+  return out.to(q.scalar_type());
+}
+
+}  // namespace kvserve

@@ -1,0 +1,348 @@
+#include "paged_kv_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <unordered_set>
+
+#include "kv_check.h"
+#include "paged_attention.h"
+
+namespace kvserve {
+
+using torch::indexing::Slice;
+
+PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
+    : num_layers_(num_layers),
+      pool_(options),
+      alloc_(pool_.num_blocks()),
+      kv_(options.num_kv_heads),
+      bs_(options.block_size),
+      d_(options.head_dim) {
+  KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
+  pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// sequences
+
+void PagedKvCache::add_sequence(int64_t seq_id) {
+  KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already in the KV cache");
+  seqs_.emplace(seq_id, SequenceBlockTable(num_layers_));
+}
+
+void PagedKvCache::release(int64_t seq_id) {
+  SequenceBlockTable& t = table_of(seq_id);
+  for (int64_t l = 0; l < t.num_layers(); ++l) {
+    drop_blocks(t.layer(l).blocks);
+    t.layer(l).length = 0;
+  }
+  seqs_.erase(seq_id);
+}
+
+std::vector<int64_t> PagedKvCache::sequence_ids() const {
+  std::vector<int64_t> ids;
+  ids.reserve(seqs_.size());
+  for (const auto& [id, t] : seqs_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+SequenceBlockTable& PagedKvCache::table_of(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end(), "sequence " << seq_id << " not in the KV cache");
+  return it->second;
+}
+
+const SequenceBlockTable& PagedKvCache::table_of(int64_t seq_id) const {
+  return const_cast<PagedKvCache*>(this)->table_of(seq_id);
+}
+
+std::vector<int32_t> PagedKvCache::take_blocks(int64_t n, int64_t seq_id, int64_t layer) {
+  if (n > alloc_.free_blocks()) {
+    KV_FAIL("KV pool exhausted: need " << n << " blocks, " << alloc_.free_blocks() << " free (sequence " << seq_id
+                                       << ", layer " << layer << ")");
+  }
+  return alloc_.allocate(n);
+}
+
+void PagedKvCache::drop_blocks(std::vector<int32_t>& blocks) {
+  for (int32_t b : blocks) alloc_.decref(b);
+  blocks.clear();
+}
+
+std::pair<torch::Tensor, torch::Tensor> PagedKvCache::slot_index(const std::vector<int32_t>& blocks,
+                                                                 int64_t count) const {
+  torch::Tensor blk = torch::empty({count}, torch::kLong);
+  torch::Tensor off = torch::empty({count}, torch::kLong);
+  int64_t* bp = blk.data_ptr<int64_t>();
+  int64_t* op = off.data_ptr<int64_t>();
+  for (int64_t j = 0; j < count; ++j) {
+    bp[j] = blocks[static_cast<size_t>(j / bs_)];
+    op[j] = j % bs_;
+  }
+  const auto dev = pool_.device();
+  return {blk.to(dev), off.to(dev)};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// content
+
+void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& positions) {
+  SequenceBlockTable& t = table_of(seq_id);
+  LayerBlocks& lb = t.layer(layer);
+  KV_CHECK(k.dim() == 3 && k.size(0) == kv_ && k.size(2) == d_,
+           "write: k must be [KV=" << kv_ << ", n, D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(v.sizes() == k.sizes(), "write: v " << v.sizes() << " != k " << k.sizes());
+  const int64_t n = k.size(1);
+  KV_CHECK(positions.dim() == 2 && positions.size(0) == kv_ && positions.size(1) == n,
+           "write: positions must be [KV=" << kv_ << ", n=" << n << "], got " << positions.sizes());
+  const torch::Tensor pos = positions.to(torch::kCPU, torch::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kv_ * n; ++i) {
+    KV_CHECK(pp[i] >= 0 && pp[i] <= std::numeric_limits<int32_t>::max(), "write: position " << pp[i] << " out of range");
+  }
+
+  // The layer's own exclusively held blocks come back before the new ones are taken.
+  const int64_t need = blocks_for_tokens(n, bs_);
+  int64_t reclaimable = 0;
+  for (int32_t b : lb.blocks) reclaimable += alloc_.refcount(b) == 1;
+  if (need > alloc_.free_blocks() + reclaimable) {
+    KV_FAIL("KV pool exhausted: need " << need - reclaimable << " blocks, " << alloc_.free_blocks() << " free (sequence "
+                                       << seq_id << ", layer " << layer << ")");
+  }
+  drop_blocks(lb.blocks);
+  lb.length = 0;
+  lb.blocks = take_blocks(need, seq_id, layer);
+  if (n > 0) {
+    const auto [blk, off] = slot_index(lb.blocks, n);
+    const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
+    pool_.keys().index_put_({blk, Slice(), off}, k.to(opts).transpose(0, 1));
+    pool_.values().index_put_({blk, Slice(), off}, v.to(opts).transpose(0, 1));
+  }
+  for (int64_t h = 0; h < kv_; ++h) {
+    for (int64_t j = 0; j < n; ++j) {
+      pos_ptr(lb.blocks[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(pp[h * n + j]);
+    }
+  }
+  lb.length = n;
+}
+
+void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots) {
+  SequenceBlockTable& t = table_of(seq_id);
+  LayerBlocks& lb = t.layer(layer);
+  KV_CHECK(keep_slots.dim() == 2 && keep_slots.size(0) == kv_,
+           "compact: keep_slots must be [KV=" << kv_ << ", m], got " << keep_slots.sizes());
+  const int64_t m = keep_slots.size(1);
+  const torch::Tensor keep = keep_slots.to(torch::kCPU, torch::kLong).contiguous();
+  const int64_t* kp = keep.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kv_ * m; ++i) {
+    KV_CHECK(kp[i] >= 0 && kp[i] < lb.length,
+             "compact: slot " << kp[i] << " out of range [0, " << lb.length << ") (sequence " << seq_id << ", layer "
+                              << layer << ")");
+  }
+  std::vector<int32_t> fresh = take_blocks(blocks_for_tokens(m, bs_), seq_id, layer);
+  if (m > 0) {
+    torch::Tensor src_blk = torch::empty({kv_, m}, torch::kLong), src_off = torch::empty({kv_, m}, torch::kLong);
+    int64_t* sb = src_blk.data_ptr<int64_t>();
+    int64_t* so = src_off.data_ptr<int64_t>();
+    for (int64_t i = 0; i < kv_ * m; ++i) {
+      sb[i] = lb.blocks[static_cast<size_t>(kp[i] / bs_)];
+      so[i] = kp[i] % bs_;
+    }
+    const auto dev = pool_.device();
+    const torch::Tensor head = torch::arange(kv_, torch::TensorOptions().dtype(torch::kLong).device(dev)).view({kv_, 1});
+    auto [dst_blk, dst_off] = slot_index(fresh, m);
+    dst_blk = dst_blk.view({1, m});
+    dst_off = dst_off.view({1, m});
+    src_blk = src_blk.to(dev);
+    src_off = src_off.to(dev);
+    for (torch::Tensor half : {pool_.keys(), pool_.values()}) {
+      const torch::Tensor kept = half.index({src_blk, head, src_off});  // [KV, m, D], a copy
+      half.index_put_({dst_blk, head, dst_off}, kept);
+    }
+    for (int64_t h = 0; h < kv_; ++h) {
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t s = kp[h * m + j];
+        pos_ptr(fresh[static_cast<size_t>(j / bs_)], h)[j % bs_] =
+            pos_ptr(lb.blocks[static_cast<size_t>(s / bs_)], h)[s % bs_];
+      }
+    }
+  }
+  drop_blocks(lb.blocks);
+  lb.blocks = std::move(fresh);
+  lb.length = m;
+}
+
+void PagedKvCache::append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k,
+                          const torch::Tensor& v, const std::vector<int64_t>& positions) {
+  const int64_t B = static_cast<int64_t>(seq_ids.size());
+  KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
+           "append: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(v.sizes() == k.sizes(), "append: v " << v.sizes() << " != k " << k.sizes());
+  KV_CHECK(static_cast<int64_t>(positions.size()) == B, "append: " << positions.size() << " positions for " << B
+                                                                   << " sequences");
+  KV_CHECK(layer >= 0 && layer < num_layers_, "append: layer " << layer << " out of range [0, " << num_layers_ << ")");
+  std::vector<LayerBlocks*> lbs(static_cast<size_t>(B));
+  int64_t need = 0, first_needing = -1;
+  for (int64_t b = 0; b < B; ++b) {
+    LayerBlocks& lb = table_of(seq_ids[b]).layer(layer);
+    for (int64_t c = 0; c < b; ++c) KV_CHECK(lbs[c] != &lb, "append: sequence " << seq_ids[b] << " twice in one batch");
+    KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
+             "append: position " << positions[b] << " out of range");
+    if (lb.length == lb.capacity(bs_)) {
+      need += 1;
+      if (first_needing < 0) first_needing = seq_ids[b];
+    } else {
+      KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1,
+               "append: last block of sequence " << seq_ids[b] << " layer " << layer << " is shared (copy-on-write not implemented)");
+    }
+    lbs[b] = &lb;
+  }
+  if (need > alloc_.free_blocks()) {
+    KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence "
+                                       << first_needing << ", layer " << layer << ")");
+  }
+  std::vector<int32_t> blk(static_cast<size_t>(B));
+  std::vector<int64_t> off(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    LayerBlocks& lb = *lbs[b];
+    if (lb.length == lb.capacity(bs_)) lb.blocks.push_back(alloc_.allocate());
+    blk[b] = lb.blocks.back();
+    off[b] = lb.length % bs_;
+  }
+
+  const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                    k.scalar_type() == pool_.dtype() && v.scalar_type() == pool_.dtype();
+  if (fast) {
+    const torch::Tensor kc = k.contiguous(), vc = v.contiguous();
+    const int64_t esz = static_cast<int64_t>(c10::elementSize(pool_.dtype()));
+    char* base = static_cast<char*>(pool_.storage().data_ptr());
+    const char* ks = static_cast<const char*>(kc.data_ptr());
+    const char* vs = static_cast<const char*>(vc.data_ptr());
+    const int64_t row = d_ * esz, tile = bs_ * row, block = 2 * kv_ * tile;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < kv_; ++h) {
+        char* dst = base + blk[b] * block + h * tile + off[b] * row;
+        std::memcpy(dst, ks + (b * kv_ + h) * row, static_cast<size_t>(row));
+        std::memcpy(dst + kv_ * tile, vs + (b * kv_ + h) * row, static_cast<size_t>(row));
+      }
+    }
+  } else {
+    const auto dev = pool_.device();
+    const torch::Tensor bt = torch::tensor(std::vector<int64_t>(blk.begin(), blk.end()), torch::kLong).to(dev);
+    const torch::Tensor ot = torch::tensor(off, torch::kLong).to(dev);
+    const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(dev);
+    pool_.keys().index_put_({bt, Slice(), ot}, k.to(opts));
+    pool_.values().index_put_({bt, Slice(), ot}, v.to(opts));
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk[b], h)[off[b]] = static_cast<int32_t>(positions[b]);
+    lbs[b]->length += 1;
+  }
+}
+
+DecodeTables PagedKvCache::decode_tables(int64_t layer, const std::vector<int64_t>& seq_ids) const {
+  const int64_t B = static_cast<int64_t>(seq_ids.size());
+  std::vector<const LayerBlocks*> lbs(static_cast<size_t>(B));
+  int64_t max_blocks = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    lbs[b] = &table_of(seq_ids[b]).layer(layer);
+    max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(lbs[b]->blocks.size()));
+  }
+  torch::Tensor table = torch::zeros({B, max_blocks}, torch::kInt32);
+  torch::Tensor lens = torch::empty({B}, torch::kInt32);
+  int32_t* tp = table.data_ptr<int32_t>();
+  int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(tp + b * max_blocks, lbs[b]->blocks.data(), lbs[b]->blocks.size() * sizeof(int32_t));
+    lp[b] = static_cast<int32_t>(lbs[b]->length);
+  }
+  if (!pool_.device().is_cpu()) {
+    table = table.to(pool_.device());
+    lens = lens.to(pool_.device());
+  }
+  return {table, lens};
+}
+
+torch::Tensor PagedKvCache::attend(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& q,
+                                   double scale) const {
+  const DecodeTables t = decode_tables(layer, seq_ids);
+  return paged_attention(q, pool_.storage(), t.block_table, t.lengths, scale);
+}
+
+torch::Tensor PagedKvCache::append_and_attend(int64_t layer, const std::vector<int64_t>& seq_ids,
+                                              const std::vector<int64_t>& positions, const torch::Tensor& q,
+                                              const torch::Tensor& k, const torch::Tensor& v, double scale) {
+  append(layer, seq_ids, k, v, positions);
+  return attend(layer, seq_ids, q, scale);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// inspection and accounting
+
+const LayerBlocks& PagedKvCache::layer_blocks(int64_t seq_id, int64_t layer) const {
+  return table_of(seq_id).layer(layer);
+}
+
+int64_t PagedKvCache::length(int64_t seq_id, int64_t layer) const { return layer_blocks(seq_id, layer).length; }
+
+torch::Tensor PagedKvCache::positions(int64_t seq_id, int64_t layer) const {
+  const LayerBlocks& lb = layer_blocks(seq_id, layer);
+  torch::Tensor out = torch::empty({kv_, lb.length}, torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t h = 0; h < kv_; ++h) {
+    for (int64_t j = 0; j < lb.length; ++j) op[h * lb.length + j] = pos_ptr(lb.blocks[static_cast<size_t>(j / bs_)], h)[j % bs_];
+  }
+  return out;
+}
+
+std::pair<torch::Tensor, torch::Tensor> PagedKvCache::gather(int64_t seq_id, int64_t layer) const {
+  const LayerBlocks& lb = layer_blocks(seq_id, layer);
+  const auto [blk, off] = slot_index(lb.blocks, lb.length);
+  torch::Tensor k = pool_.keys().index({blk, Slice(), off}).transpose(0, 1).contiguous();
+  torch::Tensor v = pool_.values().index({blk, Slice(), off}).transpose(0, 1).contiguous();
+  return {k, v};
+}
+
+int64_t PagedKvCache::blocks_of(int64_t seq_id) const { return table_of(seq_id).num_blocks(); }
+
+int64_t PagedKvCache::blocks_needed(const std::vector<int64_t>& tokens_per_layer) const {
+  int64_t n = 0;
+  for (int64_t t : tokens_per_layer) {
+    KV_CHECK(t >= 0, "blocks_needed: negative token count " << t);
+    n += blocks_for_tokens(t, bs_);
+  }
+  return n;
+}
+
+int64_t PagedKvCache::blocks_for_next_token(int64_t seq_id) const {
+  const SequenceBlockTable& t = table_of(seq_id);
+  int64_t n = 0;
+  for (int64_t l = 0; l < t.num_layers(); ++l) n += t.layer(l).length == t.layer(l).capacity(bs_);
+  return n;
+}
+
+void PagedKvCache::check_invariants() const {
+  alloc_.check_invariants();
+  std::vector<int32_t> refs(static_cast<size_t>(alloc_.total_blocks()), 0);
+  for (const auto& [id, t] : seqs_) {
+    for (int64_t l = 0; l < t.num_layers(); ++l) {
+      const LayerBlocks& lb = t.layer(l);
+      KV_CHECK(static_cast<int64_t>(lb.blocks.size()) == blocks_for_tokens(lb.length, bs_),
+               "sequence " << id << " layer " << l << " holds " << lb.blocks.size() << " blocks for " << lb.length
+                           << " tokens");
+      for (int32_t b : lb.blocks) {
+        KV_CHECK(b >= 0 && b < alloc_.total_blocks(), "sequence " << id << " layer " << l << " has bad block " << b);
+        ++refs[static_cast<size_t>(b)];
+      }
+    }
+  }
+  for (int64_t b = 0; b < alloc_.total_blocks(); ++b) {
+    KV_CHECK(refs[b] == alloc_.refcount(static_cast<int32_t>(b)),
+             "block " << b << " referenced by " << refs[b] << " tables but refcount " << alloc_.refcount(static_cast<int32_t>(b)));
+  }
+}
+
+}  // namespace kvserve

@@ -1,0 +1,111 @@
+#pragma once
+// PagedKvCache: per-(sequence, layer) paged K/V of one shard: write, compact, append, attend, release.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "block_allocator.h"
+#include "block_table.h"
+#include "kv_block_pool.h"
+
+namespace kvserve {
+
+// One decode step's block tables for one layer, built once and shared by every kernel call of that step.
+struct DecodeTables {
+  torch::Tensor block_table;  // int32 [B, max_blocks] on the pool's device (padding: block 0)
+  torch::Tensor lengths;      // int32 [B] on the pool's device
+};
+
+// Owns the pool, the allocator and every sequence's block tables. Layers are numbered 0..num_layers-1
+// locally (a pipeline stage maps its global layers). Token positions are kept per (layer, head, slot)
+// in a host array paged like the K/V blocks, so they are freed and compacted with them.
+// Failure contract: an operation that cannot get its blocks throws KvError "KV pool exhausted: ..."
+// before changing anything. Not thread-safe: one engine thread drives it.
+class PagedKvCache {
+ public:
+  PagedKvCache(int64_t num_layers, const KvPoolOptions& options);
+
+  // --- sequences -------------------------------------------------------------------------------
+  void add_sequence(int64_t seq_id);  // every layer empty
+  bool has_sequence(int64_t seq_id) const { return seqs_.count(seq_id) != 0; }
+  void release(int64_t seq_id);       // returns every block; unknown ids are an error
+  std::vector<int64_t> sequence_ids() const;
+
+  // --- content -----------------------------------------------------------------------------------
+  // Replaces the layer's content: k, v [KV, n, D] (any float dtype/device, converted), positions
+  // [KV, n] integer (host or device). n may be 0. Blocks the layer held are reused/freed.
+  void write(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
+             const torch::Tensor& positions);
+  // Keeps, per head, the slots keep_slots [KV, m] (int64, each in [0, length)) in the given order:
+  // new slot j of head h = old slot keep_slots[h][j]. Copied into fresh blocks, old ones freed at once.
+  void compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots);
+  // Decode: one token per sequence (k, v [B, KV, D]) at true positions[b] (same for every head).
+  // A block is taken only when a sequence's last block of this layer is full. Duplicate ids are an error.
+  void append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k, const torch::Tensor& v,
+              const std::vector<int64_t>& positions);
+  // The model's decode hook in one call: append, build the tables, paged attention. q [B, H, D] → [B, H, D].
+  torch::Tensor append_and_attend(int64_t layer, const std::vector<int64_t>& seq_ids,
+                                  const std::vector<int64_t>& positions, const torch::Tensor& q,
+                                  const torch::Tensor& k, const torch::Tensor& v, double scale = -1.0);
+  // Block tables of `layer` for a batch, ready for paged_attention().
+  DecodeTables decode_tables(int64_t layer, const std::vector<int64_t>& seq_ids) const;
+  // paged_attention() over the current content (no append).
+  torch::Tensor attend(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& q,
+                       double scale = -1.0) const;
+
+  // --- inspection --------------------------------------------------------------------------------
+  int64_t length(int64_t seq_id, int64_t layer) const;
+  // Original token positions, int64 [KV, length] on the host.
+  torch::Tensor positions(int64_t seq_id, int64_t layer) const;
+  // Contiguous copies k, v [KV, length, D] in the pool's dtype/device (tests, debugging, eviction scoring).
+  std::pair<torch::Tensor, torch::Tensor> gather(int64_t seq_id, int64_t layer) const;
+  const LayerBlocks& layer_blocks(int64_t seq_id, int64_t layer) const;
+
+  // --- accounting --------------------------------------------------------------------------------
+  int64_t free_blocks() const { return alloc_.free_blocks(); }
+  int64_t used_blocks() const { return alloc_.used_blocks(); }
+  int64_t total_blocks() const { return alloc_.total_blocks(); }
+  int64_t high_water_blocks() const { return alloc_.high_water_blocks(); }
+  void reset_high_water() { alloc_.reset_high_water(); }
+  int64_t block_bytes() const { return pool_.block_bytes(); }
+  int64_t blocks_of(int64_t seq_id) const;
+  int64_t bytes_of(int64_t seq_id) const { return blocks_of(seq_id) * block_bytes(); }
+  // Blocks for a sequence holding tokens_per_layer[l] tokens in layer l (admission control).
+  int64_t blocks_needed(const std::vector<int64_t>& tokens_per_layer) const;
+  // Blocks the next append of one token to every layer of seq_id would take.
+  int64_t blocks_for_next_token(int64_t seq_id) const;
+  // Full consistency check (allocator invariants, every table's blocks referenced, lengths fit).
+  void check_invariants() const;
+
+  int64_t num_layers() const { return num_layers_; }
+  int64_t block_size() const { return pool_.block_size(); }
+  int64_t num_kv_heads() const { return pool_.num_kv_heads(); }
+  int64_t head_dim() const { return pool_.head_dim(); }
+  const KvBlockPool& pool() const { return pool_; }
+  const BlockAllocator& allocator() const { return alloc_; }
+
+ private:
+  SequenceBlockTable& table_of(int64_t seq_id);
+  const SequenceBlockTable& table_of(int64_t seq_id) const;
+  // Takes n blocks or throws the exhaustion error naming the sequence and layer; no change on failure.
+  std::vector<int32_t> take_blocks(int64_t n, int64_t seq_id, int64_t layer);
+  void drop_blocks(std::vector<int32_t>& blocks);
+  // Pool slot addressing for a layer's first `count` slots: block ids and offsets as int64 tensors.
+  std::pair<torch::Tensor, torch::Tensor> slot_index(const std::vector<int32_t>& blocks, int64_t count) const;
+  int32_t* pos_ptr(int32_t block, int64_t head) { return pos_.data() + (int64_t{block} * kv_ + head) * bs_; }
+  const int32_t* pos_ptr(int32_t block, int64_t head) const {
+    return pos_.data() + (int64_t{block} * kv_ + head) * bs_;
+  }
+
+  int64_t num_layers_;
+  KvBlockPool pool_;
+  BlockAllocator alloc_;
+  int64_t kv_, bs_, d_;
+  std::vector<int32_t> pos_;  // [num_blocks, KV, block_size] original positions
+  std::unordered_map<int64_t, SequenceBlockTable> seqs_;
+};
+
+}  // namespace kvserve

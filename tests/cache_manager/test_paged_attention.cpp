@@ -1,0 +1,177 @@
+// Paged decode attention: exact against a contiguous fp64 softmax over the same K/V.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "kv_check.h"
+#include "paged_attention.h"
+#include "paged_kv_cache.h"
+
+namespace kvserve {
+namespace {
+
+struct Case {
+  int64_t kv, g, d, bs;
+  std::vector<int64_t> lens;
+  float q_scale = 1.0f;
+};
+
+// Contiguous reference straight from the tensors that were written (never from the pool).
+torch::Tensor contiguous_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& ks,
+                                   const std::vector<torch::Tensor>& vs, int64_t kv) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = H / kv;
+  torch::Tensor out = torch::zeros({B, H, D}, torch::kFloat64);
+  for (int64_t b = 0; b < B; ++b) {
+    if (ks[b].size(1) == 0) continue;
+    auto qb = q[b].to(torch::kFloat64).view({kv, G, D});
+    auto s = torch::matmul(qb, ks[b].to(torch::kFloat64).transpose(1, 2)) / std::sqrt(static_cast<double>(D));
+    out[b] = torch::matmul(torch::softmax(s, -1), vs[b].to(torch::kFloat64)).reshape({H, D});
+  }
+  return out;
+}
+
+void run_case(const Case& c, uint64_t seed) {
+  torch::manual_seed(seed);
+  const int64_t B = static_cast<int64_t>(c.lens.size());
+  int64_t blocks = 4;
+  for (int64_t n : c.lens) blocks += 2 * ((n + c.bs - 1) / c.bs + 1);
+  KvPoolOptions o;
+  o.num_kv_heads = c.kv;
+  o.head_dim = c.d;
+  o.block_size = c.bs;
+  o.num_blocks = blocks;
+  PagedKvCache cache(2, o);
+  cache.pool().storage().fill_(std::nanf(""));  // stale slots must never leak into results
+  // Interleave a filler sequence so every sequence's blocks are scattered through the pool.
+  std::vector<int64_t> ids;
+  std::vector<torch::Tensor> ks, vs;
+  cache.add_sequence(-1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t id = 10 + b;
+    cache.add_sequence(id);
+    ids.push_back(id);
+    const int64_t n = c.lens[b];
+    ks.push_back(torch::randn({c.kv, n, c.d}));
+    vs.push_back(torch::randn({c.kv, n, c.d}));
+    cache.write(-1, b % 2, torch::randn({c.kv, c.bs, c.d}), torch::randn({c.kv, c.bs, c.d}),
+                torch::zeros({c.kv, c.bs}, torch::kLong));
+    cache.write(id, 1, ks[b], vs[b], torch::zeros({c.kv, n}, torch::kLong));
+  }
+  const torch::Tensor q = torch::randn({B, c.kv * c.g, c.d}) * c.q_scale;
+  const torch::Tensor want = contiguous_attention(q, ks, vs, c.kv);
+  const DecodeTables t = cache.decode_tables(1, ids);
+  const auto& pool = cache.pool().storage();
+  const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths);
+  const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths);
+  const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths);
+  EXPECT_EQ(fast.sizes(), q.sizes());
+  EXPECT_EQ(fast.scalar_type(), torch::kFloat32);
+  const double tol = 1e-5;
+  EXPECT_LE((fast.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+  EXPECT_LE((gath.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+  EXPECT_LE((ref.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+  EXPECT_EQ(cache.attend(1, ids, q).sizes(), q.sizes());
+}
+
+TEST(PagedAttention, GqaFourToOneHeadDim64) { run_case({2, 4, 64, 16, {1, 17, 100, 16, 33}}, 1); }
+TEST(PagedAttention, MhaHeadDim128) { run_case({4, 1, 128, 16, {5, 64, 1, 250}}, 2); }
+TEST(PagedAttention, GroupOfThree) { run_case({4, 3, 64, 16, {300, 2, 47}}, 3); }
+TEST(PagedAttention, VeryDifferentLengths) { run_case({4, 3, 64, 16, {3000, 1, 15, 1, 777, 16, 17, 2}}, 4); }
+TEST(PagedAttention, LongSingleSequenceSplitsAcrossThreads) { run_case({1, 4, 128, 16, {5001}}, 5); }
+TEST(PagedAttention, LargeScoresStayStable) { run_case({2, 2, 64, 16, {40, 700}, 8.0f}, 6); }
+TEST(PagedAttention, GenericHeadDimAndBlockSize) {
+  run_case({2, 2, 32, 8, {9, 31, 1}}, 7);   // generic-D kernel
+  run_case({3, 2, 24, 5, {9, 31, 1}}, 8);   // block size not a multiple of 8: libtorch path
+  run_case({1, 1, 16, 32, {70, 64}}, 9);
+}
+
+TEST(PagedAttention, RandomShapes) {
+  std::mt19937 rng(42);
+  for (int i = 0; i < 25; ++i) {
+    Case c;
+    c.kv = 1 + rng() % 4;
+    c.g = 1 + rng() % 4;
+    c.d = (rng() % 2) ? 64 : 128;
+    c.bs = (rng() % 3 == 0) ? 32 : 16;
+    const int64_t B = 1 + rng() % 6;
+    for (int64_t b = 0; b < B; ++b) c.lens.push_back(1 + rng() % (rng() % 4 == 0 ? 2000 : 70));
+    SCOPED_TRACE(::testing::Message() << "case " << i << " kv " << c.kv << " g " << c.g << " d " << c.d);
+    run_case(c, 100 + i);
+  }
+}
+
+TEST(PagedAttention, EmptyLayerGivesZeros) {
+  KvPoolOptions o;
+  o.num_kv_heads = 2;
+  o.head_dim = 64;
+  o.num_blocks = 4;
+  PagedKvCache cache(1, o);
+  cache.add_sequence(0);
+  cache.add_sequence(1);
+  cache.write(1, 0, torch::randn({2, 3, 64}), torch::randn({2, 3, 64}), torch::zeros({2, 3}, torch::kLong));
+  auto q = torch::randn({2, 4, 64});
+  auto out = cache.attend(0, {0, 1}, q);
+  EXPECT_TRUE(torch::equal(out[0], torch::zeros({4, 64})));
+  EXPECT_FALSE(out[1].isnan().any().item<bool>());
+  const DecodeTables t = cache.decode_tables(0, {0, 1});
+  auto g = paged_attention_gather(q, cache.pool().storage(), t.block_table, t.lengths);
+  EXPECT_TRUE(torch::equal(g[0], torch::zeros({4, 64})));
+}
+
+TEST(PagedAttention, RejectsBadShapes) {
+  auto pool = torch::zeros({4, 2, 2, 16, 64});
+  auto table = torch::zeros({1, 1}, torch::kInt32);
+  auto lens = torch::full({1}, 16, torch::kInt32);
+  EXPECT_THROW(paged_attention(torch::randn({1, 3, 64}), pool, table, lens), KvError);   // 3 heads, 2 KV
+  EXPECT_THROW(paged_attention(torch::randn({1, 4, 32}), pool, table, lens), KvError);   // wrong D
+  EXPECT_THROW(paged_attention(torch::randn({1, 4, 64}), pool, table, torch::full({1}, 17, torch::kInt32)),
+               KvError);  // table too short
+  EXPECT_THROW(paged_attention(torch::randn({1, 4, 64}), pool, table.to(torch::kLong), lens), KvError);
+}
+
+// The model's decode hook: append then attend equals attention over prompt + new token.
+TEST(PagedAttention, AppendAndAttendMatchesContiguous) {
+  torch::manual_seed(11);
+  const int64_t KV = 4, G = 3, D = 64, L = 2;
+  KvPoolOptions o;
+  o.num_kv_heads = KV;
+  o.head_dim = D;
+  o.num_blocks = 64;
+  PagedKvCache cache(L, o);
+  const std::vector<int64_t> ids = {5, 6, 7};
+  const std::vector<int64_t> prompt = {15, 16, 3};
+  std::vector<std::vector<torch::Tensor>> ks(L), vs(L);
+  for (size_t b = 0; b < ids.size(); ++b) {
+    cache.add_sequence(ids[b]);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t n = prompt[b] - l;  // layers already differ, as after compression
+      ks[l].push_back(torch::randn({KV, n, D}));
+      vs[l].push_back(torch::randn({KV, n, D}));
+      cache.write(ids[b], l, ks[l][b], vs[l][b], torch::arange(n, torch::kLong).expand({KV, n}));
+    }
+  }
+  for (int step = 0; step < 20; ++step) {
+    std::vector<int64_t> pos;
+    for (size_t b = 0; b < ids.size(); ++b) pos.push_back(prompt[b] + step);
+    for (int64_t l = 0; l < L; ++l) {
+      auto q = torch::randn({3, KV * G, D}), k = torch::randn({3, KV, D}), v = torch::randn({3, KV, D});
+      for (size_t b = 0; b < ids.size(); ++b) {
+        ks[l][b] = torch::cat({ks[l][b], k[b].unsqueeze(1)}, 1);
+        vs[l][b] = torch::cat({vs[l][b], v[b].unsqueeze(1)}, 1);
+      }
+      auto out = cache.append_and_attend(l, ids, pos, q, k, v);
+      auto want = contiguous_attention(q, ks[l], vs[l], KV);
+      ASSERT_LE((out.to(torch::kFloat64) - want).abs().max().item<double>(), 1e-5) << "step " << step;
+      ASSERT_EQ(cache.length(ids[0], l), prompt[0] - l + step + 1);
+    }
+    cache.check_invariants();
+  }
+  EXPECT_EQ(cache.positions(7, 1)[2][21].item<int64_t>(), 3 + 19);
+  for (int64_t id : ids) cache.release(id);
+  cache.check_invariants();
+  EXPECT_EQ(cache.free_blocks(), cache.total_blocks());
+}
+
+}  // namespace
+}  // namespace kvserve
