@@ -7,19 +7,50 @@
 namespace kvserve {
 
 ContiguousKvCache::ContiguousKvCache(int64_t num_layers, int64_t num_kv_heads, int64_t head_dim,
-                                     torch::TensorOptions options)
-    : num_layers_(num_layers), num_kv_heads_(num_kv_heads), head_dim_(head_dim), options_(options) {}
+                                     torch::TensorOptions options, int64_t capacity_tokens, int64_t block_size)
+    : num_layers_(num_layers),
+      num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim),
+      options_(options),
+      capacity_tokens_(capacity_tokens),
+      block_size_(block_size) {}
 
-void ContiguousKvCache::begin_prefill(int64_t seq_id, int64_t) {
+void ContiguousKvCache::add_used(int64_t n) {
+  used_tokens_ += n;
+  high_water_tokens_ = std::max(high_water_tokens_, used_tokens_);
+}
+
+void ContiguousKvCache::begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string&) {
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already has a cache");
-  seqs_[seq_id].resize(num_layers_);
+  KV_CHECK(used_tokens_ + prompt_len <= capacity_tokens_,
+           "KV cache exhausted: a prompt of " << prompt_len << " tokens does not fit (" << used_tokens_ << " of "
+                                              << capacity_tokens_ << " tokens in use)");
+  auto& seq = seqs_[seq_id];
+  seq.layers.resize(num_layers_);
+  seq.accounted = prompt_len;
+  add_used(prompt_len);
+}
+
+void ContiguousKvCache::release(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  used_tokens_ -= it->second.accounted;
+  seqs_.erase(it);
+}
+
+int64_t ContiguousKvCache::kept_tokens(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return 0;
+  int64_t n = 0;
+  for (const auto& l : it->second.layers) n += l.len;
+  return n;
 }
 
 ContiguousKvCache::Layer& ContiguousKvCache::layer_of(int64_t seq_id, int64_t layer) {
   auto it = seqs_.find(seq_id);
   KV_CHECK(it != seqs_.end(), "sequence " << seq_id << " has no cache");
   KV_CHECK(layer >= 0 && layer < num_layers_, "layer " << layer << " out of range");
-  return it->second[layer];
+  return it->second.layers[layer];
 }
 
 void ContiguousKvCache::store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor&, const torch::Tensor& k,
@@ -38,6 +69,10 @@ torch::Tensor ContiguousKvCache::decode_attention(int64_t layer, const DecodeBat
                                                   const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t B = q.size(0), H = q.size(1);
   const int64_t G = H / num_kv_heads_;
+  if (layer == 0) {
+    for (int64_t id : batch.seq_ids) ++seqs_.at(id).accounted;
+    add_used(B);
+  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   torch::Tensor out = torch::empty_like(q);
   for (int64_t b = 0; b < B; ++b) {
@@ -67,7 +102,7 @@ torch::Tensor ContiguousKvCache::decode_attention(int64_t layer, const DecodeBat
 int64_t ContiguousKvCache::cached_tokens(int64_t seq_id, int64_t layer) const {
   auto it = seqs_.find(seq_id);
   KV_CHECK(it != seqs_.end(), "sequence " << seq_id << " has no cache");
-  return it->second.at(layer).len;
+  return it->second.layers.at(layer).len;
 }
 
 }  // namespace kvserve

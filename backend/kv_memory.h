@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace kvserve {
@@ -16,8 +17,9 @@ struct DecodeBatch {
 class KvMemory {
  public:
   virtual ~KvMemory() = default;
-  // Called once before the first layer of a sequence's prefill.
-  virtual void begin_prefill(int64_t seq_id, int64_t prompt_len) = 0;
+  // Called once before the first layer of a sequence's prefill; `policy` names the KV policy
+  // that decides what the sequence keeps ("" = the memory's default).
+  virtual void begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string& policy) = 0;
   // One layer's full prompt K/V after RoPE ([KV, T, D]) and queries ([H, T, D]); the memory keeps
   // all of it or a policy's selection. Called for layers in increasing order.
   virtual void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
@@ -32,6 +34,20 @@ class KvMemory {
   virtual void release(int64_t seq_id) = 0;
   // Tokens held for (sequence, layer); layers may differ once a policy compressed them.
   virtual int64_t cached_tokens(int64_t seq_id, int64_t layer) const = 0;
+
+  // Admission accounting for the scheduler.
+  // Could a prompt of this length be prefilled now (its kept KV plus the transient working set)?
+  virtual bool can_prefill(int64_t prompt_len, const std::string& policy) const = 0;
+  // Could it ever be, with the pool empty? False means the request must be refused.
+  virtual bool fits_when_empty(int64_t prompt_len, const std::string& policy) const = 0;
+  // Could every listed sequence append one more token now?
+  virtual bool can_decode(const std::vector<int64_t>& seq_ids) const = 0;
+  // Pool occupancy in blocks (a block = block_size tokens of one layer, all KV heads).
+  virtual int64_t blocks_total() const = 0;
+  virtual int64_t blocks_used() const = 0;
+  virtual int64_t blocks_high_water() const = 0;
+  // KV tokens (summed over layers) the sequence holds; what full KV would hold is layers x length.
+  virtual int64_t kept_tokens(int64_t seq_id) const = 0;
 };
 
 }  // namespace kvserve

@@ -1,0 +1,367 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <random>
+#include <unordered_set>
+
+#include "contiguous_kv_cache.h"
+#include "kv_check.h"
+#include "llama_model.h"
+#include "sampler.h"
+#include "tokenizer.h"
+
+namespace kvserve {
+
+namespace {
+
+// One request inside the engine: its tokens so far, sampler, detokenizer and stop-string state.
+struct Sequence {
+  int64_t id = 0;
+  GenerationRequest req;
+  EventCallback on_event;
+  std::vector<int64_t> output;
+  std::unique_ptr<SequenceSampler> sampler;
+  std::unique_ptr<IncrementalDetokenizer> detok;
+  std::string held;       // decoded text not yet sent (could be the start of a stop string)
+  bool in_cache = false;  // has KV in the memory
+  int64_t kept_kv = 0, full_kv = 0;
+
+  int64_t next_position() const { return static_cast<int64_t>(req.prompt_ids.size() + output.size()) - 1; }
+  // Tokens a (re)prefill runs: the prompt, plus everything generated but the last token, which the
+  // next decode step feeds (preemption by recompute).
+  std::vector<int64_t> prefill_tokens() const {
+    std::vector<int64_t> t = req.prompt_ids;
+    if (!output.empty()) t.insert(t.end(), output.begin(), output.end() - 1);
+    return t;
+  }
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  std::unique_ptr<KvMemory> kv;
+  std::vector<int64_t> eos_ids;
+  int64_t max_model_len = 0;
+
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::unique_ptr<Sequence>> incoming;  // guarded by mu
+  std::unordered_set<std::string> cancels;         // guarded by mu
+  bool stopping = false, drain = false;            // guarded by mu
+  EngineStats stats;                               // guarded by mu
+
+  // Loop thread only.
+  std::deque<std::unique_ptr<Sequence>> waiting;
+  std::vector<std::unique_ptr<Sequence>> running;
+  int64_t next_id = 1;
+  std::mt19937_64 seed_rng{std::random_device{}()};
+};
+
+Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options)
+    : model_(std::move(model)), tokenizer_(std::move(tokenizer)), options_(std::move(options)),
+      impl_(std::make_unique<Impl>()) {
+  const ModelConfig& c = model_->config();
+  impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : c.max_position_embeddings;
+  const int64_t capacity = std::max<int64_t>(options_.kv_cache_bytes / model_->kv_bytes_per_token(), 1);
+  impl_->kv = std::make_unique<ContiguousKvCache>(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                                                  torch::TensorOptions().dtype(model_->dtype()).device(model_->device()),
+                                                  capacity, options_.block_size);
+  impl_->eos_ids = c.eos_token_ids;
+  if (auto e = tokenizer_->eos_id(); e && std::find(impl_->eos_ids.begin(), impl_->eos_ids.end(), *e) == impl_->eos_ids.end())
+    impl_->eos_ids.push_back(*e);
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() { shutdown(false); }
+
+std::vector<std::string> Engine::policy_names() const {
+  std::vector<std::string> names{"full"};
+  for (const auto& [n, p] : options_.policies)
+    if (n != "full") names.push_back(n);
+  return names;
+}
+
+bool Engine::has_policy(const std::string& name) const { return name == "full" || options_.policies.count(name); }
+
+void Engine::submit(GenerationRequest req, EventCallback on_event) {
+  const int64_t vocab = model_->config().vocab_size;
+  KV_CHECK(!req.prompt_ids.empty(), "the prompt is empty");
+  for (int64_t t : req.prompt_ids) KV_CHECK(t >= 0 && t < vocab, "prompt token id " << t << " is outside the vocabulary");
+  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
+  if (n >= impl_->max_model_len) {
+    KV_FAIL("the prompt has " << n << " tokens, but this model's maximum context length is " << impl_->max_model_len
+                              << " tokens");
+  }
+  if (req.kv_policy.empty()) req.kv_policy = options_.default_policy;
+  if (!has_policy(req.kv_policy)) KV_FAIL("unknown kv_policy '" << req.kv_policy << "'");
+  KV_CHECK(req.sampling.max_tokens >= 1, "max_tokens must be at least 1");
+  auto seq = std::make_unique<Sequence>();
+  seq->req = std::move(req);
+  seq->on_event = std::move(on_event);
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    if (impl_->stopping) throw EngineOverloaded("the server is shutting down");
+    if (impl_->stats.waiting + static_cast<int64_t>(impl_->incoming.size()) >= options_.max_waiting) {
+      throw EngineOverloaded("too many requests waiting (" + std::to_string(options_.max_waiting) + "); retry later");
+    }
+    impl_->incoming.push_back(std::move(seq));
+  }
+  impl_->cv.notify_all();
+}
+
+void Engine::cancel(const std::string& request_id) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->cancels.insert(request_id);
+  }
+  impl_->cv.notify_all();
+}
+
+void Engine::shutdown(bool drain) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->stopping = true;
+    impl_->drain = impl_->drain || drain;
+  }
+  impl_->cv.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->stats;
+}
+
+namespace {
+
+// Sends the final event and clears the sequence's state; safe to call once per sequence.
+void finish(Sequence& s, KvMemory& kv, const std::string& reason, const std::string& error = "") {
+  if (s.in_cache) {
+    kv.release(s.id);
+    s.in_cache = false;
+  }
+  GenerationEvent ev;
+  ev.finished = true;
+  ev.finish_reason = reason;
+  ev.error = error;
+  if (reason != "stop" && s.detok) ev.text_delta = s.held + s.detok->flush();
+  s.held.clear();
+  ev.prompt_tokens = static_cast<int64_t>(s.req.prompt_ids.size());
+  ev.completion_tokens = static_cast<int64_t>(s.output.size());
+  ev.kept_kv_tokens = s.kept_kv;
+  ev.full_kv_tokens = s.full_kv;
+  s.on_event(ev);
+}
+
+// Length of the longest suffix of `text` that is a proper prefix of some stop string.
+size_t held_suffix(const std::string& text, const std::vector<std::string>& stops) {
+  size_t best = 0;
+  for (const auto& st : stops) {
+    for (size_t k = std::min(st.size() - 1, text.size()); k > best; --k) {
+      if (text.compare(text.size() - k, k, st, 0, k) == 0) {
+        best = k;
+        break;
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+void Engine::loop() {
+  Impl& im = *impl_;
+  KvMemory& kv = *im.kv;
+  const int64_t vocab = model_->config().vocab_size;
+
+  // Handles one freshly sampled token: emits text, checks stop conditions. Returns true when done.
+  auto on_token = [&](Sequence& s, int64_t tok, const TokenLogprob& chosen, std::vector<TokenLogprob> top) -> bool {
+    s.output.push_back(tok);
+    s.sampler->observe(tok);
+    const auto& sp = s.req.sampling;
+    const bool is_eos = !sp.ignore_eos && std::find(im.eos_ids.begin(), im.eos_ids.end(), tok) != im.eos_ids.end();
+    const bool is_stop_id = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok) != sp.stop_token_ids.end();
+    GenerationEvent ev;
+    ev.token_ids = {tok};
+    if (sp.logprobs >= 0) {
+      TokenLogprob c = chosen;
+      c.token = tokenizer_->decode({tok});
+      ev.chosen.push_back(c);
+      for (auto& t : top) t.token = tokenizer_->decode({t.token_id});
+      ev.top_logprobs.push_back(std::move(top));
+    }
+    bool done = false;
+    std::string reason;
+    if ((is_eos || is_stop_id) && static_cast<int64_t>(s.output.size()) > sp.min_tokens) {
+      done = true;
+      reason = "stop";
+      // The stop token's own text is not part of the output (unless it is an ordinary token).
+    } else {
+      s.held += s.detok->add(tok);
+    }
+    if (!done && !sp.stop.empty()) {
+      size_t cut = std::string::npos, cut_len = 0;
+      for (const auto& st : sp.stop) {
+        size_t p = s.held.find(st);
+        if (p != std::string::npos && p < cut) cut = p, cut_len = st.size();
+      }
+      if (cut != std::string::npos) {
+        s.held.resize(sp.include_stop_str_in_output ? cut + cut_len : cut);
+        done = true;
+        reason = "stop";
+      }
+    }
+    if (!done && (static_cast<int64_t>(s.output.size()) >= sp.max_tokens ||
+                  s.next_position() + 1 >= im.max_model_len)) {
+      done = true;
+      reason = "length";
+    }
+    if (done && reason == "length") s.held += s.detok->flush();
+    const size_t keep = done ? 0 : held_suffix(s.held, sp.stop);
+    ev.text_delta = s.held.substr(0, s.held.size() - keep);
+    s.held.erase(0, s.held.size() - keep);
+    ev.prompt_tokens = static_cast<int64_t>(s.req.prompt_ids.size());
+    ev.completion_tokens = static_cast<int64_t>(s.output.size());
+    s.on_event(ev);
+    if (done) {
+      s.detok.reset();  // nothing more to flush
+      finish(s, kv, reason);
+    }
+    return done;
+  };
+
+  auto sample_row = [&](Sequence& s, const torch::Tensor& logits_row) -> bool {
+    torch::Tensor row = logits_row;
+    const auto& sp = s.req.sampling;
+    if (static_cast<int64_t>(s.output.size()) < sp.min_tokens && !sp.ignore_eos) {
+      row = row.clone();
+      for (int64_t e : im.eos_ids)
+        if (e < vocab) row[e] = -std::numeric_limits<float>::infinity();
+    }
+    TokenLogprob chosen;
+    std::vector<TokenLogprob> top;
+    const int64_t tok = s.sampler->sample(row, &chosen, &top);
+    return on_token(s, tok, chosen, std::move(top));
+  };
+
+  for (;;) {
+    std::vector<std::unique_ptr<Sequence>> fresh;
+    std::unordered_set<std::string> cancels;
+    bool stopping, drain;
+    {
+      std::unique_lock<std::mutex> lk(im.mu);
+      im.cv.wait(lk, [&] {
+        return im.stopping || !im.incoming.empty() || !im.cancels.empty() || !im.running.empty() || !im.waiting.empty();
+      });
+      while (!im.incoming.empty()) {
+        fresh.push_back(std::move(im.incoming.front()));
+        im.incoming.pop_front();
+      }
+      cancels.swap(im.cancels);
+      stopping = im.stopping;
+      drain = im.drain;
+    }
+    for (auto& s : fresh) {
+      s->id = im.next_id++;
+      s->sampler = std::make_unique<SequenceSampler>(s->req.sampling, s->req.prompt_ids, im.seed_rng());
+      s->detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, s->req.sampling.skip_special_tokens,
+                                                          s->req.prompt_ids);
+      im.waiting.push_back(std::move(s));
+    }
+    // Cancellations (and a non-draining shutdown) free their blocks before anything else runs.
+    auto drop = [&](auto& list) {
+      for (auto& s : list) {
+        if (s && (cancels.count(s->req.request_id) || (stopping && !drain))) {
+          finish(*s, kv, "abort");
+          s.reset();
+        }
+      }
+      list.erase(std::remove(list.begin(), list.end(), nullptr), list.end());
+    };
+    drop(im.running);
+    drop(im.waiting);
+    if (stopping && im.running.empty() && im.waiting.empty()) break;
+
+    // Decode first: every running sequence advances one token. Preempt (recompute later) the most
+    // recently admitted sequences while the pool cannot hold one more token for each.
+    while (!im.running.empty()) {
+      std::vector<int64_t> ids;
+      for (auto& s : im.running) ids.push_back(s->id);
+      if (kv.can_decode(ids)) break;
+      auto victim = std::move(im.running.back());
+      im.running.pop_back();
+      kv.release(victim->id);
+      victim->in_cache = false;
+      im.waiting.push_front(std::move(victim));
+      std::lock_guard<std::mutex> lk(im.mu);
+      ++im.stats.preemptions_total;
+    }
+    int64_t generated = 0;
+    if (!im.running.empty()) {
+      DecodeBatch batch;
+      std::vector<int64_t> tokens;
+      for (auto& s : im.running) {
+        batch.seq_ids.push_back(s->id);
+        batch.positions.push_back(s->next_position());
+        tokens.push_back(s->output.back());
+      }
+      try {
+        torch::Tensor logits = model_->decode(batch, tokens, kv).to(torch::kCPU);
+        for (size_t i = 0; i < im.running.size(); ++i) {
+          ++generated;
+          if (sample_row(*im.running[i], logits[i])) im.running[i].reset();
+        }
+      } catch (const std::exception& e) {
+        for (auto& s : im.running) finish(*s, kv, "error", e.what()), s.reset();
+      }
+      im.running.erase(std::remove(im.running.begin(), im.running.end(), nullptr), im.running.end());
+    }
+
+    // Then admit waiting sequences while the pool holds them at their compressed size.
+    int64_t prefilled = 0;
+    while (!im.waiting.empty() && static_cast<int64_t>(im.running.size()) < options_.max_num_seqs) {
+      Sequence& s = *im.waiting.front();
+      const auto toks = s.prefill_tokens();
+      const int64_t n = static_cast<int64_t>(toks.size());
+      if (!kv.fits_when_empty(n, s.req.kv_policy)) {
+        finish(s, kv, "error", "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
+                                   " tokens); raise cache.kv_cache_bytes or use a compressing kv_policy");
+        im.waiting.pop_front();
+        continue;
+      }
+      if (prefilled > 0 && prefilled + n > options_.max_num_batched_tokens) break;
+      if (!kv.can_prefill(n, s.req.kv_policy)) break;
+      auto owned = std::move(im.waiting.front());
+      im.waiting.pop_front();
+      try {
+        owned->in_cache = true;
+        torch::Tensor logits = model_->prefill(owned->id, toks, kv, false, owned->req.kv_policy).to(torch::kCPU);
+        prefilled += n;
+        owned->kept_kv = kv.kept_tokens(owned->id);
+        owned->full_kv = n * model_->config().num_hidden_layers;
+        if (owned->output.empty()) {
+          ++generated;
+          if (sample_row(*owned, logits[0])) continue;  // finished on its first token
+        }
+        im.running.push_back(std::move(owned));
+      } catch (const std::exception& e) {
+        finish(*owned, kv, "error", e.what());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lk(im.mu);
+      im.stats.running = static_cast<int64_t>(im.running.size());
+      im.stats.waiting = static_cast<int64_t>(im.waiting.size());
+      im.stats.kv_blocks_total = kv.blocks_total();
+      im.stats.kv_blocks_used = kv.blocks_used();
+      im.stats.kv_blocks_high_water = kv.blocks_high_water();
+      im.stats.prompt_tokens_total += prefilled;
+      im.stats.generation_tokens_total += generated;
+      ++im.stats.steps_total;
+    }
+  }
+}
+
+}  // namespace kvserve

@@ -1,0 +1,32 @@
+#pragma once
+// Sampler: turns one sequence's logits into its next token (penalties, temperature, top-k/p, min-p, seeded RNG).
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "engine_types.h"
+#include "sampling_params.h"
+
+namespace kvserve {
+
+// Per-sequence sampling state: the RNG stream and output token counts for penalties.
+class SequenceSampler {
+ public:
+  SequenceSampler(const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t fallback_seed);
+  // Picks the next token from fp32 logits [V] (CPU); fills logprob outputs when requested.
+  int64_t sample(const torch::Tensor& logits, TokenLogprob* chosen, std::vector<TokenLogprob>* top);
+  // Records a token produced by this sequence (for penalties).
+  void observe(int64_t token);
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  std::unordered_map<int64_t, int64_t> output_counts_;
+  std::vector<int64_t> seen_;  // prompt + output token ids, unique, for the repetition penalty
+  std::vector<char> seen_mask_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Make the random-weight fixture checkpoints that kvserve's tests compare against transformers.
+
+Each fixture is a Hugging Face model directory (config.json, safetensors weights, tokenizer files)
+written by transformers itself, so the loader is tested on real checkpoint layouts:
+
+  llama-mha      Llama, multi-head attention, byte-level tokenizer
+  llama-gqa      Llama, GQA 4:1, linear rope scaling, byte-level tokenizer
+  llama3-rope    Llama, GQA 2:1, llama3 rope scaling, 3 layers
+  llama-tied     Llama, tied embeddings, Llama-2 style (Prepend/Replace + byte fallback) tokenizer
+  qwen2-bias     Qwen2 with q/k/v bias, Qwen2 byte-level tokenizer
+  mistral        Mistral, GQA, Metaspace tokenizer
+  llama-sharded  Llama GQA saved in several shards with model.safetensors.index.json
+  llama-bf16     Llama GQA stored in bfloat16 on disk
+  llama-kvfew    Llama with 1 KV head (fewer KV heads than TP ranks; for parallel tests)
+
+Deterministic by seed. Usage: python3 tools/make_fixture_models.py --out .fixtures
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import pathlib
+import shutil
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from make_fixture_tokenizers import make_tokenizers  # noqa: E402
+
+VERSION = "3"  # bump when the fixtures change so stale folders are remade
+
+
+def _base(vocab: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.08, tie_word_embeddings=False)
+
+
+def specs() -> dict[str, tuple[str, str, dict, dict]]:
+    """name -> (architecture, tokenizer, config overrides, save options)."""
+    return {
+        "llama-mha": ("llama", "bytelevel", {}, {}),
+        "llama-gqa": ("llama", "bytelevel", dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128,
+                                                 rope_scaling={"rope_type": "linear", "factor": 2.0}), {}),
+        "llama3-rope": ("llama", "bytelevel", dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                   rope_theta=500000.0,
+                                                   rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                 "original_max_position_embeddings": 64}), {}),
+        "llama-tied": ("llama", "metaspace", dict(tie_word_embeddings=True), {}),
+        "qwen2-bias": ("qwen2", "qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False), {}),
+        "mistral": ("mistral", "metaspace_pt", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None), {}),
+        "llama-sharded": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3),
+                          dict(max_shard_size="150KB")),
+        "llama-bf16": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=2), dict(dtype=torch.bfloat16)),
+        "llama-kvfew": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3), {}),
+    }
+
+
+def make_model(out: pathlib.Path, arch: str, tok_dir: pathlib.Path, overrides: dict, save: dict, seed: int) -> None:
+    import transformers
+    tok_json = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = len(tok_json["model"]["vocab"]) + sum(1 for t in tok_json.get("added_tokens", [])
+                                                    if t["content"] not in tok_json["model"]["vocab"])
+    cfg_kwargs = _base(vocab)
+    cfg_kwargs.update(overrides)
+    tok_cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    for key in ("bos_token", "eos_token"):
+        name = tok_cfg.get(key)
+        if isinstance(name, dict):
+            name = name.get("content")
+        ids = [t["id"] for t in tok_json.get("added_tokens", []) if t["content"] == name]
+        if ids:
+            cfg_kwargs[key + "_id"] = ids[0]
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+    config = cls[0](**cfg_kwargs)
+    torch.manual_seed(seed)
+    model = cls[1](config).eval()
+    with torch.no_grad():  # transformers zero-inits biases; random ones test that they are applied
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.copy_((torch.randn_like(p) * 0.1) + (1.0 if "norm" in name else 0.0))
+    dtype = save.pop("dtype", None)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(out, safe_serialization=True, **save)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, out / f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--only", nargs="*", help="make only these fixtures")
+    args = ap.parse_args()
+    stamp = args.out / "VERSION"
+    want = VERSION + ":" + hashlib.sha256(pathlib.Path(__file__).read_bytes() +
+                                           (pathlib.Path(__file__).parent / "make_fixture_tokenizers.py").read_bytes()
+                                           ).hexdigest()[:16] + f":{args.seed}"
+    if stamp.exists() and stamp.read_text() == want and not args.only:
+        print(f"fixtures in {args.out} are current")
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    toks = make_tokenizers(args.out / "tokenizers", seed=args.seed)
+    for i, (name, (arch, tok, overrides, save)) in enumerate(specs().items()):
+        if args.only and name not in args.only:
+            continue
+        out = args.out / name
+        if out.exists():
+            shutil.rmtree(out)
+        make_model(out, arch, toks[tok], dict(overrides), dict(save), args.seed + i)
+        print(f"made {out}")
+    if not args.only:
+        stamp.write_text(want)
+
+
+if __name__ == "__main__":
+    main()
