@@ -176,7 +176,7 @@ std::shared_ptr<const Program> parse(const std::string& source);
 // Caps that keep adversarial templates from exhausting time, memory or stack.
 struct Limits {
   size_t max_output = 64u << 20;
-  size_t max_steps = 20'000'000;
+  size_t max_steps = 3'000'000;  // a 1000-message conversation needs ~100k
   int max_call_depth = 64;
   size_t max_container = 10'000'000;  // elements or bytes in one built value
 };

@@ -86,8 +86,18 @@ bool cp_cased(uint32_t c) { return cp_lower(c) != c || cp_upper(c) != c || c == 
 bool cp_alpha(uint32_t c) {
   return (c < 0x80 && std::isalpha(static_cast<int>(c))) || (c >= 0x80 && (cp_cased(c) || (c >= 0x4e00 && c <= 0x9fff) || (c >= 0x3040 && c <= 0x30ff) || (c >= 0xac00 && c <= 0xd7af)));
 }
+// Python's `\w` (str.isalnum() or '_'), approximated: non-ASCII counts as a word character unless
+// it is whitespace, Latin-1 punctuation, a combining mark, general punctuation/symbols or emoji.
 bool cp_word(uint32_t c) {
-  return (c < 0x80 && (std::isalnum(static_cast<int>(c)) || c == '_')) || (c >= 0x80 && !is_py_space(c) && cp_alpha(c));
+  if (c < 0x80) return std::isalnum(static_cast<int>(c)) || c == '_';
+  if (is_py_space(c)) return false;
+  if (c < 0xc0) return c == 0xaa || c == 0xb2 || c == 0xb3 || c == 0xb5 || c == 0xb9 || c == 0xba || (c >= 0xbc && c <= 0xbe);
+  if (c == 0xd7 || c == 0xf7) return false;
+  if ((c >= 0x300 && c <= 0x36f) || (c >= 0x2000 && c <= 0x2bff) || (c >= 0x3000 && c <= 0x3004) || (c >= 0x3008 && c <= 0x3020) ||
+      (c >= 0xfe00 && c <= 0xfe0f) || (c >= 0xfe30 && c <= 0xfe4f) || (c >= 0xff01 && c <= 0xff0f) || (c >= 0xff1a && c <= 0xff20) ||
+      (c >= 0x1f000 && c <= 0x1faff) || (c >= 0xe0000 && c <= 0xe007f))
+    return false;
+  return true;
 }
 
 void append_upper(std::string& out, uint32_t c) {
@@ -1267,42 +1277,52 @@ struct Evaluator {
     });
   }
 
-  Flow run_loop(const Stmt& s, const List& all, const ScopePtr& scope, int depth) {
-    List items;
-    if (s.cond) {
-      for (const auto& v : all) {
-        auto probe = std::make_shared<Scope>();
-        probe->parent = scope;
-        assign(s.target, v, probe);
-        if (truthy(eval(*s.cond, probe))) items.push_back(v);
-      }
+  Flow run_loop(const Stmt& s, const Value& iterable, const ScopePtr& scope, int depth) {
+    std::shared_ptr<List> items;
+    if (!s.cond && iterable.is_sequence()) {
+      items = iterable.list;  // shared, never mutated: no copy
     } else {
-      items = all;
+      items = std::make_shared<List>();
+      for (auto& v : iterate(iterable)) {
+        if (s.cond) {
+          auto probe = std::make_shared<Scope>();
+          probe->parent = scope;
+          assign(s.target, v, probe);
+          if (!truthy(eval(*s.cond, probe))) continue;
+        }
+        items->push_back(std::move(v));
+      }
     }
-    if (items.empty()) {
+    if (items->empty()) {
       exec_body(s.else_body, scope);
       return Flow::Normal;
     }
     auto state = std::make_shared<LoopState>();
-    state->items = std::make_shared<List>(std::move(items));
+    state->items = std::move(items);
     state->depth = depth;
     if (s.recursive) {
       const Stmt* stmt = &s;
       state->recurse = [stmt, scope, depth](Evaluator& ev, const Value& it) {
         DepthGuard g(ev);
         Capture cap(ev);
-        ev.run_loop(*stmt, ev.iterate(it), scope, depth + 1);
+        ev.run_loop(*stmt, it, scope, depth + 1);
         return Value::string(std::move(cap.buf));
       };
     }
     Value loop_val;
     loop_val.kind = Kind::Loop;
     loop_val.loop = state;
+    ScopePtr frame;
     for (size_t k = 0; k < state->items->size(); ++k) {
       tick();
       state->index0 = k;
-      auto frame = std::make_shared<Scope>();
-      frame->parent = scope;
+      // Each iteration gets a fresh frame; reuse the last one when nothing kept a reference to it.
+      if (frame && frame.use_count() == 1) {
+        frame->vars.clear();
+      } else {
+        frame = std::make_shared<Scope>();
+        frame->parent = scope;
+      }
       assign(s.target, (*state->items)[k], frame);
       frame->vars["loop"] = loop_val;
       Flow f = exec_body(s.body, frame);
@@ -1323,7 +1343,7 @@ struct Evaluator {
         for (const auto& [cond, body] : s.branches)
           if (truthy(eval(*cond, scope))) return exec_body(body, scope);
         return exec_body(s.else_body, scope);
-      case StmtKind::For: return run_loop(s, iterate(eval(*s.expr, scope)), scope, 1);
+      case StmtKind::For: return run_loop(s, eval(*s.expr, scope), scope, 1);
       case StmtKind::Set: assign(s.target, eval(*s.expr, scope), scope); return Flow::Normal;
       case StmtKind::SetBlock: {
         std::string text;

@@ -1,0 +1,269 @@
+"""Chat templates rendered by `kvserve chat-template` must equal Python jinja2's output byte for byte.
+
+The reference environment is transformers' own (`_compile_jinja_template`) when transformers is
+installed, else an identical replica: ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks,
+loopcontrols) with raise_exception, strftime_now and transformers' tojson. Templates that raise must
+fail in kvserve too, with raise_exception's message in the error.
+"""
+import json
+import os
+import subprocess
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+jinja2 = pytest.importorskip("jinja2")
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
+import jinja2.ext  # noqa: E402
+
+TEMPLATES = Path(__file__).parent / "templates"
+KVSERVE_BIN = os.environ.get("KVSERVE_BIN")
+
+
+def _replica_compile(source):
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+try:
+    from transformers.utils.chat_template_utils import _compile_jinja_template as _hf_compile
+except Exception:  # transformers missing or moved: the replica is the same environment
+    _hf_compile = None
+
+
+def compile_reference(source):
+    return _hf_compile(source) if _hf_compile is not None else _replica_compile(source)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city — «quoted» & <escaped>?",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. Zürich"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7.5},
+                },
+                "required": ["city"],
+            },
+            "return": {"type": "string"},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "noop", "description": "Does nothing.", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant.  "}
+CONVERSATIONS = {
+    "single": {"messages": [{"role": "user", "content": "Hello!"}]},
+    "system": {"messages": [SYSTEM, {"role": "user", "content": "What is 2+2?"}]},
+    "multi_turn": {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "  Hello! How can I help?\n"},
+            {"role": "user", "content": "Tell me a joke.\n\nA short one."},
+        ]
+    },
+    "no_system_multi": {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "two"},
+            {"role": "user", "content": "three"},
+            {"role": "assistant", "content": "<think>hmm</think>four"},
+        ]
+    },
+    "unicode": {
+        "messages": [
+            {"role": "user", "content": "Grüße aus Köln 🌍 — 中文 \"quotes\" 'single' \\ back\tslash\u00a0nbsp"},
+            {"role": "assistant", "content": "Привет! ß → SS? ﬁ ligature"},
+            {"role": "user", "content": "emoji 👩‍💻 and RTL مرحبا"},
+        ]
+    },
+    "tools": {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "abc123xyz",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "abc123xyz", "name": "get_weather", "content": "22 degrees, sunny"},
+            {"role": "assistant", "content": "It is 22 °C and sunny in Paris."},
+            {"role": "user", "content": "Thanks!"},
+        ],
+        "tools": TOOLS,
+    },
+    "tools_string_args": {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo and Rome?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}},
+                    {"id": "call00002", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}},
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call00001", "content": "-3"},
+            {"role": "tool", "tool_call_id": "call00002", "content": "18"},
+            {"role": "assistant", "content": "Oslo -3, Rome 18."},
+        ],
+        "tools": TOOLS,
+    },
+    "multimodal_parts": {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+        ]
+    },
+    "bad_alternation": {
+        "messages": [
+            {"role": "user", "content": "first"},
+            {"role": "user", "content": "second"},
+        ]
+    },
+    "assistant_first": {"messages": [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "ok"}]},
+    "empty_content": {"messages": [{"role": "user", "content": ""}]},
+    "extra_kwargs": {
+        "messages": [SYSTEM, {"role": "user", "content": "Date?"}],
+        "date_string": "01 Jan 2030",
+        "tools_in_user_message": False,
+        "tools": TOOLS[:1],
+        "builtin_tools": ["brave_search", "code_interpreter"],
+    },
+}
+
+TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja"))
+GEN_PROMPT = [False, True]
+
+
+def reference_render(source, context):
+    ctx = dict(context)
+    messages = ctx.pop("messages")
+    tools = ctx.pop("tools", None)
+    documents = ctx.pop("documents", None)
+    agp = ctx.pop("add_generation_prompt", False)
+    try:
+        out = compile_reference(source).render(
+            messages=messages, tools=tools, documents=documents, add_generation_prompt=agp, **ctx
+        )
+        return True, out
+    except jinja2.exceptions.TemplateError as e:
+        return False, (type(e).__name__, str(e))
+    except Exception as e:  # TypeError etc. from inside the template
+        return False, (type(e).__name__, str(e))
+
+
+def kvserve_render(template_path, context, tmp_path):
+    ctx_file = tmp_path / "context.json"
+    ctx_file.write_text(json.dumps(context, ensure_ascii=False), encoding="utf-8")
+    p = subprocess.run(
+        [KVSERVE_BIN, "chat-template", "--template", str(template_path), "--context", str(ctx_file)],
+        capture_output=True,
+        timeout=30,
+    )
+    return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", "replace")
+
+
+needs_bin = pytest.mark.skipif(not KVSERVE_BIN, reason="KVSERVE_BIN not set")
+
+
+@needs_bin
+@pytest.mark.parametrize("agp", GEN_PROMPT, ids=["nogen", "gen"])
+@pytest.mark.parametrize("conv", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("template", TEMPLATE_FILES, ids=[t.stem for t in TEMPLATE_FILES])
+def test_matches_jinja2(template, conv, agp, tmp_path):
+    context = dict(CONVERSATIONS[conv])
+    context.update(add_generation_prompt=agp, bos_token="<s>", eos_token="</s>")
+    if template.stem == "llama31_tools" and "date_string" not in context:
+        context["date_string"] = "26 Jul 2024"
+    source = template.read_text(encoding="utf-8")
+    ok, expected = reference_render(source, context)
+    rc, out, err = kvserve_render(template, context, tmp_path)
+    if ok:
+        assert rc == 0, f"kvserve failed where jinja2 rendered: {err}"
+        assert out == expected
+    else:
+        kind, message = expected
+        assert rc == 1, f"jinja2 raised {kind}: {message!r} but kvserve rendered {out!r}"
+        assert err.startswith("kvserve: error: ")
+        if kind == "TemplateError":  # raise_exception: its message verbatim
+            assert err == f"kvserve: error: {message}\n"
+
+
+@needs_bin
+def test_strftime_now_matches(tmp_path):
+    """Llama 3.1 falls back to strftime_now when no date_string is given."""
+    template = TEMPLATES / "llama31_tools.jinja"
+    context = dict(CONVERSATIONS["system"], add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    ok, expected = reference_render(template.read_text(encoding="utf-8"), context)
+    rc, out, err = kvserve_render(template, context, tmp_path)
+    assert ok and rc == 0, err
+    assert out == expected
+
+
+EXPRESSIONS = [
+    "{{ [1, 'a', \"it's\", none, true, 1.5, {'k': 'v'}] }} {{ (1,) }} {{ 1e16 }} {{ 0.00001 }} {{ 1/3 }}",
+    "{{ 3.7|round }} {{ 2.5|round }} {{ 2.675|round(2) }} {{ -7 // 2 }} {{ -7 % 3 }} {{ 2 ** 10 }} {{ 7 / 2 }}",
+    "{% for x in [3, 1, 2]|sort %}{{ loop.index }}{{ loop.revindex }}{{ loop.cycle('a', 'b') }}{% endfor %}",
+    "{{ 'a,b,,c'.split(',') }} {{ '  a  b '.split() }} {{ 'xxhixx'.strip('x') }} {{ 'Hi'.startswith(('H', 'x')) }}",
+    "{{ 'héllo wörld'|title }} {{ 'héllo'[::-1] }} {{ 'héllo'|length }} {{ 'héllo'.find('l') }} {{ 'ß'.upper() }}",
+    "{% set ns = namespace(n=0) %}{% for i in range(5) %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}",
+    "{% set c = 1 %}{% for i in range(3) %}{% set c = c + i %}{{ c }}{% endfor %}{{ c }}",
+    "{{ {'b': 1, 'a': [1, {'x': None}]}|tojson }} {{ {'b': 1, 'a': 'é\\n'}|tojson(indent=2) }}",
+    "{{ [1, 2, 3]|select('odd')|list }} {{ [1, 2]|map('string')|join('-') }} {{ [1, 2]|reverse|list }}",
+    "{% if [1]|selectattr('x', 'defined') %}generators are truthy{% endif %}",
+    "{{ x is defined }} {{ none is none }} {{ 4 is divisibleby 2 }} {{ 'a' is in 'abc' }} {{ {} is mapping }}",
+    "{%- macro m(a, b='B') -%}[{{ a }}{{ b }}]{%- endmacro -%}{{ m(1) }}{{ m(2, b=3) }}",
+    "line\n    {% if true %}\n    kept\n    {% endif %}\n  {%+ if true %}x{% endif +%}\n{# c #}\n{{- ' end ' -}}\n  tail\n",
+    "{% raw %}{{ raw }}{% endraw %}{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}{{ i }}{% endfor %}",
+    "{{ '%s=%d' % ('n', 3) }} {{ '{} {x}'.format(1, x=2) }} {{ 'x'|center(7) }}|{{ 'a\nb'|indent(2, true) }}",
+    "{{ [].append }}",
+    "{{ [].append(1) }}",
+    "{{ undefined_var.attr }}",
+    "{{ {'a': 1}.missing.x }}",
+    "{{ 'a' + 1 }}",
+    "{{ range(100001)|length }}",
+    "{{ 1 / 0 }}",
+    "{{ raise_exception('custom message: ' ~ 42) }}",
+]
+
+
+@needs_bin
+@pytest.mark.parametrize("source", EXPRESSIONS, ids=[f"expr{i}" for i in range(len(EXPRESSIONS))])
+def test_expression_semantics(source, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(source, encoding="utf-8")
+    context = {"messages": [], "bos_token": "<s>", "eos_token": "</s>"}
+    ok, expected = reference_render(source, context)
+    rc, out, err = kvserve_render(template, context, tmp_path)
+    if ok:
+        assert rc == 0, err
+        assert out == expected
+    else:
+        assert rc == 1, f"jinja2 raised {expected} but kvserve rendered {out!r}"
+        if expected[0] == "TemplateError":
+            assert err == f"kvserve: error: {expected[1]}\n"
