@@ -37,6 +37,7 @@ std::string IncrementalDetokenizer::flush() { return step(true); }
 
 std::string IncrementalDetokenizer::step(bool final) {
   if (read_offset_ >= ids_.size()) return {};
+  if (!final && tokenizer_.holds_byte_run(ids_.back())) return {};
   const auto first = ids_.begin() + static_cast<long>(prefix_offset_);
   const std::string prefix_text =
       tokenizer_.decode(std::vector<int64_t>(first, ids_.begin() + static_cast<long>(read_offset_)), skip_special_);

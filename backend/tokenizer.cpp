@@ -1007,6 +1007,10 @@ struct Tokenizer::Impl {
   bool add_bos = false, add_eos = false;
   int64_t model_max_length = 0;
   int64_t vocab_size = 0;
+  // With a ByteFallback decoder a run of <0xNN> tokens is decoded as a whole (invalid runs become
+  // U+FFFD per byte), so streaming must not emit text while such a run may still grow.
+  bool byte_fallback_decoder = false;
+  std::vector<bool> is_byte_piece;  // by id: a <0xNN> token
 
   // Splits p by the matcher's added tokens, applying lstrip/rstrip/single_word (HF find_matches).
   void split_added(const Piece& p, const AddedMatcher& m, std::vector<Piece>& out) const {
@@ -1078,6 +1082,11 @@ std::string config_token(const Node& cfg, const char* key) {
 
 }  // namespace
 
+bool Tokenizer::holds_byte_run(int64_t last_id) const {
+  const Impl& m = *impl_;
+  return m.byte_fallback_decoder && last_id >= 0 && last_id < m.vocab_size && m.is_byte_piece[static_cast<size_t>(last_id)];
+}
+
 Tokenizer Tokenizer::from_dir(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path d(dir);
@@ -1109,7 +1118,17 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
   impl->model = parse_bpe(root.at("model"));
   if (root.has("normalizer")) impl->normalizer = parse_normalizer(root.at("normalizer"));
   if (root.has("pre_tokenizer")) impl->pre_tokenizer = parse_pre_tokenizer(root.at("pre_tokenizer"));
-  if (root.has("decoder")) impl->decoder = parse_decoder(root.at("decoder"));
+  if (root.has("decoder")) {
+    impl->decoder = parse_decoder(root.at("decoder"));
+    std::function<bool(const json&)> has_byte_fallback = [&](const json& d) {
+      if (d.value("type", "") == "ByteFallback") return true;
+      if (d.contains("decoders") && d["decoders"].is_array())
+        for (const auto& e : d["decoders"])
+          if (has_byte_fallback(e)) return true;
+      return false;
+    };
+    impl->byte_fallback_decoder = has_byte_fallback(j["decoder"]);
+  }
   if (root.has("post_processor")) impl->post = parse_post(root.at("post_processor"));
   if (root.has("truncation")) KV_FAIL(where << ": key 'truncation' is set; kvserve does not truncate inputs");
   if (root.has("padding")) KV_FAIL(where << ": key 'padding' is set; kvserve does not pad inputs");
@@ -1143,6 +1162,9 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
   impl->word_start = std::make_unique<Regex>(R"(\A\w)");
   impl->word_end = std::make_unique<Regex>(R"(\w\z)");
   impl->vocab_size = max_id + 1;
+  impl->is_byte_piece.assign(static_cast<size_t>(impl->vocab_size), false);
+  for (int64_t id = 0; id < impl->vocab_size; ++id)
+    impl->is_byte_piece[static_cast<size_t>(id)] = ByteFallbackDec::byte_of(impl->token_of(id)) >= 0;
 
   const std::string cfg_where = std::filesystem::path(where).parent_path().append("tokenizer_config.json").string();
   json c;

@@ -51,6 +51,8 @@ class Tokenizer {
 
  private:
   explicit Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  // Whether text decoded up to a sequence ending in last_id may still change with the next token.
+  bool holds_byte_run(int64_t last_id) const;
   std::shared_ptr<const Impl> impl_;
   friend class IncrementalDetokenizer;
 };
