@@ -8,5 +8,6 @@ void add_generate_command(CLI::App& app);    // cmd_generate.cpp
 void add_forward_command(CLI::App& app);     // cmd_forward.cpp
 void add_tokenize_commands(CLI::App& app);   // cmd_tokenize.cpp: tokenize, detokenize
 void add_chat_template_command(CLI::App& app);  // cmd_chat_template.cpp: chat-template
+void add_policy_commands(CLI::App& app);     // cmd_policy.cpp: policy budgets, policy select
 
 }  // namespace kvserve::cli

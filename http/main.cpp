@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   kvserve::cli::add_forward_command(app);
   kvserve::cli::add_tokenize_commands(app);
   kvserve::cli::add_chat_template_command(app);
+  kvserve::cli::add_policy_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
