@@ -1,0 +1,330 @@
+#include "policy_config.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <sstream>
+
+#include "kv_check.h"
+
+namespace kvserve {
+
+bool PolicyConfig::skips_layer(int64_t layer) const {
+  return std::find(skip_layers.begin(), skip_layers.end(), layer) != skip_layers.end();
+}
+
+int64_t PolicyConfig::budget_tokens(int64_t prompt_len) const {
+  if (budget_ratio > 0.0) {
+    return std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(prompt_len) * budget_ratio));
+  }
+  return budget;
+}
+
+const std::vector<std::string>& policy_names() {
+  static const std::vector<std::string> names = {"full",         "snapkv", "pyramidkv", "dynamickv",
+                                                 "streamingllm", "h2o",    "knorm",     "random"};
+  return names;
+}
+
+std::string to_string(AllocatorKind k) {
+  switch (k) {
+    case AllocatorKind::kFull: return "full";
+    case AllocatorKind::kUniform: return "uniform";
+    case AllocatorKind::kPyramid: return "pyramid";
+    case AllocatorKind::kDynamic: return "dynamic";
+  }
+  return "?";
+}
+std::string to_string(ScorerKind k) {
+  switch (k) {
+    case ScorerKind::kNone: return "none";
+    case ScorerKind::kWindowAttention: return "window_attention";
+    case ScorerKind::kAccumulatedAttention: return "accumulated_attention";
+    case ScorerKind::kSinkRecent: return "sink_recent";
+    case ScorerKind::kKeyNorm: return "key_norm";
+    case ScorerKind::kRandom: return "random";
+  }
+  return "?";
+}
+std::string to_string(PoolingKind k) { return k == PoolingKind::kMax ? "max" : "avg"; }
+std::string to_string(Semantics k) { return k == Semantics::kPaper ? "paper" : "kvpress"; }
+
+namespace {
+
+int64_t parse_int(const std::string& key, const std::string& v) {
+  int64_t out = 0;
+  const char* b = v.data();
+  const char* e = v.data() + v.size();
+  auto [p, ec] = std::from_chars(b, e, out);
+  if (ec != std::errc() || p != e || v.empty()) {
+    KV_FAIL("policy parameter '" << key << "': '" << v << "' is not an integer");
+  }
+  return out;
+}
+
+double parse_double(const std::string& key, const std::string& v) {
+  char* end = nullptr;
+  double out = std::strtod(v.c_str(), &end);
+  if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(out)) {
+    KV_FAIL("policy parameter '" << key << "': '" << v << "' is not a number");
+  }
+  return out;
+}
+
+int64_t parse_nonneg(const std::string& key, const std::string& v, int64_t min_value = 0) {
+  int64_t x = parse_int(key, v);
+  if (x < min_value) KV_FAIL("policy parameter '" << key << "': '" << v << "' must be >= " << min_value);
+  return x;
+}
+
+template <class E>
+E parse_enum(const std::string& key, const std::string& v, const std::vector<std::pair<std::string, E>>& opts) {
+  for (const auto& [s, e] : opts) {
+    if (s == v) return e;
+  }
+  std::ostringstream os;
+  for (size_t i = 0; i < opts.size(); ++i) os << (i ? "|" : "") << opts[i].first;
+  KV_FAIL("policy parameter '" << key << "': '" << v << "' is not one of " << os.str());
+}
+
+std::vector<int64_t> parse_layer_list(const std::string& key, const std::string& v) {
+  std::vector<int64_t> out;
+  if (v.empty() || v == "none") return out;
+  std::string item;
+  std::istringstream is(v);
+  while (std::getline(is, item, ',')) {
+    if (item.empty()) KV_FAIL("policy parameter '" << key << "': '" << v << "' has an empty item");
+    out.push_back(parse_nonneg(key, item));
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+using Setter = std::function<void(PolicyConfig&, const std::string& key, const std::string& value)>;
+
+const std::map<std::string, Setter>& setters() {
+  static const std::map<std::string, Setter> s = {
+      {"allocator",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.allocator = parse_enum<AllocatorKind>(k, v,
+                                                 {{"full", AllocatorKind::kFull},
+                                                  {"uniform", AllocatorKind::kUniform},
+                                                  {"pyramid", AllocatorKind::kPyramid},
+                                                  {"dynamic", AllocatorKind::kDynamic}});
+       }},
+      {"scorer",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.scorer = parse_enum<ScorerKind>(k, v,
+                                           {{"none", ScorerKind::kNone},
+                                            {"window_attention", ScorerKind::kWindowAttention},
+                                            {"accumulated_attention", ScorerKind::kAccumulatedAttention},
+                                            {"sink_recent", ScorerKind::kSinkRecent},
+                                            {"key_norm", ScorerKind::kKeyNorm},
+                                            {"random", ScorerKind::kRandom}});
+       }},
+      {"budget",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         // An integer is tokens per layer; a number in (0, 1) is a ratio of the prompt.
+         if (v.find_first_of(".eE") != std::string::npos) {
+           double r = parse_double(k, v);
+           if (!(r > 0.0 && r < 1.0)) {
+             KV_FAIL("policy parameter '" << k << "': '" << v
+                                          << "' must be a token count >= 1 or a ratio strictly between 0 and 1");
+           }
+           c.budget_ratio = r;
+           c.budget = 0;
+         } else {
+           c.budget = parse_nonneg(k, v, 1);
+           c.budget_ratio = 0.0;
+         }
+       }},
+      {"budget_ratio",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         double r = parse_double(k, v);
+         if (!(r > 0.0 && r < 1.0)) {
+           KV_FAIL("policy parameter '" << k << "': '" << v << "' must be strictly between 0 and 1");
+         }
+         c.budget_ratio = r;
+         c.budget = 0;
+       }},
+      {"window", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.window = parse_nonneg(k, v); }},
+      {"kernel",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         int64_t x = parse_nonneg(k, v, 1);
+         if (x % 2 == 0) KV_FAIL("policy parameter '" << k << "': '" << v << "' must be odd");
+         c.kernel = x;
+       }},
+      {"pooling",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.pooling = parse_enum<PoolingKind>(k, v, {{"max", PoolingKind::kMax}, {"avg", PoolingKind::kAvg}});
+       }},
+      {"beta", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.beta = parse_nonneg(k, v, 1); }},
+      {"r_max", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.r_max = parse_nonneg(k, v, 1); }},
+      {"update_interval",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) { c.update_interval = parse_nonneg(k, v, 1); }},
+      {"m", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.update_interval = parse_nonneg(k, v, 1); }},
+      {"sink", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.sink = parse_nonneg(k, v); }},
+      {"skip_layers",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) { c.skip_layers = parse_layer_list(k, v); }},
+      {"semantics",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.semantics = parse_enum<Semantics>(k, v, {{"paper", Semantics::kPaper}, {"kvpress", Semantics::kKvpress}});
+       }},
+      {"decode_budget",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) { c.decode_budget = parse_nonneg(k, v); }},
+      {"decode_evict_chunk",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) { c.decode_evict_chunk = parse_nonneg(k, v, 1); }},
+      {"seed",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.seed = static_cast<uint64_t>(parse_nonneg(k, v));
+       }},
+  };
+  return s;
+}
+
+PolicyConfig named_defaults(const std::string& name) {
+  PolicyConfig c;
+  c.name = name;
+  if (name == "full") {
+    c.allocator = AllocatorKind::kFull;
+    c.scorer = ScorerKind::kNone;
+  } else if (name == "snapkv") {
+    c.allocator = AllocatorKind::kUniform;
+    c.scorer = ScorerKind::kWindowAttention;
+    c.budget = 128;
+  } else if (name == "pyramidkv") {
+    c.allocator = AllocatorKind::kPyramid;
+    c.scorer = ScorerKind::kWindowAttention;
+    c.budget = 128;
+  } else if (name == "dynamickv") {
+    c.allocator = AllocatorKind::kDynamic;
+    c.scorer = ScorerKind::kWindowAttention;
+    c.pooling = PoolingKind::kAvg;  // the authors' Llama setting
+    c.budget = 128;
+  } else if (name == "streamingllm") {
+    c.allocator = AllocatorKind::kUniform;
+    c.scorer = ScorerKind::kSinkRecent;
+    c.window = 0;  // everything after the sinks is "recent"
+    c.budget = 128;
+  } else if (name == "h2o") {
+    c.allocator = AllocatorKind::kUniform;
+    c.scorer = ScorerKind::kAccumulatedAttention;
+    c.budget = 128;
+  } else if (name == "knorm") {
+    c.allocator = AllocatorKind::kUniform;
+    c.scorer = ScorerKind::kKeyNorm;
+    c.window = 0;
+    c.skip_layers = {0, 1};
+    c.budget_ratio = 0.5;
+  } else if (name == "random") {
+    c.allocator = AllocatorKind::kUniform;
+    c.scorer = ScorerKind::kRandom;
+    c.window = 0;
+    c.budget = 128;
+  } else {
+    std::ostringstream os;
+    for (size_t i = 0; i < policy_names().size(); ++i) os << (i ? ", " : "") << policy_names()[i];
+    KV_FAIL("unknown KV policy '" << name << "' (known: " << os.str() << ")");
+  }
+  return c;
+}
+
+}  // namespace
+
+void validate_policy_config(const PolicyConfig& c) {
+  if (c.is_full()) return;
+  KV_CHECK(c.budget > 0 || c.budget_ratio > 0.0,
+           "policy '" << c.name << "': needs a budget (budget=N tokens per layer or budget_ratio=r)");
+  KV_CHECK(!(c.budget > 0 && c.budget_ratio > 0.0),
+           "policy '" << c.name << "': give either budget or budget_ratio, not both");
+  KV_CHECK(c.kernel >= 1 && c.kernel % 2 == 1, "policy parameter 'kernel': '" << c.kernel << "' must be odd");
+  KV_CHECK(c.window >= 0, "policy parameter 'window': '" << c.window << "' must be >= 0");
+  if (c.budget > 0 && c.scorer != ScorerKind::kSinkRecent) {
+    KV_CHECK(c.budget > c.window, "policy '" << c.name << "': budget " << c.budget << " must exceed the window "
+                                             << c.window << " (the budget counts the window)");
+  }
+  if (c.scorer == ScorerKind::kSinkRecent && c.budget > 0) {
+    KV_CHECK(c.budget > c.sink, "policy '" << c.name << "': budget " << c.budget << " must exceed sink " << c.sink);
+  }
+  if (c.allocator == AllocatorKind::kDynamic) {
+    KV_CHECK(c.semantics == Semantics::kPaper,
+             "policy '" << c.name << "': the dynamic allocator has no kvpress variant (semantics must be paper)");
+    KV_CHECK(c.scorer == ScorerKind::kWindowAttention || c.scorer == ScorerKind::kKeyNorm ||
+                 c.scorer == ScorerKind::kAccumulatedAttention || c.scorer == ScorerKind::kRandom,
+             "policy '" << c.name << "': the dynamic allocator needs a ranking scorer, not " << to_string(c.scorer));
+  }
+  if (c.allocator == AllocatorKind::kDynamic) {
+    KV_CHECK(c.skip_layers.empty(), "policy '" << c.name << "': the dynamic allocator budgets every layer (skip_layers must be empty)");
+  }
+  if (c.scorer == ScorerKind::kWindowAttention) {
+    KV_CHECK(c.window >= 1, "policy parameter 'window': '" << c.window << "' must be >= 1 for window_attention");
+  }
+  if (c.allocator == AllocatorKind::kPyramid || c.allocator == AllocatorKind::kDynamic) {
+    KV_CHECK(c.scorer != ScorerKind::kSinkRecent,
+             "policy '" << c.name << "': sink_recent works with the uniform allocator only");
+  }
+  if (c.decode_budget > 0) {
+    KV_CHECK(c.scorer == ScorerKind::kKeyNorm || c.scorer == ScorerKind::kSinkRecent ||
+                 c.scorer == ScorerKind::kAccumulatedAttention,
+             "policy '" << c.name << "': decode_budget needs scorer key_norm, sink_recent or accumulated_attention");
+    int64_t protect = c.window + (c.scorer == ScorerKind::kSinkRecent ? c.sink : 0);
+    KV_CHECK(c.decode_budget > protect + c.decode_evict_chunk,
+             "policy '" << c.name << "': decode_budget " << c.decode_budget << " must exceed the protected tokens "
+                        << protect << " plus decode_evict_chunk " << c.decode_evict_chunk);
+  }
+}
+
+PolicyConfig make_policy_config(const std::string& name, const std::map<std::string, std::string>& params) {
+  PolicyConfig c = named_defaults(name);
+  // knorm under kvpress semantics compresses every layer unless skip_layers is given explicitly.
+  auto sem = params.find("semantics");
+  if (name == "knorm" && sem != params.end() && sem->second == "kvpress" && !params.count("skip_layers")) {
+    c.skip_layers.clear();
+  }
+  const auto& table = setters();
+  for (const auto& [key, value] : params) {
+    auto it = table.find(key);
+    if (it == table.end()) {
+      std::ostringstream os;
+      bool first = true;
+      for (const auto& [k, _] : table) {
+        os << (first ? "" : ", ") << k;
+        first = false;
+      }
+      KV_FAIL("unknown policy parameter '" << key << "' (value '" << value << "'); valid keys: " << os.str());
+    }
+    it->second(c, key, value);
+  }
+  validate_policy_config(c);
+  return c;
+}
+
+nlohmann::json to_json(const PolicyConfig& c) {
+  nlohmann::json j;
+  j["name"] = c.name;
+  j["allocator"] = to_string(c.allocator);
+  j["scorer"] = to_string(c.scorer);
+  if (c.budget_ratio > 0.0) {
+    j["budget_ratio"] = c.budget_ratio;
+  } else {
+    j["budget"] = c.budget;
+  }
+  j["window"] = c.window;
+  j["kernel"] = c.kernel;
+  j["pooling"] = to_string(c.pooling);
+  j["beta"] = c.beta;
+  j["r_max"] = c.r_max;
+  j["update_interval"] = c.update_interval;
+  j["sink"] = c.sink;
+  j["skip_layers"] = c.skip_layers;
+  j["semantics"] = to_string(c.semantics);
+  j["decode_budget"] = c.decode_budget;
+  j["decode_evict_chunk"] = c.decode_evict_chunk;
+  j["seed"] = c.seed;
+  return j;
+}
+
+}  // namespace kvserve

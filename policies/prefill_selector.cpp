@@ -1,0 +1,115 @@
+#include "prefill_selector.h"
+
+#include <algorithm>
+
+#include "kv_check.h"
+#include "token_scorer.h"
+#include "top_select.h"
+
+namespace kvserve {
+
+PrefillSelector::PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, int64_t num_kv_heads,
+                                 int64_t prompt_len)
+    : cfg_(cfg), num_layers_(num_layers), num_kv_heads_(num_kv_heads), prompt_len_(prompt_len) {
+  KV_CHECK(num_layers >= 1, "PrefillSelector: num_layers must be >= 1, got " << num_layers);
+  KV_CHECK(num_kv_heads >= 1, "PrefillSelector: num_kv_heads must be >= 1, got " << num_kv_heads);
+  KV_CHECK(prompt_len >= 1, "PrefillSelector: prompt_len must be >= 1, got " << prompt_len);
+  validate_policy_config(cfg_);
+  scored_region_ = prompt_len - std::min(cfg_.window, prompt_len);
+  plan_ = allocate_layer_budgets(cfg_, prompt_len, num_layers);
+  compresses_ = std::any_of(plan_.begin(), plan_.end(), [](const LayerBudget& b) { return !b.full; });
+  if (compresses_ && cfg_.allocator == AllocatorKind::kDynamic) {
+    const auto s = dynamic_sizes(cfg_, prompt_len);
+    dynamic_.emplace(num_layers, s.base, s.bs, cfg_.update_interval);
+    order_.resize(num_layers);
+  }
+}
+
+torch::Tensor PrefillSelector::with_window(const torch::Tensor& scored_positions, int64_t window_kept,
+                                           const torch::Device& dev) const {
+  auto win = position_range(num_kv_heads_, scored_region_, window_kept, dev);
+  if (scored_positions.size(1) == 0) return win;
+  return torch::cat({scored_positions, win}, 1);
+}
+
+torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k) {
+  KV_CHECK(layer >= 0 && layer < num_layers_, "PrefillSelector: layer " << layer << " outside [0, " << num_layers_ << ")");
+  KV_CHECK(layer > last_layer_, "PrefillSelector: layers must come in ascending order (got " << layer << " after "
+                                                                                             << last_layer_ << ")");
+  KV_CHECK(k.defined() && k.dim() == 3 && k.size(0) == num_kv_heads_ && k.size(1) == prompt_len_,
+           "PrefillSelector: layer " << layer << " keys must be [" << num_kv_heads_ << ", " << prompt_len_
+                                     << ", D], got " << (k.defined() ? k.sizes() : at::IntArrayRef{}));
+  last_layer_ = layer;
+  const auto dev = k.device();
+  const LayerBudget& lb = plan_[layer];
+  if (lb.full) return position_range(num_kv_heads_, 0, prompt_len_, dev);
+  if (scorer_needs_queries(cfg_.scorer)) {
+    KV_CHECK(q.defined() && q.dim() == 3 && q.size(0) % num_kv_heads_ == 0,
+             "PrefillSelector: layer " << layer << " needs queries [H, T, D] with H a multiple of " << num_kv_heads_);
+  }
+  torch::Tensor scores = score_tokens(cfg_, layer, q, k);  // [KV, prompt - window]
+
+  if (!dynamic_) {
+    return with_window(stable_top_positions(scores, std::min(lb.scored, scored_region_)), lb.window, dev);
+  }
+
+  // DynamicKV: keep the bs best as candidates in score order; budget from (gathered) scores.
+  auto global = gatherer_ ? gatherer_(layer, scores) : scores;
+  dynamic_->set_layer_scores(layer, global);
+  order_[layer] = stable_rank_order(scores, std::min(dynamic_->budgets()[layer], scored_region_));
+  auto kept = with_window(std::get<0>(torch::sort(order_[layer], 1)), lb.window, dev);
+  if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+  return kept;
+}
+
+void PrefillSelector::apply_dynamic_budgets(const std::vector<int64_t>& new_budgets) {
+  const int64_t n = static_cast<int64_t>(new_budgets.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& ord = order_[i];
+    if (!ord.defined() || new_budgets[i] >= ord.size(1)) continue;  // not local, or unchanged
+    order_[i] = ord.narrow(1, 0, new_budgets[i]);
+    auto kept = with_window(std::get<0>(torch::sort(order_[i], 1)), plan_[i].window, ord.device());
+    auto it = std::find_if(pending_.begin(), pending_.end(), [i](const auto& p) { return p.first == i; });
+    if (it != pending_.end()) {
+      it->second = kept;
+    } else {
+      pending_.emplace_back(i, kept);
+    }
+  }
+  std::sort(pending_.begin(), pending_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+}
+
+std::vector<std::pair<int64_t, torch::Tensor>> PrefillSelector::take_updates() {
+  std::vector<std::pair<int64_t, torch::Tensor>> out;
+  out.swap(pending_);
+  return out;
+}
+
+void PrefillSelector::finish() {
+  if (!dynamic_) return;
+  if (auto nb = dynamic_->final_update()) apply_dynamic_budgets(*nb);
+}
+
+std::vector<int64_t> PrefillSelector::budgets() const {
+  auto out = kept_counts(plan_, prompt_len_);
+  if (dynamic_) {
+    for (int64_t l = 0; l < num_layers_; ++l) {
+      if (!plan_[l].full) out[l] = plan_[l].window + dynamic_->budgets()[l];
+    }
+  }
+  return out;
+}
+
+torch::Tensor PrefillSelector::layer_scores(int64_t layer) const {
+  KV_CHECK(dynamic_.has_value(), "PrefillSelector::layer_scores: policy '" << cfg_.name << "' is not DynamicKV");
+  return dynamic_->layer_scores(layer);
+}
+
+void PrefillSelector::import_layer_scores(int64_t layer, const torch::Tensor& scores) {
+  KV_CHECK(dynamic_.has_value(), "PrefillSelector::import_layer_scores: policy '" << cfg_.name << "' is not DynamicKV");
+  KV_CHECK(scores.dim() == 2 && scores.size(1) == scored_region_,
+           "PrefillSelector::import_layer_scores: scores must be [heads, " << scored_region_ << "], got " << scores.sizes());
+  dynamic_->set_layer_scores(layer, scores);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,74 @@
+#pragma once
+// PrefillSelector: per-sequence, layer-by-layer choice of the prompt positions each layer keeps.
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "budget_allocator.h"
+#include "dynamic_budget.h"
+#include "policy_config.h"
+
+namespace kvserve {
+
+// Drives one sequence's prefill: call on_layer for each layer in ascending order, apply
+// take_updates() after each call (DynamicKV shrinks earlier layers), then finish() and
+// take_updates() once more. Device-agnostic: outputs live on the keys' device.
+class PrefillSelector {
+ public:
+  // TP hook: given a layer and this rank's pooled scores [local KV heads, T - window], returns the
+  // scores of every KV head across ranks [all KV heads, T - window] (an all-gather, heads in rank
+  // order). DynamicKV then budgets from the gathered scores, identically on every rank.
+  using ScoreGatherer = std::function<torch::Tensor(int64_t layer, const torch::Tensor& local_scores)>;
+
+  PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, int64_t num_kv_heads, int64_t prompt_len);
+
+  // Kept positions of `layer`, int64 [KV, n_l] sorted ascending per head, the window included. For
+  // a full layer: every position. For DynamicKV: the candidate set (bs + window). q [H, Tq, D]
+  // post-RoPE (the last `window` rows are enough for window attention; accumulated attention needs
+  // all T rows; other scorers ignore it and accept an undefined tensor), k [KV, T, D] post-RoPE.
+  torch::Tensor on_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k);
+
+  // Re-selections of earlier layers since the last call: (layer, kept positions [KV, n] that are a
+  // subset of what that layer held), ascending by layer, at most one entry per layer.
+  std::vector<std::pair<int64_t, torch::Tensor>> take_updates();
+
+  // Runs DynamicKV's final update when num_layers % m != 0 (idempotent); call take_updates after.
+  void finish();
+
+  // Kept counts per layer (window included) as they stand now (final after finish()).
+  std::vector<int64_t> budgets() const;
+
+  // False when every layer keeps the whole prompt (nothing to score or drop).
+  bool compresses() const { return compresses_; }
+  bool is_dynamic() const { return dynamic_.has_value(); }
+
+  void set_score_gatherer(ScoreGatherer gatherer) { gatherer_ = std::move(gatherer); }
+  // DynamicKV's pooled scores of `layer` as used for budgeting (gathered ones when a gatherer is set).
+  torch::Tensor layer_scores(int64_t layer) const;
+  // PP: scores of a layer this selector never sees (owned by another stage), [all KV heads, T - w].
+  void import_layer_scores(int64_t layer, const torch::Tensor& scores);
+
+  const PolicyConfig& config() const { return cfg_; }
+  const std::vector<LayerBudget>& layer_budgets() const { return plan_; }
+
+ private:
+  torch::Tensor with_window(const torch::Tensor& scored_positions, int64_t window_kept, const torch::Device& dev) const;
+  void apply_dynamic_budgets(const std::vector<int64_t>& new_budgets);
+
+  PolicyConfig cfg_;
+  int64_t num_layers_, num_kv_heads_, prompt_len_;
+  int64_t scored_region_;  // prompt - window: positions that are ranked
+  bool compresses_ = false;
+  int64_t last_layer_ = -1;
+  std::vector<LayerBudget> plan_;
+  std::optional<DynamicBudget> dynamic_;
+  std::vector<torch::Tensor> order_;  // DynamicKV: per layer [KV, budget] positions in score order
+  std::vector<std::pair<int64_t, torch::Tensor>> pending_;
+  ScoreGatherer gatherer_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,210 @@
+// PrefillSelector: kept sets respect budgets, always hold the window, and DynamicKV shrinks earlier
+// layers to subsets.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "kv_check.h"
+#include "prefill_selector.h"
+#include "pyramid_budget.h"
+
+using namespace kvserve;
+
+namespace {
+
+struct Qk {
+  torch::Tensor q, k;
+};
+
+Qk random_qk(int64_t h, int64_t kv, int64_t t, int64_t d, uint64_t seed) {
+  torch::manual_seed(seed);
+  return {torch::randn({h, t, d}), torch::randn({kv, t, d})};
+}
+
+void expect_valid(const torch::Tensor& kept, int64_t kv, int64_t t, int64_t window, int64_t max_count) {
+  ASSERT_EQ(kept.dim(), 2);
+  ASSERT_EQ(kept.scalar_type(), torch::kInt64);
+  ASSERT_EQ(kept.size(0), kv);
+  EXPECT_LE(kept.size(1), max_count);
+  auto c = kept.contiguous();
+  for (int64_t h = 0; h < kv; ++h) {
+    const int64_t* p = c.data_ptr<int64_t>() + h * c.size(1);
+    for (int64_t i = 1; i < c.size(1); ++i) ASSERT_LT(p[i - 1], p[i]) << "not strictly ascending";
+    if (c.size(1) > 0) {
+      ASSERT_GE(p[0], 0);
+      ASSERT_LT(p[c.size(1) - 1], t);
+    }
+    std::set<int64_t> s(p, p + c.size(1));
+    for (int64_t pos = t - window; pos < t; ++pos) EXPECT_TRUE(s.count(pos)) << "window position " << pos << " dropped";
+  }
+}
+
+bool is_subset(const torch::Tensor& small, const torch::Tensor& big) {
+  for (int64_t h = 0; h < small.size(0); ++h) {
+    auto s = small[h].contiguous();
+    auto b = big[h].contiguous();
+    std::set<int64_t> bs(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + b.numel());
+    for (int64_t i = 0; i < s.numel(); ++i)
+      if (!bs.count(s.data_ptr<int64_t>()[i])) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST(PrefillSelector, FullAndShortPromptsKeepEverything) {
+  auto qk = random_qk(4, 2, 50, 16, 1);
+  for (const auto& name : policy_names()) {
+    auto cfg = make_policy_config(name, name == "knorm" ? std::map<std::string, std::string>{{"budget", "64"}}
+                                                        : std::map<std::string, std::string>{{"budget", "64"}});
+    PrefillSelector sel(cfg, 3, 2, 50);
+    EXPECT_FALSE(sel.compresses()) << name;
+    for (int64_t l = 0; l < 3; ++l) {
+      auto kept = sel.on_layer(l, qk.q, qk.k);
+      EXPECT_TRUE(torch::equal(kept, torch::arange(50).expand({2, 50}))) << name;
+    }
+    sel.finish();
+    EXPECT_TRUE(sel.take_updates().empty());
+    EXPECT_EQ(sel.budgets(), (std::vector<int64_t>{50, 50, 50})) << name;
+  }
+}
+
+TEST(PrefillSelector, UniformAndPyramidRespectBudgets) {
+  const int64_t H = 8, KV = 2, T = 300, D = 16, L = 4;
+  for (const std::string name : {"snapkv", "pyramidkv", "h2o", "streamingllm", "knorm", "random"}) {
+    for (const std::string sem : {"paper", "kvpress"}) {
+      auto cfg = make_policy_config(name, {{"budget", "40"}, {"semantics", sem}});
+      PrefillSelector sel(cfg, L, KV, T);
+      ASSERT_TRUE(sel.compresses());
+      auto planned = sel.budgets();
+      for (int64_t l = 0; l < L; ++l) {
+        auto qk = random_qk(H, KV, T, D, 10 + l);
+        auto kept = sel.on_layer(l, qk.q, qk.k);
+        const bool skipped = cfg.skips_layer(l);
+        expect_valid(kept, KV, T, cfg.window, skipped ? T : planned[l]);
+        EXPECT_EQ(kept.size(1), planned[l]) << name << " " << sem << " layer " << l;
+        if (!skipped && cfg.allocator == AllocatorKind::kUniform) EXPECT_EQ(kept.size(1), 40) << name;
+      }
+      sel.finish();
+      EXPECT_TRUE(sel.take_updates().empty());
+      if (name == "pyramidkv" && sem == "paper") EXPECT_EQ(planned, pyramid_budgets_paper(T, 40, 8, 20, L));
+    }
+  }
+}
+
+TEST(PrefillSelector, StreamingKeepsSinksAndRecent) {
+  auto cfg = make_policy_config("streamingllm", {{"budget", "20"}});
+  PrefillSelector sel(cfg, 1, 2, 100);
+  auto kept = sel.on_layer(0, {}, torch::randn({2, 100, 4}));
+  std::vector<int64_t> expect = {0, 1, 2, 3};
+  for (int64_t p = 84; p < 100; ++p) expect.push_back(p);
+  for (int64_t h = 0; h < 2; ++h) {
+    auto row = kept[h].contiguous();
+    EXPECT_EQ(std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel()), expect);
+  }
+}
+
+TEST(PrefillSelector, KnormKeepsLowestNorms) {
+  auto cfg = make_policy_config("knorm", {{"budget", "3"}, {"skip_layers", ""}});
+  auto k = torch::zeros({1, 6, 2});
+  // norms: 5, 1, 4, 1, 0.5, 9 -> keep positions 1, 3, 4 (ties 1 == 1 both fit)
+  k[0][0][0] = 5;
+  k[0][1][0] = 1;
+  k[0][2][0] = 4;
+  k[0][3][1] = 1;
+  k[0][4][0] = 0.5;
+  k[0][5][0] = 9;
+  PrefillSelector sel(cfg, 1, 1, 6);
+  auto kept = sel.on_layer(0, {}, k);
+  EXPECT_TRUE(torch::equal(kept, torch::tensor({{1, 3, 4}}, torch::kInt64)));
+}
+
+TEST(PrefillSelector, TiesGoToLowerPositions) {
+  auto cfg = make_policy_config("knorm", {{"budget", "3"}, {"skip_layers", ""}});
+  PrefillSelector sel(cfg, 1, 2, 10);
+  auto kept = sel.on_layer(0, {}, torch::ones({2, 10, 4}));
+  EXPECT_TRUE(torch::equal(kept, torch::tensor({{0, 1, 2}, {0, 1, 2}}, torch::kInt64)));
+}
+
+TEST(PrefillSelector, DynamicShrinksEarlierLayersToSubsets) {
+  const int64_t H = 4, KV = 2, T = 400, D = 8;
+  for (int64_t L : {4, 6, 9}) {
+    auto cfg = make_policy_config("dynamickv", {{"budget", "24"}, {"r_max", "5"}});
+    PrefillSelector sel(cfg, L, KV, T);
+    ASSERT_TRUE(sel.is_dynamic());
+    std::vector<torch::Tensor> held(L);
+    int updates = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      auto qk = random_qk(H, KV, T, D, 100 + l);
+      held[l] = sel.on_layer(l, qk.q, qk.k);
+      expect_valid(held[l], KV, T, 8, 16 * 5 + 8);
+      EXPECT_EQ(held[l].size(1), 16 * 5 + 8);
+      for (auto& [layer, kept] : sel.take_updates()) {
+        ASSERT_LE(layer, l);
+        EXPECT_TRUE(is_subset(kept, held[layer])) << "layer " << layer;
+        expect_valid(kept, KV, T, 8, held[layer].size(1));
+        held[layer] = kept;
+        ++updates;
+      }
+    }
+    sel.finish();
+    for (auto& [layer, kept] : sel.take_updates()) {
+      EXPECT_TRUE(is_subset(kept, held[layer]));
+      held[layer] = kept;
+      ++updates;
+    }
+    EXPECT_GT(updates, 0);
+    auto b = sel.budgets();
+    int64_t total = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      EXPECT_EQ(held[l].size(1), b[l]) << "L=" << L << " layer " << l;
+      total += b[l];
+    }
+    EXPECT_LE(total, 24 * L) << "L=" << L;  // every layer ends inside the total budget
+  }
+}
+
+TEST(PrefillSelector, DynamicGathererSeesLocalScores) {
+  auto cfg = make_policy_config("dynamickv", {{"budget", "24"}, {"m", "2"}});
+  PrefillSelector sel(cfg, 2, 2, 200);
+  int calls = 0;
+  sel.set_score_gatherer([&](int64_t layer, const torch::Tensor& local) {
+    ++calls;
+    EXPECT_EQ(local.size(0), 2);
+    EXPECT_EQ(local.size(1), 192);
+    return torch::cat({local, local}, 0);  // pretend a second rank with the same scores
+  });
+  for (int64_t l = 0; l < 2; ++l) {
+    auto qk = random_qk(4, 2, 200, 8, l);
+    sel.on_layer(l, qk.q, qk.k);
+  }
+  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(sel.layer_scores(0).size(0), 4);
+  auto b = sel.budgets();
+  EXPECT_LE(b[0] + b[1], 48);
+}
+
+TEST(PrefillSelector, WorksOnBf16) {
+  auto qk = random_qk(4, 2, 120, 16, 5);
+  auto cfg = make_policy_config("pyramidkv", {{"budget", "32"}});
+  PrefillSelector sel(cfg, 2, 2, 120);
+  auto kept = sel.on_layer(0, qk.q.to(torch::kBFloat16), qk.k.to(torch::kBFloat16));
+  expect_valid(kept, 2, 120, 8, sel.budgets()[0]);
+}
+
+TEST(PrefillSelector, Errors) {
+  auto cfg = make_policy_config("snapkv", {{"budget", "16"}});
+  PrefillSelector sel(cfg, 2, 2, 100);
+  auto qk = random_qk(4, 2, 100, 8, 0);
+  EXPECT_THROW(sel.on_layer(2, qk.q, qk.k), KvError);                          // layer out of range
+  EXPECT_THROW(sel.on_layer(0, qk.q, torch::randn({3, 100, 8})), KvError);    // wrong KV heads
+  EXPECT_THROW(sel.on_layer(0, qk.q, torch::randn({2, 99, 8})), KvError);     // wrong length
+  EXPECT_THROW(sel.on_layer(0, torch::randn({3, 100, 8}), qk.k), KvError);    // H not multiple of KV
+  sel.on_layer(1, qk.q, qk.k);
+  EXPECT_THROW(sel.on_layer(0, qk.q, qk.k), KvError);  // out of order
+  EXPECT_THROW(PrefillSelector(cfg, 0, 2, 100), KvError);
+  EXPECT_THROW(sel.layer_scores(0), KvError);  // not dynamic
+}
