@@ -1,8 +1,11 @@
 // YAML -> ServerConfig. Every problem is collected with file, line and key, then thrown together.
 #include "server_config.h"
 
+#include "policy_config.h"
+
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -277,7 +280,9 @@ class Parser {
       }
       PolicySpec spec;
       spec.name = name;
+      spec.method = name;
       spec.line = kv.first.Mark().line + 1;
+      YAML::Mark method_mark = kv.first.Mark();
       const YAML::Node& params = kv.second;
       if (params.IsMap()) {
         std::set<std::string> seen_params;
@@ -290,6 +295,15 @@ class Parser {
           const std::string pfull = full + "." + pname;
           if (!seen_params.insert(pname).second) {
             error(p.first, pfull, "duplicate parameter");
+            continue;
+          }
+          if (pname == "method") {
+            if (!p.second.IsScalar()) {
+              error(p.second, pfull, "expected a policy method name, got " + describe(p.second));
+              continue;
+            }
+            spec.method = p.second.Scalar();
+            method_mark = p.second.Mark();
             continue;
           }
           if (p.second.IsScalar()) {
@@ -314,6 +328,21 @@ class Parser {
         }
       } else if (!params.IsNull()) {
         error(params, full, "expected a mapping of parameters, got " + describe(params));
+        continue;
+      }
+      // The policies library has the last word on methods and parameters.
+      const auto& methods = kvserve::policy_names();
+      if (std::find(methods.begin(), methods.end(), spec.method) == methods.end()) {
+        std::string list;
+        for (const auto& m : methods) list += (list.empty() ? "" : ", ") + m;
+        error(method_mark, full + ".method",
+              "unknown policy method '" + spec.method + "' (set `method:` to one of: " + list + ")");
+        continue;
+      }
+      try {
+        kvserve::make_policy_config(spec.method, spec.params);
+      } catch (const std::exception& e) {
+        error(kv.first.Mark(), full, e.what());
         continue;
       }
       out[name] = std::move(spec);
@@ -364,9 +393,19 @@ ServerConfig default_server_config() {
   c.source = "<defaults>";
   PolicySpec full;
   full.name = "full";
-  full.params["type"] = "full";
+  full.method = "full";
   c.policies["full"] = full;
   return c;
+}
+
+std::map<std::string, std::map<std::string, std::string>> engine_policies(const ServerConfig& config) {
+  std::map<std::string, std::map<std::string, std::string>> out;
+  for (const auto& [name, spec] : config.policies) {
+    auto params = spec.params;
+    params["name"] = spec.method;
+    out[name] = std::move(params);
+  }
+  return out;
 }
 
 ServerConfig parse_server_config(const std::string& yaml_text, const std::string& source) {
@@ -456,7 +495,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
     if (!policies.count("full")) {
       PolicySpec full;
       full.name = "full";
-      full.params["type"] = "full";
+      full.method = "full";
       policies["full"] = full;
     }
     c.policies = std::move(policies);

@@ -7,7 +7,8 @@
 //               idle_timeout_s, max_concurrent_connections, threads, drain_timeout_s}
 //   cache:     {block_size, kv_cache_bytes}
 //   scheduler: {max_num_seqs, max_num_batched_tokens, max_waiting}
-//   policies:  {<name>: {<param>: <scalar>, ...}, ...}
+//   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
+//              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
 // (e.g. `rollout:`) add one entry there and one struct here.
@@ -55,8 +56,9 @@ struct SchedulerSection {
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies
 // library interprets and validates them.
 struct PolicySpec {
-  std::string name;
-  std::map<std::string, std::string> params;
+  std::string name;    // the name requests use (kv_policy)
+  std::string method;  // the policies library's name: full, snapkv, pyramidkv, dynamickv, ...
+  std::map<std::string, std::string> params;  // without `method`
   int line = 0;  // 1-based line of its definition (0 = implicit)
 };
 
@@ -99,6 +101,9 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
 ServerConfig load_server_config(const std::string& path);
 // A config with every default (no file).
 ServerConfig default_server_config();
+
+// The policies as EngineOptions::policies wants them: name -> params plus {"name": method}.
+std::map<std::string, std::map<std::string, std::string>> engine_policies(const ServerConfig& config);
 
 // Resolves the API key: `api_key` if set, else the environment variable `api_key_env`.
 std::string effective_api_key(const ServerSection& server);

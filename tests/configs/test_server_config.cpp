@@ -44,11 +44,10 @@ scheduler:
   max_waiting: 10
 policies:
   pyramid128:
-    type: pyramidkv
+    method: pyramidkv
     budget: 128
     window: 8
   knorm:
-    type: knorm
     skip_layers: [0, 1]
 default_policy: pyramid128
 )";
@@ -73,7 +72,13 @@ default_policy: pyramid128
   ASSERT_EQ(c.policies.size(), 3u);  // + implicit full
   EXPECT_EQ(c.policies.at("pyramid128").params.at("budget"), "128");
   EXPECT_EQ(c.policies.at("pyramid128").line, 23);
+  EXPECT_EQ(c.policies.at("pyramid128").method, "pyramidkv");
+  EXPECT_EQ(c.policies.at("pyramid128").params.count("method"), 0u);
+  EXPECT_EQ(c.policies.at("knorm").method, "knorm");
   EXPECT_EQ(c.policies.at("knorm").params.at("skip_layers"), "0,1");
+  auto engine = kvserve::config::engine_policies(c);
+  EXPECT_EQ(engine.at("pyramid128").at("name"), "pyramidkv");
+  EXPECT_EQ(engine.at("pyramid128").at("budget"), "128");
   EXPECT_TRUE(c.policies.count("full"));
 }
 
@@ -162,10 +167,14 @@ const BadCase kBadCases[] = {
     {"neg_timeout", "server:\n  idle_timeout_s: -1\n", 2, "server.idle_timeout_s", "between"},
     {"nan_timeout", "server:\n  request_timeout_s: .nan\n", 2, "server.request_timeout_s", "expected a number"},
     {"policy_not_map", "policies:\n  p1: 5\n", 2, "policies.p1", "expected a mapping of parameters"},
-    {"policy_nested", "policies:\n  p1:\n    budget:\n      a: 1\n", 4, "policies.p1.budget", "scalar or a list"},
-    {"policy_bad_name", "policies:\n  \"bad name\": {type: full}\n", 2, "policies.bad name", "policy names"},
-    {"policy_dup", "policies:\n  a: {type: full}\n  a: {type: full}\n", 3, "policies.a", "duplicate policy"},
-    {"unknown_default_policy", "policies:\n  a: {type: full}\ndefault_policy: pyramid\n", 3, "default_policy",
+    {"policy_unknown_method", "policies:\n  fast:\n    method: turbo\n", 3, "policies.fast.method", "unknown policy method 'turbo'"},
+    {"policy_unknown_method_by_name", "policies:\n  fast: {budget: 3}\n", 2, "policies.fast.method", "pyramidkv"},
+    {"policy_bad_param", "policies:\n  pyramidkv:\n    budgt: 64\n", 2, "policies.pyramidkv", "unknown policy parameter 'budgt'"},
+    {"policy_bad_value", "policies:\n  snapkv:\n    window: -3\n", 2, "policies.snapkv", "window"},
+    {"policy_nested", "policies:\n  pyramidkv:\n    budget:\n      a: 1\n", 4, "policies.pyramidkv.budget", "scalar or a list"},
+    {"policy_bad_name", "policies:\n  \"bad name\": {method: full}\n", 2, "policies.bad name", "policy names"},
+    {"policy_dup", "policies:\n  a: {method: full}\n  a: {method: full}\n", 3, "policies.a", "duplicate policy"},
+    {"unknown_default_policy", "policies:\n  a: {method: full}\ndefault_policy: pyramid\n", 3, "default_policy",
      "not a defined policy"},
     {"scheduler_key", "scheduler:\n  max_num_seqs: 4\n  max_seqs: 3\n", 3, "scheduler.max_seqs", "max_num_seqs"},
     {"host_null", "server:\n  host:\n", 2, "server.host", "expected a string"},
