@@ -95,7 +95,16 @@ struct Exchange {
   std::vector<std::string> pending;  // stream chunks produced before `started`
   HeaderList headers;
 
-  ~Exchange() { in_flight->fetch_sub(1); }
+  bool counted = true;  // still counted in the service's in-flight total
+
+  ~Exchange() { release(); }
+  // The exchange no longer needs the engine (finished, failed or aborted).
+  void release() {
+    if (counted) {
+      counted = false;
+      in_flight->fetch_sub(1);
+    }
+  }
 
   json usage() const {
     int64_t prompt = 0, completion = 0, kept = 0, full = 0;
@@ -231,6 +240,7 @@ struct Exchange {
 
   void finish() {
     done = true;
+    release();
     const double e2e = std::chrono::duration<double>(Clock::now() - arrival).count();
     metrics->observe_e2e(e2e);
     if (req.stream) {
@@ -287,6 +297,7 @@ struct Exchange {
       if (done) return;
       aborted = true;
       done = true;
+      release();
       for (const auto& c : choices)
         if (!c.finished && !c.request_id.empty()) ids.push_back(c.request_id);
     }
@@ -533,6 +544,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
     {
       std::lock_guard<std::mutex> lock(ex->mu);
       ex->done = true;
+      ex->release();
       for (size_t i = 0; i < submitted; ++i) cancel.push_back(ex->choices[i].request_id);
     }
     for (const auto& id : cancel) backend->cancel(id);
