@@ -7,6 +7,8 @@ namespace kvserve::cli {
 void add_generate_command(CLI::App& app);    // cmd_generate.cpp
 void add_forward_command(CLI::App& app);     // cmd_forward.cpp
 void add_tokenize_commands(CLI::App& app);   // cmd_tokenize.cpp: tokenize, detokenize
+void add_serve_command(CLI::App& app);       // cmd_serve.cpp
+void add_config_commands(CLI::App& app);     // cmd_config.cpp: config check
 void add_chat_template_command(CLI::App& app);  // cmd_chat_template.cpp: chat-template
 void add_policy_commands(CLI::App& app);     // cmd_policy.cpp: policy budgets, policy select
 

@@ -10,6 +10,8 @@ int main(int argc, char** argv) {
   kvserve::cli::add_generate_command(app);
   kvserve::cli::add_forward_command(app);
   kvserve::cli::add_tokenize_commands(app);
+  kvserve::cli::add_serve_command(app);
+  kvserve::cli::add_config_commands(app);
   kvserve::cli::add_chat_template_command(app);
   kvserve::cli::add_policy_commands(app);
   try {
