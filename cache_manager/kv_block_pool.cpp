@@ -2,7 +2,12 @@
 
 #include <ATen/DeviceAccelerator.h>
 
+#include <cstdlib>
 #include <limits>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "kv_check.h"
 
@@ -43,9 +48,28 @@ KvBlockPool::KvBlockPool(const KvPoolOptions& options) : options_(options) {
            "KV pool dtype must be float32, bfloat16 or float16, got " << options.dtype);
   num_blocks_ = resolve_num_blocks(options);
   block_bytes_ = bytes_per_block(options.num_kv_heads, options.block_size, options.head_dim, options.dtype);
-  // empty, not zeros: untouched pages cost no RSS; readers never look past a layer's length.
-  storage_ = torch::empty({num_blocks_, 2, options.num_kv_heads, options.block_size, options.head_dim},
-                          torch::TensorOptions().dtype(options.dtype).device(options.device));
+  const std::vector<int64_t> shape = {num_blocks_, 2, options.num_kv_heads, options.block_size, options.head_dim};
+  const auto topts = torch::TensorOptions().dtype(options.dtype).device(options.device);
+  if (options.device.is_cpu()) {
+    storage_ = allocate_host(shape, topts, total_bytes());
+  } else {
+    storage_ = torch::empty(shape, topts);
+  }
+}
+
+torch::Tensor KvBlockPool::allocate_host(const std::vector<int64_t>& shape, const torch::TensorOptions& topts,
+                                         int64_t bytes) {
+  // Decode reads scattered 4 KiB tiles of a pool of many GiB: with 4 KiB pages nearly every tile is a
+  // TLB miss (and software prefetches may be dropped), so ask for transparent huge pages.
+  // Not zeroed: untouched pages cost no RSS; readers never look past a layer's length.
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t size = (static_cast<size_t>(bytes) + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, size);
+  KV_CHECK(p != nullptr, "KV pool: cannot allocate " << size << " bytes of host memory");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  (void)madvise(p, size, MADV_HUGEPAGE);  // advisory: without THP support the pool just uses small pages
+#endif
+  return torch::from_blob(p, shape, [](void* q) { std::free(q); }, topts);
 }
 
 }  // namespace kvserve

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace kvserve {
 
@@ -45,6 +46,7 @@ class KvBlockPool {
   torch::Device device() const { return options_.device; }
 
  private:
+  static torch::Tensor allocate_host(const std::vector<int64_t>& shape, const torch::TensorOptions& topts, int64_t bytes);
   KvPoolOptions options_;
   int64_t block_bytes_ = 0;
   int64_t num_blocks_ = 0;
