@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from conftest import Server, kvserve_bin
+from kvserve_server import Server, kvserve_bin
 
 PROMPT = "The passkey is 4711. Remember it. The passkey is"
 

@@ -1,0 +1,141 @@
+"""Start and stop a real `kvserve serve` process on a free 127.0.0.1 port (used by conftest.py).
+
+Environment: KVSERVE_BIN (the kvserve binary), KVSERVE_FIXTURES (fixture models; `llama-gqa` is used
+when the committed `models/tiny-llama` is absent), KVSERVE_TEST_MODEL (optional model dir override).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def kvserve_bin() -> str:
+    path = os.environ.get("KVSERVE_BIN") or str(REPO / "build" / "kvserve")
+    if not os.path.exists(path):
+        pytest.skip(f"kvserve binary not found at {path} (set KVSERVE_BIN)")
+    return path
+
+
+def model_dir() -> str:
+    override = os.environ.get("KVSERVE_TEST_MODEL")
+    if override:
+        return override
+    tiny = REPO / "models" / "tiny-llama"
+    if (tiny / "config.json").exists():
+        return str(tiny)
+    fixtures = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
+    gqa = fixtures / "llama-gqa"
+    if (gqa / "config.json").exists():
+        return str(gqa)
+    pytest.skip("no model: neither models/tiny-llama nor $KVSERVE_FIXTURES/llama-gqa exists")
+
+
+class Server:
+    """A running `kvserve serve`; `url` is its base URL; `log()` its stderr so far."""
+
+    def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = ""):
+        self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-it-")
+        self.model = model_dir()
+        self.api_key = api_key
+        cfg = pathlib.Path(self.tmp.name) / "config.yaml"
+        cfg.write_text(
+            f"""model:
+  path: {self.model}
+  served_model_name: tiny
+  device: cpu
+server:
+  host: 127.0.0.1
+  port: 0
+  max_body_bytes: 64KiB
+  threads: 2
+  drain_timeout_s: 20
+{server_yaml}cache:
+  block_size: 16
+  kv_cache_bytes: 64MiB
+policies:
+  full: {{}}
+  pyramidkv:
+    budget: 24
+    window: 4
+  snapkv:
+    budget: 24
+    window: 4
+{extra_yaml}"""
+        )
+        self.log_path = pathlib.Path(self.tmp.name) / "server.log"
+        self.log_file = open(self.log_path, "wb")
+        env = dict(os.environ)
+        env.pop("KVSERVE_API_KEY", None)
+        args = [kvserve_bin(), "serve", "--config", str(cfg)]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        self.port = self._wait_for_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_healthy()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def _wait_for_port(self) -> int:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log())
+            if m:
+                return int(m.group(1))
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvserve exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"kvserve did not start listening:\n{self.log()}")
+
+    def _wait_healthy(self) -> None:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvserve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"kvserve never became healthy:\n{self.log()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled-by-policy gauges/counters: name (without labels) -> value of the first sample."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            out.setdefault(name_labels, float(value))
+            out.setdefault(name_labels.split("{", 1)[0], float(value))
+        return out
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+    def close(self) -> None:
+        self.stop()
+        self.tmp.cleanup()
