@@ -444,7 +444,10 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   if (!req.model.empty() && req.model != options_.model_name)
     throw ApiError(404, "the model '" + req.model + "' does not exist (this server serves '" + options_.model_name + "')",
                    "model", "", "model_not_found");
-  std::string policy = req.kv_policy.empty() ? backend->default_policy() : req.kv_policy;
+  // Policy: the request's kv_policy, else the resolver's choice (rollout rules), else the default.
+  std::string policy = req.kv_policy;
+  if (policy.empty() && options_.policy_resolver) policy = options_.policy_resolver(http_req, req);
+  if (policy.empty()) policy = backend->default_policy();
   if (!backend->has_policy(policy)) {
     std::string names;
     for (const auto& n : backend->policy_names()) names += (names.empty() ? "" : ", ") + n;

@@ -4,6 +4,7 @@
 // /metrics. Auth, error bodies and per-request metrics live here.
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,6 +21,8 @@ struct ServiceOptions {
   std::string api_key;  // empty = no auth
   ParserLimits limits;
   bool log_requests = true;
+  // Picks the KV policy of a request that names none (rollout rules go here); "" = the default.
+  std::function<std::string(const HttpRequest&, const ParsedRequest&)> policy_resolver;
 };
 
 class OpenAIService {

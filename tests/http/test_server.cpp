@@ -517,3 +517,16 @@ TEST_F(ServerTest, ShutdownRefusesNewWork) {
   EXPECT_EQ(request(port_, "POST", "/v1/completions", R"({"prompt":"x"})").status, 503);
   EXPECT_EQ(request(port_, "GET", "/health").status, 503);
 }
+
+TEST_F(ServerTest, PolicyResolverPicksThePolicyUnlessTheRequestNamesOne) {
+  ServiceOptions so;
+  so.policy_resolver = [](const HttpRequest& http, const ParsedRequest&) {
+    return http.header("x-tenant") == "beta" ? std::string("pyramidkv") : std::string();
+  };
+  start(so);
+  const std::string body = R"({"prompt":"x","max_tokens":1})";
+  EXPECT_EQ(request(port_, "POST", "/v1/completions", body, {{"X-Tenant", "beta"}}).headers["X-KV-Policy"], "pyramidkv");
+  EXPECT_EQ(request(port_, "POST", "/v1/completions", body).headers["X-KV-Policy"], "full");
+  EXPECT_EQ(request(port_, "POST", "/v1/completions", R"({"prompt":"x","max_tokens":1,"kv_policy":"full"})",
+                    {{"X-Tenant", "beta"}}).headers["X-KV-Policy"], "full");
+}
