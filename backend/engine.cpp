@@ -353,6 +353,7 @@ void Engine::loop() {
     {
       std::lock_guard<std::mutex> lk(im.mu);
       im.stats.running = static_cast<int64_t>(im.running.size());
+      im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
       im.stats.waiting = static_cast<int64_t>(im.waiting.size());
       im.stats.kv_blocks_total = kv.blocks_total();
       im.stats.kv_blocks_used = kv.blocks_used();

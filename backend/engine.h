@@ -34,6 +34,7 @@ struct EngineOptions {
 // A snapshot for /metrics and /health.
 struct EngineStats {
   int64_t running = 0;
+  int64_t running_high_water = 0;  // most sequences decoded together in one step
   int64_t waiting = 0;
   int64_t kv_blocks_total = 0;
   int64_t kv_blocks_used = 0;

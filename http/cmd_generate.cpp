@@ -1,6 +1,9 @@
 // `kvserve generate`: one prompt through the engine, printed as text or as one JSON object.
+#include <algorithm>
 #include <chrono>
-#include <future>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -14,7 +17,7 @@ namespace kvserve::cli {
 
 namespace {
 struct GenerateArgs {
-  std::string model, prompt, device = "cpu", dtype, policy;
+  std::string model, prompt, prompts_file, device = "cpu", dtype, policy;
   std::vector<int64_t> prompt_ids;
   int64_t max_tokens = 64;
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
@@ -52,6 +55,8 @@ void add_generate_command(CLI::App& app) {
   auto* p = cmd->add_option("--prompt", a->prompt, "prompt text (tokenized with the model's tokenizer)");
   auto* pi = cmd->add_option("--prompt-ids", a->prompt_ids, "prompt as token ids (instead of --prompt)");
   p->excludes(pi);
+  cmd->add_option("--prompts-file", a->prompts_file,
+                  "JSON list of prompts (strings or token-id lists), generated together in one batch");
   cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate at most")->check(CLI::Range(1, 1 << 24));
   cmd->add_option("--temperature", a->temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--top-p", a->top_p)->check(CLI::Range(0.0, 1.0));
@@ -66,7 +71,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
   cmd->callback([a] {
-    KV_CHECK(!a->prompt.empty() || !a->prompt_ids.empty(), "generate: give --prompt or --prompt-ids");
+    KV_CHECK(!a->prompt.empty() || !a->prompt_ids.empty() || !a->prompts_file.empty(),
+             "generate: give --prompt, --prompt-ids or --prompts-file");
     auto t0 = std::chrono::steady_clock::now();
     auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, !a->json});
     auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
@@ -75,59 +81,114 @@ void add_generate_command(CLI::App& app) {
     Engine engine(model, tok, eo);
     auto t_loaded = std::chrono::steady_clock::now();
 
-    GenerationRequest req;
-    req.request_id = "cli";
-    req.prompt_ids = a->prompt_ids.empty() ? tok->encode(a->prompt) : a->prompt_ids;
-    req.sampling.max_tokens = a->max_tokens;
-    req.sampling.temperature = a->temperature;
-    req.sampling.top_p = a->top_p;
-    req.sampling.top_k = a->top_k;
-    req.sampling.min_p = a->min_p;
-    req.sampling.repetition_penalty = a->repetition_penalty;
-    req.sampling.seed = a->seed;
-    req.sampling.stop = a->stop;
-    req.sampling.ignore_eos = a->ignore_eos;
-    req.kv_policy = a->policy;
-
-    std::promise<void> done;
-    std::string text, finish_reason, error;
-    std::vector<int64_t> ids;
-    int64_t prompt_tokens = 0;
-    std::optional<std::chrono::steady_clock::time_point> t_first;
-    const bool json = a->json;
-    engine.submit(req, [&](const GenerationEvent& ev) {
-      if (!t_first) t_first = std::chrono::steady_clock::now();
-      text += ev.text_delta;
-      ids.insert(ids.end(), ev.token_ids.begin(), ev.token_ids.end());
-      if (!json) std::cout << ev.text_delta << std::flush;
-      if (ev.finished) {
-        finish_reason = ev.finish_reason;
-        error = ev.error;
-        prompt_tokens = ev.prompt_tokens;
-        done.set_value();
+    std::vector<std::vector<int64_t>> prompts;
+    if (!a->prompts_file.empty()) {
+      std::ifstream f(a->prompts_file);
+      KV_CHECK(f, a->prompts_file << ": cannot open");
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(f);
+      } catch (const nlohmann::json::parse_error& e) {
+        KV_FAIL(a->prompts_file << ": malformed JSON: " << e.what());
       }
-    });
-    done.get_future().wait();
-    auto t_end = std::chrono::steady_clock::now();
-    engine.shutdown(true);
-    if (finish_reason == "error") KV_FAIL(error);
-    using secs = std::chrono::duration<double>;
-    if (json) {
-      const double ttft = secs(*t_first - t_loaded).count();
-      const double decode_s = secs(t_end - *t_first).count();
-      nlohmann::json out = {{"text", text},
-                            {"token_ids", ids},
-                            {"prompt_tokens", prompt_tokens},
-                            {"completion_tokens", ids.size()},
-                            {"finish_reason", finish_reason},
-                            {"timings",
-                             {{"load_s", secs(t_loaded - t0).count()},
-                              {"time_to_first_token_s", ttft},
-                              {"decode_s", decode_s},
-                              {"decode_tokens_per_s", ids.size() > 1 ? (ids.size() - 1) / decode_s : 0.0}}}};
-      std::cout << out.dump() << "\n";
+      KV_CHECK(j.is_array() && !j.empty(), a->prompts_file << ": expected a non-empty JSON list of prompts");
+      for (size_t i = 0; i < j.size(); ++i) {
+        if (j[i].is_string()) {
+          prompts.push_back(tok->encode(j[i].get<std::string>()));
+        } else if (j[i].is_array() && std::all_of(j[i].begin(), j[i].end(), [](auto& e) { return e.is_number_integer(); })) {
+          prompts.push_back(j[i].get<std::vector<int64_t>>());
+        } else {
+          KV_FAIL(a->prompts_file << ": prompt " << i << " must be a string or a list of token ids");
+        }
+      }
     } else {
+      prompts.push_back(a->prompt_ids.empty() ? tok->encode(a->prompt) : a->prompt_ids);
+    }
+
+    // One result per prompt, filled by engine callbacks (engine thread) and read after all finish.
+    struct Result {
+      std::string text, finish_reason, error;
+      std::vector<int64_t> ids;
+      int64_t prompt_tokens = 0, kept_kv = 0, full_kv = 0;
+      std::optional<std::chrono::steady_clock::time_point> t_first, t_end;
+    };
+    std::vector<Result> results(prompts.size());
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t finished = 0;
+    const bool print_text = !a->json && prompts.size() == 1;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerationRequest req;
+      req.request_id = "cli-" + std::to_string(i);
+      req.prompt_ids = prompts[i];
+      auto& sp = req.sampling;
+      sp.max_tokens = a->max_tokens;
+      sp.temperature = a->temperature;
+      sp.top_p = a->top_p;
+      sp.top_k = a->top_k;
+      sp.min_p = a->min_p;
+      sp.repetition_penalty = a->repetition_penalty;
+      sp.seed = a->seed;
+      sp.stop = a->stop;
+      sp.ignore_eos = a->ignore_eos;
+      req.kv_policy = a->policy;
+      engine.submit(req, [&, i](const GenerationEvent& ev) {
+        Result& r = results[i];
+        if (!r.t_first) r.t_first = std::chrono::steady_clock::now();
+        r.text += ev.text_delta;
+        r.ids.insert(r.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
+        if (print_text) std::cout << ev.text_delta << std::flush;
+        if (ev.finished) {
+          r.finish_reason = ev.finish_reason;
+          r.error = ev.error;
+          r.prompt_tokens = ev.prompt_tokens;
+          r.kept_kv = ev.kept_kv_tokens;
+          r.full_kv = ev.full_kv_tokens;
+          r.t_end = std::chrono::steady_clock::now();
+          std::lock_guard<std::mutex> lk(mu);
+          ++finished;
+          cv.notify_all();
+        }
+      });
+    }
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      cv.wait(lk, [&] { return finished == prompts.size(); });
+    }
+    const EngineStats stats = engine.stats();
+    engine.shutdown(true);
+    for (const auto& r : results)
+      if (r.finish_reason == "error") KV_FAIL(r.error);
+    using secs = std::chrono::duration<double>;
+    auto as_json = [&](const Result& r) {
+      const double decode_s = secs(*r.t_end - *r.t_first).count();
+      return nlohmann::json{{"text", r.text},
+                            {"token_ids", r.ids},
+                            {"prompt_tokens", r.prompt_tokens},
+                            {"completion_tokens", r.ids.size()},
+                            {"finish_reason", r.finish_reason},
+                            {"kv_tokens_kept", r.kept_kv},
+                            {"kv_tokens_full", r.full_kv},
+                            {"timings",
+                             {{"time_to_first_token_s", secs(*r.t_first - t_loaded).count()},
+                              {"decode_s", decode_s},
+                              {"decode_tokens_per_s", r.ids.size() > 1 ? (r.ids.size() - 1) / decode_s : 0.0}}}};
+    };
+    if (a->json) {
+      nlohmann::json out;
+      if (prompts.size() == 1 && a->prompts_file.empty()) {
+        out = as_json(results[0]);
+        out["timings"]["load_s"] = secs(t_loaded - t0).count();
+      } else {
+        out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
+               {"load_s", secs(t_loaded - t0).count()}};
+        for (const auto& r : results) out["results"].push_back(as_json(r));
+      }
+      std::cout << out.dump() << "\n";
+    } else if (print_text) {
       std::cout << "\n";
+    } else {
+      for (const auto& r : results) std::cout << nlohmann::json(r.text).dump() << "\n";
     }
   });
 }

@@ -98,7 +98,20 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--only", nargs="*", help="make only these fixtures")
+    ap.add_argument("--default-model", type=pathlib.Path,
+                    help="instead: write the small embedded default model (random weights) to this directory")
     args = ap.parse_args()
+    if args.default_model:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            toks = make_tokenizers(pathlib.Path(tmp), seed=args.seed)
+            if args.default_model.exists():
+                shutil.rmtree(args.default_model)
+            make_model(args.default_model, "llama", toks["bytelevel"],
+                       dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=352, max_position_embeddings=4096, rope_theta=500000.0), {}, args.seed)
+        print(f"made {args.default_model}")
+        return
     stamp = args.out / "VERSION"
     want = VERSION + ":" + hashlib.sha256(pathlib.Path(__file__).read_bytes() +
                                            (pathlib.Path(__file__).parent / "make_fixture_tokenizers.py").read_bytes()

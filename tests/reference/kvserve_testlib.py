@@ -1,0 +1,40 @@
+"""Shared helpers for the Python reference tests: where the binary and fixtures are, and running it."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def kvserve_bin() -> str:
+    path = os.environ.get("KVSERVE_BIN", str(ROOT / "build" / "kvserve"))
+    if not pathlib.Path(path).exists():
+        pytest.skip(f"kvserve binary not built ({path})")
+    return path
+
+
+def fixtures_dir() -> pathlib.Path:
+    """The fixture checkpoints; made on demand when the Makefile did not make them."""
+    path = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", str(ROOT / ".fixtures")))
+    if not (path / "VERSION").exists():
+        subprocess.run([sys.executable, str(ROOT / "tools" / "make_fixture_models.py"), "--out", str(path)],
+                       check=True)
+    return path
+
+
+def run_kvserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([kvserve_bin(), *args], capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvserve {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def write_json(path: pathlib.Path, value) -> pathlib.Path:
+    path.write_text(json.dumps(value))
+    return path
