@@ -94,3 +94,13 @@ TEST(TopSelect, StableAndSorted) {
   EXPECT_TRUE(torch::equal(stable_top_positions(s, 5), torch::arange(5).unsqueeze(0)));
   EXPECT_THROW(stable_top_positions(s, 6), KvError);
 }
+
+TEST(TopSelect, MatchesStableSortWithManyTies) {
+  torch::manual_seed(11);
+  for (int64_t n : {1, 5, 37, 99, 100}) {
+    auto s = torch::randint(0, 6, {3, 100}).to(torch::kFloat32);  // heavy ties
+    auto order = std::get<1>(torch::sort(s, /*stable=*/true, 1, /*descending=*/true)).narrow(1, 0, n);
+    EXPECT_TRUE(torch::equal(stable_rank_order(s, n), order)) << "n=" << n;
+    EXPECT_TRUE(torch::equal(stable_top_positions(s, n), std::get<0>(torch::sort(order, 1)))) << "n=" << n;
+  }
+}
