@@ -1,0 +1,122 @@
+// Checkpoint-format parsing (safetensors headers, config.json) on malformed input: clear errors, no UB.
+// Also built as formats_asan_test under AddressSanitizer + UBSan (tests/CMakeLists.txt).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kv_check.h"
+#include "model_config.h"
+#include "safetensors_file.h"
+
+using kvserve::KvError;
+using kvserve::parse_model_config;
+using kvserve::SafetensorsFile;
+
+namespace {
+
+std::vector<std::byte> image(const std::string& header, size_t data_bytes, uint64_t declared_len = UINT64_MAX) {
+  const uint64_t len = declared_len == UINT64_MAX ? header.size() : declared_len;
+  std::vector<std::byte> out(8 + header.size() + data_bytes);
+  std::memcpy(out.data(), &len, 8);
+  std::memcpy(out.data() + 8, header.data(), header.size());
+  return out;
+}
+
+std::string error_of(const std::vector<std::byte>& bytes) {
+  try {
+    SafetensorsFile f(bytes.data(), bytes.size(), "model.safetensors");
+  } catch (const KvError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+const char* kGoodHeader = R"({"a.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"__metadata__":{"format":"pt"}})";
+
+}  // namespace
+
+TEST(SafetensorsFile, ParsesAValidImage) {
+  auto bytes = image(kGoodHeader, 24);
+  SafetensorsFile f(bytes.data(), bytes.size(), "model.safetensors");
+  ASSERT_TRUE(f.contains("a.weight"));
+  EXPECT_EQ(f.at("a.weight").shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(f.at("a.weight").nbytes, 24u);
+  EXPECT_THROW(f.at("b.weight"), KvError);
+}
+
+TEST(SafetensorsFile, RejectsTruncatedAndLyingFiles) {
+  EXPECT_NE(error_of(std::vector<std::byte>(5)).find("truncated"), std::string::npos);
+  EXPECT_NE(error_of(image(kGoodHeader, 24, 1u << 30)).find("past the end"), std::string::npos);
+  EXPECT_NE(error_of(image(kGoodHeader, 10)).find("a.weight"), std::string::npos);  // data cut short
+  EXPECT_NE(error_of(image("{not json", 0)).find("malformed header"), std::string::npos);
+  EXPECT_NE(error_of(image(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[0,12]}})", 16)).find("does not match"),
+            std::string::npos);
+  EXPECT_NE(error_of(image(R"({"x":{"dtype":"Q4","shape":[4],"data_offsets":[0,16]}})", 16)).find("unsupported dtype"),
+            std::string::npos);
+  EXPECT_NE(error_of(image(R"({"x":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})", 16)).find("shape"),
+            std::string::npos);
+  EXPECT_NE(error_of(image(R"({"x":{"dtype":"F32","shape":[4],"data_offsets":[16,0]}})", 16)).find("outside"),
+            std::string::npos);
+  EXPECT_NE(error_of(image(R"({"x":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}})", 16))
+                .find("x"),
+            std::string::npos);
+  EXPECT_NE(error_of(image(R"([1,2])", 0)).find("object"), std::string::npos);
+}
+
+TEST(SafetensorsFile, SurvivesRandomCorruption) {
+  auto good = image(kGoodHeader, 24);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 3000; ++i) {
+    auto bytes = good;
+    const int flips = 1 + rng() % 4;
+    for (int k = 0; k < flips; ++k) bytes[rng() % bytes.size()] = static_cast<std::byte>(rng() & 0xff);
+    bytes.resize(rng() % 3 == 0 ? rng() % bytes.size() : bytes.size());
+    try {
+      SafetensorsFile f(bytes.data(), bytes.size(), "fuzz.safetensors");
+      for (const auto& [name, e] : f.entries()) ASSERT_LE(e.data + e.nbytes, bytes.data() + bytes.size());
+    } catch (const KvError&) {
+    }
+  }
+}
+
+TEST(ModelConfig, ParsesLlama3RopeAndGqa) {
+  auto c = parse_model_config(R"({"architectures":["LlamaForCausalLM"],"vocab_size":100,"hidden_size":64,
+    "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8,"num_key_value_heads":2,
+    "rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,
+    "high_freq_factor":4.0,"original_max_position_embeddings":8192},"eos_token_id":[1,2]})",
+                              "config.json");
+  EXPECT_EQ(c.head_dim, 8);
+  EXPECT_EQ(c.q_per_kv(), 4);
+  EXPECT_EQ(c.rope_scaling.kind, kvserve::RopeScaling::Kind::kLlama3);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 2}));
+}
+
+TEST(ModelConfig, ErrorsNameTheFileAndKey) {
+  auto err = [](const std::string& text) {
+    try {
+      parse_model_config(text, "m/config.json");
+    } catch (const KvError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string base = R"("vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":8)";
+  EXPECT_NE(err("{").find("m/config.json: malformed JSON"), std::string::npos);
+  EXPECT_NE(err(R"({"architectures":["GPT2LMHeadModel"]})").find("unknown architecture 'GPT2LMHeadModel'"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama","hidden_size":64})").find("missing required key 'vocab_size'"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"num_key_value_heads":3})").find("multiple"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama","vocab_size":"big"})").find("'vocab_size' has the wrong type"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"rope_scaling":{"rope_type":"yarn","factor":2}})")
+                .find("unsupported rope_type 'yarn'"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"num_hidden_layers":-1})").find("num_hidden_layers"),
+            std::string::npos);
+}
