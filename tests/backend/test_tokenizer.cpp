@@ -335,7 +335,9 @@ TEST_P(FixtureTokenizer, ConfigIsRead) {
   EXPECT_FALSE(t.chat_template().empty());
   ASSERT_TRUE(t.eos_id().has_value());
   EXPECT_TRUE(t.is_special(*t.eos_id()));
-  if (t.add_bos_token()) EXPECT_EQ(t.encode("x").front(), *t.bos_id());
+  if (t.add_bos_token()) {
+    EXPECT_EQ(t.encode("x").front(), *t.bos_id());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, FixtureTokenizer, ::testing::Values("bytelevel", "metaspace", "metaspace_pt", "qwen2"));
