@@ -8,7 +8,6 @@
 #include <queue>
 #include <sstream>
 #include <unordered_map>
-#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -854,8 +853,7 @@ struct PostProcessor {
 
 // TemplateProcessing's "single" template, e.g. "<s> $A".
 struct TemplatePost : PostProcessor {
-  std::vector<std::vector<int64_t>> before, after;  // special-token ids around $A, in order
-  std::vector<int64_t> pre, post;
+  std::vector<int64_t> pre, post;  // special-token ids before and after $A
   void apply(std::vector<int64_t>& ids) const override {
     if (pre.empty() && post.empty()) return;
     std::vector<int64_t> out = pre;
@@ -989,6 +987,7 @@ class AddedMatcher {
 
 // ---------------------------------------------------------------------------------------------
 
+// Everything parsed from the two files; shared, immutable, by all copies of a Tokenizer.
 struct Tokenizer::Impl {
   std::string where;
   BpeModel model;

@@ -58,7 +58,8 @@ class Tokenizer {
 };
 
 // Streams the text of a growing token sequence: add() returns only text that is complete, never a
-// partial UTF-8 character, and add()s + flush() together equal tokenizer.decode(all ids).
+// partial UTF-8 character, and add()s + flush() together equal tokenizer.decode(all ids) (without
+// context; with it, the text the new ids add after the context).
 // Each step decodes a short trailing window (vLLM's prefix/read offsets), so cost is O(new tokens).
 class IncrementalDetokenizer {
  public:
