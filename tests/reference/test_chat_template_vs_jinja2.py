@@ -178,14 +178,60 @@ def reference_render(source, context):
 
 
 def kvserve_render(template_path, context, tmp_path):
+    """One `kvserve chat-template --template --context` run: the CLI contract itself."""
     ctx_file = tmp_path / "context.json"
     ctx_file.write_text(json.dumps(context, ensure_ascii=False), encoding="utf-8")
     p = subprocess.run(
         [KVSERVE_BIN, "chat-template", "--template", str(template_path), "--context", str(ctx_file)],
         capture_output=True,
-        timeout=30,
+        timeout=60,
     )
     return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", "replace")
+
+
+def template_context(template, conv, agp):
+    context = dict(CONVERSATIONS[conv])
+    context.update(add_generation_prompt=agp, bos_token="<s>", eos_token="</s>")
+    if template.stem == "llama31_tools" and "date_string" not in context:
+        context["date_string"] = "26 Jul 2024"
+    return context
+
+
+EXPR_CONTEXT = {"messages": [], "bos_token": "<s>", "eos_token": "</s>"}
+
+
+@pytest.fixture(scope="module")
+def batch_results(tmp_path_factory):
+    """Renders every case in one `kvserve chat-template --batch` run (the binary's start-up, which
+    loads libtorch, would otherwise dominate)."""
+    cases, keys = [], []
+    for template in TEMPLATE_FILES:
+        source = template.read_text(encoding="utf-8")
+        for conv in CONVERSATIONS:
+            for agp in GEN_PROMPT:
+                keys.append((template.stem, conv, agp))
+                cases.append({"template": source, "context": template_context(template, conv, agp)})
+    for i, source in enumerate(EXPRESSIONS):
+        keys.append(("expr", i, None))
+        cases.append({"template": source, "context": EXPR_CONTEXT})
+    path = tmp_path_factory.mktemp("batch") / "cases.json"
+    path.write_text(json.dumps(cases, ensure_ascii=False), encoding="utf-8")
+    p = subprocess.run([KVSERVE_BIN, "chat-template", "--batch", str(path)], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode("utf-8", "replace")
+    results = json.loads(p.stdout.decode("utf-8"))
+    assert len(results) == len(cases)
+    return dict(zip(keys, results))
+
+
+def check(expected_ok, expected, result):
+    if expected_ok:
+        assert "error" not in result, f"kvserve failed where jinja2 rendered: {result['error']}"
+        assert result["output"] == expected
+    else:
+        kind, message = expected
+        assert "error" in result, f"jinja2 raised {kind}: {message!r} but kvserve rendered {result['output']!r}"
+        if kind == "TemplateError":  # raise_exception: its message verbatim
+            assert result["error"] == message
 
 
 needs_bin = pytest.mark.skipif(not KVSERVE_BIN, reason="KVSERVE_BIN not set")
@@ -195,23 +241,24 @@ needs_bin = pytest.mark.skipif(not KVSERVE_BIN, reason="KVSERVE_BIN not set")
 @pytest.mark.parametrize("agp", GEN_PROMPT, ids=["nogen", "gen"])
 @pytest.mark.parametrize("conv", sorted(CONVERSATIONS))
 @pytest.mark.parametrize("template", TEMPLATE_FILES, ids=[t.stem for t in TEMPLATE_FILES])
-def test_matches_jinja2(template, conv, agp, tmp_path):
-    context = dict(CONVERSATIONS[conv])
-    context.update(add_generation_prompt=agp, bos_token="<s>", eos_token="</s>")
-    if template.stem == "llama31_tools" and "date_string" not in context:
-        context["date_string"] = "26 Jul 2024"
-    source = template.read_text(encoding="utf-8")
-    ok, expected = reference_render(source, context)
-    rc, out, err = kvserve_render(template, context, tmp_path)
+def test_matches_jinja2(template, conv, agp, batch_results):
+    ok, expected = reference_render(template.read_text(encoding="utf-8"), template_context(template, conv, agp))
+    check(ok, expected, batch_results[(template.stem, conv, agp)])
+
+
+@needs_bin
+@pytest.mark.parametrize("template,conv", [("qwen25_tools", "tools"), ("mistral_v03_tools", "bad_alternation")])
+def test_cli_prints_output_or_error_exactly(template, conv, tmp_path):
+    """The single-file CLI prints the rendering with no added newline, or `kvserve: error: <msg>`."""
+    path = TEMPLATES / f"{template}.jinja"
+    context = template_context(path, conv, True)
+    ok, expected = reference_render(path.read_text(encoding="utf-8"), context)
+    rc, out, err = kvserve_render(path, context, tmp_path)
     if ok:
-        assert rc == 0, f"kvserve failed where jinja2 rendered: {err}"
-        assert out == expected
+        assert rc == 0 and out == expected, err
     else:
-        kind, message = expected
-        assert rc == 1, f"jinja2 raised {kind}: {message!r} but kvserve rendered {out!r}"
-        assert err.startswith("kvserve: error: ")
-        if kind == "TemplateError":  # raise_exception: its message verbatim
-            assert err == f"kvserve: error: {message}\n"
+        assert rc == 1 and out == ""
+        assert err == f"kvserve: error: {expected[1]}\n"
 
 
 @needs_bin
@@ -253,17 +300,7 @@ EXPRESSIONS = [
 
 
 @needs_bin
-@pytest.mark.parametrize("source", EXPRESSIONS, ids=[f"expr{i}" for i in range(len(EXPRESSIONS))])
-def test_expression_semantics(source, tmp_path):
-    template = tmp_path / "t.jinja"
-    template.write_text(source, encoding="utf-8")
-    context = {"messages": [], "bos_token": "<s>", "eos_token": "</s>"}
-    ok, expected = reference_render(source, context)
-    rc, out, err = kvserve_render(template, context, tmp_path)
-    if ok:
-        assert rc == 0, err
-        assert out == expected
-    else:
-        assert rc == 1, f"jinja2 raised {expected} but kvserve rendered {out!r}"
-        if expected[0] == "TemplateError":
-            assert err == f"kvserve: error: {expected[1]}\n"
+@pytest.mark.parametrize("index", range(len(EXPRESSIONS)), ids=[f"expr{i}" for i in range(len(EXPRESSIONS))])
+def test_expression_semantics(index, batch_results):
+    ok, expected = reference_render(EXPRESSIONS[index], EXPR_CONTEXT)
+    check(ok, expected, batch_results[("expr", index, None)])
