@@ -6,7 +6,7 @@
 #include <random>
 #include <unordered_set>
 
-#include "contiguous_kv_cache.h"
+#include "paged_kv_memory.h"
 #include "kv_check.h"
 #include "llama_model.h"
 #include "sampler.h"
@@ -64,10 +64,16 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
       impl_(std::make_unique<Impl>()) {
   const ModelConfig& c = model_->config();
   impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : c.max_position_embeddings;
-  const int64_t capacity = std::max<int64_t>(options_.kv_cache_bytes / model_->kv_bytes_per_token(), 1);
-  impl_->kv = std::make_unique<ContiguousKvCache>(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                                                  torch::TensorOptions().dtype(model_->dtype()).device(model_->device()),
-                                                  capacity, options_.block_size);
+  KvPoolOptions pool;
+  pool.num_kv_heads = c.num_key_value_heads;
+  pool.head_dim = c.head_dim;
+  pool.block_size = options_.block_size;
+  pool.kv_cache_bytes = options_.kv_cache_bytes;
+  pool.dtype = model_->dtype();
+  pool.device = model_->device();
+  auto memory = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(options_.policies),
+                                                options_.default_policy);
+  impl_->kv = std::move(memory);
   impl_->eos_ids = c.eos_token_ids;
   if (auto e = tokenizer_->eos_id(); e && std::find(impl_->eos_ids.begin(), impl_->eos_ids.end(), *e) == impl_->eos_ids.end())
     impl_->eos_ids.push_back(*e);

@@ -4,16 +4,18 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "contiguous_kv_cache.h"
 #include "kv_check.h"
 #include "llama_model.h"
+#include "paged_kv_memory.h"
+#include "policy_cli.h"
 #include "safetensors_writer.h"
 
 namespace kvserve::cli {
 
 namespace {
 struct ForwardArgs {
-  std::string model, input_ids, output, device = "cpu", dtype;
+  std::string model, input_ids, output, device = "cpu", dtype, dump_kept;
+  PolicyFlags policy;
 };
 
 std::vector<int64_t> read_ids(const std::string& path) {
@@ -43,13 +45,43 @@ void add_forward_command(CLI::App& app) {
   cmd->add_option("--output", args->output, "output .safetensors file (tensor 'logits' [seq, vocab] fp32)")->required();
   cmd->add_option("--device", args->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", args->dtype, "compute dtype: float32, bfloat16, float16");
+  args->policy.add_to(cmd);
+  cmd->add_option("--dump-kept", args->dump_kept,
+                  "write the per-layer budgets and kept positions per KV head as JSON to this file");
   cmd->callback([args] {
     auto ids = read_ids(args->input_ids);
     auto model = LlamaModel::load(args->model, LoadOptions{args->device, args->dtype, true});
     const auto& c = model->config();
-    ContiguousKvCache kv(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                         torch::TensorOptions().dtype(model->dtype()).device(model->device()));
-    auto logits = model->prefill(0, ids, kv, /*all_logits=*/true);
+    KvPoolOptions pool;
+    pool.num_kv_heads = c.num_key_value_heads;
+    pool.head_dim = c.head_dim;
+    pool.dtype = model->dtype();
+    pool.device = model->device();
+    // Room for the whole prompt in every layer: the policy decides, not the pool size.
+    pool.num_blocks = c.num_hidden_layers * (static_cast<int64_t>(ids.size()) / pool.block_size + 2);
+    auto specs = args->policy.specs();
+    PagedKvMemory kv(c.num_hidden_layers, pool, resolve_policies(specs), specs.empty() ? "full" : specs.begin()->first);
+    const int64_t seq = 0;
+    auto logits = model->prefill(seq, ids, kv, /*all_logits=*/true, specs.empty() ? "full" : specs.begin()->first);
+    if (!args->dump_kept.empty()) {
+      nlohmann::json dump = {{"policy", to_json(kv.policy(specs.empty() ? "full" : specs.begin()->first))},
+                             {"prompt_len", ids.size()},
+                             {"budgets", kv.prefill_budgets(seq)},
+                             {"layers", nlohmann::json::array()}};
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+        auto pos = kv.cache().positions(seq, l).contiguous();
+        nlohmann::json heads = nlohmann::json::array();
+        for (int64_t h = 0; h < pos.size(0); ++h) {
+          auto row = pos[h];
+          heads.push_back(std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel()));
+        }
+        dump["layers"].push_back({{"layer", l}, {"kept", heads}});
+      }
+      std::ofstream f(args->dump_kept);
+      KV_CHECK(f, args->dump_kept << ": cannot open for writing");
+      f << dump.dump() << "\n";
+    }
+    kv.release(seq);
     write_safetensors(args->output, {{"logits", logits}});
   });
 }

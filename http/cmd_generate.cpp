@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "policy_cli.h"
 #include "engine.h"
 #include "kv_check.h"
 #include "llama_model.h"
@@ -17,7 +18,8 @@ namespace kvserve::cli {
 
 namespace {
 struct GenerateArgs {
-  std::string model, prompt, prompts_file, device = "cpu", dtype, policy;
+  std::string model, prompt, prompts_file, device = "cpu", dtype;
+  PolicyFlags policy;
   std::vector<int64_t> prompt_ids;
   int64_t max_tokens = 64;
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
@@ -69,6 +71,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
+  a->policy.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
   cmd->callback([a] {
     KV_CHECK(!a->prompt.empty() || !a->prompt_ids.empty() || !a->prompts_file.empty(),
@@ -78,6 +81,8 @@ void add_generate_command(CLI::App& app) {
     auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
     EngineOptions eo;
     eo.kv_cache_bytes = parse_bytes(a->kv_cache);
+    eo.policies = a->policy.specs();
+    eo.default_policy = eo.policies.empty() ? "full" : eo.policies.begin()->first;
     Engine engine(model, tok, eo);
     auto t_loaded = std::chrono::steady_clock::now();
 
@@ -131,7 +136,7 @@ void add_generate_command(CLI::App& app) {
       sp.seed = a->seed;
       sp.stop = a->stop;
       sp.ignore_eos = a->ignore_eos;
-      req.kv_policy = a->policy;
+      req.kv_policy = eo.default_policy;
       engine.submit(req, [&, i](const GenerationEvent& ev) {
         Result& r = results[i];
         if (!r.t_first) r.t_first = std::chrono::steady_clock::now();

@@ -1,0 +1,31 @@
+#include "policy_cli.h"
+
+#include "kv_check.h"
+#include "policy_file.h"
+
+namespace kvserve::cli {
+
+void PolicyFlags::add_to(CLI::App* cmd) {
+  cmd->add_option("--policy", policy, "KV policy: full, snapkv, pyramidkv, dynamickv, streamingllm, h2o, knorm, random");
+  cmd->add_option("--budget", budget, "KV budget: average tokens per layer incl. the window, or a ratio 0<r<1");
+  cmd->add_option("--policy-param", params, "policy parameter key=value (repeatable), e.g. window=8");
+  cmd->add_option("--policy-config", policy_config, "YAML file of policy parameters (method: ..., budget: ...)");
+}
+
+std::map<std::string, std::map<std::string, std::string>> PolicyFlags::specs() const {
+  std::map<std::string, std::string> p;
+  if (!policy_config.empty()) p = config::load_policy_file(policy_config);
+  std::string method = policy;
+  if (auto it = p.find("name"); it != p.end() && policy == "full") method = it->second;
+  p["name"] = method;
+  if (!budget.empty()) p["budget"] = budget;
+  for (const auto& kv : params) {
+    const auto eq = kv.find('=');
+    KV_CHECK(eq != std::string::npos && eq > 0, "--policy-param '" << kv << "' must be key=value");
+    p[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  if (method == "full" && p.size() == 1) return {};
+  return {{method, p}};
+}
+
+}  // namespace kvserve::cli

@@ -1,0 +1,22 @@
+#pragma once
+// The KV-policy flags shared by `generate` and `forward`: --policy, --budget, --policy-param, --policy-config.
+#include <CLI/CLI.hpp>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvserve::cli {
+
+struct PolicyFlags {
+  std::string policy = "full";
+  std::string budget;                  // tokens per layer (int) or a ratio (0 < r < 1)
+  std::vector<std::string> params;     // key=value
+  std::string policy_config;           // YAML file with the parameters
+
+  void add_to(CLI::App* cmd);
+  // {policy name -> params (with "name" = method)} for EngineOptions::policies / resolve_policies.
+  std::map<std::string, std::map<std::string, std::string>> specs() const;
+};
+
+}  // namespace kvserve::cli
