@@ -8,6 +8,9 @@ APT_PACKAGES := build-essential cmake ccache pkg-config libboost-all-dev libyaml
   libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev
 DEPS_STAMP := .deps-stamp
 SERVE_ARGS ?=
+# ccache keys on relative paths so a fresh clone (CI) reuses this machine's cache.
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
 
 .PHONY: deps build test test-cpp test-py serve fixtures bench clean
 
@@ -28,7 +31,7 @@ $(BUILD_DIR)/CMakeCache.txt: | deps
 build: deps $(BUILD_DIR)/CMakeCache.txt
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-fixtures: build
+fixtures: deps
 	$(PYTHON) tools/make_fixture_models.py --out $(FIXTURES)
 
 test: deps build fixtures
@@ -37,8 +40,7 @@ test: deps build fixtures
 	  $(PYTHON) -m pytest -q tests
 
 serve: deps build
-	./$(BUILD_DIR)/kvserve generate --model models/tiny-llama --prompt "The passkey is 4711. Remember it." \
-	  --max-tokens 32 $(SERVE_ARGS)
+	./$(BUILD_DIR)/kvserve serve --config configs/default.yaml $(SERVE_ARGS)
 
 bench: build
 	$(PYTHON) bench/bench_backend.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks.md
