@@ -378,7 +378,9 @@ TEST_F(ServerTest, ErrorStatusesAreOpenAIShaped) {
     EXPECT_TRUE(j["error"].contains("message"));
     EXPECT_TRUE(j["error"].contains("type"));
     EXPECT_TRUE(j["error"].contains("code"));
-    if (!param.empty()) EXPECT_EQ(j["error"]["param"], param) << r.body;
+    if (!param.empty()) {
+      EXPECT_EQ(j["error"]["param"], param) << r.body;
+    }
   };
   check(request(port_, "POST", "/v1/completions", "{not json"), 400, "");
   check(request(port_, "POST", "/v1/completions", R"({"prompt":"x","max_tokens":"3"})"), 400, "max_tokens");
