@@ -137,7 +137,10 @@ bool is_whitespace(char32_t c) {
 std::string onig_to_pcre2(const std::string& p) {
   // Oniguruma's Unicode classes, spelled so PCRE2's version and options cannot change them.
   static const std::string kSpace = R"(\t\n\x0B\f\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000})";
-  static const std::string kWord = R"(\p{L}\p{M}\p{N}\p{Pc})";
+  // Oniguruma's word class is Alphabetic | Mark | Nd | Pc; a bare \w (not inside [...]) also takes
+  // the Latin-1 digits ² ³ ¹ ¼ ½ ¾ (measured against HF tokenizers).
+  static const std::string kWord = R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc})";
+  static const std::string kBareWord = kWord + R"(\x{B2}\x{B3}\x{B9}\x{BC}-\x{BE})";
   static const std::string kDigit = R"(\p{Nd})";
   std::string out;
   bool in_class = false;
@@ -160,7 +163,7 @@ std::string onig_to_pcre2(const std::string& p) {
         out += *cls;
       } else if (cls && !in_class) {
         out += neg ? "[^" : "[";
-        out += *cls;
+        out += cls == &kWord ? kBareWord : *cls;
         out += "]";
       } else {
         // Negated shorthands inside a class have no simple rewrite; keep PCRE2's meaning.

@@ -367,3 +367,26 @@ def test_cli_errors_are_clean(tokenizer_dirs, kvserve_bin, tmp_path):
     res = subprocess.run([kvserve_bin, "tokenize", "--model", str(bad_model), "--text-file", str(f)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "tokenizer.json" in res.stderr and "model.merges" in res.stderr
+
+
+@pytest.mark.parametrize("pattern", [
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"\w+|[\w\s]+|."], ids=["llama3", "word"])
+def test_regex_classes_match_oniguruma_on_every_code_point(pattern, kvserve_bin, tmp_path):
+    """PCRE2 with kvserve's rewrites splits exactly like HF's Oniguruma, for every assigned code
+    point (in this Python's Unicode database) up to U+2FFFF. A model that maps each pre-token to one
+    fused <unk> makes the id count equal the number of pre-tokens."""
+    tj = {"version": "1.0", "added_tokens": [], "normalizer": None, "post_processor": None, "decoder": None,
+          "pre_tokenizer": {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+          "model": {"type": "BPE", "vocab": {"<unk>": 0}, "merges": [], "unk_token": "<unk>", "fuse_unk": True}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+    cps = [c for c in map(chr, range(0x30000)) if c != "\n" and unicodedata.category(c) not in ("Cs", "Cn")]
+    texts = ["".join(f"a{c}{c}a 1{c}1 {c} 's{c}'S" for c in cps[i:i + 8]) for i in range(0, len(cps), 8)]
+    f = tmp_path / "in.jsonl"
+    f.write_text("".join(json.dumps(t) + "\n" for t in texts), encoding="utf-8")
+    got = [len(json.loads(o)) for o in _run(kvserve_bin, ["tokenize", "--model", str(tmp_path), "--text-file", str(f),
+                                                          "--json-input", "--no-special"])]
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    want = [len(e.ids) for e in hf.encode_batch(texts, add_special_tokens=False)]
+    bad = [t for t, g, w in zip(texts, got, want) if g != w]
+    assert not bad, _report("pre-token counts", bad, len(texts))
