@@ -1,6 +1,7 @@
 #pragma once
 // Engine: the continuous-batching loop on its own thread; HTTP and the CLI submit requests to it.
 #include <atomic>
+#include <stdexcept>
 #include <condition_variable>
 #include <deque>
 #include <map>

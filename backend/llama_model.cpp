@@ -64,14 +64,15 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
       l.bdown = load(p + "mlp.down_proj.bias", {Hd});
     }
     m->layers_.push_back(std::move(l));
-    if (opt.progress) {
-      std::cerr << "\rkvserve: loading " << model_dir << ": layer " << (i + 1) << "/" << c.num_hidden_layers << std::flush;
+    const int64_t L = c.num_hidden_layers;
+    if (opt.progress && L >= 4 && (i + 1) % ((L + 3) / 4) == 0 && i + 1 < L) {
+      std::cerr << "kvserve: loading " << model_dir << ": " << (i + 1) << "/" << L << " layers\n";
     }
   }
   m->rope_ = std::make_unique<Rope>(c, m->device_);
   if (opt.progress) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << "\rkvserve: loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers
+    std::cerr << "kvserve: loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers
               << " layers, " << ckpt.num_tensors() << " tensors) in " << s << " s\n";
   }
   return m;
