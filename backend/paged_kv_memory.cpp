@@ -1,5 +1,7 @@
 #include "paged_kv_memory.h"
 
+#include <algorithm>
+
 #include "kv_check.h"
 
 namespace kvserve {
@@ -32,6 +34,13 @@ PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std:
       default_policy_(std::move(default_policy)) {
   policies_.emplace("full", make_policy_config("full"));
   KV_CHECK(policies_.count(default_policy_), "default policy '" << default_policy_ << "' is not defined");
+  for (const auto& [name, cfg] : policies_) {
+    // H2O's decode-time eviction ranks by attention accumulated over decode steps, which the paged
+    // decode kernel does not produce: refuse it here instead of failing in the middle of a generation.
+    KV_CHECK(!(cfg.decode_budget > 0 && cfg.scorer == ScorerKind::kAccumulatedAttention),
+             "policy '" << name << "': decode_budget (decode-time eviction) is not supported with scorer "
+                        << to_string(cfg.scorer) << " (decode computes no attention scores); use knorm or streamingllm");
+  }
 }
 
 const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
@@ -42,13 +51,22 @@ const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
 
 int64_t PagedKvMemory::blocks_for_prompt(int64_t prompt_len, const std::string& name) const {
   const PolicyConfig& cfg = policy(name);
-  std::vector<int64_t> per_layer(num_layers_, prompt_len + 1);
+  std::vector<int64_t> per_layer(num_layers_, prompt_len);
+  // Compaction copies a layer's kept tokens into fresh blocks before it frees the old ones, so the
+  // pool must also hold one layer's compacted copy: DynamicKV's re-budgeting (at most one layer's
+  // candidates) and the first decode-time eviction (decode_budget - decode_evict_chunk tokens).
+  int64_t transient = 0;
   if (!cfg.is_full()) {
     // Before any layer is seen, DynamicKV's budgets are its candidate counts (bs + window): the peak.
-    per_layer = PrefillSelector(cfg, num_layers_, cache_.num_kv_heads(), prompt_len).budgets();
-    for (auto& n : per_layer) n += 1;  // room for the first decoded token
+    PrefillSelector sel(cfg, num_layers_, cache_.num_kv_heads(), prompt_len);
+    per_layer = sel.budgets();
+    if (sel.is_dynamic()) transient = cache_.blocks_needed({*std::max_element(per_layer.begin(), per_layer.end())});
   }
-  return cache_.blocks_needed(per_layer);
+  if (cfg.decode_budget > 0) {
+    transient = std::max(transient, cache_.blocks_needed({std::max<int64_t>(0, cfg.decode_budget - cfg.decode_evict_chunk)}));
+  }
+  for (auto& n : per_layer) n += 1;  // room for the first decoded token
+  return cache_.blocks_needed(per_layer) + transient;
 }
 
 bool PagedKvMemory::can_prefill(int64_t prompt_len, const std::string& p) const {
@@ -60,9 +78,31 @@ bool PagedKvMemory::fits_when_empty(int64_t prompt_len, const std::string& p) co
 }
 
 bool PagedKvMemory::can_decode(const std::vector<int64_t>& seq_ids) const {
-  int64_t need = 0;
-  for (int64_t id : seq_ids) need += cache_.blocks_for_next_token(id);
-  return need <= cache_.free_blocks();
+  // Mirrors decode_attention layer by layer: decode-time evictions first (each compacts into fresh
+  // blocks before freeing the old ones), then one appended token per sequence.
+  const int64_t bs = cache_.block_size();
+  int64_t free = cache_.free_blocks();
+  std::vector<int64_t> len(seq_ids.size()), held(seq_ids.size());
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (size_t i = 0; i < seq_ids.size(); ++i) {
+      const LayerBlocks& lb = cache_.layer_blocks(seq_ids[i], l);
+      len[i] = lb.length;
+      held[i] = static_cast<int64_t>(lb.blocks.size());
+      auto it = seqs_.find(seq_ids[i]);
+      if (it == seqs_.end() || it->second.evictors.empty()) continue;
+      const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
+      if (!ev.needs_eviction(len[i] + 1)) continue;
+      const int64_t target = std::min(len[i], ev.target_count());
+      const int64_t fresh = cache_.blocks_needed({target});
+      if (fresh > free) return false;
+      free += held[i] - fresh;
+      len[i] = target;
+      held[i] = fresh;
+    }
+    for (size_t i = 0; i < seq_ids.size(); ++i) free -= len[i] == held[i] * bs;
+    if (free < 0) return false;
+  }
+  return true;
 }
 
 int64_t PagedKvMemory::kept_tokens(int64_t seq_id) const {
