@@ -1,0 +1,324 @@
+"""KV policies end to end on the fixture models: what `kvserve forward --dump-kept` keeps per
+(layer, KV head) and what `kvserve generate` produces, against kvpress and the paper reference run
+on the same checkpoint in Hugging Face transformers.
+
+a. kvpress semantics: kept positions equal kvpress's SnapKVPress, PyramidKVPress, KnormPress and
+   StreamingLLMPress applied to the same model (`with press(model)`); kvpress's kept positions are
+   recovered by matching each kept key row of its compressed DynamicCache to the uncompressed keys.
+b. paper semantics: SnapKV, PyramidKV, DynamicKV, H2O and key-norm kept positions equal
+   policy_reference.py computed from the HF model's post-RoPE queries and keys.
+c. a budget >= the prompt: every policy keeps everything and equals `full` (logits, greedy tokens).
+d. keys stay at their original positions: a compressed generation equals HF greedy decoding over a
+   cache pruned to exactly the dumped kept positions, generated tokens at prompt_len + t.
+
+TIES: positions whose scores tie within 1e-6 relative with the selection boundary may legitimately
+swap (kvpress's torch.topk has no defined tie order, and kvserve's libtorch model and HF compute the
+scores with different float summation orders). Every such swap is counted and printed; any other
+difference fails. The swap counts are collected in SWAPS and printed by the last test.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvpress_harness as hx  # noqa: E402
+import policy_reference as ref  # noqa: E402
+from kvserve_testlib import fixtures_dir, kvserve_bin, run_kvserve, write_json  # noqa: E402
+
+TIE_RTOL = 1e-6
+# Two GQA fixtures; llama3-rope has llama3 RoPE scaling (original context 64, so every prompt here
+# runs through the scaled frequencies) and three layers (a real pyramid slope, DynamicKV updates).
+FIXTURES = {"llama-gqa": 300, "llama3-rope": 257}
+SWAPS: dict[str, int] = {}
+
+
+# ----------------------------------------------------------------------------- shared state
+
+
+class Fixture:
+    """One fixture model: HF model, prompt, uncompressed HF run, and cached kvserve runs."""
+
+    def __init__(self, name: str, prompt_len: int, workdir: Path):
+        self.name = name
+        self.path = fixtures_dir() / name
+        self.model = hx.load_model(self.path)
+        self.ids = hx.random_prompt(prompt_len, self.model.config.vocab_size, seed=prompt_len)
+        self.full = hx.full_cache(self.model, self.ids)
+        self.workdir = workdir
+        self.ids_file = write_json(workdir / "ids.json", self.ids)
+        self._runs: dict[tuple, tuple[dict, torch.Tensor]] = {}
+
+    @property
+    def T(self) -> int:
+        return len(self.ids)
+
+    def forward(self, policy: str, budget: str | None = None, **params) -> tuple[dict, torch.Tensor]:
+        """(kept dump, logits [T, vocab]) of `kvserve forward`, cached per arguments."""
+        key = (policy, budget, tuple(sorted(params.items())))
+        if key not in self._runs:
+            n = len(self._runs)
+            out, dump = self.workdir / f"logits-{n}.safetensors", self.workdir / f"kept-{n}.json"
+            run_kvserve("forward", "--model", str(self.path), "--input-ids", str(self.ids_file), "--output", str(out),
+                        "--dump-kept", str(dump), *policy_args(policy, budget, params))
+            self._runs[key] = (json.loads(dump.read_text()), load_file(out)["logits"])
+        return self._runs[key]
+
+    def generate(self, policy: str, budget: str | None = None, max_tokens: int = 16, **params) -> list[int]:
+        out = run_kvserve("generate", "--model", str(self.path), "--prompt-ids", *map(str, self.ids),
+                          "--max-tokens", str(max_tokens), "--ignore-eos", "--json",
+                          *policy_args(policy, budget, params))
+        return json.loads(out.stdout)["token_ids"]
+
+
+def policy_args(policy: str, budget, params: dict) -> list[str]:
+    args = ["--policy", policy]
+    if budget is not None:
+        args += ["--budget", str(budget)]
+    for k, v in params.items():
+        args += ["--policy-param", f"{k}={v}"]
+    return args
+
+
+_FIXTURES: dict[str, Fixture] = {}
+
+
+@pytest.fixture(scope="module", params=list(FIXTURES))
+def fx(request, tmp_path_factory) -> Fixture:
+    return get_fixture(request.param, tmp_path_factory)
+
+
+def get_fixture(name: str, tmp_path_factory) -> Fixture:
+    kvserve_bin()  # skips when the binary is not built
+    if name not in _FIXTURES:
+        _FIXTURES[name] = Fixture(name, FIXTURES[name], tmp_path_factory.mktemp(name))
+    return _FIXTURES[name]
+
+
+def kept_of(dump: dict) -> list[list[list[int]]]:
+    assert [x["layer"] for x in dump["layers"]] == list(range(len(dump["layers"])))
+    return [x["kept"] for x in dump["layers"]]
+
+
+def compare(got, want, scores, what: str) -> int:
+    """Kept sets per (layer, head) equal up to boundary ties; returns and records the swap count."""
+    assert len(got) == len(want), f"{what}: {len(got)} layers vs {len(want)}"
+    swaps = 0
+    for layer, (g_heads, w_heads) in enumerate(zip(got, want)):
+        assert len(g_heads) == len(w_heads), f"{what}: layer {layer}: {len(g_heads)} KV heads vs {len(w_heads)}"
+        for head, (g, w) in enumerate(zip(g_heads, w_heads)):
+            assert g == sorted(g), f"{what}: layer {layer} head {head}: dump not sorted"
+            s = None if scores is None or scores[layer] is None else scores[layer][head]
+            try:
+                swaps += ref.compare_kept(g, w, s, TIE_RTOL)
+            except AssertionError as e:
+                raise AssertionError(f"{what}: layer {layer} head {head}: {e}") from None
+    SWAPS[what] = swaps
+    if swaps:
+        print(f"{what}: {swaps} position(s) swapped between scores tied within {TIE_RTOL} relative")
+    return swaps
+
+
+def padded(scores: torch.Tensor, t: int) -> list[list[float]]:
+    """Prefix scores [KV, n] padded with +inf for the always-kept window (index = position)."""
+    full = torch.full((scores.shape[0], t), float("inf"))
+    full[:, : scores.shape[1]] = scores
+    return full.tolist()
+
+
+# ----------------------------------------------------------------------------- a. vs kvpress
+
+
+def _snap(ratio, window, kernel):
+    from kvpress import SnapKVPress
+
+    return ("snapkv", ratio, dict(window=window, kernel=kernel, pooling="avg", semantics="kvpress"),
+            SnapKVPress(compression_ratio=1.0 - ratio, window_size=window, kernel_size=kernel))
+
+
+def _pyramid(ratio, window, kernel, beta):
+    from kvpress import PyramidKVPress
+
+    return ("pyramidkv", ratio, dict(window=window, kernel=kernel, pooling="avg", beta=beta, semantics="kvpress"),
+            PyramidKVPress(compression_ratio=1.0 - ratio, window_size=window, kernel_size=kernel, beta=beta))
+
+
+def _knorm(ratio):
+    from kvpress import KnormPress
+
+    return ("knorm", ratio, dict(semantics="kvpress"), KnormPress(compression_ratio=1.0 - ratio))
+
+
+def _streaming(ratio, sink):
+    from kvpress import StreamingLLMPress
+
+    return ("streamingllm", ratio, dict(sink=sink, semantics="kvpress"),
+            StreamingLLMPress(compression_ratio=1.0 - ratio, n_sink=sink))
+
+
+KVPRESS_CASES = {
+    "snapkv-r0.25-w8-k5": lambda: _snap(0.25, 8, 5),
+    "snapkv-r0.3-w64-k5": lambda: _snap(0.3, 64, 5),       # kvpress's defaults for window/kernel
+    "pyramidkv-r0.3-w16-b5": lambda: _pyramid(0.3, 16, 3, 5),   # a real pyramid (min >= window)
+    "pyramidkv-r0.5-w8-b4": lambda: _pyramid(0.5, 8, 5, 4),     # .5 budgets: round() half to even
+    "pyramidkv-r0.2-w8-b20": lambda: _pyramid(0.2, 8, 5, 20),   # kvpress falls back to uniform
+    "knorm-r0.23": lambda: _knorm(0.23),
+    "streamingllm-r0.25-s4": lambda: _streaming(0.25, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(KVPRESS_CASES))
+def test_kept_positions_match_kvpress(fx, case):
+    policy, ratio, params, press = KVPRESS_CASES[case]()
+    dump, _ = fx.forward(policy, str(ratio), **params)
+    want = hx.kvpress_kept(fx.model, press, fx.ids, fx.full)
+    # The kept key rows are the original rows (same computation): matched to float rounding.
+    assert want.max_match_error < 1e-4, f"kvpress kept rows do not match original keys ({want.max_match_error})"
+    got = kept_of(dump)
+    assert dump["budgets"] == [len(h[0]) for h in want.kept], f"{case}: budgets differ from kvpress"
+    for layer, heads in enumerate(got):
+        assert len({len(h) for h in heads}) == 1, f"{case}: layer {layer}: KV heads keep different counts"
+    compare(got, want.kept, want.scores, f"{fx.name}/{case}/kvpress")
+    if policy != "pyramidkv":  # one kept count for every layer
+        assert len(set(dump["budgets"])) == 1
+    assert all(b < fx.T for b in dump["budgets"]), "nothing was compressed"
+
+
+def test_kvpress_pyramid_budgets_pinned(tmp_path_factory):
+    """kvpress's pyramid arithmetic on llama3-rope (3 layers, T=257, ratio 0.5, window 8, beta 4):
+    A = 128.5, min = A/4 = 32.125, max = 2A - min = 224.875 (< T - w, no clamp), float steps 96.375,
+    round() half to even: [225, 128, 32] (the window counted inside)."""
+    fx3 = get_fixture("llama3-rope", tmp_path_factory)
+    _, ratio, params, press = _pyramid(0.5, 8, 5, 4)
+    dump, _ = fx3.forward("pyramidkv", str(ratio), **params)
+    layers = fx3.model.model.layers
+    assert [press.get_layer_budget(layers[l].self_attn, fx3.T) for l in range(len(layers))] == [225, 128, 32]
+    assert dump["budgets"] == [225, 128, 32]
+
+
+# ----------------------------------------------------------------------------- b. paper semantics
+
+
+PAPER_CASES = {
+    # name: (kvserve policy, budget, params, RefPolicy kwargs)
+    "snapkv-b64-max": ("snapkv", 64, dict(window=8, kernel=7, pooling="max"), dict(pooling="max")),
+    "snapkv-b48-avg-k5": ("snapkv", 48, dict(window=8, kernel=5, pooling="avg"), dict(pooling="avg", kernel=5)),
+    "pyramidkv-b64": ("pyramidkv", 64, dict(window=8, kernel=7, pooling="max", beta=20), dict(beta=20)),
+    "pyramidkv-b100-w16-b5": ("pyramidkv", 100, dict(window=16, kernel=5, pooling="avg", beta=5),
+                              dict(window=16, kernel=5, pooling="avg", beta=5)),
+    "dynamickv-b40-r3-m2": ("dynamickv", 40, dict(window=8, kernel=7, pooling="avg", r_max=3, m=2),
+                            dict(pooling="avg", r_max=3, update_interval=2)),
+    "h2o-b64": ("h2o", 64, dict(window=8), dict()),
+    "knorm-b100": ("knorm", 100, dict(), dict(window=0, skip_layers=[0, 1])),
+}
+
+
+def paper_scores(fx: Fixture, policy: str, rp: ref.RefPolicy) -> list[list[list[float]]]:
+    out = []
+    for layer in range(len(fx.full.keys)):
+        q, k = fx.full.queries[layer], fx.full.keys[layer]
+        if policy in ("snapkv", "pyramidkv", "dynamickv"):
+            s = ref.window_scores(q, k, rp.window, rp.kernel, rp.pooling, "mean" if policy == "dynamickv" else "sum")
+        elif policy == "h2o":
+            s = ref.accumulated_scores(q, k)[:, : fx.T - rp.window]
+        else:
+            s = ref.key_norm_scores(k)[:, : fx.T - rp.window]
+        out.append(padded(s, fx.T))
+    return out
+
+
+@pytest.mark.parametrize("case", list(PAPER_CASES))
+def test_kept_positions_match_paper_reference(fx, case):
+    policy, budget, params, rp_kwargs = PAPER_CASES[case]
+    rp = ref.RefPolicy(policy, budget=budget, **rp_kwargs)
+    dump, _ = fx.forward(policy, str(budget), **params)
+    assert dump["policy"]["semantics"] == "paper"
+    budgets, want = ref.select_layers(rp, fx.full.queries, fx.full.keys)
+    assert dump["budgets"] == budgets, f"{case}: budgets {dump['budgets']} vs reference {budgets}"
+    compare(kept_of(dump), want, paper_scores(fx, policy, rp), f"{fx.name}/{case}/paper")
+    if policy == "dynamickv":
+        assert sum(budgets) <= budget * len(budgets)
+    if policy == "knorm":  # the paper leaves layers 0 and 1 whole
+        assert budgets[:2] == [fx.T, fx.T]
+
+
+# ----------------------------------------------------------------------------- c. budget >= prompt
+
+ALL_POLICIES = ["snapkv", "pyramidkv", "dynamickv", "streamingllm", "h2o", "knorm"]
+
+
+def test_budget_covering_prompt_equals_full(tmp_path_factory):
+    """Budget == prompt length (the boundary): every policy keeps every position of every layer,
+    its logits equal full's within 1e-5 and its greedy tokens equal full's."""
+    fx = get_fixture("llama-gqa", tmp_path_factory)
+    _, full_logits = fx.forward("full")
+    hf_diff = (full_logits - fx.full.logits).abs().max().item()
+    assert hf_diff <= 1e-4, f"full logits vs transformers: {hf_diff}"
+    full_tokens = fx.generate("full")
+    whole = [list(range(fx.T))] * fx.model.config.num_key_value_heads
+    for policy in ALL_POLICIES:
+        dump, logits = fx.forward(policy, str(fx.T))
+        assert dump["budgets"] == [fx.T] * len(dump["layers"]), policy
+        assert all(layer == whole for layer in kept_of(dump)), f"{policy}: dropped positions at budget == prompt"
+        diff = (logits - full_logits).abs().max().item()
+        assert diff <= 1e-5, f"{policy}: max |logit - full| = {diff}"
+        assert fx.generate(policy, str(fx.T)) == full_tokens, f"{policy}: tokens differ from full"
+
+
+def test_streamingllm_window_covering_prompt_equals_full(tmp_path_factory):
+    """StreamingLLM with a small budget but a recent window as long as the prompt keeps everything."""
+    fx = get_fixture("llama3-rope", tmp_path_factory)
+    dump, _ = fx.forward("streamingllm", "16", window=fx.T)
+    assert dump["budgets"] == [fx.T] * len(dump["layers"])
+    assert fx.generate("streamingllm", "16", window=fx.T) == fx.generate("full")
+
+
+# ----------------------------------------------------------------------------- d. original positions
+
+COMPRESSED_GENERATIONS = {
+    "snapkv": ("snapkv", "48", dict()),
+    "pyramidkv": ("pyramidkv", "64", dict()),
+    "dynamickv": ("dynamickv", "40", dict(r_max=3, m=2)),
+    "streamingllm": ("streamingllm", "32", dict()),
+    "h2o": ("h2o", "48", dict()),
+    "knorm": ("knorm", "0.3", dict()),
+    "pyramidkv-kvpress": ("pyramidkv", "0.3", dict(semantics="kvpress", window=16, beta=5, pooling="avg", kernel=3)),
+}
+_DIFFERS_FROM_FULL: dict[str, bool] = {}
+
+
+@pytest.mark.parametrize("case", list(COMPRESSED_GENERATIONS))
+def test_compressed_generation_uses_original_positions(tmp_path_factory, case):
+    """kvserve's greedy tokens under a compressing policy equal HF greedy decoding from a cache that
+    holds exactly the dumped kept positions per (layer, KV head), keys rotated at their original
+    positions and new tokens at prompt_len + t: the compressed run differs from full only through
+    the dropped tokens."""
+    fx = get_fixture("llama3-rope", tmp_path_factory)
+    policy, budget, params = COMPRESSED_GENERATIONS[case]
+    steps = 16
+    dump, _ = fx.forward(policy, budget, **params)
+    kept = kept_of(dump)
+    assert any(len(h[0]) < fx.T for h in kept), f"{case}: nothing compressed"
+    got = fx.generate(policy, budget, max_tokens=steps, **params)
+    first = int(fx.full.logits[-1].argmax())
+    want = hx.decode_with_kept(fx.model, fx.full, kept, first, steps, fx.T)
+    assert got == want, f"{case}: kvserve {got} vs HF over the kept cache {want}"
+    full_tokens = hx.decode_with_kept(fx.model, fx.full, [[list(range(fx.T))] * len(h) for h in kept], first,
+                                      steps, fx.T)
+    _DIFFERS_FROM_FULL[case] = got != full_tokens
+
+
+def test_zz_report():
+    """Summary: swap counts per comparison; and the compressed generations must not all equal full
+    (otherwise test d would have no power)."""
+    total = sum(SWAPS.values())
+    print(f"\nboundary-tie swaps: {total} in {len(SWAPS)} comparisons; non-zero: "
+          f"{ {k: v for k, v in SWAPS.items() if v} }")
+    if _DIFFERS_FROM_FULL:
+        assert any(_DIFFERS_FROM_FULL.values()), "no compressed generation differs from full: test d has no power"
+        print(f"compressed generations differing from full: {sorted(k for k, v in _DIFFERS_FROM_FULL.items() if v)}")
