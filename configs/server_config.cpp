@@ -461,6 +461,20 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"port", p.int_of(s.port, 0, 65535)},
                                   {"api_key", p.string_of(s.api_key)},
                                   {"api_key_env", p.string_of(s.api_key_env)},
+                                  {"api_keys", [&](const YAML::Node& v, const std::string& vp) {
+                                     if (v.IsNull()) return;
+                                     if (!v.IsMap()) {
+                                       p.error(v, vp, "expected a mapping of key name to key, got " + describe(v));
+                                       return;
+                                     }
+                                     for (const auto& kv : v) {
+                                       if (!kv.first.IsScalar() || !kv.second.IsScalar() || kv.second.Scalar().empty()) {
+                                         p.error(kv.first, vp, "expected <name>: <non-empty key>");
+                                         continue;
+                                       }
+                                       s.api_keys[kv.first.Scalar()] = kv.second.Scalar();
+                                     }
+                                   }},
                                   {"max_body_bytes", p.bytes_of(s.max_body_bytes, 64)},
                                   {"request_timeout_s", p.number_of(s.request_timeout_s, 0.001, 1e7)},
                                   {"idle_timeout_s", p.number_of(s.idle_timeout_s, 0.001, 1e7)},
@@ -488,6 +502,9 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                      default_policy_line = n.Mark().line + 1;
                      p.string_of(c.default_policy)(n, path);
                    })},
+                  {"rollout", H([&](const YAML::Node& n, const std::string& path) {
+                     parse_rollout_section(n, path, source, c.rollout, p.issues());
+                   })},
               });
 
   if (have_policies) {
@@ -505,6 +522,9 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
       if (issue.key == "default_policy") issue.line = default_policy_line;
       p.issues().push_back(std::move(issue));
     }
+    std::set<std::string> names;
+    for (const auto& [n, spec] : c.policies) names.insert(n);
+    for (auto& issue : validate_rollout(c.rollout, names, source)) p.issues().push_back(std::move(issue));
   }
   if (!p.issues().empty()) throw ConfigError(p.issues());
   return c;

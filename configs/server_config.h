@@ -10,6 +10,7 @@
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
+//   rollout:   {default, allow_override, rules: [...]} (see rollout.h and configs/README.md)
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
 // (e.g. `rollout:`) add one entry there and one struct here.
 #include <cstdint>
@@ -18,6 +19,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "rollout.h"
 
 namespace kvserve::config {
 
@@ -34,6 +37,7 @@ struct ServerSection {
   int port = 8000;  // 0 = any free port (printed on stderr)
   std::string api_key;                       // empty = no authentication (unless the env var is set)
   std::string api_key_env = "KVSERVE_API_KEY";  // env var read when api_key is empty
+  std::map<std::string, std::string> api_keys;  // named keys (name -> key); rollout rules match the name
   int64_t max_body_bytes = int64_t{1} << 20;
   double request_timeout_s = 600.0;  // a whole request (including a streamed response)
   double idle_timeout_s = 60.0;      // a keep-alive connection with nothing to read
@@ -70,6 +74,7 @@ struct ServerConfig {
   SchedulerSection scheduler;
   std::map<std::string, PolicySpec> policies;  // always holds at least `full`
   std::string default_policy = "full";
+  RolloutConfig rollout;
 
   // The served model name: served_model_name or the model directory's last component.
   std::string model_name() const;
