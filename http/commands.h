@@ -11,6 +11,7 @@ void add_serve_command(CLI::App& app);       // cmd_serve.cpp
 void add_config_commands(CLI::App& app);     // cmd_config.cpp: config check
 void add_chat_template_command(CLI::App& app);  // cmd_chat_template.cpp: chat-template
 void add_policy_commands(CLI::App& app);     // cmd_policy.cpp: policy budgets, policy select
+void add_plan_command(CLI::App& app);        // cmd_plan.cpp: plan (TP x PP memory arithmetic)
 void add_bench_commands(CLI::App& app);      // cmd_bench.cpp: bench decode
 
 }  // namespace kvserve::cli

@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   kvserve::cli::add_config_commands(app);
   kvserve::cli::add_chat_template_command(app);
   kvserve::cli::add_policy_commands(app);
+  kvserve::cli::add_plan_command(app);
   kvserve::cli::add_bench_commands(app);
   try {
     app.parse(argc, argv);

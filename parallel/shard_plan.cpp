@@ -1,0 +1,204 @@
+#include "shard_plan.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "budget_allocator.h"
+#include "kv_check.h"
+#include "prefill_selector.h"
+
+namespace kvserve::parallel {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::vector<LayerRange> pipeline_layer_ranges(int64_t num_layers, int64_t pp) {
+  KV_CHECK(pp >= 1, "pipeline size must be >= 1 (got " << pp << ")");
+  KV_CHECK(num_layers >= pp, "cannot split " << num_layers << " layers over " << pp << " pipeline stages");
+  std::vector<LayerRange> out;
+  const int64_t base = num_layers / pp, extra = num_layers % pp;
+  int64_t at = 0;
+  for (int64_t s = 0; s < pp; ++s) {
+    const int64_t n = base + (s < extra ? 1 : 0);
+    out.push_back({at, at + n});
+    at += n;
+  }
+  return out;
+}
+
+int64_t kv_heads_per_rank(int64_t num_kv_heads, int64_t tp) {
+  KV_CHECK(tp >= 1 && num_kv_heads >= 1, "bad KV heads " << num_kv_heads << " / tensor parallel size " << tp);
+  if (num_kv_heads >= tp) {
+    KV_CHECK(num_kv_heads % tp == 0,
+             num_kv_heads << " KV heads do not split evenly over tensor parallel size " << tp);
+    return num_kv_heads / tp;
+  }
+  KV_CHECK(tp % num_kv_heads == 0, "tensor parallel size " << tp << " is not a multiple of the " << num_kv_heads
+                                                           << " KV heads (needed to replicate them)");
+  return 1;
+}
+
+int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& layers, bool first_stage,
+                            bool last_stage) {
+  const int64_t h = m.hidden_size, d = m.head_dim;
+  const int64_t q_heads = m.num_heads / tp;  // checked divisible by make_shard_plan
+  const int64_t kv = kv_heads_per_rank(m.num_kv_heads, tp);
+  const int64_t inter = ceil_div(m.intermediate_size, tp);
+  int64_t layer = 0;
+  layer += h * q_heads * d;            // q_proj (column-parallel)
+  layer += 2 * h * kv * d;             // k_proj, v_proj (column-parallel, replicated when KV < tp)
+  layer += q_heads * d * h;            // o_proj (row-parallel)
+  layer += 3 * h * inter;              // gate, up (column-parallel), down (row-parallel)
+  layer += 2 * h;                      // input + post-attention RMSNorm (replicated)
+  if (m.attention_bias) layer += (q_heads + 2 * kv) * d;
+  if (m.o_proj_bias) layer += h;       // added once after the all-reduce; every rank holds it
+  if (m.mlp_bias) layer += 2 * inter + h;
+  int64_t p = layer * layers.size();
+  const int64_t vocab_rows = ceil_div(m.vocab_size, tp);
+  if (first_stage) p += vocab_rows * h;          // vocab-parallel embedding
+  if (last_stage) {
+    p += h;                                      // final norm
+    if (!(m.tie_word_embeddings && first_stage)) p += vocab_rows * h;  // LM head (shared when tied on one stage)
+  }
+  return p;
+}
+
+std::pair<std::vector<int64_t>, std::vector<int64_t>> policy_kept_tokens(const PolicyConfig& cfg, int64_t context,
+                                                                         int64_t num_layers, int64_t num_kv_heads) {
+  std::vector<int64_t> peak(num_layers, context);
+  if (cfg.is_full()) return {peak, peak};
+  PrefillSelector sel(cfg, num_layers, num_kv_heads, context);
+  peak = sel.budgets();
+  std::vector<int64_t> steady = peak;
+  if (sel.is_dynamic()) {
+    const auto plan = allocate_layer_budgets(cfg, context, num_layers);
+    const int64_t mean = cfg.budget_tokens(context);
+    for (int64_t l = 0; l < num_layers; ++l) {
+      if (!plan[l].full) steady[l] = std::min(peak[l], mean);
+    }
+  }
+  return {steady, peak};
+}
+
+ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::vector<PolicyConfig>& policies) {
+  KV_CHECK(m.num_layers > 0 && m.hidden_size > 0 && m.intermediate_size > 0 && m.num_heads > 0 &&
+               m.num_kv_heads > 0 && m.head_dim > 0 && m.vocab_size > 0,
+           "model shape has a non-positive size");
+  KV_CHECK(m.num_heads % m.num_kv_heads == 0,
+           m.num_heads << " attention heads are not a multiple of " << m.num_kv_heads << " KV heads");
+  KV_CHECK(o.tp >= 1 && o.pp >= 1, "tensor/pipeline parallel sizes must be >= 1 (got " << o.tp << ", " << o.pp << ")");
+  KV_CHECK(m.num_heads % o.tp == 0,
+           m.num_heads << " attention heads do not split evenly over tensor parallel size " << o.tp);
+  KV_CHECK(o.gpu_memory_bytes > 0, "GPU memory must be positive");
+  KV_CHECK(o.reserve_fraction >= 0.0 && o.reserve_fraction < 1.0,
+           "reserve fraction must be in [0, 1) (got " << o.reserve_fraction << ")");
+  KV_CHECK(o.context > 0, "context must be positive (got " << o.context << ")");
+  KV_CHECK(o.block_size > 0 && o.weight_dtype_bytes > 0 && o.kv_dtype_bytes > 0, "bad block size or dtype size");
+
+  ShardPlan plan;
+  plan.model = m;
+  plan.options = o;
+  plan.gpus = o.tp * o.pp;
+  plan.usable_bytes = static_cast<int64_t>(static_cast<double>(o.gpu_memory_bytes) * (1.0 - o.reserve_fraction));
+  const auto ranges = pipeline_layer_ranges(m.num_layers, o.pp);
+  const int64_t kv = kv_heads_per_rank(m.num_kv_heads, o.tp);
+  for (int64_t s = 0; s < o.pp; ++s) {
+    StagePlan st;
+    st.stage = s;
+    st.layers = ranges[s];
+    st.has_embedding = s == 0;
+    st.has_lm_head = s == o.pp - 1;
+    st.weight_params = stage_weight_params(m, o.tp, st.layers, st.has_embedding, st.has_lm_head);
+    st.weight_bytes = st.weight_params * o.weight_dtype_bytes;
+    st.kv_heads = kv;
+    st.kv_bytes_per_token_layer = 2 * kv * m.head_dim * o.kv_dtype_bytes;
+    st.kv_bytes_per_token = st.kv_bytes_per_token_layer * st.layers.size();
+    st.block_bytes = st.kv_bytes_per_token_layer * o.block_size;
+    st.kv_capacity_bytes = plan.usable_bytes - st.weight_bytes;
+    if (st.kv_capacity_bytes <= 0) plan.weights_fit = false;
+    plan.stages.push_back(st);
+  }
+
+  for (const auto& cfg : policies) {
+    PolicyPlan pp;
+    pp.policy = cfg.name;
+    std::tie(pp.kept_per_layer, pp.peak_per_layer) = policy_kept_tokens(cfg, o.context, m.num_layers, m.num_kv_heads);
+    pp.max_seqs = std::numeric_limits<int64_t>::max();
+    pp.max_seqs_peak = std::numeric_limits<int64_t>::max();
+    for (const auto& st : plan.stages) {
+      int64_t steady_blocks = 0, peak_blocks = 0;
+      for (int64_t l = st.layers.begin; l < st.layers.end; ++l) {
+        steady_blocks += ceil_div(pp.kept_per_layer[l], o.block_size);
+        peak_blocks += ceil_div(pp.peak_per_layer[l], o.block_size);
+      }
+      const int64_t steady = steady_blocks * st.block_bytes, peak = peak_blocks * st.block_bytes;
+      pp.kv_bytes_per_seq.push_back(steady);
+      pp.kv_bytes_per_seq_peak.push_back(peak);
+      const int64_t cap = std::max<int64_t>(0, st.kv_capacity_bytes);
+      const int64_t n = steady > 0 ? cap / steady : 0;
+      const int64_t n_peak = peak > 0 ? cap / peak : 0;
+      pp.max_seqs_per_stage.push_back(n);
+      // Ties go to the stage with less room (the later, heavier stage when capacities differ).
+      if (n < pp.max_seqs || (n == pp.max_seqs && st.kv_capacity_bytes < plan.stages[pp.tightest_stage].kv_capacity_bytes)) {
+        pp.max_seqs = n;
+        pp.tightest_stage = st.stage;
+      }
+      pp.max_seqs_peak = std::min(pp.max_seqs_peak, n_peak);
+    }
+    plan.policies.push_back(std::move(pp));
+  }
+  return plan;
+}
+
+nlohmann::json to_json(const ShardPlan& p) {
+  nlohmann::json j;
+  j["model"] = {{"num_layers", p.model.num_layers},
+                {"hidden_size", p.model.hidden_size},
+                {"intermediate_size", p.model.intermediate_size},
+                {"num_heads", p.model.num_heads},
+                {"num_kv_heads", p.model.num_kv_heads},
+                {"head_dim", p.model.head_dim},
+                {"vocab_size", p.model.vocab_size},
+                {"tie_word_embeddings", p.model.tie_word_embeddings}};
+  j["tp"] = p.options.tp;
+  j["pp"] = p.options.pp;
+  j["gpus"] = p.gpus;
+  j["gpu_memory_bytes"] = p.options.gpu_memory_bytes;
+  j["reserve_fraction"] = p.options.reserve_fraction;
+  j["usable_bytes_per_gpu"] = p.usable_bytes;
+  j["context"] = p.options.context;
+  j["block_size"] = p.options.block_size;
+  j["weight_dtype_bytes"] = p.options.weight_dtype_bytes;
+  j["kv_dtype_bytes"] = p.options.kv_dtype_bytes;
+  j["weights_fit"] = p.weights_fit;
+  j["stages"] = nlohmann::json::array();
+  for (const auto& s : p.stages) {
+    j["stages"].push_back({{"stage", s.stage},
+                           {"layers", {s.layers.begin, s.layers.end}},
+                           {"has_embedding", s.has_embedding},
+                           {"has_lm_head", s.has_lm_head},
+                           {"weight_params_per_gpu", s.weight_params},
+                           {"weight_bytes_per_gpu", s.weight_bytes},
+                           {"kv_heads_per_gpu", s.kv_heads},
+                           {"kv_bytes_per_token", s.kv_bytes_per_token},
+                           {"kv_capacity_bytes", s.kv_capacity_bytes}});
+  }
+  j["policies"] = nlohmann::json::array();
+  for (const auto& pp : p.policies) {
+    j["policies"].push_back({{"policy", pp.policy},
+                             {"kept_per_layer", pp.kept_per_layer},
+                             {"peak_per_layer", pp.peak_per_layer},
+                             {"kv_bytes_per_seq_per_stage", pp.kv_bytes_per_seq},
+                             {"kv_bytes_per_seq_peak_per_stage", pp.kv_bytes_per_seq_peak},
+                             {"max_seqs_per_stage", pp.max_seqs_per_stage},
+                             {"max_seqs", pp.max_seqs},
+                             {"max_seqs_peak", pp.max_seqs_peak},
+                             {"tightest_stage", pp.tightest_stage}});
+  }
+  return j;
+}
+
+}  // namespace kvserve::parallel
