@@ -5,6 +5,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
+#include <set>
 #include <iostream>
 #include <mutex>
 #include <optional>
@@ -71,18 +73,29 @@ config::ServerConfig resolve_config(const ServeArgs& a) {
   return c;
 }
 
-// SIGINT/SIGTERM are blocked in every thread and taken by one waiter thread.
+// SIGINT/SIGTERM/SIGHUP are blocked in every thread and taken by one waiter thread; SIGHUP runs
+// the reload handler and keeps waiting.
 class SignalWaiter {
  public:
   SignalWaiter() {
     sigemptyset(&set_);
     sigaddset(&set_, SIGINT);
     sigaddset(&set_, SIGTERM);
+    sigaddset(&set_, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &set_, nullptr);
     thread_ = std::thread([this] {
       int sig = 0;
       while (sigwait(&set_, &sig) == 0) {
         if (sig == SIGINT || sig == SIGTERM) break;
+        if (sig == SIGHUP) {
+          std::function<void()> hup;
+          {
+            std::lock_guard<std::mutex> lock(mu_);
+            hup = on_hup_;
+          }
+          if (hup) hup();
+          else std::cerr << "kvserve: SIGHUP while loading; ignored\n";
+        }
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -101,6 +114,11 @@ class SignalWaiter {
   }
   // Runs on the waiter thread when a signal arrives (set before one can arrive).
   void set_handler(std::function<void(int)> fn) { on_signal_ = std::move(fn); }
+  // Runs on the waiter thread for every SIGHUP (may be set any time).
+  void set_reload(std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    on_hup_ = std::move(fn);
+  }
   int wait() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return signal_ != 0; });
@@ -118,8 +136,51 @@ class SignalWaiter {
   std::condition_variable cv_;
   int signal_ = 0;
   std::function<void(int)> on_signal_;
+  std::function<void()> on_hup_;
   std::atomic<bool> stopping_{false};
 };
+
+// The reloadable part of the config (rollout rules and the default policy), swapped whole on reload;
+// a request resolves its policy once, at admission, against the snapshot current then.
+struct RolloutState {
+  struct Snapshot {
+    config::RolloutConfig rollout;
+    std::string default_policy;
+  };
+  std::mutex mu;
+  std::shared_ptr<const Snapshot> current;
+  std::mutex reload_mu;  // one reload at a time
+  std::shared_ptr<const Snapshot> get() {
+    std::lock_guard<std::mutex> lock(mu);
+    return current;
+  }
+  void set(const config::ServerConfig& c) {
+    auto snap = std::make_shared<Snapshot>(Snapshot{c.rollout, c.default_policy});
+    std::lock_guard<std::mutex> lock(mu);
+    current = std::move(snap);
+  }
+};
+
+// Which restart-only settings differ between two configs (for the reload log line).
+std::vector<std::string> restart_only_changes(const config::ServerConfig& a, const config::ServerConfig& b) {
+  std::vector<std::string> out;
+  if (a.model.path != b.model.path || a.model.served_model_name != b.model.served_model_name ||
+      a.model.device != b.model.device || a.model.dtype != b.model.dtype || a.model.max_model_len != b.model.max_model_len)
+    out.push_back("model");
+  if (a.server.host != b.server.host || a.server.port != b.server.port || a.server.api_key != b.server.api_key ||
+      a.server.api_keys != b.server.api_keys || a.server.threads != b.server.threads ||
+      a.server.max_body_bytes != b.server.max_body_bytes || a.server.request_timeout_s != b.server.request_timeout_s ||
+      a.server.idle_timeout_s != b.server.idle_timeout_s || a.server.drain_timeout_s != b.server.drain_timeout_s ||
+      a.server.max_concurrent_connections != b.server.max_concurrent_connections)
+    out.push_back("server");
+  if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes) out.push_back("cache");
+  if (a.scheduler.max_num_seqs != b.scheduler.max_num_seqs ||
+      a.scheduler.max_num_batched_tokens != b.scheduler.max_num_batched_tokens ||
+      a.scheduler.max_waiting != b.scheduler.max_waiting)
+    out.push_back("scheduler");
+  if (config::engine_policies(a) != config::engine_policies(b)) out.push_back("policies");
+  return out;
+}
 
 int serve(const ServeArgs& a) {
   config::ServerConfig cfg = resolve_config(a);
@@ -135,10 +196,40 @@ int serve(const ServeArgs& a) {
     }
   });
 
+  auto rollout = std::make_shared<RolloutState>();
+  rollout->set(cfg);
   http::ServiceOptions so;
   so.model_name = model_name;
   so.api_key = api_key;
+  so.api_keys = cfg.server.api_keys;
   so.log_requests = !a.quiet;
+  so.rollout_resolver = [rollout, model_name, keys = cfg.server.api_keys](
+                            const http::HttpRequest& http_req, const http::ParsedRequest& req, int64_t prompt_tokens,
+                            const std::string& request_id) -> http::ServiceOptions::PolicyChoice {
+    auto snap = rollout->get();
+    config::RequestFacts f;
+    f.model = req.model.empty() ? model_name : req.model;
+    f.headers = http_req.headers;
+    if (!keys.empty()) {
+      const std::string token = http::bearer_token(http_req);
+      for (const auto& [name, key] : keys)
+        if (!token.empty() && token == key) f.api_key_name = name;
+    }
+    f.prompt_tokens = prompt_tokens;
+    f.endpoint = req.endpoint == http::Endpoint::kChatCompletions ? "chat" : "completions";
+    f.user = req.user;
+    f.request_id = request_id;
+    f.requested_policy = req.kv_policy;
+    auto d = config::decide(snap->rollout, f, snap->default_policy);
+    if (d.override_rejected) {
+      std::string allowed;
+      for (const auto& p : snap->rollout.allow_override) allowed += (allowed.empty() ? "" : ", ") + p;
+      throw http::ApiError(400, "kv_policy '" + req.kv_policy + "' may not be chosen by requests on this server (rollout.allow_override: " +
+                                    (allowed.empty() ? std::string("none") : allowed) + ")",
+                           "kv_policy");
+    }
+    return {d.policy, snap->rollout.present ? d.rule : std::string()};
+  };
   auto service = std::make_shared<http::OpenAIService>(so);
   http::ServerOptions sopt;
   sopt.host = cfg.server.host;
@@ -184,7 +275,70 @@ int serve(const ServeArgs& a) {
   for (const auto& [n, p] : cfg.policies) std::cerr << " " << n << (n == cfg.default_policy ? "*" : "");
   std::cerr << std::endl;
 
+  // Hot reload (SIGHUP, or the file's mtime changing): re-read and validate everything; apply the
+  // rollout rules and default policy; keep the old config if anything is wrong.
+  const std::vector<std::string> engine_policy_list = service->backend()->policy_names();
+  const std::set<std::string> engine_policy_names(engine_policy_list.begin(), engine_policy_list.end());
+  auto running = std::make_shared<config::ServerConfig>(cfg);
+  auto reload = [&, rollout, running](const char* why) {
+    std::lock_guard<std::mutex> lock(rollout->reload_mu);
+    if (a.config.empty()) {
+      std::cerr << "kvserve: " << why << ": no --config file to reload" << std::endl;
+      return;
+    }
+    try {
+      config::ServerConfig next = resolve_config(a);
+      auto issues = config::validate_rollout(next.rollout, engine_policy_names, next.source);
+      if (!engine_policy_names.count(next.default_policy))
+        issues.push_back({next.source, 0, 0, "default_policy",
+                          "'" + next.default_policy + "' is not a policy of the running engine (new policies need a restart)"});
+      if (!issues.empty()) throw config::ConfigError(issues);
+      auto ignored = restart_only_changes(*running, next);
+      rollout->set(next);
+      service->metrics().config_reload(true);
+      std::cerr << "kvserve: " << why << ": config reloaded from " << a.config << " (" << next.rollout.rules.size()
+                << " rollout rule(s), default policy " << next.default_policy << ")";
+      if (!ignored.empty()) {
+        std::cerr << "; changes to";
+        for (const auto& s : ignored) std::cerr << " " << s;
+        std::cerr << " need a restart and were not applied";
+      }
+      std::cerr << std::endl;
+    } catch (const config::ConfigError& e) {
+      service->metrics().config_reload(false);
+      std::cerr << "kvserve: " << why << ": config reload failed; the previous config stays in force:\n" << e.what()
+                << std::endl;
+    } catch (const std::exception& e) {
+      service->metrics().config_reload(false);
+      std::cerr << "kvserve: " << why << ": config reload failed; the previous config stays in force: " << e.what()
+                << std::endl;
+    }
+  };
+  signals.set_reload([&reload] { reload("SIGHUP"); });
+  std::atomic<bool> stop_watch{false};
+  std::thread watcher;
+  if (!a.config.empty()) {
+    watcher = std::thread([&] {
+      namespace fs = std::filesystem;
+      std::error_code ec;
+      auto last = fs::last_write_time(a.config, ec);
+      while (!stop_watch.load()) {
+        for (int i = 0; i < 10 && !stop_watch.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (stop_watch.load()) break;
+        std::error_code ec2;
+        auto now = fs::last_write_time(a.config, ec2);
+        if (!ec2 && now != last) {
+          last = now;
+          reload("file change");
+        }
+      }
+    });
+  }
+
   int sig = signals.wait();
+  signals.set_reload(nullptr);
+  stop_watch = true;
+  if (watcher.joinable()) watcher.join();
   std::cerr << "kvserve: signal " << sig << ": no new connections; draining " << service->in_flight()
             << " request(s) for at most " << cfg.server.drain_timeout_s << " s" << std::endl;
   server.stop_accepting();

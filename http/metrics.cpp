@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <tuple>
 
 namespace kvserve::http {
 
@@ -76,24 +77,34 @@ void ServerMetrics::set_model_name(std::string name) {
   model_name_ = std::move(name);
 }
 
-void ServerMetrics::observe_ttft(double s) {
+void ServerMetrics::observe_ttft(double s, const std::string& policy) {
   std::lock_guard<std::mutex> lock(mu_);
   ttft_.observe(s);
+  if (!policy.empty()) policy_ttft_.try_emplace(policy, kTtftBuckets).first->second.observe(s);
 }
 void ServerMetrics::observe_inter_token(double s) {
   std::lock_guard<std::mutex> lock(mu_);
   itl_.observe(s);
 }
-void ServerMetrics::observe_e2e(double s) {
+void ServerMetrics::observe_e2e(double s, const std::string& policy) {
   std::lock_guard<std::mutex> lock(mu_);
   e2e_.observe(s);
+  if (!policy.empty()) policy_e2e_.try_emplace(policy, kE2eBuckets).first->second.observe(s);
+}
+
+void ServerMetrics::config_reload(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++reloads_;
+  if (!ok) ++reload_failures_;
+  last_reload_ok_ = ok;
 }
 void ServerMetrics::observe_queue(double s) {
   std::lock_guard<std::mutex> lock(mu_);
   queue_.observe(s);
 }
 
-void ServerMetrics::request_finished(const std::string& reason, const std::string& policy, int64_t kept, int64_t full) {
+void ServerMetrics::request_finished(const std::string& reason, const std::string& policy, int64_t kept, int64_t full,
+                                     const std::string& rule) {
   std::lock_guard<std::mutex> lock(mu_);
   ++finished_[reason.empty() ? "unknown" : reason];
   if (!policy.empty()) {
@@ -101,6 +112,12 @@ void ServerMetrics::request_finished(const std::string& reason, const std::strin
     ++p.requests;
     p.kept += static_cast<uint64_t>(std::max<int64_t>(kept, 0));
     p.full += static_cast<uint64_t>(std::max<int64_t>(full, 0));
+    if (!rule.empty()) {
+      auto& r = rules_[{rule, policy}];
+      ++r.requests;
+      r.kept += static_cast<uint64_t>(std::max<int64_t>(kept, 0));
+      r.full += static_cast<uint64_t>(std::max<int64_t>(full, 0));
+    }
   }
 }
 
@@ -166,6 +183,31 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   for (const auto& [policy, t] : policies_)
     out += "kvserve:kv_compression_ratio{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +
            fmt(t.full > 0 ? static_cast<double>(t.kept) / static_cast<double>(t.full) : 1.0) + "\n";
+
+  for (const auto& [name, help, hist] :
+       {std::tuple<const char*, const char*, const std::map<std::string, Histogram>*>{
+            "kvserve:kv_policy_time_to_first_token_seconds", "Time to first token per KV policy.", &policy_ttft_},
+        {"kvserve:kv_policy_e2e_request_latency_seconds", "End-to-end request latency per KV policy.", &policy_e2e_}}) {
+    header(out, name, "histogram", help);
+    for (const auto& [policy, h] : *hist) h.render(out, name, model + ",policy=\"" + prometheus_escape(policy) + "\"");
+  }
+  auto rule_series = [&](const char* name, const char* help, auto value) {
+    header(out, name, "counter", help);
+    for (const auto& [key, t] : rules_)
+      out += std::string(name) + "{" + model + ",rule=\"" + prometheus_escape(key.first) + "\",policy=\"" +
+             prometheus_escape(key.second) + "\"} " + std::to_string(value(t)) + "\n";
+  };
+  rule_series("kvserve:rollout_requests_total", "Finished requests per rollout rule and policy.",
+              [](const PolicyTotals& t) { return t.requests; });
+  rule_series("kvserve:rollout_kept_tokens_total", "KV tokens kept per rollout rule and policy.",
+              [](const PolicyTotals& t) { return t.kept; });
+  rule_series("kvserve:rollout_full_tokens_total", "KV tokens full attention would keep, per rollout rule and policy.",
+              [](const PolicyTotals& t) { return t.full; });
+  counter("kvserve:config_reloads_total", "Config reload attempts (SIGHUP or file change).", static_cast<double>(reloads_));
+  counter("kvserve:config_reload_failures_total", "Config reloads rejected (the previous config stays).",
+          static_cast<double>(reload_failures_));
+  gauge("kvserve:config_last_reload_success", "1 if the last reload (or the startup config) was applied.",
+        last_reload_ok_ ? 1.0 : 0.0);
 
   header(out, "kvserve:http_responses_total", "counter", "HTTP responses by status code.");
   for (const auto& [status, n] : http_status_)

@@ -31,13 +31,17 @@ class ServerMetrics {
  public:
   explicit ServerMetrics(std::string model_name);
 
-  void observe_ttft(double seconds);
+  // With a policy, also into the per-policy histogram (kvserve:kv_policy_*_seconds{policy=...}).
+  void observe_ttft(double seconds, const std::string& policy = "");
   void observe_inter_token(double seconds);
-  void observe_e2e(double seconds);
+  void observe_e2e(double seconds, const std::string& policy = "");
   void observe_queue(double seconds);
   // A finished engine request (one choice): its finish reason and policy's KV accounting.
+  // With a rollout rule, also counted per (rule, policy).
   void request_finished(const std::string& finish_reason, const std::string& policy, int64_t kept_kv_tokens,
-                        int64_t full_kv_tokens);
+                        int64_t full_kv_tokens, const std::string& rollout_rule = "");
+  // A config reload attempt (SIGHUP or file change): success or not.
+  void config_reload(bool ok);
   void http_response(int status);
   // Counts tokens the HTTP layer saw (used when the engine's stats are not available).
   void set_model_name(std::string name);
@@ -59,6 +63,10 @@ class ServerMetrics {
     uint64_t full = 0;
   };
   std::map<std::string, PolicyTotals> policies_;
+  std::map<std::pair<std::string, std::string>, PolicyTotals> rules_;  // (rule, policy)
+  std::map<std::string, Histogram> policy_ttft_, policy_e2e_;
+  uint64_t reloads_ = 0, reload_failures_ = 0;
+  bool last_reload_ok_ = true;
   std::map<int, uint64_t> http_status_;
 };
 

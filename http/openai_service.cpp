@@ -83,6 +83,7 @@ struct Exchange {
   std::string id;
   std::string model;
   std::string policy;
+  std::string rollout_rule;  // "" = no rollout rules configured
   int64_t created = 0;
   Clock::time_point arrival;
   std::vector<Choice> choices;
@@ -118,6 +119,7 @@ struct Exchange {
             {"completion_tokens", completion},
             {"total_tokens", prompt + completion},
             {"kv_policy", policy},
+            {"kv_rollout_rule", rollout_rule.empty() ? json(nullptr) : json(rollout_rule)},
             {"kv_kept_tokens", kept},
             {"kv_full_tokens", full}};
   }
@@ -170,7 +172,7 @@ struct Exchange {
       if (!c.first_token_seen) {
         c.first_token_seen = true;
         const double ttft = std::chrono::duration<double>(now - arrival).count();
-        metrics->observe_ttft(ttft);
+        metrics->observe_ttft(ttft, policy);
         metrics->observe_queue(ttft);
         for (int64_t k = 1; k < ntok; ++k) metrics->observe_inter_token(0.0);
       } else {
@@ -199,7 +201,7 @@ struct Exchange {
       c.error = ev.error;
       c.kept_kv = ev.kept_kv_tokens;
       c.full_kv = ev.full_kv_tokens;
-      metrics->request_finished(c.finish_reason, policy, c.kept_kv, c.full_kv);
+      metrics->request_finished(c.finish_reason, policy, c.kept_kv, c.full_kv, rollout_rule);
     }
     if (done) return;
     if (req.stream) stream_event(index, ev, lp);
@@ -242,7 +244,7 @@ struct Exchange {
     done = true;
     release();
     const double e2e = std::chrono::duration<double>(Clock::now() - arrival).count();
-    metrics->observe_e2e(e2e);
+    metrics->observe_e2e(e2e, policy);
     if (req.stream) {
       if (req.include_usage) {
         json chunk = chunk_base();
@@ -330,15 +332,23 @@ std::shared_ptr<ServingBackend> OpenAIService::backend() const {
   return backend_;
 }
 
-bool OpenAIService::authorized(const HttpRequest& req) const {
-  if (options_.api_key.empty()) return true;
+std::string bearer_token(const HttpRequest& req) {
   std::string auth = req.header("authorization");
   const std::string prefix = "Bearer ";
   if (auth.size() < prefix.size() || !std::equal(prefix.begin(), prefix.end(), auth.begin(), [](char a, char b) {
         return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
       }))
-    return false;
-  return constant_time_equal(auth.substr(prefix.size()), options_.api_key);
+    return {};
+  return auth.substr(prefix.size());
+}
+
+bool OpenAIService::authorized(const HttpRequest& req) const {
+  if (options_.api_key.empty() && options_.api_keys.empty()) return true;
+  const std::string token = bearer_token(req);
+  if (token.empty()) return false;
+  bool ok = !options_.api_key.empty() && constant_time_equal(token, options_.api_key);
+  for (const auto& [name, key] : options_.api_keys) ok = constant_time_equal(token, key) || ok;
+  return ok;
 }
 
 HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) {
@@ -444,15 +454,6 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   if (!req.model.empty() && req.model != options_.model_name)
     throw ApiError(404, "the model '" + req.model + "' does not exist (this server serves '" + options_.model_name + "')",
                    "model", "", "model_not_found");
-  // Policy: the request's kv_policy, else the resolver's choice (rollout rules), else the default.
-  std::string policy = req.kv_policy;
-  if (policy.empty() && options_.policy_resolver) policy = options_.policy_resolver(http_req, req);
-  if (policy.empty()) policy = backend->default_policy();
-  if (!backend->has_policy(policy)) {
-    std::string names;
-    for (const auto& n : backend->policy_names()) names += (names.empty() ? "" : ", ") + n;
-    throw ApiError(400, "unknown kv_policy '" + policy + "' (configured: " + names + ")", "kv_policy");
-  }
 
   // Tokenize every prompt.
   std::vector<std::vector<int64_t>> prompts;
@@ -491,6 +492,28 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
                      chat && req.max_tokens ? "max_tokens" : "max_tokens");
   }
 
+  // Policy: with rollout rules, their decision (which also rules on the request's kv_policy); else
+  // the request's kv_policy, else the resolver's choice, else the default. Resolved once, here at
+  // admission: a config reload does not change the policy of a request already admitted.
+  const std::string response_id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
+  std::string policy, rollout_rule;
+  if (options_.rollout_resolver) {
+    int64_t longest = 0;
+    for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+    auto choice = options_.rollout_resolver(http_req, req, longest, response_id);
+    policy = choice.policy;
+    rollout_rule = choice.rule;
+  } else {
+    policy = req.kv_policy;
+    if (policy.empty() && options_.policy_resolver) policy = options_.policy_resolver(http_req, req);
+  }
+  if (policy.empty()) policy = backend->default_policy();
+  if (!backend->has_policy(policy)) {
+    std::string names;
+    for (const auto& n : backend->policy_names()) names += (names.empty() ? "" : ", ") + n;
+    throw ApiError(400, "unknown kv_policy '" + policy + "' (configured: " + names + ")", "kv_policy");
+  }
+
   auto ex = std::make_shared<Exchange>();
   in_flight_->fetch_add(1);
   ex->in_flight = in_flight_;
@@ -498,13 +521,15 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   ex->backend = backend;
   ex->metrics = metrics_;
   ex->chat = chat;
-  ex->id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
+  ex->id = response_id;
   ex->model = options_.model_name;
   ex->policy = policy;
+  ex->rollout_rule = rollout_rule;
   ex->created = unix_now();
   ex->arrival = Clock::now();
   ex->echo_text = echo;
   ex->headers = {{"X-KV-Policy", policy}, {"X-Request-Id", http_req.header("x-request-id").empty() ? ex->id : http_req.header("x-request-id")}};
+  if (!rollout_rule.empty()) ex->headers.push_back({"X-KV-Rollout-Rule", rollout_rule});
   for (const auto& p : prompts) ex->prompt_tokens.push_back(static_cast<int64_t>(p.size()));
   const size_t total = prompts.size() * static_cast<size_t>(req.n);
   ex->choices.resize(total);
@@ -514,6 +539,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   if (options_.log_requests) {
     std::cerr << "kvserve: " << ex->id << " " << http_req.path() << " prompts=" << prompts.size() << " n=" << r.n
               << " prompt_tokens=" << prompts[0].size() << " max_tokens=" << r.sampling.max_tokens << " policy=" << policy
+              << (rollout_rule.empty() ? "" : " rule=" + rollout_rule)
               << (r.stream ? " stream" : "") << "\n";
   }
 

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -23,7 +24,22 @@ struct ServiceOptions {
   bool log_requests = true;
   // Picks the KV policy of a request that names none (rollout rules go here); "" = the default.
   std::function<std::string(const HttpRequest&, const ParsedRequest&)> policy_resolver;
+  // Rollout rules (replaces policy_resolver when set): called after tokenization with the longest
+  // prompt's length and the response id; sees the request's own kv_policy and decides whether it
+  // may override (throw ApiError to refuse). Empty policy = the default. `rule` is reported in the
+  // X-KV-Rollout-Rule header, usage.kv_rollout_rule and /metrics.
+  struct PolicyChoice {
+    std::string policy;
+    std::string rule;
+  };
+  std::function<PolicyChoice(const HttpRequest&, const ParsedRequest&, int64_t prompt_tokens, const std::string& request_id)>
+      rollout_resolver;
+  // Named API keys (name -> key), accepted besides api_key; auth is required if either is set.
+  std::map<std::string, std::string> api_keys;
 };
+
+// The Bearer token of a request ("" = none).
+std::string bearer_token(const HttpRequest& req);
 
 class OpenAIService {
  public:
