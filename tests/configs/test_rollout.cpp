@@ -206,3 +206,14 @@ TEST(Rollout, MalformedYamlNamesLineAndKey) {
     }
   }
 }
+
+TEST(Rollout, ExampleStagedRolloutConfigsParse) {
+  const std::string dir = std::string(KVSERVE_SOURCE_DIR) + "/configs/rollout/";
+  const std::pair<const char*, double> stages[] = {{"stage0.yaml", 0}, {"stage10.yaml", 10}, {"stage50.yaml", 50}, {"stage100.yaml", 100}};
+  for (const auto& [file, pct] : stages) {
+    auto c = load_server_config(dir + file);
+    ASSERT_EQ(c.rollout.rules.size(), 2u) << file;
+    ASSERT_TRUE(c.rollout.rules[1].canary) << file;
+    EXPECT_EQ(c.rollout.rules[1].canary->percent, pct) << file;
+  }
+}
