@@ -143,3 +143,20 @@ def test_hot_reload_under_streaming_load(rserver):
     # Before the valid reload (including while the invalid file was in place) only the base arm ran.
     assert a.count("full") >= len(a) - 3  # requests admitted just before phase flipped may already be snapkv
     assert rserver.metrics()["kvserve:config_last_reload_success"] == 1
+
+
+def test_reload_on_file_change_without_signal(rserver):
+    before = len(re.findall(r"file change: config reloaded", rserver.log()))
+    text = rserver.config_path.read_text()
+    time.sleep(1.1)  # a distinct mtime even on coarse-grained file systems
+    rserver.config_path.write_text(text.replace("policy: pyramidkv\n", "policy: snapkv\n", 1))
+    wait_for_log(rserver, r"file change: config reloaded", before + 1)
+    raw = completion(rserver, extra_headers={"X-Tenant": "beta"})
+    assert (raw.headers["x-kv-policy"], raw.headers["x-kv-rollout-rule"]) == ("snapkv", "tenant-beta")
+
+
+def test_restart_only_changes_are_logged_not_applied(rserver):
+    before = rserver.log().count("need a restart")
+    rewrite(rserver, "kv_cache_bytes: 64MiB", "kv_cache_bytes: 32MiB")
+    wait_for_log(rserver, "need a restart", before + 1)
+    assert completion(rserver).parse().choices[0].finish_reason in ("stop", "length")
