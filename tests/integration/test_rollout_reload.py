@@ -160,3 +160,20 @@ def test_restart_only_changes_are_logged_not_applied(rserver):
     rewrite(rserver, "kv_cache_bytes: 64MiB", "kv_cache_bytes: 32MiB")
     wait_for_log(rserver, "need a restart", before + 1)
     assert completion(rserver).parse().choices[0].finish_reason in ("stop", "length")
+
+
+def test_named_api_keys_authenticate_and_match_rules():
+    s = Server(server_yaml="  api_keys: {team-a: key-a, team-b: key-b}\n",
+               extra_yaml="rollout:\n  rules:\n    - name: team-a\n      match: {api_key: team-a}\n      policy: pyramidkv\n")
+    try:
+        def call(key):
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            return c.completions.with_raw_response.create(model="tiny", prompt="Hi", max_tokens=1)
+        raw = call("key-a")
+        assert (raw.headers["x-kv-policy"], raw.headers["x-kv-rollout-rule"]) == ("pyramidkv", "team-a")
+        raw = call("key-b")
+        assert (raw.headers["x-kv-policy"], raw.headers["x-kv-rollout-rule"]) == ("full", "default")
+        with pytest.raises(openai.AuthenticationError):
+            call("wrong")
+    finally:
+        s.close()
