@@ -9,6 +9,7 @@
 
 #include "commands.h"
 #include "policy_cli.h"
+#include "server_config.h"
 #include "engine.h"
 #include "kv_check.h"
 #include "llama_model.h"
@@ -30,24 +31,6 @@ struct GenerateArgs {
   std::string kv_cache = "1GiB";
 };
 
-int64_t parse_bytes(const std::string& s) {
-  size_t pos = 0;
-  double v = 0;
-  try {
-    v = std::stod(s, &pos);
-  } catch (const std::exception&) {
-    KV_FAIL("--kv-cache: '" << s << "' is not a size such as 512MiB or 2GiB");
-  }
-  const std::string unit = s.substr(pos);
-  double mul = 1;
-  if (unit == "" || unit == "B") mul = 1;
-  else if (unit == "KiB" || unit == "K") mul = 1024.0;
-  else if (unit == "MiB" || unit == "M") mul = 1024.0 * 1024;
-  else if (unit == "GiB" || unit == "G") mul = 1024.0 * 1024 * 1024;
-  else KV_FAIL("--kv-cache: unknown unit '" << unit << "' (use B, KiB, MiB, GiB)");
-  KV_CHECK(v > 0, "--kv-cache must be positive");
-  return static_cast<int64_t>(v * mul);
-}
 }  // namespace
 
 void add_generate_command(CLI::App& app) {
@@ -80,7 +63,11 @@ void add_generate_command(CLI::App& app) {
     auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, !a->json});
     auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
     EngineOptions eo;
-    eo.kv_cache_bytes = parse_bytes(a->kv_cache);
+    try {
+      eo.kv_cache_bytes = config::parse_byte_size(a->kv_cache);
+    } catch (const std::invalid_argument& e) {
+      KV_FAIL("--kv-cache: " << e.what());
+    }
     eo.policies = a->policy.specs();
     eo.default_policy = eo.policies.empty() ? "full" : eo.policies.begin()->first;
     Engine engine(model, tok, eo);
