@@ -169,7 +169,7 @@ void add_bench_commands(CLI::App& app) {
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
     auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, false});
     const auto specs = a->policy.specs();
-    const std::string name = specs.empty() ? "full" : specs.begin()->first;
+    const std::string name = PolicyFlags::selected(specs);
     const auto policies = resolve_policies(specs);
     for (int64_t ctx : a->contexts)
       for (int64_t b : a->batches) {

@@ -59,12 +59,13 @@ void add_forward_command(CLI::App& app) {
     pool.device = model->device();
     // Room for the whole prompt in every layer: the policy decides, not the pool size.
     pool.num_blocks = c.num_hidden_layers * (static_cast<int64_t>(ids.size()) / pool.block_size + 2);
-    auto specs = args->policy.specs();
-    PagedKvMemory kv(c.num_hidden_layers, pool, resolve_policies(specs), specs.empty() ? "full" : specs.begin()->first);
+    const auto specs = args->policy.specs();
+    const std::string policy = PolicyFlags::selected(specs);
+    PagedKvMemory kv(c.num_hidden_layers, pool, resolve_policies(specs), policy);
     const int64_t seq = 0;
-    auto logits = model->prefill(seq, ids, kv, /*all_logits=*/true, specs.empty() ? "full" : specs.begin()->first);
+    auto logits = model->prefill(seq, ids, kv, /*all_logits=*/true, policy);
     if (!args->dump_kept.empty()) {
-      nlohmann::json dump = {{"policy", to_json(kv.policy(specs.empty() ? "full" : specs.begin()->first))},
+      nlohmann::json dump = {{"policy", to_json(kv.policy(policy))},
                              {"prompt_len", ids.size()},
                              {"budgets", kv.prefill_budgets(seq)},
                              {"layers", nlohmann::json::array()}};

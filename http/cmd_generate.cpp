@@ -69,7 +69,7 @@ void add_generate_command(CLI::App& app) {
       KV_FAIL("--kv-cache: " << e.what());
     }
     eo.policies = a->policy.specs();
-    eo.default_policy = eo.policies.empty() ? "full" : eo.policies.begin()->first;
+    eo.default_policy = PolicyFlags::selected(eo.policies);
     Engine engine(model, tok, eo);
     auto t_loaded = std::chrono::steady_clock::now();
 

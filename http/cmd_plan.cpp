@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "policy_cli.h"
 #include "kv_check.h"
 #include "model_config.h"
 #include "policy_config.h"
@@ -133,12 +134,7 @@ void run_plan(const PlanArgs& a) {
   o.weight_dtype_bytes = dtype_bytes(a.dtype);
   o.kv_dtype_bytes = dtype_bytes(a.kv_dtype.empty() ? a.dtype : a.kv_dtype);
 
-  std::map<std::string, std::string> params;
-  for (const auto& p : a.params) {
-    auto eq = p.find('=');
-    KV_CHECK(eq != std::string::npos && eq > 0, "--param '" << p << "' is not key=value");
-    params[p.substr(0, eq)] = p.substr(eq + 1);
-  }
+  std::map<std::string, std::string> params = parse_key_values(a.params, "--param");
   if (!a.budget.empty()) params["budget"] = a.budget;
   std::vector<PolicyConfig> policies{make_policy_config("full")};
   if (a.policy != "full") policies.push_back(make_policy_config(a.policy, params));

@@ -12,6 +12,7 @@
 
 #include "budget_allocator.h"
 #include "commands.h"
+#include "policy_cli.h"
 #include "kv_check.h"
 #include "policy_config.h"
 #include "prefill_selector.h"
@@ -36,12 +37,7 @@ void add_policy_args(CLI::App* cmd, PolicyArgs& a) {
 }
 
 PolicyConfig build_config(const PolicyArgs& a) {
-  std::map<std::string, std::string> params;
-  for (const auto& p : a.params) {
-    auto eq = p.find('=');
-    KV_CHECK(eq != std::string::npos && eq > 0, "--param '" << p << "' is not key=value");
-    params[p.substr(0, eq)] = p.substr(eq + 1);
-  }
+  std::map<std::string, std::string> params = parse_key_values(a.params, "--param");
   if (!a.budget.empty()) params["budget"] = a.budget;
   return make_policy_config(a.policy, params);
 }

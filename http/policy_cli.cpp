@@ -5,6 +5,16 @@
 
 namespace kvserve::cli {
 
+std::map<std::string, std::string> parse_key_values(const std::vector<std::string>& items, const std::string& flag) {
+  std::map<std::string, std::string> out;
+  for (const auto& kv : items) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) KV_FAIL(flag << " '" << kv << "' is not key=value");
+    out[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return out;
+}
+
 void PolicyFlags::add_to(CLI::App* cmd) {
   cmd->add_option("--policy", policy, "KV policy: full, snapkv, pyramidkv, dynamickv, streamingllm, h2o, knorm, random");
   cmd->add_option("--budget", budget, "KV budget: average tokens per layer incl. the window, or a ratio 0<r<1");
@@ -19,11 +29,7 @@ std::map<std::string, std::map<std::string, std::string>> PolicyFlags::specs() c
   if (auto it = p.find("name"); it != p.end() && policy == "full") method = it->second;
   p["name"] = method;
   if (!budget.empty()) p["budget"] = budget;
-  for (const auto& kv : params) {
-    const auto eq = kv.find('=');
-    KV_CHECK(eq != std::string::npos && eq > 0, "--policy-param '" << kv << "' must be key=value");
-    p[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
+  for (const auto& [k, v] : parse_key_values(params, "--policy-param")) p[k] = v;
   if (method == "full" && p.size() == 1) return {};
   return {{method, p}};
 }

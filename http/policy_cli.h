@@ -8,6 +8,9 @@
 
 namespace kvserve::cli {
 
+// "k=v" flag values -> {k: v}; `flag` names the option in the error for a malformed entry.
+std::map<std::string, std::string> parse_key_values(const std::vector<std::string>& items, const std::string& flag);
+
 struct PolicyFlags {
   std::string policy = "full";
   std::string budget;                  // tokens per layer (int) or a ratio (0 < r < 1)
@@ -17,6 +20,10 @@ struct PolicyFlags {
   void add_to(CLI::App* cmd);
   // {policy name -> params (with "name" = method)} for EngineOptions::policies / resolve_policies.
   std::map<std::string, std::map<std::string, std::string>> specs() const;
+  // The policy those specs select ("full" when they are empty).
+  static std::string selected(const std::map<std::string, std::map<std::string, std::string>>& specs) {
+    return specs.empty() ? "full" : specs.begin()->first;
+  }
 };
 
 }  // namespace kvserve::cli
