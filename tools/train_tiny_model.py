@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""Train the embedded default model `models/tiny-retriever` on CPU: a small Llama (GQA, RoPE) that
+retrieves facts from contexts up to 2048 tokens (passkey, needle, multi-key), plus plain text.
+
+  python3 tools/train_tiny_model.py --out models/tiny-retriever --steps 3000
+  python3 tools/train_tiny_model.py --dry-run          # 60 s of training: measures tokens/s
+
+Deterministic by --seed: the tokenizer corpus, the data stream (its own random.Random) and the
+initialisation (torch.manual_seed) all derive from it; wall time depends on the machine. Data and
+task formats are in tools/retrieval_tasks.py (shared with tools/eval_retrieval.py, whose held-out
+sets use other seeds). Checkpoints go to <out>.ckpt/ every --ckpt-every steps; --resume continues
+from one.
+
+Loss: mean cross-entropy over the answer tokens + --lm-weight x mean cross-entropy over every other
+token (retrieval is learned much faster when the answer dominates; the text loss keeps it a
+language model for the perplexity check).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import retrieval_tasks as rt  # noqa: E402
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+# Llama-3's split regex with single digits (\p{N} instead of \p{N}{1,3}): numbers are spelled digit
+# by digit, so copying a number is copying digits.
+PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+           r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+            "<|reserved_special_token_0|>"]
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def tokenizer_corpus(seed: int, n: int = 30000) -> list:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        cast = rt.make_cast(rng)
+        line = " ".join(rt.haystack_sentence(rng, cast) for _ in range(4))
+        fact, q, ap, ans = rt.needle_fact(rng)
+        out.append(line + " " + fact + " " + q + " " + ap + ans + ".")
+    out.append(" ".join(rt.NAMES + rt.CITIES + rt.COLORS + rt.ANIMALS + rt.ADJS + rt.OBJECTS + rt.PLACES
+                        + rt.WORDS + rt.NOUNS + rt.THINGS))
+    out.append("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+               "The pass key is 12345. Remember it. What is the pass key? Below are several keys and their "
+               "values, hidden in some text. Remember them. The value of key quiet-owl is 123456. Read the "
+               "following text and answer the question at the end. user assistant system")
+    return out
+
+
+def train_tokenizer(seed: int, vocab: int, out: pathlib.Path) -> Tokenizer:
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
+    bos = SPECIALS[0]
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tok.token_to_id(bos))])])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": bos, "eos_token": "<|eot_id|>",
+              "model_max_length": 2048, "chat_template": CHAT_TEMPLATE,
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tok
+
+
+def make_model(vocab: int, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+                      max_position_embeddings=args.max_len, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
+                      bos_token_id=0, eos_token_id=4, tie_word_embeddings=False, initializer_range=0.02,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+TASKS = (("passkey", 0.22), ("needle", 0.33), ("multikey", 0.27), ("continue", 0.18))
+
+
+def curriculum_len(progress: float, rng: random.Random, max_len: int) -> int:
+    """Short contexts early, the full length later (mostly long in the second half)."""
+    if progress < 0.08:
+        top = 256
+    else:
+        top = int(256 + (max_len - 256) * min(1.0, (progress - 0.08) / 0.4))
+    lo = 64 if progress < 0.48 else max_len // 4
+    if rng.random() < 0.4:
+        length = top
+    else:
+        length = rng.randint(lo, max(lo, top))
+    return max(64, (length // 32) * 32)
+
+
+def make_batch(builder, rng, length, n, cap, chat_frac=0.15):
+    rows, masks = [], []
+    for _ in range(n):
+        r = rng.random()
+        acc = 0.0
+        for task, p in TASKS:
+            acc += p
+            if r < acc:
+                break
+        chat = task != "continue" and rng.random() < chat_frac
+        n_needles = 1 if chat or rng.random() < 0.4 else rng.randint(2, 4)
+        text, ids, ans, ans_ids, meta = rt.build(builder, rng, task, length, chat=chat, n_needles=n_needles)
+        full = ids + ans_ids
+        # mask[i] = 1 where token i is an answer token (a target of position i-1)
+        mask = [0] * len(ids) + [1] * len(ans_ids)
+        # More questions after the first answer (more answer signal per sequence; not for chat).
+        extra = meta.get("extra_qa", []) if not chat else []
+        rng.shuffle(extra)
+        for q, pre, a in extra[: rng.randint(0, 3)]:
+            qi = builder.ids(q) + builder.ids(pre)
+            ai = builder.ids(a) + builder.ids(".")
+            full += qi + ai
+            mask += [0] * len(qi) + [1] * len(ai)
+        rows.append(full[:cap])
+        masks.append(mask[:cap])
+    width = max(len(r) for r in rows)
+    x = torch.zeros(n, width, dtype=torch.long)
+    am = torch.zeros(n, width, dtype=torch.float32)
+    valid = torch.zeros(n, width, dtype=torch.float32)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        x[i, : len(r)] = torch.tensor(r)
+        am[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        valid[i, : len(r)] = 1
+    return x, am, valid
+
+
+def loss_fn(model, x, am, valid, lm_weight):
+    logits = model(input_ids=x).logits[:, :-1].float()
+    tgt = x[:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                           reduction="none").view_as(tgt)
+    a = am[:, 1:]
+    v = valid[:, 1:] * (1 - a)
+    ans = (ce * a).sum() / a.sum().clamp(min=1)
+    lm = (ce * v).sum() / v.sum().clamp(min=1)
+    return ans + lm_weight * lm, ans.detach(), lm.detach()
+
+
+@torch.no_grad()
+def quick_eval(model, builder, seed, length, n=24):
+    """Teacher-forced exact match of the answer (= greedy decoding when every token is right)."""
+    model.eval()
+    rng = random.Random(seed)
+    res = {}
+    for task in ("passkey", "needle", "multikey"):
+        ok = 0
+        for _ in range(n // 8):
+            rows = [rt.build(builder, rng, task, length, passkey_digits=5 if task == "passkey" else None)
+                    for _ in range(8)]
+            width = max(len(r[1]) + len(r[3]) for r in rows)
+            x = torch.zeros(len(rows), width, dtype=torch.long)
+            for i, r in enumerate(rows):
+                seq = r[1] + r[3]
+                x[i, : len(seq)] = torch.tensor(seq)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                pred = model(input_ids=x).logits.argmax(-1)
+            for i, r in enumerate(rows):
+                p0 = len(r[1])
+                n_ans = len(builder.ids(r[2]))  # the answer value itself, not the '.'
+                if torch.equal(pred[i, p0 - 1: p0 - 1 + n_ans], x[i, p0: p0 + n_ans]):
+                    ok += 1
+        res[task] = ok / (n // 8 * 8)
+    model.train()
+    return res
+
+
+def save(model, tok_dir: pathlib.Path, out: pathlib.Path, dtype=torch.float32):
+    out.mkdir(parents=True, exist_ok=True)
+    m = model.to(dtype)
+    m.generation_config.bos_token_id = 0
+    m.generation_config.eos_token_id = 4
+    m.save_pretrained(str(out), safe_serialization=True)
+    model.to(torch.float32)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((tok_dir / f).read_bytes())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-retriever"))
+    ap.add_argument("--seed", type=int, default=20261122)
+    ap.add_argument("--steps", type=int, default=720)
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--lm-weight", type=float, default=0.3)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--intermediate", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="1 is fastest on a shared 2-core machine (2 threads spin against other jobs)")
+    ap.add_argument("--ckpt-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="train for 60 s and report tokens/s")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.time()
+    ckpt = pathlib.Path(str(args.out) + ".ckpt")
+    tok_dir = ckpt / "tokenizer"
+    tok = train_tokenizer(args.seed, args.vocab, tok_dir)
+    vocab = tok.get_vocab_size()
+    builder = rt.Builder(tok, tok.token_to_id("<|begin_of_text|>"))
+    bad = rt.check_segment_concat(builder, random.Random(args.seed + 7), 60)
+    print(f"tokenizer: vocab {vocab}; segment/whole tokenization mismatches: {bad}/120", flush=True)
+    if bad:
+        raise SystemExit("segment tokenization does not match whole-text tokenization")
+
+    model = make_model(vocab, args)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    step0 = 0
+    log = []
+    prior_wall = 0.0
+    if args.resume and (ckpt / "state.pt").exists():
+        st = torch.load(ckpt / "state.pt", weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step0, log, prior_wall = st["step"], st["log"], st.get("wall", 0.0)
+        torch.set_rng_state(st["torch_rng"])
+        print(f"resumed at step {step0}", flush=True)
+    data_rng = random.Random(args.seed * 1000 + step0)  # re-seeded per resume point: deterministic
+    model.train()
+    steps = args.steps
+    tokens = 0
+    t0 = time.time()
+    for step in range(step0, steps):
+        progress = step / steps
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        length = curriculum_len(progress if not args.dry_run else 0.6, data_rng, args.max_len)
+        n = max(1, args.batch_tokens // length)
+        x, am, valid = make_batch(builder, data_rng, length, n, args.max_len)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, ans, lm = loss_fn(model, x, am, valid, args.lm_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += int(valid.sum())
+        el = time.time() - t0
+        if step % 10 == 0:
+            print(f"step {step} len {length} bs {n} loss {loss.item():.3f} ans {ans.item():.3f} lm {lm.item():.3f} "
+                  f"lr {lr:.2e} tok/s {tokens / el:.0f} elapsed {el:.0f}s", flush=True)
+            log.append({"step": step, "len": length, "ans": round(ans.item(), 4), "lm": round(lm.item(), 4)})
+        if args.dry_run and el > 60:
+            print(f"dry run: {tokens} tokens in {el:.1f}s = {tokens / el:.0f} tokens/s at length {length}")
+            return
+        last = step + 1 == steps
+        if (step + 1) % args.eval_every == 0 or last:
+            ev_len = min(args.max_len, max(256, length))
+            res = quick_eval(model, builder, 999, ev_len)
+            print(f"eval step {step + 1} len {ev_len}: {res}", flush=True)
+            log.append({"step": step + 1, "eval_len": ev_len, **res})
+        if (step + 1) % args.ckpt_every == 0 or last:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "log": log,
+                        "torch_rng": torch.get_rng_state(), "wall": prior_wall + time.time() - t0},
+                       ckpt / "state.pt")
+            save(model, tok_dir, ckpt / "model")
+    wall = prior_wall + time.time() - t_start
+    save(model, tok_dir, args.out)
+    info = {"seed": args.seed, "steps": steps, "batch_tokens": args.batch_tokens, "max_len": args.max_len,
+            "lr": args.lr, "lm_weight": args.lm_weight, "params": n_params, "vocab": vocab,
+            "wall_s": round(wall, 1), "tokens_this_run": tokens, "threads": args.threads,
+            "tokens_per_s_this_run": round(tokens / max(1e-9, time.time() - t0)), "log": log}
+    (args.out / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"done: {steps} steps, wall {wall:.0f}s; wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
