@@ -5,14 +5,15 @@ JOBS ?= $(shell nproc)
 PYTHON ?= python3
 FIXTURES ?= .fixtures
 APT_PACKAGES := build-essential cmake ccache pkg-config libboost-all-dev libyaml-cpp-dev nlohmann-json3-dev \
-  libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev \
+  libgloo-dev
 DEPS_STAMP := .deps-stamp
 SERVE_ARGS ?=
 # ccache keys on relative paths so a fresh clone (CI) reuses this machine's cache.
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: deps build test test-cpp test-py serve fixtures bench clean
+.PHONY: deps build test test-cpp test-py serve fixtures bench eval train-model clean
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -44,6 +45,15 @@ serve: deps build
 
 bench: build
 	$(PYTHON) bench/bench_backend.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks.md
+
+# Retrieval accuracy per policy x budget and perplexity under decode-time eviction -> docs/eval/.
+eval: build
+	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
+	$(PYTHON) tools/eval_perplexity.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
+
+# Retrains models/tiny-retriever from scratch on CPU (about an hour; see its model card).
+train-model: deps
+	nice -n 15 $(PYTHON) tools/train_tiny_model.py --out models/tiny-retriever
 
 clean:
 	rm -rf $(BUILD_DIR) $(FIXTURES)

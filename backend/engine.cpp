@@ -6,8 +6,9 @@
 #include <random>
 #include <unordered_set>
 
-#include "paged_kv_memory.h"
+#include "communicator.h"
 #include "kv_check.h"
+#include "model_runner.h"
 #include "llama_model.h"
 #include "sampler.h"
 #include "tokenizer.h"
@@ -41,7 +42,8 @@ struct Sequence {
 }  // namespace
 
 struct Engine::Impl {
-  std::unique_ptr<KvMemory> kv;
+  std::unique_ptr<ModelRunner> runner;
+  std::string unhealthy_reason;  // guarded by mu
   std::vector<int64_t> eos_ids;
   int64_t max_model_len = 0;
 
@@ -59,21 +61,13 @@ struct Engine::Impl {
   std::mt19937_64 seed_rng{std::random_device{}()};
 };
 
-Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options)
+Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
+               std::unique_ptr<ModelRunner> runner)
     : model_(std::move(model)), tokenizer_(std::move(tokenizer)), options_(std::move(options)),
       impl_(std::make_unique<Impl>()) {
   const ModelConfig& c = model_->config();
   impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : c.max_position_embeddings;
-  KvPoolOptions pool;
-  pool.num_kv_heads = c.num_key_value_heads;
-  pool.head_dim = c.head_dim;
-  pool.block_size = options_.block_size;
-  pool.kv_cache_bytes = options_.kv_cache_bytes;
-  pool.dtype = model_->dtype();
-  pool.device = model_->device();
-  auto memory = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(options_.policies),
-                                                options_.default_policy);
-  impl_->kv = std::move(memory);
+  impl_->runner = runner ? std::move(runner) : std::make_unique<LocalRunner>(model_, make_kv_memory(*model_, options_));
   impl_->eos_ids = c.eos_token_ids;
   if (auto e = tokenizer_->eos_id(); e && std::find(impl_->eos_ids.begin(), impl_->eos_ids.end(), *e) == impl_->eos_ids.end())
     impl_->eos_ids.push_back(*e);
@@ -91,7 +85,22 @@ std::vector<std::string> Engine::policy_names() const {
 
 bool Engine::has_policy(const std::string& name) const { return name == "full" || options_.policies.count(name); }
 
+std::string Engine::unhealthy_reason() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  return impl_->unhealthy_reason;
+}
+
+void Engine::mark_unhealthy(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    if (impl_->unhealthy_reason.empty()) impl_->unhealthy_reason = reason;
+  }
+  healthy_ = false;
+  impl_->cv.notify_all();
+}
+
 void Engine::submit(GenerationRequest req, EventCallback on_event) {
+  if (!healthy_) throw EngineOverloaded("the engine is unhealthy: " + unhealthy_reason());
   const int64_t vocab = model_->config().vocab_size;
   KV_CHECK(!req.prompt_ids.empty(), "the prompt is empty");
   for (int64_t t : req.prompt_ids) KV_CHECK(t >= 0 && t < vocab, "prompt token id " << t << " is outside the vocabulary");
@@ -143,9 +152,9 @@ EngineStats Engine::stats() const {
 namespace {
 
 // Sends the final event and clears the sequence's state; safe to call once per sequence.
-void finish(Sequence& s, KvMemory& kv, const std::string& reason, const std::string& error = "") {
+void finish(Sequence& s, ModelRunner* kv, const std::string& reason, const std::string& error = "") {
   if (s.in_cache) {
-    kv.release(s.id);
+    if (kv) kv->release(s.id);  // null once the job is dead: nothing left to free
     s.in_cache = false;
   }
   GenerationEvent ev;
@@ -179,7 +188,8 @@ size_t held_suffix(const std::string& text, const std::vector<std::string>& stop
 
 void Engine::loop() {
   Impl& im = *impl_;
-  KvMemory& kv = *im.kv;
+  ModelRunner& kv = *im.runner;
+  ModelRunner* live = &kv;  // null once the runner failed for good
   const int64_t vocab = model_->config().vocab_size;
 
   // Handles one freshly sampled token: emits text, checks stop conditions. Returns true when done.
@@ -233,7 +243,7 @@ void Engine::loop() {
     s.on_event(ev);
     if (done) {
       s.detok.reset();  // nothing more to flush
-      finish(s, kv, reason);
+      finish(s, live, reason);
     }
     return done;
   };
@@ -252,35 +262,13 @@ void Engine::loop() {
     return on_token(s, tok, chosen, std::move(top));
   };
 
-  for (;;) {
-    std::vector<std::unique_ptr<Sequence>> fresh;
-    std::unordered_set<std::string> cancels;
-    bool stopping, drain;
-    {
-      std::unique_lock<std::mutex> lk(im.mu);
-      im.cv.wait(lk, [&] {
-        return im.stopping || !im.incoming.empty() || !im.cancels.empty() || !im.running.empty() || !im.waiting.empty();
-      });
-      while (!im.incoming.empty()) {
-        fresh.push_back(std::move(im.incoming.front()));
-        im.incoming.pop_front();
-      }
-      cancels.swap(im.cancels);
-      stopping = im.stopping;
-      drain = im.drain;
-    }
-    for (auto& s : fresh) {
-      s->id = im.next_id++;
-      s->sampler = std::make_unique<SequenceSampler>(s->req.sampling, s->req.prompt_ids, im.seed_rng());
-      s->detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, s->req.sampling.skip_special_tokens,
-                                                          s->req.prompt_ids);
-      im.waiting.push_back(std::move(s));
-    }
+  // One scheduling step: cancellations, a decode step, admissions. True = the loop is done.
+  auto step = [&](const std::unordered_set<std::string>& cancels, bool stopping, bool drain) -> bool {
     // Cancellations (and a non-draining shutdown) free their blocks before anything else runs.
     auto drop = [&](auto& list) {
       for (auto& s : list) {
         if (s && (cancels.count(s->req.request_id) || (stopping && !drain))) {
-          finish(*s, kv, "abort");
+          finish(*s, live, "abort");
           s.reset();
         }
       }
@@ -288,7 +276,7 @@ void Engine::loop() {
     };
     drop(im.running);
     drop(im.waiting);
-    if (stopping && im.running.empty() && im.waiting.empty()) break;
+    if (stopping && im.running.empty() && im.waiting.empty()) return true;
 
     // Decode first: every running sequence advances one token. Preempt (recompute later) the most
     // recently admitted sequences while the pool cannot hold one more token for each.
@@ -314,13 +302,15 @@ void Engine::loop() {
         tokens.push_back(s->output.back());
       }
       try {
-        torch::Tensor logits = model_->decode(batch, tokens, kv).to(torch::kCPU);
+        torch::Tensor logits = kv.decode(batch, tokens);
         for (size_t i = 0; i < im.running.size(); ++i) {
           ++generated;
           if (sample_row(*im.running[i], logits[i])) im.running[i].reset();
         }
+      } catch (const parallel::CommError&) {
+        throw;  // the job is dead: handled by the loop
       } catch (const std::exception& e) {
-        for (auto& s : im.running) finish(*s, kv, "error", e.what()), s.reset();
+        for (auto& s : im.running) finish(*s, live, "error", e.what()), s.reset();
       }
       im.running.erase(std::remove(im.running.begin(), im.running.end(), nullptr), im.running.end());
     }
@@ -332,7 +322,7 @@ void Engine::loop() {
       const auto toks = s.prefill_tokens();
       const int64_t n = static_cast<int64_t>(toks.size());
       if (!kv.fits_when_empty(n, s.req.kv_policy)) {
-        finish(s, kv, "error", "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
+        finish(s, live, "error", "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
                                    " tokens); raise cache.kv_cache_bytes or use a compressing kv_policy");
         im.waiting.pop_front();
         continue;
@@ -343,7 +333,7 @@ void Engine::loop() {
       im.waiting.pop_front();
       try {
         owned->in_cache = true;
-        torch::Tensor logits = model_->prefill(owned->id, toks, kv, false, owned->req.kv_policy).to(torch::kCPU);
+        torch::Tensor logits = kv.prefill(owned->id, toks, owned->req.kv_policy);
         prefilled += n;
         owned->kept_kv = kv.kept_tokens(owned->id);
         owned->full_kv = n * model_->config().num_hidden_layers;
@@ -352,21 +342,87 @@ void Engine::loop() {
           if (sample_row(*owned, logits[0])) continue;  // finished on its first token
         }
         im.running.push_back(std::move(owned));
+      } catch (const parallel::CommError&) {
+        throw;  // the job is dead: handled by the loop
       } catch (const std::exception& e) {
-        finish(*owned, kv, "error", e.what());
+        finish(*owned, live, "error", e.what());
       }
     }
+    const KvUsage usage = kv.usage();
     {
       std::lock_guard<std::mutex> lk(im.mu);
       im.stats.running = static_cast<int64_t>(im.running.size());
       im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
       im.stats.waiting = static_cast<int64_t>(im.waiting.size());
-      im.stats.kv_blocks_total = kv.blocks_total();
-      im.stats.kv_blocks_used = kv.blocks_used();
-      im.stats.kv_blocks_high_water = kv.blocks_high_water();
+      im.stats.kv_blocks_total = usage.blocks_total;
+      im.stats.kv_blocks_used = usage.blocks_used;
+      im.stats.kv_blocks_high_water = usage.blocks_high_water;
       im.stats.prompt_tokens_total += prefilled;
       im.stats.generation_tokens_total += generated;
       ++im.stats.steps_total;
+    }
+    return false;
+  };
+
+  for (;;) {
+    std::vector<std::unique_ptr<Sequence>> fresh;
+    std::unordered_set<std::string> cancels;
+    bool stopping, drain;
+    {
+      std::unique_lock<std::mutex> lk(im.mu);
+      auto has_work = [&] {
+        return im.stopping || !im.incoming.empty() || !im.cancels.empty() || !im.running.empty() ||
+               !im.waiting.empty() || (live && !healthy_);
+      };
+      if (!im.cv.wait_for(lk, std::chrono::seconds(1), has_work)) {
+        lk.unlock();
+        if (live) {
+          try {
+            kv.idle();
+          } catch (const parallel::CommError& e) {
+            mark_unhealthy(e.what());
+          }
+        }
+        continue;
+      }
+      while (!im.incoming.empty()) {
+        fresh.push_back(std::move(im.incoming.front()));
+        im.incoming.pop_front();
+      }
+      cancels.swap(im.cancels);
+      stopping = im.stopping;
+      drain = im.drain;
+    }
+    for (auto& s : fresh) {
+      s->id = im.next_id++;
+      s->sampler = std::make_unique<SequenceSampler>(s->req.sampling, s->req.prompt_ids, im.seed_rng());
+      s->detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, s->req.sampling.skip_special_tokens,
+                                                          s->req.prompt_ids);
+      im.waiting.push_back(std::move(s));
+    }
+    // A dead job (a rank died or hung): every request gets the error, nothing runs any more.
+    if (live && !healthy_) live = nullptr;
+    if (!live) {
+      const std::string why = "the engine is unhealthy: " + unhealthy_reason();
+      for (auto& s : im.running) finish(*s, nullptr, "error", why);
+      im.running.clear();
+      for (auto& s : im.waiting) finish(*s, nullptr, "error", why);
+      im.waiting.clear();
+      if (stopping) break;
+      continue;
+    }
+    try {
+      if (step(cancels, stopping, drain)) break;
+    } catch (const parallel::CommError& e) {
+      std::cerr << "kvserve: " << e.what() << "\n";
+      mark_unhealthy(e.what());
+    }
+  }
+  if (live) {
+    try {
+      kv.stop();
+    } catch (const std::exception& e) {
+      std::cerr << "kvserve: " << e.what() << "\n";
     }
   }
 }

@@ -17,6 +17,7 @@
 namespace kvserve {
 
 class LlamaModel;
+class ModelRunner;
 class Tokenizer;
 
 // Scheduler and memory limits of one engine.
@@ -54,7 +55,9 @@ class EngineOverloaded : public std::runtime_error {
 
 class Engine {
  public:
-  Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options);
+  // `runner` executes the model (a sharded job's rank 0); null = this process, a LocalRunner.
+  Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
+         std::unique_ptr<ModelRunner> runner = nullptr);
   ~Engine();  // shutdown(false)
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -68,8 +71,13 @@ class Engine {
   void cancel(const std::string& request_id);
   // Stops admitting; drain = finish in-flight work first, else abort it; joins the loop thread.
   void shutdown(bool drain);
-  // Fails every in-flight request with `error` and marks the engine unhealthy (dead rank etc.).
+  // False once the model runner failed for good (a rank of a sharded job died or hung): every
+  // in-flight request got an error, and new ones are refused.
   bool healthy() const { return healthy_.load(); }
+  std::string unhealthy_reason() const;
+  // Marks the engine unhealthy from outside (the launcher saw a rank exit); in-flight requests fail
+  // at their next step.
+  void mark_unhealthy(const std::string& reason);
 
   EngineStats stats() const;
   const Tokenizer& tokenizer() const { return *tokenizer_; }

@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "checkpoint.h"
+#include "communicator.h"
 #include "kv_check.h"
 
 namespace kvserve {
@@ -28,59 +29,83 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   }
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
+  m->layout_ = opt.layout.num_layers_total > 0 ? opt.layout : make_shard_layout(c, 1, 0, 1, 0);
+  const ShardLayout& s = m->layout_;
+  KV_CHECK(s.num_layers_total == c.num_hidden_layers, model_dir << ": shard layout is for " << s.num_layers_total
+                                                                << " layers, the model has " << c.num_hidden_layers);
+  if (s.tp_size > 1) {
+    KV_CHECK(opt.tp_group && opt.tp_group->size() == s.tp_size && opt.tp_group->rank() == s.tp_rank,
+             "internal: tensor parallel size " << s.tp_size << " needs its process group");
+    m->tp_ = opt.tp_group;
+  }
 
   Checkpoint ckpt(model_dir);
   const int64_t Hd = c.hidden_size, D = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads,
                 I = c.intermediate_size, V = c.vocab_size;
-  auto load = [&](const std::string& name, std::vector<int64_t> shape) {
-    return ckpt.load(name, shape, m->dtype_, m->device_);
+  // Each rank reads only its rows (column-parallel, vocab-parallel) or columns (row-parallel).
+  auto load = [&](const std::string& name, std::vector<int64_t> shape, std::optional<TensorSlice> slice = std::nullopt) {
+    return ckpt.load(name, shape, m->dtype_, m->device_, slice);
   };
+  auto rows = [](int64_t start, int64_t len) { return TensorSlice{0, start, len}; };
+  auto cols = [](int64_t start, int64_t len) { return TensorSlice{1, start, len}; };
+  auto vocab_rows = [&](const std::string& name) {
+    auto w = load(name, {V, Hd}, rows(s.vocab_begin, s.vocab_len));
+    if (s.vocab_len < s.vocab_per_rank)  // the last rank's padding rows produce logits that are dropped
+      w = torch::cat({w, torch::zeros({s.vocab_per_rank - s.vocab_len, Hd}, w.options())});
+    return w;
+  };
+  const bool whole_vocab = s.tp_size == 1;
   torch::NoGradGuard ng;
-  m->embed_ = load("model.embed_tokens.weight", {V, Hd});
-  m->final_norm_ = load("model.norm.weight", {Hd});
-  if (ckpt.contains("lm_head.weight")) {
-    m->lm_head_ = load("lm_head.weight", {V, Hd});
-  } else {
-    KV_CHECK(c.tie_word_embeddings, model_dir << ": tensor 'lm_head.weight' is missing and tie_word_embeddings is false");
-    m->lm_head_ = m->embed_;
+  if (s.first_stage()) m->embed_ = whole_vocab ? load("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight");
+  if (s.last_stage()) {
+    m->final_norm_ = load("model.norm.weight", {Hd});
+    if (ckpt.contains("lm_head.weight")) {
+      m->lm_head_ = whole_vocab ? load("lm_head.weight", {V, Hd}) : vocab_rows("lm_head.weight");
+    } else {
+      KV_CHECK(c.tie_word_embeddings, model_dir << ": tensor 'lm_head.weight' is missing and tie_word_embeddings is false");
+      m->lm_head_ = m->embed_.defined() ? m->embed_
+                                        : (whole_vocab ? load("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight"));
+    }
   }
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  const auto q_rows = rows(s.q_head_begin * D, s.q_heads * D), kv_rows = rows(s.kv_head_begin * D, s.kv_heads * D);
+  const auto mlp_rows = rows(s.inter_begin, s.inter_len);
+  for (int64_t i = s.layer_begin; i < s.layer_end; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer l;
     l.input_norm = load(p + "input_layernorm.weight", {Hd});
     l.post_norm = load(p + "post_attention_layernorm.weight", {Hd});
-    l.wqkv = torch::cat({load(p + "self_attn.q_proj.weight", {H * D, Hd}), load(p + "self_attn.k_proj.weight", {KV * D, Hd}),
-                         load(p + "self_attn.v_proj.weight", {KV * D, Hd})});
+    l.wqkv = torch::cat({load(p + "self_attn.q_proj.weight", {H * D, Hd}, q_rows),
+                         load(p + "self_attn.k_proj.weight", {KV * D, Hd}, kv_rows),
+                         load(p + "self_attn.v_proj.weight", {KV * D, Hd}, kv_rows)});
     if (c.attention_bias) {
-      l.bqkv = torch::cat({load(p + "self_attn.q_proj.bias", {H * D}), load(p + "self_attn.k_proj.bias", {KV * D}),
-                           load(p + "self_attn.v_proj.bias", {KV * D})});
+      l.bqkv = torch::cat({load(p + "self_attn.q_proj.bias", {H * D}, q_rows), load(p + "self_attn.k_proj.bias", {KV * D}, kv_rows),
+                           load(p + "self_attn.v_proj.bias", {KV * D}, kv_rows)});
     }
-    l.wo = load(p + "self_attn.o_proj.weight", {Hd, H * D});
+    l.wo = load(p + "self_attn.o_proj.weight", {Hd, H * D}, cols(s.q_head_begin * D, s.q_heads * D));
     if (c.o_proj_bias) l.bo = load(p + "self_attn.o_proj.bias", {Hd});
-    l.wgate_up = torch::cat({load(p + "mlp.gate_proj.weight", {I, Hd}), load(p + "mlp.up_proj.weight", {I, Hd})});
-    l.wdown = load(p + "mlp.down_proj.weight", {Hd, I});
+    l.wgate_up = torch::cat({load(p + "mlp.gate_proj.weight", {I, Hd}, mlp_rows), load(p + "mlp.up_proj.weight", {I, Hd}, mlp_rows)});
+    l.wdown = load(p + "mlp.down_proj.weight", {Hd, I}, cols(s.inter_begin, s.inter_len));
     if (c.mlp_bias) {
-      l.bgate_up = torch::cat({load(p + "mlp.gate_proj.bias", {I}), load(p + "mlp.up_proj.bias", {I})});
+      l.bgate_up = torch::cat({load(p + "mlp.gate_proj.bias", {I}, mlp_rows), load(p + "mlp.up_proj.bias", {I}, mlp_rows)});
       l.bdown = load(p + "mlp.down_proj.bias", {Hd});
     }
     m->layers_.push_back(std::move(l));
-    const int64_t L = c.num_hidden_layers;
-    if (opt.progress && L >= 4 && (i + 1) % ((L + 3) / 4) == 0 && i + 1 < L) {
-      std::cerr << "kvserve: loading " << model_dir << ": " << (i + 1) << "/" << L << " layers\n";
+    const int64_t L = s.num_layers(), done = i + 1 - s.layer_begin;
+    if (opt.progress && L >= 4 && done % ((L + 3) / 4) == 0 && done < L) {
+      std::cerr << "kvserve: loading " << model_dir << ": " << done << "/" << L << " layers\n";
     }
   }
   m->rope_ = std::make_unique<Rope>(c, m->device_);
   if (opt.progress) {
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << "kvserve: loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers
-              << " layers, " << ckpt.num_tensors() << " tensors) in " << s << " s\n";
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::cerr << "kvserve: loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers << " layers, "
+              << ckpt.num_tensors() << " tensors" << (s.whole() ? "" : "; " + s.describe()) << ") in " << secs << " s\n";
   }
   return m;
 }
 
 int64_t LlamaModel::kv_bytes_per_token() const {
-  return 2 * config_.num_hidden_layers * config_.num_key_value_heads * config_.head_dim *
-         static_cast<int64_t>(c10::elementSize(dtype_));
+  return 2 * layout_.num_layers() * layout_.kv_heads * config_.head_dim * static_cast<int64_t>(c10::elementSize(dtype_));
 }
 
 torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& w) const {
@@ -90,33 +115,57 @@ torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& 
   return w * (xf * torch::rsqrt(var + config_.rms_norm_eps)).to(x.scalar_type());
 }
 
+torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
+  if (!tp_) return maybe_linear(x, w, b);
+  auto partial = torch::linear(x, w).contiguous();
+  tp_->all_reduce_sum(partial);
+  return b.defined() ? partial + b : partial;
+}
+
 torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   auto gu = maybe_linear(x, l.wgate_up, l.bgate_up);
-  const int64_t I = config_.intermediate_size;
+  const int64_t I = layout_.inter_len;
   auto act = torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
-  return maybe_linear(act, l.wdown, l.bdown);
+  return row_parallel(act, l.wdown, l.bdown);
 }
 
-torch::Tensor LlamaModel::lm_head(const torch::Tensor& x) const {
-  return torch::linear(rms_norm(x, final_norm_), lm_head_).to(torch::kFloat32);
+const LlamaModel::Layer& LlamaModel::layer(int64_t global) const {
+  KV_CHECK(layout_.owns_layer(global), "internal: layer " << global << " is not on this shard (" << layout_.describe() << ")");
+  return layers_[static_cast<size_t>(global - layout_.layer_begin)];
 }
 
-torch::Tensor LlamaModel::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits,
-                                  const std::string& policy) {
-  torch::NoGradGuard ng;
-  const ModelConfig& c = config_;
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  KV_CHECK(T > 0, "empty prompt");
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
+torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
+  KV_CHECK(layout_.first_stage(), "internal: the embedding lives on the first pipeline stage");
   auto ids = torch::tensor(tokens, torch::kInt64);
-  KV_CHECK(ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < c.vocab_size,
-           "token id out of range [0, " << c.vocab_size << ")");
+  KV_CHECK(ids.numel() > 0, "empty token list");
+  KV_CHECK(ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < config_.vocab_size,
+           "token id out of range [0, " << config_.vocab_size << ")");
   ids = ids.to(device_);
+  if (!tp_) return embed_.index_select(0, ids);
+  // Vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup.
+  auto local = ids - layout_.vocab_begin;
+  auto mine = (local >= 0) & (local < layout_.vocab_len);
+  auto x = embed_.index_select(0, local.clamp(0, layout_.vocab_per_rank - 1)) * mine.unsqueeze(1).to(embed_.scalar_type());
+  x = x.contiguous();
+  tp_->all_reduce_sum(x);
+  return x;
+}
+
+torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
+  KV_CHECK(layout_.last_stage(), "internal: the LM head lives on the last pipeline stage");
+  auto local = torch::linear(rms_norm(x, final_norm_), lm_head_).to(torch::kFloat32);
+  if (!tp_) return local;
+  auto all = tp_->all_gather(local.transpose(0, 1).contiguous());  // [tp * vocab_per_rank, rows]
+  return all.narrow(0, 0, config_.vocab_size).transpose(0, 1).contiguous();
+}
+
+torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv) {
+  torch::NoGradGuard ng;
+  const int64_t T = x.size(0);
+  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device_));
-  auto x = embed_.index_select(0, ids);  // [T, hidden]
-  kv.begin_prefill(seq_id, T, policy);
-  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
-    const Layer& l = layers_[li];
+  for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
+    const Layer& l = layer(li);
     auto qkv = maybe_linear(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
     auto q = rope_->apply(qkv.narrow(1, 0, H * D).view({T, H, D}), positions).transpose(0, 1).contiguous();
     auto k = rope_->apply(qkv.narrow(1, H * D, KV * D).view({T, KV, D}), positions).transpose(0, 1).contiguous();
@@ -124,34 +173,51 @@ torch::Tensor LlamaModel::prefill(int64_t seq_id, const std::vector<int64_t>& to
     auto attn = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
                                                  /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
     kv.store_prefill(seq_id, li, q, k, v);
-    x = x + maybe_linear(attn.squeeze(0).transpose(0, 1).reshape({T, H * D}), l.wo, l.bo);
+    x = x + row_parallel(attn.squeeze(0).transpose(0, 1).reshape({T, H * D}), l.wo, l.bo);
     x = x + mlp(l, rms_norm(x, l.post_norm));
   }
-  kv.end_prefill(seq_id);
-  return lm_head(all_logits ? x : x.narrow(0, T - 1, 1));
+  return x;
 }
 
-torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv) {
+torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv) {
   torch::NoGradGuard ng;
-  const ModelConfig& c = config_;
-  const int64_t B = static_cast<int64_t>(tokens.size());
-  KV_CHECK(B > 0 && batch.seq_ids.size() == tokens.size() && batch.positions.size() == tokens.size(),
+  const int64_t B = x.size(0);
+  KV_CHECK(B > 0 && static_cast<int64_t>(batch.seq_ids.size()) == B && static_cast<int64_t>(batch.positions.size()) == B,
            "decode batch of " << B << " tokens does not match its sequence list");
-  const int64_t H = c.num_attention_heads, KV = c.num_key_value_heads, D = c.head_dim;
-  auto ids = torch::tensor(tokens, torch::kInt64).to(device_);
+  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   auto positions = torch::tensor(batch.positions, torch::kInt64).to(device_);
-  auto x = embed_.index_select(0, ids);  // [B, hidden]
-  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
-    const Layer& l = layers_[li];
+  for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
+    const Layer& l = layer(li);
     auto qkv = maybe_linear(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
     auto q = rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous();
     auto k = rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous();
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();
     auto attn = kv.decode_attention(li, batch, q, k, v);  // [B, H, D]
-    x = x + maybe_linear(attn.reshape({B, H * D}), l.wo, l.bo);
+    x = x + row_parallel(attn.reshape({B, H * D}), l.wo, l.bo);
     x = x + mlp(l, rms_norm(x, l.post_norm));
   }
-  return lm_head(x);
+  return x;
+}
+
+torch::Tensor LlamaModel::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits,
+                                  const std::string& policy) {
+  torch::NoGradGuard ng;
+  KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::prefill runs a whole pipeline; use the sharded executor");
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  KV_CHECK(T > 0, "empty prompt");
+  auto x = embed(tokens);  // [T, hidden]
+  kv.begin_prefill(seq_id, T, policy);
+  x = prefill_layers(seq_id, x, kv);
+  kv.end_prefill(seq_id);
+  return logits(all_logits ? x : x.narrow(0, T - 1, 1));
+}
+
+torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv) {
+  torch::NoGradGuard ng;
+  KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::decode runs a whole pipeline; use the sharded executor");
+  KV_CHECK(!tokens.empty() && batch.seq_ids.size() == tokens.size(), "decode batch of " << tokens.size()
+                                                                                        << " tokens does not match its sequence list");
+  return logits(decode_layers(batch, embed(tokens), kv));
 }
 
 }  // namespace kvserve

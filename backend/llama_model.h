@@ -10,6 +10,11 @@
 #include "kv_memory.h"
 #include "model_config.h"
 #include "rope.h"
+#include "shard_layout.h"
+
+namespace kvserve::parallel {
+class ProcessGroup;
+}
 
 namespace kvserve {
 
@@ -18,6 +23,10 @@ struct LoadOptions {
   std::string device = "cpu";
   std::string dtype;  // empty = device default
   bool progress = true;
+  // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
+  // tensor-parallel group whose ranks hold the other slices.
+  ShardLayout layout;
+  std::shared_ptr<parallel::ProcessGroup> tp_group;
 };
 
 class LlamaModel {
@@ -31,12 +40,25 @@ class LlamaModel {
   torch::Dtype dtype() const { return dtype_; }
   int64_t kv_bytes_per_token() const;  // all layers, K and V
 
+  const ShardLayout& layout() const { return layout_; }
+
   // Runs the whole prompt through every layer, handing each layer's K/V to `kv`. Returns fp32
   // logits for every position ([T, V]) when all_logits, else for the last position ([1, V]).
+  // Needs the first and last stage (a whole model, or tensor-parallel only).
   torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits = false,
                         const std::string& policy = "");
   // One new token per sequence at batch.positions; returns fp32 logits [B, V].
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv);
+
+  // The pieces a pipeline stage runs (every tensor-parallel rank of the stage calls them together).
+  // Hidden states [T, hidden] of the token ids (first stage).
+  torch::Tensor embed(const std::vector<int64_t>& tokens) const;
+  // This shard's layers over a prompt's hidden states [T, hidden] (positions 0..T-1).
+  torch::Tensor prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv);
+  // This shard's layers over one new token per sequence, x [B, hidden].
+  torch::Tensor decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv);
+  // fp32 logits [rows, V] of hidden states (last stage).
+  torch::Tensor logits(const torch::Tensor& x) const;
 
  private:
   struct Layer {
@@ -49,7 +71,9 @@ class LlamaModel {
   LlamaModel() = default;
   torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w) const;
   torch::Tensor mlp(const Layer& l, const torch::Tensor& x) const;
-  torch::Tensor lm_head(const torch::Tensor& x) const;
+  // Sums a row-parallel layer's partial outputs over the TP group, then adds the bias once.
+  torch::Tensor row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
+  const Layer& layer(int64_t global) const;
 
   ModelConfig config_;
   std::string model_dir_;
@@ -58,6 +82,8 @@ class LlamaModel {
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;
+  ShardLayout layout_;
+  std::shared_ptr<parallel::ProcessGroup> tp_;
 };
 
 }  // namespace kvserve

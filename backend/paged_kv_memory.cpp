@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kv_check.h"
+#include "token_scorer.h"
 
 namespace kvserve {
 
@@ -29,9 +30,13 @@ std::map<std::string, PolicyConfig> resolve_policies(
 }
 
 PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std::map<std::string, PolicyConfig> policies,
-                             std::string default_policy)
-    : num_layers_(num_layers), cache_(num_layers, pool), policies_(std::move(policies)),
+                             std::string default_policy, KvShard shard)
+    : num_layers_(num_layers), shard_(std::move(shard)), cache_(num_layers, pool), policies_(std::move(policies)),
       default_policy_(std::move(default_policy)) {
+  if (shard_.total_layers == 0) shard_.total_layers = num_layers;
+  KV_CHECK(shard_.first_layer >= 0 && shard_.first_layer + num_layers <= shard_.total_layers,
+           "KV shard layers [" << shard_.first_layer << ", " << shard_.first_layer + num_layers << ") outside the model's "
+                               << shard_.total_layers);
   policies_.emplace("full", make_policy_config("full"));
   KV_CHECK(policies_.count(default_policy_), "default policy '" << default_policy_ << "' is not defined");
   for (const auto& [name, cfg] : policies_) {
@@ -58,8 +63,9 @@ int64_t PagedKvMemory::blocks_for_prompt(int64_t prompt_len, const std::string& 
   int64_t transient = 0;
   if (!cfg.is_full()) {
     // Before any layer is seen, DynamicKV's budgets are its candidate counts (bs + window): the peak.
-    PrefillSelector sel(cfg, num_layers_, cache_.num_kv_heads(), prompt_len);
-    per_layer = sel.budgets();
+    PrefillSelector sel(cfg, shard_.total_layers, cache_.num_kv_heads(), prompt_len);
+    const auto all = sel.budgets();
+    per_layer.assign(all.begin() + shard_.first_layer, all.begin() + shard_.first_layer + num_layers_);
     if (sel.is_dynamic()) transient = cache_.blocks_needed({*std::max_element(per_layer.begin(), per_layer.end())});
   }
   if (cfg.decode_budget > 0) {
@@ -119,9 +125,12 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
   SeqState& s = seqs_[seq_id];
   s.policy = &cfg;
   s.prompt_len = prompt_len;
-  if (!cfg.is_full()) s.selector = std::make_unique<PrefillSelector>(cfg, num_layers_, cache_.num_kv_heads(), prompt_len);
+  if (!cfg.is_full()) {
+    s.selector = std::make_unique<PrefillSelector>(cfg, shard_.total_layers, cache_.num_kv_heads(), prompt_len);
+    if (shard_.score_gatherer) s.selector->set_score_gatherer(shard_.score_gatherer);
+  }
   if (cfg.decode_budget > 0) {
-    for (int64_t l = 0; l < num_layers_; ++l) s.evictors.emplace_back(cfg, l);
+    for (int64_t l = 0; l < num_layers_; ++l) s.evictors.emplace_back(cfg, shard_.first_layer + l);
   }
 }
 
@@ -129,9 +138,9 @@ void PagedKvMemory::apply_updates(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   for (auto& [layer, kept] : s.selector->take_updates()) {
     // Earlier layers hold their positions in ascending order per head: find the surviving slots.
-    auto held = cache_.positions(seq_id, layer).to(kept.device());
+    auto held = cache_.positions(seq_id, local(layer)).to(kept.device());
     auto slots = torch::searchsorted(held, kept.to(torch::kInt64).contiguous());
-    cache_.compact(seq_id, layer, slots.to(torch::kCPU));
+    cache_.compact(seq_id, local(layer), slots.to(torch::kCPU));
   }
 }
 
@@ -139,26 +148,84 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
                                   const torch::Tensor& v) {
   SeqState& s = seqs_.at(seq_id);
   const int64_t KV = k.size(0), T = k.size(1), D = k.size(2);
+  const int64_t ll = local(layer);
   if (!s.selector || !s.selector->compresses()) {
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
-    cache_.write(seq_id, layer, k, v, pos);
+    cache_.write(seq_id, ll, k, v, pos);
     return;
   }
-  torch::Tensor kept = s.selector->on_layer(layer, q, k);  // [KV, n] ascending positions
+  torch::Tensor scorer_q = q;
+  if (shard_.query_gatherer && scorer_needs_queries(s.policy->scorer)) {
+    // Window scorers read only the window's queries: gather just those rows.
+    const bool all_rows = s.policy->scorer == ScorerKind::kAccumulatedAttention;
+    const int64_t rows = all_rows ? T : std::min<int64_t>(s.policy->window, T);
+    scorer_q = shard_.query_gatherer(q.narrow(1, T - rows, rows).contiguous());
+  }
+  torch::Tensor kept = s.selector->on_layer(layer, scorer_q, k);  // [KV, n] ascending positions
   auto idx = kept.to(k.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
-  cache_.write(seq_id, layer, k.gather(1, idx), v.gather(1, idx), kept);
+  cache_.write(seq_id, ll, k.gather(1, idx), v.gather(1, idx), kept);
   apply_updates(seq_id);
 }
 
 void PagedKvMemory::end_prefill(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
-  if (s.selector) {
+  if (s.selector && s.selector->is_dynamic()) {
+    // Later stages' layers still decide this shard's DynamicKV budgets: wait for them.
+    if (!last_shard()) return;
     s.selector->finish();
+    s.final_dynamic = s.selector->dynamic_budgets();
+  }
+  settle(seq_id);
+}
+
+void PagedKvMemory::settle(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  if (s.selector) {
     apply_updates(seq_id);
     s.selector.reset();
   }
   s.budgets.clear();
   for (int64_t l = 0; l < num_layers_; ++l) s.budgets.push_back(cache_.length(seq_id, l));
+}
+
+int64_t PagedKvMemory::local(int64_t layer) const {
+  const int64_t l = layer - shard_.first_layer;
+  KV_CHECK(l >= 0 && l < num_layers_, "layer " << layer << " is not held by this KV shard [" << shard_.first_layer << ", "
+                                               << shard_.first_layer + num_layers_ << ")");
+  return l;
+}
+
+bool PagedKvMemory::is_dynamic_prefill(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it != seqs_.end() && it->second.selector && it->second.selector->is_dynamic();
+}
+
+void PagedKvMemory::import_layer_scores(int64_t seq_id, int64_t layer, const torch::Tensor& scores) {
+  SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not in a DynamicKV prefill");
+  s.selector->replay_layer(layer, scores);
+  apply_updates(seq_id);
+}
+
+std::pair<std::vector<int64_t>, torch::Tensor> PagedKvMemory::export_layer_scores(int64_t seq_id, int64_t up_to) const {
+  const SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not in a DynamicKV prefill");
+  std::vector<int64_t> layers;
+  std::vector<torch::Tensor> scores;
+  for (int64_t l = 0; l < up_to; ++l) {
+    if (s.selector->layer_budgets()[static_cast<size_t>(l)].full) continue;
+    layers.push_back(l);
+    scores.push_back(s.selector->layer_scores(l));
+  }
+  return {layers, scores.empty() ? torch::Tensor() : torch::stack(scores)};
+}
+
+void PagedKvMemory::apply_final_budgets(int64_t seq_id, const std::vector<int64_t>& scored) {
+  SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not waiting for DynamicKV budgets");
+  s.selector->apply_final_budgets(scored);
+  s.final_dynamic = scored;
+  settle(seq_id);
 }
 
 torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
@@ -167,12 +234,13 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
   for (int64_t id : batch.seq_ids) {
     SeqState& s = seqs_.at(id);
     if (s.evictors.empty()) continue;
-    const DecodeEvictor& ev = s.evictors[layer];
-    if (!ev.needs_eviction(cache_.length(id, layer) + 1)) continue;
-    auto [keys, values] = cache_.gather(id, layer);
-    cache_.compact(id, layer, ev.select(cache_.positions(id, layer), keys).to(torch::kCPU));
+    const int64_t ll = local(layer);
+    const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
+    if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
+    auto [keys, values] = cache_.gather(id, ll);
+    cache_.compact(id, ll, ev.select(cache_.positions(id, ll), keys).to(torch::kCPU));
   }
-  return cache_.append_and_attend(layer, batch.seq_ids, batch.positions, q, k, v);
+  return cache_.append_and_attend(local(layer), batch.seq_ids, batch.positions, q, k, v);
 }
 
 void PagedKvMemory::release(int64_t seq_id) {

@@ -379,6 +379,17 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
   if (c.server.port < 0 || c.server.port > 65535) add("server.port", "must be between 0 and 65535");
   if (c.cache.block_size <= 0) add("cache.block_size", "must be positive");
   if (c.scheduler.max_num_seqs <= 0) add("scheduler.max_num_seqs", "must be positive");
+  const auto& par = c.parallel;
+  if (par.node_rank >= par.nnodes)
+    add("parallel.node_rank", std::to_string(par.node_rank) + " is not below parallel.nnodes (" + std::to_string(par.nnodes) + ")");
+  if ((par.tensor_parallel_size * par.pipeline_parallel_size) % par.nnodes != 0)
+    add("parallel.nnodes", "tensor_parallel_size x pipeline_parallel_size (" +
+                               std::to_string(par.tensor_parallel_size * par.pipeline_parallel_size) +
+                               ") must divide evenly over " + std::to_string(par.nnodes) + " nodes");
+  if (par.nnodes > 1 && par.master_port == 0) add("parallel.master_port", "must be set when parallel.nnodes > 1");
+  if (!par.pipeline_layers.empty() && static_cast<int64_t>(par.pipeline_layers.size()) != par.pipeline_parallel_size)
+    add("parallel.pipeline_layers", "lists " + std::to_string(par.pipeline_layers.size()) + " stages, but pipeline_parallel_size is " +
+                                        std::to_string(par.pipeline_parallel_size));
   if (c.policies.empty()) add("policies", "no policy defined");
   if (!c.policies.count(c.default_policy)) {
     std::string names;
@@ -493,6 +504,34 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                  {{"max_num_seqs", p.int_of(s.max_num_seqs, 1, 1 << 20)},
                                   {"max_num_batched_tokens", p.int_of(s.max_num_batched_tokens, 1, int64_t{1} << 40)},
                                   {"max_waiting", p.int_of(s.max_waiting, 0, int64_t{1} << 30)}});
+                   })},
+                  {"parallel", H([&](const YAML::Node& n, const std::string& path) {
+                     auto& s = c.parallel;
+                     p.parse_map(n, path,
+                                 {{"tensor_parallel_size", p.int_of(s.tensor_parallel_size, 1, 4096)},
+                                  {"pipeline_parallel_size", p.int_of(s.pipeline_parallel_size, 1, 4096)},
+                                  {"pipeline_layers", [&](const YAML::Node& v, const std::string& vp) {
+                                     if (v.IsNull()) return;
+                                     if (!v.IsSequence()) {
+                                       p.error(v, vp, "expected a list of layer counts per stage, got " + describe(v));
+                                       return;
+                                     }
+                                     s.pipeline_layers.clear();
+                                     for (const auto& item : v) {
+                                       int64_t layers = 0;
+                                       p.int_of(layers, 1, int64_t{1} << 20)(item, vp);
+                                       s.pipeline_layers.push_back(layers);
+                                     }
+                                   }},
+                                  {"micro_batches", p.int_of(s.micro_batches, 0, 4000)},
+                                  {"nnodes", p.int_of(s.nnodes, 1, 4096)},
+                                  {"node_rank", p.int_of(s.node_rank, 0, 4095)},
+                                  {"master_addr", p.string_of(s.master_addr,
+                                                              [](const std::string& v) {
+                                                                return v.empty() ? std::string("must not be empty") : std::string();
+                                                              })},
+                                  {"master_port", p.int_of(s.master_port, 0, 65535)},
+                                  {"timeout_s", p.number_of(s.timeout_s, 0.1, 1e6)}});
                    })},
                   {"policies", H([&](const YAML::Node& n, const std::string& path) {
                      have_policies = true;

@@ -57,6 +57,19 @@ struct SchedulerSection {
   int64_t max_waiting = 256;
 };
 
+// Tensor x pipeline parallelism and the multi-process launch (world = tensor x pipeline ranks).
+struct ParallelSection {
+  int64_t tensor_parallel_size = 1;
+  int64_t pipeline_parallel_size = 1;
+  std::vector<int64_t> pipeline_layers;  // layers per stage; empty = even split (first stages +1)
+  int64_t micro_batches = 0;             // decode micro-batches in flight; 0 = one per stage
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;      // 0 = a free local port (single node only)
+  double timeout_s = 20.0;  // every collective; a dead or hung rank fails the job after at most this
+};
+
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies
 // library interprets and validates them.
 struct PolicySpec {
@@ -72,6 +85,7 @@ struct ServerConfig {
   ServerSection server;
   CacheSection cache;
   SchedulerSection scheduler;
+  ParallelSection parallel;
   std::map<std::string, PolicySpec> policies;  // always holds at least `full`
   std::string default_policy = "full";
   RolloutConfig rollout;

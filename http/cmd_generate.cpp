@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "parallel_cli.h"
 #include "policy_cli.h"
 #include "server_config.h"
 #include "engine.h"
@@ -21,6 +22,7 @@ namespace {
 struct GenerateArgs {
   std::string model, prompt, prompts_file, device = "cpu", dtype;
   PolicyFlags policy;
+  ParallelFlags parallel;
   std::vector<int64_t> prompt_ids;
   int64_t max_tokens = 64;
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
@@ -55,13 +57,18 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
   a->policy.add_to(cmd);
+  a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
   cmd->callback([a] {
     KV_CHECK(!a->prompt.empty() || !a->prompt_ids.empty() || !a->prompts_file.empty(),
              "generate: give --prompt, --prompt-ids or --prompts-file");
     auto t0 = std::chrono::steady_clock::now();
-    auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, !a->json});
-    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
+    LoadOptions load;
+    load.device = a->device;
+    load.dtype = a->dtype;
+    load.progress = !a->json;
+    auto job = ParallelJob::start(a->parallel.apply(), a->model, load);
+    auto model = job->model();
     EngineOptions eo;
     try {
       eo.kv_cache_bytes = config::parse_byte_size(a->kv_cache);
@@ -70,7 +77,14 @@ void add_generate_command(CLI::App& app) {
     }
     eo.policies = a->policy.specs();
     eo.default_policy = PolicyFlags::selected(eo.policies);
-    Engine engine(model, tok, eo);
+    if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
+      const int rc = job->run_worker(eo);
+      if (rc != 0) throw CLI::RuntimeError(rc);
+      return;
+    }
+    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
+    Engine engine(model, tok, eo, job->make_runner(eo));
+    job->set_on_failure([&engine](const std::string& why) { engine.mark_unhealthy(why); });
     auto t_loaded = std::chrono::steady_clock::now();
 
     std::vector<std::vector<int64_t>> prompts;
@@ -149,6 +163,8 @@ void add_generate_command(CLI::App& app) {
     }
     const EngineStats stats = engine.stats();
     engine.shutdown(true);
+    job->set_on_failure(nullptr);
+    job->join_workers();
     for (const auto& r : results)
       if (r.finish_reason == "error") KV_FAIL(r.error);
     using secs = std::chrono::duration<double>;

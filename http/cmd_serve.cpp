@@ -17,6 +17,8 @@
 #include "kv_check.h"
 #include "llama_model.h"
 #include "openai_service.h"
+#include "parallel_cli.h"
+#include "dist_env.h"
 #include "server.h"
 #include "server_config.h"
 #include "tokenizer.h"
@@ -31,8 +33,39 @@ struct ServeArgs {
       default_policy;
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
+  ParallelFlags parallel;
   bool quiet = false;
 };
+
+EngineOptions engine_options(const config::ServerConfig& cfg) {
+  EngineOptions eo;
+  eo.max_num_seqs = cfg.scheduler.max_num_seqs;
+  eo.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
+  eo.max_waiting = cfg.scheduler.max_waiting;
+  eo.max_model_len = cfg.model.max_model_len;
+  eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
+  eo.block_size = cfg.cache.block_size;
+  eo.default_policy = cfg.default_policy;
+  eo.policies = config::engine_policies(cfg);
+  return eo;
+}
+
+LoadOptions load_options(const config::ServerConfig& cfg) {
+  std::string dtype = cfg.model.dtype == "auto" ? "" : cfg.model.dtype;
+  if (dtype == "fp32") dtype = "float32";
+  if (dtype == "bf16") dtype = "bfloat16";
+  if (dtype == "fp16") dtype = "float16";
+  LoadOptions load;
+  load.device = cfg.model.device;
+  load.dtype = dtype;
+  return load;
+}
+
+// Rank 0 hosts HTTP and the scheduler; with no torchrun variables that is node 0's first process.
+bool hosts_http(const ParallelOptions& po) {
+  if (auto env = parallel::dist_env_from_environment()) return env->rank == 0;
+  return po.node_rank == 0;
+}
 
 // Applies CLI flags over the YAML values; returns the validated config.
 config::ServerConfig resolve_config(const ServeArgs& a) {
@@ -184,6 +217,12 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
 
 int serve(const ServeArgs& a) {
   config::ServerConfig cfg = resolve_config(a);
+  const ParallelOptions po = a.parallel.apply(to_parallel_options(cfg.parallel));
+  if (!hosts_http(po)) {
+    // A worker rank: load this rank's shard and follow rank 0's steps; no HTTP here.
+    auto job = ParallelJob::start(po, cfg.model.path, load_options(cfg));
+    return job->run_worker(engine_options(cfg));
+  }
   const std::string api_key = config::effective_api_key(cfg.server);
   const std::string model_name = cfg.model_name();
 
@@ -248,25 +287,20 @@ int serve(const ServeArgs& a) {
 
   // Load the model while /health says 503.
   auto t0 = std::chrono::steady_clock::now();
-  std::cerr << "kvserve: loading " << cfg.model.path << " on " << cfg.model.device << std::endl;
-  std::string dtype = cfg.model.dtype == "auto" ? "" : cfg.model.dtype;
-  if (dtype == "fp32") dtype = "float32";
-  if (dtype == "bf16") dtype = "bfloat16";
-  if (dtype == "fp16") dtype = "float16";
-  auto model = LlamaModel::load(cfg.model.path, LoadOptions{cfg.model.device, dtype, true});
+  std::cerr << "kvserve: loading " << cfg.model.path << " on " << cfg.model.device;
+  if (po.world_size() > 1)
+    std::cerr << " (tensor parallel " << po.tensor_parallel_size << " x pipeline parallel " << po.pipeline_parallel_size
+              << " = " << po.world_size() << " ranks over " << po.nnodes << " node(s))";
+  std::cerr << std::endl;
+  auto job = ParallelJob::start(po, cfg.model.path, load_options(cfg));
+  auto model = job->model();
   auto tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_dir(cfg.model.path));
-  EngineOptions eo;
-  eo.max_num_seqs = cfg.scheduler.max_num_seqs;
-  eo.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
-  eo.max_waiting = cfg.scheduler.max_waiting;
-  eo.max_model_len = cfg.model.max_model_len;
-  eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
-  eo.block_size = cfg.cache.block_size;
-  eo.default_policy = cfg.default_policy;
-  eo.policies = config::engine_policies(cfg);
+  const EngineOptions eo = engine_options(cfg);
   const int64_t max_model_len =
       cfg.model.max_model_len > 0 ? cfg.model.max_model_len : model->config().max_position_embeddings;
-  auto engine = std::make_unique<Engine>(model, tokenizer, eo);
+  auto engine = std::make_unique<Engine>(model, tokenizer, eo, job->make_runner(eo));
+  // A rank's process dying fails the job at once (the launcher notices before any timeout).
+  job->set_on_failure([e = engine.get()](const std::string& why) { e->mark_unhealthy(why); });
   service->set_backend(http::make_engine_backend(std::move(engine), tokenizer, max_model_len, cfg.default_policy));
   loaded = true;
   std::cerr << "kvserve: ready in "
@@ -357,6 +391,8 @@ int serve(const ServeArgs& a) {
     while (service->in_flight() > 0 && std::chrono::steady_clock::now() < flush_deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  job->set_on_failure(nullptr);
+  job->join_workers();  // the engine told them to exit
   server.stop();
   std::cerr << "kvserve: stopped" << std::endl;
   return 0;
@@ -385,6 +421,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");
+  a->parallel.add_to(cmd);
   cmd->callback([a] {
     int rc = serve(*a);
     if (rc != 0) throw CLI::RuntimeError(rc);

@@ -3,8 +3,10 @@
 
 #include "commands.h"
 #include "kv_check.h"
+#include "launcher.h"
 
 int main(int argc, char** argv) {
+  kvserve::parallel::set_command_line(argc, argv);  // workers of a sharded job re-run this command
   CLI::App app{"kvserve: an LLM serving engine with per-layer KV-cache compression"};
   app.require_subcommand(1);
   kvserve::cli::add_generate_command(app);

@@ -112,4 +112,24 @@ void PrefillSelector::import_layer_scores(int64_t layer, const torch::Tensor& sc
   dynamic_->set_layer_scores(layer, scores);
 }
 
+void PrefillSelector::replay_layer(int64_t layer, const torch::Tensor& scores) {
+  KV_CHECK(layer > last_layer_, "PrefillSelector: layers must come in ascending order (got " << layer << " after "
+                                                                                             << last_layer_ << ")");
+  import_layer_scores(layer, scores);
+  last_layer_ = layer;
+  if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+}
+
+std::vector<int64_t> PrefillSelector::dynamic_budgets() const {
+  KV_CHECK(dynamic_.has_value(), "PrefillSelector::dynamic_budgets: policy '" << cfg_.name << "' is not DynamicKV");
+  return dynamic_->budgets();
+}
+
+void PrefillSelector::apply_final_budgets(const std::vector<int64_t>& scored) {
+  KV_CHECK(dynamic_.has_value(), "PrefillSelector::apply_final_budgets: policy '" << cfg_.name << "' is not DynamicKV");
+  KV_CHECK(static_cast<int64_t>(scored.size()) == num_layers_,
+           "PrefillSelector::apply_final_budgets: " << scored.size() << " budgets for " << num_layers_ << " layers");
+  apply_dynamic_budgets(scored);
+}
+
 }  // namespace kvserve

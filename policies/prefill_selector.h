@@ -51,6 +51,14 @@ class PrefillSelector {
   torch::Tensor layer_scores(int64_t layer) const;
   // PP: scores of a layer this selector never sees (owned by another stage), [all KV heads, T - w].
   void import_layer_scores(int64_t layer, const torch::Tensor& scores);
+  // PP: an earlier stage's layer, in layer order with on_layer: imports its scores and runs the
+  // DynamicKV update due after it, exactly as if the layer had been seen here.
+  void replay_layer(int64_t layer, const torch::Tensor& scores);
+  // DynamicKV scored budgets per layer (window excluded) as they stand.
+  std::vector<int64_t> dynamic_budgets() const;
+  // PP: the final DynamicKV budgets the last stage computed (scored, window excluded; budgets only
+  // shrink, so the final ones decide). Layers seen here shrink to them; call take_updates after.
+  void apply_final_budgets(const std::vector<int64_t>& scored);
 
   const PolicyConfig& config() const { return cfg_; }
   const std::vector<LayerBudget>& layer_budgets() const { return plan_; }

@@ -1,0 +1,127 @@
+#include "parallel_job.h"
+
+#include <iostream>
+
+#include "communicator.h"
+#include "kv_check.h"
+#include "launcher.h"
+#include "sharded_runner.h"
+
+namespace kvserve {
+
+std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const std::string& model_dir, LoadOptions load) {
+  std::unique_ptr<ParallelJob> job(new ParallelJob());
+  job->options_ = o;
+  KV_CHECK(o.tensor_parallel_size >= 1, "tensor parallel size must be >= 1, got " << o.tensor_parallel_size);
+  KV_CHECK(o.pipeline_parallel_size >= 1, "pipeline parallel size must be >= 1, got " << o.pipeline_parallel_size);
+  KV_CHECK(o.timeout_s > 0, "parallel timeout must be > 0 s, got " << o.timeout_s);
+  KV_CHECK(o.micro_batches >= 0, "micro-batches must be >= 0, got " << o.micro_batches);
+  // Check the split against the model before starting any process.
+  const ModelConfig cfg = load_model_config(model_dir);
+  validate_parallel_shape(cfg, o.tensor_parallel_size, o.pipeline_parallel_size, o.pipeline_layers);
+
+  parallel::LaunchSpec spec;
+  spec.world_size = static_cast<int>(o.world_size());
+  spec.nnodes = o.nnodes;
+  spec.node_rank = o.node_rank;
+  spec.master_addr = o.master_addr;
+  spec.master_port = o.master_port;
+  bool must_spawn = false;
+  const parallel::DistEnv env = parallel::plan_process(spec, &must_spawn);
+  job->rank_ = env.rank;
+  job->world_size_ = env.world_size;
+  if (env.world_size == 1) {
+    job->model_ = LlamaModel::load(model_dir, load);
+    return job;
+  }
+  if (must_spawn) job->workers_ = parallel::WorkerGroup::spawn(env);
+
+  const bool cuda = load.device.rfind("cuda", 0) == 0;
+  if (cuda && load.device == "cuda") load.device = "cuda:" + std::to_string(env.local_rank);
+  parallel::CommOptions co;
+  co.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
+  job->comm_ = parallel::Communicator::connect(env, co);
+  const std::string backend = cuda ? "nccl" : "gloo";
+  const int64_t tp = o.tensor_parallel_size, stage = env.rank / tp, tp_rank = env.rank % tp;
+  job->groups_.world = std::shared_ptr<parallel::ProcessGroup>(job->comm_, &job->comm_->world());
+  if (cuda) {
+    std::vector<int> all(static_cast<size_t>(env.world_size));
+    for (int i = 0; i < env.world_size; ++i) all[static_cast<size_t>(i)] = i;
+    job->groups_.data = job->comm_->new_group("data", all, backend);
+  } else {
+    job->groups_.data = job->groups_.world;
+  }
+  if (tp > 1) {
+    std::vector<int> members;
+    for (int64_t t = 0; t < tp; ++t) members.push_back(static_cast<int>(stage * tp + t));
+    job->groups_.tp = job->comm_->new_group("tp" + std::to_string(stage), members, backend);
+  }
+  load.layout = make_shard_layout(cfg, tp, tp_rank, o.pipeline_parallel_size, stage, o.pipeline_layers);
+  load.tp_group = job->groups_.tp;
+  load.progress = load.progress && env.rank == 0;
+  job->model_ = LlamaModel::load(model_dir, load);
+  std::cerr << "kvserve: rank " << env.rank << "/" << env.world_size << " ready: " << load.layout.describe() << "\n";
+  return job;
+}
+
+ParallelJob::~ParallelJob() {
+  if (workers_) workers_->shutdown(std::chrono::milliseconds(5000));
+}
+
+void ParallelJob::set_on_failure(std::function<void(const std::string&)> f) {
+  if (workers_) workers_->set_on_failure(std::move(f));
+}
+
+void ParallelJob::stop_workers() {
+  if (workers_) workers_->shutdown(std::chrono::milliseconds(3000));
+}
+
+void ParallelJob::join_workers() {
+  if (workers_) workers_->join(std::chrono::milliseconds(10000));
+}
+
+KvShard ParallelJob::kv_shard() const {
+  KvShard shard;
+  const ShardLayout& s = model_->layout();
+  if (!groups_.tp) return shard;
+  auto tp = groups_.tp;
+  const int64_t replicas = s.kv_replicas;
+  const int64_t kv_total = model_->config().num_key_value_heads;
+  shard.score_gatherer = [tp, replicas, kv_total](int64_t, const torch::Tensor& local) {
+    auto all = tp->all_gather(local.contiguous());  // [tp * local KV heads, N], rank order
+    // Replicated KV heads appear once per replica: keep one copy of each.
+    return replicas > 1 ? all.view({kv_total, replicas, all.size(1)}).select(1, 0).contiguous() : all;
+  };
+  if (replicas > 1) {
+    const int64_t group = model_->config().num_attention_heads / kv_total;  // query heads per KV head
+    const int64_t first = s.kv_head_begin * group;
+    shard.query_gatherer = [tp, group, first](const torch::Tensor& q) {
+      return tp->all_gather(q.contiguous()).narrow(0, first, group);
+    };
+  }
+  return shard;
+}
+
+std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& options) const {
+  return make_kv_memory(*model_, options, kv_shard());
+}
+
+std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {
+  KV_CHECK(is_driver(), "internal: only rank 0 drives the engine");
+  if (!sharded()) return std::make_unique<LocalRunner>(model_, make_memory(options));
+  return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
+                                         [this](const std::string&) { stop_workers(); });
+}
+
+int ParallelJob::run_worker(const EngineOptions& options) {
+  KV_CHECK(!is_driver() && sharded(), "internal: run_worker is for ranks other than 0");
+  const int rc = run_shard_worker(make_memory(options), model_, groups_, options_.micro_batches);
+  if (rc == 0) {
+    join_workers();
+  } else {
+    stop_workers();
+  }
+  return rc;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,76 @@
+#include "shard_layout.h"
+
+#include <numeric>
+#include <sstream>
+
+#include "kv_check.h"
+#include "shard_plan.h"
+
+namespace kvserve {
+
+std::string ShardLayout::describe() const {
+  std::ostringstream o;
+  o << "stage " << stage << "/" << pp_size << " tp " << tp_rank << "/" << tp_size << ": layers [" << layer_begin << ", "
+    << layer_end << "), q heads [" << q_head_begin << ", " << q_head_begin + q_heads << "), kv heads [" << kv_head_begin
+    << ", " << kv_head_begin + kv_heads << ")" << (kv_replicas > 1 ? " (replicated)" : "") << ", mlp ["
+    << inter_begin << ", " << inter_begin + inter_len << "), vocab [" << vocab_begin << ", " << vocab_begin + vocab_len
+    << ")";
+  return o.str();
+}
+
+void validate_parallel_shape(const ModelConfig& c, int64_t tp, int64_t pp, const std::vector<int64_t>& stage_layers) {
+  KV_CHECK(tp >= 1, "tensor parallel size must be >= 1, got " << tp);
+  KV_CHECK(pp >= 1, "pipeline parallel size must be >= 1, got " << pp);
+  KV_CHECK(c.num_attention_heads % tp == 0, c.num_attention_heads << " attention heads do not split evenly over tensor parallel size " << tp);
+  parallel::kv_heads_per_rank(c.num_key_value_heads, tp);
+  KV_CHECK(tp <= c.intermediate_size, "tensor parallel size " << tp << " exceeds the MLP width " << c.intermediate_size);
+  if (stage_layers.empty()) {
+    KV_CHECK(c.num_hidden_layers >= pp, "cannot split " << c.num_hidden_layers << " layers over " << pp << " pipeline stages");
+  } else {
+    KV_CHECK(static_cast<int64_t>(stage_layers.size()) == pp,
+             "pipeline layer split lists " << stage_layers.size() << " stages, but pipeline parallel size is " << pp);
+    for (size_t s = 0; s < stage_layers.size(); ++s)
+      KV_CHECK(stage_layers[s] >= 1, "pipeline layer split: stage " << s << " has " << stage_layers[s] << " layers (needs >= 1)");
+    const int64_t sum = std::accumulate(stage_layers.begin(), stage_layers.end(), int64_t{0});
+    KV_CHECK(sum == c.num_hidden_layers,
+             "pipeline layer split sums to " << sum << " layers, but the model has " << c.num_hidden_layers);
+  }
+}
+
+ShardLayout make_shard_layout(const ModelConfig& c, int64_t tp, int64_t tp_rank, int64_t pp, int64_t stage,
+                              const std::vector<int64_t>& stage_layers) {
+  validate_parallel_shape(c, tp, pp, stage_layers);
+  KV_CHECK(tp_rank >= 0 && tp_rank < tp && stage >= 0 && stage < pp, "rank (stage " << stage << ", tp " << tp_rank << ") outside " << pp << "x" << tp);
+  ShardLayout s;
+  s.tp_size = tp;
+  s.tp_rank = tp_rank;
+  s.pp_size = pp;
+  s.stage = stage;
+  s.num_layers_total = c.num_hidden_layers;
+  if (stage_layers.empty()) {
+    const auto r = parallel::pipeline_layer_ranges(c.num_hidden_layers, pp)[static_cast<size_t>(stage)];
+    s.layer_begin = r.begin;
+    s.layer_end = r.end;
+  } else {
+    s.layer_begin = std::accumulate(stage_layers.begin(), stage_layers.begin() + stage, int64_t{0});
+    s.layer_end = s.layer_begin + stage_layers[static_cast<size_t>(stage)];
+  }
+  s.q_heads = c.num_attention_heads / tp;
+  s.q_head_begin = tp_rank * s.q_heads;
+  s.kv_heads = parallel::kv_heads_per_rank(c.num_key_value_heads, tp);
+  if (c.num_key_value_heads >= tp) {
+    s.kv_head_begin = tp_rank * s.kv_heads;
+  } else {
+    s.kv_replicas = tp / c.num_key_value_heads;
+    s.kv_head_begin = tp_rank / s.kv_replicas;
+  }
+  const int64_t ic = (c.intermediate_size + tp - 1) / tp;
+  s.inter_begin = std::min(c.intermediate_size, tp_rank * ic);
+  s.inter_len = std::min(c.intermediate_size, s.inter_begin + ic) - s.inter_begin;
+  s.vocab_per_rank = (c.vocab_size + tp - 1) / tp;
+  s.vocab_begin = std::min(c.vocab_size, tp_rank * s.vocab_per_rank);
+  s.vocab_len = std::min(c.vocab_size, s.vocab_begin + s.vocab_per_rank) - s.vocab_begin;
+  return s;
+}
+
+}  // namespace kvserve

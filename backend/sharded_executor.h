@@ -1,0 +1,53 @@
+#pragma once
+// ShardedExecutor: one rank's part of a prefill or decode step of a tensor x pipeline parallel job.
+// Every rank calls the same method with the same arguments (SPMD); activations travel stage to
+// stage, decode batches as micro-batches so that the stages overlap, and logits end on rank 0.
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv_memory.h"
+#include "paged_kv_memory.h"
+#include "shard_layout.h"
+
+namespace kvserve {
+
+namespace parallel {
+class ProcessGroup;
+}
+class LlamaModel;
+
+// This rank's process groups.
+struct ParallelGroups {
+  std::shared_ptr<parallel::ProcessGroup> world;  // every rank, Gloo: control messages
+  std::shared_ptr<parallel::ProcessGroup> data;   // every rank, the device's backend: activations
+  std::shared_ptr<parallel::ProcessGroup> tp;     // this stage's tensor-parallel ranks
+};
+
+class ShardedExecutor {
+ public:
+  // micro_batches: decode micro-batches in flight (0 = one per pipeline stage).
+  ShardedExecutor(std::shared_ptr<LlamaModel> model, PagedKvMemory& kv, ParallelGroups groups, int64_t micro_batches = 0);
+
+  // fp32 logits on global rank 0 (CPU): every position's ([T, V]) when all_logits, else the last
+  // one's ([1, V]); an undefined tensor on other ranks.
+  torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy, bool all_logits);
+  // [B, V] on global rank 0, undefined elsewhere.
+  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens);
+
+  const ShardLayout& layout() const;
+  PagedKvMemory& memory() { return kv_; }
+
+ private:
+  int64_t prev_rank() const;  // same TP rank, previous stage (data-group rank)
+  int64_t next_rank() const;
+  int64_t last_stage_head() const;  // TP rank 0 of the last stage: sends logits to rank 0
+  std::shared_ptr<LlamaModel> model_;
+  PagedKvMemory& kv_;
+  ParallelGroups g_;
+  int64_t micro_batches_;
+};
+
+}  // namespace kvserve

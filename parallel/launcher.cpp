@@ -1,0 +1,243 @@
+#include "launcher.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <iostream>
+
+#include "kv_check.h"
+
+extern char** environ;
+
+namespace kvserve::parallel {
+
+namespace {
+std::vector<std::string>& command_line() {
+  static std::vector<std::string> argv;
+  return argv;
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+                                  strsignal(WTERMSIG(status)) + ")";
+  return "stopped";
+}
+}  // namespace
+
+void set_command_line(int argc, char** argv) {
+  command_line().assign(argv, argv + argc);
+}
+
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  KV_CHECK(fd >= 0, "socket(): " << std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  KV_CHECK(ok, "cannot find a free local port: " << std::strerror(errno));
+  return ntohs(a.sin_port);
+}
+
+DistEnv plan_process(const LaunchSpec& spec, bool* must_spawn) {
+  *must_spawn = false;
+  if (auto env = dist_env_from_environment()) {
+    KV_CHECK(env->world_size == spec.world_size,
+             "WORLD_SIZE=" << env->world_size << " from the environment does not match tensor x pipeline parallel size "
+                           << spec.world_size);
+    return *env;
+  }
+  KV_CHECK(spec.world_size >= 1, "world size must be >= 1");
+  KV_CHECK(spec.nnodes >= 1, "--nnodes must be >= 1, got " << spec.nnodes);
+  KV_CHECK(spec.node_rank >= 0 && spec.node_rank < spec.nnodes,
+           "--node-rank " << spec.node_rank << " is outside [0, --nnodes=" << spec.nnodes << ")");
+  KV_CHECK(spec.world_size % spec.nnodes == 0,
+           "tensor x pipeline parallel size " << spec.world_size << " does not divide over --nnodes " << spec.nnodes);
+  DistEnv e;
+  e.world_size = spec.world_size;
+  e.local_world_size = spec.world_size / spec.nnodes;
+  e.rank = spec.node_rank * e.local_world_size;
+  e.local_rank = 0;
+  e.master_addr = spec.master_addr;
+  e.master_port = spec.master_port;
+  if (e.world_size == 1) return e;
+  if (e.master_port == 0) {
+    KV_CHECK(spec.nnodes == 1, "--master-port is required with --nnodes " << spec.nnodes);
+    e.master_port = pick_free_port();
+  }
+  validate(e);
+  *must_spawn = e.local_world_size > 1;
+  return e;
+}
+
+std::unique_ptr<WorkerGroup> WorkerGroup::spawn(const DistEnv& self) {
+  KV_CHECK(self.local_rank == 0, "only local rank 0 starts workers");
+  const auto& argv = command_line();
+  KV_CHECK(!argv.empty(), "internal: the launcher needs the command line (set_command_line)");
+  std::unique_ptr<WorkerGroup> g(new WorkerGroup());
+  for (int lr = 1; lr < self.local_world_size; ++lr) {
+    const int rank = self.rank + lr;
+    // Everything the child needs is prepared before fork: after it, only exec-safe calls.
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e; ++e) {
+      std::string s = *e;
+      const std::string key = s.substr(0, s.find('='));
+      if (key == "RANK" || key == "WORLD_SIZE" || key == "LOCAL_RANK" || key == "LOCAL_WORLD_SIZE" ||
+          key == "MASTER_ADDR" || key == "MASTER_PORT")
+        continue;
+      env_strings.push_back(std::move(s));
+    }
+    env_strings.push_back("RANK=" + std::to_string(rank));
+    env_strings.push_back("WORLD_SIZE=" + std::to_string(self.world_size));
+    env_strings.push_back("LOCAL_RANK=" + std::to_string(lr));
+    env_strings.push_back("LOCAL_WORLD_SIZE=" + std::to_string(self.local_world_size));
+    env_strings.push_back("MASTER_ADDR=" + self.master_addr);
+    env_strings.push_back("MASTER_PORT=" + std::to_string(self.master_port));
+    std::vector<char*> envp, args;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> argv_copy = argv;
+    for (auto& s : argv_copy) args.push_back(s.data());
+    args.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    KV_CHECK(pid >= 0, "fork() for rank " << rank << " failed: " << std::strerror(errno));
+    if (pid == 0) {
+      // A worker never outlives the process that started it.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      // The parent may block signals for a signal-waiter thread; exec keeps the mask, so clear it.
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::execve("/proc/self/exe", args.data(), envp.data());
+      ::_exit(127);
+    }
+    g->children_.push_back({pid, rank, true});
+    std::cerr << "kvserve: started rank " << rank << " (pid " << pid << ")\n";
+  }
+  g->thread_ = std::thread([p = g.get()] { p->monitor(); });
+  return g;
+}
+
+WorkerGroup::~WorkerGroup() {
+  shutdown(std::chrono::milliseconds(5000));
+  quit_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void WorkerGroup::set_on_failure(std::function<void(const std::string&)> f) {
+  std::lock_guard<std::mutex> lk(mu_);
+  on_failure_ = std::move(f);
+}
+
+std::vector<pid_t> WorkerGroup::pids() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<pid_t> out;
+  for (const auto& c : children_) out.push_back(c.pid);
+  return out;
+}
+
+void WorkerGroup::monitor() {
+  while (!quit_) {
+    std::string failure;
+    std::function<void(const std::string&)> cb;
+    bool any_alive = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& c : children_) {
+        if (!c.alive) continue;
+        int status = 0;
+        const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+        if (r == c.pid) {
+          c.alive = false;
+          const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+          if (!stopping_ && !failed_ && !clean) {
+            failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " + describe_status(status);
+          } else if (!stopping_ && !failed_) {
+            failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") exited unexpectedly";
+          }
+        }
+        any_alive = any_alive || c.alive;
+      }
+      if (!failure.empty()) {
+        failed_ = true;
+        cb = on_failure_;
+      }
+    }
+    if (!failure.empty()) {
+      std::cerr << "kvserve: " << failure << "; stopping the other ranks\n";
+      if (cb) cb(failure);
+      // The job cannot continue without that rank: stop the rest so nothing is left behind.
+      shutdown(std::chrono::milliseconds(3000));
+    }
+    if (!any_alive && stopping_) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+void WorkerGroup::join(std::chrono::milliseconds grace) {
+  stopping_ = true;
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  while (std::chrono::steady_clock::now() < deadline) {
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& c : children_) {
+        if (!c.alive) continue;
+        int status = 0;
+        if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
+          c.alive = false;
+        } else {
+          any = true;
+        }
+      }
+    }
+    if (!any) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  shutdown(std::chrono::milliseconds(2000));
+}
+
+void WorkerGroup::shutdown(std::chrono::milliseconds grace) {
+  stopping_ = true;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& c : children_)
+      if (c.alive) ::kill(c.pid, SIGTERM);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  for (bool killed = false;;) {
+    bool any = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& c : children_) {
+        if (!c.alive) continue;
+        int status = 0;
+        if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
+          c.alive = false;
+        } else {
+          any = true;
+          if (killed) continue;
+          if (std::chrono::steady_clock::now() >= deadline) ::kill(c.pid, SIGKILL);
+        }
+      }
+    }
+    if (!any) return;
+    if (std::chrono::steady_clock::now() >= deadline) killed = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace kvserve::parallel
