@@ -43,9 +43,10 @@ def model_dir() -> str:
 class Server:
     """A running `kvserve serve`; `url` is its base URL; `log()` its stderr so far."""
 
-    def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = ""):
+    def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = "",
+                 extra_args: tuple[str, ...] = (), model: str | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-it-")
-        self.model = model_dir()
+        self.model = model or model_dir()
         self.api_key = api_key
         cfg = pathlib.Path(self.tmp.name) / "config.yaml"
         cfg.write_text(
@@ -79,6 +80,7 @@ policies:
         args = [kvserve_bin(), "serve", "--config", str(cfg)]
         if api_key:
             args += ["--api-key", api_key]
+        args += list(extra_args)
         self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
         self.port = self._wait_for_port()
         self.url = f"http://127.0.0.1:{self.port}"

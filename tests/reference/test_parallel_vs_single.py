@@ -1,0 +1,114 @@
+"""Issue 5 acceptance: a TP x PP job (real worker processes, Gloo collectives) computes what one
+process computes, for every policy.
+
+For (TP, PP) in (1,1), (2,1), (1,2), (2,2):
+- `kvserve forward`: logits within 1e-4 of the single-process run; per-layer budgets identical; the
+  kept positions of every (layer, KV head), dumped by each shard and merged by rank 0, identical.
+- `kvserve generate` (engine, continuous batching, sampler on rank 0): greedy tokens identical.
+
+Fixtures: llama-kvfew has 3 layers (PP=2 splits them 2+1, unevenly) and 1 KV head (fewer than the
+2 TP ranks: each rank holds a replica, and the scorers gather the query heads of its group);
+llama-gqa has 2 KV heads that TP splits one per rank.
+
+Ties: scores that tie within 1e-5 (relative) could legitimately swap places between runs whose
+float sums differ in order. This test demands identical kept positions: the fixtures have random
+weights, so no two scores tie, and a failure prints the differing positions so that a tie swap
+would be recognisable as such rather than silently tolerated.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from safetensors.torch import load_file
+
+from kvserve_testlib import fixtures_dir, run_kvserve, write_json
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# policy flags for `forward` / `generate`; budgets below the prompt so every policy compresses
+POLICIES = {
+    "full": [],
+    "snapkv": ["--policy", "snapkv", "--budget", "16", "--policy-param", "window=4"],
+    "pyramidkv": ["--policy", "pyramidkv", "--budget", "16", "--policy-param", "window=4"],
+    "dynamickv": ["--policy", "dynamickv", "--budget", "16", "--policy-param", "window=4"],
+    "streamingllm": ["--policy", "streamingllm", "--budget", "16", "--policy-param", "sink=4"],
+    "h2o": ["--policy", "h2o", "--budget", "16"],
+    "knorm": ["--policy", "knorm", "--budget", "16"],
+    "knorm-decode": ["--policy", "knorm", "--budget", "16", "--policy-param", "decode_budget=24"],
+}
+PROMPT = [(7 * i + 3) % 1900 + 5 for i in range(41)]
+
+
+def forward(tmp: pathlib.Path, model: str, policy: list[str], tp: int, pp: int):
+    tag = f"{tp}x{pp}"
+    ids = write_json(tmp / "ids.json", PROMPT)
+    out, dump = tmp / f"logits-{tag}.safetensors", tmp / f"kept-{tag}.json"
+    run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--dump-kept", str(dump),
+                "--tp", str(tp), "--pp", str(pp), *policy)
+    return load_file(str(out))["logits"], json.loads(dump.read_text())
+
+
+def generate(model: str, policy: list[str], tp: int, pp: int) -> list[int]:
+    proc = run_kvserve("generate", "--model", model, "--prompt-ids", *map(str, PROMPT), "--max-tokens", "10",
+                       "--ignore-eos", "--json", "--tp", str(tp), "--pp", str(pp), *policy)
+    return json.loads(proc.stdout)["token_ids"]
+
+
+def kept_differences(a: dict, b: dict) -> list[str]:
+    diffs = []
+    for la, lb in zip(a["layers"], b["layers"]):
+        for h, (ka, kb) in enumerate(zip(la["kept"], lb["kept"])):
+            if ka != kb:
+                diffs.append(f"layer {la['layer']} head {h}: only single {sorted(set(ka) - set(kb))}, "
+                             f"only sharded {sorted(set(kb) - set(ka))}")
+    return diffs
+
+
+@pytest.mark.parametrize("fixture", ["llama-kvfew", "llama-gqa"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_forward_sharded_equals_single_process(tmp_path, fixture, policy):
+    model = str(fixtures_dir() / fixture)
+    flags = POLICIES[policy]
+    ref_logits, ref_kept = forward(tmp_path, model, flags, 1, 1)
+    assert len(ref_kept["layers"]) > 0
+    for tp, pp in LAYOUTS[1:]:
+        logits, kept = forward(tmp_path, model, flags, tp, pp)
+        diff = (logits - ref_logits).abs().max().item()
+        assert diff <= 1e-4, f"{fixture} {policy} TP={tp} PP={pp}: logits differ by {diff}"
+        assert kept["budgets"] == ref_kept["budgets"], f"{fixture} {policy} TP={tp} PP={pp}: budgets"
+        assert len(kept["layers"]) == len(ref_kept["layers"])
+        assert [len(layer["kept"]) for layer in kept["layers"]] == [len(layer["kept"]) for layer in ref_kept["layers"]]
+        diffs = kept_differences(ref_kept, kept)
+        assert not diffs, f"{fixture} {policy} TP={tp} PP={pp}: kept positions differ:\n" + "\n".join(diffs)
+        assert len(kept["shards"]) == tp * pp
+    if policy != "full" and fixture == "llama-kvfew":
+        assert any(b < len(PROMPT) for b in ref_kept["budgets"]), f"{policy} should compress this prompt"
+
+
+@pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "knorm-decode", "streamingllm"])
+def test_generate_sharded_equals_single_process(policy):
+    model = str(fixtures_dir() / "llama-kvfew")
+    ref = generate(model, POLICIES[policy], 1, 1)
+    assert len(ref) == 10
+    for tp, pp in LAYOUTS[1:]:
+        assert generate(model, POLICIES[policy], tp, pp) == ref, f"{policy} TP={tp} PP={pp}"
+
+
+def test_custom_pipeline_split_and_bad_split(tmp_path):
+    model = str(fixtures_dir() / "llama-kvfew")
+    ref_logits, ref_kept = forward(tmp_path, model, POLICIES["pyramidkv"], 1, 1)
+    ids = write_json(tmp_path / "ids.json", PROMPT)
+    out, dump = tmp_path / "l.safetensors", tmp_path / "k.json"
+    run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--dump-kept", str(dump),
+                "--pp", "2", "--pipeline-layers", "1,2", *POLICIES["pyramidkv"])
+    assert (load_file(str(out))["logits"] - ref_logits).abs().max().item() <= 1e-4
+    kept = json.loads(dump.read_text())
+    assert [s["layer_end"] - s["layer_begin"] for s in kept["shards"]] == [1, 2]
+    assert kept["layers"] == ref_kept["layers"]
+    bad = run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--pp", "2",
+                      "--pipeline-layers", "2,2", check=False)
+    assert bad.returncode != 0 and "sums to 4 layers, but the model has 3" in bad.stderr
+    bad = run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--tp", "3",
+                      check=False)
+    assert bad.returncode != 0 and "tensor parallel size 3" in bad.stderr
