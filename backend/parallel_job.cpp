@@ -1,6 +1,9 @@
 #include "parallel_job.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include "communicator.h"
 #include "kv_check.h"
@@ -38,6 +41,12 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
 
   const bool cuda = load.device.rfind("cuda", 0) == 0;
   if (cuda && load.device == "cuda") load.device = "cuda:" + std::to_string(env.local_rank);
+  if (!cuda && !std::getenv("OMP_NUM_THREADS")) {
+    // CPU ranks on one machine share its cores: without a split every rank's thread pool would
+    // claim all of them and they would fight (OMP_NUM_THREADS overrides).
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    at::set_num_threads(std::max(1, cores / env.local_world_size));
+  }
   parallel::CommOptions co;
   co.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000));
   job->comm_ = parallel::Communicator::connect(env, co);
