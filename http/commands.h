@@ -13,5 +13,6 @@ void add_chat_template_command(CLI::App& app);  // cmd_chat_template.cpp: chat-t
 void add_policy_commands(CLI::App& app);     // cmd_policy.cpp: policy budgets, policy select
 void add_plan_command(CLI::App& app);        // cmd_plan.cpp: plan (TP x PP memory arithmetic)
 void add_bench_commands(CLI::App& app);      // cmd_bench.cpp: bench decode
+void add_perplexity_command(CLI::App& app);  // cmd_perplexity.cpp: teacher-forced perplexity through the KV cache
 
 }  // namespace kvserve::cli
