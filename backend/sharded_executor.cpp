@@ -59,7 +59,7 @@ torch::Tensor ShardedExecutor::prefill(int64_t seq_id, const std::vector<int64_t
     data.send_tensor(x, static_cast<int>(next_rank()), kPrefillHidden);
     if (dynamic) {
       auto [layers, scores] = kv_.export_layer_scores(seq_id, s.layer_end);
-      data.send_tensor(torch::tensor(layers, torch::kInt64), static_cast<int>(next_rank()), kPrefillScoreLayers);
+      data.send_tensor(torch::tensor(layers, torch::kInt64).to(dev), static_cast<int>(next_rank()), kPrefillScoreLayers);
       data.send_tensor(scores.defined() ? scores : torch::empty({0}, torch::TensorOptions().device(dev)),
                        static_cast<int>(next_rank()), kPrefillScores);
     }

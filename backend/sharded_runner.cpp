@@ -8,9 +8,7 @@
 
 namespace kvserve {
 
-namespace {
-
-enum class Op : int64_t {
+enum class ShardOp : int64_t {
   kPrefill = 1,
   kDecode,
   kRelease,
@@ -24,8 +22,8 @@ enum class Op : int64_t {
 };
 
 // A command: op + int64 payload (strings as one byte per element).
-struct Command {
-  Op op = Op::kPing;
+struct ShardCommand {
+  ShardOp op = ShardOp::kPing;
   std::vector<int64_t> payload;
   size_t at = 0;  // read cursor
 
@@ -56,7 +54,17 @@ struct Command {
   }
 };
 
-void send_command(parallel::ProcessGroup& world, const Command& c) {
+namespace {
+
+template <typename... Args>
+ShardCommand command(ShardOp op, const Args&... args) {
+  ShardCommand c;
+  c.op = op;
+  (c.put(args), ...);
+  return c;
+}
+
+void send_command(parallel::ProcessGroup& world, const ShardCommand& c) {
   auto header = torch::tensor({static_cast<int64_t>(c.op), static_cast<int64_t>(c.payload.size())}, torch::kInt64);
   world.broadcast(header, 0);
   if (!c.payload.empty()) {
@@ -65,11 +73,11 @@ void send_command(parallel::ProcessGroup& world, const Command& c) {
   }
 }
 
-Command receive_command(parallel::ProcessGroup& world) {
+ShardCommand receive_command(parallel::ProcessGroup& world) {
   auto header = torch::zeros({2}, torch::kInt64);
   world.broadcast(header, 0);
-  Command c;
-  c.op = static_cast<Op>(header[0].item<int64_t>());
+  ShardCommand c;
+  c.op = static_cast<ShardOp>(header[0].item<int64_t>());
   const int64_t n = header[1].item<int64_t>();
   KV_CHECK(n >= 0 && n < (int64_t{1} << 32), "malformed command header from rank 0");
   if (n > 0) {
@@ -98,7 +106,7 @@ int64_t local_kept(const PagedKvMemory& kv, const ShardLayout& s, int64_t seq_id
   return s.tp_rank == 0 ? kv.kept_tokens(seq_id) : 0;
 }
 
-DecodeBatch decode_batch(Command& c, std::vector<int64_t>* tokens) {
+DecodeBatch decode_batch(ShardCommand& c, std::vector<int64_t>* tokens) {
   DecodeBatch b;
   b.seq_ids = c.get_vector();
   b.positions = c.get_vector();
@@ -121,9 +129,7 @@ void ShardedRunner::stop() {
   if (dead_ || stopped_) return;
   stopped_ = true;
   try {
-    Command c;
-    c.op = Op::kShutdown;
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kShutdown));
   } catch (const std::exception& e) {
     std::cerr << "kvserve: stopping the workers: " << e.what() << "\n";
   }
@@ -144,95 +150,62 @@ auto ShardedRunner::guarded(F&& f) -> decltype(f()) {
 
 torch::Tensor ShardedRunner::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy) {
   return guarded([&] {
-    Command c;
-    c.op = Op::kPrefill;
-    c.put(seq_id);
-    c.put(policy);
-    c.put(tokens);
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kPrefill, seq_id, policy, tokens));
     return exec_.prefill(seq_id, tokens, policy, false);
   });
 }
 
 torch::Tensor ShardedRunner::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) {
   return guarded([&] {
-    Command c;
-    c.op = Op::kDecode;
-    c.put(batch.seq_ids);
-    c.put(batch.positions);
-    c.put(tokens);
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kDecode, batch.seq_ids, batch.positions, tokens));
     return exec_.decode(batch, tokens);
   });
 }
 
 void ShardedRunner::release(int64_t seq_id) {
   guarded([&] {
-    Command c;
-    c.op = Op::kRelease;
-    c.put(seq_id);
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kRelease, seq_id));
     kv_->release(seq_id);
     return 0;
   });
 }
 
-bool ShardedRunner::can_prefill(int64_t n, const std::string& policy) {
+bool ShardedRunner::every_shard(const ShardCommand& c, const std::function<bool()>& local) {
   return guarded([&] {
-    Command c;
-    c.op = Op::kCanPrefill;
-    c.put(n);
-    c.put(policy);
     send_command(*groups_.world, c);
-    return world_sum(*groups_.world, kv_->can_prefill(n, policy) ? 0 : 1) == 0;
+    return world_sum(*groups_.world, local() ? 0 : 1) == 0;
   });
+}
+
+bool ShardedRunner::can_prefill(int64_t n, const std::string& policy) {
+  return every_shard(command(ShardOp::kCanPrefill, n, policy), [&] { return kv_->can_prefill(n, policy); });
 }
 
 bool ShardedRunner::fits_when_empty(int64_t n, const std::string& policy) {
-  return guarded([&] {
-    Command c;
-    c.op = Op::kFitsWhenEmpty;
-    c.put(n);
-    c.put(policy);
-    send_command(*groups_.world, c);
-    return world_sum(*groups_.world, kv_->fits_when_empty(n, policy) ? 0 : 1) == 0;
-  });
+  return every_shard(command(ShardOp::kFitsWhenEmpty, n, policy), [&] { return kv_->fits_when_empty(n, policy); });
 }
 
 bool ShardedRunner::can_decode(const std::vector<int64_t>& ids) {
-  return guarded([&] {
-    Command c;
-    c.op = Op::kCanDecode;
-    c.put(ids);
-    send_command(*groups_.world, c);
-    return world_sum(*groups_.world, kv_->can_decode(ids) ? 0 : 1) == 0;
-  });
+  return every_shard(command(ShardOp::kCanDecode, ids), [&] { return kv_->can_decode(ids); });
 }
 
 int64_t ShardedRunner::kept_tokens(int64_t seq_id) {
   return guarded([&] {
-    Command c;
-    c.op = Op::kKeptTokens;
-    c.put(seq_id);
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kKeptTokens, seq_id));
     return world_sum(*groups_.world, local_kept(*kv_, exec_.layout(), seq_id));
   });
 }
 
 KvUsage ShardedRunner::usage() {
   return guarded([&] {
-    Command c;
-    c.op = Op::kUsage;
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kUsage));
     return world_usage(*groups_.world, *kv_);
   });
 }
 
 void ShardedRunner::idle() {
   guarded([&] {
-    Command c;
-    c.op = Op::kPing;
-    send_command(*groups_.world, c);
+    send_command(*groups_.world, command(ShardOp::kPing));
     return 0;
   });
 }
@@ -244,45 +217,45 @@ int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaMod
   auto& world = *groups.world;
   try {
     for (;;) {
-      Command c = receive_command(world);
+      ShardCommand c = receive_command(world);
       switch (c.op) {
-        case Op::kPrefill: {
+        case ShardOp::kPrefill: {
           const int64_t seq = c.get();
           const std::string policy = c.get_string();
           exec.prefill(seq, c.get_vector(), policy, false);
           break;
         }
-        case Op::kDecode: {
+        case ShardOp::kDecode: {
           std::vector<int64_t> tokens;
           const DecodeBatch b = decode_batch(c, &tokens);
           exec.decode(b, tokens);
           break;
         }
-        case Op::kRelease:
+        case ShardOp::kRelease:
           kv->release(c.get());
           break;
-        case Op::kCanPrefill: {
+        case ShardOp::kCanPrefill: {
           const int64_t n = c.get();
           world_sum(world, kv->can_prefill(n, c.get_string()) ? 0 : 1);
           break;
         }
-        case Op::kFitsWhenEmpty: {
+        case ShardOp::kFitsWhenEmpty: {
           const int64_t n = c.get();
           world_sum(world, kv->fits_when_empty(n, c.get_string()) ? 0 : 1);
           break;
         }
-        case Op::kCanDecode:
+        case ShardOp::kCanDecode:
           world_sum(world, kv->can_decode(c.get_vector()) ? 0 : 1);
           break;
-        case Op::kKeptTokens:
+        case ShardOp::kKeptTokens:
           world_sum(world, local_kept(*kv, layout, c.get()));
           break;
-        case Op::kUsage:
+        case ShardOp::kUsage:
           world_usage(world, *kv);
           break;
-        case Op::kPing:
+        case ShardOp::kPing:
           break;
-        case Op::kShutdown:
+        case ShardOp::kShutdown:
           return 0;
         default:
           KV_FAIL("unknown command " << static_cast<int64_t>(c.op) << " from rank 0");

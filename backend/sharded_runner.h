@@ -11,6 +11,8 @@
 
 namespace kvserve {
 
+struct ShardCommand;  // a command rank 0 broadcasts (sharded_runner.cpp)
+
 class ShardedRunner final : public ModelRunner {
  public:
   // on_comm_failure runs once when a transfer fails (the job is dead; e.g. stop the workers).
@@ -35,6 +37,8 @@ class ShardedRunner final : public ModelRunner {
  private:
   template <typename F>
   auto guarded(F&& f) -> decltype(f());
+  // Broadcasts `c`, then true only when every shard's `local` answer is yes.
+  bool every_shard(const ShardCommand& c, const std::function<bool()>& local);
   std::unique_ptr<PagedKvMemory> kv_;
   ParallelGroups groups_;
   ShardedExecutor exec_;

@@ -27,7 +27,7 @@ struct ForwardArgs {
 nlohmann::json shard_dump(const PagedKvMemory& kv, const ShardLayout& s, int64_t seq) {
   nlohmann::json layers = nlohmann::json::array();
   for (int64_t l = s.layer_begin; l < s.layer_end; ++l) {
-    auto pos = kv.kept_positions(seq, l).contiguous();
+    auto pos = kv.kept_positions(seq, l).cpu().contiguous();
     nlohmann::json heads = nlohmann::json::array();
     for (int64_t h = 0; h < pos.size(0); ++h) {
       auto row = pos[h];

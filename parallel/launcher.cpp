@@ -187,55 +187,46 @@ void WorkerGroup::monitor() {
   }
 }
 
+bool WorkerGroup::reap() {
+  std::lock_guard<std::mutex> lk(mu_);
+  bool any = false;
+  for (auto& c : children_) {
+    if (!c.alive) continue;
+    int status = 0;
+    if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.alive = false;
+    } else {
+      any = true;
+    }
+  }
+  return any;
+}
+
+void WorkerGroup::signal_alive(int sig) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& c : children_)
+    if (c.alive) ::kill(c.pid, sig);
+}
+
 void WorkerGroup::join(std::chrono::milliseconds grace) {
   stopping_ = true;
   const auto deadline = std::chrono::steady_clock::now() + grace;
-  while (std::chrono::steady_clock::now() < deadline) {
-    bool any = false;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (auto& c : children_) {
-        if (!c.alive) continue;
-        int status = 0;
-        if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
-          c.alive = false;
-        } else {
-          any = true;
-        }
-      }
-    }
-    if (!any) return;
+  while (reap()) {
+    if (std::chrono::steady_clock::now() >= deadline) return shutdown(std::chrono::milliseconds(2000));
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  shutdown(std::chrono::milliseconds(2000));
 }
 
 void WorkerGroup::shutdown(std::chrono::milliseconds grace) {
   stopping_ = true;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto& c : children_)
-      if (c.alive) ::kill(c.pid, SIGTERM);
-  }
+  signal_alive(SIGTERM);
   const auto deadline = std::chrono::steady_clock::now() + grace;
-  for (bool killed = false;;) {
-    bool any = false;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (auto& c : children_) {
-        if (!c.alive) continue;
-        int status = 0;
-        if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
-          c.alive = false;
-        } else {
-          any = true;
-          if (killed) continue;
-          if (std::chrono::steady_clock::now() >= deadline) ::kill(c.pid, SIGKILL);
-        }
-      }
+  bool killed = false;
+  while (reap()) {
+    if (!killed && std::chrono::steady_clock::now() >= deadline) {
+      signal_alive(SIGKILL);
+      killed = true;
     }
-    if (!any) return;
-    if (std::chrono::steady_clock::now() >= deadline) killed = true;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }

@@ -53,6 +53,8 @@ class WorkerGroup {
  private:
   WorkerGroup() = default;
   void monitor();
+  bool reap();                // reaps exited workers; true while any is alive
+  void signal_alive(int sig);
   struct Child {
     pid_t pid;
     int rank;

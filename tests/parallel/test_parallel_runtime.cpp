@@ -225,5 +225,19 @@ TEST(Communicator, AnAbsentPeerIsACommErrorWithinTheTimeout) {
   });
 }
 
+TEST(Communicator, NcclAllReduceAcrossTwoGpus) {
+  if (!parallel::nccl_available()) GTEST_SKIP() << "this build has no NCCL backend";
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  two_ranks(std::chrono::milliseconds(60000), [](int r, parallel::Communicator& comm) {
+    auto g = comm.new_group("gpu", {0, 1}, "nccl");
+    auto dev = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(r));
+    auto t = torch::full({4}, static_cast<float>(r + 1), torch::TensorOptions().device(dev));
+    g->all_reduce_sum(t);
+    EXPECT_TRUE(torch::equal(t.cpu(), torch::full({4}, 3.0f)));
+    auto all = g->all_gather(torch::full({1}, static_cast<float>(r), torch::TensorOptions().device(dev)));
+    EXPECT_TRUE(torch::equal(all.cpu(), torch::tensor({0.0f, 1.0f})));
+  });
+}
+
 }  // namespace
 }  // namespace kvserve

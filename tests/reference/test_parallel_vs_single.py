@@ -112,3 +112,18 @@ def test_custom_pipeline_split_and_bad_split(tmp_path):
     bad = run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--tp", "3",
                       check=False)
     assert bad.returncode != 0 and "tensor parallel size 3" in bad.stderr
+
+
+def test_cuda_nccl_tensor_and_pipeline_parallel(tmp_path):
+    """GPU only (skipped here): the NCCL path against the single-process CPU logits and kept positions."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 CUDA devices")
+    model = str(fixtures_dir() / "llama-kvfew")
+    ref_logits, ref_kept = forward(tmp_path, model, POLICIES["dynamickv"], 1, 1)
+    ids = write_json(tmp_path / "ids.json", PROMPT)
+    out, dump = tmp_path / "cuda.safetensors", tmp_path / "cuda.json"
+    run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--dump-kept", str(dump),
+                "--device", "cuda", "--dtype", "float32", "--tp", "2", "--pp", "2", *POLICIES["dynamickv"])
+    assert (load_file(str(out))["logits"] - ref_logits).abs().max().item() <= 1e-3
+    assert json.loads(dump.read_text())["budgets"] == ref_kept["budgets"]
