@@ -23,7 +23,8 @@ struct Sequence {
   GenerationRequest req;
   EventCallback on_event;
   std::vector<int64_t> output;
-  std::unique_ptr<SequenceSampler> sampler;
+  uint64_t seed = 0;            // the sampler's RNG seed (the request's, or one the engine drew)
+  bool sampler_added = false;   // the runner holds its sampler
   std::unique_ptr<IncrementalDetokenizer> detok;
   std::string held;       // decoded text not yet sent (could be the start of a stop string)
   bool in_cache = false;  // has KV in the memory
@@ -157,6 +158,10 @@ void finish(Sequence& s, ModelRunner* kv, const std::string& reason, const std::
     if (kv) kv->release(s.id);  // null once the job is dead: nothing left to free
     s.in_cache = false;
   }
+  if (s.sampler_added) {
+    if (kv) kv->remove_sequence(s.id);
+    s.sampler_added = false;
+  }
   GenerationEvent ev;
   ev.finished = true;
   ev.finish_reason = reason;
@@ -190,12 +195,9 @@ void Engine::loop() {
   Impl& im = *impl_;
   ModelRunner& kv = *im.runner;
   ModelRunner* live = &kv;  // null once the runner failed for good
-  const int64_t vocab = model_->config().vocab_size;
-
   // Handles one freshly sampled token: emits text, checks stop conditions. Returns true when done.
   auto on_token = [&](Sequence& s, int64_t tok, const TokenLogprob& chosen, std::vector<TokenLogprob> top) -> bool {
     s.output.push_back(tok);
-    s.sampler->observe(tok);
     const auto& sp = s.req.sampling;
     const bool is_eos = !sp.ignore_eos && std::find(im.eos_ids.begin(), im.eos_ids.end(), tok) != im.eos_ids.end();
     const bool is_stop_id = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok) != sp.stop_token_ids.end();
@@ -248,18 +250,10 @@ void Engine::loop() {
     return done;
   };
 
-  auto sample_row = [&](Sequence& s, const torch::Tensor& logits_row) -> bool {
-    torch::Tensor row = logits_row;
+  // min_tokens: EOS may not end the sequence yet, so the sampler masks it.
+  auto ban_eos = [](const Sequence& s) -> char {
     const auto& sp = s.req.sampling;
-    if (static_cast<int64_t>(s.output.size()) < sp.min_tokens && !sp.ignore_eos) {
-      row = row.clone();
-      for (int64_t e : im.eos_ids)
-        if (e < vocab) row[e] = -std::numeric_limits<float>::infinity();
-    }
-    TokenLogprob chosen;
-    std::vector<TokenLogprob> top;
-    const int64_t tok = s.sampler->sample(row, &chosen, &top);
-    return on_token(s, tok, chosen, std::move(top));
+    return static_cast<int64_t>(s.output.size()) < sp.min_tokens && !sp.ignore_eos;
   };
 
   // One scheduling step: cancellations, a decode step, admissions. True = the loop is done.
@@ -302,10 +296,12 @@ void Engine::loop() {
         tokens.push_back(s->output.back());
       }
       try {
-        torch::Tensor logits = kv.decode(batch, tokens);
+        std::vector<char> ban;
+        for (auto& s : im.running) ban.push_back(ban_eos(*s));
+        auto sampled = kv.decode(batch, tokens, ban);
         for (size_t i = 0; i < im.running.size(); ++i) {
           ++generated;
-          if (sample_row(*im.running[i], logits[i])) im.running[i].reset();
+          if (on_token(*im.running[i], sampled[i].token, sampled[i].chosen, std::move(sampled[i].top))) im.running[i].reset();
         }
       } catch (const parallel::CommError&) {
         throw;  // the job is dead: handled by the loop
@@ -332,14 +328,18 @@ void Engine::loop() {
       auto owned = std::move(im.waiting.front());
       im.waiting.pop_front();
       try {
+        if (!owned->sampler_added) {
+          kv.add_sequence(owned->id, owned->req.sampling, owned->req.prompt_ids, owned->seed, im.eos_ids);
+          owned->sampler_added = true;
+        }
         owned->in_cache = true;
-        torch::Tensor logits = kv.prefill(owned->id, toks, owned->req.kv_policy);
+        auto first = kv.prefill(owned->id, toks, owned->req.kv_policy, owned->output.empty(), ban_eos(*owned));
         prefilled += n;
         owned->kept_kv = kv.kept_tokens(owned->id);
         owned->full_kv = n * model_->config().num_hidden_layers;
-        if (owned->output.empty()) {
+        if (first) {
           ++generated;
-          if (sample_row(*owned, logits[0])) continue;  // finished on its first token
+          if (on_token(*owned, first->token, first->chosen, std::move(first->top))) continue;  // finished on its first token
         }
         im.running.push_back(std::move(owned));
       } catch (const parallel::CommError&) {
@@ -395,7 +395,7 @@ void Engine::loop() {
     }
     for (auto& s : fresh) {
       s->id = im.next_id++;
-      s->sampler = std::make_unique<SequenceSampler>(s->req.sampling, s->req.prompt_ids, im.seed_rng());
+      s->seed = s->req.sampling.seed.value_or(im.seed_rng());
       s->detok = std::make_unique<IncrementalDetokenizer>(*tokenizer_, s->req.sampling.skip_special_tokens,
                                                           s->req.prompt_ids);
       im.waiting.push_back(std::move(s));

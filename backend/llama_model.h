@@ -20,9 +20,11 @@ namespace kvserve {
 
 // How to load a checkpoint: device, compute dtype (default fp32 on CPU, bf16 on CUDA), progress output.
 struct LoadOptions {
-  std::string device = "cpu";
+  LoadOptions(std::string device_ = "cpu", std::string dtype_ = "", bool progress_ = true)
+      : device(std::move(device_)), dtype(std::move(dtype_)), progress(progress_) {}
+  std::string device;
   std::string dtype;  // empty = device default
-  bool progress = true;
+  bool progress;
   // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
   // tensor-parallel group whose ranks hold the other slices.
   ShardLayout layout;

@@ -20,12 +20,19 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const LlamaModel& model, const Eng
                                          std::move(shard));
 }
 
-torch::Tensor LocalRunner::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy) {
-  return model_->prefill(seq_id, tokens, *kv_, false, policy).to(torch::kCPU);
+std::optional<SampledToken> LocalRunner::prefill(int64_t seq_id, const std::vector<int64_t>& tokens,
+                                                const std::string& policy, bool sample, bool ban_eos) {
+  torch::Tensor logits = model_->prefill(seq_id, tokens, *kv_, false, policy);
+  if (!sample) return std::nullopt;
+  return samplers_.sample(seq_id, logits[0], ban_eos);
 }
 
-torch::Tensor LocalRunner::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) {
-  return model_->decode(batch, tokens, *kv_).to(torch::kCPU);
+std::vector<SampledToken> LocalRunner::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens,
+                                              const std::vector<char>& ban_eos) {
+  torch::Tensor logits = model_->decode(batch, tokens, *kv_).to(torch::kCPU);
+  std::vector<SampledToken> out;
+  for (size_t i = 0; i < batch.seq_ids.size(); ++i) out.push_back(samplers_.sample(batch.seq_ids[i], logits[static_cast<int64_t>(i)], ban_eos[i]));
+  return out;
 }
 
 }  // namespace kvserve

@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "engine.h"
 #include "kv_memory.h"
 #include "paged_kv_memory.h"
+#include "sampler.h"
 
 namespace kvserve {
 
@@ -26,9 +28,18 @@ struct KvUsage {
 class ModelRunner {
  public:
   virtual ~ModelRunner() = default;
-  // fp32 logits on the CPU: [1, V] of the prompt's last position / [B, V] one row per sequence.
-  virtual torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy) = 0;
-  virtual torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) = 0;
+  // A new request's sampler (kept until remove_sequence, across preemptions), placed where the
+  // logits are: here, or on a pipeline's last stage.
+  virtual void add_sequence(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt,
+                            uint64_t seed, const std::vector<int64_t>& eos_ids) = 0;
+  virtual void remove_sequence(int64_t seq_id) = 0;
+  // Prefills the prompt into the KV memory; samples the first token when `sample` (not after a
+  // preemption, whose next token is already known). ban_eos: min_tokens not reached yet.
+  virtual std::optional<SampledToken> prefill(int64_t seq_id, const std::vector<int64_t>& tokens,
+                                              const std::string& policy, bool sample, bool ban_eos) = 0;
+  // One token per sequence in, one sampled token per sequence out.
+  virtual std::vector<SampledToken> decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens,
+                                           const std::vector<char>& ban_eos) = 0;
   virtual void release(int64_t seq_id) = 0;
   // Admission: true only when every shard can hold it.
   virtual bool can_prefill(int64_t prompt_len, const std::string& policy) = 0;
@@ -50,8 +61,15 @@ class LocalRunner final : public ModelRunner {
  public:
   LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv)
       : model_(std::move(model)), kv_(std::move(kv)) {}
-  torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy) override;
-  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) override;
+  void add_sequence(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t seed,
+                    const std::vector<int64_t>& eos_ids) override {
+    samplers_.add(seq_id, params, prompt, seed, eos_ids);
+  }
+  void remove_sequence(int64_t seq_id) override { samplers_.remove(seq_id); }
+  std::optional<SampledToken> prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy,
+                                      bool sample, bool ban_eos) override;
+  std::vector<SampledToken> decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens,
+                                   const std::vector<char>& ban_eos) override;
   void release(int64_t seq_id) override { kv_->release(seq_id); }
   bool can_prefill(int64_t n, const std::string& policy) override { return kv_->can_prefill(n, policy); }
   bool fits_when_empty(int64_t n, const std::string& policy) override { return kv_->fits_when_empty(n, policy); }
@@ -62,6 +80,7 @@ class LocalRunner final : public ModelRunner {
  private:
   std::shared_ptr<LlamaModel> model_;
   std::unique_ptr<PagedKvMemory> kv_;
+  SamplerBank samplers_;
 };
 
 }  // namespace kvserve

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "kv_check.h"
@@ -124,6 +125,26 @@ int64_t SequenceSampler::sample(const torch::Tensor& logits_in, TokenLogprob* ch
     }
   }
   return token;
+}
+
+void SamplerBank::add(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t seed,
+                      std::vector<int64_t> eos_ids) {
+  samplers_[seq_id] = Entry{std::make_unique<SequenceSampler>(params, prompt, seed), std::move(eos_ids)};
+}
+
+SampledToken SamplerBank::sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos) {
+  auto it = samplers_.find(seq_id);
+  KV_CHECK(it != samplers_.end(), "internal: no sampler for sequence " << seq_id);
+  torch::Tensor row = logits.to(torch::kCPU, torch::kFloat32);
+  if (ban_eos) {
+    row = row.clone();
+    for (int64_t e : it->second.eos_ids)
+      if (e >= 0 && e < row.numel()) row[e] = -std::numeric_limits<float>::infinity();
+  }
+  SampledToken out;
+  out.token = it->second.sampler->sample(row, &out.chosen, &out.top);
+  it->second.sampler->observe(out.token);
+  return out;
 }
 
 }  // namespace kvserve

@@ -28,7 +28,7 @@ int64_t ShardedExecutor::next_rank() const { return layout().global_rank(layout(
 int64_t ShardedExecutor::last_stage_head() const { return layout().global_rank(layout().pp_size - 1, 0); }
 
 torch::Tensor ShardedExecutor::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy,
-                                       bool all_logits) {
+                                       bool all_logits, bool to_rank0) {
   torch::NoGradGuard ng;
   const ShardLayout& s = layout();
   const int64_t T = static_cast<int64_t>(tokens.size());
@@ -65,7 +65,7 @@ torch::Tensor ShardedExecutor::prefill(int64_t seq_id, const std::vector<int64_t
     }
   } else {
     logits = model_->logits(all_logits ? x : x.narrow(0, T - 1, 1));
-    if (s.tp_rank == 0 && rank != 0) data.send_tensor(logits, 0, kPrefillLogits);
+    if (to_rank0 && s.tp_rank == 0 && rank != 0) data.send_tensor(logits, 0, kPrefillLogits);
   }
   if (dynamic && s.pp_size > 1) {
     // The last stage alone saw every layer's scores: its final budgets settle the earlier stages.
@@ -80,12 +80,13 @@ torch::Tensor ShardedExecutor::prefill(int64_t seq_id, const std::vector<int64_t
       kv_.apply_final_budgets(seq_id, b);
     }
   }
-  if (rank == 0 && !s.last_stage()) logits = data.recv_tensor(static_cast<int>(last_stage_head()), kPrefillLogits, dev);
   data.wait_sends();
+  if (!to_rank0) return logits;
+  if (rank == 0 && !s.last_stage()) logits = data.recv_tensor(static_cast<int>(last_stage_head()), kPrefillLogits, dev);
   return rank == 0 ? logits.to(torch::kCPU) : torch::Tensor();
 }
 
-torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) {
+torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0) {
   torch::NoGradGuard ng;
   const ShardLayout& s = layout();
   const int64_t B = static_cast<int64_t>(tokens.size());
@@ -110,12 +111,16 @@ torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vecto
       data.send_tensor(x, static_cast<int>(next_rank()), kDecodeHidden + static_cast<int>(m));
     } else {
       auto lg = model_->logits(x);
-      if (rank == 0) {
+      if (rank == 0 || !to_rank0) {
         out.push_back(lg);
       } else if (s.tp_rank == 0) {
         data.send_tensor(lg, 0, kDecodeLogits + static_cast<int>(m));
       }
     }
+  }
+  if (!to_rank0) {
+    data.wait_sends();
+    return s.last_stage() ? torch::cat(out) : torch::Tensor();
   }
   if (rank == 0 && !s.last_stage()) {
     for (int64_t m = 0; m < M; ++m)

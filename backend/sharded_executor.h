@@ -31,11 +31,13 @@ class ShardedExecutor {
   // micro_batches: decode micro-batches in flight (0 = one per pipeline stage).
   ShardedExecutor(std::shared_ptr<LlamaModel> model, PagedKvMemory& kv, ParallelGroups groups, int64_t micro_batches = 0);
 
-  // fp32 logits on global rank 0 (CPU): every position's ([T, V]) when all_logits, else the last
-  // one's ([1, V]); an undefined tensor on other ranks.
-  torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy, bool all_logits);
-  // [B, V] on global rank 0, undefined elsewhere.
-  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens);
+  // fp32 logits: every position's ([T, V]) when all_logits, else the last one's ([1, V]). With
+  // to_rank0 they end on global rank 0 (CPU), else they stay on the last stage's ranks (where the
+  // samplers are); an undefined tensor on the other ranks.
+  torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy, bool all_logits,
+                        bool to_rank0 = true);
+  // [B, V], placed as for prefill.
+  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0 = true);
 
   const ShardLayout& layout() const;
   PagedKvMemory& memory() { return kv_; }

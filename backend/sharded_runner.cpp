@@ -1,5 +1,6 @@
 #include "sharded_runner.h"
 
+#include <bit>
 #include <iostream>
 
 #include "communicator.h"
@@ -19,6 +20,8 @@ enum class ShardOp : int64_t {
   kUsage,
   kPing,
   kShutdown,
+  kAddSequence,
+  kRemoveSequence,
 };
 
 // A command: op + int64 payload (strings as one byte per element).
@@ -28,6 +31,12 @@ struct ShardCommand {
   size_t at = 0;  // read cursor
 
   void put(int64_t v) { payload.push_back(v); }
+  void put(double v) { payload.push_back(std::bit_cast<int64_t>(v)); }
+  void put(const std::vector<char>& v) { put(std::vector<int64_t>(v.begin(), v.end())); }
+  void put(const SamplingParams& p) {
+    put(p.temperature), put(p.top_p), put(p.top_k), put(p.min_p), put(p.repetition_penalty);
+    put(p.presence_penalty), put(p.frequency_penalty), put(p.logprobs);
+  }
   void put(const std::vector<int64_t>& v) {
     put(static_cast<int64_t>(v.size()));
     payload.insert(payload.end(), v.begin(), v.end());
@@ -47,6 +56,24 @@ struct ShardCommand {
     at += static_cast<size_t>(n);
     return v;
   }
+  double get_double() { return std::bit_cast<double>(get()); }
+  std::vector<char> get_flags() {
+    auto v = get_vector();
+    return std::vector<char>(v.begin(), v.end());
+  }
+  // Only what the sampler reads; stop conditions stay with rank 0's engine.
+  SamplingParams get_params() {
+    SamplingParams p;
+    p.temperature = get_double();
+    p.top_p = get_double();
+    p.top_k = get();
+    p.min_p = get_double();
+    p.repetition_penalty = get_double();
+    p.presence_penalty = get_double();
+    p.frequency_penalty = get_double();
+    p.logprobs = get();
+    return p;
+  }
   std::string get_string() {
     std::string s;
     for (int64_t c : get_vector()) s.push_back(static_cast<char>(c));
@@ -55,6 +82,8 @@ struct ShardCommand {
 };
 
 namespace {
+
+constexpr int kSampledTag = 9;
 
 template <typename... Args>
 ShardCommand command(ShardOp op, const Args&... args) {
@@ -106,6 +135,58 @@ int64_t local_kept(const PagedKvMemory& kv, const ShardLayout& s, int64_t seq_id
   return s.tp_rank == 0 ? kv.kept_tokens(seq_id) : 0;
 }
 
+// The rank that samples: the last stage's first TP rank (every TP rank there has the full logits).
+int sampler_rank(const ShardLayout& s) { return static_cast<int>(s.global_rank(s.pp_size - 1, 0)); }
+
+// Sampled tokens travel to rank 0 as float64: token, chosen logprob, top count, (id, logprob)...
+torch::Tensor pack(const std::vector<SampledToken>& v) {
+  std::vector<double> d;
+  for (const auto& t : v) {
+    d.push_back(static_cast<double>(t.token));
+    d.push_back(t.chosen.logprob);
+    d.push_back(static_cast<double>(t.top.size()));
+    for (const auto& x : t.top) d.push_back(static_cast<double>(x.token_id)), d.push_back(x.logprob);
+  }
+  return torch::tensor(d, torch::kFloat64);
+}
+
+std::vector<SampledToken> unpack(const torch::Tensor& t, size_t rows) {
+  const double* d = t.data_ptr<double>();
+  const int64_t n = t.numel();
+  int64_t at = 0;
+  std::vector<SampledToken> out(rows);
+  for (auto& s : out) {
+    KV_CHECK(at + 3 <= n, "malformed sampled tokens from the last pipeline stage");
+    s.token = static_cast<int64_t>(d[at]);
+    s.chosen.token_id = s.token;
+    s.chosen.logprob = d[at + 1];
+    const auto k = static_cast<int64_t>(d[at + 2]);
+    at += 3;
+    KV_CHECK(k >= 0 && at + 2 * k <= n, "malformed sampled tokens from the last pipeline stage");
+    for (int64_t i = 0; i < k; ++i, at += 2) s.top.push_back({static_cast<int64_t>(d[at]), "", d[at + 1]});
+  }
+  return out;
+}
+
+// Every rank calls it after a step with its logits (defined on the last stage): the sampler rank
+// samples each row, and rank 0 gets the tokens (only they and the requested logprobs travel).
+std::vector<SampledToken> sample_rows(parallel::ProcessGroup& world, const ShardLayout& s, SamplerBank& bank,
+                                      const torch::Tensor& logits, const std::vector<int64_t>& seq_ids,
+                                      const std::vector<char>& ban) {
+  std::vector<SampledToken> out;
+  const int me = world.rank(), src = sampler_rank(s);
+  if (me == src) {
+    for (size_t i = 0; i < seq_ids.size(); ++i) out.push_back(bank.sample(seq_ids[i], logits[static_cast<int64_t>(i)], ban[i]));
+    if (me != 0) {
+      world.send_tensor(pack(out), 0, kSampledTag);
+      world.wait_sends();
+    }
+  } else if (me == 0) {
+    out = unpack(world.recv_tensor(src, kSampledTag, torch::kCPU), seq_ids.size());
+  }
+  return out;
+}
+
 DecodeBatch decode_batch(ShardCommand& c, std::vector<int64_t>* tokens) {
   DecodeBatch b;
   b.seq_ids = c.get_vector();
@@ -148,17 +229,40 @@ auto ShardedRunner::guarded(F&& f) -> decltype(f()) {
   }
 }
 
-torch::Tensor ShardedRunner::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy) {
-  return guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kPrefill, seq_id, policy, tokens));
-    return exec_.prefill(seq_id, tokens, policy, false);
+void ShardedRunner::add_sequence(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt,
+                                 uint64_t seed, const std::vector<int64_t>& eos_ids) {
+  guarded([&] {
+    send_command(*groups_.world, command(ShardOp::kAddSequence, seq_id, static_cast<int64_t>(seed), eos_ids, prompt, params));
+    if (sampler_rank(exec_.layout()) == 0) samplers_.add(seq_id, params, prompt, seed, eos_ids);
+    return 0;
   });
 }
 
-torch::Tensor ShardedRunner::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) {
+void ShardedRunner::remove_sequence(int64_t seq_id) {
+  guarded([&] {
+    send_command(*groups_.world, command(ShardOp::kRemoveSequence, seq_id));
+    samplers_.remove(seq_id);
+    return 0;
+  });
+}
+
+std::optional<SampledToken> ShardedRunner::prefill(int64_t seq_id, const std::vector<int64_t>& tokens,
+                                                   const std::string& policy, bool sample, bool ban_eos) {
+  return guarded([&]() -> std::optional<SampledToken> {
+    send_command(*groups_.world, command(ShardOp::kPrefill, seq_id, policy, tokens, static_cast<int64_t>(sample),
+                                         static_cast<int64_t>(ban_eos)));
+    auto logits = exec_.prefill(seq_id, tokens, policy, false, /*to_rank0=*/false);
+    if (!sample) return std::nullopt;
+    return sample_rows(*groups_.world, exec_.layout(), samplers_, logits, {seq_id}, {static_cast<char>(ban_eos)})[0];
+  });
+}
+
+std::vector<SampledToken> ShardedRunner::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens,
+                                                const std::vector<char>& ban_eos) {
   return guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kDecode, batch.seq_ids, batch.positions, tokens));
-    return exec_.decode(batch, tokens);
+    send_command(*groups_.world, command(ShardOp::kDecode, batch.seq_ids, batch.positions, tokens, ban_eos));
+    auto logits = exec_.decode(batch, tokens, /*to_rank0=*/false);
+    return sample_rows(*groups_.world, exec_.layout(), samplers_, logits, batch.seq_ids, ban_eos);
   });
 }
 
@@ -214,21 +318,41 @@ int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaMod
                      int64_t micro_batches) {
   const ShardLayout layout = model->layout();
   ShardedExecutor exec(std::move(model), *kv, groups, micro_batches);
+  SamplerBank samplers;  // used on the sampler rank only
+  const bool sampler = sampler_rank(layout) == groups.world->rank();
   auto& world = *groups.world;
   try {
     for (;;) {
       ShardCommand c = receive_command(world);
       switch (c.op) {
+        case ShardOp::kAddSequence: {
+          const int64_t seq = c.get();
+          const auto seed = static_cast<uint64_t>(c.get());
+          auto eos = c.get_vector();
+          auto prompt = c.get_vector();
+          const SamplingParams params = c.get_params();
+          if (sampler) samplers.add(seq, params, prompt, seed, std::move(eos));
+          break;
+        }
+        case ShardOp::kRemoveSequence:
+          samplers.remove(c.get());
+          break;
         case ShardOp::kPrefill: {
           const int64_t seq = c.get();
           const std::string policy = c.get_string();
-          exec.prefill(seq, c.get_vector(), policy, false);
+          const auto tokens = c.get_vector();
+          const bool sample = c.get() != 0;
+          const char ban = static_cast<char>(c.get());
+          auto logits = exec.prefill(seq, tokens, policy, false, /*to_rank0=*/false);
+          if (sample) sample_rows(world, layout, samplers, logits, {seq}, {ban});
           break;
         }
         case ShardOp::kDecode: {
           std::vector<int64_t> tokens;
           const DecodeBatch b = decode_batch(c, &tokens);
-          exec.decode(b, tokens);
+          const auto ban = c.get_flags();
+          auto logits = exec.decode(b, tokens, /*to_rank0=*/false);
+          sample_rows(world, layout, samplers, logits, b.seq_ids, ban);
           break;
         }
         case ShardOp::kRelease:

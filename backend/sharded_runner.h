@@ -1,5 +1,6 @@
 #pragma once
-// ShardedRunner: the engine's ModelRunner on rank 0 of a TP x PP job. Each call is broadcast to
+// ShardedRunner: the engine's ModelRunner on rank 0 of a TP x PP job. Samplers live on the last
+// stage (TP rank 0), which sends rank 0 only the sampled tokens and requested logprobs. Each call is broadcast to
 // every rank as a command; all ranks then run the same ShardedExecutor step or answer the same
 // admission question about their own shard (the answer is the strictest one). ShardWorker is the
 // other ranks' side of that loop.
@@ -20,8 +21,13 @@ class ShardedRunner final : public ModelRunner {
                 int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure);
   ~ShardedRunner() override;  // tells the workers to exit
 
-  torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy) override;
-  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) override;
+  void add_sequence(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t seed,
+                    const std::vector<int64_t>& eos_ids) override;
+  void remove_sequence(int64_t seq_id) override;
+  std::optional<SampledToken> prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy,
+                                      bool sample, bool ban_eos) override;
+  std::vector<SampledToken> decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens,
+                                   const std::vector<char>& ban_eos) override;
   void release(int64_t seq_id) override;
   bool can_prefill(int64_t prompt_len, const std::string& policy) override;
   bool fits_when_empty(int64_t prompt_len, const std::string& policy) override;
@@ -43,6 +49,7 @@ class ShardedRunner final : public ModelRunner {
   ParallelGroups groups_;
   ShardedExecutor exec_;
   std::function<void(const std::string&)> on_comm_failure_;
+  SamplerBank samplers_;  // used when rank 0 is also the last stage (no pipeline)
   bool dead_ = false;
   bool stopped_ = false;
 };

@@ -95,6 +95,22 @@ def test_generate_sharded_equals_single_process(policy):
         assert generate(model, POLICIES[policy], tp, pp) == ref, f"{policy} TP={tp} PP={pp}"
 
 
+def test_seeded_sampling_on_the_last_stage_equals_single_process():
+    """The samplers live on the last pipeline stage: seeded temperature sampling with logprobs and
+    min_tokens gives what one process gives."""
+    model = str(fixtures_dir() / "llama-kvfew")
+
+    def run(tp, pp):
+        proc = run_kvserve("generate", "--model", model, "--prompt-ids", *map(str, PROMPT), "--max-tokens", "10",
+                           "--temperature", "0.9", "--top-k", "50", "--seed", "1234", "--json", "--tp", str(tp),
+                           "--pp", str(pp), *POLICIES["pyramidkv"])
+        return json.loads(proc.stdout)["token_ids"]
+
+    ref = run(1, 1)
+    for tp, pp in LAYOUTS[1:]:
+        assert run(tp, pp) == ref, f"TP={tp} PP={pp}"
+
+
 def test_custom_pipeline_split_and_bad_split(tmp_path):
     model = str(fixtures_dir() / "llama-kvfew")
     ref_logits, ref_kept = forward(tmp_path, model, POLICIES["pyramidkv"], 1, 1)
