@@ -5,7 +5,8 @@ language-modelling check, its figure 3), with `kvserve perplexity`.
 Held-out plain-text documents (tools/retrieval_tasks.py "continue" task, another seed than
 training) are decoded token by token, teacher-forced, through kvserve's paged KV memory; a policy
 with decode_budget = round(fraction x length) evicts as the cache grows (knorm drops the largest
-key norms, streamingllm the oldest non-sink tokens). Writes perplexity.csv, perplexity.md and
+key norms, streamingllm the oldest non-sink tokens; h2o is not offered: decode computes no attention
+scores). Writes perplexity.csv, perplexity.md and
 perplexity_vs_kept.png to --out.
 
   python3 tools/eval_perplexity.py --kvserve build/kvserve --out docs/eval
@@ -33,7 +34,6 @@ VARIANTS = {
     "knorm": ("knorm", {}),                                   # the paper's default: layers 0 and 1 kept whole
     "knorm-all-layers": ("knorm", {"skip_layers": "none"}),  # every layer evicts
     "streamingllm": ("streamingllm", {}),                     # sink 4 + most recent
-    "h2o": ("h2o", {}),                                       # accumulated attention
 }
 
 

@@ -192,6 +192,11 @@ def heatmaps(rows: list, out: pathlib.Path, table: dict, lengths: list, depths: 
             for ax, name in zip(axes[0], names):
                 m = np.array([[acc.get((name, task, L, d), np.nan) for L in lengths] for d in depths])
                 im = ax.imshow(m, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+                for yi in range(len(depths)):
+                    for xi in range(len(lengths)):
+                        if not np.isnan(m[yi, xi]):
+                            ax.text(xi, yi, f"{m[yi, xi]:.1f}".lstrip("0") if m[yi, xi] < 1 else "1",
+                                    ha="center", va="center", fontsize=6)
                 ax.set_xticks(range(len(lengths)))
                 ax.set_xticklabels([str(L) for L in lengths], rotation=90, fontsize=7)
                 ax.set_yticks(range(len(depths)))
@@ -201,7 +206,7 @@ def heatmaps(rows: list, out: pathlib.Path, table: dict, lengths: list, depths: 
                 if ax is axes[0][0]:
                     ax.set_ylabel("depth", fontsize=7)
             fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-            fig.suptitle(f"{task}: exact-match accuracy ({gname})", fontsize=9)
+            fig.suptitle(f"{task}: exact-match accuracy ({gname})", fontsize=9, y=1.04)
             f = out / f"heatmap_{task}_{gname}.png"
             fig.savefig(f, dpi=110, bbox_inches="tight")
             plt.close(fig)
@@ -247,7 +252,8 @@ def main() -> None:
                     help="knorm also at these compression percentages (budget ratio 1 - c/100)")
     ap.add_argument("--window", type=int, default=None, help="override the observation window of window policies")
     ap.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
-    ap.add_argument("--lengths", nargs="+", type=int, default=[256, 512, 1024, 1536, 2048])
+    ap.add_argument("--lengths", nargs="+", type=int, default=None,
+                    help="prompt lengths in tokens (default: 1/8, 1/4, 1/2, 3/4 and all of the model's max length)")
     ap.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--n", type=int, default=2, help="samples per (task, length, depth) cell")
     ap.add_argument("--n-keys", type=int, default=4, help="key-value pairs in a multikey prompt")
@@ -260,6 +266,9 @@ def main() -> None:
     args = ap.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.lengths is None:
+        max_len = json.loads((pathlib.Path(args.model) / "config.json").read_text())["max_position_embeddings"]
+        args.lengths = [max_len // 8, max_len // 4, max_len // 2, max_len * 3 // 4, max_len]
     table = policy_table(args.policies, args.budgets, args.knorm_compressions if "knorm" in args.policies else [],
                          args.window)
     samples = build_samples(args.model, args.tasks, args.lengths, args.depths, args.n, args.seed, args.n_keys)

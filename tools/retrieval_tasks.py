@@ -249,6 +249,16 @@ def build(builder: Builder, rng: random.Random, task: str, length: int, depth: f
         meta = {"depth": depths[ask], "n_keys": k,
                 "extra_qa": [(f" What is the value of key {kk}?", f" The value of key {kk} is", f" {vv}")
                              for i, (kk, vv) in enumerate(zip(keys, vals)) if i != ask]}
+    elif task == "copy":
+        # Induction warm-up (training only): a random list, then the same list again as the answer.
+        n = max(4, min(40, length // 12))
+        pool = WORDS + COLORS + ANIMALS + CITIES
+        items = [digits(rng, rng.randint(1, 4)) if rng.random() < 0.4 else rng.choice(pool) for _ in range(n)]
+        listing = " " + " ".join(items)
+        head = "Here is a list of items:" + listing + "."
+        question, qprefix, answer = " Repeat the list.", " The list is:", listing
+        facts = []
+        meta = {}
     else:
         head, question, qprefix, answer = "", "", "", ""
         meta = {}

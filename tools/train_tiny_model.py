@@ -101,15 +101,20 @@ def make_model(vocab: int, args):
 
 
 TASKS = (("passkey", 0.22), ("needle", 0.33), ("multikey", 0.27), ("continue", 0.18))
+# After the induction stage (see main), "repeat" samples (short random token sequences, each
+# repeated, every token of a copy a target) form and keep the copying heads; "copy" samples (repeat a
+# list of words/numbers across filler text) bridge to the real tasks. Both fade.
+REPEAT_SHARE = lambda progress: 0.5 if progress < 0.3 else max(0.15, 0.5 - (progress - 0.3) * 1.2)  # noqa: E731
+COPY_SHARE = lambda progress: max(0.0, 0.25 * (1 - progress / 0.45))  # noqa: E731
 
 
 def curriculum_len(progress: float, rng: random.Random, max_len: int) -> int:
     """Short contexts early, the full length later (mostly long in the second half)."""
-    if progress < 0.08:
+    if progress < 0.4:
         top = 256
     else:
-        top = int(256 + (max_len - 256) * min(1.0, (progress - 0.08) / 0.4))
-    lo = 64 if progress < 0.48 else max_len // 4
+        top = int(256 + (max_len - 256) * min(1.0, (progress - 0.4) / 0.4))
+    lo = 64 if progress < 0.8 else max_len // 4
     if rng.random() < 0.4:
         length = top
     else:
@@ -117,16 +122,31 @@ def curriculum_len(progress: float, rng: random.Random, max_len: int) -> int:
     return max(64, (length // 32) * 32)
 
 
-def make_batch(builder, rng, length, n, cap, chat_frac=0.15):
+def make_batch(builder, rng, length, n, cap, chat_frac=0.15, copy_share=0.0, repeat_share=0.0, vocab=0):
     rows, masks = [], []
     for _ in range(n):
+        if rng.random() < repeat_share:
+            # Packed short repeats: [bos] r1 r1 r2 r2 ..., |r| in 8..32, every repeated token a target.
+            # Short spans matter: attention at init is spread over the whole row, so the copying heads
+            # form far faster over 8-32 tokens than over hundreds.
+            row, mask = [builder.bos], [0]
+            while len(row) < length:
+                k = rng.randint(8, 32)
+                seq = [rng.randrange(len(SPECIALS), vocab) for _ in range(k)]
+                row += seq + seq
+                mask += [0] * (k + 1) + [1] * (k - 1)
+            rows.append(row[:length])
+            masks.append(mask[:length])
+            continue
         r = rng.random()
         acc = 0.0
         for task, p in TASKS:
             acc += p
             if r < acc:
                 break
-        chat = task != "continue" and rng.random() < chat_frac
+        if rng.random() < copy_share:
+            task = "copy"
+        chat = task not in ("continue", "copy") and rng.random() < chat_frac
         n_needles = 1 if chat or rng.random() < 0.4 else rng.randint(2, 4)
         text, ids, ans, ans_ids, meta = rt.build(builder, rng, task, length, chat=chat, n_needles=n_needles)
         full = ids + ans_ids
@@ -193,6 +213,15 @@ def quick_eval(model, builder, seed, length, n=24):
     return res
 
 
+def induction_loss(model, g, vocab, rows=32, k=24):
+    """Cross-entropy of copying: rows x [bos, r, r] with |r| = k random tokens; targets = the second r."""
+    r = torch.randint(len(SPECIALS), vocab, (rows, k), generator=g)
+    x = torch.cat([torch.zeros(rows, 1, dtype=torch.long), r, r], 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lg = model(input_ids=x).logits[:, k + 1:-1].float()
+    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), x[:, k + 2:].reshape(-1)), x
+
+
 def save(model, tok_dir: pathlib.Path, out: pathlib.Path, dtype=torch.float32):
     out.mkdir(parents=True, exist_ok=True)
     m = model.to(dtype)
@@ -208,11 +237,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-retriever"))
     ap.add_argument("--seed", type=int, default=20261122)
-    ap.add_argument("--steps", type=int, default=720)
-    ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--lm-weight", type=float, default=0.3)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=128)
@@ -223,6 +252,7 @@ def main() -> None:
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--threads", type=int, default=1,
                     help="1 is fastest on a shared 2-core machine (2 threads spin against other jobs)")
+    ap.add_argument("--induction-steps", type=int, default=0, help="stage-1 steps of pure repeated random sequences")
     ap.add_argument("--ckpt-every", type=int, default=250)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--resume", action="store_true")
@@ -264,16 +294,43 @@ def main() -> None:
     steps = args.steps
     tokens = 0
     t0 = time.time()
+    ind_gen = torch.Generator().manual_seed(args.seed)
+    if step0 == 0 and args.induction_steps > 0:
+        # Stage 1: only short repeated random sequences (32 x [bos, r, r], |r| = 24) at lr 3e-3. This
+        # reliably forms copying (induction) heads in ~200 steps (loss ~0 by 300); mixed into the task
+        # data from the start they had not formed after 300-450 steps in four attempts. Stage 2 then
+        # runs at a lower peak lr (--lr) so that the heads survive the switch to the task data.
+        for istep in range(args.induction_steps):
+            lr = 3e-3 * min(1.0, (istep + 1) / 30)
+            for grp in opt.param_groups:
+                grp["lr"] = lr
+            loss, x = induction_loss(model, ind_gen, vocab)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            tokens += x.numel()
+            if istep % 20 == 0:
+                print(f"induction step {istep} loss {loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
+                log.append({"induction_step": istep, "loss": round(loss.item(), 4)})
+        opt.state.clear()  # fresh Adam moments for stage 2 (stage-1 moments made its first updates huge)
     for step in range(step0, steps):
         progress = step / steps
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
         length = curriculum_len(progress if not args.dry_run else 0.6, data_rng, args.max_len)
-        n = max(1, args.batch_tokens // length)
-        x, am, valid = make_batch(builder, data_rng, length, n, args.max_len)
+        # Small batches early (many cheap steps while the retrieval circuits form), 4 long sequences late.
+        n = min(32, max(4, args.batch_tokens // length))
+        x, am, valid = make_batch(builder, data_rng, length, n, args.max_len,
+                                copy_share=COPY_SHARE(progress if not args.dry_run else 0.6),
+                                repeat_share=REPEAT_SHARE(progress if not args.dry_run else 0.6), vocab=vocab)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, ans, lm = loss_fn(model, x, am, valid, args.lm_weight)
+        if args.induction_steps > 0:
+            # Keep the stage-1 objective in every step (16 rows) so the copying heads are not unlearnt.
+            ind, _ = induction_loss(model, ind_gen, vocab, rows=16)
+            loss = loss + ind
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -118,7 +118,8 @@ TEST(ServerConfig, DefaultYamlIsValid) {
   EXPECT_EQ(c.server.host, "127.0.0.1");
   EXPECT_EQ(c.server.port, 8000);
   EXPECT_EQ(c.model.device, "cpu");
-  EXPECT_EQ(c.model.path, "models/tiny-llama");
+  EXPECT_EQ(c.model.path, "models/tiny-retriever");
+  EXPECT_EQ(c.model_name(), "tiny-retriever");
 }
 
 struct BadCase {
