@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -101,8 +102,11 @@ default_policy: full
                            "kv_policy": policy}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            return json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
     def stop(self):
         if self.proc.poll() is None:
@@ -135,7 +139,8 @@ def policy_table(policies: list, budgets: list, knorm_compressions: list, window
 
 
 def build_samples(model_dir: str, tasks: list, lengths: list, depths: list, n: int, seed: int,
-                  n_keys: int) -> list:
+                  n_keys: int, max_tokens: int) -> list:
+    """Prompts of about `length - max_tokens` tokens, so prompt + generation fit in `length`."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(pathlib.Path(model_dir) / "tokenizer.json"))
     b = rt.Builder(tok, tok.token_to_id("<|begin_of_text|>"))
@@ -146,7 +151,7 @@ def build_samples(model_dir: str, tasks: list, lengths: list, depths: list, n: i
                 for i in range(n):
                     rng = random.Random(f"{seed}/{task}/{length}/{depth}/{i}")
                     text, ids, answer, ans_ids, meta = rt.build(
-                        b, rng, task, length, depth=depth, passkey_digits=5, n_keys=n_keys)
+                        b, rng, task, length - max_tokens, depth=depth, passkey_digits=5, n_keys=n_keys)
                     out.append({"task": task, "length": length, "depth": depth, "i": i, "prompt": text,
                                 "prompt_tokens": len(ids), "answer": answer.strip()})
     return out
@@ -271,7 +276,8 @@ def main() -> None:
         args.lengths = [max_len // 8, max_len // 4, max_len // 2, max_len * 3 // 4, max_len]
     table = policy_table(args.policies, args.budgets, args.knorm_compressions if "knorm" in args.policies else [],
                          args.window)
-    samples = build_samples(args.model, args.tasks, args.lengths, args.depths, args.n, args.seed, args.n_keys)
+    samples = build_samples(args.model, args.tasks, args.lengths, args.depths, args.n, args.seed, args.n_keys,
+                            args.max_tokens)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="kvserve-eval-") as tmp:
         server = Server(args.kvserve, args.model, {k: v[3] for k, v in table.items()}, args.kv_cache,
@@ -352,6 +358,22 @@ def main() -> None:
         md.append("| --- |" + " --- |" * len(knorm))
         for task in args.tasks:
             md.append(f"| {task} | " + " | ".join(f"{acc[(k, task)]:.2f}" for k in knorm) + " |")
+        md.append("")
+    if "full" in table and len(table) > 1:
+        # How often a policy's greedy output is exactly the full cache's: a fidelity proxy that still
+        # says something when accuracy is at the floor for every policy.
+        full_out = {(r["task"], r["length"], r["depth"], r["i"]): r["output"] for r in results if r["policy"] == "full"}
+        md.append("### agreement with the full cache (identical greedy output), all tasks\n")
+        md.append("| policy | all lengths | " + " | ".join(f"{L}" for L in args.lengths) + " |")
+        md.append("| --- | --- |" + " --- |" * len(args.lengths))
+        for name in table:
+            if name == "full":
+                continue
+            rs = [r for r in results if r["policy"] == name]
+            def agree(sel):
+                return sum(full_out[(r["task"], r["length"], r["depth"], r["i"])] == r["output"] for r in sel) / max(1, len(sel))
+            md.append(f"| {name} | {agree(rs):.2f} | " + " | ".join(
+                f"{agree([r for r in rs if r['length'] == L]):.2f}" for L in args.lengths) + " |")
         md.append("")
     md.append("### accuracy by context length (all tasks and depths)\n")
     md.append("| policy | " + " | ".join(str(L) for L in args.lengths) + " |")
