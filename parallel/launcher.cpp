@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 
@@ -149,57 +150,51 @@ std::vector<pid_t> WorkerGroup::pids() const {
   return out;
 }
 
-void WorkerGroup::monitor() {
-  while (!quit_) {
-    std::string failure;
-    std::function<void(const std::string&)> cb;
-    bool any_alive = false;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (auto& c : children_) {
-        if (!c.alive) continue;
-        int status = 0;
-        const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-        if (r == c.pid) {
-          c.alive = false;
-          const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-          if (!stopping_ && !failed_ && !clean) {
-            failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " + describe_status(status);
-          } else if (!stopping_ && !failed_) {
-            failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") exited unexpectedly";
-          }
-        }
-        any_alive = any_alive || c.alive;
-      }
-      if (!failure.empty()) {
-        failed_ = true;
-        cb = on_failure_;
-      }
-    }
-    if (!failure.empty()) {
-      std::cerr << "kvserve: " << failure << "; stopping the other ranks\n";
-      if (cb) cb(failure);
-      // The job cannot continue without that rank: stop the rest so nothing is left behind.
-      shutdown(std::chrono::milliseconds(3000));
-    }
-    if (!any_alive && stopping_) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
-
-bool WorkerGroup::reap() {
+std::string WorkerGroup::collect_exits() {
   std::lock_guard<std::mutex> lk(mu_);
-  bool any = false;
+  std::string failure;
   for (auto& c : children_) {
     if (!c.alive) continue;
     int status = 0;
-    if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
-      c.alive = false;
-    } else {
-      any = true;
-    }
+    if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
+    c.alive = false;
+    if (stopping_ || failed_ || !failure.empty()) continue;
+    const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    failure = "rank " + std::to_string(c.rank) + " (pid " + std::to_string(c.pid) + ") " +
+              (clean ? std::string("exited unexpectedly") : describe_status(status));
   }
-  return any;
+  return failure;
+}
+
+bool WorkerGroup::reap() {
+  collect_exits();
+  std::lock_guard<std::mutex> lk(mu_);
+  return std::any_of(children_.begin(), children_.end(), [](const Child& c) { return c.alive; });
+}
+
+void WorkerGroup::report(const std::string& failure) {
+  bool expected = false;
+  if (failure.empty() || !failed_.compare_exchange_strong(expected, true)) return;
+  std::function<void(const std::string&)> cb;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    cb = on_failure_;
+  }
+  std::cerr << "kvserve: " << failure << "; stopping the other ranks\n";
+  if (cb) cb(failure);
+}
+
+void WorkerGroup::monitor() {
+  while (!quit_) {
+    const std::string failure = collect_exits();
+    if (!failure.empty()) {
+      report(failure);
+      // The job cannot continue without that rank: stop the rest so nothing is left behind.
+      shutdown(std::chrono::milliseconds(3000));
+    }
+    if (stopping_ && !reap()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 void WorkerGroup::signal_alive(int sig) {
@@ -218,6 +213,8 @@ void WorkerGroup::join(std::chrono::milliseconds grace) {
 }
 
 void WorkerGroup::shutdown(std::chrono::milliseconds grace) {
+  // A worker that died before anyone noticed (e.g. a collective failed first) is still named.
+  if (!stopping_) report(collect_exits());
   stopping_ = true;
   signal_alive(SIGTERM);
   const auto deadline = std::chrono::steady_clock::now() + grace;

@@ -53,7 +53,9 @@ class WorkerGroup {
  private:
   WorkerGroup() = default;
   void monitor();
-  bool reap();                // reaps exited workers; true while any is alive
+  bool reap();                   // reaps exited workers; true while any is alive
+  std::string collect_exits();   // reaps; describes the first unexpected exit ("" if none)
+  void report(const std::string& failure);  // once: log it and run on_failure
   void signal_alive(int sig);
   struct Child {
     pid_t pid;
