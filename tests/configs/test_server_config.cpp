@@ -17,7 +17,7 @@ TEST(ServerConfig, DefaultsFromEmptyFile) {
   EXPECT_EQ(c.server.port, 8000);
   EXPECT_EQ(c.default_policy, "full");
   ASSERT_EQ(c.policies.count("full"), 1u);
-  EXPECT_EQ(c.model_name(), "tiny-llama");
+  EXPECT_EQ(c.model_name(), "tiny-retriever");
 }
 
 TEST(ServerConfig, FullFile) {
