@@ -8,6 +8,7 @@
 #include "kv_check.h"
 #include "llama_model.h"
 #include "communicator.h"
+#include "json_file.h"
 #include "paged_kv_memory.h"
 #include "parallel_cli.h"
 #include "sharded_executor.h"
@@ -84,21 +85,9 @@ nlohmann::json gather_dumps(parallel::ProcessGroup& world, const nlohmann::json&
 }
 
 std::vector<int64_t> read_ids(const std::string& path) {
-  std::ifstream f(path);
-  KV_CHECK(f, path << ": cannot open");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::parse_error& e) {
-    KV_FAIL(path << ": malformed JSON: " << e.what());
-  }
+  const nlohmann::json j = read_json_file(path);
   KV_CHECK(j.is_array() && !j.empty(), path << ": expected a non-empty JSON list of token ids");
-  std::vector<int64_t> ids;
-  for (const auto& e : j) {
-    KV_CHECK(e.is_number_integer(), path << ": token ids must be integers");
-    ids.push_back(e.get<int64_t>());
-  }
-  return ids;
+  return token_ids_of(j, path);
 }
 }  // namespace
 

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "json_file.h"
 #include "kv_check.h"
 #include "llama_model.h"
 #include "paged_kv_memory.h"
@@ -24,22 +25,11 @@ struct PerplexityArgs {
 
 // A JSON list of token ids, or a list of such lists (documents).
 std::vector<std::vector<int64_t>> read_docs(const std::string& path) {
-  std::ifstream f(path);
-  KV_CHECK(f, path << ": cannot open");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(f);
-  } catch (const nlohmann::json::parse_error& e) {
-    KV_FAIL(path << ": malformed JSON: " << e.what());
-  }
+  const nlohmann::json j = read_json_file(path);
   KV_CHECK(j.is_array() && !j.empty(), path << ": expected a JSON list of token ids or a list of lists");
   std::vector<std::vector<int64_t>> docs;
   auto one = [&](const nlohmann::json& a) {
-    std::vector<int64_t> ids;
-    for (const auto& e : a) {
-      KV_CHECK(e.is_number_integer(), path << ": token ids must be integers");
-      ids.push_back(e.get<int64_t>());
-    }
+    std::vector<int64_t> ids = token_ids_of(a, path);
     KV_CHECK(ids.size() >= 2, path << ": every document needs at least 2 tokens");
     docs.push_back(std::move(ids));
   };
