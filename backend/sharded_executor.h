@@ -40,7 +40,6 @@ class ShardedExecutor {
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0 = true);
 
   const ShardLayout& layout() const;
-  PagedKvMemory& memory() { return kv_; }
 
  private:
   int64_t prev_rank() const;  // same TP rank, previous stage (data-group rank)

@@ -37,8 +37,6 @@ class ShardedRunner final : public ModelRunner {
   void idle() override;
   void stop() override;
 
-  // SPMD forward for `kvserve forward`: every rank calls it (no command broadcast).
-  ShardedExecutor& executor() { return exec_; }
 
  private:
   template <typename F>

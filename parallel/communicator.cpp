@@ -11,12 +11,6 @@
 
 namespace kvserve::parallel {
 
-int ProcessGroup::group_rank_of(int global_rank) const {
-  auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
-  KV_CHECK(it != ranks_.end(), "rank " << global_rank << " is not in process group '" << name_ << "'");
-  return static_cast<int>(it - ranks_.begin());
-}
-
 bool nccl_available() { return detail::nccl_compiled(); }
 
 namespace {

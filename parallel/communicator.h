@@ -36,8 +36,6 @@ class ProcessGroup {
   int rank() const { return rank_; }  // within the group
   int size() const { return static_cast<int>(ranks_.size()); }
   const std::vector<int>& ranks() const { return ranks_; }  // global ranks, group order
-  int group_rank_of(int global_rank) const;
-  bool is_nccl() const { return nccl_; }
 
   virtual void all_reduce_sum(torch::Tensor& t) = 0;
   // Every member's tensor (same shape) concatenated along dim 0 in group order.

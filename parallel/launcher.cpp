@@ -143,13 +143,6 @@ void WorkerGroup::set_on_failure(std::function<void(const std::string&)> f) {
   on_failure_ = std::move(f);
 }
 
-std::vector<pid_t> WorkerGroup::pids() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  std::vector<pid_t> out;
-  for (const auto& c : children_) out.push_back(c.pid);
-  return out;
-}
-
 std::string WorkerGroup::collect_exits() {
   std::lock_guard<std::mutex> lk(mu_);
   std::string failure;

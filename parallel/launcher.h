@@ -47,8 +47,6 @@ class WorkerGroup {
   void shutdown(std::chrono::milliseconds grace);
   // Waits for every worker to exit by itself (they were told to stop), up to `grace`, then shutdown.
   void join(std::chrono::milliseconds grace);
-  std::vector<pid_t> pids() const;
-  bool failed() const { return failed_.load(); }
 
  private:
   WorkerGroup() = default;
