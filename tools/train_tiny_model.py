@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Train the embedded default model `models/tiny-retriever` on CPU: a small Llama (GQA, RoPE) that
+"""Train the embedded default model `models/tiny-retriever`: a small Llama (GQA, RoPE) that
 retrieves facts from contexts up to 2048 tokens (passkey, needle, multi-key), plus plain text.
+Runs on CPU or on one CUDA GPU (--device); the recipe is the same.
 
-  python3 tools/train_tiny_model.py --out models/tiny-retriever --steps 3000
+  python3 tools/train_tiny_model.py --out models/tiny-retriever            # the shipped recipe
   python3 tools/train_tiny_model.py --dry-run          # 60 s of training: measures tokens/s
 
-Deterministic by --seed: the tokenizer corpus, the data stream (its own random.Random) and the
-initialisation (torch.manual_seed) all derive from it; wall time depends on the machine. Data and
-task formats are in tools/retrieval_tasks.py (shared with tools/eval_retrieval.py, whose held-out
-sets use other seeds). Checkpoints go to <out>.ckpt/ every --ckpt-every steps; --resume continues
-from one.
+Deterministic by --seed: the tokenizer corpus, every step's batch (a random.Random seeded by
+(seed, step), so batches do not depend on --workers or on resuming) and the initialisation
+(torch.manual_seed) all derive from it; floating-point results differ between CPU and GPU, and
+wall time depends on the machine. Data and task formats are in tools/retrieval_tasks.py (shared with
+tools/eval_retrieval.py, whose held-out sets use other seeds). Checkpoints go to <out>.ckpt/ every
+--ckpt-every steps; --resume continues from one.
 
 Loss: mean cross-entropy over the answer tokens + --lm-weight x mean cross-entropy over every other
 token (retrieval is learned much faster when the answer dominates; the text loss keeps it a
@@ -101,25 +103,52 @@ def make_model(vocab: int, args):
 
 
 TASKS = (("passkey", 0.22), ("needle", 0.33), ("multikey", 0.27), ("continue", 0.18))
-# After the induction stage (see main), "repeat" samples (short random token sequences, each
-# repeated, every token of a copy a target) form and keep the copying heads; "copy" samples (repeat a
-# list of words/numbers across filler text) bridge to the real tasks. Both fade.
-REPEAT_SHARE = lambda progress: 0.5 if progress < 0.3 else max(0.15, 0.5 - (progress - 0.3) * 1.2)  # noqa: E731
-COPY_SHARE = lambda progress: max(0.0, 0.25 * (1 - progress / 0.45))  # noqa: E731
+# "repeat" samples (short random token sequences, each repeated, every token of a copy a target) help
+# form the copying (induction) heads; "copy" samples (repeat a list of words/numbers across filler
+# text) bridge to the real tasks. Both fade.
+REPEAT_SHARE = lambda progress: 0.3 if progress < 0.2 else max(0.1, 0.3 - (progress - 0.2) * 0.5)  # noqa: E731
+COPY_SHARE = lambda progress: max(0.0, 0.2 * (1 - progress / 0.5))  # noqa: E731
 
 
 def curriculum_len(progress: float, rng: random.Random, max_len: int) -> int:
-    """Short contexts early, the full length later (mostly long in the second half)."""
-    if progress < 0.4:
-        top = 256
+    """Short contexts while the copying circuits form, then up to the full length; the last 30 % of
+    steps keep every length (so short prompts are not forgotten)."""
+    if progress < 0.25:
+        top = min(512, max_len)
     else:
-        top = int(256 + (max_len - 256) * min(1.0, (progress - 0.4) / 0.4))
-    lo = 64 if progress < 0.8 else max_len // 4
+        top = int(min(512, max_len) + (max_len - min(512, max_len)) * min(1.0, (progress - 0.25) / 0.35))
     if rng.random() < 0.4:
         length = top
     else:
-        length = rng.randint(lo, max(lo, top))
+        length = rng.randint(64, max(64, top))
     return max(64, (length // 32) * 32)
+
+
+def step_batch(builder, seed: int, step: int, steps: int, args, vocab: int):
+    """The batch of one step: a pure function of (seed, step), so data workers and resumes agree."""
+    rng = random.Random(seed * 1_000_003 + step)
+    progress = 0.6 if args.dry_run else step / steps
+    length = curriculum_len(progress, rng, args.max_len)
+    n = min(args.max_rows, max(4, args.batch_tokens // length))
+    x, am, valid = make_batch(builder, rng, length, n, args.max_len, copy_share=COPY_SHARE(progress),
+                              repeat_share=REPEAT_SHARE(progress), vocab=vocab)
+    return length, x, am, valid
+
+
+class StepBatches(torch.utils.data.IterableDataset):
+    """Batches for steps step0.. in order; worker w of W builds steps step0+w, step0+w+W, ... (the
+    DataLoader takes one from each worker in turn, so the order is the step order)."""
+
+    def __init__(self, builder, seed, step0, steps, args, vocab):
+        super().__init__()
+        self.a = (builder, seed, step0, steps, args, vocab)
+
+    def __iter__(self):
+        builder, seed, step0, steps, args, vocab = self.a
+        info = torch.utils.data.get_worker_info()
+        w, nw = (info.id, info.num_workers) if info else (0, 1)
+        for step in range(step0 + w, steps, nw):
+            yield (step,) + step_batch(builder, seed, step, steps, args, vocab)
 
 
 def make_batch(builder, rng, length, n, cap, chat_frac=0.15, copy_share=0.0, repeat_share=0.0, vocab=0):
@@ -186,7 +215,7 @@ def loss_fn(model, x, am, valid, lm_weight):
 
 
 @torch.no_grad()
-def quick_eval(model, builder, seed, length, n=24):
+def quick_eval(model, builder, seed, length, device, n=24):
     """Teacher-forced exact match of the answer (= greedy decoding when every token is right)."""
     model.eval()
     rng = random.Random(seed)
@@ -201,8 +230,8 @@ def quick_eval(model, builder, seed, length, n=24):
             for i, r in enumerate(rows):
                 seq = r[1] + r[3]
                 x[i, : len(seq)] = torch.tensor(seq)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                pred = model(input_ids=x).logits.argmax(-1)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                pred = model(input_ids=x.to(device)).logits.argmax(-1).cpu()
             for i, r in enumerate(rows):
                 p0 = len(r[1])
                 n_ans = len(builder.ids(r[2]))  # the answer value itself, not the '.'
@@ -211,15 +240,6 @@ def quick_eval(model, builder, seed, length, n=24):
         res[task] = ok / (n // 8 * 8)
     model.train()
     return res
-
-
-def induction_loss(model, g, vocab, rows=32, k=24):
-    """Cross-entropy of copying: rows x [bos, r, r] with |r| = k random tokens; targets = the second r."""
-    r = torch.randint(len(SPECIALS), vocab, (rows, k), generator=g)
-    x = torch.cat([torch.zeros(rows, 1, dtype=torch.long), r, r], 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        lg = model(input_ids=x).logits[:, k + 1:-1].float()
-    return torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), x[:, k + 2:].reshape(-1)), x
 
 
 def save(model, tok_dir: pathlib.Path, out: pathlib.Path, dtype=torch.float32):
@@ -237,29 +257,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("models/tiny-retriever"))
     ap.add_argument("--seed", type=int, default=20261122)
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--batch-tokens", type=int, default=4096)
-    ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch-tokens", type=int, default=65536, help="tokens per step (rows = this / length)")
+    ap.add_argument("--max-rows", type=int, default=256, help="at most this many rows per step")
+    ap.add_argument("--max-len", type=int, default=2048, help="longest training sequence = max_position_embeddings")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--lm-weight", type=float, default=0.3)
     ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--intermediate", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--rope-theta", type=float, default=10000.0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="1 is fastest on a shared 2-core machine (2 threads spin against other jobs)")
-    ap.add_argument("--induction-steps", type=int, default=0, help="stage-1 steps of pure repeated random sequences")
-    ap.add_argument("--ckpt-every", type=int, default=250)
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    ap.add_argument("--workers", type=int, default=-1,
+                    help="data-building processes (-1: CPUs - 2 on GPU, 0 on CPU, where the main process builds)")
+    ap.add_argument("--ckpt-every", type=int, default=500)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--max-minutes", type=float, default=0,
+                    help="stop early (saving the model) after this much wall time; 0: no limit")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="train for 60 s and report tokens/s")
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    workers = args.workers if args.workers >= 0 else (max(1, (os.cpu_count() or 2) - 2) if device.type == "cuda" else 0)
     torch.manual_seed(args.seed)
     t_start = time.time()
     ckpt = pathlib.Path(str(args.out) + ".ckpt")
@@ -272,9 +300,9 @@ def main() -> None:
     if bad:
         raise SystemExit("segment tokenization does not match whole-text tokenization")
 
-    model = make_model(vocab, args)
+    model = make_model(vocab, args).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
+    print(f"model: {n_params / 1e6:.2f}M parameters on {device}; data workers: {workers}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
@@ -283,54 +311,30 @@ def main() -> None:
     log = []
     prior_wall = 0.0
     if args.resume and (ckpt / "state.pt").exists():
-        st = torch.load(ckpt / "state.pt", weights_only=False)
+        st = torch.load(ckpt / "state.pt", weights_only=False, map_location=device)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step0, log, prior_wall = st["step"], st["log"], st.get("wall", 0.0)
-        torch.set_rng_state(st["torch_rng"])
         print(f"resumed at step {step0}", flush=True)
-    data_rng = random.Random(args.seed * 1000 + step0)  # re-seeded per resume point: deterministic
     model.train()
     steps = args.steps
     tokens = 0
     t0 = time.time()
-    ind_gen = torch.Generator().manual_seed(args.seed)
-    if step0 == 0 and args.induction_steps > 0:
-        # Stage 1: only short repeated random sequences (32 x [bos, r, r], |r| = 24) at lr 3e-3. This
-        # reliably forms copying (induction) heads in ~200 steps (loss ~0 by 300); mixed into the task
-        # data from the start they had not formed after 300-450 steps in four attempts. Stage 2 then
-        # runs at a lower peak lr (--lr) so that the heads survive the switch to the task data.
-        for istep in range(args.induction_steps):
-            lr = 3e-3 * min(1.0, (istep + 1) / 30)
-            for grp in opt.param_groups:
-                grp["lr"] = lr
-            loss, x = induction_loss(model, ind_gen, vocab)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            tokens += x.numel()
-            if istep % 20 == 0:
-                print(f"induction step {istep} loss {loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
-                log.append({"induction_step": istep, "loss": round(loss.item(), 4)})
-        opt.state.clear()  # fresh Adam moments for stage 2 (stage-1 moments made its first updates huge)
-    for step in range(step0, steps):
+    data = StepBatches(builder, args.seed, step0, steps, args, vocab)
+    if workers > 0:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        data = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4,
+                                           pin_memory=device.type == "cuda")
+    stopped_early = False
+    for step, length, x, am, valid in data:
         progress = step / steps
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
-        length = curriculum_len(progress if not args.dry_run else 0.6, data_rng, args.max_len)
-        # Small batches early (many cheap steps while the retrieval circuits form), 4 long sequences late.
-        n = min(32, max(4, args.batch_tokens // length))
-        x, am, valid = make_batch(builder, data_rng, length, n, args.max_len,
-                                copy_share=COPY_SHARE(progress if not args.dry_run else 0.6),
-                                repeat_share=REPEAT_SHARE(progress if not args.dry_run else 0.6), vocab=vocab)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        n = x.shape[0]
+        x, am, valid = (t.to(device, non_blocking=True) for t in (x, am, valid))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, ans, lm = loss_fn(model, x, am, valid, args.lm_weight)
-        if args.induction_steps > 0:
-            # Keep the stage-1 objective in every step (16 rows) so the copying heads are not unlearnt.
-            ind, _ = induction_loss(model, ind_gen, vocab, rows=16)
-            loss = loss + ind
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -344,23 +348,30 @@ def main() -> None:
         if args.dry_run and el > 60:
             print(f"dry run: {tokens} tokens in {el:.1f}s = {tokens / el:.0f} tokens/s at length {length}")
             return
-        last = step + 1 == steps
+        stopped_early = args.max_minutes > 0 and (time.time() - t_start) > args.max_minutes * 60
+        last = step + 1 == steps or stopped_early
         if (step + 1) % args.eval_every == 0 or last:
-            ev_len = min(args.max_len, max(256, length))
-            res = quick_eval(model, builder, 999, ev_len)
-            print(f"eval step {step + 1} len {ev_len}: {res}", flush=True)
-            log.append({"step": step + 1, "eval_len": ev_len, **res})
+            for ev_len in sorted({min(args.max_len, max(256, length)), args.max_len} if last else
+                                 {min(args.max_len, max(256, length))}):
+                res = quick_eval(model, builder, 999, ev_len, device)
+                print(f"eval step {step + 1} len {ev_len}: {res}", flush=True)
+                log.append({"step": step + 1, "eval_len": ev_len, **res})
         if (step + 1) % args.ckpt_every == 0 or last:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1, "log": log,
-                        "torch_rng": torch.get_rng_state(), "wall": prior_wall + time.time() - t0},
-                       ckpt / "state.pt")
+                        "wall": prior_wall + time.time() - t0}, ckpt / "state.pt")
             save(model, tok_dir, ckpt / "model")
+        if stopped_early:
+            print(f"stopping early at step {step + 1} of {steps} (--max-minutes {args.max_minutes})", flush=True)
+            steps = step + 1
+            break
     wall = prior_wall + time.time() - t_start
     save(model, tok_dir, args.out)
-    info = {"seed": args.seed, "steps": steps, "batch_tokens": args.batch_tokens, "max_len": args.max_len,
-            "lr": args.lr, "lm_weight": args.lm_weight, "params": n_params, "vocab": vocab,
-            "wall_s": round(wall, 1), "tokens_this_run": tokens, "threads": args.threads,
-            "tokens_per_s_this_run": round(tokens / max(1e-9, time.time() - t0)), "log": log}
+    info = {"seed": args.seed, "steps": steps, "schedule_steps": args.steps, "stopped_early": stopped_early,
+            "batch_tokens": args.batch_tokens, "max_len": args.max_len, "lr": args.lr, "lm_weight": args.lm_weight,
+            "params": n_params, "vocab": vocab, "device": str(device) if device.type == "cpu"
+            else torch.cuda.get_device_name(device), "workers": workers, "wall_s": round(wall, 1),
+            "tokens_this_run": tokens, "tokens_per_s_this_run": round(tokens / max(1e-9, time.time() - t0)),
+            "torch": torch.__version__, "log": log}
     (args.out / "training_log.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"done: {steps} steps, wall {wall:.0f}s; wrote {args.out}", flush=True)
 
