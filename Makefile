@@ -48,7 +48,7 @@ bench: build
 
 # Retrieval accuracy per policy x budget and perplexity under decode-time eviction -> docs/eval/.
 eval: build
-	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
+	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --n 4 --workers 8
 	$(PYTHON) tools/eval_perplexity.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
 
 # Retrains models/tiny-retriever from scratch: on a CUDA GPU when there is one (5 min on an H100),
