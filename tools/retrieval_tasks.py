@@ -12,8 +12,10 @@ Tasks (all end in a question whose answer the model must copy from the context):
             where something is kept, door code) at a given depth; question -> the fact's value
   multikey  2-8 "The value of key amber-falcon is 381904." facts scattered; asked for one
   continue  plain haystack text (language modelling; no question)
-The haystack is generated from ~20 sentence templates over word lists, with a per-document cast of
-people/places/objects so that it has some long-range structure (names recur).
+The haystack of a document has one of three styles: "story" (~20 sentence templates over word lists,
+with a per-document cast of people/places/objects that recur, so it has some long-range structure),
+"classic" (the five sentences of the passkey papers, "The grass is green. The sky is blue. ...",
+repeated) and "mixed" (story sentences with classic ones between them).
 """
 from __future__ import annotations
 
@@ -122,6 +124,26 @@ def haystack_sentence(rng: random.Random, cast: Cast) -> str:
     return f"{n} and the {no} waited near the {th} until {c(TIMES)}."
 
 
+CLASSIC = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+HAYSTACK_STYLES = (("story", 0.7), ("classic", 0.15), ("mixed", 0.15))
+
+
+def pick_style(rng: random.Random) -> str:
+    r, acc = rng.random(), 0.0
+    for style, p in HAYSTACK_STYLES:
+        acc += p
+        if r < acc:
+            return style
+    return HAYSTACK_STYLES[0][0]
+
+
+def filler_sentence(rng: random.Random, cast: Cast, style: str, i: int) -> str:
+    """The i-th filler sentence of a document in `style` (no leading space)."""
+    if style == "classic" or (style == "mixed" and rng.random() < 0.5):
+        return CLASSIC[i % len(CLASSIC)]
+    return haystack_sentence(rng, cast)
+
+
 def digits(rng: random.Random, n: int) -> str:
     return str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(n - 1))
 
@@ -183,11 +205,13 @@ class Builder:
         out = self.tok.encode_batch(segs, add_special_tokens=False)
         return [e.ids for e in out]
 
-    def haystack(self, rng: random.Random, cast: Cast, n_tokens: int, lead_space=True):
+    def haystack(self, rng: random.Random, cast: Cast, n_tokens: int, lead_space=True, style: str = "story"):
         """(segments, ids) of filler text of exactly n_tokens tokens (the last sentence may be cut)."""
         segs, ids = [], []
+        start = rng.randrange(len(CLASSIC))
         while len(ids) < n_tokens:
-            sents = [(" " if (segs or lead_space) or i else "") + haystack_sentence(rng, cast) for i in range(16)]
+            sents = [(" " if (segs or lead_space) or i else "") + filler_sentence(rng, cast, style, start + len(segs) + i)
+                     for i in range(16)]
             for s, e in zip(sents, self.many(sents)):
                 if len(ids) >= n_tokens:
                     break
@@ -207,13 +231,15 @@ class Builder:
 
 def build(builder: Builder, rng: random.Random, task: str, length: int, depth: float | None = None,
           chat: bool = False, n_keys: int | None = None, passkey_digits: int | None = None,
-          n_needles: int = 1):
-    """A sample of `task` whose prompt+answer is about `length` tokens.
+          n_needles: int = 1, style: str | None = None):
+    """A sample of `task` whose prompt+answer is about `length` tokens; `style` is the haystack's
+    (random when None, see HAYSTACK_STYLES).
 
     Returns (prompt_text, prompt_ids, answer_text, target_ids, meta); prompt_ids starts with BOS,
     target_ids = ids of answer + suffix (+ eot for chat).
     """
     cast = make_cast(rng)
+    style = style or pick_style(rng)
     depth = rng.random() if depth is None else depth
     facts: list = []   # (segment) inserted at relative depth
     if task == "passkey":
@@ -272,7 +298,7 @@ def build(builder: Builder, rng: random.Random, task: str, length: int, depth: f
         q_segs = [question, qprefix] if question else []
         answer_head, tail = "", []
     if task == "continue":
-        segs, ids = builder.haystack(rng, cast, length - 1, lead_space=False)
+        segs, ids = builder.haystack(rng, cast, length - 1, lead_space=False, style=style)
         text = "".join(segs)
         return text, [builder.bos] + ids, "", [], meta
     fixed = pre + [f for _, f in facts] + q_segs
@@ -281,7 +307,7 @@ def build(builder: Builder, rng: random.Random, task: str, length: int, depth: f
         [builder.tok.token_to_id(s) for s in tail]
     n_fixed = sum(len(x) for x in fixed_ids)
     n_hay = max(0, length - 1 - n_fixed - len(ans_ids))
-    h_segs, h_ids = builder.haystack(rng, cast, n_hay)
+    h_segs, h_ids = builder.haystack(rng, cast, n_hay, style=style)
     # Split the haystack at sentence boundaries by depth; facts go in at their depths.
     bounds = [0]
     for s in h_segs:
@@ -307,6 +333,7 @@ def build(builder: Builder, rng: random.Random, task: str, length: int, depth: f
         out_segs.append(s)
         out_ids.extend(e)
     meta["chat"] = chat
+    meta["style"] = style
     return "".join(out_segs), out_ids, answer_head + answer, ans_ids, meta
 
 

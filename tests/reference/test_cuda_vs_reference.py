@@ -1,0 +1,108 @@
+"""kvserve on one CUDA device (skipped without one): the same answers as transformers on that device
+and as kvserve on CPU.
+
+- fp32 forward logits against transformers on CUDA (TF32 off on both sides) and bf16 against
+  transformers in bf16 (rounding differs, so the check is argmax agreement and a mean-error bound);
+- every policy's budgets and kept positions per (layer, KV head) identical to the CPU run (the
+  fixtures have random weights, so no two scores tie);
+- greedy generation on the embedded model identical to CPU, and the passkey answered.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from kvserve_testlib import ROOT, fixtures_dir, run_kvserve, write_json
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied"]
+POLICIES = {
+    "full": [],
+    "snapkv": ["--policy", "snapkv", "--budget", "16", "--policy-param", "window=4"],
+    "pyramidkv": ["--policy", "pyramidkv", "--budget", "16", "--policy-param", "window=4"],
+    "dynamickv": ["--policy", "dynamickv", "--budget", "16", "--policy-param", "window=4"],
+    "streamingllm": ["--policy", "streamingllm", "--budget", "16", "--policy-param", "sink=4"],
+    "h2o": ["--policy", "h2o", "--budget", "16"],
+    "knorm": ["--policy", "knorm", "--budget", "16"],
+}
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def kv_forward(tmp: pathlib.Path, model: str, ids: list[int], *args: str, tag: str = "x"):
+    out, dump = tmp / f"logits-{tag}.safetensors", tmp / f"kept-{tag}.json"
+    run_kvserve("forward", "--model", model, "--input-ids", str(write_json(tmp / f"ids-{tag}.json", ids)),
+                "--output", str(out), "--dump-kept", str(dump), *args)
+    return load_file(str(out))["logits"].float(), json.loads(dump.read_text())
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_fp32_logits_match_transformers_on_cuda(name, tmp_path):
+    path = fixtures_dir() / name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    for n in (1, 17, 640):
+        ids = prompt(n, hf.config.vocab_size, seed=n)
+        got, _ = kv_forward(tmp_path, str(path), ids, "--device", "cuda", "--dtype", "float32", tag=str(n))
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+        diff = (got - ref).abs().max().item()
+        assert diff <= 1e-3, f"{name}: {n} tokens: max abs logit diff {diff}"
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_bf16_logits_track_transformers_bf16_on_cuda(name, tmp_path):
+    path = fixtures_dir() / name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    ids = prompt(300, hf.config.vocab_size, seed=5)
+    got, _ = kv_forward(tmp_path, str(path), ids, "--device", "cuda", "--dtype", "bfloat16")
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    mean_err = (got - ref).abs().mean().item() / ref.abs().mean().item()
+    assert agree >= 0.95 and mean_err <= 0.05, f"{name}: argmax agreement {agree:.3f}, relative mean error {mean_err:.4f}"
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_policy_keeps_the_same_positions_on_cuda_as_on_cpu(policy, tmp_path):
+    path = str(fixtures_dir() / "llama-gqa")
+    ids = [(7 * i + 3) % 1900 + 5 for i in range(57)]
+    cpu_logits, cpu_kept = kv_forward(tmp_path, path, ids, *POLICIES[policy], tag="cpu")
+    gpu_logits, gpu_kept = kv_forward(tmp_path, path, ids, "--device", "cuda", "--dtype", "float32",
+                                      *POLICIES[policy], tag="cuda")
+    assert (gpu_logits - cpu_logits).abs().max().item() <= 1e-3
+    assert gpu_kept == cpu_kept
+
+
+def test_embedded_model_generates_the_same_on_cuda_and_retrieves():
+    import random
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    import retrieval_tasks as rt
+    from tokenizers import Tokenizer
+    model = ROOT / "models" / "tiny-retriever"
+    builder = rt.Builder(Tokenizer.from_file(str(model / "tokenizer.json")), 0)
+    text, _, answer, _, _ = rt.build(builder, random.Random(31337), "passkey", 1500, depth=0.3, passkey_digits=5)
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        proc = run_kvserve("generate", "--model", str(model), "--prompt", text, "--max-tokens", "8", "--json",
+                           "--device", dev, "--dtype", "float32", "--policy", "snapkv", "--budget", "256")
+        outs[dev] = json.loads(proc.stdout)
+    assert outs["cuda"]["token_ids"] == outs["cpu"]["token_ids"]
+    assert outs["cuda"]["text"].startswith(answer), (outs["cuda"]["text"], answer)
