@@ -27,9 +27,6 @@ def _eval(out, *args: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 6 acceptance not met: the shipped checkpoint never formed "
-                   "copying heads within the CPU budget (models/tiny-retriever/README.md); remove this mark "
-                   "when a retrained model passes")
 def test_full_retrieves_at_trained_length(tmp_path):
     # 40 held-out prompts per task at the trained length (max_position_embeddings), 8 depths x 5 samples.
     trained = json.loads((MODEL / "config.json").read_text())["max_position_embeddings"]
