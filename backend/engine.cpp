@@ -28,6 +28,8 @@ struct Sequence {
   std::unique_ptr<IncrementalDetokenizer> detok;
   std::string held;       // decoded text not yet sent (could be the start of a stop string)
   bool in_cache = false;  // has KV in the memory
+  std::chrono::steady_clock::time_point arrival;  // submit()
+  bool scheduled = false;                          // admitted for prefill at least once
   int64_t kept_kv = 0, full_kv = 0;
 
   int64_t next_position() const { return static_cast<int64_t>(req.prompt_ids.size() + output.size()) - 1; }
@@ -114,6 +116,7 @@ void Engine::submit(GenerationRequest req, EventCallback on_event) {
   if (!has_policy(req.kv_policy)) KV_FAIL("unknown kv_policy '" << req.kv_policy << "'");
   KV_CHECK(req.sampling.max_tokens >= 1, "max_tokens must be at least 1");
   auto seq = std::make_unique<Sequence>();
+  seq->arrival = std::chrono::steady_clock::now();
   seq->req = std::move(req);
   seq->on_event = std::move(on_event);
   {
@@ -327,6 +330,11 @@ void Engine::loop() {
       if (!kv.can_prefill(n, s.req.kv_policy)) break;
       auto owned = std::move(im.waiting.front());
       im.waiting.pop_front();
+      if (!owned->scheduled) {  // queue time ends at the first admission, not at a re-admission
+        owned->scheduled = true;
+        if (options_.on_queue_time)
+          options_.on_queue_time(std::chrono::duration<double>(std::chrono::steady_clock::now() - owned->arrival).count());
+      }
       try {
         if (!owned->sampler_added) {
           kv.add_sequence(owned->id, owned->req.sampling, owned->req.prompt_ids, owned->seed, im.eos_ids);

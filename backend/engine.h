@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -31,6 +32,10 @@ struct EngineOptions {
   std::string default_policy = "full";
   // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
   std::map<std::string, std::map<std::string, std::string>> policies;
+  // Called on the engine thread, once per request, with the seconds it waited from submit() until
+  // the scheduler first admitted it for prefill (a preempted request that is re-queued is not
+  // counted again). Must not block. Feeds kvserve:request_queue_time_seconds.
+  std::function<void(double seconds)> on_queue_time;
 };
 
 // A snapshot for /metrics and /health.

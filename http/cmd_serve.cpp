@@ -295,7 +295,9 @@ int serve(const ServeArgs& a) {
   auto job = ParallelJob::start(po, cfg.model.path, load_options(cfg));
   auto model = job->model();
   auto tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_dir(cfg.model.path));
-  const EngineOptions eo = engine_options(cfg);
+  EngineOptions eo = engine_options(cfg);
+  // The engine (its thread is joined by backend->shutdown below) never outlives the service.
+  eo.on_queue_time = [m = &service->metrics()](double seconds) { m->observe_queue_time(seconds); };
   const int64_t max_model_len =
       cfg.model.max_model_len > 0 ? cfg.model.max_model_len : model->config().max_position_embeddings;
   auto engine = std::make_unique<Engine>(model, tokenizer, eo, job->make_runner(eo));

@@ -98,7 +98,7 @@ void ServerMetrics::config_reload(bool ok) {
   if (!ok) ++reload_failures_;
   last_reload_ok_ = ok;
 }
-void ServerMetrics::observe_queue(double s) {
+void ServerMetrics::observe_queue_time(double s) {
   std::lock_guard<std::mutex> lock(mu_);
   queue_.observe(s);
 }
@@ -164,7 +164,7 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   header(out, "kvserve:e2e_request_latency_seconds", "histogram", "End-to-end request latency.");
   e2e_.render(out, "kvserve:e2e_request_latency_seconds", model);
   header(out, "kvserve:request_queue_time_seconds", "histogram",
-         "Time from arrival until the first engine event (queue + prefill).");
+         "Time a request waited in the queue, from arrival until the scheduler first admitted it.");
   queue_.render(out, "kvserve:request_queue_time_seconds", model);
 
   header(out, "kvserve:kv_requests_total", "counter", "Finished requests per KV policy.");

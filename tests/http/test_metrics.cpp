@@ -55,3 +55,17 @@ TEST(Metrics, LoadingAndEscaping) {
   std::string t = m.render(std::nullopt);
   EXPECT_NE(t.find("kvserve:kv_cache_blocks_used{model_name=\"a\\\"b\"} 0"), std::string::npos) << t;
 }
+
+TEST(Metrics, QueueTimeIsNotTimeToFirstToken) {
+  ServerMetrics m("tiny");
+  m.observe_ttft(3.0);
+  m.observe_queue(3.0);  // the HTTP layer's old call (with TTFT): ignored
+  m.observe_queue_time(0.1);
+  const std::string t = m.render(std::nullopt);
+  const std::string L = "model_name=\"tiny\"";
+  EXPECT_TRUE(has_line(t, "kvserve:request_queue_time_seconds_count{" + L + "} 1")) << t;
+  EXPECT_TRUE(has_line(t, "kvserve:request_queue_time_seconds_sum{" + L + "} 0.1"));
+  EXPECT_TRUE(has_line(t, "kvserve:request_queue_time_seconds_bucket{" + L + ",le=\"0.3\"} 1"));
+  EXPECT_TRUE(has_line(t, "kvserve:time_to_first_token_seconds_count{" + L + "} 1"));
+  EXPECT_TRUE(has_line(t, "kvserve:time_to_first_token_seconds_sum{" + L + "} 3"));
+}

@@ -493,6 +493,9 @@ TEST_F(ServerTest, MetricsAfterTraffic) {
   EXPECT_NE(r.body.find("kvserve:request_success_total{model_name=\"tiny\",finished_reason=\"length\"} 1"), std::string::npos) << r.body;
   EXPECT_NE(r.body.find("kvserve:kv_kept_tokens_total{model_name=\"tiny\",policy=\"pyramidkv\"} 4"), std::string::npos);
   EXPECT_NE(r.body.find("kvserve:time_to_first_token_seconds_count{model_name=\"tiny\"} 1"), std::string::npos);
+  // Queue time comes from the engine (EngineOptions::on_queue_time), which the scripted backend
+  // lacks; the HTTP layer must not fill it with time to first token.
+  EXPECT_NE(r.body.find("kvserve:request_queue_time_seconds_count{model_name=\"tiny\"} 0"), std::string::npos);
   EXPECT_NE(r.body.find("kvserve:kv_cache_blocks_used{model_name=\"tiny\"} 0"), std::string::npos);
 }
 

@@ -295,3 +295,35 @@ def test_sigterm_drains_in_flight_stream():
         assert text
     finally:
         s.close()
+
+
+def test_queue_time_is_the_wait_before_scheduling_not_ttft():
+    """kvserve:request_queue_time_seconds = arrival -> first admitted by the scheduler. With one
+    sequence at a time, B (sent while A streams) waits for A; A hardly waits. Queue time ends before
+    the prefill, so its sum is below time-to-first-token's (it used to be TTFT itself: equal sums)."""
+    s = Server(extra_yaml="scheduler:\n  max_num_seqs: 1\n")
+    try:
+        c = client(s)
+        q, ttft = "kvserve:request_queue_time_seconds", "kvserve:time_to_first_token_seconds"
+        fast_bucket = q + '_bucket{model_name="tiny",le="0.3"}'
+        m0 = s.metrics()
+        stream = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stream=True,
+                                      extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)  # A is running
+        result: list = []
+        b = threading.Thread(target=lambda: result.append(
+            c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"ignore_eos": True})))
+        b.start()
+        for _ in chunks:
+            pass
+        b.join(timeout=120)
+        assert result and result[0].usage.completion_tokens == 4
+        m1 = s.metrics()
+        assert m1[q + "_count"] - m0[q + "_count"] == 2
+        assert m1[ttft + "_count"] - m0[ttft + "_count"] == 2
+        queued, to_first = m1[q + "_sum"] - m0[q + "_sum"], m1[ttft + "_sum"] - m0[ttft + "_sum"]
+        assert 0 < queued < to_first, (queued, to_first)
+        assert m1[fast_bucket] - m0[fast_bucket] >= 1  # A was admitted at once
+    finally:
+        s.close()
