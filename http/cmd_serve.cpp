@@ -6,8 +6,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <iostream>
+#include <sstream>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -67,9 +69,21 @@ bool hosts_http(const ParallelOptions& po) {
   return po.node_rank == 0;
 }
 
-// Applies CLI flags over the YAML values; returns the validated config.
-config::ServerConfig resolve_config(const ServeArgs& a) {
-  config::ServerConfig c = a.config.empty() ? config::default_server_config() : config::load_server_config(a.config);
+// A file's bytes; nullopt when it cannot be read.
+std::optional<std::string> read_file_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Applies CLI flags over the YAML values; returns the validated config. `text`: the config file's
+// content, already read (else the file is read here).
+config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text = nullptr) {
+  config::ServerConfig c = a.config.empty() ? config::default_server_config()
+                           : text           ? config::parse_server_config(*text, a.config)
+                                            : config::load_server_config(a.config);
   std::vector<config::ConfigIssue> issues;
   auto bytes = [&](const std::optional<std::string>& v, int64_t& out, const char* flag) {
     if (!v) return;
@@ -216,7 +230,9 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
 }
 
 int serve(const ServeArgs& a) {
-  config::ServerConfig cfg = resolve_config(a);
+  // The text the startup config was parsed from (reloads compare against it).
+  const std::optional<std::string> startup_text = a.config.empty() ? std::nullopt : read_file_text(a.config);
+  config::ServerConfig cfg = resolve_config(a, startup_text ? &*startup_text : nullptr);
   const ParallelOptions po = a.parallel.apply(to_parallel_options(cfg.parallel));
   if (!hosts_http(po)) {
     // A worker rank: load this rank's shard and follow rank 0's steps; no HTTP here.
@@ -316,14 +332,25 @@ int serve(const ServeArgs& a) {
   const std::vector<std::string> engine_policy_list = service->backend()->policy_names();
   const std::set<std::string> engine_policy_names(engine_policy_list.begin(), engine_policy_list.end());
   auto running = std::make_shared<config::ServerConfig>(cfg);
-  auto reload = [&, rollout, running](const char* why) {
+  // One edit often fires both triggers (an editor's save plus a SIGHUP from the operator, or two
+  // mtime changes for one save): a file whose content equals that of the last applied or attempted
+  // load is not reloaded (nor counted) again.
+  auto last_text = std::make_shared<std::optional<std::string>>(startup_text);
+  auto reload = [&, rollout, running, last_text](const char* why) {
     std::lock_guard<std::mutex> lock(rollout->reload_mu);
     if (a.config.empty()) {
       std::cerr << "kvserve: " << why << ": no --config file to reload" << std::endl;
       return;
     }
+    const std::optional<std::string> text = read_file_text(a.config);
+    if (text && *last_text && *text == **last_text) {
+      std::cerr << "kvserve: " << why << ": " << a.config << " unchanged since it was last loaded; not reloaded"
+                << std::endl;
+      return;
+    }
+    *last_text = text;
     try {
-      config::ServerConfig next = resolve_config(a);
+      config::ServerConfig next = resolve_config(a, text ? &*text : nullptr);
       auto issues = config::validate_rollout(next.rollout, engine_policy_names, next.source);
       if (!engine_policy_names.count(next.default_policy))
         issues.push_back({next.source, 0, 0, "default_policy",

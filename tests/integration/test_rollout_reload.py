@@ -177,3 +177,22 @@ def test_named_api_keys_authenticate_and_match_rules():
             call("wrong")
     finally:
         s.close()
+
+
+def test_one_edit_plus_sighup_is_one_reload(rserver):
+    """Saving the file and sending SIGHUP fire both triggers (the watcher polls the mtime every
+    second); the second sees the content it already loaded and is neither reloaded nor counted."""
+    time.sleep(1.5)  # a distinct mtime even on coarse-grained file systems; earlier edits seen
+    m0 = rserver.metrics()
+    ok_before = rserver.log().count("config reloaded")
+    skipped_before = rserver.log().count("unchanged since it was last loaded")
+    rserver.config_path.write_text(rserver.config_path.read_text() + "# edited once\n")
+    rserver.proc.send_signal(signal.SIGHUP)
+    wait_for_log(rserver, "config reloaded", ok_before + 1)
+    time.sleep(2.5)  # the watcher's poll sees the new mtime too
+    m1 = rserver.metrics()
+    assert m1["kvserve:config_reloads_total"] - m0["kvserve:config_reloads_total"] == 1
+    assert m1["kvserve:config_reload_failures_total"] == m0["kvserve:config_reload_failures_total"]
+    log = rserver.log()
+    assert log.count("config reloaded") == ok_before + 1
+    assert log.count("unchanged since it was last loaded") == skipped_before + 1
