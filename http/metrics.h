@@ -38,9 +38,6 @@ class ServerMetrics {
   // Time a request waited in the engine's queue, from arrival until the scheduler first admitted
   // it (the engine reports it through EngineOptions::on_queue_time; cmd_serve wires it here).
   void observe_queue_time(double seconds);
-  // Ignored: openai_service.cpp still passes time-to-first-token here, which is not queue time (the
-  // real queue time comes from observe_queue_time). Remove together with that call.
-  void observe_queue(double seconds) {}
   // A finished engine request (one choice): its finish reason and policy's KV accounting.
   // With a rollout rule, also counted per (rule, policy).
   void request_finished(const std::string& finish_reason, const std::string& policy, int64_t kept_kv_tokens,

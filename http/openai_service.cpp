@@ -173,7 +173,6 @@ struct Exchange {
         c.first_token_seen = true;
         const double ttft = std::chrono::duration<double>(now - arrival).count();
         metrics->observe_ttft(ttft, policy);
-        metrics->observe_queue(ttft);
         for (int64_t k = 1; k < ntok; ++k) metrics->observe_inter_token(0.0);
       } else {
         const double per = std::chrono::duration<double>(now - c.last_token).count() / static_cast<double>(ntok);

@@ -59,7 +59,6 @@ TEST(Metrics, LoadingAndEscaping) {
 TEST(Metrics, QueueTimeIsNotTimeToFirstToken) {
   ServerMetrics m("tiny");
   m.observe_ttft(3.0);
-  m.observe_queue(3.0);  // the HTTP layer's old call (with TTFT): ignored
   m.observe_queue_time(0.1);
   const std::string t = m.render(std::nullopt);
   const std::string L = "model_name=\"tiny\"";
