@@ -38,3 +38,17 @@ def run_kvserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def write_json(path: pathlib.Path, value) -> pathlib.Path:
     path.write_text(json.dumps(value))
     return path
+
+
+# Flags of every policy for `forward` / `generate`, with budgets below the test prompts' lengths so
+# that every policy compresses.
+POLICY_FLAGS = {
+    "full": [],
+    "snapkv": ["--policy", "snapkv", "--budget", "16", "--policy-param", "window=4"],
+    "pyramidkv": ["--policy", "pyramidkv", "--budget", "16", "--policy-param", "window=4"],
+    "dynamickv": ["--policy", "dynamickv", "--budget", "16", "--policy-param", "window=4"],
+    "streamingllm": ["--policy", "streamingllm", "--budget", "16", "--policy-param", "sink=4"],
+    "h2o": ["--policy", "h2o", "--budget", "16"],
+    "knorm": ["--policy", "knorm", "--budget", "16"],
+    "knorm-decode": ["--policy", "knorm", "--budget", "16", "--policy-param", "decode_budget=24"],
+}

@@ -17,20 +17,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from kvserve_testlib import ROOT, fixtures_dir, run_kvserve, write_json
+from kvserve_testlib import POLICY_FLAGS, ROOT, fixtures_dir, run_kvserve, write_json
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied"]
-POLICIES = {
-    "full": [],
-    "snapkv": ["--policy", "snapkv", "--budget", "16", "--policy-param", "window=4"],
-    "pyramidkv": ["--policy", "pyramidkv", "--budget", "16", "--policy-param", "window=4"],
-    "dynamickv": ["--policy", "dynamickv", "--budget", "16", "--policy-param", "window=4"],
-    "streamingllm": ["--policy", "streamingllm", "--budget", "16", "--policy-param", "sink=4"],
-    "h2o": ["--policy", "h2o", "--budget", "16"],
-    "knorm": ["--policy", "knorm", "--budget", "16"],
-}
+# `forward` runs no decode steps, so the decode-eviction variant would repeat knorm.
+POLICIES = {k: v for k, v in POLICY_FLAGS.items() if k != "knorm-decode"}
 
 
 def prompt(n: int, vocab: int, seed: int) -> list[int]:

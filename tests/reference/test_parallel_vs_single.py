@@ -23,20 +23,10 @@ import pathlib
 import pytest
 from safetensors.torch import load_file
 
-from kvserve_testlib import fixtures_dir, run_kvserve, write_json
+from kvserve_testlib import POLICY_FLAGS, fixtures_dir, run_kvserve, write_json
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-# policy flags for `forward` / `generate`; budgets below the prompt so every policy compresses
-POLICIES = {
-    "full": [],
-    "snapkv": ["--policy", "snapkv", "--budget", "16", "--policy-param", "window=4"],
-    "pyramidkv": ["--policy", "pyramidkv", "--budget", "16", "--policy-param", "window=4"],
-    "dynamickv": ["--policy", "dynamickv", "--budget", "16", "--policy-param", "window=4"],
-    "streamingllm": ["--policy", "streamingllm", "--budget", "16", "--policy-param", "sink=4"],
-    "h2o": ["--policy", "h2o", "--budget", "16"],
-    "knorm": ["--policy", "knorm", "--budget", "16"],
-    "knorm-decode": ["--policy", "knorm", "--budget", "16", "--policy-param", "decode_budget=24"],
-}
+POLICIES = POLICY_FLAGS
 PROMPT = [(7 * i + 3) % 1900 + 5 for i in range(41)]
 
 
