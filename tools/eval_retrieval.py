@@ -387,9 +387,10 @@ def main() -> None:
     if "needle" in args.tasks:
         # The first answer token comes from the prefill, where every policy still sees the whole prompt
         # (as in the papers' implementations); compression only acts on the tokens after it. A
-        # one-token word answer is therefore right under any policy, while a number (one token per
-        # digit) needs the cache: the split separates the two.
-        md.append("### needle by answer type: numbers (several tokens) vs words (one token)\n")
+        # one-token word answer is therefore right under any policy (up to the '.' after it), while a
+        # number (one token per digit) needs the cache: the split separates the two.
+        md.append("### needle by answer type: numbers (one token per digit) vs words (one token, then the '.' "
+                  "that ends the answer)\n")
         md.append("| policy | numbers | words |")
         md.append("| --- | --- | --- |")
         for name in table:

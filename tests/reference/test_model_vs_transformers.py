@@ -66,3 +66,22 @@ def test_batched_decode_equals_each_alone(tmp_path):
         alone = json.loads(run_kvserve("generate", "--model", str(fixtures_dir() / name), "--prompt-ids", *map(str, p),
                                        "--max-tokens", "24", "--ignore-eos", "--json").stdout)
         assert together["results"][i]["token_ids"] == alone["token_ids"], f"sequence {i} differs when batched"
+
+
+def test_perplexity_full_cache_matches_transformers(tmp_path):
+    """`kvserve perplexity` (a prefilled head, then the true tokens decoded one at a time through the
+    paged cache) scores every next token as transformers does over the whole document."""
+    name = "llama-gqa"
+    model = hf_model(name)
+    docs = [prompt(90, model.config.vocab_size, seed=11), prompt(57, model.config.vocab_size, seed=12)]
+    ids = write_json(tmp_path / "docs.json", docs)
+    proc = run_kvserve("perplexity", "--model", str(fixtures_dir() / name), "--input-ids", str(ids), "--prefill", "16")
+    out = json.loads(proc.stdout)
+    assert out["scored"] == sum(len(d) - 1 for d in docs)
+    for doc, got in zip(docs, out["documents"]):
+        x = torch.tensor([doc])
+        with torch.no_grad():
+            logits = model(x).logits[0, :-1].float()
+        ref = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+        assert got["scored"] == len(doc) - 1
+        assert abs(got["nll"] - ref) <= 1e-5 * abs(ref), (got["nll"], ref)
