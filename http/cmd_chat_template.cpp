@@ -1,27 +1,18 @@
 // `kvserve chat-template`: renders a chat template against a JSON context, for checking templates
 // and for the reference tests against Python's jinja2.
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "chat_template.h"
+#include "cli_files.h"
 #include "commands.h"
 
 namespace kvserve::cli {
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  KV_CHECK(in, "cannot open " << path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // Renders every {"template", "context"} pair of a JSON array in one process (the reference tests
 // would otherwise pay the binary's start-up per case); prints a JSON array of {"output"} or {"error"}.
 void run_batch(const std::string& path) {
-  auto cases = nlohmann::ordered_json::parse(read_file(path), nullptr, false);
+  auto cases = nlohmann::ordered_json::parse(read_text_file(path), nullptr, false);
   KV_CHECK(!cases.is_discarded() && cases.is_array(), path << " must be a JSON array of {template, context}");
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (const auto& c : cases) {
@@ -54,7 +45,7 @@ void add_chat_template_command(CLI::App& app) {
   cmd->callback([template_path, context_path, batch_path] {
     if (!batch_path->empty()) return run_batch(*batch_path);
     KV_CHECK(!template_path->empty() && !context_path->empty(), "chat-template needs --template and --context (or --batch)");
-    std::string source = read_file(*template_path);
+    std::string source = read_text_file(*template_path);
     // A tokenizer_config.json carries the template in its chat_template field.
     if (template_path->size() >= 5 && template_path->compare(template_path->size() - 5, 5, ".json") == 0) {
       auto cfg = nlohmann::json::parse(source, nullptr, false);
@@ -62,7 +53,7 @@ void add_chat_template_command(CLI::App& app) {
                *template_path << " has no string chat_template field");
       source = cfg["chat_template"].get<std::string>();
     }
-    auto context = nlohmann::ordered_json::parse(read_file(*context_path), nullptr, false);
+    auto context = nlohmann::ordered_json::parse(read_text_file(*context_path), nullptr, false);
     KV_CHECK(!context.is_discarded(), *context_path << " is not valid JSON");
     std::string out = ChatTemplate(source).render(context);
     std::cout.write(out.data(), static_cast<std::streamsize>(out.size()));

@@ -8,7 +8,7 @@
 #include "kv_check.h"
 #include "llama_model.h"
 #include "communicator.h"
-#include "json_file.h"
+#include "cli_files.h"
 #include "paged_kv_memory.h"
 #include "parallel_cli.h"
 #include "sharded_executor.h"

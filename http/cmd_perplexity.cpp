@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "json_file.h"
+#include "cli_files.h"
 #include "kv_check.h"
 #include "llama_model.h"
 #include "paged_kv_memory.h"

@@ -1,15 +1,14 @@
 // `kvserve plan`: per-GPU weight bytes, KV bytes per sequence per shard and the maximum concurrent
 // sequences of a model split over TP x PP GPUs, for `full` and a chosen policy (parallel/shard_plan.h).
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "cli_files.h"
 #include "commands.h"
 #include "policy_cli.h"
 #include "kv_check.h"
@@ -75,14 +74,6 @@ std::string mib(int64_t bytes) {
   return buf;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  KV_CHECK(in, "cannot open model config '" << path << "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 void print_text(const parallel::ShardPlan& p) {
   const auto& o = p.options;
   std::cout << "plan: TP=" << o.tp << " PP=" << o.pp << " (" << p.gpus << " GPUs), " << gib(o.gpu_memory_bytes)
@@ -110,7 +101,7 @@ void print_text(const parallel::ShardPlan& p) {
 }
 
 void run_plan(const PlanArgs& a) {
-  const ModelConfig mc = parse_model_config(read_file(a.model_config), a.model_config);
+  const ModelConfig mc = parse_model_config(read_text_file(a.model_config), a.model_config);
   parallel::ModelShape m;
   m.num_layers = mc.num_hidden_layers;
   m.hidden_size = mc.hidden_size;

@@ -6,14 +6,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <iostream>
-#include <sstream>
 #include <mutex>
 #include <optional>
 #include <thread>
 
+#include "cli_files.h"
 #include "commands.h"
 #include "engine.h"
 #include "kv_check.h"
@@ -67,15 +66,6 @@ LoadOptions load_options(const config::ServerConfig& cfg) {
 bool hosts_http(const ParallelOptions& po) {
   if (auto env = parallel::dist_env_from_environment()) return env->rank == 0;
   return po.node_rank == 0;
-}
-
-// A file's bytes; nullopt when it cannot be read.
-std::optional<std::string> read_file_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return std::nullopt;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 // Applies CLI flags over the YAML values; returns the validated config. `text`: the config file's
@@ -231,7 +221,7 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
 
 int serve(const ServeArgs& a) {
   // The text the startup config was parsed from (reloads compare against it).
-  const std::optional<std::string> startup_text = a.config.empty() ? std::nullopt : read_file_text(a.config);
+  const std::optional<std::string> startup_text = a.config.empty() ? std::nullopt : try_read_text_file(a.config);
   config::ServerConfig cfg = resolve_config(a, startup_text ? &*startup_text : nullptr);
   const ParallelOptions po = a.parallel.apply(to_parallel_options(cfg.parallel));
   if (!hosts_http(po)) {
@@ -342,7 +332,7 @@ int serve(const ServeArgs& a) {
       std::cerr << "kvserve: " << why << ": no --config file to reload" << std::endl;
       return;
     }
-    const std::optional<std::string> text = read_file_text(a.config);
+    const std::optional<std::string> text = try_read_text_file(a.config);
     if (text && *last_text && *text == **last_text) {
       std::cerr << "kvserve: " << why << ": " << a.config << " unchanged since it was last loaded; not reloaded"
                 << std::endl;

@@ -1,12 +1,11 @@
 // `kvserve tokenize` / `kvserve detokenize`: the tokenizer on files, one JSON value per line, so
 // reference tests can compare it with Hugging Face tokenizers in bulk.
-#include <fstream>
 #include <iostream>
 #include <memory>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "cli_files.h"
 #include "commands.h"
 #include "kv_check.h"
 #include "tokenizer.h"
@@ -26,11 +25,7 @@ struct TokenizeOptions {
 
 // Lines split on '\n' only (a '\r' stays part of its line); a final '\n' ends the last line.
 std::vector<std::string> read_lines(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  KV_CHECK(f, path << ": cannot open file");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  const std::string all = ss.str();
+  const std::string all = read_text_file(path);
   std::vector<std::string> lines;
   size_t start = 0;
   while (start < all.size()) {

@@ -158,6 +158,10 @@ def build_samples(model_dir: str, tasks: list, lengths: list, depths: list, n: i
     return out
 
 
+def accuracy(rows: list) -> float:
+    return sum(r["correct"] for r in rows) / max(1, len(rows))
+
+
 def score(text: str, answer: str) -> bool:
     return text.split(".")[0].strip() == answer
 
@@ -308,7 +312,7 @@ def main() -> None:
                     results.append({"policy": name, "task": s["task"], "length": s["length"], "depth": s["depth"],
                                     "i": s["i"], "answer": s["answer"], "output": text,
                                     "correct": score(text, s["answer"])})
-                acc = sum(r["correct"] for r in results[-len(samples):]) / len(samples)
+                acc = accuracy(results[-len(samples):])
                 print(f"{name}: {acc:.3f} ({timings[name]}s)", flush=True)
         finally:
             server.stop()
@@ -332,7 +336,7 @@ def main() -> None:
         for task in args.tasks:
             rs = [r for r in results if r["policy"] == name and r["task"] == task]
             summary.append({"policy": name, "method": method, "budget": budget, "task": task, "n": len(rs),
-                            "accuracy": round(sum(r["correct"] for r in rs) / max(1, len(rs)), 4)})
+                            "accuracy": round(accuracy(rs), 4)})
     with open(args.out / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(summary[0].keys()))
         w.writeheader()
@@ -397,8 +401,7 @@ def main() -> None:
             rs = [r for r in results if r["policy"] == name and r["task"] == "needle"]
             num = [r for r in rs if r["answer"].isdigit()]
             word = [r for r in rs if not r["answer"].isdigit()]
-            md.append(f"| {name} | {sum(r['correct'] for r in num) / max(1, len(num)):.2f} ({len(num)}) | "
-                      f"{sum(r['correct'] for r in word) / max(1, len(word)):.2f} ({len(word)}) |")
+            md.append(f"| {name} | {accuracy(num):.2f} ({len(num)}) | {accuracy(word):.2f} ({len(word)}) |")
         md.append("")
     multi = [t for t in ("passkey", "multikey") if t in args.tasks]
     if multi and any(d >= 0.99 for d in args.depths) and any(d < 0.99 for d in args.depths):
@@ -411,8 +414,7 @@ def main() -> None:
             rs = [r for r in results if r["policy"] == name and r["task"] in multi]
             inner = [r for r in rs if r["depth"] < 0.99]
             end = [r for r in rs if r["depth"] >= 0.99]
-            md.append(f"| {name} | {sum(r['correct'] for r in inner) / max(1, len(inner)):.2f} | "
-                      f"{sum(r['correct'] for r in end) / max(1, len(end)):.2f} |")
+            md.append(f"| {name} | {accuracy(inner):.2f} | {accuracy(end):.2f} |")
         md.append("")
     md.append("### accuracy by context length (all tasks and depths)\n")
     md.append("| policy | " + " | ".join(str(L) for L in args.lengths) + " |")
@@ -421,7 +423,7 @@ def main() -> None:
         vals = []
         for L in args.lengths:
             rs = [r for r in results if r["policy"] == name and r["length"] == L]
-            vals.append(f"{sum(r['correct'] for r in rs) / max(1, len(rs)):.2f}")
+            vals.append(f"{accuracy(rs):.2f}")
         md.append(f"| {name} | " + " | ".join(vals) + " |")
     md.append("")
     (args.out / "tables.md").write_text("\n".join(md))

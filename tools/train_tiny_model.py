@@ -124,10 +124,10 @@ def curriculum_len(progress: float, rng: random.Random, max_len: int) -> int:
     return max(64, (length // 32) * 32)
 
 
-def step_batch(builder, seed: int, step: int, steps: int, args, vocab: int):
-    """The batch of one step: a pure function of (seed, step), so data workers and resumes agree."""
-    rng = random.Random(seed * 1_000_003 + step)
-    progress = 0.6 if args.dry_run else step / steps
+def step_batch(builder, step: int, args, vocab: int):
+    """The batch of one step: a pure function of (args.seed, step), so data workers and resumes agree."""
+    rng = random.Random(args.seed * 1_000_003 + step)
+    progress = 0.6 if args.dry_run else step / args.steps
     length = curriculum_len(progress, rng, args.max_len)
     n = min(args.max_rows, max(4, args.batch_tokens // length))
     x, am, valid = make_batch(builder, rng, length, n, args.max_len, copy_share=COPY_SHARE(progress),
@@ -139,16 +139,15 @@ class StepBatches(torch.utils.data.IterableDataset):
     """Batches for steps step0.. in order; worker w of W builds steps step0+w, step0+w+W, ... (the
     DataLoader takes one from each worker in turn, so the order is the step order)."""
 
-    def __init__(self, builder, seed, step0, steps, args, vocab):
+    def __init__(self, builder, step0, args, vocab):
         super().__init__()
-        self.a = (builder, seed, step0, steps, args, vocab)
+        self.builder, self.step0, self.args, self.vocab = builder, step0, args, vocab
 
     def __iter__(self):
-        builder, seed, step0, steps, args, vocab = self.a
         info = torch.utils.data.get_worker_info()
         w, nw = (info.id, info.num_workers) if info else (0, 1)
-        for step in range(step0 + w, steps, nw):
-            yield (step,) + step_batch(builder, seed, step, steps, args, vocab)
+        for step in range(self.step0 + w, self.args.steps, nw):
+            yield (step,) + step_batch(self.builder, step, self.args, self.vocab)
 
 
 def make_batch(builder, rng, length, n, cap, chat_frac=0.15, copy_share=0.0, repeat_share=0.0, vocab=0):
@@ -320,7 +319,7 @@ def main() -> None:
     steps = args.steps
     tokens = 0
     t0 = time.time()
-    data = StepBatches(builder, args.seed, step0, steps, args, vocab)
+    data = StepBatches(builder, step0, args, vocab)
     if workers > 0:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         data = torch.utils.data.DataLoader(data, batch_size=None, num_workers=workers, prefetch_factor=4,

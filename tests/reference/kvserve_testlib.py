@@ -35,6 +35,13 @@ def run_kvserve(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """n token ids drawn uniformly from the vocabulary, reproducibly."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
 def write_json(path: pathlib.Path, value) -> pathlib.Path:
     path.write_text(json.dumps(value))
     return path

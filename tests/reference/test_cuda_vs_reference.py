@@ -17,18 +17,13 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from kvserve_testlib import POLICY_FLAGS, ROOT, fixtures_dir, run_kvserve, write_json
+from kvserve_testlib import POLICY_FLAGS, ROOT, fixtures_dir, random_ids, run_kvserve, write_json
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied"]
 # `forward` runs no decode steps, so the decode-eviction variant would repeat knorm.
 POLICIES = {k: v for k, v in POLICY_FLAGS.items() if k != "knorm-decode"}
-
-
-def prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
 def kv_forward(tmp: pathlib.Path, model: str, ids: list[int], *args: str, tag: str = "x"):
@@ -51,7 +46,7 @@ def test_fp32_logits_match_transformers_on_cuda(name, tmp_path):
     path = fixtures_dir() / name
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     for n in (1, 17, 640):
-        ids = prompt(n, hf.config.vocab_size, seed=n)
+        ids = random_ids(n, hf.config.vocab_size, seed=n)
         got, _ = kv_forward(tmp_path, str(path), ids, "--device", "cuda", "--dtype", "float32", tag=str(n))
         with torch.no_grad():
             ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
@@ -63,7 +58,7 @@ def test_fp32_logits_match_transformers_on_cuda(name, tmp_path):
 def test_bf16_logits_track_transformers_bf16_on_cuda(name, tmp_path):
     path = fixtures_dir() / name
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    ids = prompt(300, hf.config.vocab_size, seed=5)
+    ids = random_ids(300, hf.config.vocab_size, seed=5)
     got, _ = kv_forward(tmp_path, str(path), ids, "--device", "cuda", "--dtype", "bfloat16")
     with torch.no_grad():
         ref = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()

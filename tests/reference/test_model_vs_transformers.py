@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from kvserve_testlib import fixtures_dir, run_kvserve, write_json
+from kvserve_testlib import fixtures_dir, random_ids, run_kvserve, write_json
 
 FIXTURES = ["llama-mha", "llama-gqa", "llama3-rope", "llama-tied", "qwen2-bias", "mistral", "llama-sharded",
             "llama-bf16", "llama-kvfew"]
@@ -19,16 +19,11 @@ def hf_model(name: str):
     return transformers.AutoModelForCausalLM.from_pretrained(fixtures_dir() / name, dtype=torch.float32).eval()
 
 
-def prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
 @pytest.mark.parametrize("name", FIXTURES)
 def test_forward_logits_match(name, tmp_path):
     model = hf_model(name)
     for n in (1, 17, 640):
-        ids = prompt(n, model.config.vocab_size, seed=n)
+        ids = random_ids(n, model.config.vocab_size, seed=n)
         out = tmp_path / f"logits-{n}.safetensors"
         run_kvserve("forward", "--model", str(fixtures_dir() / name), "--input-ids",
                     str(write_json(tmp_path / f"ids-{n}.json", ids)), "--output", str(out))
@@ -43,7 +38,7 @@ def test_forward_logits_match(name, tmp_path):
 @pytest.mark.parametrize("name", FIXTURES)
 def test_greedy_generation_matches(name):
     model = hf_model(name)
-    ids = prompt(24, model.config.vocab_size, seed=7)
+    ids = random_ids(24, model.config.vocab_size, seed=7)
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
                              pad_token_id=0)[0, len(ids):].tolist()
@@ -57,7 +52,7 @@ def test_batched_decode_equals_each_alone(tmp_path):
     """Four sequences of different lengths decoded together give the tokens each gives alone."""
     name = "llama-gqa"
     vocab = hf_model(name).config.vocab_size
-    prompts = [prompt(n, vocab, seed=100 + n) for n in (3, 40, 17, 90)]
+    prompts = [random_ids(n, vocab, seed=100 + n) for n in (3, 40, 17, 90)]
     spec = write_json(tmp_path / "batch.json", prompts)
     together = json.loads(run_kvserve("generate", "--model", str(fixtures_dir() / name), "--prompts-file",
                                       str(spec), "--max-tokens", "24", "--ignore-eos", "--json").stdout)
@@ -73,7 +68,7 @@ def test_perplexity_full_cache_matches_transformers(tmp_path):
     paged cache) scores every next token as transformers does over the whole document."""
     name = "llama-gqa"
     model = hf_model(name)
-    docs = [prompt(90, model.config.vocab_size, seed=11), prompt(57, model.config.vocab_size, seed=12)]
+    docs = [random_ids(90, model.config.vocab_size, seed=11), random_ids(57, model.config.vocab_size, seed=12)]
     ids = write_json(tmp_path / "docs.json", docs)
     proc = run_kvserve("perplexity", "--model", str(fixtures_dir() / name), "--input-ids", str(ids), "--prefill", "16")
     out = json.loads(proc.stdout)

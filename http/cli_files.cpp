@@ -1,10 +1,25 @@
-#include "json_file.h"
+#include "cli_files.h"
 
 #include <fstream>
+#include <sstream>
 
 #include "kv_check.h"
 
 namespace kvserve::cli {
+
+std::optional<std::string> try_read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string read_text_file(const std::string& path) {
+  auto text = try_read_text_file(path);
+  KV_CHECK(text, path << ": cannot open");
+  return *text;
+}
 
 nlohmann::json read_json_file(const std::string& path) {
   std::ifstream f(path);
