@@ -1,4 +1,4 @@
-#include "checkpoint.h"
+#include "backend/checkpoint.h"
 
 #include <filesystem>
 #include <fstream>
@@ -6,7 +6,7 @@
 #include <set>
 #include <sstream>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace fs = std::filesystem;

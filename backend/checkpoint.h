@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "safetensors_file.h"
+#include "backend/safetensors_file.h"
 
 namespace kvserve {
 

@@ -13,7 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine_types.h"
+#include "backend/engine_types.h"
 
 namespace kvserve {
 
@@ -50,6 +50,7 @@ struct EngineStats {
   int64_t generation_tokens_total = 0;
   int64_t preemptions_total = 0;
   int64_t steps_total = 0;
+  int64_t step_collectives_total = 0;  // control-path collectives of a sharded job's steps
 };
 
 // Thrown by submit() when the queue is full (HTTP maps it to 429/503).

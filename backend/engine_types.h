@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "sampling_params.h"
+#include "backend/sampling_params.h"
 
 namespace kvserve {
 

@@ -1,12 +1,13 @@
-#include "llama_model.h"
+#include "backend/llama_model.h"
 
 #include <chrono>
 #include <cmath>
 #include <iostream>
 
-#include "checkpoint.h"
-#include "communicator.h"
-#include "kv_check.h"
+#include "backend/checkpoint.h"
+#include "common/check.h"
+#include "common/log.h"
+#include "parallel/communicator.h"
 
 namespace kvserve {
 
@@ -92,20 +93,32 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
     m->layers_.push_back(std::move(l));
     const int64_t L = s.num_layers(), done = i + 1 - s.layer_begin;
     if (opt.progress && L >= 4 && done % ((L + 3) / 4) == 0 && done < L) {
-      std::cerr << "kvserve: loading " << model_dir << ": " << done << "/" << L << " layers\n";
+      KV_LOG("loading " << model_dir << ": " << done << "/" << L << " layers");
     }
   }
   m->rope_ = std::make_unique<Rope>(c, m->device_);
   if (opt.progress) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cerr << "kvserve: loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers << " layers, "
-              << ckpt.num_tensors() << " tensors" << (s.whole() ? "" : "; " + s.describe()) << ") in " << secs << " s\n";
+    KV_LOG("loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers << " layers, "
+              << ckpt.num_tensors() << " tensors" << (s.whole() ? "" : "; " + s.describe()) << ") in " << secs << " s");
   }
   return m;
 }
 
 int64_t LlamaModel::kv_bytes_per_token() const {
   return 2 * layout_.num_layers() * layout_.kv_heads * config_.head_dim * static_cast<int64_t>(c10::elementSize(dtype_));
+}
+
+KvMemoryLayout LlamaModel::kv_layout() const {
+  KvMemoryLayout l;
+  l.num_layers = layout_.num_layers();
+  l.first_layer = layout_.layer_begin;
+  l.total_layers = config_.num_hidden_layers;
+  l.num_kv_heads = layout_.kv_heads;
+  l.head_dim = config_.head_dim;
+  l.dtype = dtype_;
+  l.device = device_;
+  return l;
 }
 
 torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& w) const {

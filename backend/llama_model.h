@@ -7,10 +7,11 @@
 #include <string>
 #include <vector>
 
-#include "kv_memory.h"
-#include "model_config.h"
-#include "rope.h"
-#include "shard_layout.h"
+#include "backend/model_config.h"
+#include "backend/rope.h"
+#include "backend/shard_layout.h"
+#include "cache_manager/kv_memory.h"
+#include "cache_manager/kv_memory_factory.h"
 
 namespace kvserve::parallel {
 class ProcessGroup;
@@ -43,6 +44,8 @@ class LlamaModel {
   int64_t kv_bytes_per_token() const;  // all layers, K and V
 
   const ShardLayout& layout() const { return layout_; }
+  // This shard's KV shape, for make_kv_memory.
+  KvMemoryLayout kv_layout() const;
 
   // Runs the whole prompt through every layer, handing each layer's K/V to `kv`. Returns fp32
   // logits for every position ([T, V]) when all_logits, else for the last position ([1, V]).

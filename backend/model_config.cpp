@@ -1,10 +1,10 @@
-#include "model_config.h"
+#include "backend/model_config.h"
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace {

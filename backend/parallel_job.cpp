@@ -1,14 +1,15 @@
-#include "parallel_job.h"
+#include "backend/parallel_job.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
 
-#include "communicator.h"
-#include "kv_check.h"
-#include "launcher.h"
-#include "sharded_runner.h"
+#include "backend/sharded_runner.h"
+#include "common/check.h"
+#include "common/log.h"
+#include "parallel/communicator.h"
+#include "parallel/launcher.h"
 
 namespace kvserve {
 
@@ -69,7 +70,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   load.tp_group = job->groups_.tp;
   load.progress = load.progress && env.rank == 0;
   job->model_ = LlamaModel::load(model_dir, load);
-  std::cerr << "kvserve: rank " << env.rank << "/" << env.world_size << " ready: " << load.layout.describe() << "\n";
+  KV_LOG("rank " << env.rank << "/" << env.world_size << " ready: " << load.layout.describe());
   return job;
 }
 
@@ -112,7 +113,8 @@ KvShard ParallelJob::kv_shard() const {
 }
 
 std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& options) const {
-  return make_kv_memory(*model_, options, kv_shard());
+  return make_kv_memory(model_->kv_layout(), {options.block_size, 0, options.kv_cache_bytes},
+                        resolve_policies(options.policies), options.default_policy, kv_shard());
 }
 
 std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {

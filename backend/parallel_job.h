@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "engine.h"
-#include "llama_model.h"
-#include "model_runner.h"
-#include "sharded_executor.h"
+#include "backend/engine.h"
+#include "backend/llama_model.h"
+#include "backend/model_runner.h"
+#include "backend/sharded_executor.h"
 
 namespace kvserve {
 

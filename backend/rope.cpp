@@ -1,4 +1,4 @@
-#include "rope.h"
+#include "backend/rope.h"
 
 #include <cmath>
 

@@ -2,7 +2,7 @@
 // Rope: rotary position embedding tables (default, linear and llama3 scaling) computed as transformers does.
 #include <torch/torch.h>
 
-#include "model_config.h"
+#include "backend/model_config.h"
 
 namespace kvserve {
 

@@ -1,4 +1,4 @@
-#include "safetensors_file.h"
+#include "backend/safetensors_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,7 +10,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -1,10 +1,10 @@
-#include "safetensors_writer.h"
+#include "backend/safetensors_writer.h"
 
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -1,11 +1,11 @@
-#include "sampler.h"
+#include "backend/sampler.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -8,8 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine_types.h"
-#include "sampling_params.h"
+#include "backend/engine_types.h"
+#include "backend/sampling_params.h"
 
 namespace kvserve {
 

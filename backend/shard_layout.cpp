@@ -1,10 +1,10 @@
-#include "shard_layout.h"
+#include "backend/shard_layout.h"
 
 #include <numeric>
 #include <sstream>
 
-#include "kv_check.h"
-#include "shard_plan.h"
+#include "common/check.h"
+#include "parallel/shard_plan.h"
 
 namespace kvserve {
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "model_config.h"
+#include "backend/model_config.h"
 
 namespace kvserve {
 

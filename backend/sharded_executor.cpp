@@ -1,10 +1,10 @@
-#include "sharded_executor.h"
+#include "backend/sharded_executor.h"
 
 #include <algorithm>
 
-#include "communicator.h"
-#include "kv_check.h"
-#include "llama_model.h"
+#include "backend/llama_model.h"
+#include "common/check.h"
+#include "parallel/communicator.h"
 
 namespace kvserve {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "kv_memory.h"
-#include "paged_kv_memory.h"
-#include "shard_layout.h"
+#include "backend/shard_layout.h"
+#include "cache_manager/kv_memory.h"
+#include "cache_manager/paged_kv_memory.h"
 
 namespace kvserve {
 

@@ -1,27 +1,21 @@
-#include "sharded_runner.h"
+#include "backend/sharded_runner.h"
 
+#include <algorithm>
 #include <bit>
 #include <iostream>
 
-#include "communicator.h"
-#include "kv_check.h"
-#include "llama_model.h"
+#include "backend/llama_model.h"
+#include "common/check.h"
+#include "common/log.h"
+#include "parallel/communicator.h"
 
 namespace kvserve {
 
+// The control protocol: a plan per step, a keep-alive, and the end.
 enum class ShardOp : int64_t {
-  kPrefill = 1,
-  kDecode,
-  kRelease,
-  kCanPrefill,
-  kFitsWhenEmpty,
-  kCanDecode,
-  kKeptTokens,
-  kUsage,
+  kStep = 1,
   kPing,
   kShutdown,
-  kAddSequence,
-  kRemoveSequence,
 };
 
 // A command: op + int64 payload (strings as one byte per element).
@@ -79,6 +73,47 @@ struct ShardCommand {
     for (int64_t c : get_vector()) s.push_back(static_cast<char>(c));
     return s;
   }
+  void put(const StepPlan& p) {
+    put(p.release), put(p.remove);
+    put(static_cast<int64_t>(p.start.size()));
+    for (const auto& s : p.start) put(s.seq_id), put(static_cast<int64_t>(s.seed)), put(s.eos_ids), put(s.prompt), put(s.sampling);
+    put(p.decode.seq_ids), put(p.decode.positions), put(p.decode_tokens), put(p.decode_ban_eos);
+    put(static_cast<int64_t>(p.prefill.size()));
+    for (const auto& w : p.prefill)
+      put(w.seq_id), put(w.policy), put(w.tokens), put(static_cast<int64_t>(w.sample)), put(static_cast<int64_t>(w.ban_eos));
+  }
+  StepPlan get_plan() {
+    StepPlan p;
+    p.release = get_vector();
+    p.remove = get_vector();
+    const int64_t starts = get();
+    KV_CHECK(starts >= 0 && starts <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
+    for (int64_t i = 0; i < starts; ++i) {
+      SequenceStart s;
+      s.seq_id = get();
+      s.seed = static_cast<uint64_t>(get());
+      s.eos_ids = get_vector();
+      s.prompt = get_vector();
+      s.sampling = get_params();
+      p.start.push_back(std::move(s));
+    }
+    p.decode.seq_ids = get_vector();
+    p.decode.positions = get_vector();
+    p.decode_tokens = get_vector();
+    p.decode_ban_eos = get_flags();
+    const int64_t prefills = get();
+    KV_CHECK(prefills >= 0 && prefills <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
+    for (int64_t i = 0; i < prefills; ++i) {
+      PrefillWork w;
+      w.seq_id = get();
+      w.policy = get_string();
+      w.tokens = get_vector();
+      w.sample = get() != 0;
+      w.ban_eos = get() != 0;
+      p.prefill.push_back(std::move(w));
+    }
+    return p;
+  }
 };
 
 namespace {
@@ -93,41 +128,41 @@ ShardCommand command(ShardOp op, const Args&... args) {
   return c;
 }
 
+// A command travels in one broadcast of a fixed-size frame [op, payload size, payload...]; only a
+// payload longer than the frame (a step with hundreds of rows, or long prompts) needs a second one.
+constexpr int64_t kFrameWords = 1024;
+
 void send_command(parallel::ProcessGroup& world, const ShardCommand& c) {
-  auto header = torch::tensor({static_cast<int64_t>(c.op), static_cast<int64_t>(c.payload.size())}, torch::kInt64);
-  world.broadcast(header, 0);
-  if (!c.payload.empty()) {
-    auto body = torch::tensor(c.payload, torch::kInt64);
-    world.broadcast(body, 0);
+  const int64_t n = static_cast<int64_t>(c.payload.size());
+  auto frame = torch::zeros({kFrameWords}, torch::kInt64);
+  int64_t* f = frame.data_ptr<int64_t>();
+  f[0] = static_cast<int64_t>(c.op);
+  f[1] = n;
+  const int64_t inline_words = std::min(n, kFrameWords - 2);
+  std::copy(c.payload.begin(), c.payload.begin() + inline_words, f + 2);
+  world.broadcast(frame, 0);
+  if (n > inline_words) {
+    auto rest = torch::tensor(std::vector<int64_t>(c.payload.begin() + inline_words, c.payload.end()), torch::kInt64);
+    world.broadcast(rest, 0);
   }
 }
 
 ShardCommand receive_command(parallel::ProcessGroup& world) {
-  auto header = torch::zeros({2}, torch::kInt64);
-  world.broadcast(header, 0);
+  auto frame = torch::zeros({kFrameWords}, torch::kInt64);
+  world.broadcast(frame, 0);
+  const int64_t* f = frame.data_ptr<int64_t>();
   ShardCommand c;
-  c.op = static_cast<ShardOp>(header[0].item<int64_t>());
-  const int64_t n = header[1].item<int64_t>();
+  c.op = static_cast<ShardOp>(f[0]);
+  const int64_t n = f[1];
   KV_CHECK(n >= 0 && n < (int64_t{1} << 32), "malformed command header from rank 0");
-  if (n > 0) {
-    auto body = torch::zeros({n}, torch::kInt64);
-    world.broadcast(body, 0);
-    c.payload.assign(body.data_ptr<int64_t>(), body.data_ptr<int64_t>() + n);
+  const int64_t inline_words = std::min(n, kFrameWords - 2);
+  c.payload.assign(f + 2, f + 2 + inline_words);
+  if (n > inline_words) {
+    auto rest = torch::zeros({n - inline_words}, torch::kInt64);
+    world.broadcast(rest, 0);
+    c.payload.insert(c.payload.end(), rest.data_ptr<int64_t>(), rest.data_ptr<int64_t>() + (n - inline_words));
   }
   return c;
-}
-
-// Sums one int64 per rank over the world (admission answers: count of shards that say no).
-int64_t world_sum(parallel::ProcessGroup& world, int64_t v) {
-  auto t = torch::tensor({v}, torch::kInt64);
-  world.all_reduce_sum(t);
-  return t.item<int64_t>();
-}
-
-KvUsage world_usage(parallel::ProcessGroup& world, const PagedKvMemory& kv) {
-  auto t = torch::tensor({kv.blocks_total(), kv.blocks_used(), kv.blocks_high_water()}, torch::kInt64);
-  world.all_reduce_sum(t);
-  return {t[0].item<int64_t>(), t[1].item<int64_t>(), t[2].item<int64_t>()};
 }
 
 // KV tokens of a sequence counted once per layer: TP ranks of a stage hold the same layers.
@@ -168,31 +203,83 @@ std::vector<SampledToken> unpack(const torch::Tensor& t, size_t rows) {
   return out;
 }
 
-// Every rank calls it after a step with its logits (defined on the last stage): the sampler rank
-// samples each row, and rank 0 gets the tokens (only they and the requested logprobs travel).
-std::vector<SampledToken> sample_rows(parallel::ProcessGroup& world, const ShardLayout& s, SamplerBank& bank,
-                                      const torch::Tensor& logits, const std::vector<int64_t>& seq_ids,
-                                      const std::vector<char>& ban) {
-  std::vector<SampledToken> out;
-  const int me = world.rank(), src = sampler_rank(s);
-  if (me == src) {
-    for (size_t i = 0; i < seq_ids.size(); ++i) out.push_back(bank.sample(seq_ids[i], logits[static_cast<int64_t>(i)], ban[i]));
-    if (me != 0) {
-      world.send_tensor(pack(out), 0, kSampledTag);
-      world.wait_sends();
-    }
-  } else if (me == 0) {
-    out = unpack(world.recv_tensor(src, kSampledTag, torch::kCPU), seq_ids.size());
-  }
-  return out;
-}
+// One step of `plan` on this rank: every rank runs the same executor calls on its shard; the
+// sampler rank samples and sends rank 0 the tokens; one all-reduce brings every rank's pool (its
+// slot of [geometry, occupancy, per row: held, demand, kept]) to every rank. Rank 0 gets the result.
+StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& kv, SamplerBank& samplers,
+                    parallel::ProcessGroup& world) {
+  const ShardLayout& layout = exec.layout();
+  const int me = world.rank(), src = sampler_rank(layout);
+  const bool sampler = me == src;
+  for (int64_t id : plan.release) kv.release(id);
+  for (int64_t id : plan.remove) samplers.remove(id);
+  if (sampler)
+    for (const auto& s : plan.start) samplers.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
 
-DecodeBatch decode_batch(ShardCommand& c, std::vector<int64_t>* tokens) {
-  DecodeBatch b;
-  b.seq_ids = c.get_vector();
-  b.positions = c.get_vector();
-  *tokens = c.get_vector();
-  return b;
+  std::vector<SampledToken> sampled;
+  if (!plan.decode.seq_ids.empty()) {
+    auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
+    if (sampler)
+      for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i)
+        sampled.push_back(samplers.sample(plan.decode.seq_ids[i], logits[static_cast<int64_t>(i)], plan.decode_ban_eos[i]));
+  }
+  for (const auto& w : plan.prefill) {
+    auto logits = exec.prefill(w.seq_id, w.tokens, w.policy, false, /*to_rank0=*/false);
+    if (sampler && w.sample) sampled.push_back(samplers.sample(w.seq_id, logits[0], w.ban_eos));
+  }
+  if (sampler && me != 0) {
+    world.send_tensor(pack(sampled), 0, kSampledTag);
+    world.wait_sends();
+  } else if (me == 0 && !sampler) {
+    size_t rows = plan.decode.seq_ids.size();
+    for (const auto& w : plan.prefill) rows += w.sample;
+    sampled = unpack(world.recv_tensor(src, kSampledTag, torch::kCPU), rows);
+  }
+
+  const ShardUsage mine = shard_usage(kv, plan);
+  const int64_t R = static_cast<int64_t>(mine.held.size());
+  const int64_t slot = 8 + 3 * R;
+  auto all = torch::zeros({world.size() * slot}, torch::kInt64);
+  int64_t* d = all.data_ptr<int64_t>() + me * slot;
+  const auto& g = mine.geometry;
+  for (int64_t v : {g.first_layer, g.num_layers, g.total_layers, g.num_kv_heads, g.block_size, mine.blocks_total,
+                    mine.blocks_used, mine.blocks_high_water})
+    *d++ = v;
+  std::vector<int64_t> rows = plan.decode.seq_ids;
+  for (const auto& w : plan.prefill) rows.push_back(w.seq_id);
+  for (int64_t r = 0; r < R; ++r) {
+    *d++ = mine.held[static_cast<size_t>(r)];
+    *d++ = mine.demand[static_cast<size_t>(r)];
+    *d++ = local_kept(kv, layout, rows[static_cast<size_t>(r)]);
+  }
+  world.all_reduce_sum(all);
+  if (me != 0) return {};
+
+  StepResult result;
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::vector<int64_t> kept(static_cast<size_t>(R), 0);
+  for (int rank = 0; rank < world.size(); ++rank, a += slot) {
+    ShardUsage u;
+    u.geometry = {a[0], a[1], a[2], a[3], a[4]};
+    u.blocks_total = a[5];
+    u.blocks_used = a[6];
+    u.blocks_high_water = a[7];
+    for (int64_t r = 0; r < R; ++r) {
+      u.held.push_back(a[8 + 3 * r]);
+      u.demand.push_back(a[8 + 3 * r + 1]);
+      kept[static_cast<size_t>(r)] += a[8 + 3 * r + 2];
+    }
+    result.shards.push_back(std::move(u));
+  }
+  size_t next = 0;
+  for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i) result.decoded.push_back(std::move(sampled.at(next++)));
+  for (size_t p = 0; p < plan.prefill.size(); ++p) {
+    PrefillOutcome o;
+    if (plan.prefill[p].sample) o.first = std::move(sampled.at(next++));
+    o.kept_tokens = kept[plan.decode.seq_ids.size() + p];
+    result.prefilled.push_back(std::move(o));
+  }
+  return result;
 }
 
 }  // namespace
@@ -212,10 +299,12 @@ void ShardedRunner::stop() {
   try {
     send_command(*groups_.world, command(ShardOp::kShutdown));
   } catch (const std::exception& e) {
-    std::cerr << "kvserve: stopping the workers: " << e.what() << "\n";
+    KV_LOG("stopping the workers: " << e.what());
   }
 }
 
+// Any failure inside a step leaves the ranks out of step with each other, so it ends the job: the
+// engine then fails every request with the reason instead of hanging.
 template <typename F>
 auto ShardedRunner::guarded(F&& f) -> decltype(f()) {
   KV_CHECK(!dead_, "the sharded job has failed; restart the server");
@@ -226,84 +315,20 @@ auto ShardedRunner::guarded(F&& f) -> decltype(f()) {
     dead_ = true;
     if (on_comm_failure_) on_comm_failure_(e.what());
     throw;
+  } catch (const std::exception& e) {
+    dead_ = true;
+    if (on_comm_failure_) on_comm_failure_(e.what());
+    throw parallel::CommError(std::string("a step failed on rank 0: ") + e.what());
   }
 }
 
-void ShardedRunner::add_sequence(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt,
-                                 uint64_t seed, const std::vector<int64_t>& eos_ids) {
-  guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kAddSequence, seq_id, static_cast<int64_t>(seed), eos_ids, prompt, params));
-    if (sampler_rank(exec_.layout()) == 0) samplers_.add(seq_id, params, prompt, seed, eos_ids);
-    return 0;
-  });
-}
-
-void ShardedRunner::remove_sequence(int64_t seq_id) {
-  guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kRemoveSequence, seq_id));
-    samplers_.remove(seq_id);
-    return 0;
-  });
-}
-
-std::optional<SampledToken> ShardedRunner::prefill(int64_t seq_id, const std::vector<int64_t>& tokens,
-                                                   const std::string& policy, bool sample, bool ban_eos) {
-  return guarded([&]() -> std::optional<SampledToken> {
-    send_command(*groups_.world, command(ShardOp::kPrefill, seq_id, policy, tokens, static_cast<int64_t>(sample),
-                                         static_cast<int64_t>(ban_eos)));
-    auto logits = exec_.prefill(seq_id, tokens, policy, false, /*to_rank0=*/false);
-    if (!sample) return std::nullopt;
-    return sample_rows(*groups_.world, exec_.layout(), samplers_, logits, {seq_id}, {static_cast<char>(ban_eos)})[0];
-  });
-}
-
-std::vector<SampledToken> ShardedRunner::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens,
-                                                const std::vector<char>& ban_eos) {
+StepResult ShardedRunner::execute(const StepPlan& plan) {
   return guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kDecode, batch.seq_ids, batch.positions, tokens, ban_eos));
-    auto logits = exec_.decode(batch, tokens, /*to_rank0=*/false);
-    return sample_rows(*groups_.world, exec_.layout(), samplers_, logits, batch.seq_ids, ban_eos);
-  });
-}
-
-void ShardedRunner::release(int64_t seq_id) {
-  guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kRelease, seq_id));
-    kv_->release(seq_id);
-    return 0;
-  });
-}
-
-bool ShardedRunner::every_shard(const ShardCommand& c, const std::function<bool()>& local) {
-  return guarded([&] {
-    send_command(*groups_.world, c);
-    return world_sum(*groups_.world, local() ? 0 : 1) == 0;
-  });
-}
-
-bool ShardedRunner::can_prefill(int64_t n, const std::string& policy) {
-  return every_shard(command(ShardOp::kCanPrefill, n, policy), [&] { return kv_->can_prefill(n, policy); });
-}
-
-bool ShardedRunner::fits_when_empty(int64_t n, const std::string& policy) {
-  return every_shard(command(ShardOp::kFitsWhenEmpty, n, policy), [&] { return kv_->fits_when_empty(n, policy); });
-}
-
-bool ShardedRunner::can_decode(const std::vector<int64_t>& ids) {
-  return every_shard(command(ShardOp::kCanDecode, ids), [&] { return kv_->can_decode(ids); });
-}
-
-int64_t ShardedRunner::kept_tokens(int64_t seq_id) {
-  return guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kKeptTokens, seq_id));
-    return world_sum(*groups_.world, local_kept(*kv_, exec_.layout(), seq_id));
-  });
-}
-
-KvUsage ShardedRunner::usage() {
-  return guarded([&] {
-    send_command(*groups_.world, command(ShardOp::kUsage));
-    return world_usage(*groups_.world, *kv_);
+    const int64_t before = groups_.world->collectives();
+    send_command(*groups_.world, command(ShardOp::kStep, plan));
+    StepResult r = run_step(plan, exec_, *kv_, samplers_, *groups_.world);
+    step_collectives_ += groups_.world->collectives() - before;
+    return r;
   });
 }
 
@@ -316,66 +341,15 @@ void ShardedRunner::idle() {
 
 int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, ParallelGroups groups,
                      int64_t micro_batches) {
-  const ShardLayout layout = model->layout();
   ShardedExecutor exec(std::move(model), *kv, groups, micro_batches);
   SamplerBank samplers;  // used on the sampler rank only
-  const bool sampler = sampler_rank(layout) == groups.world->rank();
   auto& world = *groups.world;
   try {
     for (;;) {
       ShardCommand c = receive_command(world);
       switch (c.op) {
-        case ShardOp::kAddSequence: {
-          const int64_t seq = c.get();
-          const auto seed = static_cast<uint64_t>(c.get());
-          auto eos = c.get_vector();
-          auto prompt = c.get_vector();
-          const SamplingParams params = c.get_params();
-          if (sampler) samplers.add(seq, params, prompt, seed, std::move(eos));
-          break;
-        }
-        case ShardOp::kRemoveSequence:
-          samplers.remove(c.get());
-          break;
-        case ShardOp::kPrefill: {
-          const int64_t seq = c.get();
-          const std::string policy = c.get_string();
-          const auto tokens = c.get_vector();
-          const bool sample = c.get() != 0;
-          const char ban = static_cast<char>(c.get());
-          auto logits = exec.prefill(seq, tokens, policy, false, /*to_rank0=*/false);
-          if (sample) sample_rows(world, layout, samplers, logits, {seq}, {ban});
-          break;
-        }
-        case ShardOp::kDecode: {
-          std::vector<int64_t> tokens;
-          const DecodeBatch b = decode_batch(c, &tokens);
-          const auto ban = c.get_flags();
-          auto logits = exec.decode(b, tokens, /*to_rank0=*/false);
-          sample_rows(world, layout, samplers, logits, b.seq_ids, ban);
-          break;
-        }
-        case ShardOp::kRelease:
-          kv->release(c.get());
-          break;
-        case ShardOp::kCanPrefill: {
-          const int64_t n = c.get();
-          world_sum(world, kv->can_prefill(n, c.get_string()) ? 0 : 1);
-          break;
-        }
-        case ShardOp::kFitsWhenEmpty: {
-          const int64_t n = c.get();
-          world_sum(world, kv->fits_when_empty(n, c.get_string()) ? 0 : 1);
-          break;
-        }
-        case ShardOp::kCanDecode:
-          world_sum(world, kv->can_decode(c.get_vector()) ? 0 : 1);
-          break;
-        case ShardOp::kKeptTokens:
-          world_sum(world, local_kept(*kv, layout, c.get()));
-          break;
-        case ShardOp::kUsage:
-          world_usage(world, *kv);
+        case ShardOp::kStep:
+          run_step(c.get_plan(), exec, *kv, samplers, world);
           break;
         case ShardOp::kPing:
           break;
@@ -386,8 +360,8 @@ int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaMod
       }
     }
   } catch (const std::exception& e) {
-    std::cerr << "kvserve: rank " << world.ranks()[static_cast<size_t>(world.rank())] << ": " << e.what()
-              << "; this worker exits\n";
+    KV_LOG("rank " << world.ranks()[static_cast<size_t>(world.rank())] << ": " << e.what()
+              << "; this worker exits");
     return 1;
   }
 }

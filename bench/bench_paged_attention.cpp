@@ -1,5 +1,5 @@
 // Decode attention for one layer: paged AVX2 kernel vs libtorch on pre-gathered contiguous KV.
-// Reports bytes of KV read per step and GB/s, to compare with DESIGN.md's ~30 GB/s floor (2 threads).
+// Reports bytes of KV read per step and GB/s, to compare with the ~30 GB/s floor of docs/benchmarks.md (2 threads).
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
@@ -7,8 +7,8 @@
 #include <map>
 #include <memory>
 
-#include "paged_attention.h"
-#include "paged_kv_cache.h"
+#include "cache_manager/paged_attention.h"
+#include "cache_manager/paged_kv_cache.h"
 
 namespace {
 

@@ -1,9 +1,9 @@
-#include "block_allocator.h"
+#include "cache_manager/block_allocator.h"
 
 #include <algorithm>
 #include <limits>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

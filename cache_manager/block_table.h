@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -1,4 +1,4 @@
-#include "kv_block_pool.h"
+#include "cache_manager/kv_block_pool.h"
 
 #include <ATen/DeviceAccelerator.h>
 
@@ -9,7 +9,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

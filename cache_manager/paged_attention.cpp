@@ -1,4 +1,4 @@
-#include "paged_attention.h"
+#include "cache_manager/paged_attention.h"
 
 #include <ATen/Parallel.h>
 
@@ -13,7 +13,7 @@
 #define KVSERVE_PAGED_AVX2 1
 #endif
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace {

@@ -1,12 +1,12 @@
-#include "paged_kv_cache.h"
+#include "cache_manager/paged_kv_cache.h"
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <unordered_set>
 
-#include "kv_check.h"
-#include "paged_attention.h"
+#include "cache_manager/paged_attention.h"
+#include "common/check.h"
 
 namespace kvserve {
 

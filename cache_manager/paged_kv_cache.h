@@ -7,9 +7,9 @@
 #include <utility>
 #include <vector>
 
-#include "block_allocator.h"
-#include "block_table.h"
-#include "kv_block_pool.h"
+#include "cache_manager/block_allocator.h"
+#include "cache_manager/block_table.h"
+#include "cache_manager/kv_block_pool.h"
 
 namespace kvserve {
 

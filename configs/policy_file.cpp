@@ -1,8 +1,8 @@
-#include "policy_file.h"
+#include "configs/policy_file.h"
 
 #include <yaml-cpp/yaml.h>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve::config {
 

@@ -1,5 +1,5 @@
 // The `rollout:` section: parsing (every problem with file, line, key) and the pure decide().
-#include "rollout.h"
+#include "configs/rollout.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -10,7 +10,7 @@
 #include <cstdlib>
 #include <functional>
 
-#include "server_config.h"
+#include "configs/server_config.h"
 
 namespace kvserve::config {
 

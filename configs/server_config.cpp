@@ -1,7 +1,7 @@
 // YAML -> ServerConfig. Every problem is collected with file, line and key, then thrown together.
-#include "server_config.h"
+#include "configs/server_config.h"
 
-#include "policy_config.h"
+#include "policies/policy_config.h"
 
 #include <yaml-cpp/yaml.h>
 

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "rollout.h"
+#include "configs/rollout.h"
 
 namespace kvserve::config {
 

@@ -1,11 +1,11 @@
 // The ServingBackend over the real Engine, Tokenizer and ChatTemplate.
 #include <memory>
 
-#include "chat_template.h"
-#include "engine.h"
-#include "request_parser.h"
-#include "serving_backend.h"
-#include "tokenizer.h"
+#include "backend/engine.h"
+#include "http/request_parser.h"
+#include "http/serving_backend.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace kvserve::http {
 

@@ -1,5 +1,5 @@
 // Prometheus text exposition of the server's metrics.
-#include "metrics.h"
+#include "http/metrics.h"
 
 #include <cmath>
 #include <cstdio>
@@ -151,6 +151,8 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
   counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));
   counter("kvserve:engine_steps_total", "Engine scheduler steps.", static_cast<double>(s.steps_total));
+  counter("kvserve:step_collectives_total", "Control-path collectives of a sharded job's steps (0 in one process).",
+          static_cast<double>(s.step_collectives_total));
 
   header(out, "kvserve:request_success_total", "counter", "Finished requests by finish reason.");
   for (const auto& [reason, n] : finished_)

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "engine.h"
+#include "backend/engine.h"
 
 namespace kvserve::http {
 

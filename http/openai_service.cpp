@@ -1,5 +1,5 @@
 // The OpenAI-compatible routes: request -> engine requests -> JSON or SSE, with metrics.
-#include "openai_service.h"
+#include "http/openai_service.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -7,7 +7,7 @@
 #include <random>
 #include <set>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve::http {
 

@@ -10,10 +10,10 @@
 #include <mutex>
 #include <string>
 
-#include "http_types.h"
-#include "metrics.h"
-#include "request_parser.h"
-#include "serving_backend.h"
+#include "http/http_types.h"
+#include "http/metrics.h"
+#include "http/request_parser.h"
+#include "http/serving_backend.h"
 
 namespace kvserve::http {
 

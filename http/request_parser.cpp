@@ -1,5 +1,5 @@
 // OpenAI request bodies -> ParsedRequest, with a 400 naming the field for anything wrong.
-#include "request_parser.h"
+#include "http/request_parser.h"
 
 #include <cmath>
 #include <limits>

@@ -9,8 +9,8 @@
 #include <string_view>
 #include <vector>
 
-#include "api_error.h"
-#include "sampling_params.h"
+#include "backend/sampling_params.h"
+#include "http/api_error.h"
 
 namespace kvserve::http {
 

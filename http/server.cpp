@@ -1,5 +1,5 @@
 // Boost.Beast/Asio transport for the OpenAI service.
-#include "server.h"
+#include "http/server.h"
 
 #include <sys/socket.h>
 

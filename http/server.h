@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "openai_service.h"
+#include "http/openai_service.h"
 
 namespace kvserve::http {
 

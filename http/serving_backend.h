@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "engine.h"
-#include "engine_types.h"
+#include "backend/engine.h"
+#include "backend/engine_types.h"
 
 namespace kvserve {
 class Tokenizer;

@@ -1,4 +1,4 @@
-#include "communicator.h"
+#include "parallel/communicator.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "c10d_backends.h"
+#include "parallel/c10d_backends.h"
 
 namespace kvserve::parallel {
 
@@ -49,12 +49,14 @@ class C10dGroup final : public ProcessGroup {
   void all_reduce_sum(torch::Tensor& t) override {
     if (size() == 1) return;
     KV_CHECK(t.is_contiguous(), "all_reduce_sum needs a contiguous tensor");
+    ++collectives_;
     std::vector<at::Tensor> v{t};
     run_op("all_reduce", name_, global_rank_, [&] { return backend_->allreduce(v); });
   }
 
   torch::Tensor all_gather(const torch::Tensor& t) override {
     if (size() == 1) return t;
+    ++collectives_;
     std::vector<at::Tensor> in{t.contiguous()};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int i = 0; i < size(); ++i) out[0].push_back(torch::empty_like(in[0]));
@@ -65,6 +67,7 @@ class C10dGroup final : public ProcessGroup {
   void broadcast(torch::Tensor& t, int root) override {
     if (size() == 1) return;
     KV_CHECK(t.is_contiguous(), "broadcast needs a contiguous tensor");
+    ++collectives_;
     std::vector<at::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -78,6 +81,7 @@ class C10dGroup final : public ProcessGroup {
       all_reduce_sum(t);
       return;
     }
+    ++collectives_;
     run_op("barrier", name_, global_rank_, [&] { return backend_->barrier(); });
   }
 

@@ -3,13 +3,14 @@
 // rendezvous; the rest of kvserve sees only ProcessGroup's few operations, never c10d headers.
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "dist_env.h"
-#include "kv_check.h"
+#include "common/check.h"
+#include "parallel/dist_env.h"
 
 namespace kvserve::parallel {
 
@@ -46,6 +47,9 @@ class ProcessGroup {
   virtual void send_tensor(const torch::Tensor& t, int dst, int tag) = 0;
   virtual torch::Tensor recv_tensor(int src, int tag, const torch::Device& device) = 0;
   virtual void wait_sends() = 0;
+  // Collectives (all-reduce, all-gather, broadcast, barrier) this member has run in the group: how
+  // chatty a protocol is, measured.
+  int64_t collectives() const { return collectives_.load(); }
 
  protected:
   ProcessGroup(std::string name, int rank, std::vector<int> ranks, bool nccl)
@@ -54,6 +58,7 @@ class ProcessGroup {
   int rank_;
   std::vector<int> ranks_;
   bool nccl_;
+  std::atomic<int64_t> collectives_{0};
 };
 
 class Communicator {

@@ -1,8 +1,8 @@
-#include "dist_env.h"
+#include "parallel/dist_env.h"
 
 #include <cstdlib>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve::parallel {
 

@@ -1,4 +1,4 @@
-#include "launcher.h"
+#include "parallel/launcher.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -12,7 +12,8 @@
 #include <cstring>
 #include <iostream>
 
-#include "kv_check.h"
+#include "common/check.h"
+#include "common/log.h"
 
 extern char** environ;
 
@@ -126,7 +127,7 @@ std::unique_ptr<WorkerGroup> WorkerGroup::spawn(const DistEnv& self) {
       ::_exit(127);
     }
     g->children_.push_back({pid, rank, true});
-    std::cerr << "kvserve: started rank " << rank << " (pid " << pid << ")\n";
+    KV_LOG("started rank " << rank << " (pid " << pid << ")");
   }
   g->thread_ = std::thread([p = g.get()] { p->monitor(); });
   return g;
@@ -173,7 +174,7 @@ void WorkerGroup::report(const std::string& failure) {
     std::lock_guard<std::mutex> lk(mu_);
     cb = on_failure_;
   }
-  std::cerr << "kvserve: " << failure << "; stopping the other ranks\n";
+  KV_LOG(failure << "; stopping the other ranks");
   if (cb) cb(failure);
 }
 

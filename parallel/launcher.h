@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "dist_env.h"
+#include "parallel/dist_env.h"
 
 namespace kvserve::parallel {
 

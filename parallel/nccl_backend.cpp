@@ -1,8 +1,8 @@
 // The NCCL backend lives in its own translation unit: it needs USE_C10D_NCCL and nccl.h (CMake
 // defines KVSERVE_HAVE_NCCL when both are found), and GPU-free builds leave it out.
-#include "c10d_backends.h"
+#include "parallel/c10d_backends.h"
 
-#include "kv_check.h"
+#include "common/check.h"
 
 #ifdef KVSERVE_HAVE_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>

@@ -1,11 +1,11 @@
-#include "shard_plan.h"
+#include "parallel/shard_plan.h"
 
 #include <algorithm>
 #include <limits>
 
-#include "budget_allocator.h"
-#include "kv_check.h"
-#include "prefill_selector.h"
+#include "common/check.h"
+#include "policies/budget_allocator.h"
+#include "policies/prefill_selector.h"
 
 namespace kvserve::parallel {
 

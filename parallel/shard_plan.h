@@ -20,7 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "policy_config.h"
+#include "policies/policy_config.h"
 
 namespace kvserve::parallel {
 

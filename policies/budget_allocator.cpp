@@ -1,11 +1,11 @@
 // kvpress-identical float arithmetic below: no FMA contraction.
 #pragma GCC optimize("fp-contract=off")
-#include "budget_allocator.h"
+#include "policies/budget_allocator.h"
 
 #include <algorithm>
 
-#include "kv_check.h"
-#include "pyramid_budget.h"
+#include "common/check.h"
+#include "policies/pyramid_budget.h"
 
 namespace kvserve {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "policy_config.h"
+#include "policies/policy_config.h"
 
 namespace kvserve {
 

@@ -1,10 +1,10 @@
-#include "decode_evictor.h"
+#include "policies/decode_evictor.h"
 
 #include <algorithm>
 #include <limits>
 
-#include "kv_check.h"
-#include "top_select.h"
+#include "common/check.h"
+#include "policies/top_select.h"
 
 namespace kvserve {
 

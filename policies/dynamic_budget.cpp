@@ -1,9 +1,9 @@
-#include "dynamic_budget.h"
+#include "policies/dynamic_budget.h"
 
 #include <algorithm>
 #include <numeric>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

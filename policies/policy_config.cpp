@@ -1,4 +1,4 @@
-#include "policy_config.h"
+#include "policies/policy_config.h"
 
 #include <algorithm>
 #include <charconv>
@@ -7,7 +7,7 @@
 #include <functional>
 #include <sstream>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -15,7 +15,7 @@ enum class AllocatorKind { kFull, kUniform, kPyramid, kDynamic };
 enum class ScorerKind { kNone, kWindowAttention, kAccumulatedAttention, kSinkRecent, kKeyNorm, kRandom };
 // 1-D pooling of window-attention scores along the sequence.
 enum class PoolingKind { kMax, kAvg };
-// Whose arithmetic to follow where the references differ (see DESIGN.md "Where the references differ").
+// Whose arithmetic to follow where the references differ (docs/architecture.md, "The methods' arithmetic").
 enum class Semantics { kPaper, kKvpress };
 
 // All parameters of one policy; build it with make_policy_config so that it is validated.

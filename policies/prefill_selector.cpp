@@ -1,10 +1,10 @@
-#include "prefill_selector.h"
+#include "policies/prefill_selector.h"
 
 #include <algorithm>
 
-#include "kv_check.h"
-#include "token_scorer.h"
-#include "top_select.h"
+#include "common/check.h"
+#include "policies/token_scorer.h"
+#include "policies/top_select.h"
 
 namespace kvserve {
 

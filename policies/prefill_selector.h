@@ -8,9 +8,9 @@
 
 #include <torch/torch.h>
 
-#include "budget_allocator.h"
-#include "dynamic_budget.h"
-#include "policy_config.h"
+#include "policies/budget_allocator.h"
+#include "policies/dynamic_budget.h"
+#include "policies/policy_config.h"
 
 namespace kvserve {
 

@@ -1,12 +1,12 @@
 // Python-identical float arithmetic below: no FMA contraction, round half to even.
 #pragma GCC optimize("fp-contract=off")
-#include "pyramid_budget.h"
+#include "policies/pyramid_budget.h"
 
 #include <algorithm>
 #include <cfenv>
 #include <cmath>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

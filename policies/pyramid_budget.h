@@ -5,7 +5,7 @@
 
 namespace kvserve {
 
-// Kept tokens per layer, window included, the way the PyramidKV authors compute them (DESIGN.md):
+// Kept tokens per layer, window included, the way the PyramidKV authors compute them (docs/architecture.md, "The methods' arithmetic"):
 // A = budget - window, min = A // beta, max = 2A - min; if max >= prompt - window then
 // max = prompt - window, min = 2A - max; steps = (max - min) // (L - 1); layer l keeps
 // max - l*steps scored tokens plus the window. prompt <= budget: every layer keeps the whole prompt;

@@ -1,10 +1,10 @@
-#include "token_scorer.h"
+#include "policies/token_scorer.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -4,7 +4,7 @@
 
 #include <torch/torch.h>
 
-#include "policy_config.h"
+#include "policies/policy_config.h"
 
 namespace kvserve {
 

@@ -1,6 +1,6 @@
-#include "top_select.h"
+#include "policies/top_select.h"
 
-#include "kv_check.h"
+#include "common/check.h"
 
 namespace kvserve {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "kv_check.h"
-#include "model_config.h"
-#include "safetensors_file.h"
+#include "backend/model_config.h"
+#include "backend/safetensors_file.h"
+#include "common/check.h"
 
 using kvserve::KvError;
 using kvserve::parse_model_config;

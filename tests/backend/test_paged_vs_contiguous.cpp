@@ -4,9 +4,9 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "contiguous_kv_cache.h"
-#include "llama_model.h"
-#include "paged_kv_memory.h"
+#include "backend/llama_model.h"
+#include "cache_manager/paged_kv_memory.h"
+#include "tests/support/contiguous_kv_cache.h"
 
 using namespace kvserve;
 

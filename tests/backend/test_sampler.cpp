@@ -3,7 +3,7 @@
 
 #include <map>
 
-#include "sampler.h"
+#include "backend/sampler.h"
 
 using kvserve::SamplingParams;
 using kvserve::SequenceSampler;

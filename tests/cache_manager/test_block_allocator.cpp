@@ -4,8 +4,8 @@
 #include <algorithm>
 #include <random>
 
-#include "block_allocator.h"
-#include "kv_check.h"
+#include "cache_manager/block_allocator.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace {

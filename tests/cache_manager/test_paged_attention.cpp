@@ -4,9 +4,9 @@
 #include <cmath>
 #include <random>
 
-#include "kv_check.h"
-#include "paged_attention.h"
-#include "paged_kv_cache.h"
+#include "cache_manager/paged_attention.h"
+#include "cache_manager/paged_kv_cache.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace {

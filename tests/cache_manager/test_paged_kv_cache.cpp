@@ -4,8 +4,8 @@
 #include <map>
 #include <random>
 
-#include "kv_check.h"
-#include "paged_kv_cache.h"
+#include "cache_manager/paged_kv_cache.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace {

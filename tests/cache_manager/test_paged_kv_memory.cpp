@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "kv_check.h"
-#include "paged_kv_memory.h"
+#include "cache_manager/paged_kv_memory.h"
+#include "common/check.h"
 
 namespace kvserve {
 namespace {
@@ -157,7 +157,7 @@ void decode_checked(PagedKvMemory& m, const std::vector<int64_t>& seqs, const st
   }
 }
 
-// PyramidKV's paper budgets (DESIGN.md), written out again here.
+// PyramidKV's paper budgets (docs/architecture.md, "The methods' arithmetic"), written out again here.
 std::vector<int64_t> pyramid_paper(int64_t T, int64_t B, int64_t w, int64_t beta, int64_t L) {
   if (T <= B) return std::vector<int64_t>(L, T);
   const int64_t a = B - w;
@@ -314,6 +314,33 @@ TEST(PagedKvMemory, PrefillFitsInThePoolCanPrefillAsksFor) {
         ASSERT_NO_THROW(decode_checked(m, {1}, {T + t})) << key << " T=" << T << " decode step " << t;
       }
       m.release(1);
+      EXPECT_EQ(m.blocks_used(), 0);
+    }
+  }
+}
+
+// The scheduler admits and preempts from prompt_blocks and decode_demand alone (it cannot see a
+// sharded job's pools): a pool of prompt_blocks holds the prefill, and a decode step never takes
+// more blocks than decode_demand said, for every policy (decode-time eviction included).
+TEST(PagedKvMemory, SchedulerArithmeticCoversWhatStepsTake) {
+  for (int64_t T : {40, 150}) {
+    for (const auto& key : policy_keys()) {
+      auto probe = make_memory(1);
+      const int64_t need = PagedKvMemory::prompt_blocks(probe.policy(key), probe.geometry(), T);
+      auto m = make_memory(need + PagedKvMemory::prompt_blocks(probe.policy("full"), probe.geometry(), T / 4));
+      ASSERT_NO_THROW(prefill_checked(m, 1, make_prompt(T, 9), key)) << key << " T=" << T << " pool " << need;
+      ASSERT_NO_THROW(prefill_checked(m, 2, make_prompt(T / 4, 3), "full")) << key;
+      for (int64_t t = 0; t < 60; ++t) {
+        const int64_t demand = m.decode_demand({1, 2});
+        if (demand > m.free_blocks()) break;
+        const int64_t used = m.blocks_used(), held = m.blocks_held(1) + m.blocks_held(2);
+        EXPECT_EQ(held, used) << key;
+        ASSERT_NO_THROW(decode_checked(m, {1, 2}, {T + t, T / 4 + t})) << key << " T=" << T << " step " << t;
+        EXPECT_LE(m.blocks_used() - used, demand) << key << " T=" << T << " step " << t;
+        EXPECT_LE(m.blocks_high_water(), m.blocks_total());
+      }
+      m.release(1);
+      m.release(2);
       EXPECT_EQ(m.blocks_used(), 0);
     }
   }

@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "rollout.h"
-#include "server_config.h"
+#include "configs/rollout.h"
+#include "configs/server_config.h"
 
 using namespace kvserve::config;
 

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "server_config.h"
+#include "configs/server_config.h"
 
 using kvserve::config::ConfigError;
 using kvserve::config::parse_byte_size;

@@ -1,7 +1,7 @@
 // /metrics text: names, labels, histogram buckets.
 #include <gtest/gtest.h>
 
-#include "metrics.h"
+#include "http/metrics.h"
 
 using namespace kvserve::http;
 

@@ -10,10 +10,10 @@
 #include <mutex>
 #include <vector>
 
-#include "engine.h"
-#include "llama_model.h"
-#include "model_runner.h"
-#include "tokenizer.h"
+#include "backend/engine.h"
+#include "backend/llama_model.h"
+#include "backend/model_runner.h"
+#include "text/tokenizer.h"
 
 using namespace kvserve;
 using Clock = std::chrono::steady_clock;

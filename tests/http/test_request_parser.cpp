@@ -1,7 +1,7 @@
 // Request parsing/validation apart from the transport: every bad body is a 400 naming the field.
 #include <gtest/gtest.h>
 
-#include "request_parser.h"
+#include "http/request_parser.h"
 
 using namespace kvserve::http;
 

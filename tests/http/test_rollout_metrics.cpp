@@ -2,7 +2,7 @@
 // the config-reload gauges.
 #include <gtest/gtest.h>
 
-#include "metrics.h"
+#include "http/metrics.h"
 
 using kvserve::http::ServerMetrics;
 

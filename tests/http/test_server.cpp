@@ -11,9 +11,9 @@
 #include <set>
 #include <thread>
 
-#include "kv_check.h"
-#include "openai_service.h"
-#include "server.h"
+#include "common/check.h"
+#include "http/openai_service.h"
+#include "http/server.h"
 
 using namespace kvserve;
 using namespace kvserve::http;

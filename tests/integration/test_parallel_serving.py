@@ -50,6 +50,14 @@ def greedy(url: str, n: int = 12) -> list[str]:
     return r.choices[0].logprobs.tokens
 
 
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
 @pytest.fixture(scope="module")
 def single_process_tokens():
     s = Server(model=fixture("llama-kvfew"))
@@ -66,6 +74,12 @@ def test_sharded_server_matches_single_process(layout, single_process_tokens):
         world = 4 if len(layout) == 4 else 2
         assert len(children(s.proc.pid)) == world - 1, "rank 0 starts the other ranks as its children"
         assert greedy(s.url) == single_process_tokens
+        # The control path: one broadcast of the plan and one all-reduce of the shards' pools per
+        # step (a short prompt's plan fits the broadcast frame).
+        steps = metric(s.url, "kvserve:engine_steps_total")
+        collectives = metric(s.url, "kvserve:step_collectives_total")
+        print(f"{layout}: {collectives:.0f} control collectives over {steps:.0f} steps")
+        assert steps >= 12 and collectives <= 2 * steps
         # Several concurrent streams through the pipeline (decode micro-batches).
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
         r = c.completions.create(model="tiny", prompt=[PROMPT, PROMPT[:20], PROMPT[5:]], max_tokens=6, temperature=0)

@@ -5,12 +5,12 @@
 #include <chrono>
 #include <thread>
 
-#include "communicator.h"
-#include "dist_env.h"
-#include "kv_check.h"
-#include "launcher.h"
-#include "server_config.h"
-#include "shard_layout.h"
+#include "backend/shard_layout.h"
+#include "common/check.h"
+#include "configs/server_config.h"
+#include "parallel/communicator.h"
+#include "parallel/dist_env.h"
+#include "parallel/launcher.h"
 
 namespace kvserve {
 namespace {

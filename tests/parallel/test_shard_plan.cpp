@@ -1,9 +1,9 @@
 // parallel/shard_plan: TP x PP weight / KV arithmetic against hand calculations (Llama-3-70B).
 #include <gtest/gtest.h>
 
-#include "kv_check.h"
-#include "policy_config.h"
-#include "shard_plan.h"
+#include "common/check.h"
+#include "parallel/shard_plan.h"
+#include "policies/policy_config.h"
 
 namespace kvserve::parallel {
 namespace {

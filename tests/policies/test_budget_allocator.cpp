@@ -3,8 +3,8 @@
 
 #include <numeric>
 
-#include "budget_allocator.h"
-#include "pyramid_budget.h"
+#include "policies/budget_allocator.h"
+#include "policies/pyramid_budget.h"
 
 using namespace kvserve;
 

@@ -5,8 +5,8 @@
 
 #include <torch/torch.h>
 
-#include "decode_evictor.h"
-#include "kv_check.h"
+#include "common/check.h"
+#include "policies/decode_evictor.h"
 
 using namespace kvserve;
 

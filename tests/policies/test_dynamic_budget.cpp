@@ -5,7 +5,7 @@
 
 #include <torch/torch.h>
 
-#include "dynamic_budget.h"
+#include "policies/dynamic_budget.h"
 
 using namespace kvserve;
 

@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "kv_check.h"
-#include "policy_config.h"
+#include "common/check.h"
+#include "policies/policy_config.h"
 
 using namespace kvserve;
 

@@ -7,9 +7,9 @@
 
 #include <torch/torch.h>
 
-#include "kv_check.h"
-#include "prefill_selector.h"
-#include "pyramid_budget.h"
+#include "common/check.h"
+#include "policies/prefill_selector.h"
+#include "policies/pyramid_budget.h"
 
 using namespace kvserve;
 

@@ -5,9 +5,9 @@
 
 #include <torch/torch.h>
 
-#include "kv_check.h"
-#include "token_scorer.h"
-#include "top_select.h"
+#include "common/check.h"
+#include "policies/token_scorer.h"
+#include "policies/top_select.h"
 
 using namespace kvserve;
 

@@ -1,0 +1,189 @@
+#include "backend/scheduler.h"
+
+#include <algorithm>
+
+#include "common/check.h"
+
+namespace kvserve {
+
+std::vector<std::unique_ptr<Sequence>> Scheduler::take_if(const std::function<bool(const Sequence&)>& pred) {
+  std::vector<std::unique_ptr<Sequence>> out;
+  auto sweep = [&](auto& list) {
+    for (auto& s : list) {
+      if (s && pred(*s)) {
+        drop_later(*s);
+        out.push_back(std::move(s));
+      }
+    }
+    list.erase(std::remove(list.begin(), list.end(), nullptr), list.end());
+  };
+  sweep(running_);
+  sweep(waiting_);
+  return out;
+}
+
+std::unique_ptr<Sequence> Scheduler::finish(int64_t seq_id) {
+  auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->id == seq_id; });
+  KV_CHECK(it != running_.end(), "internal: sequence " << seq_id << " is not running");
+  std::unique_ptr<Sequence> s = std::move(*it);
+  running_.erase(it);
+  drop_later(*s);
+  return s;
+}
+
+void Scheduler::drop_later(Sequence& s) {
+  if (s.in_cache) release_.push_back(s.id);
+  if (s.sampler_added) remove_.push_back(s.id);
+  s.in_cache = false;
+  s.sampler_added = false;
+}
+
+std::optional<std::string> Scheduler::unfit_reason(const Sequence& s) const {
+  const int64_t n = static_cast<int64_t>(s.prefill_tokens().size());
+  const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+  for (const Pool& p : shards_) {
+    if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n) > p.usage.blocks_total)
+      return "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
+             " tokens); raise cache.kv_cache_bytes or use a compressing kv_policy";
+  }
+  return std::nullopt;
+}
+
+StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
+  KV_CHECK(knows_pools(), "internal: the scheduler plans from a first StepResult");
+  StepPlan plan;
+  plan.release.swap(release_);
+  plan.remove.swap(remove_);
+
+  // Free blocks per shard once this plan's releases ran.
+  const size_t S = shards_.size();
+  std::vector<int64_t> free(S);
+  auto forget = [&](int64_t id) {
+    for (size_t i = 0; i < S; ++i) {
+      auto h = shards_[i].held.find(id);
+      if (h != shards_[i].held.end()) free[i] += h->second, shards_[i].held.erase(h);
+      shards_[i].demand.erase(id);
+    }
+  };
+  for (size_t i = 0; i < S; ++i) free[i] = shards_[i].usage.blocks_total - shards_[i].usage.blocks_used;
+  for (int64_t id : plan.release) forget(id);
+
+  // Decode first: every running sequence advances one token. Preempt (recompute later) the most
+  // recently admitted sequences while some shard cannot hold one more token for each.
+  auto demand = [&](size_t i) {
+    int64_t d = 0;
+    for (const auto& s : running_) {
+      auto it = shards_[i].demand.find(s->id);
+      if (it != shards_[i].demand.end()) d += it->second;
+    }
+    return d;
+  };
+  auto decode_fits = [&] {
+    for (size_t i = 0; i < S; ++i)
+      if (demand(i) > free[i]) return false;
+    return true;
+  };
+  while (!running_.empty() && !decode_fits()) {
+    std::unique_ptr<Sequence> victim = std::move(running_.back());
+    running_.pop_back();
+    forget(victim->id);
+    plan.release.push_back(victim->id);
+    victim->in_cache = false;
+    waiting_.push_front(std::move(victim));
+    ++preemptions_;
+  }
+  for (size_t i = 0; i < S; ++i) free[i] -= demand(i);
+  for (const auto& s : running_) {
+    plan.decode.seq_ids.push_back(s->id);
+    plan.decode.positions.push_back(s->next_position());
+    plan.decode_tokens.push_back(s->output.back());
+    plan.decode_ban_eos.push_back(s->ban_eos());
+  }
+
+  // Then admit waiting sequences in order while every shard holds them at their peak (compressed)
+  // size, reserving what each admitted prompt takes.
+  int64_t prefilled = 0;
+  std::vector<int64_t> need(S);
+  while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
+    Sequence& s = *waiting_.front();
+    if (auto why = unfit_reason(s)) {
+      drop_later(s);
+      rejected->push_back({std::move(waiting_.front()), *why});
+      waiting_.pop_front();
+      continue;
+    }
+    const auto tokens = s.prefill_tokens();
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    if (prefilled > 0 && prefilled + n > options_.max_num_batched_tokens) break;
+    const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+    bool fits = true;
+    for (size_t i = 0; i < S; ++i) {
+      need[i] = PagedKvMemory::prompt_blocks(cfg, shards_[i].usage.geometry, n);
+      fits = fits && need[i] <= free[i];
+    }
+    if (!fits) break;
+    for (size_t i = 0; i < S; ++i) free[i] -= need[i];
+    std::unique_ptr<Sequence> owned = std::move(waiting_.front());
+    waiting_.pop_front();
+    if (!owned->scheduled) {  // queue time ends at the first admission, not at a re-admission
+      owned->scheduled = true;
+      if (options_.on_queue_time)
+        options_.on_queue_time(std::chrono::duration<double>(std::chrono::steady_clock::now() - owned->arrival).count());
+    }
+    if (!owned->sampler_added) {
+      plan.start.push_back({owned->id, owned->req.sampling, owned->req.prompt_ids, owned->seed, options_.eos_ids});
+      owned->sampler_added = true;
+    }
+    owned->in_cache = true;
+    plan.prefill.push_back({owned->id, tokens, owned->req.kv_policy, owned->output.empty(), owned->ban_eos()});
+    prefilled += n;
+    running_.push_back(std::move(owned));
+  }
+  return plan;
+}
+
+std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResult result) {
+  // The pools as the step left them, and each touched sequence's blocks there.
+  if (shards_.size() != result.shards.size()) shards_.assign(result.shards.size(), Pool{});
+  std::vector<int64_t> rows = plan.decode.seq_ids;
+  for (const auto& p : plan.prefill) rows.push_back(p.seq_id);
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    Pool& pool = shards_[i];
+    pool.usage = std::move(result.shards[i]);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (r < pool.usage.held.size()) pool.held[rows[r]] = pool.usage.held[r];
+      if (r < pool.usage.demand.size()) pool.demand[rows[r]] = pool.usage.demand[r];
+    }
+  }
+
+  std::unordered_map<int64_t, Sequence*> by_id;
+  for (auto& s : running_) by_id[s->id] = s.get();
+  std::vector<Output> out;
+  for (size_t r = 0; r < plan.decode.seq_ids.size(); ++r) {
+    Sequence* s = by_id.at(plan.decode.seq_ids[r]);
+    if (!result.decode_error.empty()) out.push_back({s, std::nullopt, result.decode_error});
+    else out.push_back({s, std::move(result.decoded.at(r)), ""});
+  }
+  const int64_t layers = shards_.empty() ? 0 : shards_.front().usage.geometry.total_layers;
+  for (size_t p = 0; p < plan.prefill.size(); ++p) {
+    Sequence* s = by_id.at(plan.prefill[p].seq_id);
+    PrefillOutcome& o = result.prefilled.at(p);
+    s->kept_kv = o.kept_tokens;
+    s->full_kv = static_cast<int64_t>(plan.prefill[p].tokens.size()) * layers;
+    if (!o.error.empty()) out.push_back({s, std::nullopt, o.error});
+    else if (o.first) out.push_back({s, std::move(o.first), ""});
+  }
+  return out;
+}
+
+KvUsage Scheduler::usage() const {
+  KvUsage u;
+  for (const Pool& p : shards_) {
+    u.blocks_total += p.usage.blocks_total;
+    u.blocks_used += p.usage.blocks_used;
+    u.blocks_high_water += p.usage.blocks_high_water;
+  }
+  return u;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,85 @@
+#pragma once
+// Scheduler: the engine's queues and decisions — preemption, first-come-first-served admission at
+// each prompt's compressed size — turned into one StepPlan per step. It has no thread and no model:
+// what it knows of the KV pools comes from the runners' StepResults (every shard's occupancy and
+// each sequence's blocks), so a sharded step needs no admission questions, and tests drive it with
+// a fake runner.
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backend/sequence.h"
+#include "backend/step_plan.h"
+#include "policies/policy_config.h"
+
+namespace kvserve {
+
+class Scheduler {
+ public:
+  struct Options {
+    int64_t max_num_seqs = 32;              // sequences decoding at once
+    int64_t max_num_batched_tokens = 8192;  // prompt tokens prefilled per step
+    std::map<std::string, PolicyConfig> policies;  // by name; what a prompt may occupy
+    std::vector<int64_t> eos_ids;                  // the model's and the tokenizer's
+    // Called once per request with the seconds from submit() to its first admission.
+    std::function<void(double seconds)> on_queue_time;
+  };
+  // A decision about one sequence the engine turns into events.
+  struct Output {
+    Sequence* seq = nullptr;
+    std::optional<SampledToken> token;  // a sampled token (decode, or a prefill's first)
+    std::string error;                  // non-empty: the sequence failed
+  };
+
+  explicit Scheduler(Options options) : options_(std::move(options)) {}
+
+  // Queues an accepted request (FCFS behind the others).
+  void add(std::unique_ptr<Sequence> s) { waiting_.push_back(std::move(s)); }
+  // Takes every queued or running sequence `pred` selects out of the scheduler (cancellation,
+  // shutdown); its KV and sampler go in the next plan. The caller sends the final event.
+  std::vector<std::unique_ptr<Sequence>> take_if(const std::function<bool(const Sequence&)>& pred);
+  // Takes a running sequence out once it is done (its final event is the caller's).
+  std::unique_ptr<Sequence> finish(int64_t seq_id);
+
+  // A waiting sequence that can never fit in the pool, and why (the caller fails it).
+  using Rejected = std::pair<std::unique_ptr<Sequence>, std::string>;
+  // The next step; `rejected` gets the sequences it refused.
+  StepPlan schedule(std::vector<Rejected>* rejected);
+  // Reads a runner's report of `plan`: occupancy for the next plan, and what each sequence got.
+  std::vector<Output> update(const StepPlan& plan, StepResult result);
+
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  // KV or samplers of finished sequences still to free (the next plan does it).
+  bool has_pending() const { return !release_.empty() || !remove_.empty(); }
+  bool knows_pools() const { return !shards_.empty(); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t preemptions() const { return preemptions_; }
+  KvUsage usage() const;
+
+ private:
+  // One shard's pool as of the last StepResult, plus the sequences' blocks there.
+  struct Pool {
+    ShardUsage usage;
+    std::unordered_map<int64_t, int64_t> held, demand;
+  };
+  // Frees `id` from the books at the start of the next plan.
+  void drop_later(Sequence& s);
+  std::optional<std::string> unfit_reason(const Sequence& s) const;
+
+  Options options_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;  // admission order (preemption takes the last)
+  std::vector<int64_t> release_, remove_;           // for the next plan
+  std::vector<Pool> shards_;
+  int64_t preemptions_ = 0;
+};
+
+}  // namespace kvserve

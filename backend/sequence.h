@@ -1,0 +1,47 @@
+#pragma once
+// Sequence: one request inside the engine — its tokens so far and the state the scheduler and the
+// output processor keep for it (the scheduler owns it from submit() to its final event).
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/engine_types.h"
+#include "text/tokenizer.h"
+
+namespace kvserve {
+
+struct Sequence {
+  int64_t id = 0;
+  GenerationRequest req;
+  EventCallback on_event;
+  std::vector<int64_t> output;
+  uint64_t seed = 0;  // the sampler's RNG seed (the request's, or one the engine drew)
+  std::chrono::steady_clock::time_point arrival;  // submit()
+
+  // Scheduler state.
+  bool scheduled = false;      // admitted for prefill at least once (queue time is measured once)
+  bool sampler_added = false;  // the runner holds its sampler
+  bool in_cache = false;       // holds KV (or will, once the planned prefill runs)
+
+  // Output state.
+  std::unique_ptr<IncrementalDetokenizer> detok;
+  std::string held;  // decoded text not yet sent (could be the start of a stop string)
+  int64_t kept_kv = 0, full_kv = 0;
+
+  int64_t next_position() const { return static_cast<int64_t>(req.prompt_ids.size() + output.size()) - 1; }
+  // Tokens a (re)prefill runs: the prompt, plus everything generated but the last token, which the
+  // next decode step feeds (preemption by recompute).
+  std::vector<int64_t> prefill_tokens() const {
+    std::vector<int64_t> t = req.prompt_ids;
+    if (!output.empty()) t.insert(t.end(), output.begin(), output.end() - 1);
+    return t;
+  }
+  // min_tokens: EOS may not end the sequence yet, so the sampler masks it.
+  bool ban_eos() const {
+    return static_cast<int64_t>(output.size()) < req.sampling.min_tokens && !req.sampling.ignore_eos;
+  }
+};
+
+}  // namespace kvserve

@@ -1,0 +1,20 @@
+#include "backend/step_plan.h"
+
+namespace kvserve {
+
+ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
+  ShardUsage u;
+  u.geometry = kv.geometry();
+  u.blocks_total = kv.blocks_total();
+  u.blocks_used = kv.blocks_used();
+  u.blocks_high_water = kv.blocks_high_water();
+  auto add = [&](int64_t id) {
+    u.held.push_back(kv.blocks_held(id));
+    u.demand.push_back(kv.decode_demand({id}));
+  };
+  for (int64_t id : plan.decode.seq_ids) add(id);
+  for (const auto& p : plan.prefill) add(p.seq_id);
+  return u;
+}
+
+}  // namespace kvserve

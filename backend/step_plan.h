@@ -1,0 +1,86 @@
+#pragma once
+// StepPlan and StepResult: one engine step as the scheduler decides it and as a runner reports it.
+// One plan drives one process or every rank of a sharded job alike, so it holds plain values only.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/sampler.h"
+#include "backend/sampling_params.h"
+#include "cache_manager/kv_memory.h"
+#include "cache_manager/paged_kv_memory.h"
+
+namespace kvserve {
+
+// A sequence's sampler, created before its first prefill and kept across preemptions.
+struct SequenceStart {
+  int64_t seq_id = 0;
+  SamplingParams sampling;
+  std::vector<int64_t> prompt;
+  uint64_t seed = 0;
+  std::vector<int64_t> eos_ids;  // masked while min_tokens is not reached
+};
+
+// One prompt to prefill (a preempted sequence's prompt plus what it had generated).
+struct PrefillWork {
+  int64_t seq_id = 0;
+  std::vector<int64_t> tokens;
+  std::string policy;
+  bool sample = true;    // false after a preemption: the next token is already known
+  bool ban_eos = false;  // min_tokens not reached yet
+};
+
+// What one step runs, in this order: free KV, drop and create samplers, one decode token for every
+// running sequence, then the admitted prefills.
+struct StepPlan {
+  std::vector<int64_t> release;  // sequences whose KV is freed (finished, cancelled, preempted)
+  std::vector<int64_t> remove;   // sequences whose sampler is dropped (their request is over)
+  std::vector<SequenceStart> start;
+  DecodeBatch decode;
+  std::vector<int64_t> decode_tokens;  // each decoded sequence's last token
+  std::vector<char> decode_ban_eos;
+  std::vector<PrefillWork> prefill;
+
+  bool empty() const {
+    return release.empty() && remove.empty() && start.empty() && decode.seq_ids.empty() && prefill.empty();
+  }
+};
+
+// One shard's pool after a step: what /metrics shows and what the scheduler's admission arithmetic
+// reads (the scheduler never asks a shard a question between steps).
+struct ShardUsage {
+  PagedKvMemory::Geometry geometry;
+  int64_t blocks_total = 0;
+  int64_t blocks_used = 0;
+  int64_t blocks_high_water = 0;
+  // Per sequence the step touched (decoded rows, then prefills, in plan order): blocks it holds and
+  // the most its next decode step can take. Empty entries for a failed part.
+  std::vector<int64_t> held;
+  std::vector<int64_t> demand;
+};
+
+struct PrefillOutcome {
+  std::optional<SampledToken> first;  // when the plan asked to sample
+  int64_t kept_tokens = 0;            // KV tokens kept, summed over layers (each layer counted once)
+  std::string error;                  // non-empty: this prefill failed; the others ran
+};
+
+struct StepResult {
+  std::vector<SampledToken> decoded;  // one per decode row, unless decode_error is set
+  std::string decode_error;           // non-empty: the decode failed for every row
+  std::vector<PrefillOutcome> prefilled;  // one per plan prefill
+  std::vector<ShardUsage> shards;         // one per rank holding KV (one for a single process)
+};
+
+// Pool occupancy in blocks, summed over every shard of the job.
+struct KvUsage {
+  int64_t blocks_total = 0;
+  int64_t blocks_used = 0;
+  int64_t blocks_high_water = 0;
+};
+
+// One rank's pool after `plan` ran: geometry, occupancy, and the touched sequences' blocks.
+ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan);
+
+}  // namespace kvserve

@@ -1,0 +1,25 @@
+#include "cache_manager/kv_memory_factory.h"
+
+#include "common/check.h"
+
+namespace kvserve {
+
+std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
+                                              std::map<std::string, PolicyConfig> policies,
+                                              const std::string& default_policy, KvShard hooks) {
+  KV_CHECK(layout.num_layers > 0 && layout.num_kv_heads > 0 && layout.head_dim > 0,
+           "internal: a KV memory needs layers, KV heads and a head size");
+  KvPoolOptions pool;
+  pool.num_kv_heads = layout.num_kv_heads;
+  pool.head_dim = layout.head_dim;
+  pool.block_size = size.block_size;
+  pool.num_blocks = size.num_blocks;
+  pool.kv_cache_bytes = size.kv_cache_bytes;
+  pool.dtype = layout.dtype;
+  pool.device = layout.device;
+  hooks.first_layer = layout.first_layer;
+  hooks.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
+  return std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(hooks));
+}
+
+}  // namespace kvserve

@@ -1,0 +1,39 @@
+#pragma once
+// make_kv_memory: the one way to build a shard's KV memory (pool + policy-enforcing paged memory),
+// used by the engine, the sharded workers and the CLI tools alike.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "cache_manager/paged_kv_memory.h"
+
+namespace kvserve {
+
+// The KV shape of one shard as the memory sees it (the backend fills it from a loaded model).
+struct KvMemoryLayout {
+  int64_t num_layers = 0;    // layers this shard holds
+  int64_t first_layer = 0;   // global index of the first of them
+  int64_t total_layers = 0;  // the whole model's layer count (budgets are per model layer)
+  int64_t num_kv_heads = 0;  // KV heads this shard holds
+  int64_t head_dim = 0;
+  torch::ScalarType dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+};
+
+// How big the pool is: num_blocks when > 0, else kv_cache_bytes.
+struct KvPoolSize {
+  int64_t block_size = 16;
+  int64_t num_blocks = 0;
+  int64_t kv_cache_bytes = 0;
+};
+
+// `policies`: the named policies sequences may ask for ("full" is always there); `hooks`: the
+// tensor-parallel gatherers of a sharded job (its layer fields are taken from `layout`).
+std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
+                                              std::map<std::string, PolicyConfig> policies,
+                                              const std::string& default_policy = "full", KvShard hooks = {});
+
+}  // namespace kvserve

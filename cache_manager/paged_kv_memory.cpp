@@ -1,0 +1,288 @@
+#include "cache_manager/paged_kv_memory.h"
+
+#include <algorithm>
+
+#include "common/check.h"
+#include "policies/token_scorer.h"
+
+namespace kvserve {
+
+std::map<std::string, PolicyConfig> resolve_policies(
+    const std::map<std::string, std::map<std::string, std::string>>& specs) {
+  std::map<std::string, PolicyConfig> out;
+  out.emplace("full", make_policy_config("full"));
+  for (const auto& [name, params] : specs) {
+    auto rest = params;
+    std::string method = name;
+    if (auto it = rest.find("name"); it != rest.end()) {
+      method = it->second;
+      rest.erase(it);
+    }
+    try {
+      PolicyConfig cfg = make_policy_config(method, rest);
+      cfg.name = name;
+      out[name] = cfg;
+    } catch (const KvError& e) {
+      KV_FAIL("policy '" << name << "': " << e.what());
+    }
+  }
+  return out;
+}
+
+PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std::map<std::string, PolicyConfig> policies,
+                             std::string default_policy, KvShard shard)
+    : num_layers_(num_layers), shard_(std::move(shard)), cache_(num_layers, pool), policies_(std::move(policies)),
+      default_policy_(std::move(default_policy)) {
+  if (shard_.total_layers == 0) shard_.total_layers = num_layers;
+  KV_CHECK(shard_.first_layer >= 0 && shard_.first_layer + num_layers <= shard_.total_layers,
+           "KV shard layers [" << shard_.first_layer << ", " << shard_.first_layer + num_layers << ") outside the model's "
+                               << shard_.total_layers);
+  policies_.emplace("full", make_policy_config("full"));
+  KV_CHECK(policies_.count(default_policy_), "default policy '" << default_policy_ << "' is not defined");
+  for (const auto& [name, cfg] : policies_) {
+    // H2O's decode-time eviction ranks by attention accumulated over decode steps, which the paged
+    // decode kernel does not produce: refuse it here instead of failing in the middle of a generation.
+    KV_CHECK(!(cfg.decode_budget > 0 && cfg.scorer == ScorerKind::kAccumulatedAttention),
+             "policy '" << name << "': decode_budget (decode-time eviction) is not supported with scorer "
+                        << to_string(cfg.scorer) << " (decode computes no attention scores); use knorm or streamingllm");
+  }
+}
+
+const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
+  auto it = policies_.find(name.empty() ? default_policy_ : name);
+  if (it == policies_.end()) KV_FAIL("unknown kv_policy '" << name << "'");
+  return it->second;
+}
+
+PagedKvMemory::Geometry PagedKvMemory::geometry() const {
+  return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size()};
+}
+
+int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len) {
+  std::vector<int64_t> per_layer(static_cast<size_t>(g.num_layers), prompt_len);
+  auto blocks = [&](int64_t tokens) { return blocks_for_tokens(tokens, g.block_size); };
+  // Compaction copies a layer's kept tokens into fresh blocks before it frees the old ones, so the
+  // pool must also hold one layer's compacted copy: DynamicKV's re-budgeting (at most one layer's
+  // candidates) and the first decode-time eviction (decode_budget - decode_evict_chunk tokens).
+  int64_t transient = 0;
+  if (!cfg.is_full()) {
+    // Before any layer is seen, DynamicKV's budgets are its candidate counts (bs + window): the peak.
+    PrefillSelector sel(cfg, g.total_layers, g.num_kv_heads, prompt_len);
+    const auto all = sel.budgets();
+    per_layer.assign(all.begin() + g.first_layer, all.begin() + g.first_layer + g.num_layers);
+    if (sel.is_dynamic()) transient = blocks(*std::max_element(per_layer.begin(), per_layer.end()));
+  }
+  if (cfg.decode_budget > 0) transient = std::max(transient, blocks(std::max<int64_t>(0, cfg.decode_budget - cfg.decode_evict_chunk)));
+  int64_t n = transient;
+  for (int64_t t : per_layer) n += blocks(t + 1);  // room for the first decoded token
+  return n;
+}
+
+int64_t PagedKvMemory::blocks_for_prompt(int64_t prompt_len, const std::string& name) const {
+  return prompt_blocks(policy(name), geometry(), prompt_len);
+}
+
+int64_t PagedKvMemory::decode_demand(const std::vector<int64_t>& seq_ids) const {
+  const int64_t bs = cache_.block_size();
+  int64_t demand = 0;
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (int64_t id : seq_ids) {
+      if (!cache_.has_sequence(id)) continue;
+      const LayerBlocks& lb = cache_.layer_blocks(id, l);
+      int64_t len = lb.length, held = static_cast<int64_t>(lb.blocks.size());
+      auto it = seqs_.find(id);
+      if (it != seqs_.end() && !it->second.evictors.empty()) {
+        const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
+        if (ev.needs_eviction(len + 1)) {
+          len = std::min(len, ev.target_count());
+          held = blocks_for_tokens(len, bs);
+          demand += held;
+        }
+      }
+      demand += len == held * bs;
+    }
+  }
+  return demand;
+}
+
+int64_t PagedKvMemory::blocks_held(int64_t seq_id) const {
+  if (!cache_.has_sequence(seq_id)) return 0;
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers_; ++l) n += static_cast<int64_t>(cache_.layer_blocks(seq_id, l).blocks.size());
+  return n;
+}
+
+bool PagedKvMemory::can_prefill(int64_t prompt_len, const std::string& p) const {
+  return blocks_for_prompt(prompt_len, p) <= cache_.free_blocks();
+}
+
+bool PagedKvMemory::fits_when_empty(int64_t prompt_len, const std::string& p) const {
+  return blocks_for_prompt(prompt_len, p) <= cache_.total_blocks();
+}
+
+bool PagedKvMemory::can_decode(const std::vector<int64_t>& seq_ids) const {
+  // Mirrors decode_attention layer by layer: decode-time evictions first (each compacts into fresh
+  // blocks before freeing the old ones), then one appended token per sequence.
+  const int64_t bs = cache_.block_size();
+  int64_t free = cache_.free_blocks();
+  std::vector<int64_t> len(seq_ids.size()), held(seq_ids.size());
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (size_t i = 0; i < seq_ids.size(); ++i) {
+      const LayerBlocks& lb = cache_.layer_blocks(seq_ids[i], l);
+      len[i] = lb.length;
+      held[i] = static_cast<int64_t>(lb.blocks.size());
+      auto it = seqs_.find(seq_ids[i]);
+      if (it == seqs_.end() || it->second.evictors.empty()) continue;
+      const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
+      if (!ev.needs_eviction(len[i] + 1)) continue;
+      const int64_t target = std::min(len[i], ev.target_count());
+      const int64_t fresh = cache_.blocks_needed({target});
+      if (fresh > free) return false;
+      free += held[i] - fresh;
+      len[i] = target;
+      held[i] = fresh;
+    }
+    for (size_t i = 0; i < seq_ids.size(); ++i) free -= len[i] == held[i] * bs;
+    if (free < 0) return false;
+  }
+  return true;
+}
+
+int64_t PagedKvMemory::kept_tokens(int64_t seq_id) const {
+  if (!cache_.has_sequence(seq_id)) return 0;
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers_; ++l) n += cache_.length(seq_id, l);
+  return n;
+}
+
+void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string& name) {
+  const PolicyConfig& cfg = policy(name);
+  KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already has KV state");
+  cache_.add_sequence(seq_id);
+  SeqState& s = seqs_[seq_id];
+  s.policy = &cfg;
+  s.prompt_len = prompt_len;
+  if (!cfg.is_full()) {
+    s.selector = std::make_unique<PrefillSelector>(cfg, shard_.total_layers, cache_.num_kv_heads(), prompt_len);
+    if (shard_.score_gatherer) s.selector->set_score_gatherer(shard_.score_gatherer);
+  }
+  if (cfg.decode_budget > 0) {
+    for (int64_t l = 0; l < num_layers_; ++l) s.evictors.emplace_back(cfg, shard_.first_layer + l);
+  }
+}
+
+void PagedKvMemory::apply_updates(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  for (auto& [layer, kept] : s.selector->take_updates()) {
+    // Earlier layers hold their positions in ascending order per head: find the surviving slots.
+    auto held = cache_.positions(seq_id, local(layer)).to(kept.device());
+    auto slots = torch::searchsorted(held, kept.to(torch::kInt64).contiguous());
+    cache_.compact(seq_id, local(layer), slots.to(torch::kCPU));
+  }
+}
+
+void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v) {
+  SeqState& s = seqs_.at(seq_id);
+  const int64_t KV = k.size(0), T = k.size(1), D = k.size(2);
+  const int64_t ll = local(layer);
+  if (!s.selector || !s.selector->compresses()) {
+    auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
+    cache_.write(seq_id, ll, k, v, pos);
+    return;
+  }
+  torch::Tensor scorer_q = q;
+  if (shard_.query_gatherer && scorer_needs_queries(s.policy->scorer)) {
+    // Window scorers read only the window's queries: gather just those rows.
+    const bool all_rows = s.policy->scorer == ScorerKind::kAccumulatedAttention;
+    const int64_t rows = all_rows ? T : std::min<int64_t>(s.policy->window, T);
+    scorer_q = shard_.query_gatherer(q.narrow(1, T - rows, rows).contiguous());
+  }
+  torch::Tensor kept = s.selector->on_layer(layer, scorer_q, k);  // [KV, n] ascending positions
+  auto idx = kept.to(k.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
+  cache_.write(seq_id, ll, k.gather(1, idx), v.gather(1, idx), kept);
+  apply_updates(seq_id);
+}
+
+void PagedKvMemory::end_prefill(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  if (s.selector && s.selector->is_dynamic()) {
+    // Later stages' layers still decide this shard's DynamicKV budgets: wait for them.
+    if (!last_shard()) return;
+    s.selector->finish();
+    s.final_dynamic = s.selector->dynamic_budgets();
+  }
+  settle(seq_id);
+}
+
+void PagedKvMemory::settle(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  if (s.selector) {
+    apply_updates(seq_id);
+    s.selector.reset();
+  }
+  s.budgets.clear();
+  for (int64_t l = 0; l < num_layers_; ++l) s.budgets.push_back(cache_.length(seq_id, l));
+}
+
+int64_t PagedKvMemory::local(int64_t layer) const {
+  const int64_t l = layer - shard_.first_layer;
+  KV_CHECK(l >= 0 && l < num_layers_, "layer " << layer << " is not held by this KV shard [" << shard_.first_layer << ", "
+                                               << shard_.first_layer + num_layers_ << ")");
+  return l;
+}
+
+bool PagedKvMemory::is_dynamic_prefill(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it != seqs_.end() && it->second.selector && it->second.selector->is_dynamic();
+}
+
+void PagedKvMemory::import_layer_scores(int64_t seq_id, int64_t layer, const torch::Tensor& scores) {
+  SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not in a DynamicKV prefill");
+  s.selector->replay_layer(layer, scores);
+  apply_updates(seq_id);
+}
+
+std::pair<std::vector<int64_t>, torch::Tensor> PagedKvMemory::export_layer_scores(int64_t seq_id, int64_t up_to) const {
+  const SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not in a DynamicKV prefill");
+  std::vector<int64_t> layers;
+  std::vector<torch::Tensor> scores;
+  for (int64_t l = 0; l < up_to; ++l) {
+    if (s.selector->layer_budgets()[static_cast<size_t>(l)].full) continue;
+    layers.push_back(l);
+    scores.push_back(s.selector->layer_scores(l));
+  }
+  return {layers, scores.empty() ? torch::Tensor() : torch::stack(scores)};
+}
+
+void PagedKvMemory::apply_final_budgets(int64_t seq_id, const std::vector<int64_t>& scored) {
+  SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not waiting for DynamicKV budgets");
+  s.selector->apply_final_budgets(scored);
+  s.final_dynamic = scored;
+  settle(seq_id);
+}
+
+torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
+                                              const torch::Tensor& k, const torch::Tensor& v) {
+  // Decode-time eviction runs once per decode_evict_chunk tokens for sequences whose policy evicts.
+  for (int64_t id : batch.seq_ids) {
+    SeqState& s = seqs_.at(id);
+    if (s.evictors.empty()) continue;
+    const int64_t ll = local(layer);
+    const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
+    if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
+    auto [keys, values] = cache_.gather(id, ll);
+    cache_.compact(id, ll, ev.select(cache_.positions(id, ll), keys).to(torch::kCPU));
+  }
+  return cache_.append_and_attend(local(layer), batch.seq_ids, batch.positions, q, k, v);
+}
+
+void PagedKvMemory::release(int64_t seq_id) {
+  if (cache_.has_sequence(seq_id)) cache_.release(seq_id);
+  seqs_.erase(seq_id);
+}
+
+}  // namespace kvserve

@@ -1,0 +1,176 @@
+// `kvserve bench decode`: steady-state decode speed at a given context length, batch and KV policy,
+// without running the (slow on CPU) long prefill.
+//
+// Each sequence's KV is filled layer by layer through the engine's own PagedKvMemory with random
+// q/k/v of `context` tokens: the policy's real PrefillSelector picks what each layer keeps (its real
+// per-layer budgets) and the kept tokens are written into the paged pool. Then `steps` real decode
+// steps run through LlamaModel::decode for the whole batch at positions context + t (greedy argmax
+// fed back). Decode cost depends only on how many KV entries each (sequence, layer, head) holds, not
+// on their values, so this times what a real run with that context would time per decode step.
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include <ATen/Parallel.h>
+
+#include "backend/llama_model.h"
+#include "cache_manager/kv_memory_factory.h"
+#include "cli/commands.h"
+#include "cli/policy_cli.h"
+#include "common/check.h"
+
+namespace kvserve::cli {
+
+namespace {
+
+struct BenchDecodeArgs {
+  std::string model, device = "cpu", dtype;
+  PolicyFlags policy;
+  std::vector<int64_t> contexts{4096}, batches{1};
+  int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
+  uint64_t seed = 0;
+  double bandwidth_gbs = 30.0;
+};
+
+int64_t weight_bytes(const ModelConfig& c, int64_t elem) {
+  const int64_t Hd = c.hidden_size, D = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads;
+  const int64_t per_layer = Hd * (H + 2 * KV) * D + H * D * Hd + 3 * Hd * c.intermediate_size + 2 * Hd;
+  const int64_t embed = c.vocab_size * Hd * (c.tie_word_embeddings ? 1 : 2);
+  return (c.num_hidden_layers * per_layer + embed + Hd) * elem;
+}
+
+nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::string& policy_name,
+                       const std::map<std::string, PolicyConfig>& policies, int64_t context, int64_t batch) {
+  torch::NoGradGuard ng;
+  const ModelConfig& c = model.config();
+  const int64_t L = c.num_hidden_layers, KV = c.num_key_value_heads, H = c.num_attention_heads, D = c.head_dim;
+  KV_CHECK(context >= 1 && context + a.warmup + a.steps < c.max_position_embeddings,
+           "--context " << context << " plus the steps must stay below max_position_embeddings "
+                        << c.max_position_embeddings);
+  const PolicyConfig& cfg = policies.at(policy_name);
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(model.dtype()));
+  const int64_t token_layer_bytes = 2 * KV * D * elem;
+
+  // Pool: every sequence's peak per-layer size (DynamicKV: its candidates) plus the decoded tokens.
+  std::vector<int64_t> peak(L, context);
+  if (!cfg.is_full()) peak = PrefillSelector(cfg, L, KV, context).budgets();
+  int64_t blocks = 0;
+  for (int64_t n : peak) blocks += (n + a.warmup + a.steps + 1 + a.block_size - 1) / a.block_size + 1;
+  auto memory = make_kv_memory(model.kv_layout(), {a.block_size, blocks * batch + L, 0}, policies, policy_name);
+  PagedKvMemory& mem = *memory;
+
+  // Fill: random q/k/v (one set reused by every layer and sequence; values do not change decode cost).
+  const auto t_fill = std::chrono::steady_clock::now();
+  torch::manual_seed(a.seed);
+  const auto topt = torch::TensorOptions().dtype(model.dtype()).device(model.device());
+  auto q = torch::randn({H, context, D}, topt);
+  auto k = torch::randn({KV, context, D}, topt);
+  auto v = torch::randn({KV, context, D}, topt);
+  std::vector<int64_t> ids;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t id = b + 1;
+    ids.push_back(id);
+    mem.begin_prefill(id, context, policy_name);
+    for (int64_t l = 0; l < L; ++l) mem.store_prefill(id, l, q, k, v);
+    mem.end_prefill(id);
+  }
+  q = k = v = torch::Tensor();
+  const double fill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_fill).count();
+  const int64_t kept = mem.kept_tokens(1);
+  std::vector<int64_t> kept_per_layer;
+  for (int64_t l = 0; l < L; ++l) kept_per_layer.push_back(mem.cached_tokens(1, l));
+
+  // Decode: warmup, then timed steps; tokens are the previous step's argmax.
+  std::vector<int64_t> tokens(batch, 1);
+  std::vector<double> step_s;
+  double live_kv_bytes_sum = 0;
+  for (int64_t t = 0; t < a.warmup + a.steps; ++t) {
+    DecodeBatch db;
+    db.seq_ids = ids;
+    int64_t live = 0;
+    for (int64_t id : ids) {
+      db.positions.push_back(context + t);
+      live += mem.kept_tokens(id);
+    }
+    const auto s0 = std::chrono::steady_clock::now();
+    auto logits = model.decode(db, tokens, mem);
+    auto next = logits.argmax(-1).to(torch::kCPU);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    for (int64_t b = 0; b < batch; ++b) tokens[b] = next[b].item<int64_t>();
+    if (t >= a.warmup) {
+      step_s.push_back(dt);
+      live_kv_bytes_sum += static_cast<double>((live + batch * L) * token_layer_bytes);
+    }
+  }
+  std::vector<double> sorted = step_s;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  double mean = 0;
+  for (double s : step_s) mean += s;
+  mean /= static_cast<double>(step_s.size());
+  const double wbytes = static_cast<double>(weight_bytes(c, elem));
+  const double live_kv = live_kv_bytes_sum / static_cast<double>(step_s.size());
+  const double floor_s = (wbytes + live_kv) / (a.bandwidth_gbs * 1e9);
+  return nlohmann::json{{"policy", policy_name},
+                        {"context", context},
+                        {"batch", batch},
+                        {"steps", a.steps},
+                        {"warmup", a.warmup},
+                        {"threads", at::get_num_threads()},
+                        {"fill_s", fill_s},
+                        {"step_s_median", median},
+                        {"step_s_mean", mean},
+                        {"step_s_min", sorted.front()},
+                        {"step_s_max", sorted.back()},
+                        {"decode_tokens_per_s", static_cast<double>(batch) / median},
+                        {"kv_tokens_kept", kept},
+                        {"kv_tokens_full", context * L},
+                        {"kv_tokens_kept_per_layer", kept_per_layer},
+                        {"kv_bytes_per_token_layer", token_layer_bytes},
+                        {"kv_bytes_per_seq", kept * token_layer_bytes},
+                        {"kv_bytes_per_seq_full", context * L * token_layer_bytes},
+                        {"pool_bytes_per_seq", mem.cache().bytes_of(1)},
+                        {"weight_bytes", wbytes},
+                        {"live_kv_bytes", live_kv},
+                        {"bandwidth_gbs", a.bandwidth_gbs},
+                        {"floor_step_s", floor_s},
+                        {"fraction_of_floor", floor_s / median}};
+}
+
+}  // namespace
+
+void add_bench_commands(CLI::App& app) {
+  auto* bench = app.add_subcommand("bench", "Micro benchmarks of the engine");
+  bench->require_subcommand(1);
+  auto a = std::make_shared<BenchDecodeArgs>();
+  auto* cmd = bench->add_subcommand(
+      "decode", "Decode tokens/s at a context length, batch and KV policy (KV filled with random values at the "
+                "policy's kept size; prints one JSON object per line)");
+  cmd->add_option("--model", a->model, "Hugging Face model directory")->required();
+  cmd->add_option("--context", a->contexts, "context length(s) before decoding")->expected(1, 64);
+  cmd->add_option("--batch", a->batches, "sequences decoded together (one or more)")->expected(1, 64);
+  cmd->add_option("--steps", a->steps, "timed decode steps")->check(CLI::Range(1, 100000));
+  cmd->add_option("--warmup", a->warmup, "untimed decode steps first")->check(CLI::Range(0, 100000));
+  cmd->add_option("--threads", a->threads, "torch intra-op threads (0 = torch's default)")->check(CLI::Range(0, 1024));
+  cmd->add_option("--block-size", a->block_size, "KV block size in tokens")->check(CLI::Range(1, 4096));
+  cmd->add_option("--seed", a->seed, "seed of the random KV");
+  cmd->add_option("--bandwidth-gbs", a->bandwidth_gbs, "memory bandwidth for the floor, GB/s")->check(CLI::Range(0.001, 1e6));
+  cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
+  cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
+  a->policy.add_to(cmd);
+  cmd->callback([a] {
+    if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
+    auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, false});
+    const auto specs = a->policy.specs();
+    const std::string name = PolicyFlags::selected(specs);
+    const auto policies = resolve_policies(specs);
+    for (int64_t ctx : a->contexts)
+      for (int64_t b : a->batches) {
+        KV_CHECK(b >= 1, "--batch must be at least 1");
+        std::cout << run_one(*model, *a, name, policies, ctx, b).dump() << std::endl;
+      }
+  });
+}
+
+}  // namespace kvserve::cli

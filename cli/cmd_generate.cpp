@@ -1,0 +1,204 @@
+// `kvserve generate`: one prompt through the engine, printed as text or as one JSON object.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "backend/engine.h"
+#include "backend/llama_model.h"
+#include "cli/commands.h"
+#include "cli/parallel_cli.h"
+#include "cli/policy_cli.h"
+#include "common/check.h"
+#include "configs/server_config.h"
+#include "text/tokenizer.h"
+
+namespace kvserve::cli {
+
+namespace {
+struct GenerateArgs {
+  std::string model, prompt, prompts_file, device = "cpu", dtype;
+  PolicyFlags policy;
+  ParallelFlags parallel;
+  std::vector<int64_t> prompt_ids;
+  int64_t max_tokens = 64;
+  double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0;
+  int64_t top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool json = false, ignore_eos = false, stream = false;
+  std::string kv_cache = "1GiB";
+};
+
+}  // namespace
+
+void add_generate_command(CLI::App& app) {
+  auto a = std::make_shared<GenerateArgs>();
+  auto* cmd = app.add_subcommand("generate", "Generate a completion for one prompt");
+  cmd->add_option("--model", a->model, "Hugging Face model directory")->required();
+  auto* p = cmd->add_option("--prompt", a->prompt, "prompt text (tokenized with the model's tokenizer)");
+  auto* pi = cmd->add_option("--prompt-ids", a->prompt_ids, "prompt as token ids (instead of --prompt)");
+  p->excludes(pi);
+  cmd->add_option("--prompts-file", a->prompts_file,
+                  "JSON list of prompts (strings or token-id lists), generated together in one batch");
+  cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate at most")->check(CLI::Range(1, 1 << 24));
+  cmd->add_option("--temperature", a->temperature, "0 = greedy")->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--top-p", a->top_p)->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--top-k", a->top_k)->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
+  cmd->add_option("--min-p", a->min_p)->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--repetition-penalty", a->repetition_penalty)->check(CLI::Range(0.01, 100.0));
+  cmd->add_option("--seed", a->seed, "sampling seed (reproducible)");
+  cmd->add_option("--stop", a->stop, "stop string (repeatable)");
+  cmd->add_flag("--ignore-eos", a->ignore_eos, "keep generating past end-of-sequence tokens");
+  cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
+  cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
+  cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
+  a->policy.add_to(cmd);
+  a->parallel.add_to(cmd);
+  cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
+  cmd->callback([a] {
+    KV_CHECK(!a->prompt.empty() || !a->prompt_ids.empty() || !a->prompts_file.empty(),
+             "generate: give --prompt, --prompt-ids or --prompts-file");
+    auto t0 = std::chrono::steady_clock::now();
+    LoadOptions load;
+    load.device = a->device;
+    load.dtype = a->dtype;
+    load.progress = !a->json;
+    auto job = ParallelJob::start(a->parallel.apply(), a->model, load);
+    auto model = job->model();
+    EngineOptions eo;
+    try {
+      eo.kv_cache_bytes = config::parse_byte_size(a->kv_cache);
+    } catch (const std::invalid_argument& e) {
+      KV_FAIL("--kv-cache: " << e.what());
+    }
+    eo.policies = a->policy.specs();
+    eo.default_policy = PolicyFlags::selected(eo.policies);
+    if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
+      const int rc = job->run_worker(eo);
+      if (rc != 0) throw CLI::RuntimeError(rc);
+      return;
+    }
+    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
+    Engine engine(model, tok, eo, job->make_runner(eo));
+    job->set_on_failure([&engine](const std::string& why) { engine.mark_unhealthy(why); });
+    auto t_loaded = std::chrono::steady_clock::now();
+
+    std::vector<std::vector<int64_t>> prompts;
+    if (!a->prompts_file.empty()) {
+      std::ifstream f(a->prompts_file);
+      KV_CHECK(f, a->prompts_file << ": cannot open");
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(f);
+      } catch (const nlohmann::json::parse_error& e) {
+        KV_FAIL(a->prompts_file << ": malformed JSON: " << e.what());
+      }
+      KV_CHECK(j.is_array() && !j.empty(), a->prompts_file << ": expected a non-empty JSON list of prompts");
+      for (size_t i = 0; i < j.size(); ++i) {
+        if (j[i].is_string()) {
+          prompts.push_back(tok->encode(j[i].get<std::string>()));
+        } else if (j[i].is_array() && std::all_of(j[i].begin(), j[i].end(), [](auto& e) { return e.is_number_integer(); })) {
+          prompts.push_back(j[i].get<std::vector<int64_t>>());
+        } else {
+          KV_FAIL(a->prompts_file << ": prompt " << i << " must be a string or a list of token ids");
+        }
+      }
+    } else {
+      prompts.push_back(a->prompt_ids.empty() ? tok->encode(a->prompt) : a->prompt_ids);
+    }
+
+    // One result per prompt, filled by engine callbacks (engine thread) and read after all finish.
+    struct Result {
+      std::string text, finish_reason, error;
+      std::vector<int64_t> ids;
+      int64_t prompt_tokens = 0, kept_kv = 0, full_kv = 0;
+      std::optional<std::chrono::steady_clock::time_point> t_first, t_end;
+    };
+    std::vector<Result> results(prompts.size());
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t finished = 0;
+    const bool print_text = !a->json && prompts.size() == 1;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      GenerationRequest req;
+      req.request_id = "cli-" + std::to_string(i);
+      req.prompt_ids = prompts[i];
+      auto& sp = req.sampling;
+      sp.max_tokens = a->max_tokens;
+      sp.temperature = a->temperature;
+      sp.top_p = a->top_p;
+      sp.top_k = a->top_k;
+      sp.min_p = a->min_p;
+      sp.repetition_penalty = a->repetition_penalty;
+      sp.seed = a->seed;
+      sp.stop = a->stop;
+      sp.ignore_eos = a->ignore_eos;
+      req.kv_policy = eo.default_policy;
+      engine.submit(req, [&, i](const GenerationEvent& ev) {
+        Result& r = results[i];
+        if (!r.t_first) r.t_first = std::chrono::steady_clock::now();
+        r.text += ev.text_delta;
+        r.ids.insert(r.ids.end(), ev.token_ids.begin(), ev.token_ids.end());
+        if (print_text) std::cout << ev.text_delta << std::flush;
+        if (ev.finished) {
+          r.finish_reason = ev.finish_reason;
+          r.error = ev.error;
+          r.prompt_tokens = ev.prompt_tokens;
+          r.kept_kv = ev.kept_kv_tokens;
+          r.full_kv = ev.full_kv_tokens;
+          r.t_end = std::chrono::steady_clock::now();
+          std::lock_guard<std::mutex> lk(mu);
+          ++finished;
+          cv.notify_all();
+        }
+      });
+    }
+    {
+      std::unique_lock<std::mutex> lk(mu);
+      cv.wait(lk, [&] { return finished == prompts.size(); });
+    }
+    const EngineStats stats = engine.stats();
+    engine.shutdown(true);
+    job->set_on_failure(nullptr);
+    job->join_workers();
+    for (const auto& r : results)
+      if (r.finish_reason == "error") KV_FAIL(r.error);
+    using secs = std::chrono::duration<double>;
+    auto as_json = [&](const Result& r) {
+      const double decode_s = secs(*r.t_end - *r.t_first).count();
+      return nlohmann::json{{"text", r.text},
+                            {"token_ids", r.ids},
+                            {"prompt_tokens", r.prompt_tokens},
+                            {"completion_tokens", r.ids.size()},
+                            {"finish_reason", r.finish_reason},
+                            {"kv_tokens_kept", r.kept_kv},
+                            {"kv_tokens_full", r.full_kv},
+                            {"timings",
+                             {{"time_to_first_token_s", secs(*r.t_first - t_loaded).count()},
+                              {"decode_s", decode_s},
+                              {"decode_tokens_per_s", r.ids.size() > 1 ? (r.ids.size() - 1) / decode_s : 0.0}}}};
+    };
+    if (a->json) {
+      nlohmann::json out;
+      if (prompts.size() == 1 && a->prompts_file.empty()) {
+        out = as_json(results[0]);
+        out["timings"]["load_s"] = secs(t_loaded - t0).count();
+      } else {
+        out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
+               {"load_s", secs(t_loaded - t0).count()}};
+        for (const auto& r : results) out["results"].push_back(as_json(r));
+      }
+      std::cout << out.dump() << "\n";
+    } else if (print_text) {
+      std::cout << "\n";
+    } else {
+      for (const auto& r : results) std::cout << nlohmann::json(r.text).dump() << "\n";
+    }
+  });
+}
+
+}  // namespace kvserve::cli

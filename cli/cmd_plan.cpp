@@ -1,0 +1,164 @@
+// `kvserve plan`: per-GPU weight bytes, KV bytes per sequence per shard and the maximum concurrent
+// sequences of a model split over TP x PP GPUs, for `full` and a chosen policy (parallel/shard_plan.h).
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/model_config.h"
+#include "cli/cli_files.h"
+#include "cli/commands.h"
+#include "cli/policy_cli.h"
+#include "common/check.h"
+#include "configs/server_config.h"
+#include "parallel/shard_plan.h"
+#include "policies/policy_config.h"
+
+namespace kvserve::cli {
+
+namespace {
+
+struct PlanArgs {
+  std::string model_config;
+  int64_t tp = 1, pp = 1;
+  std::string gpu_memory = "80GiB";
+  std::string context = "32768";
+  std::string policy = "full";
+  std::string budget;
+  std::vector<std::string> params;
+  std::string dtype = "bfloat16";
+  std::string kv_dtype;  // default: dtype
+  double reserve = 0.1;
+  int64_t block_size = 16;
+  bool json = false;
+};
+
+int64_t dtype_bytes(const std::string& d) {
+  if (d == "bfloat16" || d == "bf16" || d == "float16" || d == "fp16" || d == "half") return 2;
+  if (d == "float32" || d == "fp32" || d == "float") return 4;
+  if (d == "fp8" || d == "float8" || d == "fp8_e4m3" || d == "fp8_e5m2" || d == "int8") return 1;
+  KV_FAIL("unknown dtype '" << d << "' (bfloat16, float16, float32, fp8)");
+}
+
+// "32768", "32k"/"32K" (x1024) -> tokens.
+int64_t parse_context(const std::string& t) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(t, &used);
+  } catch (const std::exception&) {
+    KV_FAIL("--context '" << t << "' is not a token count");
+  }
+  const std::string rest = t.substr(used);
+  if (rest == "k" || rest == "K") {
+    v *= 1024;
+  } else {
+    KV_CHECK(rest.empty(), "--context '" << t << "' is not a token count (e.g. 32768 or 32k)");
+  }
+  KV_CHECK(v > 0, "--context must be positive");
+  return v;
+}
+
+std::string gib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+std::string mib(int64_t bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+void print_text(const parallel::ShardPlan& p) {
+  const auto& o = p.options;
+  std::cout << "plan: TP=" << o.tp << " PP=" << o.pp << " (" << p.gpus << " GPUs), " << gib(o.gpu_memory_bytes)
+            << " per GPU, reserve " << o.reserve_fraction << " -> usable " << gib(p.usable_bytes) << "\n"
+            << "context " << o.context << " tokens, block " << o.block_size << ", weights " << o.weight_dtype_bytes
+            << " B/param, KV " << o.kv_dtype_bytes << " B/elem\n";
+  for (const auto& s : p.stages) {
+    std::cout << "stage " << s.stage << ": layers [" << s.layers.begin << ", " << s.layers.end << ")"
+              << (s.has_embedding ? " +embedding" : "") << (s.has_lm_head ? " +norm+lm_head" : "")
+              << "  weights/GPU " << gib(s.weight_bytes) << " (" << s.weight_params << " params)"
+              << "  KV heads/GPU " << s.kv_heads << "  KV/token " << s.kv_bytes_per_token << " B"
+              << "  KV capacity " << gib(s.kv_capacity_bytes) << "\n";
+  }
+  if (!p.weights_fit) std::cout << "WARNING: weights do not fit in usable memory on some stage\n";
+  for (const auto& pol : p.policies) {
+    std::cout << "policy " << pol.policy << ": KV/seq per stage";
+    for (size_t i = 0; i < pol.kv_bytes_per_seq.size(); ++i) {
+      std::cout << (i ? ", " : " ") << mib(pol.kv_bytes_per_seq[i]);
+      if (pol.kv_bytes_per_seq_peak[i] != pol.kv_bytes_per_seq[i]) std::cout << " (peak " << mib(pol.kv_bytes_per_seq_peak[i]) << ")";
+    }
+    std::cout << "  -> max sequences " << pol.max_seqs << " (tightest stage " << pol.tightest_stage << ")";
+    if (pol.max_seqs_peak != pol.max_seqs) std::cout << ", " << pol.max_seqs_peak << " if all at peak";
+    std::cout << "\n";
+  }
+}
+
+void run_plan(const PlanArgs& a) {
+  const ModelConfig mc = parse_model_config(read_text_file(a.model_config), a.model_config);
+  parallel::ModelShape m;
+  m.num_layers = mc.num_hidden_layers;
+  m.hidden_size = mc.hidden_size;
+  m.intermediate_size = mc.intermediate_size;
+  m.num_heads = mc.num_attention_heads;
+  m.num_kv_heads = mc.num_key_value_heads;
+  m.head_dim = mc.head_dim;
+  m.vocab_size = mc.vocab_size;
+  m.tie_word_embeddings = mc.tie_word_embeddings;
+  m.attention_bias = mc.attention_bias;
+  m.o_proj_bias = mc.o_proj_bias;
+  m.mlp_bias = mc.mlp_bias;
+
+  parallel::PlanOptions o;
+  o.tp = a.tp;
+  o.pp = a.pp;
+  o.gpu_memory_bytes = config::parse_byte_size(a.gpu_memory);
+  o.context = parse_context(a.context);
+  o.reserve_fraction = a.reserve;
+  o.block_size = a.block_size;
+  o.weight_dtype_bytes = dtype_bytes(a.dtype);
+  o.kv_dtype_bytes = dtype_bytes(a.kv_dtype.empty() ? a.dtype : a.kv_dtype);
+
+  std::map<std::string, std::string> params = parse_key_values(a.params, "--param");
+  if (!a.budget.empty()) params["budget"] = a.budget;
+  std::vector<PolicyConfig> policies{make_policy_config("full")};
+  if (a.policy != "full") policies.push_back(make_policy_config(a.policy, params));
+
+  const auto plan = parallel::make_shard_plan(m, o, policies);
+  if (a.json) {
+    std::cout << parallel::to_json(plan).dump(2) << "\n";
+  } else {
+    print_text(plan);
+  }
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto a = std::make_shared<PlanArgs>();
+  auto* cmd = app.add_subcommand("plan", "per-GPU weights, KV bytes and max sequences of a TP x PP split");
+  cmd->add_option("--model-config", a->model_config, "Hugging Face config.json")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--tp", a->tp, "tensor parallel size")->check(CLI::PositiveNumber);
+  cmd->add_option("--pp", a->pp, "pipeline parallel size")->check(CLI::PositiveNumber);
+  cmd->add_option("--gpu-memory", a->gpu_memory, "memory per GPU (e.g. 80GiB)")->capture_default_str();
+  cmd->add_option("--context", a->context, "tokens per sequence (e.g. 32768 or 32k)")->capture_default_str();
+  cmd->add_option("--policy", a->policy, "KV policy shown beside full")->capture_default_str();
+  cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
+  cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
+  cmd->add_option("--dtype", a->dtype, "weight dtype (bfloat16, float16, float32, fp8)")->capture_default_str();
+  cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype (default: --dtype)");
+  cmd->add_option("--gpu-reserve-fraction", a->reserve, "fraction of GPU memory kept for activations/workspace")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 0.99));
+  cmd->add_option("--block-size", a->block_size, "paged KV block size in tokens")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_flag("--json", a->json, "print JSON");
+  cmd->callback([a] { run_plan(*a); });
+}
+
+}  // namespace kvserve::cli

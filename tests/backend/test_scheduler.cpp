@@ -1,0 +1,249 @@
+// The scheduler without a model: a fake runner keeps a block pool per shard (each sequence holds
+// ceil(len / block) blocks in every layer) and samples token = position, so admission, preemption,
+// rejection and cancellation are checked from the plans alone.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <set>
+
+#include "backend/model_runner.h"
+#include "backend/scheduler.h"
+#include "cache_manager/paged_kv_memory.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t kLayers = 2;
+constexpr int64_t kBlock = 4;
+
+// One shard of `layers` layers and `blocks` blocks; a prefill keeps min(prompt, keep) tokens.
+class FakeRunner final : public ModelRunner {
+ public:
+  FakeRunner(std::vector<int64_t> shard_blocks, std::map<std::string, int64_t> keep)
+      : totals_(std::move(shard_blocks)), keep_(std::move(keep)) {}
+
+  StepResult execute(const StepPlan& plan) override {
+    plans.push_back(plan);
+    for (int64_t id : plan.release) {
+      EXPECT_TRUE(len_.count(id)) << "released sequence " << id << " holds nothing";
+      len_.erase(id);
+    }
+    for (int64_t id : plan.remove) EXPECT_EQ(samplers_.erase(id), 1u) << "no sampler for " << id;
+    for (const auto& s : plan.start) EXPECT_TRUE(samplers_.insert(s.seq_id).second) << "sampler twice " << s.seq_id;
+    StepResult r;
+    for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i) {
+      const int64_t id = plan.decode.seq_ids[i];
+      EXPECT_TRUE(samplers_.count(id));
+      ++len_.at(id);
+      SampledToken t;
+      t.token = plan.decode.positions[i] + 1000;
+      r.decoded.push_back(t);
+    }
+    for (const auto& p : plan.prefill) {
+      EXPECT_FALSE(len_.count(p.seq_id)) << "prefill of a sequence that holds KV";
+      const int64_t n = static_cast<int64_t>(p.tokens.size());
+      auto k = keep_.find(p.policy);
+      len_[p.seq_id] = k == keep_.end() ? n : std::min(n, k->second);
+      PrefillOutcome o;
+      if (p.sample) o.first = SampledToken{n + 1000, {}, {}};
+      o.kept_tokens = len_[p.seq_id] * kLayers;
+      r.prefilled.push_back(o);
+    }
+    for (int64_t total : totals_) {
+      ShardUsage u;
+      u.geometry = {0, kLayers, kLayers, 1, kBlock};
+      u.blocks_total = total;
+      for (auto& [id, n] : len_) u.blocks_used += held(n);
+      u.blocks_high_water = u.blocks_used;
+      if (u.blocks_used > total) overflow = true;
+      for (int64_t id : plan.decode.seq_ids) u.held.push_back(held(len_.at(id))), u.demand.push_back(demand(len_.at(id)));
+      for (const auto& p : plan.prefill) u.held.push_back(held(len_.at(p.seq_id))), u.demand.push_back(demand(len_.at(p.seq_id)));
+      r.shards.push_back(u);
+    }
+    return r;
+  }
+  static int64_t held(int64_t len) { return kLayers * ((len + kBlock - 1) / kBlock); }
+  static int64_t demand(int64_t len) { return len % kBlock == 0 ? kLayers : 0; }
+
+  std::vector<StepPlan> plans;
+  bool overflow = false;  // the scheduler admitted more than a pool holds
+
+ private:
+  std::vector<int64_t> totals_;
+  std::map<std::string, int64_t> keep_;
+  std::map<int64_t, int64_t> len_;
+  std::set<int64_t> samplers_;
+};
+
+std::map<std::string, PolicyConfig> policies() {
+  return resolve_policies({{"stream8", {{"name", "streamingllm"}, {"budget", "8"}, {"sink", "4"}}}});
+}
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void make(std::vector<int64_t> shard_blocks, int64_t max_seqs = 8, int64_t max_tokens = 8192) {
+    runner = std::make_unique<FakeRunner>(std::move(shard_blocks), std::map<std::string, int64_t>{{"stream8", 8}});
+    Scheduler::Options o;
+    o.max_num_seqs = max_seqs;
+    o.max_num_batched_tokens = max_tokens;
+    o.policies = policies();
+    sched = std::make_unique<Scheduler>(std::move(o));
+    sched->update(StepPlan{}, runner->execute(StepPlan{}));
+  }
+  Sequence* add(int64_t id, int64_t prompt_len, int64_t max_tokens = 100, const std::string& policy = "full") {
+    auto s = std::make_unique<Sequence>();
+    s->id = id;
+    s->req.request_id = "r" + std::to_string(id);
+    s->req.prompt_ids.assign(static_cast<size_t>(prompt_len), 7);
+    s->req.kv_policy = policy;
+    s->req.sampling.max_tokens = max_tokens;
+    Sequence* raw = s.get();
+    sched->add(std::move(s));
+    return raw;
+  }
+  // One step; sequences that reached their max_tokens finish (the output processor's part).
+  StepPlan step() {
+    rejected.clear();
+    StepPlan plan = sched->schedule(&rejected);
+    if (plan.empty()) return plan;
+    for (auto& o : sched->update(plan, runner->execute(plan))) {
+      EXPECT_TRUE(o.error.empty()) << o.error;
+      o.seq->output.push_back(o.token->token);
+      if (static_cast<int64_t>(o.seq->output.size()) >= o.seq->req.sampling.max_tokens) finished.push_back(sched->finish(o.seq->id));
+    }
+    return plan;
+  }
+  std::unique_ptr<FakeRunner> runner;
+  std::unique_ptr<Scheduler> sched;
+  std::vector<Scheduler::Rejected> rejected;
+  std::vector<std::unique_ptr<Sequence>> finished;
+};
+
+std::vector<int64_t> prefill_ids(const StepPlan& p) {
+  std::vector<int64_t> ids;
+  for (const auto& w : p.prefill) ids.push_back(w.seq_id);
+  return ids;
+}
+
+TEST_F(SchedulerTest, AdmitsInOrderUpToMaxNumSeqsThenDecodesEveryRunningSequence) {
+  make({1000}, /*max_seqs=*/2);
+  add(1, 5), add(2, 6), add(3, 7);
+  StepPlan p = step();
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(p.start.size(), 2u);
+  EXPECT_TRUE(p.decode.seq_ids.empty());
+  EXPECT_EQ(sched->num_waiting(), 1);
+  p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2}));
+  // Each sequence decodes at its true position: prompt + generated - 1.
+  EXPECT_EQ(p.decode.positions, (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(p.decode_tokens, (std::vector<int64_t>{1005, 1006}));
+  EXPECT_TRUE(p.prefill.empty());
+}
+
+TEST_F(SchedulerTest, FinishedSequencesFreeTheirKvAndSamplerInTheNextPlan) {
+  make({1000}, /*max_seqs=*/1);
+  add(1, 5, /*max_tokens=*/2), add(2, 5);
+  step();  // prefill 1 (first token)
+  step();  // decode 1: its second token, done
+  ASSERT_EQ(finished.size(), 1u);
+  EXPECT_TRUE(sched->has_pending());
+  StepPlan p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
+  EXPECT_EQ(p.remove, (std::vector<int64_t>{1}));
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));
+}
+
+TEST_F(SchedulerTest, AdmissionWaitsForRoomAtTheCompressedSize) {
+  // 2 layers x blocks of 4: a full 40-token prompt needs 2 * ceil(41 / 4) = 22 blocks; streamingllm
+  // at budget 8 needs 2 * ceil(9 / 4) = 6.
+  make({27});
+  add(1, 40), add(2, 40), add(3, 40, 100, "stream8");
+  StepPlan p = step();
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{1}));  // FCFS: 2 does not fit, 3 waits behind it
+  EXPECT_EQ(sched->num_waiting(), 2);
+  EXPECT_FALSE(runner->overflow);
+  auto taken = sched->take_if([](const Sequence& s) { return s.id == 1; });
+  ASSERT_EQ(taken.size(), 1u);
+  p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));  // 22 reserved + 6 > 27: 3 still waits
+  // Next step the pool reports what 2 really holds (20 blocks), and 3's 6 fit.
+  p = step();
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{3}));
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, CompressedPromptsFitWhereFullOnesCannot) {
+  make({30});
+  for (int64_t id = 1; id <= 4; ++id) add(id, 200, 100, "stream8");
+  StepPlan p = step();
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{1, 2, 3, 4}));  // 4 x 6 blocks
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, PreemptsTheLastAdmittedWhenDecodeCannotGrowAndRecomputesItLater) {
+  // Two 8-token prompts: 2 * ceil(9 / 4) = 6 blocks reserved each; they hold 4 each after prefill.
+  make({12});
+  add(1, 8, /*max_tokens=*/6), add(2, 8);
+  StepPlan p = step();
+  ASSERT_EQ(prefill_ids(p), (std::vector<int64_t>{1, 2}));
+  // Decoding fills block 3 of each sequence; at length 12 both need a fourth block per layer.
+  for (int i = 0; i < 10 && sched->preemptions() == 0; ++i) p = step();
+  ASSERT_EQ(sched->preemptions(), 1);
+  EXPECT_EQ(p.release, (std::vector<int64_t>{2}));
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1}));
+  EXPECT_TRUE(p.remove.empty());  // the sampler stays across the preemption
+  EXPECT_FALSE(runner->overflow);
+  // Once 1 finishes, 2 is prefilled again with what it had generated (but its last token), unsampled.
+  while (sched->num_waiting() > 0 && runner->plans.size() < 200) {
+    p = step();
+    if (!p.prefill.empty()) break;
+  }
+  ASSERT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));
+  EXPECT_FALSE(p.prefill[0].sample);
+  EXPECT_TRUE(p.start.empty());
+  EXPECT_GT(p.prefill[0].tokens.size(), 8u);
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, RejectsAPromptNoPoolCouldEverHold) {
+  make({1000, 20});  // the second shard is the smaller one
+  add(1, 40), add(2, 4);
+  StepPlan p = step();
+  ASSERT_EQ(rejected.size(), 1u);
+  EXPECT_EQ(rejected[0].first->id, 1);
+  EXPECT_NE(rejected[0].second.find("more KV cache than the whole pool holds"), std::string::npos);
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));
+}
+
+TEST_F(SchedulerTest, EveryShardMustHoldAnAdmittedPrompt) {
+  make({1000, 12});
+  add(1, 8), add(2, 8), add(3, 8);
+  StepPlan p = step();
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{1, 2}));  // 6 + 6 blocks on the small shard
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, LimitsPromptTokensPerStepButAlwaysAdmitsOne) {
+  make({1000}, 8, /*max_tokens=*/10);
+  add(1, 12), add(2, 4), add(3, 4);
+  EXPECT_EQ(prefill_ids(step()), (std::vector<int64_t>{1}));
+  EXPECT_EQ(prefill_ids(step()), (std::vector<int64_t>{2, 3}));
+}
+
+TEST_F(SchedulerTest, CancellingAWaitingSequenceNeedsNoRunnerWork) {
+  make({1000}, 1);
+  add(1, 4), add(2, 4);
+  step();
+  auto taken = sched->take_if([](const Sequence& s) { return s.id == 2; });
+  ASSERT_EQ(taken.size(), 1u);
+  EXPECT_FALSE(sched->has_pending());
+  StepPlan p = step();
+  EXPECT_TRUE(p.release.empty());
+  EXPECT_EQ(sched->num_waiting(), 0);
+}
+
+}  // namespace
+}  // namespace kvserve
