@@ -156,22 +156,19 @@ TEST_F(SchedulerTest, FinishedSequencesFreeTheirKvAndSamplerInTheNextPlan) {
 }
 
 TEST_F(SchedulerTest, AdmissionWaitsForRoomAtTheCompressedSize) {
-  // 2 layers x blocks of 4: a full 40-token prompt needs 2 * ceil(41 / 4) = 22 blocks; streamingllm
+  // 2 layers x blocks of 4: a full 39-token prompt needs 2 * ceil(40 / 4) = 20 blocks; streamingllm
   // at budget 8 needs 2 * ceil(9 / 4) = 6.
-  make({27});
-  add(1, 40), add(2, 40), add(3, 40, 100, "stream8");
+  make({26});
+  add(1, 39), add(2, 39), add(3, 39, 100, "stream8"), add(4, 39);
   StepPlan p = step();
   EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{1}));  // FCFS: 2 does not fit, 3 waits behind it
-  EXPECT_EQ(sched->num_waiting(), 2);
-  EXPECT_FALSE(runner->overflow);
+  EXPECT_EQ(sched->num_waiting(), 3);
   auto taken = sched->take_if([](const Sequence& s) { return s.id == 1; });
   ASSERT_EQ(taken.size(), 1u);
   p = step();
   EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
-  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));  // 22 reserved + 6 > 27: 3 still waits
-  // Next step the pool reports what 2 really holds (20 blocks), and 3's 6 fit.
-  p = step();
-  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{3}));
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{2, 3}));  // 20 + 6 blocks; 4 (full) waits
+  EXPECT_EQ(sched->num_waiting(), 1);
   EXPECT_FALSE(runner->overflow);
 }
 
