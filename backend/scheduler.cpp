@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/check.h"
+#include "common/log.h"
 
 namespace kvserve {
 
@@ -93,7 +94,11 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     ++preemptions_;
   }
   for (size_t i = 0; i < S; ++i) free[i] -= demand(i);
+  // After a failed decode step its sequences decode alone, one per step, until each succeeds once:
+  // a sequence that keeps failing then fails alone (the others wait meanwhile).
+  auto suspect = std::find_if(running_.begin(), running_.end(), [](const auto& s) { return s->suspect; });
   for (const auto& s : running_) {
+    if (suspect != running_.end() && s != *suspect) continue;
     plan.decode.seq_ids.push_back(s->id);
     plan.decode.positions.push_back(s->next_position());
     plan.decode_tokens.push_back(s->output.back());
@@ -159,10 +164,34 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
   std::unordered_map<int64_t, Sequence*> by_id;
   for (auto& s : running_) by_id[s->id] = s.get();
   std::vector<Output> out;
-  for (size_t r = 0; r < plan.decode.seq_ids.size(); ++r) {
-    Sequence* s = by_id.at(plan.decode.seq_ids[r]);
-    if (!result.decode_error.empty()) out.push_back({s, std::nullopt, result.decode_error});
-    else out.push_back({s, std::move(result.decoded.at(r)), ""});
+  const size_t rows_decoded = plan.decode.seq_ids.size();
+  if (!result.decode_error.empty() && rows_decoded > 1) {
+    // Which sequence failed is unknown, and the step may have written part of their KV: all of them
+    // start over from a recompute (as after a preemption), then decode alone.
+    KV_LOG("a decode step of " << rows_decoded << " sequences failed (" << result.decode_error
+                               << "); recomputing them one by one");
+    std::vector<std::unique_ptr<Sequence>> redo;
+    for (int64_t id : plan.decode.seq_ids) {
+      auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->id == id; });
+      std::unique_ptr<Sequence> s = std::move(*it);
+      running_.erase(it);
+      if (s->in_cache) release_.push_back(s->id);
+      s->in_cache = false;
+      s->suspect = true;
+      redo.push_back(std::move(s));
+    }
+    preemptions_ += static_cast<int64_t>(redo.size());
+    for (auto it = redo.rbegin(); it != redo.rend(); ++it) waiting_.push_front(std::move(*it));
+  } else {
+    for (size_t r = 0; r < rows_decoded; ++r) {
+      Sequence* s = by_id.at(plan.decode.seq_ids[r]);
+      if (!result.decode_error.empty()) {
+        out.push_back({s, std::nullopt, result.decode_error});
+      } else {
+        s->suspect = false;
+        out.push_back({s, std::move(result.decoded.at(r)), ""});
+      }
+    }
   }
   const int64_t layers = shards_.empty() ? 0 : shards_.front().usage.geometry.total_layers;
   for (size_t p = 0; p < plan.prefill.size(); ++p) {

@@ -24,6 +24,7 @@ struct Sequence {
   bool scheduled = false;      // admitted for prefill at least once (queue time is measured once)
   bool sampler_added = false;  // the runner holds its sampler
   bool in_cache = false;       // holds KV (or will, once the planned prefill runs)
+  bool suspect = false;        // was in a decode batch that failed: decodes alone until a step succeeds
 
   // Output state.
   std::unique_ptr<IncrementalDetokenizer> detok;

@@ -207,8 +207,17 @@ void WorkerGroup::join(std::chrono::milliseconds grace) {
 }
 
 void WorkerGroup::shutdown(std::chrono::milliseconds grace) {
-  // A worker that died before anyone noticed (e.g. a collective failed first) is still named.
-  if (!stopping_) report(collect_exits());
+  // A worker that died before anyone noticed (e.g. a collective failed first) is still named. Its
+  // sockets close while it exits, so a peer's collective can fail before the process is waitable:
+  // give it a moment to become so.
+  if (!stopping_ && !failed_) {
+    std::string failure = collect_exits();
+    for (int i = 0; failure.empty() && i < 25; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      failure = collect_exits();
+    }
+    report(failure);
+  }
   stopping_ = true;
   signal_alive(SIGTERM);
   const auto deadline = std::chrono::steady_clock::now() + grace;

@@ -3,6 +3,7 @@
 // rejection and cancellation are checked from the plans alone.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
@@ -32,7 +33,12 @@ class FakeRunner final : public ModelRunner {
     for (int64_t id : plan.remove) EXPECT_EQ(samplers_.erase(id), 1u) << "no sampler for " << id;
     for (const auto& s : plan.start) EXPECT_TRUE(samplers_.insert(s.seq_id).second) << "sampler twice " << s.seq_id;
     StepResult r;
-    for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i) {
+    const auto& rows = plan.decode.seq_ids;
+    if (std::find(rows.begin(), rows.end(), fail_decode_of) != rows.end()) {
+      r.decode_error = "injected failure";
+      for (int64_t id : rows) ++len_.at(id);  // the step may have appended before it failed
+    }
+    for (size_t i = 0; i < plan.decode.seq_ids.size() && r.decode_error.empty(); ++i) {
       const int64_t id = plan.decode.seq_ids[i];
       EXPECT_TRUE(samplers_.count(id));
       ++len_.at(id);
@@ -67,7 +73,8 @@ class FakeRunner final : public ModelRunner {
   static int64_t demand(int64_t len) { return len % kBlock == 0 ? kLayers : 0; }
 
   std::vector<StepPlan> plans;
-  bool overflow = false;  // the scheduler admitted more than a pool holds
+  bool overflow = false;       // the scheduler admitted more than a pool holds
+  int64_t fail_decode_of = -1;  // a decode step containing this sequence fails
 
  private:
   std::vector<int64_t> totals_;
@@ -108,7 +115,11 @@ class SchedulerTest : public ::testing::Test {
     StepPlan plan = sched->schedule(&rejected);
     if (plan.empty()) return plan;
     for (auto& o : sched->update(plan, runner->execute(plan))) {
-      EXPECT_TRUE(o.error.empty()) << o.error;
+      if (!o.error.empty()) {
+        errors.push_back(o.seq->id);
+        finished.push_back(sched->finish(o.seq->id));
+        continue;
+      }
       o.seq->output.push_back(o.token->token);
       if (static_cast<int64_t>(o.seq->output.size()) >= o.seq->req.sampling.max_tokens) finished.push_back(sched->finish(o.seq->id));
     }
@@ -118,6 +129,7 @@ class SchedulerTest : public ::testing::Test {
   std::unique_ptr<Scheduler> sched;
   std::vector<Scheduler::Rejected> rejected;
   std::vector<std::unique_ptr<Sequence>> finished;
+  std::vector<int64_t> errors;  // sequences that failed
 };
 
 std::vector<int64_t> prefill_ids(const StepPlan& p) {
@@ -240,6 +252,29 @@ TEST_F(SchedulerTest, CancellingAWaitingSequenceNeedsNoRunnerWork) {
   StepPlan p = step();
   EXPECT_TRUE(p.release.empty());
   EXPECT_EQ(sched->num_waiting(), 0);
+}
+
+TEST_F(SchedulerTest, AFailedDecodeRecomputesItsBatchAndOnlyTheFailingSequenceFails) {
+  make({1000});
+  add(1, 5), add(2, 6), add(3, 7);
+  step();
+  runner->fail_decode_of = 2;
+  StepPlan p = step();  // decodes 1, 2, 3 together: fails; nobody knows which one
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_TRUE(errors.empty());
+  EXPECT_EQ(sched->num_waiting(), 3);
+  p = step();  // all three are recomputed from their prompt and output (unsampled)
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1, 2, 3}));
+  ASSERT_EQ(prefill_ids(p), (std::vector<int64_t>{1, 2, 3}));
+  for (const auto& w : p.prefill) EXPECT_FALSE(w.sample);
+  EXPECT_EQ(step().decode.seq_ids, (std::vector<int64_t>{1}));  // then each decodes alone
+  EXPECT_EQ(step().decode.seq_ids, (std::vector<int64_t>{2}));  // fails again: alone, so it fails
+  EXPECT_EQ(errors, (std::vector<int64_t>{2}));
+  p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{3}));
+  EXPECT_EQ(p.release, (std::vector<int64_t>{2}));
+  EXPECT_EQ(p.remove, (std::vector<int64_t>{2}));
+  EXPECT_EQ(step().decode.seq_ids, (std::vector<int64_t>{1, 3}));  // the survivors batch again
 }
 
 }  // namespace
