@@ -50,12 +50,16 @@ def greedy(url: str, n: int = 12) -> list[str]:
     return r.choices[0].logprobs.tokens
 
 
-def metric(url: str, name: str) -> float:
+def metrics(url: str, *names: str) -> list[float]:
+    """The named values from one /metrics snapshot (two fetches could straddle a step)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        values = {}
         for line in r.read().decode().splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+            key = line.split("{", 1)[0].split(" ", 1)[0]
+            if key in names:
+                values[key] = float(line.rsplit(" ", 1)[1])
+    assert set(values) == set(names), f"missing from /metrics: {set(names) - set(values)}"
+    return [values[n] for n in names]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,7 @@ def test_sharded_server_matches_single_process(layout, single_process_tokens):
         assert greedy(s.url) == single_process_tokens
         # The control path: one broadcast of the plan and one all-reduce of the shards' pools per
         # step (a short prompt's plan fits the broadcast frame).
-        steps = metric(s.url, "kvserve:engine_steps_total")
-        collectives = metric(s.url, "kvserve:step_collectives_total")
+        steps, collectives = metrics(s.url, "kvserve:engine_steps_total", "kvserve:step_collectives_total")
         print(f"{layout}: {collectives:.0f} control collectives over {steps:.0f} steps")
         assert steps >= 12 and collectives <= 2 * steps
         # Several concurrent streams through the pipeline (decode micro-batches).
