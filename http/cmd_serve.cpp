@@ -208,7 +208,9 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
       a.server.api_keys != b.server.api_keys || a.server.threads != b.server.threads ||
       a.server.max_body_bytes != b.server.max_body_bytes || a.server.request_timeout_s != b.server.request_timeout_s ||
       a.server.idle_timeout_s != b.server.idle_timeout_s || a.server.drain_timeout_s != b.server.drain_timeout_s ||
-      a.server.max_concurrent_connections != b.server.max_concurrent_connections)
+      a.server.max_concurrent_connections != b.server.max_concurrent_connections ||
+      a.server.header_timeout_s != b.server.header_timeout_s || a.server.write_timeout_s != b.server.write_timeout_s ||
+      a.server.retry_after_s != b.server.retry_after_s)
     out.push_back("server");
   if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes) out.push_back("cache");
   if (a.scheduler.max_num_seqs != b.scheduler.max_num_seqs ||
@@ -248,6 +250,7 @@ int serve(const ServeArgs& a) {
   so.api_key = api_key;
   so.api_keys = cfg.server.api_keys;
   so.log_requests = !a.quiet;
+  so.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
   so.rollout_resolver = [rollout, model_name, keys = cfg.server.api_keys](
                             const http::HttpRequest& http_req, const http::ParsedRequest& req, int64_t prompt_tokens,
                             const std::string& request_id) -> http::ServiceOptions::PolicyChoice {
@@ -283,6 +286,9 @@ int serve(const ServeArgs& a) {
   sopt.max_body_bytes = cfg.server.max_body_bytes;
   sopt.request_timeout_s = cfg.server.request_timeout_s;
   sopt.idle_timeout_s = cfg.server.idle_timeout_s;
+  sopt.header_timeout_s = cfg.server.header_timeout_s;
+  sopt.write_timeout_s = cfg.server.write_timeout_s;
+  sopt.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
   sopt.max_concurrent_connections = cfg.server.max_concurrent_connections;
   sopt.log_requests = !a.quiet;
   http::HttpServer server(sopt, service);
