@@ -30,6 +30,7 @@ struct Sequence {
   bool in_cache = false;  // has KV in the memory
   std::chrono::steady_clock::time_point arrival;  // submit()
   bool scheduled = false;                          // admitted for prefill at least once
+  bool suspect = false;  // was in a decode batch that failed: decodes alone until one step succeeds
   int64_t kept_kv = 0, full_kv = 0;
 
   int64_t next_position() const { return static_cast<int64_t>(req.prompt_ids.size() + output.size()) - 1; }
@@ -291,27 +292,62 @@ void Engine::loop() {
     }
     int64_t generated = 0;
     if (!im.running.empty()) {
-      DecodeBatch batch;
-      std::vector<int64_t> tokens;
-      for (auto& s : im.running) {
-        batch.seq_ids.push_back(s->id);
-        batch.positions.push_back(s->next_position());
-        tokens.push_back(s->output.back());
+      // A failing decode must fail only its own request. Sequences that were in a failed batch
+      // decode alone (one batch each) until a step succeeds; everyone else decodes together.
+      std::vector<std::vector<size_t>> batches(1);
+      for (size_t i = 0; i < im.running.size(); ++i) {
+        if (im.running[i]->suspect) batches.push_back({i});
+        else batches[0].push_back(i);
       }
-      try {
+      std::vector<std::unique_ptr<Sequence>> recompute;
+      for (const auto& members : batches) {
+        if (members.empty()) continue;
+        DecodeBatch batch;
+        std::vector<int64_t> tokens;
         std::vector<char> ban;
-        for (auto& s : im.running) ban.push_back(ban_eos(*s));
-        auto sampled = kv.decode(batch, tokens, ban);
-        for (size_t i = 0; i < im.running.size(); ++i) {
-          ++generated;
-          if (on_token(*im.running[i], sampled[i].token, sampled[i].chosen, std::move(sampled[i].top))) im.running[i].reset();
+        for (size_t i : members) {
+          Sequence& s = *im.running[i];
+          batch.seq_ids.push_back(s.id);
+          batch.positions.push_back(s.next_position());
+          tokens.push_back(s.output.back());
+          ban.push_back(ban_eos(s));
         }
-      } catch (const parallel::CommError&) {
-        throw;  // the job is dead: handled by the loop
-      } catch (const std::exception& e) {
-        for (auto& s : im.running) finish(*s, live, "error", e.what()), s.reset();
+        try {
+          auto sampled = kv.decode(batch, tokens, ban);
+          for (size_t k = 0; k < members.size(); ++k) {
+            auto& s = im.running[members[k]];
+            ++generated;
+            s->suspect = false;
+            if (on_token(*s, sampled[k].token, sampled[k].chosen, std::move(sampled[k].top))) s.reset();
+          }
+        } catch (const parallel::CommError&) {
+          throw;  // the job is dead: handled by the loop
+        } catch (const std::exception& e) {
+          if (members.size() == 1) {
+            auto& s = im.running[members[0]];
+            finish(*s, live, "error", e.what());
+            s.reset();
+            continue;
+          }
+          // Which sequence failed is unknown, and the step may have written part of their KV: all
+          // of them start over from a recompute (as after a preemption), then decode alone.
+          std::cerr << "kvserve: a decode step of " << members.size() << " sequences failed (" << e.what()
+                    << "); recomputing them one by one\n";
+          for (size_t i : members) {
+            auto& s = im.running[i];
+            kv.release(s->id);
+            s->in_cache = false;
+            s->suspect = true;
+            recompute.push_back(std::move(s));
+          }
+        }
       }
       im.running.erase(std::remove(im.running.begin(), im.running.end(), nullptr), im.running.end());
+      if (!recompute.empty()) {
+        std::lock_guard<std::mutex> lk(im.mu);
+        im.stats.preemptions_total += static_cast<int64_t>(recompute.size());
+      }
+      for (auto it = recompute.rbegin(); it != recompute.rend(); ++it) im.waiting.push_front(std::move(*it));
     }
 
     // Then admit waiting sequences while the pool holds them at their compressed size.
