@@ -261,9 +261,12 @@ class Session : public std::enable_shared_from_this<Session> {
         ec == asio::error::connection_reset || ec == asio::error::eof) {
       return do_close();
     }
-    // A malformed request line or header.
+    // A malformed request line or header. Linger as after a 413: unread request bytes would turn
+    // the close into a reset that can destroy the answer before the client reads it.
     begin_local_exchange("-");
     keep_alive_ = false;
+    linger_ = true;
+    linger_s_ = 1;
     respond_impl(gen_, error_response(ApiError(400, "malformed HTTP request: " + ec.message())));
   }
 

@@ -597,3 +597,51 @@ TEST_F(ServerTest, HeaderTimeoutClosesSlowlorisButNotAnIdleConnection) {
   EXPECT_EQ(std::string(buf).rfind("HTTP/1.1 200", 0), 0u) << buf;
   EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"header_timeout\"} 1"), std::string::npos);
 }
+
+namespace {
+
+// Sends raw bytes on a fresh connection and returns everything the server answers until it closes.
+std::string raw_exchange(int port, const std::string& bytes) {
+  asio::io_context ioc;
+  tcp::socket sock(ioc);
+  sock.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  boost::system::error_code ec;
+  asio::write(sock, asio::buffer(bytes), ec);
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    size_t n = sock.read_some(asio::buffer(buf), ec);
+    if (ec) break;
+    out.append(buf, n);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_F(ServerTest, GarbageRequestLineAndHugeHeadersGet400AndAClose) {
+  start();
+  std::string r = raw_exchange(port_, "\x01\x02 nonsense \xff\r\n\r\n");
+  EXPECT_EQ(r.rfind("HTTP/1.1 400", 0), 0u) << r;
+  EXPECT_NE(r.find("malformed HTTP request"), std::string::npos) << r;
+  EXPECT_NE(r.find("Connection: close"), std::string::npos);
+  r = raw_exchange(port_, "GET /health HTTP/1.1\r\nX-Big: " + std::string(100 * 1024, 'a') + "\r\n\r\n");
+  EXPECT_EQ(r.rfind("HTTP/1.1 400", 0), 0u) << r.substr(0, 200);
+  EXPECT_EQ(request(port_, "GET", "/health").status, 200);
+}
+
+// A request still running at request_timeout_s: 408 before any byte of the answer, and the engine
+// request is cancelled.
+TEST_F(ServerTest, RequestTimeoutAnswers408AndCancels) {
+  ServerOptions opt;
+  opt.request_timeout_s = 0.3;
+  start({}, opt, std::make_shared<ScriptedBackend>(1));
+  backend_->pause(true);
+  auto r = request(port_, "POST", "/v1/completions", R"({"prompt":"x","max_tokens":5})");
+  EXPECT_EQ(r.status, 408) << r.body;
+  EXPECT_NE(r.body.find("request timeout"), std::string::npos) << r.body;
+  for (int i = 0; i < 400 && backend_->cancelled().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(backend_->cancelled().size(), 1u);
+  backend_->pause(false);
+  EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"request_timeout\"} 1"), std::string::npos);
+}
