@@ -52,7 +52,7 @@ WORDS = ("the quick brown fox jumps over lazy dog passkey is remember number cit
          "apple seven eleven green house window street music paper light answer question").split()
 
 
-def config_text(model: str, max_model_len: int) -> str:
+def config_text(model: str, max_model_len: int, kv_cache_bytes: str) -> str:
     policies = "\n".join(f"  {name}: {spec}" for name, spec in POLICIES.items())
     return f"""model:
   path: {model}
@@ -69,7 +69,7 @@ server:
   drain_timeout_s: 30
 cache:
   block_size: 16
-  kv_cache_bytes: 256MiB
+  kv_cache_bytes: {kv_cache_bytes}
 scheduler:
   max_num_seqs: 32
   max_num_batched_tokens: 4096
@@ -81,9 +81,10 @@ default_policy: full
 
 
 class Server:
-    def __init__(self, binary: str, model: str, max_model_len: int, workdir: pathlib.Path):
+    def __init__(self, binary: str, model: str, max_model_len: int, workdir: pathlib.Path,
+                 kv_cache_bytes: str = "256MiB"):
         cfg = workdir / "soak.yaml"
-        cfg.write_text(config_text(model, max_model_len))
+        cfg.write_text(config_text(model, max_model_len, kv_cache_bytes))
         self.log_path = workdir / "server.log"
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet"], stdout=self.log,
@@ -357,7 +358,7 @@ class Soak:
             return self.stats.fail(f"{what}: malformed response ({e!r}): {payload[:300]!r}")
         if any(x not in ("stop", "length") for x in reasons):
             return self.stats.fail(f"{what}: finish reasons {reasons}")
-        if canonical:
+        if canonical and (self.args.check_greedy == "all" or body["kv_policy"] == "full"):
             key = json.dumps([path, body.get("prompt") or body["messages"], body["kv_policy"], body["max_tokens"]])
             with self.stats.lock:
                 first = self.stats.greedy.setdefault(key, texts[0])
@@ -462,12 +463,18 @@ def main() -> int:
     ap.add_argument("--malformed-share", type=float, default=0.05)
     ap.add_argument("--max-rss-growth", type=float, default=0.10)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kv-cache-bytes", default="256MiB",
+                    help="the KV pool; a small one (e.g. 4MiB) makes the scheduler preempt under load")
+    ap.add_argument("--check-greedy", choices=["all", "full"], default="all",
+                    help="which policies' greedy repeats must match exactly: after a preemption a "
+                         "compressing policy selects again over prompt + generated tokens, so use "
+                         "'full' with a small pool")
     ap.add_argument("--out", help="write the summary as JSON here")
     args = ap.parse_args()
     warmup = args.warmup or max(1, args.requests // 10)
 
     with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as tmp:
-        server = Server(args.kvserve, args.model, args.max_model_len, pathlib.Path(tmp))
+        server = Server(args.kvserve, args.model, args.max_model_len, pathlib.Path(tmp), args.kv_cache_bytes)
         stats = Stats()
         soak = Soak(server, args, stats)
         next_i = 0
