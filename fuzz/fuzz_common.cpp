@@ -3,6 +3,10 @@
 #include <fstream>
 #include <sstream>
 
+#ifndef KVSERVE_SOURCE_DIR
+#error "KVSERVE_SOURCE_DIR must name the repository root (set by fuzz/CMakeLists.txt)"
+#endif
+
 namespace kvfuzz {
 
 std::string read_source_file(const std::string& relative) {

@@ -7,10 +7,6 @@
 #include <exception>
 #include <string>
 
-#ifndef KVSERVE_SOURCE_DIR
-#error "KVSERVE_SOURCE_DIR must name the repository root (set by fuzz/CMakeLists.txt)"
-#endif
-
 namespace kvfuzz {
 
 [[noreturn]] inline void unexpected(const char* what) {
@@ -31,6 +27,7 @@ void expect_only(F&& fn) {
   }
 }
 
+// A file of the checkout (path relative to the repository root); aborts when it cannot be read.
 std::string read_source_file(const std::string& relative);
 
 }  // namespace kvfuzz

@@ -194,7 +194,8 @@ def test_slowloris_is_cut_off_by_the_header_timeout_but_idle_keepalive_is_not():
                 slow.setblocking(True)
         slow.close()
         assert cut_after is not None, "the slowloris client was never cut off"
-        assert 0.9 <= cut_after <= 3.0, cut_after
+        # Cut about 1 s in (the whole request would take 11 s to trickle); slack for a loaded machine.
+        assert 0.9 <= cut_after <= 5.0, cut_after
         m = wait_idle(s)
         assert closed_count(m, "header_timeout") == 1
         assert http(s.port, "GET", "/health")[0] == 200
@@ -322,7 +323,7 @@ def test_sigterm_drains_within_drain_timeout():
         took = time.time() - t0
         assert rc == 0, s.log()[-3000:]
         # The drain deadline, then at most a couple of seconds to flush the aborted streams.
-        assert took < 1.5 + 3.0, took
+        assert took < 1.5 + 5.0, took
         assert out["short"][1] == "length" and out["short"][2] is None, out["short"]
         assert out["long"][1] == "abort", out["long"][1:]
         assert "aborted 1 request(s) still running at the drain deadline" in s.log()
