@@ -6,14 +6,23 @@ PYTHON ?= python3
 FIXTURES ?= .fixtures
 APT_PACKAGES := build-essential cmake ccache pkg-config libboost-all-dev libyaml-cpp-dev nlohmann-json3-dev \
   libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev \
-  libgloo-dev
+  libgloo-dev clang libclang-rt-14-dev
 DEPS_STAMP := .deps-stamp
 SERVE_ARGS ?=
 # ccache keys on relative paths so a fresh clone (CI) reuses this machine's cache.
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: deps build test test-cpp test-py serve fixtures bench eval train-model clean
+# Fuzzing (fuzz/): clang + libFuzzer in their own build dir; FUZZ_SECONDS (and optionally
+# FUZZ_RUNS executions, whichever ends first) per target.
+FUZZ_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_RUNS ?=
+FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load tokenizer_encode server_config chat_template
+# The soak (tools/soak.py): requests against a real server.
+SOAK_REQUESTS ?= 10000
+
+.PHONY: deps build test test-cpp test-py serve fixtures bench eval train-model clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -39,6 +48,19 @@ test: deps build fixtures
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 	KVSERVE_BIN=$(CURDIR)/$(BUILD_DIR)/kvserve KVSERVE_FIXTURES=$(CURDIR)/$(FIXTURES) \
 	  $(PYTHON) -m pytest -q tests
+	$(MAKE) fuzz FUZZ_SECONDS=4 FUZZ_RUNS=
+
+$(FUZZ_DIR)/CMakeCache.txt: | deps
+	cmake -S fuzz -B $(FUZZ_DIR) -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=Release
+
+fuzz-build: deps $(FUZZ_DIR)/CMakeCache.txt
+	cmake --build $(FUZZ_DIR) -j $(JOBS)
+
+fuzz: fuzz-build
+	fuzz/run.sh $(FUZZ_DIR) $(FUZZ_SECONDS) "$(FUZZ_RUNS)" $(FUZZ_TARGETS)
+
+soak: build
+	$(PYTHON) tools/soak.py --kvserve $(BUILD_DIR)/kvserve --requests $(SOAK_REQUESTS)
 
 serve: deps build
 	./$(BUILD_DIR)/kvserve serve --config configs/default.yaml $(SERVE_ARGS)
@@ -57,4 +79,4 @@ train-model: deps
 	nice -n 15 $(PYTHON) tools/train_tiny_model.py --out models/tiny-retriever
 
 clean:
-	rm -rf $(BUILD_DIR) $(FIXTURES)
+	rm -rf $(BUILD_DIR) $(FIXTURES) $(FUZZ_DIR)

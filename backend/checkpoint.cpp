@@ -45,7 +45,7 @@ Checkpoint::Checkpoint(const std::string& model_dir) : dir_(model_dir) {
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e400
       KV_FAIL(index.string() << ": malformed JSON: " << e.what());
     }
     auto wm = j.find("weight_map");

@@ -1,8 +1,11 @@
 #include "backend/model_config.h"
 
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
 
 #include "common/check.h"
 
@@ -16,6 +19,20 @@ template <typename T>
 std::optional<T> get_opt(const json& j, const char* key, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return std::nullopt;
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // nlohmann converts a float to an integer with a plain cast: 1e300 would be undefined
+    // behaviour and 3.5 would silently become 3. Only integers (or integral floats such as 4096.0)
+    // that fit are accepted.
+    if (it->is_number_float()) {
+      const double d = it->template get<double>();
+      constexpr double lo = static_cast<double>(std::numeric_limits<T>::min());  // -2^(bits-1), exact
+      if (!(std::isfinite(d) && std::floor(d) == d && d >= lo && d < -lo))
+        KV_FAIL(where << ": key '" << key << "' must be an integer, got " << it->dump());
+      return static_cast<T>(d);
+    }
+    if (it->is_number_unsigned() && it->template get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      KV_FAIL(where << ": key '" << key << "' is out of range: " << it->dump());
+  }
   try {
     return it->get<T>();
   } catch (const json::exception&) {
@@ -90,7 +107,7 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e400
     KV_FAIL(where << ": malformed JSON: " << e.what());
   }
   if (!j.is_object()) KV_FAIL(where << ": top level must be a JSON object");

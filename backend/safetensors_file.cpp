@@ -74,7 +74,7 @@ void SafetensorsFile::parse(const std::byte* bytes, size_t size) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(hdr, hdr + header_len);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number like 1e400
     KV_FAIL(path_ << ": malformed header JSON: " << e.what());
   }
   if (!j.is_object()) KV_FAIL(path_ << ": header must be a JSON object");
@@ -82,7 +82,10 @@ void SafetensorsFile::parse(const std::byte* bytes, size_t size) {
   const size_t data_size = size - 8 - header_len;
   for (auto& [name, e] : j.items()) {
     if (name == "__metadata__") continue;
-    auto fail_prefix = [&] { return path_ + ": tensor '" + name + "'"; };
+    // A named copy: lambdas may not capture structured bindings before C++20 in clang < 16 (the
+    // fuzz build uses clang).
+    const std::string& tensor = name;
+    auto fail_prefix = [&] { return path_ + ": tensor '" + tensor + "'"; };
     if (!e.is_object()) KV_FAIL(fail_prefix() << ": entry must be an object");
     auto dt = e.find("dtype");
     auto sh = e.find("shape");

@@ -139,6 +139,7 @@ int serve(const ServeArgs& a) {
   so.api_key = api_key;
   so.api_keys = cfg.server.api_keys;
   so.log_requests = !a.quiet;
+  so.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
   so.rollout_resolver = [reloader, model_name, keys = cfg.server.api_keys](
                             const http::HttpRequest& http_req, const http::ParsedRequest& req, int64_t prompt_tokens,
                             const std::string& request_id) -> http::ServiceOptions::PolicyChoice {
@@ -174,6 +175,9 @@ int serve(const ServeArgs& a) {
   sopt.max_body_bytes = cfg.server.max_body_bytes;
   sopt.request_timeout_s = cfg.server.request_timeout_s;
   sopt.idle_timeout_s = cfg.server.idle_timeout_s;
+  sopt.header_timeout_s = cfg.server.header_timeout_s;
+  sopt.write_timeout_s = cfg.server.write_timeout_s;
+  sopt.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
   sopt.max_concurrent_connections = cfg.server.max_concurrent_connections;
   sopt.log_requests = !a.quiet;
   http::HttpServer server(sopt, service);

@@ -489,7 +489,10 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"max_body_bytes", p.bytes_of(s.max_body_bytes, 64)},
                                   {"request_timeout_s", p.number_of(s.request_timeout_s, 0.001, 1e7)},
                                   {"idle_timeout_s", p.number_of(s.idle_timeout_s, 0.001, 1e7)},
+                                  {"header_timeout_s", p.number_of(s.header_timeout_s, 0.001, 1e7)},
+                                  {"write_timeout_s", p.number_of(s.write_timeout_s, 0.001, 1e7)},
                                   {"max_concurrent_connections", p.int_of(s.max_concurrent_connections, 1, 1000000)},
+                                  {"retry_after_s", p.int_of(s.retry_after_s, 0, 86400)},
                                   {"threads", p.int_of(s.threads, 1, 256)},
                                   {"drain_timeout_s", p.number_of(s.drain_timeout_s, 0.0, 1e7)}});
                    })},

@@ -3,8 +3,9 @@
 //
 // Layout of a config file (every section and key optional; unknown keys are errors):
 //   model:     {path, served_model_name, device, dtype, max_model_len}
-//   server:    {host, port, api_key, api_key_env, max_body_bytes, request_timeout_s,
-//               idle_timeout_s, max_concurrent_connections, threads, drain_timeout_s}
+//   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
+//               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
+//               retry_after_s, threads, drain_timeout_s}
 //   cache:     {block_size, kv_cache_bytes}
 //   scheduler: {max_num_seqs, max_num_batched_tokens, max_waiting}
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
@@ -40,8 +41,11 @@ struct ServerSection {
   std::map<std::string, std::string> api_keys;  // named keys (name -> key); rollout rules match the name
   int64_t max_body_bytes = int64_t{1} << 20;
   double request_timeout_s = 600.0;  // a whole request (including a streamed response)
-  double idle_timeout_s = 60.0;      // a keep-alive connection with nothing to read
+  double idle_timeout_s = 60.0;      // a keep-alive connection with nothing to read; a whole body read
+  double header_timeout_s = 10.0;    // first byte of a request -> end of its headers (slowloris)
+  double write_timeout_s = 30.0;     // one stalled write (a client that stopped reading) before closing
   int64_t max_concurrent_connections = 256;
+  int64_t retry_after_s = 1;         // Retry-After of 429 (queue full) and 503 (over capacity, draining)
   int threads = 2;                   // I/O threads
   double drain_timeout_s = 30.0;     // SIGTERM: how long in-flight requests may still run
 };

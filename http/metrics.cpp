@@ -126,6 +126,11 @@ void ServerMetrics::http_response(int status) {
   ++http_status_[status];
 }
 
+void ServerMetrics::connection_closed(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++connections_closed_[reason];
+}
+
 std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string model = "model_name=\"" + prometheus_escape(model_name_) + "\"";
@@ -214,6 +219,11 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   header(out, "kvserve:http_responses_total", "counter", "HTTP responses by status code.");
   for (const auto& [status, n] : http_status_)
     out += "kvserve:http_responses_total{" + model + ",status=\"" + std::to_string(status) + "\"} " +
+           std::to_string(n) + "\n";
+  header(out, "kvserve:http_connections_closed_total", "counter",
+         "Connections the server closed or refused on its own, by reason (timeouts, over capacity).");
+  for (const auto& [reason, n] : connections_closed_)
+    out += "kvserve:http_connections_closed_total{" + model + ",reason=\"" + prometheus_escape(reason) + "\"} " +
            std::to_string(n) + "\n";
   return out;
 }

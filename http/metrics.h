@@ -45,6 +45,9 @@ class ServerMetrics {
   // A config reload attempt (SIGHUP or file change): success or not.
   void config_reload(bool ok);
   void http_response(int status);
+  // A connection the transport closed or refused on its own: over_capacity, idle_timeout,
+  // header_timeout, body_timeout, write_timeout, request_timeout, accept_error.
+  void connection_closed(const std::string& reason);
   // Counts tokens the HTTP layer saw (used when the engine's stats are not available).
   void set_model_name(std::string name);
 
@@ -70,6 +73,7 @@ class ServerMetrics {
   uint64_t reloads_ = 0, reload_failures_ = 0;
   bool last_reload_ok_ = true;
   std::map<int, uint64_t> http_status_;
+  std::map<std::string, uint64_t> connections_closed_;
 };
 
 // Escapes a Prometheus label value (backslash, quote, newline).

@@ -415,27 +415,30 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
 }
 
 void OpenAIService::handle(HttpRequest req, std::shared_ptr<ResponseChannel> channel) {
+  // 429 and 503 are answers to retry, not failures: Retry-After says when, so that clients back off
+  // instead of hammering a full queue.
+  auto send = [&](HttpResponse r) {
+    if (r.status == 429 || r.status == 503) r.headers.push_back({"Retry-After", std::to_string(options_.retry_after_s)});
+    metrics_->http_response(r.status);
+    channel->respond(std::move(r));
+  };
   try {
     bool handled = false;
     HttpResponse r = route_simple(req, handled);
-    if (handled) {
-      metrics_->http_response(r.status);
-      channel->respond(std::move(r));
-      return;
-    }
+    if (handled) return send(std::move(r));
     generate(req, req.path() == "/v1/chat/completions" ? Endpoint::kChatCompletions : Endpoint::kCompletions, channel);
   } catch (const ApiError& e) {
-    metrics_->http_response(e.status());
-    channel->respond(error_response(e));
+    send(error_response(e));
   } catch (const EngineOverloaded& e) {
-    metrics_->http_response(429);
-    channel->respond(error_response(ApiError(429, e.what(), "", "", "engine_overloaded")));
+    // The engine refuses for a full queue (429) but also when it stops or fails between the checks
+    // in generate() and its submit(): those are 503.
+    auto b = backend();
+    const bool unavailable = shutting_down_ || !b || !b->healthy();
+    send(error_response(ApiError(unavailable ? 503 : 429, e.what(), "", "", unavailable ? "" : "engine_overloaded")));
   } catch (const KvError& e) {
-    metrics_->http_response(400);
-    channel->respond(error_response(ApiError(400, e.what())));
+    send(error_response(ApiError(400, e.what())));
   } catch (const std::exception& e) {
-    metrics_->http_response(500);
-    channel->respond(error_response(ApiError(500, std::string("internal error: ") + e.what())));
+    send(error_response(ApiError(500, std::string("internal error: ") + e.what())));
   }
 }
 

@@ -36,6 +36,8 @@ struct ServiceOptions {
       rollout_resolver;
   // Named API keys (name -> key), accepted besides api_key; auth is required if either is set.
   std::map<std::string, std::string> api_keys;
+  // Seconds sent in Retry-After with every 429 (queue full) and 503 (loading, shutting down).
+  int retry_after_s = 1;
 };
 
 // The Bearer token of a request ("" = none).

@@ -75,8 +75,12 @@ struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
   std::atomic<bool> stopping{false};
   std::mutex sessions_mu;
   std::list<std::weak_ptr<Session>> sessions;
+  // After a failed accept (EMFILE when a flood exhausts the descriptors) the pending connection
+  // stays in the backlog, so accepting again at once would spin: wait a little first.
+  std::optional<asio::steady_timer> accept_retry;
 
   void do_accept();
+  void count(const char* reason) { service->metrics().connection_closed(reason); }
 };
 
 // The per-exchange handle given to the service; it outlives nothing it must not.
@@ -139,13 +143,17 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void start(bool over_capacity) {
     if (over_capacity) {
-      ApiError e(503, "too many open connections; retry later");
-      HttpResponse r = error_response(e);
+      // Answer without reading the request: the client learns to back off, and lingering (not a
+      // reset) lets it read the answer even though its request bytes are never consumed.
+      server_->count("over_capacity");
+      HttpResponse r = error_response(ApiError(503, "too many open connections (" +
+                                                        std::to_string(server_->options.max_concurrent_connections) +
+                                                        "); retry later"));
+      r.headers.push_back({"Retry-After", std::to_string(server_->options.retry_after_s)});
+      begin_local_exchange("-");
       keep_alive_ = false;
-      in_exchange_ = true;
-      ++gen_;
-      method_target_ = "-";
-      t_start_ = Clock::now();
+      linger_ = true;
+      linger_s_ = 1;
       respond_impl(gen_, std::move(r));
       return;
     }
@@ -183,13 +191,30 @@ class Session : public std::enable_shared_from_this<Session> {
   beast::tcp_stream& stream() { return stream_; }
 
  private:
+  // Three read phases with their own deadlines: waiting for a request (idle_timeout_s), its request
+  // line and headers once the first byte came (header_timeout_s: a slowloris client trickling bytes
+  // cannot hold the connection longer), and its body (idle_timeout_s in all).
+  enum class Phase { kIdle, kHeader, kBody };
+
   void do_read() {
     if (closed_) return;
     if (server_->stopping) return do_close();
     parser_.emplace();
     parser_->body_limit(static_cast<uint64_t>(server_->options.max_body_bytes));
     parser_->header_limit(64 * 1024);
+    if (buffer_.size() > 0) return read_header();  // a pipelined request is already here
+    phase_ = Phase::kIdle;
     stream_.expires_after(seconds(server_->options.idle_timeout_s));
+    stream_.async_read_some(buffer_.prepare(4096), [self = shared_from_this()](beast::error_code ec, size_t n) {
+      if (ec) return self->on_read_error(ec);
+      self->buffer_.commit(n);
+      self->read_header();
+    });
+  }
+
+  void read_header() {
+    phase_ = Phase::kHeader;
+    stream_.expires_after(seconds(server_->options.header_timeout_s));
     bhttp::async_read_header(stream_, buffer_, *parser_,
                              [self = shared_from_this()](beast::error_code ec, size_t) { self->on_header(ec); });
   }
@@ -212,6 +237,7 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void read_body() {
+    phase_ = Phase::kBody;
     stream_.expires_after(seconds(server_->options.idle_timeout_s));
     bhttp::async_read(stream_, buffer_, *parser_,
                       [self = shared_from_this()](beast::error_code ec, size_t) { self->on_read(ec); });
@@ -227,13 +253,20 @@ class Session : public std::enable_shared_from_this<Session> {
                                                           std::to_string(server_->options.max_body_bytes) + " bytes")));
       return;
     }
+    // Beast closes the socket when a deadline passes, so a timed-out read ends without an answer
+    // (as nginx's client_header_timeout does); the counter tells operators it happened.
+    if (ec == beast::error::timeout)
+      server_->count(phase_ == Phase::kIdle ? "idle_timeout" : phase_ == Phase::kHeader ? "header_timeout" : "body_timeout");
     if (ec == bhttp::error::end_of_stream || ec == beast::error::timeout || ec == asio::error::operation_aborted ||
         ec == asio::error::connection_reset || ec == asio::error::eof) {
       return do_close();
     }
-    // A malformed request line or header.
+    // A malformed request line or header. Linger as after a 413: unread request bytes would turn
+    // the close into a reset that can destroy the answer before the client reads it.
     begin_local_exchange("-");
     keep_alive_ = false;
+    linger_ = true;
+    linger_s_ = 1;
     respond_impl(gen_, error_response(ApiError(400, "malformed HTTP request: " + ec.message())));
   }
 
@@ -275,6 +308,7 @@ class Session : public std::enable_shared_from_this<Session> {
       if (ec || gen != self->gen_ || !self->in_exchange_ || self->closed_) return;
       if (self->exchange_done_) return;
       if (self->channel_) self->channel_->fire_abort();
+      self->server_->count("request_timeout");
       if (!self->head_sent_) {
         self->keep_alive_ = false;
         self->respond_impl(gen, error_response(ApiError(408, "the request took longer than the server's request timeout")));
@@ -307,7 +341,9 @@ class Session : public std::enable_shared_from_this<Session> {
     writing_ = true;
     inflight_ = std::move(pending_);
     pending_.clear();
-    stream_.expires_after(seconds(std::max(30.0, server_->options.idle_timeout_s)));
+    // A client that stops reading fills the socket buffers and stalls this write; closing it at the
+    // deadline aborts its request, which frees its KV blocks.
+    stream_.expires_after(seconds(server_->options.write_timeout_s));
     asio::async_write(stream_, asio::buffer(inflight_), [self = shared_from_this()](beast::error_code ec, size_t) {
       self->on_write(ec);
     });
@@ -315,6 +351,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void on_write(beast::error_code ec) {
     writing_ = false;
+    if (ec == beast::error::timeout) server_->count("write_timeout");
     if (ec) return do_close();
     stream_.expires_never();
     if (!pending_.empty()) return do_write();
@@ -341,7 +378,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void linger_close() {
     beast::error_code ec;
     stream_.socket().shutdown(tcp::socket::shutdown_send, ec);
-    linger_timer_.expires_after(std::chrono::seconds(5));
+    linger_timer_.expires_after(std::chrono::seconds(linger_s_));
     linger_timer_.async_wait([self = shared_from_this()](beast::error_code e) {
       if (!e) self->do_close();
     });
@@ -393,7 +430,9 @@ class Session : public std::enable_shared_from_this<Session> {
   bool closed_ = false;
   bool writing_ = false;
   bool linger_ = false;
+  int linger_s_ = 5;
   size_t lingered_ = 0;
+  Phase phase_ = Phase::kIdle;
   std::string pending_, inflight_, discard_;
   int status_ = 0;
   std::string method_target_;
@@ -434,6 +473,14 @@ void HttpServer::Impl::do_accept() {
         self->sessions.push_back(session);
       }
       asio::dispatch(session->stream().get_executor(), [session, over] { session->start(over); });
+    } else if (ec != asio::error::operation_aborted) {
+      self->count("accept_error");
+      if (!self->accept_retry) self->accept_retry.emplace(self->ioc);
+      self->accept_retry->expires_after(std::chrono::milliseconds(50));
+      self->accept_retry->async_wait([self](beast::error_code) {
+        if (self->accepting) self->do_accept();
+      });
+      return;
     }
     self->do_accept();
   });

@@ -1,7 +1,8 @@
 #pragma once
 // HttpServer: the Boost.Beast/Asio transport. A small pool of I/O threads; one strand per
-// connection; keep-alive, body-size limit, idle and request timeouts, a connection cap, chunked
-// SSE streaming, client-disconnect detection. Requests are handed to an OpenAIService.
+// connection; keep-alive, body-size limit, idle/header/write/request timeouts, a connection cap
+// (503 + Retry-After beyond it), chunked SSE streaming, client-disconnect detection. Requests are
+// handed to an OpenAIService.
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -19,8 +20,11 @@ struct ServerOptions {
   int threads = 2;
   int64_t max_body_bytes = int64_t{1} << 20;
   double request_timeout_s = 600.0;
-  double idle_timeout_s = 60.0;
+  double idle_timeout_s = 60.0;    // waiting for a request's first byte; also the whole body read
+  double header_timeout_s = 10.0;  // first byte -> end of the headers (cuts off slowloris clients)
+  double write_timeout_s = 30.0;   // one write may stall this long (a client that stopped reading)
   int64_t max_concurrent_connections = 256;
+  int retry_after_s = 1;           // Retry-After of the over-capacity 503
   bool log_requests = true;
 };
 

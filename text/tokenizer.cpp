@@ -597,6 +597,11 @@ void BpeModel::tokenize(const std::string& w, std::vector<int64_t>& out) const {
     if (s.len) out.push_back(s.id);
 }
 
+// Token ids index tables with one slot per id (id -> token, byte pieces), so an id far beyond the
+// number of tokens listed would make a small file allocate gigabytes. Real vocabularies are dense
+// (gaps of a few reserved ids at most); this bound only rejects corrupt or hostile files.
+constexpr int64_t kMaxIdGap = int64_t{1} << 16;
+
 BpeModel parse_bpe(const Node& n) {
   BpeModel m;
   const std::string type = n.str_or("type", "BPE");
@@ -612,6 +617,9 @@ BpeModel parse_bpe(const Node& n) {
     m.vocab[it.key()] = id;
     max_id = std::max(max_id, id);
   }
+  if (max_id >= static_cast<int64_t>(m.vocab.size()) + kMaxIdGap)
+    KV_FAIL(vocab.where << ": key 'model.vocab' has id " << max_id << " but only " << m.vocab.size()
+                        << " tokens (ids must be dense: at most " << kMaxIdGap << " beyond the token count)");
   m.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
   for (auto& [tok, id] : m.vocab) m.id_to_token[static_cast<size_t>(id)] = tok;
 
@@ -1141,6 +1149,10 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
                    t.bool_or("normalized", !t.bool_or("special", false)), t.bool_or("lstrip", false),
                    t.bool_or("rstrip", false), t.bool_or("single_word", false)};
       if (a.id < 0) t.at("id").fail("must not be negative");
+      if (a.id >= static_cast<int64_t>(impl->model.vocab.size() + list.array().size()) + kMaxIdGap)
+        t.at("id").fail("is " + std::to_string(a.id) + ", far beyond the " +
+                        std::to_string(impl->model.vocab.size() + list.array().size()) +
+                        " tokens listed (ids must be dense)");
       impl->added_by_content[a.content] = a.id;
       impl->added_by_id[a.id] = impl->added.size();
       max_id = std::max(max_id, a.id);

@@ -19,7 +19,9 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
       a.server.api_keys != b.server.api_keys || a.server.threads != b.server.threads ||
       a.server.max_body_bytes != b.server.max_body_bytes || a.server.request_timeout_s != b.server.request_timeout_s ||
       a.server.idle_timeout_s != b.server.idle_timeout_s || a.server.drain_timeout_s != b.server.drain_timeout_s ||
-      a.server.max_concurrent_connections != b.server.max_concurrent_connections)
+      a.server.max_concurrent_connections != b.server.max_concurrent_connections ||
+      a.server.header_timeout_s != b.server.header_timeout_s || a.server.write_timeout_s != b.server.write_timeout_s ||
+      a.server.retry_after_s != b.server.retry_after_s)
     out.push_back("server");
   if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes) out.push_back("cache");
   if (a.scheduler.max_num_seqs != b.scheduler.max_num_seqs ||

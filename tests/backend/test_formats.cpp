@@ -120,3 +120,37 @@ TEST(ModelConfig, ErrorsNameTheFileAndKey) {
   EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"num_hidden_layers":-1})").find("num_hidden_layers"),
             std::string::npos);
 }
+
+// Found by fuzz/model_config: a float too large for int64 was cast (undefined behaviour under UBSan)
+// and a fractional one silently truncated.
+TEST(ModelConfig, FloatsForIntegerKeysMustBeIntegralAndInRange) {
+  auto err = [](const std::string& text) {
+    try {
+      parse_model_config(text, "m/config.json");
+    } catch (const KvError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string head = R"({"model_type":"llama","vocab_size":100,"intermediate_size":128,"num_hidden_layers":2,)"
+                           R"("num_attention_heads":8,)";
+  EXPECT_NE(err(head + R"("hidden_size":4.44444e+44})").find("key 'hidden_size' must be an integer, got 4.44444e+44"),
+            std::string::npos);
+  EXPECT_NE(err(head + R"("hidden_size":64.5})").find("key 'hidden_size' must be an integer"), std::string::npos);
+  EXPECT_NE(err(head + R"("hidden_size":64,"head_dim":18446744073709551615})").find("'head_dim' is out of range"),
+            std::string::npos);
+  EXPECT_EQ(parse_model_config(head + R"("hidden_size":64.0})", "m/config.json").hidden_size, 64);
+}
+
+// Found by fuzz/model_config: nlohmann reports a number beyond double range as out_of_range, not
+// parse_error, and it escaped the parsers as a bare json exception (no file name).
+TEST(ModelConfig, NumberOverflowIsMalformedJsonNamingTheFile) {
+  try {
+    parse_model_config(R"({"architectures":1e400})", "m/config.json");
+    FAIL() << "accepted 1e400";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("m/config.json: malformed JSON"), std::string::npos) << e.what();
+  }
+  auto bytes = image(R"({"a":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}})", 4);
+  EXPECT_NE(error_of(bytes).find("model.safetensors: malformed header JSON"), std::string::npos) << error_of(bytes);
+}

@@ -34,7 +34,10 @@ server:
   max_body_bytes: 2MiB
   request_timeout_s: 30
   idle_timeout_s: 5.5
+  header_timeout_s: 2.5
+  write_timeout_s: 7
   max_concurrent_connections: 64
+  retry_after_s: 4
 cache:
   block_size: 32
   kv_cache_bytes: 2GiB
@@ -63,6 +66,9 @@ default_policy: pyramid128
   EXPECT_EQ(c.server.max_body_bytes, 2 << 20);
   EXPECT_DOUBLE_EQ(c.server.idle_timeout_s, 5.5);
   EXPECT_EQ(c.server.max_concurrent_connections, 64);
+  EXPECT_DOUBLE_EQ(c.server.header_timeout_s, 2.5);
+  EXPECT_DOUBLE_EQ(c.server.write_timeout_s, 7.0);
+  EXPECT_EQ(c.server.retry_after_s, 4);
   EXPECT_EQ(c.cache.block_size, 32);
   EXPECT_EQ(c.cache.kv_cache_bytes, int64_t{2} << 30);
   EXPECT_EQ(c.scheduler.max_num_seqs, 8);
@@ -71,7 +77,7 @@ default_policy: pyramid128
   EXPECT_EQ(c.default_policy, "pyramid128");
   ASSERT_EQ(c.policies.size(), 3u);  // + implicit full
   EXPECT_EQ(c.policies.at("pyramid128").params.at("budget"), "128");
-  EXPECT_EQ(c.policies.at("pyramid128").line, 23);
+  EXPECT_EQ(c.policies.at("pyramid128").line, 26);
   EXPECT_EQ(c.policies.at("pyramid128").method, "pyramidkv");
   EXPECT_EQ(c.policies.at("pyramid128").params.count("method"), 0u);
   EXPECT_EQ(c.policies.at("knorm").method, "knorm");
@@ -166,6 +172,10 @@ const BadCase kBadCases[] = {
     {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
     {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
     {"neg_timeout", "server:\n  idle_timeout_s: -1\n", 2, "server.idle_timeout_s", "between"},
+    {"zero_header_timeout", "server:\n  header_timeout_s: 0\n", 2, "server.header_timeout_s", "between"},
+    {"write_timeout_text", "server:\n  write_timeout_s: soon\n", 2, "server.write_timeout_s", "expected a number"},
+    {"retry_after_float", "server:\n  retry_after_s: 1.5\n", 2, "server.retry_after_s", "expected an integer"},
+    {"retry_after_negative", "server:\n  retry_after_s: -1\n", 2, "server.retry_after_s", "between"},
     {"nan_timeout", "server:\n  request_timeout_s: .nan\n", 2, "server.request_timeout_s", "expected a number"},
     {"policy_not_map", "policies:\n  p1: 5\n", 2, "policies.p1", "expected a mapping of parameters"},
     {"policy_unknown_method", "policies:\n  fast:\n    method: turbo\n", 3, "policies.fast.method", "unknown policy method 'turbo'"},

@@ -427,6 +427,8 @@ TEST_F(ServerTest, OverloadedIs429) {
   for (int i = 0; i < 200 && backend_->active() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   auto r = request(port_, "POST", "/v1/completions", R"({"prompt":"x","max_tokens":1})");
   EXPECT_EQ(r.status, 429) << r.body;
+  EXPECT_EQ(r.headers["Retry-After"], "1");
+  EXPECT_EQ(r.j()["error"]["code"], "engine_overloaded");
   backend_->pause(false);
   slow.join();
 }
@@ -519,7 +521,9 @@ TEST_F(ServerTest, ManyConcurrentStreams) {
 TEST_F(ServerTest, ShutdownRefusesNewWork) {
   start();
   service_->begin_shutdown();
-  EXPECT_EQ(request(port_, "POST", "/v1/completions", R"({"prompt":"x"})").status, 503);
+  auto r = request(port_, "POST", "/v1/completions", R"({"prompt":"x"})");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_EQ(r.headers["Retry-After"], "1");
   EXPECT_EQ(request(port_, "GET", "/health").status, 503);
 }
 
@@ -534,4 +538,110 @@ TEST_F(ServerTest, PolicyResolverPicksThePolicyUnlessTheRequestNamesOne) {
   EXPECT_EQ(request(port_, "POST", "/v1/completions", body).headers["X-KV-Policy"], "full");
   EXPECT_EQ(request(port_, "POST", "/v1/completions", R"({"prompt":"x","max_tokens":1,"kv_policy":"full"})",
                     {{"X-Tenant", "beta"}}).headers["X-KV-Policy"], "full");
+}
+
+TEST_F(ServerTest, OverCapacityConnectionGets503WithRetryAfter) {
+  ServerOptions opt;
+  opt.max_concurrent_connections = 2;
+  opt.retry_after_s = 7;
+  start({}, opt);
+  asio::io_context ioc;
+  std::vector<tcp::socket> held;
+  for (int i = 0; i < 2; ++i) {
+    held.emplace_back(ioc);
+    held.back().connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port_)));
+  }
+  for (int i = 0; i < 200 && server_->open_connections() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  auto r = request(port_, "GET", "/health");
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_EQ(r.headers["Retry-After"], "7");
+  EXPECT_NE(r.body.find("too many open connections (2)"), std::string::npos) << r.body;
+  held.clear();
+  for (int i = 0; i < 400 && server_->open_connections() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(request(port_, "GET", "/health").status, 200);
+  EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"over_capacity\"} 1"), std::string::npos);
+}
+
+// A client trickling its headers is closed header_timeout_s after its first byte, while a silent
+// keep-alive connection is governed by the (longer) idle timeout.
+TEST_F(ServerTest, HeaderTimeoutClosesSlowlorisButNotAnIdleConnection) {
+  ServerOptions opt;
+  opt.header_timeout_s = 0.3;
+  opt.idle_timeout_s = 10;
+  start({}, opt);
+  asio::io_context ioc;
+  tcp::socket idle(ioc), slow(ioc);
+  const tcp::endpoint ep(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port_));
+  idle.connect(ep);
+  slow.connect(ep);
+  const std::string head = "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+  const auto t0 = std::chrono::steady_clock::now();
+  boost::system::error_code ec;
+  double cut = -1;
+  for (int i = 0; i < 200 && cut < 0; ++i) {
+    asio::write(slow, asio::buffer(i < static_cast<int>(head.size()) ? head.substr(i, 1) : std::string("a")), ec);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    slow.non_blocking(true);
+    char c;
+    slow.read_some(asio::buffer(&c, 1), ec);
+    slow.non_blocking(false);
+    if (ec && ec != asio::error::would_block) cut = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  EXPECT_GE(cut, 0.25);
+  EXPECT_LT(cut, 2.0);
+  // The idle connection outlived the header timeout and still serves a request.
+  const std::string req = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+  asio::write(idle, asio::buffer(req));
+  char buf[64] = {};
+  idle.read_some(asio::buffer(buf, sizeof buf - 1));
+  EXPECT_EQ(std::string(buf).rfind("HTTP/1.1 200", 0), 0u) << buf;
+  EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"header_timeout\"} 1"), std::string::npos);
+}
+
+namespace {
+
+// Sends raw bytes on a fresh connection and returns everything the server answers until it closes.
+std::string raw_exchange(int port, const std::string& bytes) {
+  asio::io_context ioc;
+  tcp::socket sock(ioc);
+  sock.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+  boost::system::error_code ec;
+  asio::write(sock, asio::buffer(bytes), ec);
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    size_t n = sock.read_some(asio::buffer(buf), ec);
+    if (ec) break;
+    out.append(buf, n);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_F(ServerTest, GarbageRequestLineAndHugeHeadersGet400AndAClose) {
+  start();
+  std::string r = raw_exchange(port_, "\x01\x02 nonsense \xff\r\n\r\n");
+  EXPECT_EQ(r.rfind("HTTP/1.1 400", 0), 0u) << r;
+  EXPECT_NE(r.find("malformed HTTP request"), std::string::npos) << r;
+  EXPECT_NE(r.find("Connection: close"), std::string::npos);
+  r = raw_exchange(port_, "GET /health HTTP/1.1\r\nX-Big: " + std::string(100 * 1024, 'a') + "\r\n\r\n");
+  EXPECT_EQ(r.rfind("HTTP/1.1 400", 0), 0u) << r.substr(0, 200);
+  EXPECT_EQ(request(port_, "GET", "/health").status, 200);
+}
+
+// A request still running at request_timeout_s: 408 before any byte of the answer, and the engine
+// request is cancelled.
+TEST_F(ServerTest, RequestTimeoutAnswers408AndCancels) {
+  ServerOptions opt;
+  opt.request_timeout_s = 0.3;
+  start({}, opt, std::make_shared<ScriptedBackend>(1));
+  backend_->pause(true);
+  auto r = request(port_, "POST", "/v1/completions", R"({"prompt":"x","max_tokens":5})");
+  EXPECT_EQ(r.status, 408) << r.body;
+  EXPECT_NE(r.body.find("request timeout"), std::string::npos) << r.body;
+  for (int i = 0; i < 400 && backend_->cancelled().empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_EQ(backend_->cancelled().size(), 1u);
+  backend_->pause(false);
+  EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"request_timeout\"} 1"), std::string::npos);
 }

@@ -44,7 +44,8 @@ class Server:
     """A running `kvserve serve`; `url` is its base URL; `log()` its stderr so far."""
 
     def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = "",
-                 extra_args: tuple[str, ...] = (), model: str | None = None):
+                 extra_args: tuple[str, ...] = (), model: str | None = None, kv_cache_bytes: str = "64MiB",
+                 drain_timeout_s: float = 20):
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-it-")
         self.model = model or model_dir()
         self.api_key = api_key
@@ -59,10 +60,10 @@ server:
   port: 0
   max_body_bytes: 64KiB
   threads: 2
-  drain_timeout_s: 20
+  drain_timeout_s: {drain_timeout_s}
 {server_yaml}cache:
   block_size: 16
-  kv_cache_bytes: 64MiB
+  kv_cache_bytes: {kv_cache_bytes}
 policies:
   full: {{}}
   pyramidkv:

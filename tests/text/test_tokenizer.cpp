@@ -239,6 +239,12 @@ TEST(Tokenizer, MalformedFilesNameFileAndKey) {
   expect_error(R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "pre_tokenizer": {"type": "Split"}})",
                "pre_tokenizer");
   expect_error(R"({"model": {"type": "BPE", "vocab": {}, "merges": []}, "decoder": {"type": "Nope"}})", "decoder");
+  // Found by fuzz/tokenizer_load: a single huge id made loading allocate a slot per id (30 GB).
+  expect_error(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1879048192}, "merges": []}})",
+               "key 'model.vocab' has id 1879048192 but only 2 tokens");
+  expect_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},)"
+               R"( "added_tokens": [{"id": 4611686018427387904, "content": "<x>"}]})",
+               "added_tokens[0].id");
   try {
     Tokenizer::from_json(R"({"model": {"type": "BPE", "vocab": {}, "merges": []}})", R"({"bos_token": 3})",
                          "/m/tokenizer.json");

@@ -1,0 +1,585 @@
+#!/usr/bin/env python3
+"""Soak: many requests against a real `kvserve serve` on 127.0.0.1, with what the internet sends.
+
+A mix of /v1/completions and /v1/chat/completions, streamed and not, across every named KV policy,
+with prompts up to the context limit; a share of clients disconnect at random points (while
+sending, before the answer, mid-stream), some cancel streams after a few events, and malformed
+bodies and odd routes are interleaved. Every response must be correct or the intended error:
+
+  - a generation answers 200 with a well-formed body (or SSE stream ending in [DONE]), the policy it
+    asked for in X-KV-Policy, completion_tokens <= max_tokens and finish_reason stop/length;
+  - greedy requests are repeated from a fixed set: each repetition (streamed or not, batched with
+    whatever else runs) must produce the text of the first one;
+  - a malformed body answers the 4xx it is designed to provoke, with an OpenAI error object;
+  - no 5xx at all, no connection refused or reset the client did not cause.
+
+At the end the server must be idle (KV blocks used 0, running 0, waiting 0 on /metrics), its RSS
+must not have grown by more than --max-rss-growth after the warm-up, and SIGTERM must stop it
+cleanly. Prints a summary and writes it as JSON with --out.
+
+usage: tools/soak.py --kvserve build/kvserve --requests 10000 [--concurrency 16] [--seed 1]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import http.client
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+POLICIES = {
+    "full": "{}",
+    "snapkv": "{budget: 48, window: 8}",
+    "pyramidkv": "{budget: 48, window: 8}",
+    "dynamickv": "{budget: 48, window: 8}",
+    "streamingllm": "{budget: 48}",
+    "h2o": "{budget: 48}",
+    "knorm": "{budget: 48}",
+    "random": "{budget: 48}",
+}
+WORDS = ("the quick brown fox jumps over lazy dog passkey is remember number city river mountain "
+         "apple seven eleven green house window street music paper light answer question").split()
+
+
+def config_text(model: str, max_model_len: int, kv_cache_bytes: str) -> str:
+    policies = "\n".join(f"  {name}: {spec}" for name, spec in POLICIES.items())
+    return f"""model:
+  path: {model}
+  served_model_name: soak
+  device: cpu
+  max_model_len: {max_model_len}
+server:
+  host: 127.0.0.1
+  port: 0
+  max_body_bytes: 256KiB
+  threads: 2
+  header_timeout_s: 5
+  write_timeout_s: 10
+  drain_timeout_s: 30
+cache:
+  block_size: 16
+  kv_cache_bytes: {kv_cache_bytes}
+scheduler:
+  max_num_seqs: 32
+  max_num_batched_tokens: 4096
+  max_waiting: 1024
+policies:
+{policies}
+default_policy: full
+"""
+
+
+class Server:
+    def __init__(self, binary: str, model: str, max_model_len: int, workdir: pathlib.Path,
+                 kv_cache_bytes: str = "256MiB"):
+        cfg = workdir / "soak.yaml"
+        cfg.write_text(config_text(model, max_model_len, kv_cache_bytes))
+        self.log_path = workdir / "server.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet"], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        self.port = 0
+        while time.time() < deadline and not self.port:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log_path.read_text(errors="replace"))
+            if m:
+                self.port = int(m.group(1))
+            elif self.proc.poll() is not None:
+                raise SystemExit(f"kvserve exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.05)
+        while time.time() < deadline:
+            try:
+                if request(self.port, "GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit(f"kvserve never became healthy:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def rss_bytes(self) -> int:
+        for line in open(f"/proc/{self.proc.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def metrics(self) -> dict[str, float]:
+        status, _, body = request(self.port, "GET", "/metrics")
+        assert status == 200
+        out: dict[str, float] = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+                out.setdefault(name.split("{", 1)[0], float(value))
+        return out
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None, timeout: float = 300,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        h = {"Content-Type": "application/json"} if body is not None else {}
+        h.update(headers or {})
+        conn.request(method, path, body=body, headers=h)
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def word_costs(port: int) -> dict[str, float]:
+    """Tokens each vocabulary word adds to a prompt (" word" after the first), measured through the
+    server's own usage.prompt_tokens, so that prompts can be sized right up to the context limit."""
+    def prompt_tokens(text: str) -> int:
+        status, _, body = request(port, "POST", "/v1/completions",
+                                  json.dumps({"model": "soak", "prompt": text, "max_tokens": 1}).encode())
+        assert status == 200, body
+        return json.loads(body)["usage"]["prompt_tokens"]
+    costs = {}
+    for w in WORDS:
+        one, many = prompt_tokens(w), prompt_tokens(" ".join([w] * 33))
+        costs[w] = (many - one) / 32
+    return costs
+
+
+def sized_prompt(rng: random.Random, costs: dict[str, float], tokens: int) -> str:
+    """Random words adding up to about `tokens` prompt tokens (never more, by the measured costs)."""
+    out, total = [], 2.0  # BOS + the first word's difference
+    while True:
+        w = rng.choice(WORDS)
+        if total + costs[w] > tokens:
+            return " ".join(out)
+        out.append(w)
+        total += costs[w]
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.kinds: collections.Counter = collections.Counter()
+        self.statuses: collections.Counter = collections.Counter()
+        self.failures: list[str] = []
+        self.greedy: dict[str, str] = {}
+        self.greedy_checked = 0
+        self.done = 0
+
+    def fail(self, what: str) -> None:
+        with self.lock:
+            if len(self.failures) < 50:
+                self.failures.append(what)
+            self.kinds["FAILED"] += 1
+
+
+def response_complete(buf: bytes) -> bool:
+    """Whether `buf` holds a whole HTTP response (the connection stays open for keep-alive, so a
+    reader that waits for EOF would wait for the server's idle timeout)."""
+    head, sep, body = buf.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    if m:
+        return len(body) >= int(m.group(1))
+    return body.endswith(b"0\r\n\r\n")
+
+
+def sse_events(payload: bytes) -> tuple[list, bool]:
+    events, done = [], False
+    for block in payload.decode().split("\n\n"):
+        if not block.startswith("data: "):
+            continue
+        data = block[6:]
+        if data == "[DONE]":
+            done = True
+        else:
+            events.append(json.loads(data))
+    return events, done
+
+
+class Soak:
+    def __init__(self, server: Server, args, stats: Stats):
+        self.server, self.args, self.stats = server, args, stats
+        self.costs = word_costs(server.port)
+        # Greedy requests repeated throughout: (endpoint, prompt, policy, max_tokens).
+        rng = random.Random(args.seed)
+        self.canon = []
+        for i in range(24):
+            policy = list(POLICIES)[i % len(POLICIES)]
+            tokens = rng.choice([8, 40, 200, args.max_model_len - 80])
+            self.canon.append(("chat" if i % 3 == 0 else "completions",
+                               f"canon {i}: " + sized_prompt(rng, self.costs, tokens), policy, rng.choice([4, 16, 32])))
+
+    # ---- request builders -------------------------------------------------------------------
+    def generation_body(self, rng: random.Random) -> tuple[str, dict, bool]:
+        """A valid generation request: (path, body, greedy-canonical?)."""
+        if rng.random() < 0.3:
+            endpoint, prompt, policy, max_tokens = rng.choice(self.canon)
+            body = {"model": "soak", "max_tokens": max_tokens, "temperature": 0, "kv_policy": policy,
+                    "ignore_eos": True}
+            canonical = True
+        else:
+            endpoint = rng.choice(["completions", "chat"])
+            policy = rng.choice(list(POLICIES))
+            max_tokens = rng.choice([1, 2, 8, 16, 32])
+            # Most prompts short, some long, a few right up to the context limit (the chat template
+            # adds a dozen tokens: leave it room).
+            r = rng.random()
+            limit = self.args.max_model_len - max_tokens - (24 if endpoint == "chat" else 2)
+            tokens = rng.randint(1, 40) if r < 0.6 else rng.randint(40, limit // 2) if r < 0.9 else rng.randint(limit // 2, limit)
+            prompt = sized_prompt(rng, self.costs, max(tokens, 3)) or "hello"
+            body = {"model": "soak", "max_tokens": max_tokens, "kv_policy": policy}
+            if rng.random() < 0.5:
+                body["temperature"] = 0.8
+                body["seed"] = rng.randint(0, 1 << 30)
+            else:
+                body["temperature"] = 0
+            if rng.random() < 0.2:
+                body["n"] = 2
+            if rng.random() < 0.15:
+                if endpoint == "chat":
+                    body["logprobs"] = True
+                    body["top_logprobs"] = 3
+                else:
+                    body["logprobs"] = 3
+            canonical = False
+        if endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        body["stream"] = rng.random() < 0.5
+        if body["stream"] and rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        return path, body, canonical
+
+    MALFORMED = [
+        # (path, raw body, expected status, expected param or None)
+        ("/v1/completions", b"", 400, None),
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -5}', 400, "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "n": 1000}', 400, "n"),
+        ("/v1/completions", b'{"prompt": "x", "logprobs": 1000}', 400, "logprobs"),
+        ("/v1/completions", b'{"prompt": [1, 2, 99999999]}', 400, "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "kv_policy": "../../etc/passwd"}', 400, "kv_policy"),
+        ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+        ("/v1/completions", b'{"model": "other", "prompt": "x"}', 404, "model"),
+        ("/v1/completions", b'["an", "array"]', 400, None),
+        ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
+    ]
+
+    # ---- one request --------------------------------------------------------------------------
+    def one(self, i: int) -> None:
+        rng = random.Random(self.args.seed * 1_000_003 + i)
+        r = rng.random()
+        a = self.args
+        if r < a.disconnect_share:
+            return self.disconnect(rng)
+        r -= a.disconnect_share
+        if r < a.cancel_share:
+            return self.cancel(rng)
+        r -= a.cancel_share
+        if r < a.malformed_share:
+            return self.malformed(rng)
+        r -= a.malformed_share
+        if r < 0.03:
+            return self.other_route(rng)
+        return self.generate(rng)
+
+    def record(self, kind: str, status: int | None = None) -> None:
+        with self.stats.lock:
+            self.stats.kinds[kind] += 1
+            if status is not None:
+                self.stats.statuses[status] += 1
+
+    def generate(self, rng: random.Random) -> None:
+        path, body, canonical = self.generation_body(rng)
+        status, headers, payload = request(self.server.port, "POST", path, json.dumps(body).encode())
+        self.record("generate", status)
+        what = f"{path} policy={body['kv_policy']} stream={body['stream']}"
+        if status != 200:
+            return self.stats.fail(f"{what}: status {status}: {payload[:300]!r}")
+        if headers.get("x-kv-policy") != body["kv_policy"]:
+            return self.stats.fail(f"{what}: X-KV-Policy {headers.get('x-kv-policy')}")
+        n = body.get("n", 1)
+        texts = [""] * n
+        reasons: list[str | None] = [None] * n
+        chat = path.endswith("chat/completions")
+        try:
+            if body["stream"]:
+                events, done = sse_events(payload)
+                if not done:
+                    return self.stats.fail(f"{what}: stream without [DONE]")
+                usage = None
+                for ev in events:
+                    if "error" in ev:
+                        return self.stats.fail(f"{what}: error event {ev['error']}")
+                    if ev.get("usage"):
+                        usage = ev["usage"]
+                    for ch in ev["choices"]:
+                        k = ch["index"]
+                        texts[k] += (ch["delta"].get("content") or "") if chat else ch["text"]
+                        reasons[k] = ch.get("finish_reason") or reasons[k]
+                if body.get("stream_options") and (usage is None or usage["completion_tokens"] > n * body["max_tokens"]):
+                    return self.stats.fail(f"{what}: usage {usage}")
+            else:
+                j = json.loads(payload)
+                if len(j["choices"]) != n:
+                    return self.stats.fail(f"{what}: {len(j['choices'])} choices")
+                for ch in j["choices"]:
+                    k = ch["index"]
+                    texts[k] = ch["message"]["content"] if chat else ch["text"]
+                    reasons[k] = ch["finish_reason"]
+                u = j["usage"]
+                if not 0 < u["completion_tokens"] <= n * body["max_tokens"] or u["kv_policy"] != body["kv_policy"]:
+                    return self.stats.fail(f"{what}: usage {u}")
+        except (KeyError, TypeError, ValueError) as e:
+            return self.stats.fail(f"{what}: malformed response ({e!r}): {payload[:300]!r}")
+        if any(x not in ("stop", "length") for x in reasons):
+            return self.stats.fail(f"{what}: finish reasons {reasons}")
+        if canonical and (self.args.check_greedy == "all" or body["kv_policy"] == "full"):
+            key = json.dumps([path, body.get("prompt") or body["messages"], body["kv_policy"], body["max_tokens"]])
+            with self.stats.lock:
+                first = self.stats.greedy.setdefault(key, texts[0])
+                self.stats.greedy_checked += 1
+            if texts[0] != first:
+                self.stats.fail(f"{what}: greedy output differs from its first run: {texts[0]!r} vs {first!r}")
+
+    def raw_request(self, path: str, body: bytes) -> bytes:
+        return (f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    def disconnect(self, rng: random.Random) -> None:
+        """Closes the connection at a random point: while sending, before the answer, or mid-answer."""
+        path, body, _ = self.generation_body(rng)
+        data = self.raw_request(path, json.dumps(body).encode())
+        point = rng.choice(["sending", "sent", "reading"])
+        s = socket.create_connection(("127.0.0.1", self.server.port), timeout=60)
+        try:
+            if rng.random() < 0.3:  # an abrupt close (RST) rather than FIN
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            if point == "sending":
+                s.sendall(data[:rng.randint(0, len(data) - 1)])
+            else:
+                s.sendall(data)
+                if point == "reading":
+                    want = rng.randint(1, 2000)
+                    got = b""
+                    while len(got) < want and not response_complete(got):
+                        chunk = s.recv(want - len(got))
+                        if not chunk:
+                            break
+                        got += chunk
+        except OSError as e:
+            return self.stats.fail(f"disconnect({point}): the server broke the connection first: {e!r}")
+        finally:
+            s.close()
+        self.record(f"disconnect_{point}")
+
+    def cancel(self, rng: random.Random) -> None:
+        """A streaming client that stops after a few events (what SDK users' `break` does)."""
+        path, body, _ = self.generation_body(rng)
+        body["stream"] = True
+        body["ignore_eos"] = True
+        s = socket.create_connection(("127.0.0.1", self.server.port), timeout=120)
+        try:
+            s.sendall(self.raw_request(path, json.dumps(body).encode()))
+            want = rng.randint(1, 6)
+            buf = b""
+            while buf.count(b"data: ") < want and not response_complete(buf):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+            if not buf.startswith(b"HTTP/1.1 200"):
+                return self.stats.fail(f"cancel: {buf[:300]!r}")
+        finally:
+            s.close()
+        self.record("cancel", 200)
+
+    def malformed(self, rng: random.Random) -> None:
+        path, raw, want, param = rng.choice(self.MALFORMED)
+        r = rng.random()
+        if r < 0.15:  # over max_body_bytes
+            path, raw, want, param = "/v1/completions", b'{"prompt": "' + b"x" * (300 << 10) + b'"}', 413, None
+        elif r < 0.3:  # longer than the context
+            prompt = sized_prompt(rng, self.costs, self.args.max_model_len + 200)
+            path, raw, want, param = "/v1/completions", json.dumps({"prompt": prompt}).encode(), 400, "prompt"
+        try:
+            status, _, payload = request(self.server.port, "POST", path, raw)
+        except (ConnectionResetError, BrokenPipeError) as e:
+            return self.stats.fail(f"malformed {raw[:60]!r}: connection error {e!r}")
+        self.record("malformed", status)
+        if status != want:
+            return self.stats.fail(f"malformed {raw[:80]!r}: status {status} (want {want}): {payload[:200]!r}")
+        try:
+            err = json.loads(payload)["error"]
+        except (ValueError, KeyError):
+            return self.stats.fail(f"malformed {raw[:80]!r}: not an OpenAI error: {payload[:200]!r}")
+        if not err.get("message") or (param is not None and err.get("param") != param):
+            self.stats.fail(f"malformed {raw[:80]!r}: error {err}")
+
+    def other_route(self, rng: random.Random) -> None:
+        method, path, want = rng.choice([("GET", "/v1/models", 200), ("GET", "/health", 200), ("GET", "/version", 200),
+                                         ("GET", "/metrics", 200), ("GET", "/v1/nope", 404),
+                                         ("DELETE", "/v1/completions", 405), ("GET", "/v1/models/other", 404)])
+        status, _, payload = request(self.server.port, method, path)
+        self.record("route", status)
+        if status != want:
+            self.stats.fail(f"{method} {path}: {status} (want {want})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvserve", default=str(REPO / "build" / "kvserve"))
+    ap.add_argument("--model", default=str(REPO / "models" / "tiny-llama"))
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=0, help="requests before the RSS baseline (default: 10 %%)")
+    ap.add_argument("--disconnect-share", type=float, default=0.20)
+    ap.add_argument("--cancel-share", type=float, default=0.05)
+    ap.add_argument("--malformed-share", type=float, default=0.05)
+    ap.add_argument("--max-rss-growth", type=float, default=0.10)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kv-cache-bytes", default="256MiB",
+                    help="the KV pool; a small one (e.g. 4MiB) makes the scheduler preempt under load")
+    ap.add_argument("--check-greedy", choices=["all", "full"], default="all",
+                    help="which policies' greedy repeats must match exactly: after a preemption a "
+                         "compressing policy selects again over prompt + generated tokens, so use "
+                         "'full' with a small pool")
+    ap.add_argument("--out", help="write the summary as JSON here")
+    args = ap.parse_args()
+    warmup = args.warmup or max(1, args.requests // 10)
+
+    with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as tmp:
+        server = Server(args.kvserve, args.model, args.max_model_len, pathlib.Path(tmp), args.kv_cache_bytes)
+        stats = Stats()
+        soak = Soak(server, args, stats)
+        next_i = 0
+        lock = threading.Lock()
+        rss = {"start": server.rss_bytes(), "warm": 0, "max_after_warm": 0}
+        # The readiness polls saw 503s while the model loaded: count only what the soak causes.
+        m0 = server.metrics()
+        t0 = time.time()
+
+        def worker():
+            nonlocal next_i
+            while True:
+                with lock:
+                    if next_i >= args.requests:
+                        return
+                    i = next_i
+                    next_i += 1
+                try:
+                    soak.one(i)
+                except Exception as e:  # noqa: BLE001 - every failure is recorded, none stops the soak
+                    stats.fail(f"request {i}: {type(e).__name__}: {e}")
+                with stats.lock:
+                    stats.done += 1
+                    done = stats.done
+                if done == warmup:
+                    rss["warm"] = server.rss_bytes()
+                elif done > warmup and done % 200 == 0:
+                    rss["max_after_warm"] = max(rss["max_after_warm"], server.rss_bytes())
+                if done % 1000 == 0:
+                    print(f"soak: {done}/{args.requests} requests, {time.time() - t0:.0f} s, "
+                          f"{stats.kinds['FAILED']} failed", flush=True)
+
+        threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.time() - t0
+
+        # Idle: every disconnect and cancel must have given its blocks back.
+        deadline = time.time() + 30
+        m = server.metrics()
+        while time.time() < deadline:
+            m = server.metrics()
+            if m["kvserve:kv_cache_blocks_used"] == 0 and m["kvserve:num_requests_running"] == 0 and \
+                    m["kvserve:num_requests_waiting"] == 0:
+                break
+            time.sleep(0.1)
+        rss["end"] = server.rss_bytes()
+        rss["max_after_warm"] = max(rss["max_after_warm"], rss["end"])
+        server_5xx = sum(v - m0.get(k, 0.0) for k, v in m.items() if k.startswith("kvserve:http_responses_total{")
+                         and re.search(r'status="5\d\d"', k))
+        client_5xx = sum(n for s, n in stats.statuses.items() if 500 <= s < 600)
+        growth = (rss["max_after_warm"] - rss["warm"]) / rss["warm"] if rss["warm"] else 0.0
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = server.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            rc = "killed after 60 s"
+        summary = {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "wall_s": round(wall, 1),
+            "requests_per_s": round(args.requests / wall, 1),
+            "kinds": dict(stats.kinds),
+            "statuses": {str(k): v for k, v in sorted(stats.statuses.items())},
+            "client_5xx": client_5xx,
+            "server_5xx": server_5xx,
+            "greedy_repeats_checked": stats.greedy_checked,
+            "kv_blocks_used_at_end": m["kvserve:kv_cache_blocks_used"],
+            "running_at_end": m["kvserve:num_requests_running"],
+            "waiting_at_end": m["kvserve:num_requests_waiting"],
+            "kv_blocks_high_water": m["kvserve:kv_cache_blocks_high_water"],
+            "preemptions": m["kvserve:num_preemptions_total"],
+            "aborted_requests": m.get('kvserve:request_success_total{model_name="soak",finished_reason="abort"}', 0),
+            "connections_closed": {k.split('reason="')[1][:-2]: v for k, v in m.items()
+                                   if k.startswith("kvserve:http_connections_closed_total{")},
+            "rss_mb": {k: round(v / 2**20, 1) for k, v in rss.items()},
+            "rss_growth_after_warmup": round(growth, 4),
+            "sigterm_exit": rc,
+            "failures": stats.failures,
+        }
+        problems = []
+        if stats.kinds["FAILED"]:
+            problems.append(f"{stats.kinds['FAILED']} responses were wrong")
+        if client_5xx or server_5xx:
+            problems.append(f"5xx: {client_5xx} seen by clients, {server_5xx} counted by the server")
+        if m["kvserve:kv_cache_blocks_used"] or m["kvserve:num_requests_running"] or m["kvserve:num_requests_waiting"]:
+            problems.append("the engine did not go idle (leaked KV blocks or stuck requests)")
+        if growth > args.max_rss_growth:
+            problems.append(f"RSS grew {growth:.1%} after the warm-up (limit {args.max_rss_growth:.0%})")
+        if rc != 0:
+            problems.append(f"SIGTERM exit: {rc}")
+        summary["problems"] = problems
+        print(json.dumps(summary, indent=2))
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+        if problems:
+            print("soak FAILED: " + "; ".join(problems), file=sys.stderr)
+            print(server.tail(), file=sys.stderr)
+            return 1
+        print(f"soak passed: {args.requests} requests in {wall:.0f} s ({args.requests / wall:.1f}/s)")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
