@@ -30,7 +30,7 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   }
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
-  m->layout_ = opt.layout.num_layers_total > 0 ? opt.layout : make_shard_layout(c, 1, 0, 1, 0);
+  m->layout_ = opt.layout.num_layers_total > 0 ? opt.layout : make_shard_layout(model_shape(c), 1, 0, 1, 0);
   const ShardLayout& s = m->layout_;
   KV_CHECK(s.num_layers_total == c.num_hidden_layers, model_dir << ": shard layout is for " << s.num_layers_total
                                                                 << " layers, the model has " << c.num_hidden_layers);

@@ -9,7 +9,7 @@
 
 #include "backend/model_config.h"
 #include "backend/rope.h"
-#include "backend/shard_layout.h"
+#include "parallel/shard_layout.h"
 #include "cache_manager/kv_memory.h"
 #include "cache_manager/kv_memory_factory.h"
 

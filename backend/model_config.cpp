@@ -182,4 +182,20 @@ ModelConfig load_model_config(const std::string& model_dir) {
   return parse_model_config(ss.str(), path);
 }
 
+parallel::ModelShape model_shape(const ModelConfig& c) {
+  parallel::ModelShape m;
+  m.num_layers = c.num_hidden_layers;
+  m.hidden_size = c.hidden_size;
+  m.intermediate_size = c.intermediate_size;
+  m.num_heads = c.num_attention_heads;
+  m.num_kv_heads = c.num_key_value_heads;
+  m.head_dim = c.head_dim;
+  m.vocab_size = c.vocab_size;
+  m.tie_word_embeddings = c.tie_word_embeddings;
+  m.attention_bias = c.attention_bias;
+  m.o_proj_bias = c.o_proj_bias;
+  m.mlp_bias = c.mlp_bias;
+  return m;
+}
+
 }  // namespace kvserve

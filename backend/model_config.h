@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "parallel/shard_layout.h"
+
 namespace kvserve {
 
 // RoPE frequency scaling as in transformers' rope_scaling / rope_parameters.
@@ -45,6 +47,9 @@ struct ModelConfig {
 
 // Parses and validates config.json text; `where` names the file in error messages.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& where);
+
+// The numbers the tensor/pipeline split needs (parallel/shard_layout.h).
+parallel::ModelShape model_shape(const ModelConfig& c);
 // Reads <dir>/config.json.
 ModelConfig load_model_config(const std::string& model_dir);
 

@@ -22,7 +22,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   KV_CHECK(o.micro_batches >= 0, "micro-batches must be >= 0, got " << o.micro_batches);
   // Check the split against the model before starting any process.
   const ModelConfig cfg = load_model_config(model_dir);
-  validate_parallel_shape(cfg, o.tensor_parallel_size, o.pipeline_parallel_size, o.pipeline_layers);
+  validate_parallel_shape(model_shape(cfg), o.tensor_parallel_size, o.pipeline_parallel_size, o.pipeline_layers);
 
   parallel::LaunchSpec spec;
   spec.world_size = static_cast<int>(o.world_size());
@@ -66,7 +66,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
     for (int64_t t = 0; t < tp; ++t) members.push_back(static_cast<int>(stage * tp + t));
     job->groups_.tp = job->comm_->new_group("tp" + std::to_string(stage), members, backend);
   }
-  load.layout = make_shard_layout(cfg, tp, tp_rank, o.pipeline_parallel_size, stage, o.pipeline_layers);
+  load.layout = make_shard_layout(model_shape(cfg), tp, tp_rank, o.pipeline_parallel_size, stage, o.pipeline_layers);
   load.tp_group = job->groups_.tp;
   load.progress = load.progress && env.rank == 0;
   job->model_ = LlamaModel::load(model_dir, load);

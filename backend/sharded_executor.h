@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/shard_layout.h"
+#include "parallel/shard_layout.h"
 #include "cache_manager/kv_memory.h"
 #include "cache_manager/paged_kv_memory.h"
 

@@ -102,18 +102,7 @@ void print_text(const parallel::ShardPlan& p) {
 
 void run_plan(const PlanArgs& a) {
   const ModelConfig mc = parse_model_config(read_text_file(a.model_config), a.model_config);
-  parallel::ModelShape m;
-  m.num_layers = mc.num_hidden_layers;
-  m.hidden_size = mc.hidden_size;
-  m.intermediate_size = mc.intermediate_size;
-  m.num_heads = mc.num_attention_heads;
-  m.num_kv_heads = mc.num_key_value_heads;
-  m.head_dim = mc.head_dim;
-  m.vocab_size = mc.vocab_size;
-  m.tie_word_embeddings = mc.tie_word_embeddings;
-  m.attention_bias = mc.attention_bias;
-  m.o_proj_bias = mc.o_proj_bias;
-  m.mlp_bias = mc.mlp_bias;
+  const parallel::ModelShape m = model_shape(mc);
 
   parallel::PlanOptions o;
   o.tp = a.tp;

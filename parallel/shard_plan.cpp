@@ -15,38 +15,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-std::vector<LayerRange> pipeline_layer_ranges(int64_t num_layers, int64_t pp) {
-  KV_CHECK(pp >= 1, "pipeline size must be >= 1 (got " << pp << ")");
-  KV_CHECK(num_layers >= pp, "cannot split " << num_layers << " layers over " << pp << " pipeline stages");
-  std::vector<LayerRange> out;
-  const int64_t base = num_layers / pp, extra = num_layers % pp;
-  int64_t at = 0;
-  for (int64_t s = 0; s < pp; ++s) {
-    const int64_t n = base + (s < extra ? 1 : 0);
-    out.push_back({at, at + n});
-    at += n;
-  }
-  return out;
-}
-
-int64_t kv_heads_per_rank(int64_t num_kv_heads, int64_t tp) {
-  KV_CHECK(tp >= 1 && num_kv_heads >= 1, "bad KV heads " << num_kv_heads << " / tensor parallel size " << tp);
-  if (num_kv_heads >= tp) {
-    KV_CHECK(num_kv_heads % tp == 0,
-             num_kv_heads << " KV heads do not split evenly over tensor parallel size " << tp);
-    return num_kv_heads / tp;
-  }
-  KV_CHECK(tp % num_kv_heads == 0, "tensor parallel size " << tp << " is not a multiple of the " << num_kv_heads
-                                                           << " KV heads (needed to replicate them)");
-  return 1;
-}
-
 int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& layers, bool first_stage,
                             bool last_stage) {
   const int64_t h = m.hidden_size, d = m.head_dim;
-  const int64_t q_heads = m.num_heads / tp;  // checked divisible by make_shard_plan
-  const int64_t kv = kv_heads_per_rank(m.num_kv_heads, tp);
-  const int64_t inter = ceil_div(m.intermediate_size, tp);
+  // TP rank 0 holds the most where a split is uneven (MLP columns; vocabulary rows are padded).
+  const ShardLayout r0 = make_shard_layout(m, tp, 0, 1, 0);
+  const int64_t q_heads = r0.q_heads, kv = r0.kv_heads, inter = r0.inter_len;
   int64_t layer = 0;
   layer += h * q_heads * d;            // q_proj (column-parallel)
   layer += 2 * h * kv * d;             // k_proj, v_proj (column-parallel, replicated when KV < tp)
@@ -57,7 +31,7 @@ int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& l
   if (m.o_proj_bias) layer += h;       // added once after the all-reduce; every rank holds it
   if (m.mlp_bias) layer += 2 * inter + h;
   int64_t p = layer * layers.size();
-  const int64_t vocab_rows = ceil_div(m.vocab_size, tp);
+  const int64_t vocab_rows = r0.vocab_per_rank;
   if (first_stage) p += vocab_rows * h;          // vocab-parallel embedding
   if (last_stage) {
     p += h;                                      // final norm
@@ -89,9 +63,7 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
            "model shape has a non-positive size");
   KV_CHECK(m.num_heads % m.num_kv_heads == 0,
            m.num_heads << " attention heads are not a multiple of " << m.num_kv_heads << " KV heads");
-  KV_CHECK(o.tp >= 1 && o.pp >= 1, "tensor/pipeline parallel sizes must be >= 1 (got " << o.tp << ", " << o.pp << ")");
-  KV_CHECK(m.num_heads % o.tp == 0,
-           m.num_heads << " attention heads do not split evenly over tensor parallel size " << o.tp);
+  validate_parallel_shape(m, o.tp, o.pp);
   KV_CHECK(o.gpu_memory_bytes > 0, "GPU memory must be positive");
   KV_CHECK(o.reserve_fraction >= 0.0 && o.reserve_fraction < 1.0,
            "reserve fraction must be in [0, 1) (got " << o.reserve_fraction << ")");
@@ -104,7 +76,6 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
   plan.gpus = o.tp * o.pp;
   plan.usable_bytes = static_cast<int64_t>(static_cast<double>(o.gpu_memory_bytes) * (1.0 - o.reserve_fraction));
   const auto ranges = pipeline_layer_ranges(m.num_layers, o.pp);
-  const int64_t kv = kv_heads_per_rank(m.num_kv_heads, o.tp);
   for (int64_t s = 0; s < o.pp; ++s) {
     StagePlan st;
     st.stage = s;
@@ -113,8 +84,8 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     st.has_lm_head = s == o.pp - 1;
     st.weight_params = stage_weight_params(m, o.tp, st.layers, st.has_embedding, st.has_lm_head);
     st.weight_bytes = st.weight_params * o.weight_dtype_bytes;
-    st.kv_heads = kv;
-    st.kv_bytes_per_token_layer = 2 * kv * m.head_dim * o.kv_dtype_bytes;
+    st.kv_heads = make_shard_layout(m, o.tp, 0, o.pp, s).kv_heads;
+    st.kv_bytes_per_token_layer = 2 * st.kv_heads * m.head_dim * o.kv_dtype_bytes;
     st.kv_bytes_per_token = st.kv_bytes_per_token_layer * st.layers.size();
     st.block_bytes = st.kv_bytes_per_token_layer * o.block_size;
     st.kv_capacity_bytes = plan.usable_bytes - st.weight_bytes;

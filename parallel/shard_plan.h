@@ -1,17 +1,7 @@
 #pragma once
-// Shard planning: how a model splits over tensor-parallel (TP) x pipeline-parallel (PP) GPUs, and
-// how many sequences each shard's KV cache holds under a policy. Pure arithmetic, no devices.
-//
-// Split rules (the pipeline/tensor code must use the same ones):
-// - PP: contiguous layer ranges; L layers over P stages give every stage L / P layers and the first
-//   L % P stages one more (pipeline_layer_ranges). Stage 0 holds the token embedding; the last
-//   stage holds the final norm and the LM head (both stages hold a copy when the embedding is tied
-//   and P > 1).
-// - TP: attention heads (q_proj rows, o_proj columns) and MLP columns (gate/up rows, down columns)
-//   split evenly; the embedding and LM head are vocab-parallel (ceil(vocab / T) rows per rank, the
-//   last rank padded); norms are replicated. KV heads split across ranks (KV / T each) when
-//   KV >= T; with fewer KV heads than ranks every rank holds one KV head (each replicated T / KV
-//   times), so T must divide or be divided by KV.
+// Shard planning: how many sequences each shard's KV cache holds under a policy, for a TP x PP
+// split of a model (`kvserve plan`). Pure arithmetic, no devices; the split itself is
+// shard_layout.h's, the same layouts the sharded runtime loads.
 // - KV bytes: per layer, 2 (K and V) x local KV heads x head_dim x dtype bytes per token; each
 //   layer's kept tokens are rounded up to whole paged blocks (block_size tokens) per sequence.
 #include <cstdint>
@@ -20,24 +10,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "parallel/shard_layout.h"
 #include "policies/policy_config.h"
 
 namespace kvserve::parallel {
-
-// The model numbers planning needs (filled from backend's ModelConfig by the CLI).
-struct ModelShape {
-  int64_t num_layers = 0;
-  int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;
-  int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
-  int64_t vocab_size = 0;
-  bool tie_word_embeddings = false;
-  bool attention_bias = false;  // q/k/v biases
-  bool o_proj_bias = false;
-  bool mlp_bias = false;
-};
 
 struct PlanOptions {
   int64_t tp = 1;
@@ -49,20 +25,6 @@ struct PlanOptions {
   int64_t weight_dtype_bytes = 2;   // bfloat16
   int64_t kv_dtype_bytes = 2;       // bfloat16
 };
-
-// [begin, end) of global layer indices.
-struct LayerRange {
-  int64_t begin = 0;
-  int64_t end = 0;
-  int64_t size() const { return end - begin; }
-};
-
-// Contiguous layer ranges of `pp` stages; the first num_layers % pp stages take one extra layer.
-std::vector<LayerRange> pipeline_layer_ranges(int64_t num_layers, int64_t pp);
-
-// KV heads each TP rank holds: num_kv_heads / tp, or 1 (replicated) when num_kv_heads < tp.
-// Throws KvError when neither divides the other.
-int64_t kv_heads_per_rank(int64_t num_kv_heads, int64_t tp);
 
 // Parameters one TP rank of a stage holds (the largest rank where a split is uneven).
 int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& layers, bool first_stage, bool last_stage);

@@ -5,12 +5,13 @@
 #include <chrono>
 #include <thread>
 
-#include "backend/shard_layout.h"
+#include "backend/model_config.h"
 #include "common/check.h"
 #include "configs/server_config.h"
 #include "parallel/communicator.h"
 #include "parallel/dist_env.h"
 #include "parallel/launcher.h"
+#include "parallel/shard_layout.h"
 
 namespace kvserve {
 namespace {
@@ -97,7 +98,7 @@ ModelConfig kvfew_like() {
 
 TEST(ShardLayout, SplitsLayersHeadsMlpAndVocabulary) {
   const ModelConfig c = kvfew_like();
-  ShardLayout s = make_shard_layout(c, 2, 1, 2, 0);
+  ShardLayout s = parallel::make_shard_layout(model_shape(c), 2, 1, 2, 0);
   EXPECT_EQ(s.layer_begin, 0);
   EXPECT_EQ(s.layer_end, 2);  // 3 layers over 2 stages: 2 + 1
   EXPECT_EQ(s.q_head_begin, 2);
@@ -111,7 +112,7 @@ TEST(ShardLayout, SplitsLayersHeadsMlpAndVocabulary) {
   EXPECT_EQ(s.vocab_begin, 1060);
   EXPECT_EQ(s.vocab_len, 1059);  // the last rank is padded by one row
   EXPECT_EQ(s.global_rank(1, 1), 3);
-  s = make_shard_layout(c, 1, 0, 2, 1, {1, 2});
+  s = parallel::make_shard_layout(model_shape(c), 1, 0, 2, 1, {1, 2});
   EXPECT_EQ(s.layer_begin, 1);
   EXPECT_EQ(s.layer_end, 3);
   EXPECT_TRUE(s.last_stage());
@@ -119,12 +120,12 @@ TEST(ShardLayout, SplitsLayersHeadsMlpAndVocabulary) {
 
 TEST(ShardLayout, RefusesSplitsThatCannotWork) {
   const ModelConfig c = kvfew_like();
-  EXPECT_NE(error_of([&] { make_shard_layout(c, 3, 0, 1, 0); }).find("4 attention heads do not split evenly over tensor parallel size 3"),
+  EXPECT_NE(error_of([&] { parallel::make_shard_layout(model_shape(c), 3, 0, 1, 0); }).find("4 attention heads do not split evenly over tensor parallel size 3"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { make_shard_layout(c, 1, 0, 4, 0); }).find("cannot split 3 layers over 4"), std::string::npos);
-  EXPECT_NE(error_of([&] { make_shard_layout(c, 1, 0, 2, 0, {2, 2}); }).find("sums to 4 layers, but the model has 3"),
+  EXPECT_NE(error_of([&] { parallel::make_shard_layout(model_shape(c), 1, 0, 4, 0); }).find("cannot split 3 layers over 4"), std::string::npos);
+  EXPECT_NE(error_of([&] { parallel::make_shard_layout(model_shape(c), 1, 0, 2, 0, {2, 2}); }).find("sums to 4 layers, but the model has 3"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { make_shard_layout(c, 1, 0, 2, 0, {3, 0}); }).find("stage 1 has 0 layers"), std::string::npos);
+  EXPECT_NE(error_of([&] { parallel::make_shard_layout(model_shape(c), 1, 0, 2, 0, {3, 0}); }).find("stage 1 has 0 layers"), std::string::npos);
 }
 
 TEST(ParallelConfig, ParsesAndValidatesTheSection) {
