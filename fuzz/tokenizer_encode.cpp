@@ -2,7 +2,8 @@
 // which is what every prompt and every generated id goes through. Checks, besides memory safety:
 //  - encode never fails, whatever the bytes (invalid UTF-8 is repaired, not rejected);
 //  - decode(encode(valid UTF-8 text)) == text, for tokenizers without a normalizer;
-//  - the incremental detokenizer's pieces add up to decode() of the same ids.
+//  - the incremental detokenizer's pieces add up to decode() of the same ids, with and without
+//    special tokens.
 // Input: byte 0 picks the tokenizer and mode; the rest is text (mode 0) or 16-bit ids (mode 1).
 #include <cstddef>
 #include <cstdint>
@@ -74,14 +75,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::abort();
       }
     }
-    const std::string whole = tok.decode(ids, false);
-    kvserve::IncrementalDetokenizer detok(tok, false);
-    std::string pieces;
-    for (int64_t id : ids) pieces += detok.add(id);
-    pieces += detok.flush();
-    if (pieces != whole) {
-      std::fprintf(stderr, "fuzz: incremental detokenizer (%zu bytes) != decode (%zu bytes)\n", pieces.size(), whole.size());
-      std::abort();
+    // Both ways the server streams: with special tokens (echo, logprobs) and without (the default).
+    for (const bool skip : {false, true}) {
+      const std::string whole = tok.decode(ids, skip);
+      kvserve::IncrementalDetokenizer detok(tok, skip);
+      std::string pieces;
+      for (int64_t id : ids) pieces += detok.add(id);
+      pieces += detok.flush();
+      if (pieces != whole) {
+        std::fprintf(stderr, "fuzz: incremental detokenizer (%zu bytes) != decode (%zu bytes), skip_special=%d\n",
+                     pieces.size(), whole.size(), skip);
+        std::abort();
+      }
     }
   } catch (const std::exception& e) {
     kvfuzz::unexpected(e.what());

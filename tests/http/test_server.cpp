@@ -645,3 +645,18 @@ TEST_F(ServerTest, RequestTimeoutAnswers408AndCancels) {
   backend_->pause(false);
   EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"request_timeout\"} 1"), std::string::npos);
 }
+
+// A body that stops arriving: closed idle_timeout_s after the headers, counted as body_timeout.
+TEST_F(ServerTest, SlowBodyIsClosedAtTheIdleTimeout) {
+  ServerOptions opt;
+  opt.idle_timeout_s = 0.4;
+  start({}, opt);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string r = raw_exchange(port_, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r, "");  // closed without an answer
+  EXPECT_GE(took, 0.35);
+  EXPECT_LT(took, 3.0);
+  EXPECT_EQ(backend_->submitted(), 0);
+  EXPECT_NE(request(port_, "GET", "/metrics").body.find("reason=\"body_timeout\"} 1"), std::string::npos);
+}

@@ -45,7 +45,7 @@ class Server:
 
     def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = "",
                  extra_args: tuple[str, ...] = (), model: str | None = None, kv_cache_bytes: str = "64MiB",
-                 drain_timeout_s: float = 20):
+                 drain_timeout_s: float = 20, preexec_fn=None):
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-it-")
         self.model = model or model_dir()
         self.api_key = api_key
@@ -82,7 +82,7 @@ policies:
         if api_key:
             args += ["--api-key", api_key]
         args += list(extra_args)
-        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
         self.port = self._wait_for_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait_healthy()

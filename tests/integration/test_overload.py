@@ -6,6 +6,8 @@ no KV block, running or waiting request left behind."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
 import threading
 import time
@@ -155,6 +157,43 @@ def test_connection_cap_answers_503_with_retry_after_and_recovers():
         assert status == 200, body
         m = wait_idle(s)
         assert closed_count(m, "over_capacity") >= 151
+    finally:
+        s.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_descriptor_exhaustion_backs_off_and_recovers():
+    """A flood beyond the process's descriptor limit: accept() fails with EMFILE while the
+    connection stays in the backlog. The server must neither spin on it nor stop accepting."""
+    limit = 96
+    s = Server(server_yaml="  max_concurrent_connections: 100000\n",
+               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    try:
+        flood = [socket.create_connection(("127.0.0.1", s.port), timeout=10) for _ in range(limit + 40)]
+        time.sleep(1.0)
+        before = cpu_seconds(s.proc.pid)
+        time.sleep(2.0)
+        used = cpu_seconds(s.proc.pid) - before
+        assert used < 0.3, f"the server burnt {used:.2f} s of CPU in 2 s with accept() failing"
+        for c in flood:
+            c.close()
+        deadline = time.time() + 10
+        status = None
+        while time.time() < deadline:
+            try:
+                status = http(s.port, "GET", "/health", timeout=5)[0]
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert status == 200
+        m = wait_idle(s)
+        assert closed_count(m, "accept_error") >= 1
     finally:
         s.close()
 
