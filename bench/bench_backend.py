@@ -318,7 +318,7 @@ def render(args, meta: dict, backend: dict | None, policies: dict | None, png: p
     if policies:
         rows = policies["rows"]
         L.append("## Issue 3: decode with KV compression\n")
-        L.append("`kvserve bench decode` (http/cmd_bench.cpp): for each sequence it fills the engine's paged KV "
+        L.append("`kvserve bench decode` (cli/cmd_bench.cpp): for each sequence it fills the engine's paged KV "
                  "memory (`PagedKvMemory`) layer by layer with random q/k/v of *context* tokens, so the policy's "
                  "real selector decides per layer and KV head what is kept and exactly that many entries are "
                  "written into the paged pool; then it times real decode steps of the whole batch through "

@@ -26,7 +26,7 @@ nlohmann::json read_json_file(const std::string& path) {
   KV_CHECK(f, path << ": cannot open");
   try {
     return nlohmann::json::parse(f);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse errors, and numbers out of range (1e400)
     KV_FAIL(path << ": malformed JSON: " << e.what());
   }
 }

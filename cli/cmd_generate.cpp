@@ -9,6 +9,7 @@
 
 #include "backend/engine.h"
 #include "backend/llama_model.h"
+#include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
@@ -89,14 +90,7 @@ void add_generate_command(CLI::App& app) {
 
     std::vector<std::vector<int64_t>> prompts;
     if (!a->prompts_file.empty()) {
-      std::ifstream f(a->prompts_file);
-      KV_CHECK(f, a->prompts_file << ": cannot open");
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(f);
-      } catch (const nlohmann::json::parse_error& e) {
-        KV_FAIL(a->prompts_file << ": malformed JSON: " << e.what());
-      }
+      const nlohmann::json j = read_json_file(a->prompts_file);
       KV_CHECK(j.is_array() && !j.empty(), a->prompts_file << ": expected a non-empty JSON list of prompts");
       for (size_t i = 0; i < j.size(); ++i) {
         if (j[i].is_string()) {

@@ -78,3 +78,17 @@ def test_missing_shard(tmp_path):
     (dst / "model-00002-of-00006.safetensors").unlink()
     err = forward_error(dst, tmp_path)
     assert "model-00002-of-00006.safetensors" in err
+
+
+@pytest.mark.parametrize("body", ["[1, 2, 1e400]", "[1, 2,", '{"ids": 3}'])
+@pytest.mark.parametrize("command", ["forward", "generate"])
+def test_bad_input_id_files_name_the_file(command, body, tmp_path):
+    ids = tmp_path / "ids.json"
+    ids.write_text(body)
+    flag = "--input-ids" if command == "forward" else "--prompts-file"
+    args = [command, "--model", str(fixtures_dir() / "llama-gqa"), flag, str(ids)]
+    if command == "forward":
+        args += ["--output", str(tmp_path / "out.safetensors")]
+    proc = run_kvserve(*args, check=False)
+    assert proc.returncode == 1, f"expected a clean failure, got rc={proc.returncode}\n{proc.stderr}"
+    assert "kvserve: error:" in proc.stderr and "ids.json" in proc.stderr, proc.stderr
