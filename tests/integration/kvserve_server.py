@@ -44,10 +44,16 @@ class Server:
     """A running `kvserve serve`; `url` is its base URL; `log()` its stderr so far."""
 
     def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = "",
-                 extra_args: tuple[str, ...] = (), model: str | None = None):
+                 extra_args: tuple[str, ...] = (), model: str | None = None, config: pathlib.Path | None = None):
+        """config: serve this YAML file as it is (on a free port, from the repository root) instead of
+        the small test config."""
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-it-")
-        self.model = model or model_dir()
         self.api_key = api_key
+        if config is not None:
+            self.model = None
+            self._start([kvserve_bin(), "serve", "--config", str(config), "--port", "0", *extra_args])
+            return
+        self.model = model or model_dir()
         cfg = pathlib.Path(self.tmp.name) / "config.yaml"
         cfg.write_text(
             f"""model:
@@ -73,15 +79,17 @@ policies:
     window: 4
 {extra_yaml}"""
         )
+        args = [kvserve_bin(), "serve", "--config", str(cfg)]
+        if api_key:
+            args += ["--api-key", api_key]
+        self._start(args + list(extra_args))
+
+    def _start(self, args: list[str]) -> None:
         self.log_path = pathlib.Path(self.tmp.name) / "server.log"
         self.log_file = open(self.log_path, "wb")
         env = dict(os.environ)
         env.pop("KVSERVE_API_KEY", None)
-        args = [kvserve_bin(), "serve", "--config", str(cfg)]
-        if api_key:
-            args += ["--api-key", api_key]
-        args += list(extra_args)
-        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.port = self._wait_for_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait_healthy()
