@@ -16,7 +16,7 @@ SERVE_ARGS ?=
 export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := 1
 
-.PHONY: deps build model test test-cpp test-py serve fixtures bench eval train-model clean
+.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval train-model clean
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -54,10 +54,16 @@ serve: deps build model
 bench: build
 	$(PYTHON) bench/bench_backend.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks.md
 
-# Retrieval accuracy per policy x budget and perplexity under decode-time eviction -> docs/eval/.
-eval: build
+# kvserve vs llama.cpp (built from PyPI's llama-cpp-python into build-llamacpp/) on the default model.
+bench-llamacpp: build model
+	$(PYTHON) bench/bench_llamacpp.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks-llamacpp.md
+
+# Retrieval accuracy per policy x budget and perplexity under decode-time eviction on tiny-retriever,
+# then perplexity and pass key retrieval per policy on the default model (SmolLM2) -> docs/eval/.
+eval: build model
 	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --n 4 --workers 8
 	$(PYTHON) tools/eval_perplexity.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
+	$(PYTHON) tools/eval_real_model.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
 
 # Retrains models/tiny-retriever from scratch: on a CUDA GPU when there is one (5 min on an H100),
 # else on the CPU (hours; see the model card for the measured rate).
