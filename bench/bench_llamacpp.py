@@ -365,7 +365,7 @@ def render(meta: dict, res: dict) -> str:
          f"One run of `bench/bench_llamacpp.py` ({v['date']}): kvserve {v['kvserve_commit']} (torch {v['torch']}), "
          f"llama.cpp from llama-cpp-python {v['llama_cpp_python']} (ggml {v['ggml']}, commit {v['llama_cpp_commit']}, "
          f"built by `bench/llamacpp_build.sh`: CPU, GGML_NATIVE), on {v['cpu']}, {v['cores']} cores, "
-         f"{meta['threads']} threads for both engines. The machine is shared: the load average (1/5/15 min) is "
+         f"{meta['threads']} thread(s) for each engine. The machine is shared: the load average (1/5/15 min) is "
          f"beside every row; other jobs were running, so absolute figures are low and noisy, the ratios less so.", "",
          "Weights: kvserve serves `models/smollm2-135m-instruct` (the Q4_1 GGUF dequantized to float32, see "
          "`tools/make_smollm2.py`), KV cache fp32. llama.cpp runs the original Q4_1 GGUF and an F32 GGUF of the "
@@ -457,7 +457,15 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=40)
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--quick", action="store_true", help="small sizes, to try the script out")
+    ap.add_argument("--render", type=pathlib.Path, help="only re-render the markdown from this run's JSON")
     args = ap.parse_args()
+    if args.render:
+        run = json.loads(args.render.read_text())
+        text = render(run["meta"], run["results"])
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return
     if args.quick:
         args.repeats, args.prefill, args.contexts, args.seconds, args.levels = 1, [256], [16], 5, [1, 4]
     if not (pathlib.Path(args.llamacpp_dir) / "smollm2-f32.gguf").exists():
