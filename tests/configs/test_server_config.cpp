@@ -17,7 +17,7 @@ TEST(ServerConfig, DefaultsFromEmptyFile) {
   EXPECT_EQ(c.server.port, 8000);
   EXPECT_EQ(c.default_policy, "full");
   ASSERT_EQ(c.policies.count("full"), 1u);
-  EXPECT_EQ(c.model_name(), "tiny-retriever");
+  EXPECT_EQ(c.model_name(), "smollm2-135m-instruct");
 }
 
 TEST(ServerConfig, FullFile) {
@@ -124,8 +124,8 @@ TEST(ServerConfig, DefaultYamlIsValid) {
   EXPECT_EQ(c.server.host, "127.0.0.1");
   EXPECT_EQ(c.server.port, 8000);
   EXPECT_EQ(c.model.device, "cpu");
-  EXPECT_EQ(c.model.path, "models/tiny-retriever");
-  EXPECT_EQ(c.model_name(), "tiny-retriever");
+  EXPECT_EQ(c.model.path, "models/smollm2-135m-instruct");
+  EXPECT_EQ(c.model_name(), "smollm2-135m-instruct");
 }
 
 struct BadCase {

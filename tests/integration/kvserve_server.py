@@ -44,11 +44,18 @@ class Server:
     """A running `kvserve serve`; `url` is its base URL; `log()` its stderr so far."""
 
     def __init__(self, extra_yaml: str = "", api_key: str | None = None, server_yaml: str = "",
-                 extra_args: tuple[str, ...] = (), model: str | None = None, kv_cache_bytes: str = "64MiB",
-                 drain_timeout_s: float = 20, preexec_fn=None):
+                 extra_args: tuple[str, ...] = (), model: str | None = None, config: pathlib.Path | None = None,
+                 kv_cache_bytes: str = "64MiB", drain_timeout_s: float = 20, preexec_fn=None):
+        """config: serve this YAML file as it is (on a free port, from the repository root) instead of
+        the small test config."""
         self.tmp = tempfile.TemporaryDirectory(prefix="kvserve-it-")
-        self.model = model or model_dir()
         self.api_key = api_key
+        self.preexec_fn = preexec_fn
+        if config is not None:
+            self.model = None
+            self._start([kvserve_bin(), "serve", "--config", str(config), "--port", "0", *extra_args])
+            return
+        self.model = model or model_dir()
         cfg = pathlib.Path(self.tmp.name) / "config.yaml"
         cfg.write_text(
             f"""model:
@@ -74,15 +81,18 @@ policies:
     window: 4
 {extra_yaml}"""
         )
+        args = [kvserve_bin(), "serve", "--config", str(cfg)]
+        if api_key:
+            args += ["--api-key", api_key]
+        self._start(args + list(extra_args))
+
+    def _start(self, args: list[str]) -> None:
         self.log_path = pathlib.Path(self.tmp.name) / "server.log"
         self.log_file = open(self.log_path, "wb")
         env = dict(os.environ)
         env.pop("KVSERVE_API_KEY", None)
-        args = [kvserve_bin(), "serve", "--config", str(cfg)]
-        if api_key:
-            args += ["--api-key", api_key]
-        args += list(extra_args)
-        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(args, stdout=self.log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     preexec_fn=self.preexec_fn)
         self.port = self._wait_for_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait_healthy()

@@ -1,6 +1,7 @@
 """Shared helpers for the Python reference tests: where the binary and fixtures are, and running it."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -25,6 +26,15 @@ def fixtures_dir() -> pathlib.Path:
     if not (path / "VERSION").exists():
         subprocess.run([sys.executable, str(ROOT / "tools" / "make_fixture_models.py"), "--out", str(path)],
                        check=True)
+    return path
+
+
+@functools.cache
+def default_model_dir() -> pathlib.Path:
+    """The default model (SmolLM2-135M-Instruct), converted by tools/make_smollm2.py if `make model`
+    has not made it yet (the tool returns at once when the directory is current)."""
+    path = pathlib.Path(os.environ.get("KVSERVE_DEFAULT_MODEL", str(ROOT / "models" / "smollm2-135m-instruct")))
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_smollm2.py"), "--out", str(path)], check=True)
     return path
 
 

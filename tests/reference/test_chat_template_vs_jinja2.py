@@ -304,3 +304,25 @@ EXPRESSIONS = [
 def test_expression_semantics(index, batch_results):
     ok, expected = reference_render(EXPRESSIONS[index], EXPR_CONTEXT)
     check(ok, expected, batch_results[("expr", index, None)])
+
+
+@needs_bin
+def test_default_model_template_matches_jinja2(tmp_path):
+    """The default model's own template (from its tokenizer_config.json, which kvserve serves with),
+    on every conversation, with and without the generation prompt."""
+    from kvserve_testlib import default_model_dir
+    cfg = json.loads((default_model_dir() / "tokenizer_config.json").read_text(encoding="utf-8"))
+    source = cfg["chat_template"]
+    cases = [{"template": source, "context": dict(CONVERSATIONS[conv], add_generation_prompt=agp,
+                                                  bos_token=cfg["bos_token"], eos_token=cfg["eos_token"])}
+             for conv in sorted(CONVERSATIONS) for agp in GEN_PROMPT]
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases, ensure_ascii=False), encoding="utf-8")
+    p = subprocess.run([KVSERVE_BIN, "chat-template", "--batch", str(path)], capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode("utf-8", "replace")
+    results = json.loads(p.stdout.decode("utf-8"))
+    assert len(results) == len(cases)
+    for case, result in zip(cases, results):
+        ok, expected = reference_render(source, case["context"])
+        check(ok, expected, result)
+    assert any("<|im_start|>assistant\n" in r.get("output", "") for r in results)

@@ -1,4 +1,5 @@
-"""kvserve's tokenizer against Hugging Face `tokenizers`, token for token, on the fixture tokenizers.
+"""kvserve's tokenizer against Hugging Face `tokenizers`, token for token, on the fixture tokenizers
+and on the default model's (SmolLM2-135M-Instruct, converted by tools/make_smollm2.py).
 
 Runs `$KVSERVE_BIN tokenize/detokenize` on >= 5,000 generated lines per tokenizer (English, CJK,
 Arabic, emoji with ZWJ and skin tones, code, whitespace runs, control characters, digit runs,
@@ -17,10 +18,15 @@ import unicodedata
 
 import pytest
 
+from kvserve_testlib import default_model_dir
+
 tokenizers = pytest.importorskip("tokenizers")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-NAMES = ["bytelevel", "metaspace", "metaspace_pt", "qwen2"]
+FIXTURE_NAMES = ["bytelevel", "metaspace", "metaspace_pt", "qwen2"]
+# The default model's tokenizer (SmolLM2: digits split one by one, then GPT-2 byte-level BPE) gets the
+# full corpus too.
+NAMES = FIXTURE_NAMES + ["smollm2"]
 VARIANTS = ["gpt2_variant", "llama2_variant", "metaspace_always_0", "metaspace_never_1", "metaspace_first_0",
             "metaspace_legacy", "split_variant"]
 N_LINES = 5200
@@ -185,13 +191,13 @@ def tokenizer_dirs(tmp_path_factory) -> dict[str, pathlib.Path]:
     fixtures = os.environ.get("KVSERVE_FIXTURES")
     if fixtures:
         base = pathlib.Path(fixtures) / "tokenizers"
-        if all((base / n / "tokenizer.json").exists() for n in NAMES):
-            dirs = {n: base / n for n in NAMES}
-            return {**dirs, **make_variants(dirs, tmp_path_factory.mktemp("variants"))}
+        if all((base / n / "tokenizer.json").exists() for n in FIXTURE_NAMES):
+            dirs = {n: base / n for n in FIXTURE_NAMES}
+            return {**dirs, **make_variants(dirs, tmp_path_factory.mktemp("variants")), "smollm2": default_model_dir()}
     sys.path.insert(0, str(ROOT / "tools"))
     from make_fixture_tokenizers import make_tokenizers
     dirs = make_tokenizers(tmp_path_factory.mktemp("tokenizers"))
-    return {**dirs, **make_variants(dirs, tmp_path_factory.mktemp("variants"))}
+    return {**dirs, **make_variants(dirs, tmp_path_factory.mktemp("variants")), "smollm2": default_model_dir()}
 
 
 @pytest.fixture(scope="module")
