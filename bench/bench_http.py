@@ -59,21 +59,26 @@ def pct(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
-def run_level(url: str, clients: int, seconds: float, prompt: str, max_tokens: int) -> dict:
+def stream_clients(url: str, clients: int, seconds: float, request) -> dict:
+    """`clients` threads issue `request(client, i)` (a streaming completion; i counts requests) back to
+    back for `seconds`; TTFT and inter-token latency from the text chunks, tokens from the usage chunk
+    when the server sends one."""
     ttft, itl, done, tokens = [], [], [0], [0]
     lock = threading.Lock()
     stop_at = time.time() + seconds
+    counter = iter(range(1 << 30))
 
     def worker():
-        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         while time.time() < stop_at:
+            with lock:
+                i = next(counter)
             t0 = time.perf_counter()
-            last, first, n = None, None, 0
-            stream = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
-                                               temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True})
+            last, first, n, usage = None, None, 0, None
             local_itl = []
-            for chunk in stream:
+            for chunk in request(client, i):
+                if getattr(chunk, "usage", None):
+                    usage = chunk.usage.completion_tokens
                 if not chunk.choices or not chunk.choices[0].text:
                     continue
                 now = time.perf_counter()
@@ -88,7 +93,7 @@ def run_level(url: str, clients: int, seconds: float, prompt: str, max_tokens: i
                     ttft.append(first)
                 itl.extend(local_itl)
                 done[0] += 1
-                tokens[0] += n
+                tokens[0] += usage if usage else n
 
     start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(clients)]
@@ -97,8 +102,16 @@ def run_level(url: str, clients: int, seconds: float, prompt: str, max_tokens: i
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    return dict(clients=clients, requests=done[0], rps=done[0] / wall, tok_s=tokens[0] / wall,
+    return dict(clients=clients, requests=done[0], wall=wall, rps=done[0] / wall, tok_s=tokens[0] / wall,
                 ttft50=pct(ttft, 50), ttft99=pct(ttft, 99), itl50=pct(itl, 50), itl99=pct(itl, 99))
+
+
+def run_level(url: str, clients: int, seconds: float, prompt: str, max_tokens: int) -> dict:
+    def request(client, i: int):
+        return client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+
+    return stream_clients(url, clients, seconds, request)
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -42,6 +41,7 @@ MODEL = ROOT / "models" / "smollm2-135m-instruct"
 EOS = 2  # <|im_end|>
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
+import bench_http  # noqa: E402  (the streaming-client loop both engines are measured with)
 
 
 def log(*a) -> None:
@@ -50,13 +50,6 @@ def log(*a) -> None:
 
 def load_avg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 class Bench:
@@ -282,14 +275,10 @@ def run_level(url: str, engine: str, clients: int, seconds: float, prompt: str, 
     """Each client streams completions back to back until `seconds` have passed; a request under way
     then finishes and counts. Output tokens are the server's usage counts where it sends them."""
     from openai import OpenAI
-    ttft, itl, done, tokens = [], [], [0], [0]
-    lock = threading.Lock()
-    stop_at = time.time() + seconds
     # Both must produce max_tokens tokens: kvserve ignores EOS on request, llama.cpp gets EOS banned.
     extra = {"ignore_eos": True} if engine == "kvserve" else {"logit_bias": {str(EOS): -100.0}}
 
     model = "bench" if engine == "llamacpp" else "smollm2-135m-instruct"
-    counter = iter(range(1 << 30))
 
     def request(client, i: int):
         # A different first line per request: neither engine may reuse a previous request's KV.
@@ -301,43 +290,7 @@ def run_level(url: str, engine: str, clients: int, seconds: float, prompt: str, 
     for _ in request(warm, -1):  # first request pays for page faults and kernel set-up
         pass
 
-    def worker():
-        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-        while time.time() < stop_at:
-            t0 = time.perf_counter()
-            last, first, n, usage = None, None, 0, None
-            with lock:
-                i = next(counter)
-            stream = request(client, i)
-            local_itl = []
-            for chunk in stream:
-                if getattr(chunk, "usage", None):
-                    usage = chunk.usage.completion_tokens
-                if not chunk.choices or not chunk.choices[0].text:
-                    continue
-                now = time.perf_counter()
-                if first is None:
-                    first = now - t0
-                else:
-                    local_itl.append(now - last)
-                last = now
-                n += 1
-            with lock:
-                if first is not None:
-                    ttft.append(first)
-                itl.extend(local_itl)
-                done[0] += 1
-                tokens[0] += usage if usage else n
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    return dict(clients=clients, requests=done[0], wall=wall, tok_s=tokens[0] / wall, ttft50=pct(ttft, 50),
-                ttft99=pct(ttft, 99), itl50=pct(itl, 50), itl99=pct(itl, 99))
+    return bench_http.stream_clients(url, clients, seconds, request)
 
 
 def versions(lc: pathlib.Path, kvserve: str) -> dict:
