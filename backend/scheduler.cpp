@@ -39,9 +39,8 @@ void Scheduler::drop_later(Sequence& s) {
   s.sampler_added = false;
 }
 
-std::optional<std::string> Scheduler::unfit_reason(const Sequence& s) const {
-  const int64_t n = static_cast<int64_t>(s.prefill_tokens().size());
-  const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string& policy) const {
+  const PolicyConfig& cfg = options_.policies.at(policy);
   for (const Pool& p : shards_) {
     if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n) > p.usage.blocks_total)
       return "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
@@ -111,14 +110,14 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   std::vector<int64_t> need(S);
   while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence& s = *waiting_.front();
-    if (auto why = unfit_reason(s)) {
+    const auto tokens = s.prefill_tokens();
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    if (auto why = unfit_reason(n, s.req.kv_policy)) {
       drop_later(s);
       rejected->push_back({std::move(waiting_.front()), *why});
       waiting_.pop_front();
       continue;
     }
-    const auto tokens = s.prefill_tokens();
-    const int64_t n = static_cast<int64_t>(tokens.size());
     if (prefilled > 0 && prefilled + n > options_.max_num_batched_tokens) break;
     const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
     bool fits = true;

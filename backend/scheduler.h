@@ -72,7 +72,8 @@ class Scheduler {
   };
   // Frees `id` from the books at the start of the next plan.
   void drop_later(Sequence& s);
-  std::optional<std::string> unfit_reason(const Sequence& s) const;
+  // Why a prompt of `n` tokens under `policy` can never fit some shard's whole pool, if it cannot.
+  std::optional<std::string> unfit_reason(int64_t n, const std::string& policy) const;
 
   Options options_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
