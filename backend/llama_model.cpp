@@ -5,17 +5,12 @@
 #include <iostream>
 
 #include "backend/checkpoint.h"
+#include "backend/dense.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
 
 namespace kvserve {
-
-namespace {
-torch::Tensor maybe_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return b.defined() ? torch::linear(x, w, b) : torch::linear(x, w);
-}
-}  // namespace
 
 std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const LoadOptions& opt) {
   auto t0 = std::chrono::steady_clock::now();
@@ -129,14 +124,14 @@ torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& 
 }
 
 torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
-  if (!tp_) return maybe_linear(x, w, b);
-  auto partial = torch::linear(x, w).contiguous();
+  if (!tp_) return dense(x, w, b);
+  auto partial = dense(x, w).contiguous();
   tp_->all_reduce_sum(partial);
   return b.defined() ? partial + b : partial;
 }
 
 torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
-  auto gu = maybe_linear(x, l.wgate_up, l.bgate_up);
+  auto gu = dense(x, l.wgate_up, l.bgate_up);
   const int64_t I = layout_.inter_len;
   auto act = torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
   return row_parallel(act, l.wdown, l.bdown);
@@ -166,7 +161,7 @@ torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
 
 torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
   KV_CHECK(layout_.last_stage(), "internal: the LM head lives on the last pipeline stage");
-  auto local = torch::linear(rms_norm(x, final_norm_), lm_head_).to(torch::kFloat32);
+  auto local = dense(rms_norm(x, final_norm_), lm_head_).to(torch::kFloat32);
   if (!tp_) return local;
   auto all = tp_->all_gather(local.transpose(0, 1).contiguous());  // [tp * vocab_per_rank, rows]
   return all.narrow(0, 0, config_.vocab_size).transpose(0, 1).contiguous();
@@ -179,7 +174,7 @@ torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemo
   auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto qkv = maybe_linear(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
+    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
     auto q = rope_->apply(qkv.narrow(1, 0, H * D).view({T, H, D}), positions).transpose(0, 1).contiguous();
     auto k = rope_->apply(qkv.narrow(1, H * D, KV * D).view({T, KV, D}), positions).transpose(0, 1).contiguous();
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({T, KV, D}).transpose(0, 1).contiguous();
@@ -201,7 +196,7 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
   auto positions = torch::tensor(batch.positions, torch::kInt64).to(device_);
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto qkv = maybe_linear(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
+    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
     auto q = rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous();
     auto k = rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous();
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();

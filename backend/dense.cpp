@@ -1,0 +1,65 @@
+#include "backend/dense.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backend/dense_kernel.h"
+#include "common/check.h"
+
+namespace kvserve {
+namespace {
+
+bool small_batch_applies(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return x.device().is_cpu() && w.device().is_cpu() && x.scalar_type() == torch::kFloat32 &&
+         w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous() && x.dim() >= 1 &&
+         x.size(-1) == w.size(1) && (!b.defined() || (b.scalar_type() == torch::kFloat32 && b.is_contiguous() &&
+                                                     b.dim() == 1 && b.size(0) == w.size(0)));
+}
+
+// The widest kernel this CPU runs, chosen once.
+dense_kernel::RowsFn best_kernel() {
+  static const dense_kernel::RowsFn fn = [] {
+    if (auto f = dense_kernel::rows_avx512()) return f;
+    return dense_kernel::rows_avx2();
+  }();
+  return fn;
+}
+
+}  // namespace
+
+torch::Tensor small_batch_dense(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& b) {
+  KV_CHECK(small_batch_applies(x_in, w, b), "small_batch_dense: needs fp32 CPU x [.., K], contiguous W [N, K] and b [N]; got x "
+                                                << x_in.sizes() << " " << x_in.scalar_type() << ", W " << w.sizes() << " "
+                                                << w.scalar_type());
+  const dense_kernel::RowsFn kernel = best_kernel();
+  if (!kernel) return b.defined() ? torch::linear(x_in, w, b) : torch::linear(x_in, w);
+  const int64_t K = w.size(1), N = w.size(0);
+  const torch::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.view(out_shape);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Threads take contiguous slices of W's rows, in whole tiles.
+  constexpr int64_t kRowsPerTask = 64;
+  const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    kernel(xp, M, K, wp, bp, yp, N, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask));
+  });
+  return y.view(out_shape);
+}
+
+torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (small_batch_applies(x, w, b) && x.numel() / std::max<int64_t>(1, x.size(-1)) <= kSmallBatchMaxRows) {
+    return small_batch_dense(x, w, b);
+  }
+  return b.defined() ? torch::linear(x, w, b) : torch::linear(x, w);
+}
+
+}  // namespace kvserve
