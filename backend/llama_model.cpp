@@ -194,15 +194,21 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
            "decode batch of " << B << " tokens does not match its sequence list");
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   auto positions = torch::tensor(batch.positions, torch::kInt64).to(device_);
+  StepProfile unused;
+  StepProfile& p = profile_ ? *profile_ : unused;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
-    auto q = rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous();
-    auto k = rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous();
+    auto h = p.time(StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
+    auto qkv = p.time(StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv); });
+    auto q = p.time(StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous(); });
+    auto k = p.time(StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous(); });
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();
-    auto attn = kv.decode_attention(li, batch, q, k, v);  // [B, H, D]
-    x = x + row_parallel(attn.reshape({B, H * D}), l.wo, l.bo);
-    x = x + mlp(l, rms_norm(x, l.post_norm));
+    auto attn = p.time(StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
+    auto o = p.time(StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
+    x = p.time(StepProfile::kResidual, [&] { return x + o; });
+    h = p.time(StepProfile::kNorm, [&] { return rms_norm(x, l.post_norm); });
+    auto m = p.time(StepProfile::kMlp, [&] { return mlp(l, h); });
+    x = p.time(StepProfile::kResidual, [&] { return x + m; });
   }
   return x;
 }
@@ -225,7 +231,13 @@ torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int
   KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::decode runs a whole pipeline; use the sharded executor");
   KV_CHECK(!tokens.empty() && batch.seq_ids.size() == tokens.size(), "decode batch of " << tokens.size()
                                                                                         << " tokens does not match its sequence list");
-  return logits(decode_layers(batch, embed(tokens), kv));
+  StepProfile unused;
+  StepProfile& p = profile_ ? *profile_ : unused;
+  auto x = p.time(StepProfile::kEmbed, [&] { return embed(tokens); });
+  x = decode_layers(batch, x, kv);
+  auto out = p.time(StepProfile::kLogits, [&] { return logits(x); });
+  ++p.steps;
+  return out;
 }
 
 }  // namespace kvserve

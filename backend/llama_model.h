@@ -9,6 +9,7 @@
 
 #include "backend/model_config.h"
 #include "backend/rope.h"
+#include "backend/step_profile.h"
 #include "parallel/shard_layout.h"
 #include "cache_manager/kv_memory.h"
 #include "cache_manager/kv_memory_factory.h"
@@ -65,6 +66,10 @@ class LlamaModel {
   // fp32 logits [rows, V] of hidden states (last stage).
   torch::Tensor logits(const torch::Tensor& x) const;
 
+  // Decode steps add their stages' wall time to `profile` (null: off). CPU only: on CUDA the
+  // stages would time kernel launches, not kernels.
+  void set_profile(StepProfile* profile) { profile_ = profile; }
+
  private:
   struct Layer {
     torch::Tensor input_norm, post_norm;
@@ -89,6 +94,7 @@ class LlamaModel {
   std::unique_ptr<Rope> rope_;
   ShardLayout layout_;
   std::shared_ptr<parallel::ProcessGroup> tp_;
+  StepProfile* profile_ = nullptr;
 };
 
 }  // namespace kvserve

@@ -4,7 +4,8 @@
 #
 #   bench/llamacpp_build.sh [DIR]     (default build-llamacpp/, git-ignored)
 #
-# Leaves in DIR: src/ (the unpacked sdist), build/bin/ (llama-bench, libllama.so, libggml*.so), and
+# Leaves in DIR: src/ (the unpacked sdist), build/bin/ (llama-bench, llama-batched-bench, libllama.so,
+# libggml*.so), and
 # smollm2-f32.gguf: the default model's float32 weights (models/smollm2-135m-instruct, the Q4_1
 # GGUF dequantized) written back as GGUF by llama.cpp's own converter, so both engines can run the
 # same float32 weights. The Python server runs from src/ against build/bin/ (LLAMA_CPP_LIB_PATH),
@@ -36,13 +37,13 @@ fi
     "starlette-context>=0.3.6,<0.4" "pydantic-settings>=2.0.1" "diskcache>=5.6.1" sentencepiece
 }
 
-if [ ! -x "$DIR/build/bin/llama-bench" ] || [ ! -f "$DIR/build/bin/libllama.so" ]; then
-  say "building llama.cpp (CPU, shared libraries, llama-bench) with $JOBS jobs"
+if [ ! -x "$DIR/build/bin/llama-bench" ] || [ ! -x "$DIR/build/bin/llama-batched-bench" ] || [ ! -f "$DIR/build/bin/libllama.so" ]; then
+  say "building llama.cpp (CPU, shared libraries, llama-bench, llama-batched-bench) with $JOBS jobs"
   # No tests/examples/server/UI: the Python server is the one compared; no network at build time.
   nice -n 10 cmake -S "$SRC/vendor/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF >"$DIR/cmake.log" 2>&1
-  nice -n 10 cmake --build "$DIR/build" -j "$JOBS" --target llama-bench llama >"$DIR/build.log" 2>&1
+  nice -n 10 cmake --build "$DIR/build" -j "$JOBS" --target llama-bench llama-batched-bench llama >"$DIR/build.log" 2>&1
 fi
 
 F32=$DIR/smollm2-f32.gguf

@@ -31,6 +31,7 @@ struct BenchDecodeArgs {
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
   uint64_t seed = 0;
   double bandwidth_gbs = 30.0;
+  bool profile = false;
 };
 
 int64_t weight_bytes(const ModelConfig& c, int64_t elem) {
@@ -84,6 +85,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   // Decode: warmup, then timed steps; tokens are the previous step's argmax.
   std::vector<int64_t> tokens(batch, 1);
   std::vector<double> step_s;
+  StepProfile profile;
   double live_kv_bytes_sum = 0;
   for (int64_t t = 0; t < a.warmup + a.steps; ++t) {
     DecodeBatch db;
@@ -93,6 +95,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
       db.positions.push_back(context + t);
       live += mem.kept_tokens(id);
     }
+    if (a.profile && t == a.warmup) model.set_profile(&profile);
     const auto s0 = std::chrono::steady_clock::now();
     auto logits = model.decode(db, tokens, mem);
     auto next = logits.argmax(-1).to(torch::kCPU);
@@ -103,6 +106,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
       live_kv_bytes_sum += static_cast<double>((live + batch * L) * token_layer_bytes);
     }
   }
+  model.set_profile(nullptr);
   std::vector<double> sorted = step_s;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted[sorted.size() / 2];
@@ -112,7 +116,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   const double wbytes = static_cast<double>(weight_bytes(c, elem));
   const double live_kv = live_kv_bytes_sum / static_cast<double>(step_s.size());
   const double floor_s = (wbytes + live_kv) / (a.bandwidth_gbs * 1e9);
-  return nlohmann::json{{"policy", policy_name},
+  nlohmann::json out{{"policy", policy_name},
                         {"context", context},
                         {"batch", batch},
                         {"steps", a.steps},
@@ -136,6 +140,18 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         {"bandwidth_gbs", a.bandwidth_gbs},
                         {"floor_step_s", floor_s},
                         {"fraction_of_floor", floor_s / median}};
+  if (a.profile) {
+    // Mean ms per step of each stage; "other" is the rest of the mean step (argmax, host work).
+    nlohmann::json stages;
+    double staged = 0;
+    for (int i = 0; i < StepProfile::kCount; ++i) {
+      stages[StepProfile::kNames[i]] = profile.seconds[i] / static_cast<double>(profile.steps) * 1e3;
+      staged += profile.seconds[i];
+    }
+    stages["other"] = (mean - staged / static_cast<double>(profile.steps)) * 1e3;
+    out["profile_ms_per_step"] = stages;
+  }
+  return out;
 }
 
 }  // namespace
@@ -157,6 +173,7 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--seed", a->seed, "seed of the random KV");
   cmd->add_option("--bandwidth-gbs", a->bandwidth_gbs, "memory bandwidth for the floor, GB/s")->check(CLI::Range(0.001, 1e6));
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
+  cmd->add_flag("--profile", a->profile, "time each stage of the decode step (CPU; adds profile_ms_per_step)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   a->policy.add_to(cmd);
   cmd->callback([a] {

@@ -1,0 +1,27 @@
+#pragma once
+// StepProfile: wall time per stage of LlamaModel's decode step, summed over steps, for `kvserve bench
+// decode --profile` (docs/benchmarks.md "Where a decode step's time goes").
+#include <array>
+#include <chrono>
+#include <cstdint>
+
+namespace kvserve {
+
+struct StepProfile {
+  enum Stage { kEmbed, kNorm, kQkv, kRope, kAttention, kOProj, kMlp, kResidual, kLogits, kCount };
+  static constexpr const char* kNames[kCount] = {"embed",     "rms_norm",          "qkv_proj",  "rope",   "kv_append_attention",
+                                                 "o_proj",    "mlp",               "residual",  "lm_head"};
+  std::array<double, kCount> seconds{};
+  int64_t steps = 0;
+
+  // Times one stage: on CPU every op has finished when it returns, so wall time is the stage's.
+  template <class F>
+  auto time(Stage s, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = f();
+    seconds[s] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return r;
+  }
+};
+
+}  // namespace kvserve
