@@ -131,10 +131,25 @@ torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tens
 }
 
 torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
-  auto gu = dense(x, l.wgate_up, l.bgate_up);
-  const int64_t I = layout_.inter_len;
-  auto act = torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
-  return row_parallel(act, l.wdown, l.bdown);
+  const int64_t I = layout_.inter_len, T = x.size(0);
+  // Long prompts run in row chunks: the [rows, 2I] gate/up activations of a whole prompt would be
+  // hundreds of MB, past glibc's mmap threshold (fresh pages, zeroed, on every layer) and far past
+  // the caches; per-row results do not depend on the chunking.
+  constexpr int64_t kRowChunk = 512;
+  auto act_of = [&](const torch::Tensor& rows) {
+    auto gu = dense(rows, l.wgate_up, l.bgate_up);
+    return torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
+  };
+  if (T <= kRowChunk) return row_parallel(act_of(x), l.wdown, l.bdown);
+  torch::Tensor out = torch::empty({T, l.wdown.size(0)}, x.options());
+  for (int64_t s = 0; s < T; s += kRowChunk) {
+    const int64_t n = std::min(kRowChunk, T - s);
+    auto act = act_of(x.narrow(0, s, n));
+    out.narrow(0, s, n).copy_(tp_ ? dense(act, l.wdown) : dense(act, l.wdown, l.bdown));
+  }
+  if (!tp_) return out;
+  tp_->all_reduce_sum(out);  // the row-parallel sum, once for the whole prompt
+  return l.bdown.defined() ? out + l.bdown : out;
 }
 
 const LlamaModel::Layer& LlamaModel::layer(int64_t global) const {
