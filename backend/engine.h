@@ -61,7 +61,7 @@ class EngineOverloaded : public std::runtime_error {
 
 class Engine {
  public:
-  // `runner` executes the model (a sharded job's rank 0); null = this process, a LocalRunner.
+  // `runner` executes the model (a sharded job's ShardedRunner); null = this process, a LocalRunner.
   Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
          std::unique_ptr<ModelRunner> runner = nullptr);
   ~Engine();  // shutdown(false)
@@ -77,11 +77,11 @@ class Engine {
   void cancel(const std::string& request_id);
   // Stops admitting; drain = finish in-flight work first, else abort it; joins the loop thread.
   void shutdown(bool drain);
-  // False once the model runner failed for good (a rank of a sharded job died or hung): every
+  // False once the model runner failed for good (a shard of a sharded job died or hung): every
   // in-flight request got an error, and new ones are refused.
   bool healthy() const { return healthy_.load(); }
   std::string unhealthy_reason() const;
-  // Marks the engine unhealthy from outside (the launcher saw a rank exit); in-flight requests fail
+  // Marks the engine unhealthy from outside (the launcher saw a shard's process exit); in-flight requests fail
   // at their next step.
   void mark_unhealthy(const std::string& reason);
 

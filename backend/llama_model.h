@@ -28,7 +28,7 @@ struct LoadOptions {
   std::string dtype;  // empty = device default
   bool progress;
   // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
-  // tensor-parallel group whose ranks hold the other slices.
+  // tensor-parallel group whose members hold the other slices.
   ShardLayout layout;
   std::shared_ptr<parallel::ProcessGroup> tp_group;
 };
@@ -56,7 +56,7 @@ class LlamaModel {
   // One new token per sequence at batch.positions; returns fp32 logits [B, V].
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv);
 
-  // The pieces a pipeline stage runs (every tensor-parallel rank of the stage calls them together).
+  // The pieces a pipeline stage runs (every tensor-parallel shard of the stage calls them together).
   // Hidden states [T, hidden] of the token ids (first stage).
   torch::Tensor embed(const std::vector<int64_t>& tokens) const;
   // This shard's layers over a prompt's hidden states [T, hidden] (positions 0..T-1).

@@ -1,6 +1,6 @@
 #pragma once
 // ModelRunner: executes the scheduler's StepPlans on the model and its KV memory. LocalRunner is one
-// process; ShardedRunner (sharded_runner.h) drives a tensor x pipeline parallel job from rank 0.
+// process; ShardedRunner (backend/sharded/) drives every shard of a tensor x pipeline parallel job.
 #include <memory>
 #include <string>
 
@@ -17,7 +17,7 @@ class ModelRunner {
   virtual ~ModelRunner() = default;
   // Runs one plan: releases, sampler changes, the decode, then the prefills. A failing decode or
   // prefill is reported in the result and the rest still runs; an exception means the runner is
-  // dead (a sharded job lost a rank). An empty plan reports the pools only.
+  // dead (a sharded job lost a shard). An empty plan reports the pools only.
   virtual StepResult execute(const StepPlan& plan) = 0;
   // The engine has been idle for a while (a sharded runner keeps its workers' links alive).
   virtual void idle() {}

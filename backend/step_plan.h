@@ -1,6 +1,6 @@
 #pragma once
 // StepPlan and StepResult: one engine step as the scheduler decides it and as a runner reports it.
-// One plan drives one process or every rank of a sharded job alike, so it holds plain values only.
+// One plan drives one process or every shard of a sharded job alike, so it holds plain values only.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -70,7 +70,7 @@ struct StepResult {
   std::vector<SampledToken> decoded;  // one per decode row, unless decode_error is set
   std::string decode_error;           // non-empty: the decode failed for every row
   std::vector<PrefillOutcome> prefilled;  // one per plan prefill
-  std::vector<ShardUsage> shards;         // one per rank holding KV (one for a single process)
+  std::vector<ShardUsage> shards;         // one per shard holding KV (one for a single process)
 };
 
 // Pool occupancy in blocks, summed over every shard of the job.
@@ -80,7 +80,7 @@ struct KvUsage {
   int64_t blocks_high_water = 0;
 };
 
-// One rank's pool after `plan` ran: geometry, occupancy, and the touched sequences' blocks.
+// One shard's pool after `plan` ran: geometry, occupancy, and the touched sequences' blocks.
 ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan);
 
 }  // namespace kvserve

@@ -35,14 +35,9 @@ class KvMemory {
   // Tokens held for (sequence, layer); layers may differ once a policy compressed them.
   virtual int64_t cached_tokens(int64_t seq_id, int64_t layer) const = 0;
 
-  // Admission accounting for the scheduler.
-  // Could a prompt of this length be prefilled now (its kept KV plus the transient working set)?
-  virtual bool can_prefill(int64_t prompt_len, const std::string& policy) const = 0;
-  // Could it ever be, with the pool empty? False means the request must be refused.
-  virtual bool fits_when_empty(int64_t prompt_len, const std::string& policy) const = 0;
-  // Could every listed sequence append one more token now?
-  virtual bool can_decode(const std::vector<int64_t>& seq_ids) const = 0;
-  // Pool occupancy in blocks (a block = block_size tokens of one layer, all KV heads).
+  // Pool occupancy in blocks (a block = block_size tokens of one layer, all KV heads). Admission is
+  // not asked here: the scheduler runs PagedKvMemory::prompt_blocks and decode_demand on every
+  // shard's reported usage.
   virtual int64_t blocks_total() const = 0;
   virtual int64_t blocks_used() const = 0;
   virtual int64_t blocks_high_water() const = 0;

@@ -6,7 +6,7 @@ namespace kvserve {
 
 std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
                                               std::map<std::string, PolicyConfig> policies,
-                                              const std::string& default_policy, KvShard hooks) {
+                                              const std::string& default_policy, KvShard shard) {
   KV_CHECK(layout.num_layers > 0 && layout.num_kv_heads > 0 && layout.head_dim > 0,
            "internal: a KV memory needs layers, KV heads and a head size");
   KvPoolOptions pool;
@@ -17,9 +17,9 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   pool.kv_cache_bytes = size.kv_cache_bytes;
   pool.dtype = layout.dtype;
   pool.device = layout.device;
-  hooks.first_layer = layout.first_layer;
-  hooks.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
-  return std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(hooks));
+  shard.first_layer = layout.first_layer;
+  shard.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
+  return std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));
 }
 
 }  // namespace kvserve

@@ -30,10 +30,10 @@ struct KvPoolSize {
   int64_t kv_cache_bytes = 0;
 };
 
-// `policies`: the named policies sequences may ask for ("full" is always there); `hooks`: the
-// tensor-parallel gatherers of a sharded job (its layer fields are taken from `layout`).
+// `policies`: the named policies sequences may ask for ("full" is always there); `shard`: a sharded
+// job's score exchange (its layer fields are taken from `layout`).
 std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
                                               std::map<std::string, PolicyConfig> policies,
-                                              const std::string& default_policy = "full", KvShard hooks = {});
+                                              const std::string& default_policy = "full", KvShard shard = {});
 
 }  // namespace kvserve

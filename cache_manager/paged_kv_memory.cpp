@@ -34,6 +34,7 @@ PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std:
     : num_layers_(num_layers), shard_(std::move(shard)), cache_(num_layers, pool), policies_(std::move(policies)),
       default_policy_(std::move(default_policy)) {
   if (shard_.total_layers == 0) shard_.total_layers = num_layers;
+  if (!shard_.exchange) shard_.exchange = std::make_shared<LocalScoreExchange>();
   KV_CHECK(shard_.first_layer >= 0 && shard_.first_layer + num_layers <= shard_.total_layers,
            "KV shard layers [" << shard_.first_layer << ", " << shard_.first_layer + num_layers << ") outside the model's "
                                << shard_.total_layers);
@@ -78,10 +79,6 @@ int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g,
   return n;
 }
 
-int64_t PagedKvMemory::blocks_for_prompt(int64_t prompt_len, const std::string& name) const {
-  return prompt_blocks(policy(name), geometry(), prompt_len);
-}
-
 int64_t PagedKvMemory::decode_demand(const std::vector<int64_t>& seq_ids) const {
   const int64_t bs = cache_.block_size();
   int64_t demand = 0;
@@ -112,42 +109,6 @@ int64_t PagedKvMemory::blocks_held(int64_t seq_id) const {
   return n;
 }
 
-bool PagedKvMemory::can_prefill(int64_t prompt_len, const std::string& p) const {
-  return blocks_for_prompt(prompt_len, p) <= cache_.free_blocks();
-}
-
-bool PagedKvMemory::fits_when_empty(int64_t prompt_len, const std::string& p) const {
-  return blocks_for_prompt(prompt_len, p) <= cache_.total_blocks();
-}
-
-bool PagedKvMemory::can_decode(const std::vector<int64_t>& seq_ids) const {
-  // Mirrors decode_attention layer by layer: decode-time evictions first (each compacts into fresh
-  // blocks before freeing the old ones), then one appended token per sequence.
-  const int64_t bs = cache_.block_size();
-  int64_t free = cache_.free_blocks();
-  std::vector<int64_t> len(seq_ids.size()), held(seq_ids.size());
-  for (int64_t l = 0; l < num_layers_; ++l) {
-    for (size_t i = 0; i < seq_ids.size(); ++i) {
-      const LayerBlocks& lb = cache_.layer_blocks(seq_ids[i], l);
-      len[i] = lb.length;
-      held[i] = static_cast<int64_t>(lb.blocks.size());
-      auto it = seqs_.find(seq_ids[i]);
-      if (it == seqs_.end() || it->second.evictors.empty()) continue;
-      const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
-      if (!ev.needs_eviction(len[i] + 1)) continue;
-      const int64_t target = std::min(len[i], ev.target_count());
-      const int64_t fresh = cache_.blocks_needed({target});
-      if (fresh > free) return false;
-      free += held[i] - fresh;
-      len[i] = target;
-      held[i] = fresh;
-    }
-    for (size_t i = 0; i < seq_ids.size(); ++i) free -= len[i] == held[i] * bs;
-    if (free < 0) return false;
-  }
-  return true;
-}
-
 int64_t PagedKvMemory::kept_tokens(int64_t seq_id) const {
   if (!cache_.has_sequence(seq_id)) return 0;
   int64_t n = 0;
@@ -164,7 +125,7 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
   s.prompt_len = prompt_len;
   if (!cfg.is_full()) {
     s.selector = std::make_unique<PrefillSelector>(cfg, shard_.total_layers, cache_.num_kv_heads(), prompt_len);
-    if (shard_.score_gatherer) s.selector->set_score_gatherer(shard_.score_gatherer);
+    s.selector->set_exchange(*shard_.exchange);
   }
   if (cfg.decode_budget > 0) {
     for (int64_t l = 0; l < num_layers_; ++l) s.evictors.emplace_back(cfg, shard_.first_layer + l);
@@ -186,17 +147,18 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   SeqState& s = seqs_.at(seq_id);
   const int64_t KV = k.size(0), T = k.size(1), D = k.size(2);
   const int64_t ll = local(layer);
+  if (ll == 0 && shard_.first_layer > 0 && s.selector && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
   if (!s.selector || !s.selector->compresses()) {
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.write(seq_id, ll, k, v, pos);
     return;
   }
   torch::Tensor scorer_q = q;
-  if (shard_.query_gatherer && scorer_needs_queries(s.policy->scorer)) {
+  if (shard_.exchange->gathers_queries() && scorer_needs_queries(s.policy->scorer)) {
     // Window scorers read only the window's queries: gather just those rows.
     const bool all_rows = s.policy->scorer == ScorerKind::kAccumulatedAttention;
     const int64_t rows = all_rows ? T : std::min<int64_t>(s.policy->window, T);
-    scorer_q = shard_.query_gatherer(q.narrow(1, T - rows, rows).contiguous());
+    scorer_q = shard_.exchange->gather_queries(q.narrow(1, T - rows, rows).contiguous());
   }
   torch::Tensor kept = s.selector->on_layer(layer, scorer_q, k);  // [KV, n] ascending positions
   auto idx = kept.to(k.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
@@ -206,13 +168,45 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
 
 void PagedKvMemory::end_prefill(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
-  if (s.selector && s.selector->is_dynamic()) {
-    // Later stages' layers still decide this shard's DynamicKV budgets: wait for them.
-    if (!last_shard()) return;
-    s.selector->finish();
-    s.final_dynamic = s.selector->dynamic_budgets();
-  }
+  if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
   settle(seq_id);
+}
+
+void PagedKvMemory::receive_earlier_scores(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  const LayerScores earlier = shard_.exchange->receive_scores();
+  for (size_t i = 0; i < earlier.layers.size(); ++i) {
+    s.selector->replay_layer(earlier.layers[i], earlier.scores[static_cast<int64_t>(i)]);
+    apply_updates(seq_id);
+  }
+}
+
+LayerScores PagedKvMemory::scores_so_far(int64_t seq_id) const {
+  const PrefillSelector& sel = *seqs_.at(seq_id).selector;
+  LayerScores out;
+  std::vector<torch::Tensor> scores;
+  for (int64_t l = 0; l < shard_.first_layer + num_layers_; ++l) {
+    if (sel.layer_budgets()[static_cast<size_t>(l)].full) continue;
+    out.layers.push_back(l);
+    scores.push_back(sel.layer_scores(l));
+  }
+  if (!scores.empty()) out.scores = torch::stack(scores);
+  return out;
+}
+
+void PagedKvMemory::finish_dynamic(int64_t seq_id) {
+  PrefillSelector& sel = *seqs_.at(seq_id).selector;
+  std::vector<int64_t> final_budgets;
+  if (last_shard()) {
+    sel.finish();
+    final_budgets = sel.dynamic_budgets();
+  } else {
+    shard_.exchange->send_scores(scores_so_far(seq_id));
+  }
+  if (holds_every_layer()) return;
+  // The last shard alone saw every layer's scores: its final budgets settle the earlier shards.
+  final_budgets = shard_.exchange->agree_final_budgets(final_budgets);
+  if (!last_shard()) sel.apply_final_budgets(final_budgets);
 }
 
 void PagedKvMemory::settle(int64_t seq_id) {
@@ -230,39 +224,6 @@ int64_t PagedKvMemory::local(int64_t layer) const {
   KV_CHECK(l >= 0 && l < num_layers_, "layer " << layer << " is not held by this KV shard [" << shard_.first_layer << ", "
                                                << shard_.first_layer + num_layers_ << ")");
   return l;
-}
-
-bool PagedKvMemory::is_dynamic_prefill(int64_t seq_id) const {
-  auto it = seqs_.find(seq_id);
-  return it != seqs_.end() && it->second.selector && it->second.selector->is_dynamic();
-}
-
-void PagedKvMemory::import_layer_scores(int64_t seq_id, int64_t layer, const torch::Tensor& scores) {
-  SeqState& s = seqs_.at(seq_id);
-  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not in a DynamicKV prefill");
-  s.selector->replay_layer(layer, scores);
-  apply_updates(seq_id);
-}
-
-std::pair<std::vector<int64_t>, torch::Tensor> PagedKvMemory::export_layer_scores(int64_t seq_id, int64_t up_to) const {
-  const SeqState& s = seqs_.at(seq_id);
-  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not in a DynamicKV prefill");
-  std::vector<int64_t> layers;
-  std::vector<torch::Tensor> scores;
-  for (int64_t l = 0; l < up_to; ++l) {
-    if (s.selector->layer_budgets()[static_cast<size_t>(l)].full) continue;
-    layers.push_back(l);
-    scores.push_back(s.selector->layer_scores(l));
-  }
-  return {layers, scores.empty() ? torch::Tensor() : torch::stack(scores)};
-}
-
-void PagedKvMemory::apply_final_budgets(int64_t seq_id, const std::vector<int64_t>& scored) {
-  SeqState& s = seqs_.at(seq_id);
-  KV_CHECK(s.selector && s.selector->is_dynamic(), "sequence " << seq_id << " is not waiting for DynamicKV budgets");
-  s.selector->apply_final_budgets(scored);
-  s.final_dynamic = scored;
-  settle(seq_id);
 }
 
 torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,

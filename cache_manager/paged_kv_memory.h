@@ -1,6 +1,5 @@
 #pragma once
 // PagedKvMemory: the model's KV memory on the paged pool, with each sequence's policy choosing what it keeps.
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,6 +11,7 @@
 #include "policies/decode_evictor.h"
 #include "policies/policy_config.h"
 #include "policies/prefill_selector.h"
+#include "policies/score_exchange.h"
 
 namespace kvserve {
 
@@ -19,17 +19,15 @@ namespace kvserve {
 // validated policy configs; "full" is always present.
 std::map<std::string, PolicyConfig> resolve_policies(const std::map<std::string, std::map<std::string, std::string>>& specs);
 
-// Where one shard's layers and KV heads sit in the whole model (pipeline and tensor parallel).
-// Layer indices passed to the memory are always global; budgets use the model's layer count.
+// Where one shard's layers and KV heads sit in the whole model (layers and heads may be split
+// across shards). Layer indices passed to the memory are always global; budgets use the model's
+// layer count.
 struct KvShard {
   int64_t first_layer = 0;
   int64_t total_layers = 0;  // 0 = this memory holds every layer
-  // TP: DynamicKV's pooled scores of this rank's KV heads -> every KV head's (an all-gather), so
-  // every rank budgets from the same scores.
-  PrefillSelector::ScoreGatherer score_gatherer;
-  // TP with replicated KV heads: this rank's query rows [H_local, Tq, D] -> the query heads of its
-  // KV head's whole group [H / KV, Tq, D] (scorers then see what one process sees).
-  std::function<torch::Tensor(const torch::Tensor& q)> query_gatherer;
+  // How this shard's policies share scores with the other shards so that every shard keeps what one
+  // process would; null = one process (LocalScoreExchange).
+  std::shared_ptr<ScoreExchange> exchange;
 };
 
 class PagedKvMemory final : public KvMemory {
@@ -46,9 +44,6 @@ class PagedKvMemory final : public KvMemory {
   void release(int64_t seq_id) override;
   int64_t cached_tokens(int64_t seq_id, int64_t layer) const override { return cache_.length(seq_id, local(layer)); }
 
-  bool can_prefill(int64_t prompt_len, const std::string& policy) const override;
-  bool fits_when_empty(int64_t prompt_len, const std::string& policy) const override;
-  bool can_decode(const std::vector<int64_t>& seq_ids) const override;
   int64_t blocks_total() const override { return cache_.total_blocks(); }
   int64_t blocks_used() const override { return cache_.used_blocks(); }
   int64_t blocks_high_water() const override { return cache_.high_water_blocks(); }
@@ -57,7 +52,7 @@ class PagedKvMemory final : public KvMemory {
   const PolicyConfig& policy(const std::string& name) const;
 
   // Admission arithmetic, also for a shard whose memory lives in another process (the scheduler
-  // runs it on rank 0 for every shard of a sharded job).
+  // runs it in the driving process for every shard of a sharded job).
   struct Geometry {
     int64_t first_layer = 0, num_layers = 0, total_layers = 0, num_kv_heads = 0, block_size = 16;
   };
@@ -76,28 +71,22 @@ class PagedKvMemory final : public KvMemory {
   // Kept positions [local KV heads, n] of a (global) layer.
   torch::Tensor kept_positions(int64_t seq_id, int64_t layer) const { return cache_.positions(seq_id, local(layer)); }
 
-  // Pipeline parallel DynamicKV (docs/parallel.md, "KV policies across shards"). A stage imports the (gathered)
-  // scores of every earlier stage's layer before its own layers, exports the scores of all layers
-  // up to its last, and a stage that is not the last settles when the last stage's final budgets
-  // arrive (end_prefill leaves it waiting).
-  bool is_dynamic_prefill(int64_t seq_id) const;
-  void import_layer_scores(int64_t seq_id, int64_t layer, const torch::Tensor& scores);
-  // Layers [0, up_to) whose scores this sequence's selector holds, and the scores [n, heads, N].
-  std::pair<std::vector<int64_t>, torch::Tensor> export_layer_scores(int64_t seq_id, int64_t up_to) const;
-  // Last stage, after end_prefill: DynamicKV's final scored budgets of every layer.
-  const std::vector<int64_t>& final_dynamic_budgets(int64_t seq_id) const { return seqs_.at(seq_id).final_dynamic; }
-  void apply_final_budgets(int64_t seq_id, const std::vector<int64_t>& scored);
-  const KvShard& shard() const { return shard_; }
   const PagedKvCache& cache() const { return cache_; }
   PagedKvCache& cache() { return cache_; }
 
  private:
-  // Per-layer tokens a prompt occupies at its peak under `policy` (DynamicKV: its candidates).
-  int64_t blocks_for_prompt(int64_t prompt_len, const std::string& policy) const;
   void apply_updates(int64_t seq_id);
+  // DynamicKV with the layers split across shards (docs/parallel.md, "KV policies across shards"):
+  // a shard after the first replays the earlier shards' scores before its first layer; after its
+  // last layer a shard before the last passes every layer's scores on, and all agree on the final
+  // budgets the last shard computed.
+  void receive_earlier_scores(int64_t seq_id);
+  LayerScores scores_so_far(int64_t seq_id) const;
+  void finish_dynamic(int64_t seq_id);
   void settle(int64_t seq_id);
   int64_t local(int64_t layer) const;
   bool last_shard() const { return shard_.first_layer + num_layers_ == shard_.total_layers; }
+  bool holds_every_layer() const { return shard_.first_layer == 0 && last_shard(); }
 
   // One sequence's policy state; the selector lives only during prefill.
   struct SeqState {
@@ -105,7 +94,6 @@ class PagedKvMemory final : public KvMemory {
     std::unique_ptr<PrefillSelector> selector;
     std::vector<DecodeEvictor> evictors;  // per layer; empty when the policy never evicts in decode
     std::vector<int64_t> budgets;
-    std::vector<int64_t> final_dynamic;
     int64_t prompt_len = 0;
   };
   int64_t num_layers_;

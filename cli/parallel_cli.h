@@ -5,7 +5,7 @@
 #include <optional>
 #include <string>
 
-#include "backend/parallel_job.h"
+#include "backend/sharded/parallel_job.h"
 #include "configs/server_config.h"
 
 namespace kvserve::cli {

@@ -61,7 +61,7 @@ struct SchedulerSection {
   int64_t max_waiting = 256;
 };
 
-// Tensor x pipeline parallelism and the multi-process launch (world = tensor x pipeline ranks).
+// Tensor x pipeline parallelism and the multi-process launch (one process per shard: tensor x pipeline).
 struct ParallelSection {
   int64_t tensor_parallel_size = 1;
   int64_t pipeline_parallel_size = 1;
@@ -71,7 +71,7 @@ struct ParallelSection {
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;      // 0 = a free local port (single node only)
-  double timeout_s = 20.0;  // every collective; a dead or hung rank fails the job after at most this
+  double timeout_s = 20.0;  // every collective; a dead or hung process fails the job after at most this
 };
 
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies

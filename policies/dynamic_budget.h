@@ -22,9 +22,8 @@ std::vector<int64_t> dynamic_rebudget(const std::vector<int64_t>& hits, int64_t 
                                       int64_t num_layers, int64_t cap, const std::vector<int64_t>& current);
 
 // The state of DynamicKV budgets for one sequence: per-layer scored budgets (window excluded) and
-// the pooled per-layer scores they are computed from. The scores may be this rank's KV heads or,
-// after a TP all-gather, every rank's (heads concatenated in rank order); budgets come out the same
-// on every shard as long as every shard feeds the same scores.
+// the pooled per-layer scores they are computed from: every KV head's (a shard holding only some
+// heads gets the others' through its ScoreExchange), so budgets come out the same on every shard.
 class DynamicBudget {
  public:
   // base = B - window, bs = min(r_max * base, prompt - window), m = update interval.

@@ -8,9 +8,17 @@
 
 namespace kvserve {
 
+namespace {
+ScoreExchange& one_process() {
+  static LocalScoreExchange exchange;
+  return exchange;
+}
+}  // namespace
+
 PrefillSelector::PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, int64_t num_kv_heads,
                                  int64_t prompt_len)
-    : cfg_(cfg), num_layers_(num_layers), num_kv_heads_(num_kv_heads), prompt_len_(prompt_len) {
+    : cfg_(cfg), num_layers_(num_layers), num_kv_heads_(num_kv_heads), prompt_len_(prompt_len),
+      exchange_(&one_process()) {
   KV_CHECK(num_layers >= 1, "PrefillSelector: num_layers must be >= 1, got " << num_layers);
   KV_CHECK(num_kv_heads >= 1, "PrefillSelector: num_kv_heads must be >= 1, got " << num_kv_heads);
   KV_CHECK(prompt_len >= 1, "PrefillSelector: prompt_len must be >= 1, got " << prompt_len);
@@ -53,9 +61,8 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
     return with_window(stable_top_positions(scores, std::min(lb.scored, scored_region_)), lb.window, dev);
   }
 
-  // DynamicKV: keep the bs best as candidates in score order; budget from (gathered) scores.
-  auto global = gatherer_ ? gatherer_(layer, scores) : scores;
-  dynamic_->set_layer_scores(layer, global);
+  // DynamicKV: keep the bs best as candidates in score order; budget from every KV head's scores.
+  dynamic_->set_layer_scores(layer, exchange_->gather_scores(layer, scores));
   order_[layer] = stable_rank_order(scores, std::min(dynamic_->budgets()[layer], scored_region_));
   auto kept = with_window(std::get<0>(torch::sort(order_[layer], 1)), lb.window, dev);
   if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));

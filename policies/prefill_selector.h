@@ -1,7 +1,6 @@
 #pragma once
 // PrefillSelector: per-sequence, layer-by-layer choice of the prompt positions each layer keeps.
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -11,6 +10,7 @@
 #include "policies/budget_allocator.h"
 #include "policies/dynamic_budget.h"
 #include "policies/policy_config.h"
+#include "policies/score_exchange.h"
 
 namespace kvserve {
 
@@ -19,11 +19,6 @@ namespace kvserve {
 // take_updates() once more. Device-agnostic: outputs live on the keys' device.
 class PrefillSelector {
  public:
-  // TP hook: given a layer and this rank's pooled scores [local KV heads, T - window], returns the
-  // scores of every KV head across ranks [all KV heads, T - window] (an all-gather, heads in rank
-  // order). DynamicKV then budgets from the gathered scores, identically on every rank.
-  using ScoreGatherer = std::function<torch::Tensor(int64_t layer, const torch::Tensor& local_scores)>;
-
   PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, int64_t num_kv_heads, int64_t prompt_len);
 
   // Kept positions of `layer`, int64 [KV, n_l] sorted ascending per head, the window included. For
@@ -46,18 +41,22 @@ class PrefillSelector {
   bool compresses() const { return compresses_; }
   bool is_dynamic() const { return dynamic_.has_value(); }
 
-  void set_score_gatherer(ScoreGatherer gatherer) { gatherer_ = std::move(gatherer); }
-  // DynamicKV's pooled scores of `layer` as used for budgeting (gathered ones when a gatherer is set).
+  // Where DynamicKV gets every KV head's scores of a layer when this shard holds only some of the
+  // heads (default: the one-process exchange, which passes them through). Must outlive the selector.
+  void set_exchange(ScoreExchange& exchange) { exchange_ = &exchange; }
+  // DynamicKV's pooled scores of `layer` as used for budgeting (every KV head's).
   torch::Tensor layer_scores(int64_t layer) const;
-  // PP: scores of a layer this selector never sees (owned by another stage), [all KV heads, T - w].
+  // Layers split across shards: scores of a layer this selector never sees (another shard holds
+  // it), [all KV heads, T - w].
   void import_layer_scores(int64_t layer, const torch::Tensor& scores);
-  // PP: an earlier stage's layer, in layer order with on_layer: imports its scores and runs the
-  // DynamicKV update due after it, exactly as if the layer had been seen here.
+  // Layers split across shards: an earlier shard's layer, in layer order with on_layer: imports its
+  // scores and runs the DynamicKV update due after it, exactly as if the layer had been seen here.
   void replay_layer(int64_t layer, const torch::Tensor& scores);
   // DynamicKV scored budgets per layer (window excluded) as they stand.
   std::vector<int64_t> dynamic_budgets() const;
-  // PP: the final DynamicKV budgets the last stage computed (scored, window excluded; budgets only
-  // shrink, so the final ones decide). Layers seen here shrink to them; call take_updates after.
+  // Layers split across shards: the final DynamicKV budgets the shard holding the last layer
+  // computed (scored, window excluded; budgets only shrink, so the final ones decide). Layers seen
+  // here shrink to them; call take_updates after.
   void apply_final_budgets(const std::vector<int64_t>& scored);
 
   const PolicyConfig& config() const { return cfg_; }
@@ -76,7 +75,7 @@ class PrefillSelector {
   std::optional<DynamicBudget> dynamic_;
   std::vector<torch::Tensor> order_;  // DynamicKV: per layer [KV, budget] positions in score order
   std::vector<std::pair<int64_t, torch::Tensor>> pending_;
-  ScoreGatherer gatherer_;
+  ScoreExchange* exchange_;
 };
 
 }  // namespace kvserve

@@ -11,7 +11,7 @@
 
 namespace kvserve {
 
-namespace jinja {
+namespace text::jinja {
 struct Program;
 }
 
@@ -43,7 +43,7 @@ class ChatTemplate {
 
  private:
   std::string source_;
-  std::shared_ptr<const jinja::Program> program_;
+  std::shared_ptr<const text::jinja::Program> program_;
 };
 
 }  // namespace kvserve

@@ -12,7 +12,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace kvserve::jinja {
+namespace kvserve::text::jinja {
 
 struct Value;
 struct Dict;
@@ -184,4 +184,4 @@ struct Limits {
 // Renders a Program against a dict of variables.
 std::string render(const Program& program, const Value& context, const Limits& limits = {});
 
-}  // namespace kvserve::jinja
+}  // namespace kvserve::text::jinja

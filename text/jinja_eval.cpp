@@ -9,7 +9,7 @@
 #include "text/chat_template.h"
 #include "text/jinja.h"
 
-namespace kvserve::jinja {
+namespace kvserve::text::jinja {
 namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw TemplateError(msg); }
@@ -2066,4 +2066,4 @@ std::string render(const Program& program, const Value& context, const Limits& l
   return out;
 }
 
-}  // namespace kvserve::jinja
+}  // namespace kvserve::text::jinja

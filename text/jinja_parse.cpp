@@ -6,7 +6,7 @@
 #include "text/chat_template.h"
 #include "text/jinja.h"
 
-namespace kvserve::jinja {
+namespace kvserve::text::jinja {
 namespace {
 
 [[noreturn]] void syntax_error(const std::string& msg, int line) {
@@ -1095,4 +1095,4 @@ std::shared_ptr<const Program> parse(const std::string& source) {
   return p;
 }
 
-}  // namespace kvserve::jinja
+}  // namespace kvserve::text::jinja

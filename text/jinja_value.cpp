@@ -10,7 +10,7 @@
 #include "text/chat_template.h"
 #include "text/jinja.h"
 
-namespace kvserve::jinja {
+namespace kvserve::text::jinja {
 
 uint32_t next_cp(std::string_view s, size_t& i) {
   unsigned char c = s[i];
@@ -536,4 +536,4 @@ std::string to_json(const Value& v, int indent, const std::string& indent_str, b
   return out;
 }
 
-}  // namespace kvserve::jinja
+}  // namespace kvserve::text::jinja

@@ -286,10 +286,10 @@ struct StripNorm : Normalizer {
 // NFC: canonical composition (tables in tokenizer_nfc.h).
 struct NfcNorm : Normalizer {
   void apply(Piece& p) const override {
-    if (nfc::is_nfc_quick(p.s)) return;
+    if (text::nfc::is_nfc_quick(p.s)) return;
     // Offsets only matter for "does this piece start the input", which NFC cannot change.
     const uint32_t o = p.orig.empty() ? 0 : p.orig.front();
-    p.s = nfc::to_nfc(p.s);
+    p.s = text::nfc::to_nfc(p.s);
     p.orig.assign(p.s.size(), o);
   }
 };

@@ -11,7 +11,7 @@
 // the two-character decompositions whose composite is its own NFC (this leaves out the
 // composition exclusions, singletons and non-starter decompositions).
 
-namespace kvserve::nfc {
+namespace kvserve::text::nfc {
 namespace {
 
 constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
@@ -113,4 +113,4 @@ std::string to_nfc(std::string_view s) {
   return r;
 }
 
-}  // namespace kvserve::nfc
+}  // namespace kvserve::text::nfc

@@ -3,11 +3,11 @@
 #include <string>
 #include <string_view>
 
-namespace kvserve::nfc {
+namespace kvserve::text::nfc {
 
 // True when s is certainly unchanged by NFC (a cheap scan; false means "run to_nfc").
 bool is_nfc_quick(std::string_view s);
 // Canonical decomposition, canonical ordering, then canonical composition. s must be valid UTF-8.
 std::string to_nfc(std::string_view s);
 
-}  // namespace kvserve::nfc
+}  // namespace kvserve::text::nfc

@@ -3,7 +3,7 @@
 // Only tokenizer_nfc.cpp includes this file.
 #include <cstdint>
 
-namespace kvserve::nfc::data {
+namespace kvserve::text::nfc::data {
 
 // Canonical decompositions: code point -> (first, second or 0); sorted by code point.
 struct Decomp {
@@ -641,4 +641,4 @@ inline constexpr Comp kComp[] = {
     {0x114B9, 0x114BA, 0x114BB}, {0x114B9, 0x114BD, 0x114BE}, {0x115B8, 0x115AF, 0x115BA}, {0x115B9, 0x115AF, 0x115BB}, {0x11935, 0x11930, 0x11938},
 };
 
-}  // namespace kvserve::nfc::data
+}  // namespace kvserve::text::nfc::data

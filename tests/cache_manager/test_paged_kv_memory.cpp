@@ -1,4 +1,4 @@
-// PagedKvMemory (backend/paged_kv_memory.h) driven directly with random q/k/v, every policy:
+// PagedKvMemory (cache_manager/paged_kv_memory.h) driven directly with random q/k/v, every policy:
 // pool accounting at every step, the prefill high-water bound, per-layer budgets, kept K/V equal to
 // the prompt's rows at the kept positions (DynamicKV compaction leaves subsets), decode at true
 // positions, decode-time eviction, and a pool too small for a request (clear error, others intact).
@@ -58,6 +58,22 @@ KvPoolOptions pool_opts(int64_t blocks) {
 PagedKvMemory make_memory(int64_t blocks) { return PagedKvMemory(kL, pool_opts(blocks), resolve_policies(all_specs())); }
 
 int64_t blocks_for(int64_t tokens) { return (tokens + kBS - 1) / kBS; }
+
+// The scheduler's admission arithmetic (backend/scheduler.cpp) on one memory: the blocks a prompt
+// takes at its peak, and whether the pool holds it now or ever.
+int64_t prompt_need(const PagedKvMemory& m, int64_t T, const std::string& key) {
+  return PagedKvMemory::prompt_blocks(m.policy(key), m.geometry(), T);
+}
+bool admits_now(const PagedKvMemory& m, int64_t T, const std::string& key) { return prompt_need(m, T, key) <= m.free_blocks(); }
+bool fits_when_empty(const PagedKvMemory& m, int64_t T, const std::string& key) {
+  return prompt_need(m, T, key) <= m.blocks_total();
+}
+// ... and whether every listed sequence may decode one more token: the sum of their demands fits.
+bool decode_fits(const PagedKvMemory& m, const std::vector<int64_t>& ids) {
+  int64_t demand = 0;
+  for (int64_t id : ids) demand += m.decode_demand({id});
+  return demand <= m.free_blocks();
+}
 
 void expect_accounting(const PagedKvMemory& m) {
   ASSERT_EQ(m.blocks_used() + m.cache().free_blocks(), m.blocks_total());
@@ -298,19 +314,20 @@ TEST(PagedKvMemory, PrefillHighWaterBound) {
 }
 
 // The admission check must admit only prefills that can finish: with a pool exactly as large as
-// can_prefill asks for, every policy's prefill must succeed (DynamicKV compacts into fresh blocks).
-TEST(PagedKvMemory, PrefillFitsInThePoolCanPrefillAsksFor) {
+// prompt_blocks asks for, every policy's prefill must succeed (DynamicKV compacts into fresh blocks).
+TEST(PagedKvMemory, PrefillFitsInThePoolPromptBlocksAsksFor) {
   for (int64_t T : {40, 150}) {
     for (const auto& key : policy_keys()) {
       int64_t n = 1;
-      while (!make_memory(n).can_prefill(T, key)) ++n;
+      while (!admits_now(make_memory(n), T, key)) ++n;
       auto m = make_memory(n);
-      EXPECT_TRUE(m.fits_when_empty(T, key));
-      EXPECT_FALSE(make_memory(n - 1).fits_when_empty(T, key));
+      EXPECT_TRUE(fits_when_empty(m, T, key));
+      EXPECT_FALSE(fits_when_empty(make_memory(n - 1), T, key));
       ASSERT_NO_THROW(prefill_checked(m, 1, make_prompt(T, 9), key)) << key << " T=" << T << " pool " << n;
-      // ... and the first decoded token fits too; later steps whenever can_decode says so.
-      EXPECT_TRUE(m.can_decode({1})) << key;
-      for (int64_t t = 0; t < 40 && m.can_decode({1}); ++t) {
+      // ... and the first decoded token fits too (prompt_blocks holds room for it and for one
+      // layer's decode-time eviction copy); later steps whenever decode_demand says so.
+      ASSERT_NO_THROW(decode_checked(m, {1}, {T})) << key << " T=" << T << " first decode step";
+      for (int64_t t = 1; t < 40 && decode_fits(m, {1}); ++t) {
         ASSERT_NO_THROW(decode_checked(m, {1}, {T + t})) << key << " T=" << T << " decode step " << t;
       }
       m.release(1);
@@ -380,13 +397,13 @@ TEST(PagedKvMemory, PoolTooSmallIsAClearErrorAndOthersSurvive) {
   const int64_t used = m.blocks_used();
 
   // Never fits: refused up front.
-  EXPECT_FALSE(m.fits_when_empty(400, "full"));
-  EXPECT_FALSE(m.can_prefill(400, "full"));
+  EXPECT_FALSE(fits_when_empty(m, 400, "full"));
+  EXPECT_FALSE(admits_now(m, 400, "full"));
   // Fits an empty pool but not now.
-  EXPECT_TRUE(m.fits_when_empty(40, "full"));
-  EXPECT_FALSE(m.can_prefill(40, "full"));
+  EXPECT_TRUE(fits_when_empty(m, 40, "full"));
+  EXPECT_FALSE(admits_now(m, 40, "full"));
   // A compressing policy's compressed size fits.
-  EXPECT_TRUE(m.can_prefill(400, "snap"));
+  EXPECT_TRUE(admits_now(m, 400, "snap"));
 
   // Forced anyway: a KvError naming the problem, thrown before anything changes.
   const auto big = make_prompt(400, 3);
@@ -412,9 +429,10 @@ TEST(PagedKvMemory, PoolTooSmallIsAClearErrorAndOthersSurvive) {
   prefill_checked(m, 4, big, "snap");
   decode_checked(m, {1, 2, 4}, {42, 32, 400});
 
-  // Decode until the pool runs dry: can_decode says so first; a forced step throws and changes nothing.
+  // Decode until the pool runs dry: decode_demand says so first (exactly, without decode-time
+  // eviction); a forced step throws and changes nothing.
   std::vector<int64_t> pos = {43, 33, 401};
-  while (m.can_decode({1, 2, 4})) {
+  while (decode_fits(m, {1, 2, 4})) {
     decode_checked(m, {1, 2, 4}, pos);
     if (HasFatalFailure()) return;
     for (auto& p : pos) ++p;
@@ -438,12 +456,12 @@ TEST(PagedKvMemory, PoolTooSmallIsAClearErrorAndOthersSurvive) {
       expect_same(c, snapshot(m, 4), "sequence 4 after a failed decode step");
     }
   }
-  EXPECT_TRUE(threw) << "can_decode said no, yet the forced step found blocks in every layer";
+  EXPECT_TRUE(threw) << "decode_demand said no, yet the forced step found blocks in every layer";
   const auto a = snapshot(m, 1);
   // Releasing one sequence lets the others go on.
   m.release(2);
   expect_accounting(m);
-  EXPECT_TRUE(m.can_decode({1, 4}));
+  EXPECT_TRUE(decode_fits(m, {1, 4}));
   for (int64_t l = 0; l < kL; ++l) EXPECT_EQ(m.cached_tokens(1, l), a.pos[l].size(1));
   m.release(1);
   m.release(4);

@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "policies/prefill_selector.h"
+#include "policies/score_exchange.h"
 #include "policies/pyramid_budget.h"
 
 using namespace kvserve;
@@ -167,21 +168,33 @@ TEST(PrefillSelector, DynamicShrinksEarlierLayersToSubsets) {
   }
 }
 
-TEST(PrefillSelector, DynamicGathererSeesLocalScores) {
-  auto cfg = make_policy_config("dynamickv", {{"budget", "24"}, {"m", "2"}});
-  PrefillSelector sel(cfg, 2, 2, 200);
+// A score exchange that pretends a second shard holding KV heads with the same scores.
+class DoublingExchange final : public ScoreExchange {
+ public:
   int calls = 0;
-  sel.set_score_gatherer([&](int64_t layer, const torch::Tensor& local) {
+  bool gathers_queries() const override { return false; }
+  torch::Tensor gather_queries(const torch::Tensor& q) override { return q; }
+  torch::Tensor gather_scores(int64_t, const torch::Tensor& local) override {
     ++calls;
     EXPECT_EQ(local.size(0), 2);
     EXPECT_EQ(local.size(1), 192);
-    return torch::cat({local, local}, 0);  // pretend a second rank with the same scores
-  });
+    return torch::cat({local, local}, 0);
+  }
+  LayerScores receive_scores() override { return {}; }
+  void send_scores(const LayerScores&) override {}
+  std::vector<int64_t> agree_final_budgets(const std::vector<int64_t>& own) override { return own; }
+};
+
+TEST(PrefillSelector, DynamicExchangeSeesLocalScores) {
+  auto cfg = make_policy_config("dynamickv", {{"budget", "24"}, {"m", "2"}});
+  PrefillSelector sel(cfg, 2, 2, 200);
+  DoublingExchange exchange;
+  sel.set_exchange(exchange);
   for (int64_t l = 0; l < 2; ++l) {
     auto qk = random_qk(4, 2, 200, 8, l);
     sel.on_layer(l, qk.q, qk.k);
   }
-  EXPECT_EQ(calls, 2);
+  EXPECT_EQ(exchange.calls, 2);
   EXPECT_EQ(sel.layer_scores(0).size(0), 4);
   auto b = sel.budgets();
   EXPECT_LE(b[0] + b[1], 48);

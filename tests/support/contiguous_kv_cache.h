@@ -22,15 +22,6 @@ class ContiguousKvCache final : public KvMemory {
   void release(int64_t seq_id) override;
   int64_t cached_tokens(int64_t seq_id, int64_t layer) const override;
 
-  bool can_prefill(int64_t prompt_len, const std::string&) const override {
-    return used_tokens_ + prompt_len + 1 <= capacity_tokens_;
-  }
-  bool fits_when_empty(int64_t prompt_len, const std::string&) const override {
-    return prompt_len + 1 <= capacity_tokens_;
-  }
-  bool can_decode(const std::vector<int64_t>& seq_ids) const override {
-    return used_tokens_ + static_cast<int64_t>(seq_ids.size()) <= capacity_tokens_;
-  }
   int64_t blocks_total() const override { return capacity_tokens_ / block_size_ * num_layers_; }
   int64_t blocks_used() const override { return blocks_for(used_tokens_); }
   int64_t blocks_high_water() const override { return blocks_for(high_water_tokens_); }

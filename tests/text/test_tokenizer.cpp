@@ -97,11 +97,11 @@ TEST(TokenizerText, OnigClassesRewritten) {
 }
 
 TEST(TokenizerNfc, ComposesAndReorders) {
-  EXPECT_EQ(nfc::to_nfc("e\xCC\x81"), "\xC3\xA9");                          // e + acute -> é
-  EXPECT_EQ(nfc::to_nfc("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8"), "\xEA\xB0\x81");  // jamo -> 각
-  EXPECT_EQ(nfc::to_nfc("q\xCC\x87\xCC\xA3"), "q\xCC\xA3\xCC\x87");         // canonical order
-  EXPECT_EQ(nfc::to_nfc("\xE2\x84\xA6"), "\xCE\xA9");                        // Ohm sign singleton
-  EXPECT_TRUE(nfc::is_nfc_quick("plain ascii"));
+  EXPECT_EQ(text::nfc::to_nfc("e\xCC\x81"), "\xC3\xA9");                          // e + acute -> é
+  EXPECT_EQ(text::nfc::to_nfc("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8"), "\xEA\xB0\x81");  // jamo -> 각
+  EXPECT_EQ(text::nfc::to_nfc("q\xCC\x87\xCC\xA3"), "q\xCC\xA3\xCC\x87");         // canonical order
+  EXPECT_EQ(text::nfc::to_nfc("\xE2\x84\xA6"), "\xCE\xA9");                        // Ohm sign singleton
+  EXPECT_TRUE(text::nfc::is_nfc_quick("plain ascii"));
 }
 
 TEST(Tokenizer, ByteLevelMappingAndMerges) {

@@ -8,28 +8,18 @@
 #include <string>
 #include <vector>
 
-#include "parallel/shard_layout.h"
 #include "cache_manager/kv_memory.h"
-#include "cache_manager/paged_kv_memory.h"
+#include "parallel/parallel_groups.h"
+#include "parallel/shard_layout.h"
 
 namespace kvserve {
 
-namespace parallel {
-class ProcessGroup;
-}
 class LlamaModel;
-
-// This rank's process groups.
-struct ParallelGroups {
-  std::shared_ptr<parallel::ProcessGroup> world;  // every rank, Gloo: control messages
-  std::shared_ptr<parallel::ProcessGroup> data;   // every rank, the device's backend: activations
-  std::shared_ptr<parallel::ProcessGroup> tp;     // this stage's tensor-parallel ranks
-};
 
 class ShardedExecutor {
  public:
   // micro_batches: decode micro-batches in flight (0 = one per pipeline stage).
-  ShardedExecutor(std::shared_ptr<LlamaModel> model, PagedKvMemory& kv, ParallelGroups groups, int64_t micro_batches = 0);
+  ShardedExecutor(std::shared_ptr<LlamaModel> model, KvMemory& kv, parallel::ParallelGroups groups, int64_t micro_batches = 0);
 
   // fp32 logits: every position's ([T, V]) when all_logits, else the last one's ([1, V]). With
   // to_rank0 they end on global rank 0 (CPU), else they stay on the last stage's ranks (where the
@@ -46,8 +36,8 @@ class ShardedExecutor {
   int64_t next_rank() const;
   int64_t last_stage_head() const;  // TP rank 0 of the last stage: sends logits to rank 0
   std::shared_ptr<LlamaModel> model_;
-  PagedKvMemory& kv_;
-  ParallelGroups g_;
+  KvMemory& kv_;
+  parallel::ParallelGroups g_;
   int64_t micro_batches_;
 };
 

@@ -1,15 +1,16 @@
-#include "backend/parallel_job.h"
+#include "backend/sharded/parallel_job.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
 
-#include "backend/sharded_runner.h"
+#include "backend/sharded/sharded_runner.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
 #include "parallel/launcher.h"
+#include "parallel/shard_score_exchange.h"
 
 namespace kvserve {
 
@@ -92,23 +93,10 @@ void ParallelJob::join_workers() {
 
 KvShard ParallelJob::kv_shard() const {
   KvShard shard;
-  const ShardLayout& s = model_->layout();
-  if (!groups_.tp) return shard;
-  auto tp = groups_.tp;
-  const int64_t replicas = s.kv_replicas;
-  const int64_t kv_total = model_->config().num_key_value_heads;
-  shard.score_gatherer = [tp, replicas, kv_total](int64_t, const torch::Tensor& local) {
-    auto all = tp->all_gather(local.contiguous());  // [tp * local KV heads, N], rank order
-    // Replicated KV heads appear once per replica: keep one copy of each.
-    return replicas > 1 ? all.view({kv_total, replicas, all.size(1)}).select(1, 0).contiguous() : all;
-  };
-  if (replicas > 1) {
-    const int64_t group = model_->config().num_attention_heads / kv_total;  // query heads per KV head
-    const int64_t first = s.kv_head_begin * group;
-    shard.query_gatherer = [tp, group, first](const torch::Tensor& q) {
-      return tp->all_gather(q.contiguous()).narrow(0, first, group);
-    };
-  }
+  if (!sharded()) return shard;
+  const ModelConfig& cfg = model_->config();
+  shard.exchange = std::make_shared<parallel::ShardScoreExchange>(model_->layout(), cfg.num_key_value_heads,
+                                                                  cfg.num_attention_heads, groups_, model_->device());
   return shard;
 }
 

@@ -10,14 +10,14 @@
 #include <string>
 
 #include "backend/model_runner.h"
-#include "backend/sharded_executor.h"
+#include "backend/sharded/sharded_executor.h"
 
 namespace kvserve {
 
 class ShardedRunner final : public ModelRunner {
  public:
   // on_comm_failure runs once when the job fails (a transfer failed, or the ranks fell out of step).
-  ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, ParallelGroups groups,
+  ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, parallel::ParallelGroups groups,
                 int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure);
   ~ShardedRunner() override;  // tells the workers to exit
 
@@ -30,7 +30,7 @@ class ShardedRunner final : public ModelRunner {
   template <typename F>
   auto guarded(F&& f) -> decltype(f());
   std::unique_ptr<PagedKvMemory> kv_;
-  ParallelGroups groups_;
+  parallel::ParallelGroups groups_;
   ShardedExecutor exec_;
   std::function<void(const std::string&)> on_comm_failure_;
   SamplerBank samplers_;  // used when rank 0 is also the last stage (no pipeline)
@@ -41,7 +41,7 @@ class ShardedRunner final : public ModelRunner {
 
 // A worker rank's loop: runs the plans rank 0 broadcasts until told to stop. Returns the process
 // exit status (0 = clean stop, 1 = the job failed; the error is printed).
-int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, ParallelGroups groups,
+int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, parallel::ParallelGroups groups,
                      int64_t micro_batches);
 
 }  // namespace kvserve

@@ -9,7 +9,7 @@
 #include "backend/engine.h"
 #include "backend/llama_model.h"
 #include "backend/model_runner.h"
-#include "backend/sharded_executor.h"
+#include "backend/sharded/sharded_executor.h"
 
 namespace kvserve {
 
@@ -45,12 +45,13 @@ class ParallelJob {
   bool is_driver() const { return rank_ == 0; }
   int rank() const { return rank_; }
   std::shared_ptr<LlamaModel> model() const { return model_; }
-  const ParallelGroups& groups() const { return groups_; }
+  const parallel::ParallelGroups& groups() const { return groups_; }
   const ParallelOptions& options() const { return options_; }
 
-  // This rank's KV memory (its layers and KV heads; TP gatherers wired in).
+  // This rank's KV memory (its layers and KV heads, its score exchange wired in).
   std::unique_ptr<PagedKvMemory> make_memory(const EngineOptions& options) const;
-  // The gatherers that make this rank's policies decide as one process would.
+  // The score exchange that makes this rank's policies decide as one process would (none when the
+  // job is one process).
   KvShard kv_shard() const;
   // Driver: the engine's runner (a LocalRunner when not sharded).
   std::unique_ptr<ModelRunner> make_runner(const EngineOptions& options);
@@ -70,7 +71,7 @@ class ParallelJob {
   int rank_ = 0, world_size_ = 1;
   std::unique_ptr<parallel::WorkerGroup> workers_;
   std::shared_ptr<parallel::Communicator> comm_;
-  ParallelGroups groups_;
+  parallel::ParallelGroups groups_;
   std::shared_ptr<LlamaModel> model_;
 };
 

@@ -1,20 +1,29 @@
-#include "backend/sharded_executor.h"
+#include "backend/sharded/sharded_executor.h"
 
 #include <algorithm>
 
 #include "backend/llama_model.h"
 #include "common/check.h"
 #include "parallel/communicator.h"
+#include "parallel/shard_score_exchange.h"
 
 namespace kvserve {
 
 namespace {
 // Message tags between stages; decode micro-batch i uses kDecodeHidden + i and kDecodeLogits + i.
-constexpr int kPrefillHidden = 1, kPrefillScoreLayers = 2, kPrefillScores = 3, kPrefillLogits = 4;
+// DynamicKV's scores travel with tags 2 and 3 (parallel::ShardScoreExchange, called by the KV memory).
+constexpr int kPrefillHidden = 1, kPrefillLogits = 4;
 constexpr int kDecodeHidden = 64, kDecodeLogits = 4096;
+static_assert(parallel::ShardScoreExchange::kScoreLayersTag < kDecodeHidden &&
+              parallel::ShardScoreExchange::kScoresTag < kDecodeHidden &&
+              parallel::ShardScoreExchange::kScoreLayersTag != kPrefillHidden &&
+              parallel::ShardScoreExchange::kScoreLayersTag != kPrefillLogits &&
+              parallel::ShardScoreExchange::kScoresTag != kPrefillHidden &&
+              parallel::ShardScoreExchange::kScoresTag != kPrefillLogits,
+              "the score exchange's tags must not collide with the runtime's");
 }  // namespace
 
-ShardedExecutor::ShardedExecutor(std::shared_ptr<LlamaModel> model, PagedKvMemory& kv, ParallelGroups groups,
+ShardedExecutor::ShardedExecutor(std::shared_ptr<LlamaModel> model, KvMemory& kv, parallel::ParallelGroups groups,
                                  int64_t micro_batches)
     : model_(std::move(model)), kv_(kv), g_(std::move(groups)),
       micro_batches_(micro_batches > 0 ? micro_batches : model_->layout().pp_size) {
@@ -38,47 +47,18 @@ torch::Tensor ShardedExecutor::prefill(int64_t seq_id, const std::vector<int64_t
   const int rank = g_.world->rank();
 
   kv_.begin_prefill(seq_id, T, policy);
-  const bool dynamic = kv_.is_dynamic_prefill(seq_id);
-  torch::Tensor x;
-  if (s.first_stage()) {
-    x = model_->embed(tokens);
-  } else {
-    x = data.recv_tensor(static_cast<int>(prev_rank()), kPrefillHidden, dev);
-    if (dynamic) {
-      // DynamicKV: every earlier layer's (TP-gathered) scores, replayed in order so this stage's
-      // budgets evolve exactly as in one process.
-      auto layers = data.recv_tensor(static_cast<int>(prev_rank()), kPrefillScoreLayers, torch::kCPU);
-      auto scores = data.recv_tensor(static_cast<int>(prev_rank()), kPrefillScores, dev);
-      for (int64_t i = 0; i < layers.numel(); ++i) kv_.import_layer_scores(seq_id, layers[i].item<int64_t>(), scores[i]);
-    }
-  }
+  // A DynamicKV prefill's memory exchanges scores through its ScoreExchange: it receives the earlier
+  // stages' at its first layer (after this stage's activations arrived), and at end_prefill (after
+  // the activations left) sends its own on and agrees on the final budgets with every rank.
+  torch::Tensor x =
+      s.first_stage() ? model_->embed(tokens) : data.recv_tensor(static_cast<int>(prev_rank()), kPrefillHidden, dev);
   x = model_->prefill_layers(seq_id, x, kv_);
+  if (!s.last_stage()) data.send_tensor(x, static_cast<int>(next_rank()), kPrefillHidden);
   kv_.end_prefill(seq_id);
   torch::Tensor logits;
-  if (!s.last_stage()) {
-    data.send_tensor(x, static_cast<int>(next_rank()), kPrefillHidden);
-    if (dynamic) {
-      auto [layers, scores] = kv_.export_layer_scores(seq_id, s.layer_end);
-      data.send_tensor(torch::tensor(layers, torch::kInt64).to(dev), static_cast<int>(next_rank()), kPrefillScoreLayers);
-      data.send_tensor(scores.defined() ? scores : torch::empty({0}, torch::TensorOptions().device(dev)),
-                       static_cast<int>(next_rank()), kPrefillScores);
-    }
-  } else {
+  if (s.last_stage()) {
     logits = model_->logits(all_logits ? x : x.narrow(0, T - 1, 1));
     if (to_rank0 && s.tp_rank == 0 && rank != 0) data.send_tensor(logits, 0, kPrefillLogits);
-  }
-  if (dynamic && s.pp_size > 1) {
-    // The last stage alone saw every layer's scores: its final budgets settle the earlier stages.
-    auto budgets = torch::zeros({s.num_layers_total}, torch::kInt64);
-    if (s.last_stage()) {
-      const auto& b = kv_.final_dynamic_budgets(seq_id);
-      std::copy(b.begin(), b.end(), budgets.data_ptr<int64_t>());
-    }
-    g_.world->broadcast(budgets, static_cast<int>(last_stage_head()));
-    if (!s.last_stage()) {
-      std::vector<int64_t> b(budgets.data_ptr<int64_t>(), budgets.data_ptr<int64_t>() + budgets.numel());
-      kv_.apply_final_budgets(seq_id, b);
-    }
   }
   data.wait_sends();
   if (!to_rank0) return logits;

@@ -1,0 +1,65 @@
+#include "parallel/shard_score_exchange.h"
+
+#include <algorithm>
+
+#include "common/check.h"
+#include "parallel/communicator.h"
+
+namespace kvserve::parallel {
+
+ShardScoreExchange::ShardScoreExchange(const ShardLayout& layout, int64_t num_kv_heads, int64_t num_heads,
+                                       ParallelGroups groups, torch::Device device)
+    : layout_(layout), num_kv_heads_(num_kv_heads), num_heads_(num_heads), groups_(std::move(groups)),
+      device_(device) {
+  KV_CHECK(groups_.world && groups_.data, "internal: a score exchange needs the job's process groups");
+  KV_CHECK(layout_.tp_size == 1 || groups_.tp, "internal: tensor parallel score exchange without a TP group");
+}
+
+bool ShardScoreExchange::gathers_queries() const { return groups_.tp && layout_.kv_replicas > 1; }
+
+torch::Tensor ShardScoreExchange::gather_queries(const torch::Tensor& q) {
+  if (!gathers_queries()) return q;
+  const int64_t group = num_heads_ / num_kv_heads_;  // query heads per KV head
+  return groups_.tp->all_gather(q.contiguous()).narrow(0, layout_.kv_head_begin * group, group);
+}
+
+torch::Tensor ShardScoreExchange::gather_scores(int64_t, const torch::Tensor& local) {
+  if (!groups_.tp) return local;
+  auto all = groups_.tp->all_gather(local.contiguous());  // [tp * local KV heads, N], rank order
+  // Replicated KV heads appear once per replica: keep one copy of each.
+  const int64_t replicas = layout_.kv_replicas;
+  return replicas > 1 ? all.view({num_kv_heads_, replicas, all.size(1)}).select(1, 0).contiguous() : all;
+}
+
+LayerScores ShardScoreExchange::receive_scores() {
+  KV_CHECK(!layout_.first_stage(), "internal: the first pipeline stage has no earlier scores to receive");
+  const int prev = static_cast<int>(layout_.global_rank(layout_.stage - 1, layout_.tp_rank));
+  auto layers = groups_.data->recv_tensor(prev, kScoreLayersTag, torch::kCPU);
+  LayerScores out;
+  out.scores = groups_.data->recv_tensor(prev, kScoresTag, device_);
+  out.layers.assign(layers.data_ptr<int64_t>(), layers.data_ptr<int64_t>() + layers.numel());
+  return out;
+}
+
+void ShardScoreExchange::send_scores(const LayerScores& s) {
+  KV_CHECK(!layout_.last_stage(), "internal: the last pipeline stage has no later stage to send scores to");
+  const int next = static_cast<int>(layout_.global_rank(layout_.stage + 1, layout_.tp_rank));
+  // Queued like the stage's activations; the runtime's wait_sends finishes them.
+  groups_.data->send_tensor(torch::tensor(s.layers, torch::kInt64).to(device_), next, kScoreLayersTag);
+  groups_.data->send_tensor(s.scores.defined() ? s.scores : torch::empty({0}, torch::TensorOptions().device(device_)),
+                            next, kScoresTag);
+}
+
+std::vector<int64_t> ShardScoreExchange::agree_final_budgets(const std::vector<int64_t>& own) {
+  auto budgets = torch::zeros({layout_.num_layers_total}, torch::kInt64);
+  if (layout_.last_stage()) {
+    KV_CHECK(static_cast<int64_t>(own.size()) == layout_.num_layers_total,
+             "internal: " << own.size() << " final DynamicKV budgets for " << layout_.num_layers_total << " layers");
+    std::copy(own.begin(), own.end(), budgets.data_ptr<int64_t>());
+  }
+  groups_.world->broadcast(budgets, static_cast<int>(layout_.global_rank(layout_.pp_size - 1, 0)));
+  if (layout_.last_stage()) return own;
+  return std::vector<int64_t>(budgets.data_ptr<int64_t>(), budgets.data_ptr<int64_t>() + budgets.numel());
+}
+
+}  // namespace kvserve::parallel
