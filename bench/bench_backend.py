@@ -12,6 +12,16 @@ which fills each sequence's paged KV through the policy's real selector at the s
 that context (random values: decode cost depends on the kept sizes only) and times real decode
 steps. One real long-prefill run per policy cross-checks it.
 
+Part "profile" (issue 15): where a decode step's time goes, from `kvserve bench decode --profile`
+(wall time per stage of LlamaModel's decode step) at 16K x 1 and 16K x 8, full and pyramidkv-128.
+
+Part "llamacpp" (issue 15): a current llama.cpp (built from the PyPI source package by
+bench/llamacpp_build.sh) on bench-125m converted to GGUF (F32 weights; f16 and f32 KV, flash
+attention on), same threads, beside kvserve's bench decode of the same shapes run right next to it:
+batch 1 after 16K tokens (llama-bench tg32 @ d16384) and 8 sequences after 4K tokens each
+(llama-batched-bench, the 4K prompt shared so only one prefill runs; every sequence still reads its
+own 4K of KV per step).
+
 Usage (what `make bench` runs):
   python3 bench/bench_backend.py --kvserve build/kvserve --out docs/benchmarks.md
 Options: --parts backend,policies  --threads 2  --quick (smaller sizes, for trying it out)
@@ -32,6 +42,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+LLAMACPP_DIR = ROOT / "build-llamacpp"
 BANDWIDTH_GBS = 30.0  # DESIGN.md "Performance model": 2-thread AVX2 read bandwidth of these machines
 POLICIES = {  # label -> kvserve flags
     "full": [],
@@ -197,6 +208,77 @@ class Bench:
         return res
 
 
+    # ---- issue 15: where the step's time goes ----------------------------------------------------
+    def part_profile(self) -> dict:
+        res = {"load_before": load_avg(), "rows": []}
+        for label in ("full", "pyramidkv-128"):
+            cmd = [self.kvserve, "bench", "decode", "--model", self.model, "--threads", str(self.args.threads),
+                   "--steps", str(self.args.steps), "--warmup", str(self.args.warmup), "--bandwidth-gbs",
+                   str(BANDWIDTH_GBS), "--context", "16384", "--batch", "1", "8", "--profile", *POLICIES[label]]
+            out = subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    r["label"], r["load"] = label, load_avg()
+                    res["rows"].append(r)
+                    log(f"profile {label} B={r['batch']}: {r['step_s_mean'] * 1e3:.1f} ms/step mean, "
+                        f"{r['profile_ms_per_step']}")
+        res["load_after"] = load_avg()
+        return res
+
+    # ---- issue 15: llama.cpp side by side ---------------------------------------------------------
+    def llamacpp_gguf(self) -> pathlib.Path:
+        """Builds llama.cpp once and converts bench-125m to an F32 GGUF with llama.cpp's own converter."""
+        subprocess.run(["bash", str(ROOT / "bench" / "llamacpp_build.sh"), str(LLAMACPP_DIR)], check=True)
+        gguf = LLAMACPP_DIR / "bench-125m-f32.gguf"
+        if not gguf.exists():
+            src = LLAMACPP_DIR / "src" / "vendor" / "llama.cpp"
+            # The converter fingerprints a BPE tokenizer's pre-tokenizer against the models it knows;
+            # bench-125m carries the byte-level fixture tokenizer, which is none of them, and the
+            # benchmarks feed token ids, so its pre-tokenizer is declared "default".
+            code = ("import sys, runpy; sys.path.insert(0, '.'); import conversion.base as b; "
+                    "b.TextModel.get_vocab_base_pre = lambda self, tok: 'default'; "
+                    f"sys.argv = ['convert_hf_to_gguf.py', {self.model!r}, '--outtype', 'f32', '--outfile', "
+                    f"{str(gguf) + '.tmp'!r}]; runpy.run_path('convert_hf_to_gguf.py', run_name='__main__')")
+            subprocess.run([sys.executable, "-c", code], cwd=src, check=True, capture_output=True)
+            pathlib.Path(str(gguf) + ".tmp").rename(gguf)
+        return gguf
+
+    def part_llamacpp(self) -> dict:
+        a = self.args
+        gguf = self.llamacpp_gguf()
+        bindir = LLAMACPP_DIR / "build" / "bin"
+        env = dict(self.env, LD_LIBRARY_PATH=str(bindir))
+        res = {"load_before": load_avg(), "single": [], "batched": [], "kvserve": []}
+        ctx1, ctxb, batch, tg = a.llamacpp_context, a.llamacpp_batch_context, 8, 32
+
+        def kv(context, batch_, label):
+            r = self.kv_bench_decode([context], [batch_], POLICIES[label], a.steps, a.warmup)[0]
+            res["kvserve"].append({"label": label, "context": context, "batch": batch_,
+                                   "tps": r["decode_tokens_per_s"], "ms": r["step_s_median"] * 1e3, "load": load_avg()})
+
+        for kvt in ("f16", "f32"):
+            kv(ctx1, 1, "full")
+            kv(ctx1, 1, "pyramidkv-128")
+            out = subprocess.run([str(bindir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tg), "-d", str(ctx1),
+                                  "-t", str(a.threads), "-fa", "1", "-ctk", kvt, "-ctv", kvt, "-r", "1", "-o", "json"],
+                                 env=env, check=True, capture_output=True, text=True).stdout
+            j = json.loads(out)[0]
+            res["build"] = j.get("build_commit", "?")
+            res["single"].append({"kv": kvt, "context": ctx1, "tps": j["avg_ts"], "load": load_avg()})
+            log(f"llama.cpp {kvt} KV, batch 1 @ {ctx1}: {j['avg_ts']:.1f} tok/s  load {load_avg()}")
+        for kvt in ("f16", "f32"):
+            kv(ctxb, batch, "full")
+            out = subprocess.run([str(bindir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctxb + batch * (tg + 16)),
+                                  "-b", "2048", "-ub", "512", "-npp", str(ctxb), "-ntg", str(tg), "-npl", str(batch), "-pps",
+                                  "-t", str(a.threads), "-fa", "on", "-ctk", kvt, "-ctv", kvt, "--output-format", "jsonl"],
+                                 env=env, check=True, capture_output=True, text=True).stdout
+            j = next(json.loads(l) for l in out.splitlines() if l.startswith("{") and "speed_tg" in l)
+            res["batched"].append({"kv": kvt, "context": ctxb, "batch": batch, "tps": j["speed_tg"], "load": load_avg()})
+            log(f"llama.cpp {kvt} KV, {batch} x {ctxb}: {j['speed_tg']:.1f} tok/s  load {load_avg()}")
+        res["load_after"] = load_avg()
+        return res
+
     # ---- why the OpenMP wait policy matters on a shared 2-core machine ------------------------------
     def part_contention(self) -> dict:
         res = {"load_before": load_avg(), "rows": []}
@@ -266,7 +348,7 @@ def fmt_bytes(b: float) -> str:
 
 
 def render(args, meta: dict, backend: dict | None, policies: dict | None, png: pathlib.Path | None,
-           contention: dict | None = None) -> str:
+           contention: dict | None = None, profile: dict | None = None, llamacpp: dict | None = None) -> str:
     L = []
     L.append("# kvserve benchmarks\n")
     L.append("Written by `bench/bench_backend.py` (`make bench`); the checkpoint comes from "
@@ -379,6 +461,56 @@ def render(args, meta: dict, backend: dict | None, policies: dict | None, png: p
                 L.append(f"| {c['label']} | {c['generate_tps']:.1f} | {c['bench_tps']:.1f} / {c['bench_mean_tps']:.1f} | "
                          f"{c['generate_kept']} | {c['bench_kept']} | {c['load']} |")
             L.append("")
+    if profile:
+        L.append("## Where a decode step's time goes\n")
+        L.append("`kvserve bench decode --profile` times each stage of `LlamaModel::decode` with a wall clock (on "
+                 "CPU every libtorch op and kernel has finished when it returns, so a stage's wall time is its "
+                 "cost); \"other\" is the rest of the mean step (the argmax over the logits, host work). Mean ms "
+                 f"per step over {args.steps} steps; context 16384. Load {profile['load_before']} before, "
+                 f"{profile['load_after']} after.\n")
+        stages = list(profile["rows"][0]["profile_ms_per_step"])
+        L.append("| policy | batch | step ms (mean) | " + " | ".join(stages) + " | load |")
+        L.append("| --- | ---: | ---: | " + " | ".join("---:" for _ in stages) + " | --- |")
+        for r in profile["rows"]:
+            mean = r["step_s_mean"] * 1e3
+            cells = [f"{r['profile_ms_per_step'][k]:.2f} ({100 * r['profile_ms_per_step'][k] / mean:.0f}%)" for k in stages]
+            L.append(f"| {r['label']} | {r['batch']} | {mean:.1f} | " + " | ".join(cells) + f" | {r['load']} |")
+        L.append("")
+    if llamacpp:
+        lc = llamacpp
+        L.append("## Side by side with llama.cpp\n")
+        L.append(f"llama.cpp build `{lc.get('build', '?')}` (the copy vendored by PyPI's llama-cpp-python, compiled "
+                 "here with `GGML_NATIVE=ON` by `bench/llamacpp_build.sh`) on bench-125m converted to GGUF by its own "
+                 f"`convert_hf_to_gguf.py` with F32 weights; {args.threads} threads, flash attention on, KV cache f16 or "
+                 "f32. Batch 1: `llama-bench -p 0 -n 32 -d <context>` (tokens/s of 32 generated tokens after a "
+                 "context of that many tokens). Batch 8: `llama-batched-bench -npp <context> -ntg 32 -npl 8 -pps` "
+                 "(8 sequences decoded together; the prompt is shared so it is processed once, but each sequence "
+                 "holds and reads its own copy of the context's KV); its tokens/s count all 8 sequences. kvserve: "
+                 "`bench decode` of the same shape (fp32 KV), run just before each llama.cpp run. "
+                 f"Load {lc['load_before']} before, {lc['load_after']} after.\n")
+        L.append("| shape | engine | KV cache | tokens/s | load |")
+        L.append("| --- | --- | --- | ---: | --- |")
+        for r in lc["kvserve"]:
+            L.append(f"| {r['batch']} × {r['context']} | kvserve {r['label']} | fp32 | {r['tps']:.1f} | {r['load']} |")
+        for r in lc["single"]:
+            L.append(f"| 1 × {r['context']} | llama.cpp full | {r['kv']} | {r['tps']:.1f} | {r['load']} |")
+        for r in lc["batched"]:
+            L.append(f"| {r['batch']} × {r['context']} | llama.cpp full | {r['kv']} | {r['tps']:.1f} | {r['load']} |")
+        L.append("")
+
+        def best(label, batch, ctx):
+            return max((r["tps"] for r in lc["kvserve"] if r["label"] == label and r["batch"] == batch
+                        and r["context"] == ctx), default=None)
+        lc1 = max(r["tps"] for r in lc["single"])
+        lcb = max(r["tps"] for r in lc["batched"])
+        ctx1, ctxb = lc["single"][0]["context"], lc["batched"][0]["context"]
+        pyr, full1, full8 = best("pyramidkv-128", 1, ctx1), best("full", 1, ctx1), best("full", 8, ctxb)
+        L.append("Against llama.cpp's best KV type in the same run (issue 15's goals):\n")
+        L.append(f"- pyramidkv-128 at {ctx1} × 1 vs llama.cpp's full cache: **{pyr / lc1:.1f}×** ({pyr:.1f} vs "
+                 f"{lc1:.1f} tokens/s) — goal ≥ 3×: **{'met' if pyr / lc1 >= 3 else 'NOT met'}**. Full vs full: "
+                 f"{full1 / lc1:.2f}×.")
+        L.append(f"- 8 sequences at {ctxb}, full cache: **{full8 / lcb:.1f}×** ({full8:.1f} vs {lcb:.1f} tokens/s) — "
+                 f"goal ≥ 5×: **{'met' if full8 / lcb >= 5 else 'NOT met'}**.\n")
     if contention:
         L.append("## OpenMP spin-waiting on a shared 2-core machine\n")
         L.append(f"Decode step times with {args.threads} threads under `OMP_WAIT_POLICY=active` (what libgomp does by "
@@ -406,7 +538,9 @@ def main() -> None:
     ap.add_argument("--kvserve", default=str(ROOT / "build" / "kvserve"))
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--model", default=str(ROOT / ".fixtures" / "bench-125m"))
-    ap.add_argument("--parts", default="backend,policies,contention")
+    ap.add_argument("--parts", default="backend,policies,profile,llamacpp,contention")
+    ap.add_argument("--llamacpp-context", type=int, default=16384, help="llama.cpp side by side: batch-1 context")
+    ap.add_argument("--llamacpp-batch-context", type=int, default=4096, help="llama.cpp side by side: batch-8 context")
     ap.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "default"],
                     help="OMP_WAIT_POLICY for kvserve and transformers (see the contention section of the output)")
     ap.add_argument("--hf-step-probe", action="store_true", help=argparse.SUPPRESS)
@@ -432,6 +566,7 @@ def main() -> None:
     if args.quick:
         args.prefill_sizes, args.contexts, args.steps, args.decode_tokens = [256], [512, 1024], 4, 9
         args.repeats, args.crosscheck_context, args.crosscheck_tokens = 1, 512, 5
+        args.llamacpp_context, args.llamacpp_batch_context = 512, 256
     if not (pathlib.Path(args.model) / "STAMP").exists():
         subprocess.run([sys.executable, str(ROOT / "tools" / "make_bench_model.py"), "--out", args.model], check=True)
     parts = set(args.parts.split(","))
@@ -455,6 +590,8 @@ def main() -> None:
     backend = b.part_backend() if "backend" in parts else None
     log(f"backend part: {time.time() - t0:.0f} s")
     policies = b.part_policies() if "policies" in parts else None
+    profile = b.part_profile() if "profile" in parts else None
+    llamacpp = b.part_llamacpp() if "llamacpp" in parts else None
     contention = b.part_contention() if "contention" in parts else None
     log(f"total: {time.time() - t0:.0f} s")
     out = pathlib.Path(args.out)
@@ -463,9 +600,10 @@ def main() -> None:
     if policies:
         png = out.parent / "decode_vs_context.png"
         plot(policies["rows"], png)
-    out.write_text(render(args, meta, backend, policies, png, contention))
+    out.write_text(render(args, meta, backend, policies, png, contention, profile, llamacpp))
     if args.json_out:
         pathlib.Path(args.json_out).write_text(json.dumps({"meta": meta, "backend": backend, "policies": policies,
+                                                           "profile": profile, "llamacpp": llamacpp,
                                                            "contention": contention}, indent=1))
     log(f"wrote {out}")
 

@@ -80,24 +80,35 @@ int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g,
 }
 
 int64_t PagedKvMemory::decode_demand(const std::vector<int64_t>& seq_ids) const {
+  // Replays a step layer by layer as decode_attention runs it: a decode-time eviction compacts into
+  // fresh blocks before the old ones go back, then the appended token may open a block. The demand
+  // is the peak of that running count per sequence (summing every layer's compaction copies would
+  // ask for blocks the step never holds at once, and a lone sequence in a pool of its
+  // prompt_blocks would be preempted forever).
   const int64_t bs = cache_.block_size();
   int64_t demand = 0;
-  for (int64_t l = 0; l < num_layers_; ++l) {
-    for (int64_t id : seq_ids) {
-      if (!cache_.has_sequence(id)) continue;
+  for (int64_t id : seq_ids) {
+    if (!cache_.has_sequence(id)) continue;
+    auto it = seqs_.find(id);
+    const bool evicts = it != seqs_.end() && !it->second.evictors.empty();
+    int64_t net = 0, peak = 0;
+    for (int64_t l = 0; l < num_layers_; ++l) {
       const LayerBlocks& lb = cache_.layer_blocks(id, l);
       int64_t len = lb.length, held = static_cast<int64_t>(lb.blocks.size());
-      auto it = seqs_.find(id);
-      if (it != seqs_.end() && !it->second.evictors.empty()) {
+      if (evicts) {
         const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
         if (ev.needs_eviction(len + 1)) {
           len = std::min(len, ev.target_count());
-          held = blocks_for_tokens(len, bs);
-          demand += held;
+          const int64_t fresh = blocks_for_tokens(len, bs);
+          peak = std::max(peak, net + fresh);
+          net += fresh - held;
+          held = fresh;
         }
       }
-      demand += len == held * bs;
+      net += len == held * bs;
+      peak = std::max(peak, net);
     }
+    demand += peak;
   }
   return demand;
 }

@@ -61,8 +61,9 @@ class PagedKvMemory final : public KvMemory {
   // candidates; plus one layer's compaction copy and room for the first decoded token).
   static int64_t prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len);
   int64_t free_blocks() const { return cache_.free_blocks(); }
-  // At most how many blocks one decode step of these sequences takes (a fresh block wherever a
-  // layer's last block is full; a decode-time eviction's compacted copy, counted as never freeing).
+  // At most how many blocks one decode step of these sequences takes at its peak (a fresh block
+  // wherever a layer's last block is full; a decode-time eviction's compacted copy until the blocks
+  // it replaces go back), summed over the sequences.
   int64_t decode_demand(const std::vector<int64_t>& seq_ids) const;
   // Blocks the sequence holds over this shard's layers (0 when it holds none).
   int64_t blocks_held(int64_t seq_id) const;

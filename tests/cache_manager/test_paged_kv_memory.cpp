@@ -325,7 +325,11 @@ TEST(PagedKvMemory, PrefillFitsInThePoolPromptBlocksAsksFor) {
       EXPECT_FALSE(fits_when_empty(make_memory(n - 1), T, key));
       ASSERT_NO_THROW(prefill_checked(m, 1, make_prompt(T, 9), key)) << key << " T=" << T << " pool " << n;
       // ... and the first decoded token fits too (prompt_blocks holds room for it and for one
-      // layer's decode-time eviction copy); later steps whenever decode_demand says so.
+      // layer's decode-time eviction copy), by the scheduler's arithmetic as well: otherwise it
+      // would preempt this lone sequence and admit it again forever. Later steps whenever
+      // decode_demand says so.
+      EXPECT_TRUE(decode_fits(m, {1})) << key << " T=" << T << ": demand " << m.decode_demand({1}) << " > free "
+                                       << m.free_blocks() << " after the prefill";
       ASSERT_NO_THROW(decode_checked(m, {1}, {T})) << key << " T=" << T << " first decode step";
       for (int64_t t = 1; t < 40 && decode_fits(m, {1}); ++t) {
         ASSERT_NO_THROW(decode_checked(m, {1}, {T + t})) << key << " T=" << T << " decode step " << t;
