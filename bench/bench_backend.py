@@ -18,9 +18,8 @@ Part "profile" (issue 15): where a decode step's time goes, from `kvserve bench 
 Part "llamacpp" (issue 15): a current llama.cpp (built from the PyPI source package by
 bench/llamacpp_build.sh) on bench-125m converted to GGUF (F32 weights; f16 and f32 KV, flash
 attention on), same threads, beside kvserve's bench decode of the same shapes run right next to it:
-batch 1 after 16K tokens (llama-bench tg32 @ d16384) and 8 sequences after 4K tokens each
-(llama-batched-bench, the 4K prompt shared so only one prefill runs; every sequence still reads its
-own 4K of KV per step).
+batch 1 after 16K tokens and 8 sequences after 4K tokens each (llama-batched-bench; the prompt shared
+so only one prefill runs, every sequence still reads its own KV per step).
 
 Usage (what `make bench` runs):
   python3 bench/bench_backend.py --kvserve build/kvserve --out docs/benchmarks.md
@@ -35,6 +34,7 @@ import os
 import pathlib
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -250,6 +250,9 @@ class Bench:
         bindir = LLAMACPP_DIR / "build" / "bin"
         env = dict(self.env, LD_LIBRARY_PATH=str(bindir))
         res = {"load_before": load_avg(), "single": [], "batched": [], "kvserve": []}
+        info = LLAMACPP_DIR / "build" / "common" / "build-info.cpp"
+        m = re.search(r'LLAMA_COMMIT = "([^"]+)"', info.read_text()) if info.exists() else None
+        res["build"] = m.group(1) if m else "?"
         ctx1, ctxb, batch, tg = a.llamacpp_context, a.llamacpp_batch_context, 8, 32
 
         def kv(context, batch_, label):
@@ -257,25 +260,26 @@ class Bench:
             res["kvserve"].append({"label": label, "context": context, "batch": batch_,
                                    "tps": r["decode_tokens_per_s"], "ms": r["step_s_median"] * 1e3, "load": load_avg()})
 
+        def batched_bench(context, batch_, kvt):
+            # llama-batched-bench rather than llama-bench for batch 1 too: llama-bench takes no f32 KV.
+            cmd = [str(bindir / "llama-batched-bench"), "-m", str(gguf), "-c", str(batch_ * (context + tg + 16)),
+                   "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", str(tg), "-npl", str(batch_), "-pps",
+                   "-t", str(a.threads), "-fa", "on", "-ctk", kvt, "-ctv", kvt, "--output-format", "jsonl"]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"llama-batched-bench failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+            j = next(json.loads(l) for l in p.stdout.splitlines() if l.startswith("{") and "speed_tg" in l)
+            row = {"kv": kvt, "context": context, "batch": batch_, "tps": j["speed_tg"], "load": load_avg()}
+            log(f"llama.cpp {kvt} KV, {batch_} x {context}: {j['speed_tg']:.1f} tok/s  load {row['load']}")
+            return row
+
         for kvt in ("f16", "f32"):
             kv(ctx1, 1, "full")
             kv(ctx1, 1, "pyramidkv-128")
-            out = subprocess.run([str(bindir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tg), "-d", str(ctx1),
-                                  "-t", str(a.threads), "-fa", "1", "-ctk", kvt, "-ctv", kvt, "-r", "1", "-o", "json"],
-                                 env=env, check=True, capture_output=True, text=True).stdout
-            j = json.loads(out)[0]
-            res["build"] = j.get("build_commit", "?")
-            res["single"].append({"kv": kvt, "context": ctx1, "tps": j["avg_ts"], "load": load_avg()})
-            log(f"llama.cpp {kvt} KV, batch 1 @ {ctx1}: {j['avg_ts']:.1f} tok/s  load {load_avg()}")
+            res["single"].append(batched_bench(ctx1, 1, kvt))
         for kvt in ("f16", "f32"):
             kv(ctxb, batch, "full")
-            out = subprocess.run([str(bindir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctxb + batch * (tg + 16)),
-                                  "-b", "2048", "-ub", "512", "-npp", str(ctxb), "-ntg", str(tg), "-npl", str(batch), "-pps",
-                                  "-t", str(a.threads), "-fa", "on", "-ctk", kvt, "-ctv", kvt, "--output-format", "jsonl"],
-                                 env=env, check=True, capture_output=True, text=True).stdout
-            j = next(json.loads(l) for l in out.splitlines() if l.startswith("{") and "speed_tg" in l)
-            res["batched"].append({"kv": kvt, "context": ctxb, "batch": batch, "tps": j["speed_tg"], "load": load_avg()})
-            log(f"llama.cpp {kvt} KV, {batch} x {ctxb}: {j['speed_tg']:.1f} tok/s  load {load_avg()}")
+            res["batched"].append(batched_bench(ctxb, batch, kvt))
         res["load_after"] = load_avg()
         return res
 
@@ -479,13 +483,13 @@ def render(args, meta: dict, backend: dict | None, policies: dict | None, png: p
     if llamacpp:
         lc = llamacpp
         L.append("## Side by side with llama.cpp\n")
-        L.append(f"llama.cpp build `{lc.get('build', '?')}` (the copy vendored by PyPI's llama-cpp-python, compiled "
+        L.append(f"llama.cpp build `{lc.get('build', '?')}` (the copy vendored by PyPI's llama-cpp-python 0.3.36, compiled "
                  "here with `GGML_NATIVE=ON` by `bench/llamacpp_build.sh`) on bench-125m converted to GGUF by its own "
                  f"`convert_hf_to_gguf.py` with F32 weights; {args.threads} threads, flash attention on, KV cache f16 or "
-                 "f32. Batch 1: `llama-bench -p 0 -n 32 -d <context>` (tokens/s of 32 generated tokens after a "
-                 "context of that many tokens). Batch 8: `llama-batched-bench -npp <context> -ntg 32 -npl 8 -pps` "
-                 "(8 sequences decoded together; the prompt is shared so it is processed once, but each sequence "
-                 "holds and reads its own copy of the context's KV); its tokens/s count all 8 sequences. kvserve: "
+                 "f32. `llama-batched-bench -npp <context> -ntg 32 -npl <batch> -pps` (llama-bench takes no f32 KV): "
+                 "tokens/s of 32 generated tokens per sequence after a prompt of that many tokens, all sequences "
+                 "counted; with `-pps` the prompt is processed once and shared, but each sequence holds and reads "
+                 "its own copy of the context's KV. kvserve: "
                  "`bench decode` of the same shape (fp32 KV), run just before each llama.cpp run. "
                  f"Load {lc['load_before']} before, {lc['load_after']} after.\n")
         L.append("| shape | engine | KV cache | tokens/s | load |")
