@@ -267,6 +267,8 @@ ChunkFn select_kernel(int64_t D, int64_t G) {
 
 // Tokens per split-K chunk are at least this many blocks, so the merge stays negligible.
 constexpr int64_t kMinChunkBlocks = 16;
+// Below this many (block, KV head) tiles in a call, one thread does all of them.
+constexpr int64_t kMinParallelBlocks = 64;
 
 torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, const torch::Tensor& pool,
                                        const torch::Tensor& table_in, const torch::Tensor& lengths_in, double scale) {
@@ -317,7 +319,9 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, 
   const float* pp = pool.data_ptr<float>();
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min(nthreads, std::max<int64_t>(n_items, 1)), 1, [&](int64_t, int64_t) {
+  // Waking the other threads costs tens of microseconds: small caches (a compressed layer) run here.
+  const int64_t workers = total_blocks < kMinParallelBlocks ? 1 : std::min(nthreads, std::max<int64_t>(n_items, 1));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qs(G * D), sc(G * s.bs);
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const int64_t i = order[k];
@@ -329,30 +333,29 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, 
 
   torch::Tensor out = torch::empty({s.B, s.H, D}, torch::kFloat32);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, s.B * s.KV, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t i0 = first_item[bh], i1 = first_item[bh + 1];
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (bh * G + g) * D;
-        if (i0 == i1) {  // empty layer: nothing to attend to
-          std::fill(o, o + D, 0.0f);
-          continue;
-        }
-        float M = -std::numeric_limits<float>::infinity();
-        for (int64_t i = i0; i < i1; ++i) M = std::max(M, part_m[i * G + g]);
-        float L = 0.0f;
+  // The merge reads a few floats per chunk: one thread (a parallel region would cost more).
+  for (int64_t bh = 0; bh < s.B * s.KV; ++bh) {
+    const int64_t i0 = first_item[bh], i1 = first_item[bh + 1];
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = op + (bh * G + g) * D;
+      if (i0 == i1) {  // empty layer: nothing to attend to
         std::fill(o, o + D, 0.0f);
-        for (int64_t i = i0; i < i1; ++i) {
-          const float w = std::exp2(part_m[i * G + g] - M);
-          L += w * part_l[i * G + g];
-          const float* a = part_acc.data() + (i * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.0f / L;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+        continue;
       }
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t i = i0; i < i1; ++i) M = std::max(M, part_m[i * G + g]);
+      float L = 0.0f;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t i = i0; i < i1; ++i) {
+        const float w = std::exp2(part_m[i * G + g] - M);
+        L += w * part_l[i * G + g];
+        const float* a = part_acc.data() + (i * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.0f / L;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
-  });
+  }
   return out;
 }
 #endif  // KVSERVE_PAGED_AVX2
