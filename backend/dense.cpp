@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "backend/dense_kernel.h"
@@ -53,6 +54,12 @@ torch::Tensor small_batch_dense(const torch::Tensor& x_in, const torch::Tensor& 
     kernel(xp, M, K, wp, bp, yp, N, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask));
   });
   return y.view(out_shape);
+}
+
+int64_t dense_parallel_width() {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { seen.fetch_add(1); });
+  return seen.load();
 }
 
 torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {

@@ -20,4 +20,9 @@ torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch:
 // the build has no AVX2/FMA.
 torch::Tensor small_batch_dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b = {});
 
+// Threads a parallel region of the dense kernels really gets: at::parallel_for is an inline
+// `#pragma omp parallel`, so without -fopenmp on dense.cpp it is 1 whatever at::get_num_threads()
+// says (kept as a test's guard: the kernels once ran on one thread unnoticed).
+int64_t dense_parallel_width();
+
 }  // namespace kvserve

@@ -362,6 +362,12 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, 
 
 }  // namespace
 
+int64_t paged_attention_parallel_width() {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) { seen.fetch_add(1); });
+  return seen.load();
+}
+
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
                               const torch::Tensor& lengths, double scale) {
   const Shapes s = check_args(q, pool, block_table, lengths);

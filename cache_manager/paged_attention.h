@@ -29,4 +29,8 @@ torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Ten
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
                                         double scale = -1.0);
 
+// Threads a parallel region of the AVX2 kernel really gets (1 if paged_attention.cpp lost its
+// -fopenmp: at::parallel_for is an inline omp pragma). For the test that guards it.
+int64_t paged_attention_parallel_width();
+
 }  // namespace kvserve

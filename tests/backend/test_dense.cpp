@@ -1,6 +1,7 @@
 // The small-batch dense kernel against torch::linear (fp64 reference), and its batch invariance.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <utility>
@@ -81,6 +82,14 @@ TEST(SmallBatchDense, KeepsLeadingDimensionsAndAcceptsStridedInput) {
   auto y = small_batch_dense(x, w);
   ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 3, 12}));
   EXPECT_TRUE(torch::allclose(y, reference(x.reshape({-1, 40}), w, {}).view({2, 3, 12}), 1e-4, 1e-3));
+}
+
+// The kernel's file must be compiled with OpenMP, or at::parallel_for runs serially in it.
+TEST(SmallBatchDense, ParallelRegionsGetEveryThread) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  EXPECT_EQ(dense_parallel_width(), 2);
+  at::set_num_threads(before);
 }
 
 TEST(SmallBatchDense, RejectsWhatItCannotRun) {

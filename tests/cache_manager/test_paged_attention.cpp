@@ -1,5 +1,6 @@
 // Paged decode attention: exact against a contiguous fp64 softmax over the same K/V.
 #include <gtest/gtest.h>
+#include <ATen/Parallel.h>
 
 #include <cmath>
 #include <random>
@@ -72,6 +73,14 @@ void run_case(const Case& c, uint64_t seed) {
   EXPECT_LE((gath.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
   EXPECT_LE((ref.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
   EXPECT_EQ(cache.attend(1, ids, q).sizes(), q.sizes());
+}
+
+// The kernel's file must be compiled with OpenMP, or at::parallel_for runs serially in it.
+TEST(PagedAttention, ParallelRegionsGetEveryThread) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  EXPECT_EQ(paged_attention_parallel_width(), 2);
+  at::set_num_threads(before);
 }
 
 TEST(PagedAttention, GqaFourToOneHeadDim64) { run_case({2, 4, 64, 16, {1, 17, 100, 16, 33}}, 1); }
