@@ -124,8 +124,11 @@ torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& 
 }
 
 torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
-  if (!tp_) return dense(x, w, b);
-  auto partial = dense(x, w).contiguous();
+  return tp_ ? reduce_partial(dense(x, w), b) : dense(x, w, b);
+}
+
+torch::Tensor LlamaModel::reduce_partial(torch::Tensor partial, const torch::Tensor& b) const {
+  partial = partial.contiguous();
   tp_->all_reduce_sum(partial);
   return b.defined() ? partial + b : partial;
 }
@@ -136,20 +139,23 @@ torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   // hundreds of MB, past glibc's mmap threshold (fresh pages, zeroed, on every layer) and far past
   // the caches; per-row results do not depend on the chunking.
   constexpr int64_t kRowChunk = 512;
-  auto act_of = [&](const torch::Tensor& rows) {
+  // This shard's down projection of some rows (under TP a partial sum, reduced once below).
+  auto down = [&](const torch::Tensor& rows) {
     auto gu = dense(rows, l.wgate_up, l.bgate_up);
-    return torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
+    auto act = torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
+    return tp_ ? dense(act, l.wdown) : dense(act, l.wdown, l.bdown);
   };
-  if (T <= kRowChunk) return row_parallel(act_of(x), l.wdown, l.bdown);
-  torch::Tensor out = torch::empty({T, l.wdown.size(0)}, x.options());
-  for (int64_t s = 0; s < T; s += kRowChunk) {
-    const int64_t n = std::min(kRowChunk, T - s);
-    auto act = act_of(x.narrow(0, s, n));
-    out.narrow(0, s, n).copy_(tp_ ? dense(act, l.wdown) : dense(act, l.wdown, l.bdown));
+  torch::Tensor out;
+  if (T <= kRowChunk) {
+    out = down(x);
+  } else {
+    out = torch::empty({T, l.wdown.size(0)}, x.options());
+    for (int64_t s = 0; s < T; s += kRowChunk) {
+      const int64_t n = std::min(kRowChunk, T - s);
+      out.narrow(0, s, n).copy_(down(x.narrow(0, s, n)));
+    }
   }
-  if (!tp_) return out;
-  tp_->all_reduce_sum(out);  // the row-parallel sum, once for the whole prompt
-  return l.bdown.defined() ? out + l.bdown : out;
+  return tp_ ? reduce_partial(out, l.bdown) : out;
 }
 
 const LlamaModel::Layer& LlamaModel::layer(int64_t global) const {
@@ -209,21 +215,20 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
            "decode batch of " << B << " tokens does not match its sequence list");
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   auto positions = torch::tensor(batch.positions, torch::kInt64).to(device_);
-  StepProfile unused;
-  StepProfile& p = profile_ ? *profile_ : unused;
+  StepProfile* p = profile_;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto h = p.time(StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
-    auto qkv = p.time(StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv); });
-    auto q = p.time(StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous(); });
-    auto k = p.time(StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous(); });
+    auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
+    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv); });
+    auto q = StepProfile::time(p, StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous(); });
+    auto k = StepProfile::time(p, StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous(); });
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();
-    auto attn = p.time(StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
-    auto o = p.time(StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
-    x = p.time(StepProfile::kResidual, [&] { return x + o; });
-    h = p.time(StepProfile::kNorm, [&] { return rms_norm(x, l.post_norm); });
-    auto m = p.time(StepProfile::kMlp, [&] { return mlp(l, h); });
-    x = p.time(StepProfile::kResidual, [&] { return x + m; });
+    auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
+    auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
+    x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + o; });
+    h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.post_norm); });
+    auto m = StepProfile::time(p, StepProfile::kMlp, [&] { return mlp(l, h); });
+    x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + m; });
   }
   return x;
 }
@@ -246,12 +251,11 @@ torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int
   KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::decode runs a whole pipeline; use the sharded executor");
   KV_CHECK(!tokens.empty() && batch.seq_ids.size() == tokens.size(), "decode batch of " << tokens.size()
                                                                                         << " tokens does not match its sequence list");
-  StepProfile unused;
-  StepProfile& p = profile_ ? *profile_ : unused;
-  auto x = p.time(StepProfile::kEmbed, [&] { return embed(tokens); });
+  StepProfile* p = profile_;
+  auto x = StepProfile::time(p, StepProfile::kEmbed, [&] { return embed(tokens); });
   x = decode_layers(batch, x, kv);
-  auto out = p.time(StepProfile::kLogits, [&] { return logits(x); });
-  ++p.steps;
+  auto out = StepProfile::time(p, StepProfile::kLogits, [&] { return logits(x); });
+  if (p) ++p->steps;
   return out;
 }
 

@@ -83,6 +83,8 @@ class LlamaModel {
   torch::Tensor mlp(const Layer& l, const torch::Tensor& x) const;
   // Sums a row-parallel layer's partial outputs over the TP group, then adds the bias once.
   torch::Tensor row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
+  // A row-parallel layer's partial output: summed over the TP group, then the bias added once.
+  torch::Tensor reduce_partial(torch::Tensor partial, const torch::Tensor& b) const;
   const Layer& layer(int64_t global) const;
 
   ModelConfig config_;

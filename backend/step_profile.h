@@ -14,12 +14,14 @@ struct StepProfile {
   std::array<double, kCount> seconds{};
   int64_t steps = 0;
 
-  // Times one stage: on CPU every op has finished when it returns, so wall time is the stage's.
+  // Runs one stage, adding its wall time to `p` (on CPU every op has finished when it returns, so
+  // wall time is the stage's); with p null it only runs it.
   template <class F>
-  auto time(Stage s, F&& f) {
+  static auto time(StepProfile* p, Stage s, F&& f) {
+    if (!p) return f();
     const auto t0 = std::chrono::steady_clock::now();
     auto r = f();
-    seconds[s] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    p->seconds[s] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return r;
   }
 };

@@ -85,10 +85,10 @@ class Bench:
         return json.loads(out.strip().splitlines()[-1])
 
     def kv_bench_decode(self, contexts: list[int], batches: list[int], policy: list[str], steps: int,
-                        warmup: int, env: dict | None = None) -> list[dict]:
+                        warmup: int, env: dict | None = None, extra: list[str] = ()) -> list[dict]:
         cmd = [self.kvserve, "bench", "decode", "--model", self.model, "--threads", str(self.args.threads),
                "--steps", str(steps), "--warmup", str(warmup), "--bandwidth-gbs", str(BANDWIDTH_GBS),
-               "--context", *map(str, contexts), "--batch", *map(str, batches), *policy]
+               "--context", *map(str, contexts), "--batch", *map(str, batches), *policy, *extra]
         rows = []
         with subprocess.Popen(cmd, env=env or self.env, stdout=subprocess.PIPE, text=True) as p:
             for line in p.stdout:
@@ -212,17 +212,12 @@ class Bench:
     def part_profile(self) -> dict:
         res = {"load_before": load_avg(), "rows": []}
         for label in ("full", "pyramidkv-128"):
-            cmd = [self.kvserve, "bench", "decode", "--model", self.model, "--threads", str(self.args.threads),
-                   "--steps", str(self.args.steps), "--warmup", str(self.args.warmup), "--bandwidth-gbs",
-                   str(BANDWIDTH_GBS), "--context", "16384", "--batch", "1", "8", "--profile", *POLICIES[label]]
-            out = subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True).stdout
-            for line in out.splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    r["label"], r["load"] = label, load_avg()
-                    res["rows"].append(r)
-                    log(f"profile {label} B={r['batch']}: {r['step_s_mean'] * 1e3:.1f} ms/step mean, "
-                        f"{r['profile_ms_per_step']}")
+            for r in self.kv_bench_decode([16384], [1, 8], POLICIES[label], self.args.steps, self.args.warmup,
+                                          extra=["--profile"]):
+                r["label"], r["load"] = label, load_avg()
+                res["rows"].append(r)
+                log(f"profile {label} B={r['batch']}: {r['step_s_mean'] * 1e3:.1f} ms/step mean, "
+                    f"{r['profile_ms_per_step']}")
         res["load_after"] = load_avg()
         return res
 
