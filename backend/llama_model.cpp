@@ -1,5 +1,6 @@
 #include "backend/llama_model.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iostream>
@@ -192,12 +193,13 @@ torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemo
   torch::NoGradGuard ng;
   const int64_t T = x.size(0);
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
-  auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device_));
+  const RopeAngles angles =
+      rope_->angles(torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device_)), T, x.scalar_type());
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
-    auto q = rope_->apply(qkv.narrow(1, 0, H * D).view({T, H, D}), positions).transpose(0, 1).contiguous();
-    auto k = rope_->apply(qkv.narrow(1, H * D, KV * D).view({T, KV, D}), positions).transpose(0, 1).contiguous();
+    auto q = Rope::apply(qkv.narrow(1, 0, H * D).view({T, H, D}), angles).transpose(0, 1).contiguous();
+    auto k = Rope::apply(qkv.narrow(1, H * D, KV * D).view({T, KV, D}), angles).transpose(0, 1).contiguous();
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({T, KV, D}).transpose(0, 1).contiguous();
     auto attn = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
                                                  /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
@@ -214,14 +216,18 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
   KV_CHECK(B > 0 && static_cast<int64_t>(batch.seq_ids.size()) == B && static_cast<int64_t>(batch.positions.size()) == B,
            "decode batch of " << B << " tokens does not match its sequence list");
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
-  auto positions = torch::tensor(batch.positions, torch::kInt64).to(device_);
+  // The step's bookkeeping happens here, once: the KV memory takes every layer's blocks and sends its
+  // tables over, the RoPE rows are looked up; the layer loop below then never waits for the host.
+  kv.begin_decode(batch);
+  const int64_t end = *std::max_element(batch.positions.begin(), batch.positions.end()) + 1;
+  const RopeAngles angles = rope_->angles(torch::tensor(batch.positions, torch::kInt64).to(device_), end, x.scalar_type());
   StepProfile* p = profile_;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
     auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv); });
-    auto q = StepProfile::time(p, StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, 0, H * D).view({B, H, D}), positions).contiguous(); });
-    auto k = StepProfile::time(p, StepProfile::kRope, [&] { return rope_->apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), positions).contiguous(); });
+    auto q = StepProfile::time(p, StepProfile::kRope, [&] { return Rope::apply(qkv.narrow(1, 0, H * D).view({B, H, D}), angles).contiguous(); });
+    auto k = StepProfile::time(p, StepProfile::kRope, [&] { return Rope::apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), angles).contiguous(); });
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();
     auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
     auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });

@@ -39,16 +39,17 @@ void Rope::ensure(int64_t max_pos) {
   capacity_ = cap;
 }
 
-torch::Tensor Rope::apply(const torch::Tensor& x, const torch::Tensor& positions) {
-  const int64_t max_pos = positions.numel() ? positions.max().item<int64_t>() + 1 : 0;
-  ensure(max_pos);
-  auto cos = cos_.index_select(0, positions).to(x.scalar_type()).unsqueeze(1);  // [N, 1, D]
-  auto sin = sin_.index_select(0, positions).to(x.scalar_type()).unsqueeze(1);
-  const int64_t half = head_dim_ / 2;
+RopeAngles Rope::angles(const torch::Tensor& positions, int64_t end, torch::ScalarType dtype) {
+  ensure(end);
+  return {cos_.index_select(0, positions).to(dtype).unsqueeze(1), sin_.index_select(0, positions).to(dtype).unsqueeze(1)};
+}
+
+torch::Tensor Rope::apply(const torch::Tensor& x, const RopeAngles& a) {
+  const int64_t half = x.size(-1) / 2;
   auto x1 = x.narrow(-1, 0, half);
   auto x2 = x.narrow(-1, half, half);
   auto rotated = torch::cat({-x2, x1}, -1);
-  return x * cos + rotated * sin;
+  return x * a.cos + rotated * a.sin;
 }
 
 }  // namespace kvserve

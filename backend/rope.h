@@ -6,11 +6,20 @@
 
 namespace kvserve {
 
+// The cos/sin rows of one forward's positions in the activations' dtype ([N, 1, D] each): looked up
+// once per forward and shared by every layer's q and k.
+struct RopeAngles {
+  torch::Tensor cos, sin;
+};
+
 class Rope {
  public:
   Rope(const ModelConfig& config, torch::Device device);
-  // Applies RoPE in place-free form to x [N, heads, D] whose rows sit at `positions` [N] (int64).
-  torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& positions);
+  // Angles of `positions` [N] (int64, on the tables' device); `end` is a host-known bound above every
+  // position, so that growing the tables never reads the positions back from the device.
+  RopeAngles angles(const torch::Tensor& positions, int64_t end, torch::ScalarType dtype);
+  // Applies RoPE in place-free form to x [N, heads, D] whose rows sit at the angles' positions.
+  static torch::Tensor apply(const torch::Tensor& x, const RopeAngles& a);
   const torch::Tensor& inv_freq() const { return inv_freq_; }
 
  private:

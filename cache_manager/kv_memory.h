@@ -26,6 +26,10 @@ class KvMemory {
                              const torch::Tensor& v) = 0;
   // Called after the last layer (policies that rebalance across layers settle here).
   virtual void end_prefill(int64_t seq_id) = 0;
+  // Called once per decode step before the first layer: a memory may plan the whole step here
+  // (take every layer's blocks, send its tables to the device once). Optional for callers:
+  // decode_attention plans a step itself when it finds none.
+  virtual void begin_decode(const DecodeBatch& batch) {}
   // Appends one token per sequence (k, v: [B, KV, D]) to `layer` and returns attention of q
   // ([B, H, D]) over each sequence's cached tokens of that layer, the new one included: [B, H, D].
   virtual torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,

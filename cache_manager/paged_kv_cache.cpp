@@ -18,7 +18,8 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
       alloc_(pool_.num_blocks()),
       kv_(options.num_kv_heads),
       bs_(options.block_size),
-      d_(options.head_dim) {
+      d_(options.head_dim),
+      dev_(num_layers, options.device) {
   KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
   pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
 }
@@ -29,6 +30,7 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
 void PagedKvCache::add_sequence(int64_t seq_id) {
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already in the KV cache");
   seqs_.emplace(seq_id, SequenceBlockTable(num_layers_));
+  dev_.add(seq_id);
 }
 
 void PagedKvCache::release(int64_t seq_id) {
@@ -38,6 +40,9 @@ void PagedKvCache::release(int64_t seq_id) {
     t.layer(l).length = 0;
   }
   seqs_.erase(seq_id);
+  dev_.remove(seq_id);
+  if (step_.active && std::find(step_.seq_ids.begin(), step_.seq_ids.end(), seq_id) != step_.seq_ids.end())
+    step_.active = false;
 }
 
 std::vector<int64_t> PagedKvCache::sequence_ids() const {
@@ -127,6 +132,13 @@ void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, 
     }
   }
   lb.length = n;
+  mirror_layer(seq_id, layer, lb);
+}
+
+void PagedKvCache::mirror_layer(int64_t seq_id, int64_t layer, const LayerBlocks& lb) {
+  const int32_t row = dev_.row(seq_id);
+  dev_.set_blocks(row, layer, lb.blocks);
+  dev_.set_length(row, layer, lb.length);
 }
 
 void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots) {
@@ -173,6 +185,7 @@ void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& k
   drop_blocks(lb.blocks);
   lb.blocks = std::move(fresh);
   lb.length = m;
+  mirror_layer(seq_id, layer, lb);
 }
 
 void PagedKvCache::append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k,
@@ -204,15 +217,30 @@ void PagedKvCache::append(int64_t layer, const std::vector<int64_t>& seq_ids, co
     KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence "
                                        << first_needing << ", layer " << layer << ")");
   }
+  step_.active = false;  // the planned step's slots are stale now
   std::vector<int32_t> blk(static_cast<size_t>(B));
   std::vector<int64_t> off(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     LayerBlocks& lb = *lbs[b];
-    if (lb.length == lb.capacity(bs_)) lb.blocks.push_back(alloc_.allocate());
+    const int32_t row = dev_.row(seq_ids[b]);
+    if (lb.length == lb.capacity(bs_)) {
+      lb.blocks.push_back(alloc_.allocate());
+      dev_.set_block(row, layer, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
+    }
     blk[b] = lb.blocks.back();
     off[b] = lb.length % bs_;
   }
+  write_slots(blk, off, k, v);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk[b], h)[off[b]] = static_cast<int32_t>(positions[b]);
+    lbs[b]->length += 1;
+    dev_.set_length(dev_.row(seq_ids[b]), layer, lbs[b]->length);
+  }
+}
 
+void PagedKvCache::write_slots(const std::vector<int32_t>& blk, const std::vector<int64_t>& off, const torch::Tensor& k,
+                               const torch::Tensor& v) {
+  const int64_t B = static_cast<int64_t>(blk.size());
   const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
                     k.scalar_type() == pool_.dtype() && v.scalar_type() == pool_.dtype();
   if (fast) {
@@ -237,37 +265,35 @@ void PagedKvCache::append(int64_t layer, const std::vector<int64_t>& seq_ids, co
     pool_.keys().index_put_({bt, Slice(), ot}, k.to(opts));
     pool_.values().index_put_({bt, Slice(), ot}, v.to(opts));
   }
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk[b], h)[off[b]] = static_cast<int32_t>(positions[b]);
-    lbs[b]->length += 1;
-  }
 }
 
-DecodeTables PagedKvCache::decode_tables(int64_t layer, const std::vector<int64_t>& seq_ids) const {
-  const int64_t B = static_cast<int64_t>(seq_ids.size());
-  std::vector<const LayerBlocks*> lbs(static_cast<size_t>(B));
-  int64_t max_blocks = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    lbs[b] = &table_of(seq_ids[b]).layer(layer);
-    max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(lbs[b]->blocks.size()));
+torch::Tensor PagedKvCache::batch_rows(const std::vector<int64_t>& seq_ids) {
+  std::vector<int32_t> rows;
+  rows.reserve(seq_ids.size());
+  for (int64_t id : seq_ids) {
+    table_of(id);  // unknown ids name the sequence
+    rows.push_back(dev_.row(id));
   }
-  torch::Tensor table = torch::zeros({B, max_blocks}, torch::kInt32);
-  torch::Tensor lens = torch::empty({B}, torch::kInt32);
-  int32_t* tp = table.data_ptr<int32_t>();
-  int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(tp + b * max_blocks, lbs[b]->blocks.data(), lbs[b]->blocks.size() * sizeof(int32_t));
-    lp[b] = static_cast<int32_t>(lbs[b]->length);
-  }
-  if (!pool_.device().is_cpu()) {
-    table = table.to(pool_.device());
-    lens = lens.to(pool_.device());
-  }
-  return {table, lens};
+  return torch::tensor(rows, torch::kInt32).to(pool_.device());
+}
+
+int64_t PagedKvCache::max_blocks(int64_t layer, const std::vector<int64_t>& seq_ids) const {
+  int64_t n = 0;
+  for (int64_t id : seq_ids) n = std::max<int64_t>(n, static_cast<int64_t>(table_of(id).layer(layer).blocks.size()));
+  return n;
+}
+
+DecodeTables PagedKvCache::decode_tables(int64_t layer, const std::vector<int64_t>& seq_ids) {
+  KV_CHECK(layer >= 0 && layer < num_layers_, "layer " << layer << " out of range [0, " << num_layers_ << ")");
+  const torch::Tensor rows = batch_rows(seq_ids);
+  dev_.flush();
+  // Columns past the longest table are never read: keep the gather small.
+  const int64_t cols = std::max<int64_t>(1, max_blocks(layer, seq_ids));
+  return {dev_.tables(layer).index_select(0, rows).narrow(1, 0, cols), dev_.lengths(layer).index_select(0, rows)};
 }
 
 torch::Tensor PagedKvCache::attend(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& q,
-                                   double scale) const {
+                                   double scale) {
   const DecodeTables t = decode_tables(layer, seq_ids);
   return paged_attention(q, pool_.storage(), t.block_table, t.lengths, scale);
 }
@@ -277,6 +303,91 @@ torch::Tensor PagedKvCache::append_and_attend(int64_t layer, const std::vector<i
                                               const torch::Tensor& k, const torch::Tensor& v, double scale) {
   append(layer, seq_ids, k, v, positions);
   return attend(layer, seq_ids, q, scale);
+}
+
+void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions) {
+  const int64_t B = static_cast<int64_t>(seq_ids.size()), L = num_layers_;
+  KV_CHECK(static_cast<int64_t>(positions.size()) == B, "decode: " << positions.size() << " positions for " << B
+                                                                   << " sequences");
+  step_.active = false;
+  std::vector<SequenceBlockTable*> tables(static_cast<size_t>(B));
+  std::vector<int32_t> rows(static_cast<size_t>(B));
+  std::unordered_set<int64_t> seen;
+  for (int64_t b = 0; b < B; ++b) {
+    KV_CHECK(seen.insert(seq_ids[b]).second, "decode: sequence " << seq_ids[b] << " twice in one batch");
+    KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
+             "decode: position " << positions[b] << " out of range");
+    tables[b] = &table_of(seq_ids[b]);
+    rows[b] = dev_.row(seq_ids[b]);
+  }
+  // Every layer's blocks are taken before anything changes: a step that cannot get them all fails whole.
+  int64_t need = 0, first_seq = -1, first_layer = -1;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t b = 0; b < B; ++b) {
+      const LayerBlocks& lb = tables[b]->layer(l);
+      if (lb.length == lb.capacity(bs_)) {
+        if (need++ == 0) first_seq = seq_ids[b], first_layer = l;
+      } else {
+        KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1, "decode: last block of sequence " << seq_ids[b] << " layer " << l
+                                                             << " is shared (copy-on-write not implemented)");
+      }
+    }
+  }
+  if (need > alloc_.free_blocks()) {
+    KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence " << first_seq
+                                       << ", layer " << first_layer << ")");
+  }
+  step_.slot_block.assign(static_cast<size_t>(L * B), 0);
+  step_.slot_offset.assign(static_cast<size_t>(L * B), 0);
+  step_.max_blocks.assign(static_cast<size_t>(L), 0);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t b = 0; b < B; ++b) {
+      LayerBlocks& lb = tables[b]->layer(l);
+      if (lb.length == lb.capacity(bs_)) {
+        lb.blocks.push_back(alloc_.allocate());
+        dev_.set_block(rows[b], l, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
+      }
+      const int32_t blk = lb.blocks.back();
+      const int64_t off = lb.length % bs_;
+      step_.slot_block[l * B + b] = blk;
+      step_.slot_offset[l * B + b] = off;
+      for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk, h)[off] = static_cast<int32_t>(positions[b]);
+      lb.length += 1;
+      dev_.set_length(rows[b], l, lb.length);
+      step_.max_blocks[l] = std::max<int64_t>(step_.max_blocks[l], static_cast<int64_t>(lb.blocks.size()));
+    }
+  }
+  dev_.set_batch(rows, positions);
+  dev_.flush();
+  step_.rows = dev_.batch_rows(B);
+  step_.seq_ids = seq_ids;
+  step_.done.assign(static_cast<size_t>(L), 0);
+  step_.active = true;
+}
+
+bool PagedKvCache::decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer) const {
+  return step_.active && layer >= 0 && layer < num_layers_ && !step_.done[static_cast<size_t>(layer)] &&
+         step_.seq_ids == seq_ids;
+}
+
+torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                                         const torch::Tensor& v, double scale) {
+  KV_CHECK(step_.active && layer >= 0 && layer < num_layers_ && !step_.done[static_cast<size_t>(layer)],
+           "decode: layer " << layer << " was not planned by begin_decode (or already ran)");
+  const int64_t B = static_cast<int64_t>(step_.seq_ids.size());
+  KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
+           "decode: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(v.sizes() == k.sizes(), "decode: v " << v.sizes() << " != k " << k.sizes());
+  const auto first = step_.slot_block.begin() + layer * B;
+  write_slots(std::vector<int32_t>(first, first + B),
+              std::vector<int64_t>(step_.slot_offset.begin() + layer * B, step_.slot_offset.begin() + (layer + 1) * B), k,
+              v);
+  step_.done[static_cast<size_t>(layer)] = 1;
+  if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
+  const int64_t cols = std::max<int64_t>(1, step_.max_blocks[static_cast<size_t>(layer)]);
+  const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
+  const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);
+  return paged_attention(q, pool_.storage(), table, lens, scale);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -336,6 +447,24 @@ void PagedKvCache::check_invariants() const {
       for (int32_t b : lb.blocks) {
         KV_CHECK(b >= 0 && b < alloc_.total_blocks(), "sequence " << id << " layer " << l << " has bad block " << b);
         ++refs[static_cast<size_t>(b)];
+      }
+    }
+  }
+  // The device tables say what the host's say.
+  dev_.flush();
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    const torch::Tensor tab = dev_.tables(l).to(torch::kCPU).contiguous();
+    const torch::Tensor len = dev_.lengths(l).to(torch::kCPU).contiguous();
+    for (const auto& [id, t] : seqs_) {
+      const int32_t row = dev_.row(id);
+      const LayerBlocks& lb = t.layer(l);
+      const int32_t dev_len = len.data_ptr<int32_t>()[row];
+      KV_CHECK(dev_len == lb.length, "sequence " << id << " layer " << l << ": device length " << dev_len << " != "
+                                                 << lb.length);
+      const int32_t* tp = tab.data_ptr<int32_t>() + int64_t{row} * tab.size(1);
+      for (size_t i = 0; i < lb.blocks.size(); ++i) {
+        KV_CHECK(tp[i] == lb.blocks[i], "sequence " << id << " layer " << l << ": device table entry " << i << " is "
+                                                    << tp[i] << ", host " << lb.blocks[i]);
       }
     }
   }

@@ -9,6 +9,7 @@
 
 #include "cache_manager/block_allocator.h"
 #include "cache_manager/block_table.h"
+#include "cache_manager/device_block_tables.h"
 #include "cache_manager/kv_block_pool.h"
 
 namespace kvserve {
@@ -50,11 +51,24 @@ class PagedKvCache {
   torch::Tensor append_and_attend(int64_t layer, const std::vector<int64_t>& seq_ids,
                                   const std::vector<int64_t>& positions, const torch::Tensor& q,
                                   const torch::Tensor& k, const torch::Tensor& v, double scale = -1.0);
-  // Block tables of `layer` for a batch, ready for paged_attention().
-  DecodeTables decode_tables(int64_t layer, const std::vector<int64_t>& seq_ids) const;
+  // Block tables of `layer` for a batch, ready for paged_attention() (rows of the device tables).
+  DecodeTables decode_tables(int64_t layer, const std::vector<int64_t>& seq_ids);
   // paged_attention() over the current content (no append).
-  torch::Tensor attend(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& q,
-                       double scale = -1.0) const;
+  torch::Tensor attend(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& q, double scale = -1.0);
+
+  // --- a decode step, planned once for every layer -----------------------------------------------
+  // Takes the blocks every layer's append needs (or throws the exhaustion error before changing
+  // anything), advances the host lengths and positions, and sends the step's table changes, batch
+  // rows and positions to the device in one copy. decode_layer() then runs each layer on the device
+  // alone: no host-built indices, no host synchronisation.
+  void begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions);
+  // True when begin_decode() planned this batch and `layer` has not run yet.
+  bool decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer) const;
+  // Writes k, v [B, KV, D] into the slots begin_decode() took and returns paged attention of
+  // q [B, H, D] over each sequence's tokens of `layer`, the new one included.
+  torch::Tensor decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             double scale = -1.0);
+  const DeviceBlockTables& device_tables() const { return dev_; }
 
   // --- inspection --------------------------------------------------------------------------------
   int64_t length(int64_t seq_id, int64_t layer) const;
@@ -100,12 +114,35 @@ class PagedKvCache {
     return pos_.data() + (int64_t{block} * kv_ + head) * bs_;
   }
 
+  // Records a layer's whole table and length for the device.
+  void mirror_layer(int64_t seq_id, int64_t layer, const LayerBlocks& lb);
+  // Table rows of a batch as a device tensor, and the most blocks any of them holds in `layer`.
+  torch::Tensor batch_rows(const std::vector<int64_t>& seq_ids);
+  int64_t max_blocks(int64_t layer, const std::vector<int64_t>& seq_ids) const;
+  // Writes k, v [B, KV, D] to slots (block, offset) per batch entry, from host-known slots.
+  void write_slots(const std::vector<int32_t>& blk, const std::vector<int64_t>& off, const torch::Tensor& k,
+                   const torch::Tensor& v);
+
+  // What begin_decode() planned: per layer and batch entry the slot the new token goes to.
+  struct DecodePlan {
+    std::vector<int64_t> seq_ids;
+    torch::Tensor rows;                 // int32 [B] on the device (the step's batch rows)
+    std::vector<int32_t> slot_block;    // [layers * B]
+    std::vector<int64_t> slot_offset;   // [layers * B]
+    std::vector<int64_t> max_blocks;    // [layers]: the most blocks a batch entry holds
+    std::vector<char> done;             // [layers]
+    bool active = false;
+  };
+
   int64_t num_layers_;
   KvBlockPool pool_;
   BlockAllocator alloc_;
   int64_t kv_, bs_, d_;
   std::vector<int32_t> pos_;  // [num_blocks, KV, block_size] original positions
   std::unordered_map<int64_t, SequenceBlockTable> seqs_;
+  // Mutable: flushing brings the device mirror up to date without changing what the cache holds.
+  mutable DeviceBlockTables dev_;
+  DecodePlan step_;
 };
 
 }  // namespace kvserve

@@ -237,19 +237,30 @@ int64_t PagedKvMemory::local(int64_t layer) const {
   return l;
 }
 
+void PagedKvMemory::begin_decode(const DecodeBatch& batch) {
+  // Decode-time eviction runs once per decode_evict_chunk tokens for sequences whose policy evicts.
+  // Each layer's eviction reads only that layer's cache, which this step has not touched yet, so
+  // running them all before the step keeps what evicting layer by layer would, and its peak block
+  // count is no higher (decode_demand's bound holds).
+  for (int64_t id : batch.seq_ids) {
+    auto it = seqs_.find(id);
+    KV_CHECK(it != seqs_.end(), "decode: sequence " << id << " has no KV state");
+    SeqState& s = it->second;
+    for (int64_t ll = 0; ll < static_cast<int64_t>(s.evictors.size()); ++ll) {
+      const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
+      if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
+      auto [keys, values] = cache_.gather(id, ll);
+      cache_.compact(id, ll, ev.select(cache_.positions(id, ll), keys).to(torch::kCPU));
+    }
+  }
+  cache_.begin_decode(batch.seq_ids, batch.positions);
+}
+
 torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                               const torch::Tensor& k, const torch::Tensor& v) {
-  // Decode-time eviction runs once per decode_evict_chunk tokens for sequences whose policy evicts.
-  for (int64_t id : batch.seq_ids) {
-    SeqState& s = seqs_.at(id);
-    if (s.evictors.empty()) continue;
-    const int64_t ll = local(layer);
-    const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
-    if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
-    auto [keys, values] = cache_.gather(id, ll);
-    cache_.compact(id, ll, ev.select(cache_.positions(id, ll), keys).to(torch::kCPU));
-  }
-  return cache_.append_and_attend(local(layer), batch.seq_ids, batch.positions, q, k, v);
+  const int64_t ll = local(layer);
+  if (!cache_.decode_planned(batch.seq_ids, ll)) begin_decode(batch);
+  return cache_.decode_layer(ll, q, k, v);
 }
 
 void PagedKvMemory::release(int64_t seq_id) {
