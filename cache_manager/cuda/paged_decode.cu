@@ -516,7 +516,7 @@ SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, in
     plan.blocks_per_split = static_cast<int>(max_blocks > 1 ? max_blocks : 1);
     return plan;
   }
-  const int64_t group = num_heads / num_kv_heads;
+  const int64_t group = std::max<int64_t>(1, num_heads / num_kv_heads);
   const int64_t gmax = heads_per_cta(group);
   const int64_t ctas = batch * num_kv_heads * ((group + gmax - 1) / gmax);
   const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);

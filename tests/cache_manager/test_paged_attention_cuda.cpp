@@ -153,10 +153,10 @@ TEST(PagedAttentionCuda, MatchesReferenceAcrossDtypesGroupsAndHeadDims) {
 TEST(PagedAttentionCuda, SmallAndOddHeadDimsAndBlockSizes) {
   SKIP_WITHOUT_GPU();
   uint64_t seed = 100;
-  // 16 and 32: the fixture models; 80/96/256: idle lanes and two vectors per lane (fp32); 20 and
-  // 36: the scalar path.
+  // 16 and 32: the fixture models; 80/96/256: idle lanes and two vectors per lane (fp32); 18 (all
+  // dtypes) and 20 / 36 (16-bit): the scalar path, rows not a multiple of 16 bytes.
   for (torch::ScalarType dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
-    for (int64_t d : {16, 32, 80, 96, 256, 20, 36}) {
+    for (int64_t d : {16, 32, 80, 96, 256, 20, 36, 18}) {
       for (int64_t bs : {1, 3, 16, 32}) {
         Spec s;
         s.kv = 1 + (d % 3);
