@@ -1,0 +1,591 @@
+// CUDA paged decode attention (split-K flash-decoding) and the device K/V append.
+//
+// Design, and why:
+// - One CTA per (batch entry, KV head, chunk of up to GMAX query heads, split). The CTA loads every
+//   K/V vector of its block range once and uses it for all query heads of the GQA group, so the
+//   pool is read once per step however many query heads share a KV head (decode is bound by the
+//   bytes read). G > 8 falls back to several head chunks, each re-reading K/V (rare: MQA-like).
+// - Inside a warp, a group of TG lanes owns one token: each lane loads 16-byte vectors of that
+//   token's K and V row (rows are contiguous [bs, D] tiles in the pool, so a group's loads are one
+//   coalesced segment), dots them with its slice of the G query rows kept in registers, and the
+//   group finishes the dot products with TG-wide xor shuffles. 32 / TG tokens per pass; U passes
+//   are loaded before any is used (U shrinks as G grows, to bound registers) so each warp keeps
+//   several loads in flight. Each token group keeps its own online-softmax state (m, l, acc) in
+//   registers; groups, then warps (through shared memory), then splits (second kernel) are merged
+//   with the same log-sum-exp rule. Scores live in the log2 domain (q is pre-scaled by
+//   scale * log2 e) so every exponential is one exp2f.
+// - The four warps of a CTA take the split's blocks round-robin; a warp reads the block id from the
+//   table row itself, so no host-built index exists and the launch shape depends only on host
+//   values (num_splits, blocks_per_split): the kernel is CUDA-graph friendly, lengths are read on
+//   the device. The last split also takes any blocks past num_splits * blocks_per_split, so a low
+//   host hint loses speed, never tokens.
+// - Empty work (length 0, or a split past the length) writes m = -inf, l = 0 and no acc; every
+//   merge skips partials whose max is -inf, so neither 0/0 nor -inf - -inf ever happens and stale
+//   workspace is never read. Masked token slots load zeros (never the pool's stale bytes, which
+//   may be NaN) and get probability exactly 0.
+// - Out-of-range table entries (block id outside [0, N)) and rows/lengths that point past the table
+//   are skipped or clamped instead of read: a bad table gives a wrong answer, not a memory fault.
+// - Pool offsets are int64 (N * 2 * KV * bs * D passes 2^31 elements on an 80 GB card); per-row
+//   offsets inside one block tile stay int.
+// - Head dims: the vector path needs D * sizeof(T) % 16 == 0 and 16-byte aligned q / pool / out
+//   bases (torch allocations are 256-byte aligned); TG = next power of two of D / VEC, so D = 64
+//   and 128 use every lane and 80 / 96 leave a few idle. Any other D <= 256 (or unaligned views)
+//   takes the scalar path: one element per lane per step, TG = 32.
+// - fp32 accumulation everywhere; bf16/fp16 are converted on load.
+#include "cache_manager/cuda/paged_decode.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace kvserve::cuda_kernels {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxSplits = 64;
+constexpr int kMinBlocksPerSplit = 4;  // one block per warp: fewer leaves warps idle for nothing
+
+// Resolved launch parameters shared by the decode kernels (plain values: passed by value).
+struct DecodeParams {
+  const void* q;
+  const void* pool;
+  const int32_t* tables;
+  int64_t table_stride;
+  int64_t table_cols;
+  const int32_t* rows;
+  const int32_t* lengths;
+  int64_t num_rows;  // S: valid row ids are [0, S)
+  void* out;
+  float* partial_acc;
+  float* partial_ml;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t num_blocks;
+  int head_dim;
+  int block_size;
+  int group;   // G
+  int chunks;  // ceil(G / GMAX)
+  int num_splits;
+  int blocks_per_split;
+  float scale_log2;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half(x);
+}
+
+// VEC consecutive elements of one row, as loaded: one 16-byte load when VEC * sizeof(T) == 16 (the
+// caller guarantees alignment), else VEC scalar loads. Kept packed until used so that bf16/fp16
+// tiles in flight cost half the registers.
+template <typename T, int VEC, bool kWide = VEC * sizeof(T) == 16>
+struct Packet {
+  T e[VEC];
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) e[i] = p[i];
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) e[i] = from_float<T>(0.0f);
+  }
+  __device__ __forceinline__ void to_floats(float* dst) const {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dst[i] = to_float(e[i]);
+  }
+};
+
+template <typename T, int VEC>
+struct Packet<T, VEC, true> {
+  uint4 raw;
+  __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const uint4*>(p); }
+  __device__ __forceinline__ void zero() { raw = make_uint4(0u, 0u, 0u, 0u); }
+  __device__ __forceinline__ void to_floats(float* dst) const {
+    if constexpr (sizeof(T) == 4) {
+      dst[0] = __uint_as_float(raw.x);
+      dst[1] = __uint_as_float(raw.y);
+      dst[2] = __uint_as_float(raw.z);
+      dst[3] = __uint_as_float(raw.w);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      __nv_bfloat162 h[4];
+      memcpy(h, &raw, sizeof(raw));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        dst[2 * i] = f.x;
+        dst[2 * i + 1] = f.y;
+      }
+    } else {
+      __half2 h[4];
+      memcpy(h, &raw, sizeof(raw));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        dst[2 * i] = f.x;
+        dst[2 * i + 1] = f.y;
+      }
+    }
+  }
+};
+
+// Merges state (mo, lo, ao) into (m, l, a); a max of -inf on both sides means "nothing yet".
+template <int E>
+__device__ __forceinline__ void merge_state(float& m, float& l, float* a, float mo, float lo, const float* ao) {
+  const float mx = fmaxf(m, mo);
+  if (mx == -INFINITY) return;
+  const float cs = exp2f(m - mx);   // 0 when m == -inf
+  const float co = exp2f(mo - mx);  // 0 when mo == -inf
+  l = l * cs + lo * co;
+#pragma unroll
+  for (int e = 0; e < E; ++e) a[e] = a[e] * cs + ao[e] * co;
+  m = mx;
+}
+
+// T: element type; VEC: elements per lane load; TG: lanes per token (power of two <= 32);
+// VPL: vector loads per lane per row (D <= TG * VPL * VEC); GMAX: query heads per CTA.
+template <typename T, int VEC, int TG, int VPL, int GMAX>
+__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
+  constexpr int kTokensPerPass = 32 / TG;
+  constexpr int kU = GMAX >= 8 ? 1 : (GMAX >= 4 ? 2 : 4);  // passes loaded before use
+  constexpr int kE = VPL * VEC;                             // elements per lane per row
+  constexpr int kDcap = TG * VPL * VEC;
+  static_assert(TG >= 1 && TG <= 32 && (TG & (TG - 1)) == 0, "TG must be a power of two <= 32");
+
+  __shared__ float red_m[kWarps][GMAX];
+  __shared__ float red_l[kWarps][GMAX];
+  __shared__ float red_acc[kWarps][GMAX][kDcap];
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int grp = lane / TG;  // token slot of this lane's group within a pass
+  const int gl = lane % TG;   // lane within the group
+  const int D = p.head_dim;
+  const int nv = D / VEC;  // vectors per row
+
+  const int64_t b = blockIdx.x;
+  const int kvh = static_cast<int>(blockIdx.y) / p.chunks;
+  const int g0 = (static_cast<int>(blockIdx.y) % p.chunks) * GMAX;
+  const int gn = min(GMAX, p.group - g0);
+  const int split = blockIdx.z;
+  const int64_t H = p.num_heads;
+  const int64_t h0 = static_cast<int64_t>(kvh) * p.group + g0;
+
+  // This entry's row, length and block range (all uniform across the CTA).
+  const int row = p.rows[b];
+  int64_t len = 0;
+  if (row >= 0 && row < p.num_rows) len = p.lengths[row];
+  const int64_t bs = p.block_size;
+  len = max(int64_t{0}, min(len, p.table_cols * bs));
+  const int64_t nblocks = (len + bs - 1) / bs;
+  const int64_t blk_begin = static_cast<int64_t>(split) * p.blocks_per_split;
+  const int64_t blk_end =
+      split == p.num_splits - 1 ? nblocks : min(nblocks, blk_begin + static_cast<int64_t>(p.blocks_per_split));
+
+  if (blk_begin >= blk_end) {
+    if (p.num_splits == 1) {
+      T* out = static_cast<T*>(p.out) + (b * H + h0) * D;
+      for (int i = threadIdx.x; i < gn * D; i += kThreads) out[i] = from_float<T>(0.0f);
+    } else if (threadIdx.x < gn) {
+      float* ml = p.partial_ml + ((b * H + h0 + threadIdx.x) * p.num_splits + split) * 2;
+      ml[0] = -INFINITY;
+      ml[1] = 0.0f;
+    }
+    return;  // whole CTA: no barrier below is reached by anyone
+  }
+
+  // This lane's slice of the G query rows, pre-scaled into the log2 domain.
+  float q[GMAX][kE];
+  {
+    const T* qb = static_cast<const T*>(p.q) + (b * H + h0) * D;
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int vi = gl + j * TG;
+        float* dst = &q[g][j * VEC];
+        if (g < gn && vi < nv) {
+          Packet<T, VEC> pk;
+          pk.load(qb + g * D + vi * VEC);
+          pk.to_floats(dst);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dst[e] *= p.scale_log2;
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dst[e] = 0.0f;
+        }
+      }
+    }
+  }
+
+  float m[GMAX], l[GMAX], acc[GMAX][kE];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) acc[g][e] = 0.0f;
+  }
+
+  const T* pool = static_cast<const T*>(p.pool);
+  const int32_t* trow = p.tables + static_cast<int64_t>(row) * p.table_stride;
+  const int64_t half = p.num_kv_heads * bs * D;  // elements of the K (or V) half of a block
+  const int64_t head_off = static_cast<int64_t>(kvh) * bs * D;
+
+  for (int64_t blk = blk_begin + warp; blk < blk_end; blk += kWarps) {
+    const int64_t id = trow[blk];
+    if (id < 0 || id >= p.num_blocks) continue;  // uniform per warp
+    const T* kbase = pool + id * 2 * half + head_off;
+    const T* vbase = kbase + half;
+    const int ntok = static_cast<int>(min(bs, len - blk * bs));  // >= 1
+    for (int t0 = 0; t0 < ntok; t0 += kTokensPerPass * kU) {
+      Packet<T, VEC> kp[kU][VPL], vp[kU][VPL];
+      bool valid[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int t = t0 + u * kTokensPerPass + grp;
+        valid[u] = t < ntok;
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) {
+          const int vi = gl + j * TG;
+          if (valid[u] && vi < nv) {
+            const int off = t * D + vi * VEC;  // < bs * D: one tile
+            kp[u][j].load(kbase + off);
+            vp[u][j].load(vbase + off);
+          } else {
+            kp[u][j].zero();
+            vp[u][j].zero();
+          }
+        }
+      }
+      float s[kU][GMAX];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        float kf[kE];
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) kp[u][j].to_floats(&kf[j * VEC]);
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int e = 0; e < kE; ++e) dot = fmaf(q[g][e], kf[e], dot);
+          s[u][g] = dot;
+        }
+      }
+      // Every lane takes part in the shuffles (masked slots contribute zeros).
+#pragma unroll
+      for (int off = TG / 2; off > 0; off /= 2) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+          for (int g = 0; g < GMAX; ++g) s[u][g] += __shfl_xor_sync(kFullMask, s[u][g], off);
+        }
+      }
+      if (!valid[0]) continue;  // this group has no token in this step (t grows with u)
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (g >= gn) break;
+        float mx = m[g];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (valid[u]) mx = fmaxf(mx, s[u][g]);
+        }
+        const float alpha = exp2f(m[g] - mx);  // mx is finite: valid[0]; exp2f(-inf) = 0
+        float pr[kU];
+        float psum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          pr[u] = valid[u] ? exp2f(s[u][g] - mx) : 0.0f;
+          psum += pr[u];
+        }
+        l[g] = l[g] * alpha + psum;
+        m[g] = mx;
+#pragma unroll
+        for (int e = 0; e < kE; ++e) acc[g][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          float vf[kE];
+#pragma unroll
+          for (int j = 0; j < VPL; ++j) vp[u][j].to_floats(&vf[j * VEC]);
+#pragma unroll
+          for (int e = 0; e < kE; ++e) acc[g][e] = fmaf(pr[u], vf[e], acc[g][e]);
+        }
+      }
+    }
+  }
+
+  // Merge the token groups of this warp (lanes with the same gl hold the same dims).
+#pragma unroll
+  for (int off = TG; off < 32; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      const float mo = __shfl_xor_sync(kFullMask, m[g], off);
+      const float lo = __shfl_xor_sync(kFullMask, l[g], off);
+      float ao[kE];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) ao[e] = __shfl_xor_sync(kFullMask, acc[g][e], off);
+      merge_state<kE>(m[g], l[g], acc[g], mo, lo, ao);
+    }
+  }
+
+  // Group 0 of every warp publishes the warp's state; every warp writes (zeros when it had no block).
+  if (lane < TG) {
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (gl == 0) {
+        red_m[warp][g] = m[g];
+        red_l[warp][g] = l[g];
+      }
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int vi = gl + j * TG;
+        if (vi < nv) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) red_acc[warp][g][vi * VEC + e] = acc[g][j * VEC + e];
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < gn * D; i += kThreads) {
+    const int g = i / D;
+    const int d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][g]);
+    float lsum = 0.0f, a = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = exp2f(red_m[w][g] - mx);
+        lsum += red_l[w][g] * c;
+        a += red_acc[w][g][d] * c;
+      }
+    }
+    const int64_t bh = b * H + h0 + g;
+    if (p.num_splits == 1) {
+      static_cast<T*>(p.out)[bh * D + d] = from_float<T>(lsum > 0.0f ? a / lsum : 0.0f);
+    } else {
+      const int64_t ps = bh * p.num_splits + split;
+      p.partial_acc[ps * D + d] = a;
+      if (d == 0) {
+        p.partial_ml[ps * 2] = mx;
+        p.partial_ml[ps * 2 + 1] = lsum;
+      }
+    }
+  }
+}
+
+// Log-sum-exp merge of the splits: one CTA per (b, h).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    merge_splits_kernel(const float* __restrict__ acc, const float* __restrict__ ml, T* __restrict__ out, int D,
+                        int splits) {
+  const int64_t bh = blockIdx.x;
+  const float* mlp = ml + bh * splits * 2;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, mlp[2 * s]);
+  float lsum = 0.0f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const float ms = mlp[2 * s];
+      if (ms != -INFINITY) lsum += mlp[2 * s + 1] * exp2f(ms - mx);
+    }
+  }
+  const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.0f;
+    if (mx != -INFINITY) {
+      for (int s = 0; s < splits; ++s) {
+        const float ms = mlp[2 * s];
+        if (ms != -INFINITY) a += acc[(bh * splits + s) * D + d] * exp2f(ms - mx);  // never reads empty splits
+      }
+    }
+    out[bh * D + d] = from_float<T>(a * inv);
+  }
+}
+
+// One CTA per batch entry copies its K and V rows of every KV head into the slot lengths - 1.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) paged_append_kernel(PagedAppendArgs a, int64_t num_rows) {
+  const int64_t b = blockIdx.x;
+  const int row = a.rows[b];
+  if (row < 0 || row >= num_rows) return;
+  const int64_t slot = static_cast<int64_t>(a.lengths[row]) - 1;
+  if (slot < 0) return;
+  const int64_t col = slot / a.block_size;
+  if (col >= a.table_cols) return;
+  const int64_t id = a.tables[static_cast<int64_t>(row) * a.table_stride + col];
+  if (id < 0 || id >= a.num_blocks) return;
+  const int64_t D = a.head_dim;
+  const int64_t half = a.num_kv_heads * a.block_size * D;
+  T* kdst = static_cast<T*>(a.pool) + id * 2 * half + (slot % a.block_size) * D;
+  const T* k = static_cast<const T*>(a.k) + b * a.num_kv_heads * D;
+  const T* v = static_cast<const T*>(a.v) + b * a.num_kv_heads * D;
+  for (int64_t i = threadIdx.x; i < a.num_kv_heads * D; i += blockDim.x) {
+    const int64_t h = i / D;
+    const int64_t dst = h * a.block_size * D + i % D;
+    kdst[dst] = k[i];
+    kdst[half + dst] = v[i];
+  }
+}
+
+int heads_per_cta(int64_t group) {
+  if (group <= 1) return 1;
+  if (group <= 2) return 2;
+  if (group <= 4) return 4;
+  return 8;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, int VEC, int TG, int VPL, int GMAX>
+cudaError_t launch(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
+  paged_decode_kernel<T, VEC, TG, VPL, GMAX><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Picks the lane layout for D: 16-byte vectors when D and the pointers allow, else scalars.
+template <typename T, int GMAX>
+cudaError_t launch_layout(const DecodeParams& p, bool vec_ok, dim3 grid, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (vec_ok) {
+    const int nv = p.head_dim / kVec;
+    if (nv <= 2) return launch<T, kVec, 2, 1, GMAX>(p, grid, stream);
+    if (nv <= 4) return launch<T, kVec, 4, 1, GMAX>(p, grid, stream);
+    if (nv <= 8) return launch<T, kVec, 8, 1, GMAX>(p, grid, stream);
+    if (nv <= 16) return launch<T, kVec, 16, 1, GMAX>(p, grid, stream);
+    if (nv <= 32) return launch<T, kVec, 32, 1, GMAX>(p, grid, stream);
+    if constexpr (sizeof(T) == 4) {
+      if (nv <= 64) return launch<T, kVec, 32, 2, GMAX>(p, grid, stream);
+    }
+  }
+  static_assert(kMaxHeadDim == 32 * 8, "the scalar path covers kMaxHeadDim with 8 elements per lane");
+  return launch<T, 1, 32, 8, GMAX>(p, grid, stream);
+}
+
+template <typename T>
+cudaError_t launch_typed(const PagedDecodeArgs& a, DecodeParams p, cudaStream_t stream) {
+  const int gmax = heads_per_cta(p.group);
+  p.chunks = (p.group + gmax - 1) / gmax;
+  if (a.num_kv_heads * p.chunks > 65535) return cudaErrorInvalidValue;  // grid.y limit
+  const dim3 grid(static_cast<unsigned>(a.batch), static_cast<unsigned>(a.num_kv_heads * p.chunks),
+                  static_cast<unsigned>(a.num_splits));
+  const bool vec_ok = (a.head_dim * static_cast<int64_t>(sizeof(T))) % 16 == 0 && aligned16(a.q) &&
+                      aligned16(a.pool) && aligned16(a.out);
+  cudaError_t err = cudaSuccess;
+  switch (gmax) {
+    case 1: err = launch_layout<T, 1>(p, vec_ok, grid, stream); break;
+    case 2: err = launch_layout<T, 2>(p, vec_ok, grid, stream); break;
+    case 4: err = launch_layout<T, 4>(p, vec_ok, grid, stream); break;
+    default: err = launch_layout<T, 8>(p, vec_ok, grid, stream); break;
+  }
+  if (err != cudaSuccess || a.num_splits == 1) return err;
+  merge_splits_kernel<T><<<static_cast<unsigned>(a.batch * a.num_heads), kThreads, 0, stream>>>(
+      a.partial_acc, a.partial_ml, static_cast<T*>(a.out), static_cast<int>(a.head_dim), a.num_splits);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, int sm_count) {
+  SplitPlan plan;
+  if (batch <= 0 || num_kv_heads <= 0 || max_blocks <= kMinBlocksPerSplit) {
+    plan.blocks_per_split = static_cast<int>(max_blocks > 1 ? max_blocks : 1);
+    return plan;
+  }
+  const int64_t group = std::max<int64_t>(1, num_heads / num_kv_heads);
+  const int64_t gmax = heads_per_cta(group);
+  const int64_t ctas = batch * num_kv_heads * ((group + gmax - 1) / gmax);
+  const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
+  int64_t splits = (target + ctas - 1) / ctas;
+  splits = std::min<int64_t>(splits, (max_blocks + kMinBlocksPerSplit - 1) / kMinBlocksPerSplit);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
+  const int64_t per = (max_blocks + splits - 1) / splits;
+  plan.blocks_per_split = static_cast<int>(per);
+  plan.num_splits = static_cast<int>((max_blocks + per - 1) / per);  // no trailing always-empty split
+  return plan;
+}
+
+size_t workspace_floats(int64_t batch, int64_t num_heads, int64_t head_dim, int num_splits) {
+  if (num_splits <= 1) return 0;
+  return static_cast<size_t>(batch * num_heads * num_splits) * static_cast<size_t>(head_dim + 2);
+}
+
+cudaError_t launch_paged_decode(const PagedDecodeArgs& a, cudaStream_t stream) {
+  if (a.batch == 0 || a.num_heads == 0) return cudaSuccess;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.head_dim <= 0 || a.head_dim > kMaxHeadDim ||
+      a.block_size <= 0 || a.num_splits < 1 || a.num_splits > 65535 || a.blocks_per_split < 1 ||
+      a.batch > 0x7fffffff || a.table_cols < 0 || a.lengths == nullptr ||
+      a.rows == nullptr || a.tables == nullptr || a.q == nullptr || a.pool == nullptr || a.out == nullptr ||
+      (a.num_splits > 1 && (a.partial_acc == nullptr || a.partial_ml == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  DecodeParams p{};
+  p.q = a.q;
+  p.pool = a.pool;
+  p.tables = a.tables;
+  p.table_stride = a.table_stride;
+  p.table_cols = a.table_cols;
+  p.rows = a.rows;
+  p.lengths = a.lengths;
+  p.num_rows = a.num_rows;
+  p.out = a.out;
+  p.partial_acc = a.partial_acc;
+  p.partial_ml = a.partial_ml;
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.num_kv_heads;
+  p.num_blocks = a.num_blocks;
+  p.head_dim = static_cast<int>(a.head_dim);
+  p.block_size = static_cast<int>(a.block_size);
+  p.group = static_cast<int>(a.num_heads / a.num_kv_heads);
+  p.num_splits = a.num_splits;
+  p.blocks_per_split = a.blocks_per_split;
+  p.scale_log2 = a.scale * kLog2e;
+  switch (a.dtype) {
+    case DType::kFloat32: return launch_typed<float>(a, p, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, p, stream);
+    case DType::kFloat16: return launch_typed<__half>(a, p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_paged_append(const PagedAppendArgs& a, cudaStream_t stream) {
+  if (a.batch == 0) return cudaSuccess;
+  if (a.num_kv_heads <= 0 || a.head_dim <= 0 || a.block_size <= 0 || a.batch > 0x7fffffff || a.pool == nullptr ||
+      a.tables == nullptr || a.rows == nullptr || a.lengths == nullptr || a.k == nullptr || a.v == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const unsigned grid = static_cast<unsigned>(a.batch);
+  switch (a.dtype) {
+    case DType::kFloat32: paged_append_kernel<float><<<grid, kThreads, 0, stream>>>(a, a.num_rows); break;
+    case DType::kBFloat16: paged_append_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(a, a.num_rows); break;
+    case DType::kFloat16: paged_append_kernel<__half><<<grid, kThreads, 0, stream>>>(a, a.num_rows); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kvserve::cuda_kernels
