@@ -1,16 +1,32 @@
 #include "cache_manager/paged_kv_cache.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <unordered_set>
 
 #include "cache_manager/paged_attention.h"
+#include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
 
 namespace kvserve {
 
 using torch::indexing::Slice;
+
+namespace {
+// The CUDA decode kernels serve a CUDA pool when this build has them; KVSERVE_PAGED_KERNEL=torch
+// forces the libtorch gather path (a fallback while the kernels are new).
+bool use_cuda_kernels(const KvBlockPool& pool) {
+  static const bool forced_torch = [] {
+    const char* e = std::getenv("KVSERVE_PAGED_KERNEL");
+    return e != nullptr && std::string(e) == "torch";
+  }();
+  return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 &&
+         (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 || pool.dtype() == torch::kFloat16);
+}
+}  // namespace
 
 PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
     : num_layers_(num_layers),
@@ -378,13 +394,21 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
            "decode: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "decode: v " << v.sizes() << " != k " << k.sizes());
+  const int64_t max_blocks = step_.max_blocks[static_cast<size_t>(layer)];
+  step_.done[static_cast<size_t>(layer)] = 1;
+  if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
+  if (use_cuda_kernels(pool_)) {
+    // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
+    const auto opts = torch::TensorOptions().dtype(pool_.dtype());
+    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), k.to(opts), v.to(opts));
+    return cuda::paged_decode_attention(q, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
+                                        max_blocks, scale);
+  }
   const auto first = step_.slot_block.begin() + layer * B;
   write_slots(std::vector<int32_t>(first, first + B),
               std::vector<int64_t>(step_.slot_offset.begin() + layer * B, step_.slot_offset.begin() + (layer + 1) * B), k,
               v);
-  step_.done[static_cast<size_t>(layer)] = 1;
-  if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
-  const int64_t cols = std::max<int64_t>(1, step_.max_blocks[static_cast<size_t>(layer)]);
+  const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);
   return paged_attention(q, pool_.storage(), table, lens, scale);
