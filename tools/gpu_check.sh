@@ -4,12 +4,21 @@
 #
 #   tools/gpu_check.sh fetch     # on the Debian 12 dev machine: .gpudeps/ (Debian .debs + openai wheels)
 #   tools/gpu_check.sh run       # on the GPU machine, from the repo root with .gpudeps/ copied along
+#   tools/gpu_check.sh bench [bench_gpu.py options]   # then, on the same machine: the GPU benchmark
 #
-# `run` unpacks the .debs into a prefix (never into /), builds the kvserve target against that
-# machine's torch, makes the fixtures and runs tests/reference/test_cuda_vs_reference.py and
+# `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
+# target whose name contains "cuda" against that machine's torch, runs those gtests (ctest -R cuda),
+# makes the fixtures and runs tests/reference/test_cuda_vs_reference.py and
 # tests/integration/test_cuda_serving.py. Logs go to $OUT (or /tmp/gpu-check).
-# These are the steps that built and passed on an H100 on 2026-11-22 (docs/gpu.md), run then as an
-# ad-hoc script; this file's `run` has not itself run on a GPU yet (no GPU was left to the session).
+# `bench` runs bench/bench_gpu.py against /tmp/kvserve-build/kvserve (building it first if `run` has
+# not), writing benchmarks-gpu.md (rewritten after each step), its JSON and the log into $OUT, and
+# copies the .md to docs/. It needs transformers, safetensors and tokenizers, which the lent GPU
+# image has (no wheels are carried for them). Its default run is sized for ~8 minutes on an H100,
+# so give it its own command (a 10-minute limit), right after `run` while the machine still holds
+# /tmp/kvserve-build (or alone: it then builds kvserve first, ~90 s; pass --budget-s 360).
+# The steps of `run` built and passed on an H100 on 2026-11-22 (docs/gpu.md), run then as an ad-hoc
+# script; this file's `run` and `bench` have not themselves run on a GPU yet (no GPU was left to the
+# sessions that wrote them).
 set -euo pipefail
 DEPS=.gpudeps
 DEBS="libboost1.74-dev libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libcli11-dev libspdlog-dev libspdlog1.10
@@ -17,6 +26,30 @@ DEBS="libboost1.74-dev libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libcli1
   libbenchmark1debian pkgconf pkgconf-bin libpkgconf3"
 WHEELS="openai pydantic pydantic-core distro jiter sniffio annotated-types typing-inspection typing-extensions
   httpx2 httpcore2 truststore anyio h11"
+
+BUILD=/tmp/kvserve-build
+out=${OUT:-/tmp/gpu-check}
+
+# The unpacked .debs as a prefix the build and the binary find their headers and libraries in.
+setup_env() {
+  mkdir -p "$out"
+  export PYTHONUNBUFFERED=1
+  prefix=/tmp/kvserve-deps; mkdir -p $prefix
+  for f in "$DEPS"/*.deb; do dpkg -x "$f" $prefix; done
+  lib=$prefix/usr/lib/x86_64-linux-gnu
+  export PATH=$prefix/usr/bin:$PATH PKG_CONFIG_SYSROOT_DIR=$prefix
+  export PKG_CONFIG_PATH=$lib/pkgconfig:$prefix/usr/share/pkgconfig CPATH=$prefix/usr/include
+  export LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+  nvidia-smi -L
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
+}
+
+build_kvserve() {
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$prefix/usr;$lib/cmake;$prefix/usr/share/cmake" > "$out/cmake.log" 2>&1
+  cmake --build "$BUILD" -j "$(nproc)" --target kvserve > "$out/build.log" 2>&1
+}
 
 case "${1:-}" in
 fetch)
@@ -31,27 +64,36 @@ fetch)
   du -sh "$DEPS"
   ;;
 run)
-  out=${OUT:-/tmp/gpu-check}; mkdir -p "$out"
-  export PYTHONUNBUFFERED=1
-  prefix=/tmp/kvserve-deps; mkdir -p $prefix
-  for f in "$DEPS"/*.deb; do dpkg -x "$f" $prefix; done
+  setup_env
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvserve-site "$DEPS"/whl/*.whl
   export PYTHONPATH=/tmp/kvserve-site${PYTHONPATH:+:$PYTHONPATH}
-  lib=$prefix/usr/lib/x86_64-linux-gnu
-  export PATH=$prefix/usr/bin:$PATH PKG_CONFIG_SYSROOT_DIR=$prefix
-  export PKG_CONFIG_PATH=$lib/pkgconfig:$prefix/usr/share/pkgconfig CPATH=$prefix/usr/include
-  export LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-  nvidia-smi -L
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
-  cmake -S . -B /tmp/kvserve-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH="$prefix/usr;$lib/cmake;$prefix/usr/share/cmake" > "$out/cmake.log" 2>&1
-  cmake --build /tmp/kvserve-build -j "$(nproc)" --target kvserve > "$out/build.log" 2>&1
+  build_kvserve
+  # CUDA gtests, if any: test targets named *cuda* (none yet; `--target kvserve` builds no tests).
+  cuda_targets=$(cmake --build "$BUILD" --target help 2>/dev/null | sed -e 's/^\.\.\. //' -e 's/:.*//' \
+    | grep -i cuda | grep -v '[/.]' || true)
+  if [ -n "$cuda_targets" ]; then
+    echo "CUDA gtest targets: $cuda_targets"
+    cmake --build "$BUILD" -j "$(nproc)" --target $cuda_targets >> "$out/build.log" 2>&1
+    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]' --output-on-failure) 2>&1 | tee "$out/ctest.log" || rc=1
+  else
+    echo "no CUDA gtest targets" | tee "$out/ctest.log"
+  fi
   python3 tools/make_fixture_models.py --out /tmp/kvserve-fixtures > "$out/fixtures.log" 2>&1
-  KVSERVE_BIN=/tmp/kvserve-build/kvserve KVSERVE_FIXTURES=/tmp/kvserve-fixtures \
+  KVSERVE_BIN=$BUILD/kvserve KVSERVE_FIXTURES=/tmp/kvserve-fixtures \
     python3 -m pytest -q -p no:cacheprovider tests/reference/test_cuda_vs_reference.py \
-    tests/integration/test_cuda_serving.py 2>&1 | tee "$out/pytest.log"
+    tests/integration/test_cuda_serving.py 2>&1 | tee "$out/pytest.log" || rc=1
+  exit ${rc:-0}
+  ;;
+bench)
+  shift
+  setup_env
+  [ -x "$BUILD/kvserve" ] || build_kvserve
+  # Written into $out as it goes (a run stopped by a time limit still leaves its tables there), then
+  # copied to docs/.
+  python3 bench/bench_gpu.py --kvserve "$BUILD/kvserve" --out "$out/benchmarks-gpu.md" \
+    --json-out "$out/benchmarks-gpu.json" "$@" 2>&1 | tee "$out/bench.log"
+  cp "$out/benchmarks-gpu.md" docs/benchmarks-gpu.md
   ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench [bench_gpu.py options]" >&2; exit 2 ;;
 esac
