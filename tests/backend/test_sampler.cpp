@@ -2,6 +2,7 @@
 // token-for-token equality with the former per-row host sampler on random batches of mixed params.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -68,8 +69,10 @@ torch::Tensor random_logits(int64_t B, int64_t V, uint64_t seed) {
 }
 
 // Runs `steps` steps of the bank (batched) and of one reference sampler per row on the same logits,
-// checking tokens and logprobs row by row.
-void expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed) {
+// checking tokens and logprobs row by row. Returns how many sampled tokens were not the argmax (so a
+// caller can see that the draws, not just greedy, were compared).
+int64_t expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed) {
+  int64_t off_argmax = 0;
   std::mt19937_64 g(seed);
   SamplerBank bank;
   std::vector<ReferenceSampler> ref;
@@ -85,22 +88,27 @@ void expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed) {
     std::vector<char> ban(static_cast<size_t>(B));
     for (auto& b : ban) b = static_cast<char>(g() % 3 == 0);
     const auto got = bank.sample_batch(ids, l, ban);
-    ASSERT_EQ(got.size(), static_cast<size_t>(B));
+    EXPECT_EQ(got.size(), static_cast<size_t>(B));
+    if (got.size() != static_cast<size_t>(B)) return off_argmax;
+    const auto argmax = l.argmax(1);
     for (int64_t i = 0; i < B; ++i) {
       TokenLogprob chosen;
       std::vector<TokenLogprob> top;
       const int64_t want = ref[static_cast<size_t>(i)].sample_and_observe(l[i], ban[static_cast<size_t>(i)], &chosen, &top);
       const SampledToken& s = got[static_cast<size_t>(i)];
-      ASSERT_EQ(s.token, want) << "row " << i << " step " << step;
+      EXPECT_EQ(s.token, want) << "row " << i << " step " << step;
+      if (s.token != want) return off_argmax;  // the streams part here: later steps compare nothing
+      off_argmax += s.token != argmax[i].item<int64_t>();
       EXPECT_EQ(s.chosen.token_id, chosen.token_id);
       EXPECT_NEAR(s.chosen.logprob, chosen.logprob, 1e-5);
-      ASSERT_EQ(s.top.size(), top.size()) << "row " << i;
-      for (size_t k = 0; k < top.size(); ++k) {
+      EXPECT_EQ(s.top.size(), top.size()) << "row " << i;
+      for (size_t k = 0; k < std::min(top.size(), s.top.size()); ++k) {
         EXPECT_EQ(s.top[k].token_id, top[k].token_id) << "row " << i << " rank " << k;
         EXPECT_NEAR(s.top[k].logprob, top[k].logprob, 1e-5);
       }
     }
   }
+  return off_argmax;
 }
 }  // namespace
 
@@ -327,12 +335,18 @@ TEST(Sampler, ARowsTokenDoesNotDependOnTheOtherRows) {
   EXPECT_EQ(ta, tg);  // and the same across runs
 }
 
-TEST(Sampler, SameTokensAsTheHostSamplerB1) { expect_same_as_reference(1, 613, 40, 1); }
-TEST(Sampler, SameTokensAsTheHostSamplerB64) { expect_same_as_reference(64, 1237, 12, 2); }
-TEST(Sampler, SameTokensAsTheHostSamplerManyBatches) {
-  for (uint64_t seed = 10; seed < 30; ++seed) expect_same_as_reference(9, 97 + static_cast<int64_t>(seed), 8, seed);
+TEST(Sampler, SameTokensAsTheHostSamplerB1) {
+  int64_t off = 0;
+  for (uint64_t seed = 1; seed < 9; ++seed) off += expect_same_as_reference(1, 613, 40, seed);
+  EXPECT_GT(off, 20);
 }
-TEST(Sampler, SameTokensAsTheHostSamplerLargeVocab) { expect_same_as_reference(8, 49157, 3, 3); }
+TEST(Sampler, SameTokensAsTheHostSamplerB64) { EXPECT_GT(expect_same_as_reference(64, 1237, 12, 2), 50); }
+TEST(Sampler, SameTokensAsTheHostSamplerManyBatches) {
+  int64_t off = 0;
+  for (uint64_t seed = 10; seed < 40; ++seed) off += expect_same_as_reference(9, 97 + static_cast<int64_t>(seed), 8, seed);
+  EXPECT_GT(off, 200);
+}
+TEST(Sampler, SameTokensAsTheHostSamplerLargeVocab) { EXPECT_GT(expect_same_as_reference(8, 49157, 3, 3), 3); }
 
 TEST(Sampler, SameTokensOnTheDevice) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
