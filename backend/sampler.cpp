@@ -58,20 +58,41 @@ torch::Tensor model_logprobs(const torch::Tensor& l) {
   return l - (mx + torch::log(sum).to(torch::kFloat32));
 }
 
-// Temperature sampling of fp32 rows [S, V]: per row temp, top-p (inf = off), candidate count n_k
-// (top-k, else V), min-p (0 = off) and u in [0, 1) from the sequence's RNG. Sequential cumulative
-// sums stand in for the host loops, so every sum and comparison is the one the host sampler made.
-torch::Tensor sample_rows(const torch::Tensor& l, const torch::Tensor& temp, const torch::Tensor& top_p,
-                          const torch::Tensor& n_k, const torch::Tensor& min_p, const torch::Tensor& u) {
+// Keys that order each row of fp32 `l` [R, V] exactly as a stable descending sort does: the float's
+// order-preserving int32 image in the high half, V-1-id in the low half (lower id first among
+// equal values). With no two keys equal, topk and an unstable sort give that order too, and topk
+// runs in one pass over the row where a sort of the whole vocabulary costs far more.
+torch::Tensor order_keys(const torch::Tensor& l) {
   const int64_t V = l.size(1);
-  // Stable descending order: lower id first on ties, so every filter keeps a prefix.
-  auto [vals, idx] = l.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
-  auto x = vals.to(torch::kFloat64) / temp.unsqueeze(1);
-  auto p = torch::exp(x - x.narrow(1, 0, 1));
-  const auto pos = torch::arange(V, torch::TensorOptions().dtype(torch::kInt64).device(l.device())).unsqueeze(0);
+  // In place where possible: on the CPU each fresh [R, V] temporary costs its page faults.
+  const auto bits = (l + 0.0).view(torch::kInt32);  // + 0 turns -0 into +0: the two compare equal
+  const auto mono = torch::bitwise_right_shift(bits, 31).bitwise_and_(0x7fffffff).bitwise_xor_(bits);
+  const auto low = (V - 1) - torch::arange(V, torch::TensorOptions().dtype(torch::kInt64).device(l.device()));
+  return mono.to(torch::kInt64).mul_(int64_t{1} << 32).add_(low);
+}
+
+// The first k ids of each row in that order ([R, k]).
+torch::Tensor top_ids(const torch::Tensor& l, int64_t k) {
+  const int64_t V = l.size(1);
+  const auto keys = order_keys(l);
+  const auto top = k < V ? std::get<0>(keys.topk(k, 1)) : std::get<0>(keys.sort(/*dim=*/1, /*descending=*/true));
+  return (V - 1) - top.bitwise_and(int64_t{0xffffffff});
+}
+
+// Temperature sampling of fp32 rows [S, V]: per row temp, top-p (inf = off), candidate count n_k
+// (top-k, else V; K is their maximum), min-p (0 = off) and u in [0, 1) from the sequence's RNG.
+// Sequential cumulative sums stand in for the host loops, so every sum and comparison is the one
+// the host sampler made.
+torch::Tensor sample_rows(const torch::Tensor& l, int64_t K, const torch::Tensor& temp, const torch::Tensor& top_p,
+                          const torch::Tensor& n_k, const torch::Tensor& min_p, const torch::Tensor& u) {
+  // Candidates in descending logit order, lower id first on ties, so every filter keeps a prefix.
+  const auto idx = top_ids(l, K);
+  auto p = l.gather(1, idx).to(torch::kFloat64).div_(temp.unsqueeze(1));
+  p.sub_(p.narrow(1, 0, 1).clone()).exp_();  // exp(l / temp - max)
+  const auto pos = torch::arange(K, torch::TensorOptions().dtype(torch::kInt64).device(l.device())).unsqueeze(0);
   const auto nk = n_k.unsqueeze(1);
   p.masked_fill_(pos >= nk, 0.0);
-  p = p / p.cumsum(1).gather(1, nk - 1);
+  p.div_(p.cumsum(1).gather(1, nk - 1));
   const auto cum = p.cumsum(1);
   // top-p: the shortest prefix whose cumulative sum reaches top_p (cum never decreases).
   auto n = torch::minimum(((cum < top_p.unsqueeze(1)) & (pos < nk)).sum(1, /*keepdim=*/true) + 1, nk);
@@ -197,14 +218,14 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   if (!ban.empty() || !p_rows.empty()) l = l.clone();  // never write into the model's logits
   if (!ban.empty()) l.view(-1).index_fill_(0, longs(dev, w_ban), -std::numeric_limits<float>::infinity());
 
-  torch::Tensor l_idx, lp, top_vals, top_ids;
+  torch::Tensor l_idx, lp, top_lp_vals, top_lp_ids;
   if (!l_rows.empty()) {
     l_idx = longs(dev, w_l_rows);
     lp = model_logprobs(l.index_select(0, l_idx));
     if (top_n > 0) {
-      // A stable sort puts the lower id first among equal logprobs, as the host sampler did.
-      auto [v, ids] = lp.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
-      top_vals = v.narrow(1, 0, top_n), top_ids = ids.narrow(1, 0, top_n);
+      // Lower id first among equal logprobs, as the host sampler did.
+      top_lp_ids = top_ids(lp, top_n);
+      top_lp_vals = lp.gather(1, top_lp_ids);
     }
   }
 
@@ -222,11 +243,13 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
     const auto counts = counts_.index_select(0, p_slot);
     // A row without a repetition penalty has rp = 1: l / 1 and l * 1 are l exactly.
     const auto rp = doubles(dev, w_rp).to(torch::kFloat32).unsqueeze(1);
-    x = torch::where(seen, torch::where(x > 0, x / rp, x * rp), x);
+    // l > 0 ? l / rp : l * rp without a select on the sign (slow on the CPU for random signs):
+    // one side is +0, and adding +0 to the other is exact.
+    x = torch::where(seen, x.clamp_min(0).div_(rp).add_(x.clamp_max(0).mul_(rp)), x);
     // freq * n + pres in float64, then subtracted in float; 0 * n + 0 leaves a row unchanged.
-    const auto pen = (counts.to(torch::kFloat64) * doubles(dev, w_freq).unsqueeze(1) + doubles(dev, w_pres).unsqueeze(1))
-                         .to(torch::kFloat32);
-    x = torch::where(counts > 0, x - pen, x);
+    const auto pen =
+        counts.to(torch::kFloat64).mul_(doubles(dev, w_freq).unsqueeze(1)).add_(doubles(dev, w_pres).unsqueeze(1));
+    x = torch::where(counts > 0, x - pen.to(torch::kFloat32), x);
     l.index_copy_(0, p_idx, x);
   }
 
@@ -238,7 +261,7 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   if (!s_rows.empty()) {
     const auto s_idx = longs(dev, w_s_rows);
     tokens.index_copy_(0, s_idx,
-                       sample_rows(l.index_select(0, s_idx), doubles(dev, w_temp), doubles(dev, w_top_p),
+                       sample_rows(l.index_select(0, s_idx), *std::max_element(s_nk.begin(), s_nk.end()), doubles(dev, w_temp), doubles(dev, w_top_p),
                                    longs(dev, w_s_nk), doubles(dev, w_min_p), doubles(dev, w_u)));
   }
 
@@ -254,8 +277,8 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   if (!l_rows.empty()) {
     parts.push_back(lp.gather(1, tokens.index_select(0, l_idx).unsqueeze(1)).to(torch::kFloat64).view(torch::kInt64).view(-1));
     if (top_n > 0) {
-      parts.push_back(top_ids.reshape(-1));
-      parts.push_back(top_vals.to(torch::kFloat64).view(torch::kInt64).reshape(-1));
+      parts.push_back(top_lp_ids.reshape(-1));
+      parts.push_back(top_lp_vals.to(torch::kFloat64).view(torch::kInt64).reshape(-1));
     }
   }
   const torch::Tensor host = (parts.size() == 1 ? tokens : torch::cat(parts)).to(torch::kCPU).contiguous();
