@@ -260,8 +260,9 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
     tokens = torch::empty({B}, torch::TensorOptions().dtype(torch::kInt64).device(device));
   if (!s_rows.empty()) {
     const auto s_idx = longs(dev, w_s_rows);
+    const int64_t K = *std::max_element(s_nk.begin(), s_nk.end());
     tokens.index_copy_(0, s_idx,
-                       sample_rows(l.index_select(0, s_idx), *std::max_element(s_nk.begin(), s_nk.end()), doubles(dev, w_temp), doubles(dev, w_top_p),
+                       sample_rows(l.index_select(0, s_idx), K, doubles(dev, w_temp), doubles(dev, w_top_p),
                                    longs(dev, w_s_nk), doubles(dev, w_min_p), doubles(dev, w_u)));
   }
 
@@ -275,7 +276,8 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   // [L, top_n], all as int64 words (logprobs bit-cast from float64) in one device-to-host copy.
   std::vector<torch::Tensor> parts{tokens};
   if (!l_rows.empty()) {
-    parts.push_back(lp.gather(1, tokens.index_select(0, l_idx).unsqueeze(1)).to(torch::kFloat64).view(torch::kInt64).view(-1));
+    const auto chosen = lp.gather(1, tokens.index_select(0, l_idx).unsqueeze(1));
+    parts.push_back(chosen.to(torch::kFloat64).view(torch::kInt64).view(-1));
     if (top_n > 0) {
       parts.push_back(top_lp_ids.reshape(-1));
       parts.push_back(top_lp_vals.to(torch::kFloat64).view(torch::kInt64).reshape(-1));

@@ -69,8 +69,8 @@ torch::Tensor random_logits(int64_t B, int64_t V, uint64_t seed) {
 }
 
 // Runs `steps` steps of the bank (batched) and of one reference sampler per row on the same logits,
-// checking tokens and logprobs row by row. Returns how many sampled tokens were not the argmax (so a
-// caller can see that the draws, not just greedy, were compared).
+// checking tokens and logprobs row by row. Returns how many tokens were not the raw argmax (draws,
+// penalties, bans), so a caller can see that more than plain greedy was compared.
 int64_t expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed) {
   int64_t off_argmax = 0;
   std::mt19937_64 g(seed);
@@ -94,7 +94,8 @@ int64_t expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed)
     for (int64_t i = 0; i < B; ++i) {
       TokenLogprob chosen;
       std::vector<TokenLogprob> top;
-      const int64_t want = ref[static_cast<size_t>(i)].sample_and_observe(l[i], ban[static_cast<size_t>(i)], &chosen, &top);
+      const auto r = static_cast<size_t>(i);
+      const int64_t want = ref[r].sample_and_observe(l[i], ban[r], &chosen, &top);
       const SampledToken& s = got[static_cast<size_t>(i)];
       EXPECT_EQ(s.token, want) << "row " << i << " step " << step;
       if (s.token != want) return off_argmax;  // the streams part here: later steps compare nothing
@@ -343,7 +344,8 @@ TEST(Sampler, SameTokensAsTheHostSamplerB1) {
 TEST(Sampler, SameTokensAsTheHostSamplerB64) { EXPECT_GT(expect_same_as_reference(64, 1237, 12, 2), 50); }
 TEST(Sampler, SameTokensAsTheHostSamplerManyBatches) {
   int64_t off = 0;
-  for (uint64_t seed = 10; seed < 40; ++seed) off += expect_same_as_reference(9, 97 + static_cast<int64_t>(seed), 8, seed);
+  for (uint64_t seed = 10; seed < 40; ++seed)
+    off += expect_same_as_reference(9, 97 + static_cast<int64_t>(seed), 8, seed);
   EXPECT_GT(off, 200);
 }
 TEST(Sampler, SameTokensAsTheHostSamplerLargeVocab) { EXPECT_GT(expect_same_as_reference(8, 49157, 3, 3), 3); }
@@ -357,10 +359,9 @@ TEST(Sampler, SameTokensOnTheDevice) {
   SamplerBank cpu, gpu;
   std::vector<int64_t> ids;
   for (int64_t i = 0; i < B; ++i) {
-    cpu.add(i, specs[static_cast<size_t>(i)].params, specs[static_cast<size_t>(i)].prompt, specs[static_cast<size_t>(i)].seed,
-            specs[static_cast<size_t>(i)].eos);
-    gpu.add(i, specs[static_cast<size_t>(i)].params, specs[static_cast<size_t>(i)].prompt, specs[static_cast<size_t>(i)].seed,
-            specs[static_cast<size_t>(i)].eos);
+    const Spec& s = specs[static_cast<size_t>(i)];
+    cpu.add(i, s.params, s.prompt, s.seed, s.eos);
+    gpu.add(i, s.params, s.prompt, s.seed, s.eos);
     ids.push_back(i);
   }
   int64_t differ = 0, total = 0;
