@@ -11,9 +11,9 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
     try {
-      torch::Tensor logits = model_->decode(plan.decode, plan.decode_tokens, *kv_).to(torch::kCPU);
-      for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i)
-        r.decoded.push_back(samplers_.sample(plan.decode.seq_ids[i], logits[static_cast<int64_t>(i)], plan.decode_ban_eos[i]));
+      // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
+      torch::Tensor logits = model_->decode(plan.decode, plan.decode_tokens, *kv_);
+      r.decoded = samplers_.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
     } catch (const std::exception& e) {
       r.decoded.clear();
       r.decode_error = e.what();

@@ -1,150 +1,311 @@
 #include "backend/sampler.h"
 
 #include <algorithm>
-#include <cmath>
+#include <bit>
+#include <cstring>
 #include <limits>
-#include <numeric>
 
 #include "common/check.h"
 
 namespace kvserve {
 
-SequenceSampler::SequenceSampler(const SamplingParams& params, const std::vector<int64_t>& prompt,
-                                 uint64_t fallback_seed)
-    : params_(params), rng_(params.seed.value_or(fallback_seed)) {
-  for (int64_t t : prompt) {
-    if (t >= static_cast<int64_t>(seen_mask_.size())) seen_mask_.resize(t + 1, 0);
-    if (!seen_mask_[t]) {
-      seen_mask_[t] = 1;
-      seen_.push_back(t);
-    }
-  }
+namespace {
+
+bool uses_penalties(const SamplingParams& p) {
+  return p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
 }
 
-void SequenceSampler::observe(int64_t t) {
-  ++output_counts_[t];
-  if (t >= static_cast<int64_t>(seen_mask_.size())) seen_mask_.resize(t + 1, 0);
-  if (!seen_mask_[t]) {
-    seen_mask_[t] = 1;
-    seen_.push_back(t);
+// Host values for one step, packed as int64 words (doubles bit-cast) so that they reach the device
+// in one copy; the device side reads a section back as int64 or, through a view, as float64.
+class StepWords {
+ public:
+  // A run of values: where it starts in the packed words and how many it holds.
+  struct Section {
+    int64_t at = 0, size = 0;
+  };
+  Section add(const std::vector<int64_t>& v) {
+    Section s{static_cast<int64_t>(words_.size()), static_cast<int64_t>(v.size())};
+    words_.insert(words_.end(), v.begin(), v.end());
+    return s;
   }
+  Section add(const std::vector<double>& v) {
+    Section s{static_cast<int64_t>(words_.size()), static_cast<int64_t>(v.size())};
+    for (double d : v) words_.push_back(std::bit_cast<int64_t>(d));
+    return s;
+  }
+  // One host-to-device copy (from pinned memory and asynchronous on CUDA).
+  torch::Tensor to(const torch::Device& device) const {
+    auto host = torch::empty({static_cast<int64_t>(words_.size())},
+                             torch::TensorOptions().dtype(torch::kInt64).pinned_memory(device.is_cuda()));
+    if (!words_.empty()) std::memcpy(host.data_ptr<int64_t>(), words_.data(), words_.size() * sizeof(int64_t));
+    return host.to(device, /*non_blocking=*/true);
+  }
+
+ private:
+  std::vector<int64_t> words_;
+};
+
+torch::Tensor longs(const torch::Tensor& dev, StepWords::Section s) { return dev.narrow(0, s.at, s.size); }
+torch::Tensor doubles(const torch::Tensor& dev, StepWords::Section s) {
+  return dev.narrow(0, s.at, s.size).view(torch::kFloat64);
 }
 
-int64_t SequenceSampler::sample(const torch::Tensor& logits_in, TokenLogprob* chosen, std::vector<TokenLogprob>* top) {
-  KV_CHECK(logits_in.dim() == 1 && logits_in.scalar_type() == torch::kFloat32 && logits_in.device().is_cpu(),
-           "sampler needs fp32 CPU logits [V]");
-  torch::Tensor raw = logits_in.contiguous();
-  const int64_t V = raw.numel();
-  const float* rl = raw.data_ptr<float>();
-
-  // Logprobs report the model's own distribution (before penalties and temperature), as vLLM does.
-  std::vector<float> logprobs;
-  if (params_.logprobs >= 0) {
-    const float mx = *std::max_element(rl, rl + V);
-    double sum = 0;
-    for (int64_t i = 0; i < V; ++i) sum += std::exp(static_cast<double>(rl[i] - mx));
-    const float lse = mx + static_cast<float>(std::log(sum));
-    logprobs.resize(V);
-    for (int64_t i = 0; i < V; ++i) logprobs[i] = rl[i] - lse;
-  }
-
-  std::vector<float> l(rl, rl + V);
-  if (params_.repetition_penalty != 1.0) {
-    const float rp = static_cast<float>(params_.repetition_penalty);
-    for (int64_t t : seen_) {
-      if (t < V) l[t] = l[t] > 0 ? l[t] / rp : l[t] * rp;
-    }
-  }
-  if (params_.presence_penalty != 0.0 || params_.frequency_penalty != 0.0) {
-    for (auto [t, n] : output_counts_) {
-      if (t < V) l[t] -= static_cast<float>(params_.frequency_penalty * n + params_.presence_penalty);
-    }
-  }
-
-  int64_t token = 0;
-  if (params_.temperature <= 0.0) {
-    token = std::max_element(l.begin(), l.end()) - l.begin();  // first maximum, like torch.argmax
-  } else {
-    const double temp = params_.temperature;
-    std::vector<int64_t> idx(V);
-    std::iota(idx.begin(), idx.end(), 0);
-    // Candidates in descending logit order (stable: lower id first on ties) so every filter is a prefix.
-    int64_t n = V;
-    if (params_.top_k > 0 && params_.top_k < V) {
-      n = params_.top_k;
-      std::partial_sort(idx.begin(), idx.begin() + n, idx.end(),
-                        [&](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
-    } else {
-      std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return l[a] > l[b]; });
-    }
-    std::vector<double> p(n);
-    const double mx = l[idx[0]] / temp;
-    double sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += p[i] = std::exp(l[idx[i]] / temp - mx);
-    for (auto& x : p) x /= sum;
-    if (params_.top_p < 1.0) {
-      double cum = 0;
-      int64_t keep = 0;
-      while (keep < n) {
-        cum += p[keep++];
-        if (cum >= params_.top_p) break;
-      }
-      n = std::max<int64_t>(keep, 1);
-    }
-    if (params_.min_p > 0.0) {
-      const double floor = params_.min_p * p[0];
-      int64_t keep = 1;
-      while (keep < n && p[keep] >= floor) ++keep;
-      n = keep;
-    }
-    double total = 0;
-    for (int64_t i = 0; i < n; ++i) total += p[i];
-    std::uniform_real_distribution<double> u(0.0, total);
-    double r = u(rng_), acc = 0;
-    token = idx[n - 1];
-    for (int64_t i = 0; i < n; ++i) {
-      acc += p[i];
-      if (r < acc) {
-        token = idx[i];
-        break;
-      }
-    }
-  }
-
-  if (params_.logprobs >= 0) {
-    if (chosen) *chosen = TokenLogprob{token, "", logprobs[token]};
-    if (top && params_.logprobs > 0) {
-      const int64_t k = std::min<int64_t>(params_.logprobs, V);
-      std::vector<int64_t> ids(V);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int64_t a, int64_t b) {
-        return logprobs[a] > logprobs[b] || (logprobs[a] == logprobs[b] && a < b);
-      });
-      top->clear();
-      for (int64_t i = 0; i < k; ++i) top->push_back(TokenLogprob{ids[i], "", logprobs[ids[i]]});
-    }
-  }
-  return token;
+// Log-softmax of fp32 rows as the host sampler computed it: float max, float differences summed as
+// float64 exponentials, float log-sum-exp. Only the summation order differs (last-bit effects).
+torch::Tensor model_logprobs(const torch::Tensor& l) {
+  const auto mx = std::get<0>(l.max(1, /*keepdim=*/true));
+  const auto sum = torch::exp((l - mx).to(torch::kFloat64)).sum(1, /*keepdim=*/true);
+  return l - (mx + torch::log(sum).to(torch::kFloat32));
 }
+
+// Keys that order each row of fp32 `l` [R, V] exactly as a stable descending sort does: the float's
+// order-preserving int32 image in the high half, V-1-id in the low half (lower id first among
+// equal values). With no two keys equal, topk and an unstable sort give that order too, and topk
+// runs in one pass over the row where a sort of the whole vocabulary costs far more.
+torch::Tensor order_keys(const torch::Tensor& l) {
+  const int64_t V = l.size(1);
+  // In place where possible: on the CPU each fresh [R, V] temporary costs its page faults.
+  const auto bits = (l + 0.0).view(torch::kInt32);  // + 0 turns -0 into +0: the two compare equal
+  const auto mono = torch::bitwise_right_shift(bits, 31).bitwise_and_(0x7fffffff).bitwise_xor_(bits);
+  const auto low = (V - 1) - torch::arange(V, torch::TensorOptions().dtype(torch::kInt64).device(l.device()));
+  return mono.to(torch::kInt64).mul_(int64_t{1} << 32).add_(low);
+}
+
+// The first k ids of each row in that order ([R, k]).
+torch::Tensor top_ids(const torch::Tensor& l, int64_t k) {
+  const int64_t V = l.size(1);
+  const auto keys = order_keys(l);
+  const auto top = k < V ? std::get<0>(keys.topk(k, 1)) : std::get<0>(keys.sort(/*dim=*/1, /*descending=*/true));
+  return (V - 1) - top.bitwise_and(int64_t{0xffffffff});
+}
+
+// Temperature sampling of fp32 rows [S, V]: per row temp, top-p (inf = off), candidate count n_k
+// (top-k, else V; K is their maximum), min-p (0 = off) and u in [0, 1) from the sequence's RNG.
+// Sequential cumulative sums stand in for the host loops, so every sum and comparison is the one
+// the host sampler made.
+torch::Tensor sample_rows(const torch::Tensor& l, int64_t K, const torch::Tensor& temp, const torch::Tensor& top_p,
+                          const torch::Tensor& n_k, const torch::Tensor& min_p, const torch::Tensor& u) {
+  // Candidates in descending logit order, lower id first on ties, so every filter keeps a prefix.
+  const auto idx = top_ids(l, K);
+  auto p = l.gather(1, idx).to(torch::kFloat64).div_(temp.unsqueeze(1));
+  p.sub_(p.narrow(1, 0, 1).clone()).exp_();  // exp(l / temp - max)
+  const auto pos = torch::arange(K, torch::TensorOptions().dtype(torch::kInt64).device(l.device())).unsqueeze(0);
+  const auto nk = n_k.unsqueeze(1);
+  p.masked_fill_(pos >= nk, 0.0);
+  p.div_(p.cumsum(1).gather(1, nk - 1));
+  const auto cum = p.cumsum(1);
+  // top-p: the shortest prefix whose cumulative sum reaches top_p (cum never decreases).
+  auto n = torch::minimum(((cum < top_p.unsqueeze(1)) & (pos < nk)).sum(1, /*keepdim=*/true) + 1, nk);
+  // min-p: the run of candidates from the first on whose probability is >= min_p * p_max.
+  const auto kept = (p >= min_p.unsqueeze(1) * p.narrow(1, 0, 1)) | (pos == 0);
+  n = (kept & (pos < n)).to(torch::kInt32).cumprod(1).sum(1, /*keepdim=*/true);
+  // The draw: r = u * kept mass; the first candidate whose cumulative sum exceeds r, else the last.
+  const auto r = cum.gather(1, n - 1) * u.unsqueeze(1);
+  const auto at = torch::minimum(((cum <= r) & (pos < n)).sum(1, /*keepdim=*/true), n - 1);
+  return idx.gather(1, at).squeeze(1);
+}
+
+}  // namespace
 
 void SamplerBank::add(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t seed,
                       std::vector<int64_t> eos_ids) {
-  samplers_[seq_id] = Entry{std::make_unique<SequenceSampler>(params, prompt, seed), std::move(eos_ids)};
+  remove(seq_id);
+  Entry e{params, std::mt19937_64(params.seed.value_or(seed)), std::move(eos_ids), {}, -1};
+  if (uses_penalties(params)) e.prompt = prompt;
+  entries_.emplace(seq_id, std::move(e));
+}
+
+void SamplerBank::remove(int64_t seq_id) {
+  auto it = entries_.find(seq_id);
+  if (it == entries_.end()) return;
+  if (it->second.slot >= 0) free_slots_.push_back(it->second.slot);
+  entries_.erase(it);
+}
+
+int64_t SamplerBank::acquire_slot(int64_t vocab, const torch::Device& device) {
+  if (free_slots_.empty()) {
+    // Doubling keeps growth rare; old rows move with one device copy.
+    const int64_t grown = std::max<int64_t>(8, 2 * pool_capacity_);
+    auto counts = torch::zeros({grown, vocab}, torch::TensorOptions().dtype(torch::kInt32).device(device));
+    auto seen = torch::zeros({grown, vocab}, torch::TensorOptions().dtype(torch::kBool).device(device));
+    if (pool_capacity_ > 0) {
+      counts.narrow(0, 0, pool_capacity_).copy_(counts_);
+      seen.narrow(0, 0, pool_capacity_).copy_(seen_);
+    }
+    counts_ = counts, seen_ = seen;
+    for (int64_t s = grown - 1; s >= pool_capacity_; --s) free_slots_.push_back(s);
+    pool_capacity_ = grown;
+  }
+  const int64_t s = free_slots_.back();
+  free_slots_.pop_back();
+  return s;
+}
+
+std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& seq_ids, const torch::Tensor& logits_in,
+                                                    const std::vector<char>& ban_eos) {
+  const auto B = static_cast<int64_t>(seq_ids.size());
+  KV_CHECK(logits_in.dim() == 2 && logits_in.size(0) == B && logits_in.size(1) > 0,
+           "internal: sampler logits " << logits_in.sizes() << " for " << B << " sequences");
+  KV_CHECK(ban_eos.size() == seq_ids.size(), "internal: " << ban_eos.size() << " ban_eos flags for " << B << " rows");
+  if (B == 0) return {};
+  const int64_t V = logits_in.size(1);
+  const torch::Device device = logits_in.device();
+
+  // Host side: per-row parameters, the uniforms, penalty rows to seed, all in one packed copy.
+  std::vector<Entry*> rows;
+  bool penalised = false;
+  std::vector<int64_t> ban, s_rows, s_nk, p_rows, p_slots, l_rows, new_slots, seen_init;
+  std::vector<double> s_temp, s_top_p, s_min_p, s_u, p_rp, p_freq, p_pres;
+  int64_t top_n = 0;
+  // Checks first, so that a bad batch changes no sequence's state.
+  for (int64_t id : seq_ids) {
+    auto it = entries_.find(id);
+    KV_CHECK(it != entries_.end(), "internal: no sampler for sequence " << id);
+    KV_CHECK(std::find(rows.begin(), rows.end(), &it->second) == rows.end(),
+             "internal: sequence " << id << " twice in one sampled batch");
+    rows.push_back(&it->second);
+    penalised = penalised || uses_penalties(it->second.params);
+  }
+  if (penalised && pool_capacity_ > 0)
+    KV_CHECK(counts_.size(1) == V && counts_.device() == device,
+             "internal: penalty rows are [" << counts_.size(1) << "] on " << counts_.device() << ", logits [" << V
+                                            << "] on " << device);
+  for (int64_t i = 0; i < B; ++i) {
+    Entry& e = *rows[static_cast<size_t>(i)];
+    const SamplingParams& p = e.params;
+    if (ban_eos[static_cast<size_t>(i)])
+      for (int64_t t : e.eos_ids)
+        if (t >= 0 && t < V) ban.push_back(i * V + t);
+    if (p.temperature > 0.0) {
+      s_rows.push_back(i);
+      s_temp.push_back(p.temperature);
+      s_top_p.push_back(p.top_p < 1.0 ? p.top_p : std::numeric_limits<double>::infinity());
+      s_nk.push_back(p.top_k > 0 && p.top_k < V ? p.top_k : V);
+      s_min_p.push_back(p.min_p > 0.0 ? p.min_p : 0.0);
+      // uniform(0, total) is total * generate_canonical; uniform(0, 1) is generate_canonical itself,
+      // and the device multiplies by the kept mass: the same draw from the same stream.
+      s_u.push_back(std::uniform_real_distribution<double>(0.0, 1.0)(e.rng));
+    }
+    if (uses_penalties(p)) {
+      if (e.slot < 0) {
+        e.slot = acquire_slot(V, device);
+        new_slots.push_back(e.slot);
+        for (int64_t t : e.prompt)
+          if (t >= 0 && t < V) seen_init.push_back(e.slot * V + t);
+        e.prompt = {};
+      }
+      p_rows.push_back(i);
+      p_slots.push_back(e.slot);
+      p_rp.push_back(p.repetition_penalty);
+      p_freq.push_back(p.frequency_penalty);
+      p_pres.push_back(p.presence_penalty);
+    }
+    if (p.logprobs >= 0) {
+      l_rows.push_back(i);
+      top_n = std::max(top_n, std::min(p.logprobs, V));
+    }
+  }
+  StepWords w;
+  const auto w_ban = w.add(ban), w_s_rows = w.add(s_rows), w_s_nk = w.add(s_nk), w_p_rows = w.add(p_rows),
+             w_p_slots = w.add(p_slots), w_l_rows = w.add(l_rows), w_new = w.add(new_slots),
+             w_seen_init = w.add(seen_init);
+  const auto w_temp = w.add(s_temp), w_top_p = w.add(s_top_p), w_min_p = w.add(s_min_p), w_u = w.add(s_u),
+             w_rp = w.add(p_rp), w_freq = w.add(p_freq), w_pres = w.add(p_pres);
+  const torch::Tensor dev = w.to(device);
+
+  // Device side: no host syncs until the results are copied back.
+  torch::Tensor l = logits_in.to(torch::kFloat32).contiguous();
+  if (!ban.empty() || !p_rows.empty()) l = l.clone();  // never write into the model's logits
+  if (!ban.empty()) l.view(-1).index_fill_(0, longs(dev, w_ban), -std::numeric_limits<float>::infinity());
+
+  torch::Tensor l_idx, lp, top_lp_vals, top_lp_ids;
+  if (!l_rows.empty()) {
+    l_idx = longs(dev, w_l_rows);
+    lp = model_logprobs(l.index_select(0, l_idx));
+    if (top_n > 0) {
+      // Lower id first among equal logprobs, as the host sampler did.
+      top_lp_ids = top_ids(lp, top_n);
+      top_lp_vals = lp.gather(1, top_lp_ids);
+    }
+  }
+
+  if (!new_slots.empty()) {
+    const auto fresh = longs(dev, w_new);
+    counts_.index_fill_(0, fresh, 0);
+    seen_.index_fill_(0, fresh, false);
+    if (!seen_init.empty()) seen_.view(-1).index_fill_(0, longs(dev, w_seen_init), true);
+  }
+  torch::Tensor p_idx, p_slot;
+  if (!p_rows.empty()) {
+    p_idx = longs(dev, w_p_rows), p_slot = longs(dev, w_p_slots);
+    auto x = l.index_select(0, p_idx);
+    const auto seen = seen_.index_select(0, p_slot);
+    const auto counts = counts_.index_select(0, p_slot);
+    // A row without a repetition penalty has rp = 1: l / 1 and l * 1 are l exactly.
+    const auto rp = doubles(dev, w_rp).to(torch::kFloat32).unsqueeze(1);
+    // l > 0 ? l / rp : l * rp without a select on the sign (slow on the CPU for random signs):
+    // one side is +0, and adding +0 to the other is exact.
+    x = torch::where(seen, x.clamp_min(0).div_(rp).add_(x.clamp_max(0).mul_(rp)), x);
+    // freq * n + pres in float64, then subtracted in float; 0 * n + 0 leaves a row unchanged.
+    const auto pen =
+        counts.to(torch::kFloat64).mul_(doubles(dev, w_freq).unsqueeze(1)).add_(doubles(dev, w_pres).unsqueeze(1));
+    x = torch::where(counts > 0, x - pen.to(torch::kFloat32), x);
+    l.index_copy_(0, p_idx, x);
+  }
+
+  torch::Tensor tokens;
+  if (s_rows.size() < rows.size())
+    tokens = l.argmax(1);  // greedy: the first maximum
+  else
+    tokens = torch::empty({B}, torch::TensorOptions().dtype(torch::kInt64).device(device));
+  if (!s_rows.empty()) {
+    const auto s_idx = longs(dev, w_s_rows);
+    const int64_t K = *std::max_element(s_nk.begin(), s_nk.end());
+    tokens.index_copy_(0, s_idx,
+                       sample_rows(l.index_select(0, s_idx), K, doubles(dev, w_temp), doubles(dev, w_top_p),
+                                   longs(dev, w_s_nk), doubles(dev, w_min_p), doubles(dev, w_u)));
+  }
+
+  if (!p_rows.empty()) {
+    const auto flat = p_slot * V + tokens.index_select(0, p_idx);
+    counts_.view(-1).index_add_(0, flat, torch::ones({flat.size(0)}, counts_.options()));
+    seen_.view(-1).index_fill_(0, flat, true);
+  }
+
+  // Results: tokens [B], then for the logprob rows the chosen logprob [L] and top ids / logprobs
+  // [L, top_n], all as int64 words (logprobs bit-cast from float64) in one device-to-host copy.
+  std::vector<torch::Tensor> parts{tokens};
+  if (!l_rows.empty()) {
+    const auto chosen = lp.gather(1, tokens.index_select(0, l_idx).unsqueeze(1));
+    parts.push_back(chosen.to(torch::kFloat64).view(torch::kInt64).view(-1));
+    if (top_n > 0) {
+      parts.push_back(top_lp_ids.reshape(-1));
+      parts.push_back(top_lp_vals.to(torch::kFloat64).view(torch::kInt64).reshape(-1));
+    }
+  }
+  const torch::Tensor host = (parts.size() == 1 ? tokens : torch::cat(parts)).to(torch::kCPU).contiguous();
+  const int64_t* h = host.data_ptr<int64_t>();
+  const int64_t L = static_cast<int64_t>(l_rows.size());
+  const int64_t* chosen_lp = h + B;
+  const int64_t* top_id = chosen_lp + L;
+  const int64_t* top_lp = top_id + L * top_n;
+
+  std::vector<SampledToken> out(static_cast<size_t>(B));
+  for (int64_t i = 0; i < B; ++i) out[static_cast<size_t>(i)].token = h[i];
+  for (int64_t j = 0; j < L; ++j) {
+    SampledToken& s = out[static_cast<size_t>(l_rows[static_cast<size_t>(j)])];
+    s.chosen = TokenLogprob{s.token, "", std::bit_cast<double>(chosen_lp[j])};
+    const int64_t k = std::min(rows[static_cast<size_t>(l_rows[static_cast<size_t>(j)])]->params.logprobs, V);
+    for (int64_t c = 0; c < k; ++c)
+      s.top.push_back(TokenLogprob{top_id[j * top_n + c], "", std::bit_cast<double>(top_lp[j * top_n + c])});
+  }
+  return out;
 }
 
 SampledToken SamplerBank::sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos) {
-  auto it = samplers_.find(seq_id);
-  KV_CHECK(it != samplers_.end(), "internal: no sampler for sequence " << seq_id);
-  torch::Tensor row = logits.to(torch::kCPU, torch::kFloat32);
-  if (ban_eos) {
-    row = row.clone();
-    for (int64_t e : it->second.eos_ids)
-      if (e >= 0 && e < row.numel()) row[e] = -std::numeric_limits<float>::infinity();
-  }
-  SampledToken out;
-  out.token = it->second.sampler->sample(row, &out.chosen, &out.top);
-  it->second.sampler->observe(out.token);
-  return out;
+  KV_CHECK(logits.dim() == 1 || (logits.dim() == 2 && logits.size(0) == 1),
+           "internal: one row of logits expected, got " << logits.sizes());
+  return std::move(sample_batch({seq_id}, logits.reshape({1, -1}), {static_cast<char>(ban_eos)}).at(0));
 }
 
 }  // namespace kvserve

@@ -1,9 +1,9 @@
 #pragma once
-// Sampler: turns one sequence's logits into its next token (penalties, temperature, top-k/p, min-p, seeded RNG).
+// Sampler: turns a batch of logits into next tokens with torch ops on the logits' device (penalties,
+// temperature, top-k/p, min-p); the random draws stay on the host, one seeded stream per sequence.
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <memory>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -12,23 +12,6 @@
 #include "backend/sampling_params.h"
 
 namespace kvserve {
-
-// Per-sequence sampling state: the RNG stream and output token counts for penalties.
-class SequenceSampler {
- public:
-  SequenceSampler(const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t fallback_seed);
-  // Picks the next token from fp32 logits [V] (CPU); fills logprob outputs when requested.
-  int64_t sample(const torch::Tensor& logits, TokenLogprob* chosen, std::vector<TokenLogprob>* top);
-  // Records a token produced by this sequence (for penalties).
-  void observe(int64_t token);
-
- private:
-  SamplingParams params_;
-  std::mt19937_64 rng_;
-  std::unordered_map<int64_t, int64_t> output_counts_;
-  std::vector<int64_t> seen_;  // prompt + output token ids, unique, for the repetition penalty
-  std::vector<char> seen_mask_;
-};
 
 // One sampled token and the logprobs its request asked for (token texts are filled by the engine).
 struct SampledToken {
@@ -39,21 +22,45 @@ struct SampledToken {
 
 // The samplers of the sequences this process samples for: the process that holds the logits (one
 // process, or a pipeline's last stage), so that only token ids and logprobs have to travel.
+//
+// Per row, in this order: EOS masking (ban_eos), logprobs of that distribution (the model's own,
+// before penalties), repetition penalty (prompt + output tokens), presence/frequency penalties
+// (output counts), then greedy (first maximum) or temperature with top-k, top-p, min-p and one
+// uniform draw over the kept mass. The arithmetic is the former per-row host sampler's (float64
+// probabilities over candidates sorted by descending logit, lower id first on ties), so the same
+// seed picks the same tokens on the CPU; on CUDA only summation order can move a boundary draw.
 class SamplerBank {
  public:
   void add(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t seed,
            std::vector<int64_t> eos_ids);
-  void remove(int64_t seq_id) { samplers_.erase(seq_id); }
-  // Samples from fp32 logits [V] (any device) and records the token; ban_eos masks the EOS ids
-  // (min_tokens not reached yet).
+  void remove(int64_t seq_id);
+  // Samples row i of fp32 logits [B, V] (any device) for seq_ids[i] and records the token;
+  // ban_eos[i] masks that sequence's EOS ids (min_tokens not reached yet). The only host sync is
+  // one device-to-host copy of the results.
+  std::vector<SampledToken> sample_batch(const std::vector<int64_t>& seq_ids, const torch::Tensor& logits,
+                                         const std::vector<char>& ban_eos);
+  // One row: logits [V] or [1, V].
   SampledToken sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos);
+  // Rows of the device penalty pool held by live sequences (the ones whose params use a penalty).
+  int64_t penalty_rows_in_use() const { return pool_capacity_ - static_cast<int64_t>(free_slots_.size()); }
 
  private:
+  // One sequence's host state: its params, its RNG stream and where its penalty row lives.
   struct Entry {
-    std::unique_ptr<SequenceSampler> sampler;
+    SamplingParams params;
+    std::mt19937_64 rng;
     std::vector<int64_t> eos_ids;
+    std::vector<int64_t> prompt;  // kept until the first sample seeds the penalty row (V is known then)
+    int64_t slot = -1;            // row of the penalty pool; -1: none (yet)
   };
-  std::unordered_map<int64_t, Entry> samplers_;
+  int64_t acquire_slot(int64_t vocab, const torch::Device& device);
+
+  std::unordered_map<int64_t, Entry> entries_;
+  // Output counts (int32) and seen masks (prompt + outputs, bool) of the penalised sequences, one
+  // row [V] each, on the logits' device: a sample updates them in place, nothing copies them back.
+  torch::Tensor counts_, seen_;
+  int64_t pool_capacity_ = 0;
+  std::vector<int64_t> free_slots_;
 };
 
 }  // namespace kvserve

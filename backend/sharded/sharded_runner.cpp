@@ -219,9 +219,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   std::vector<SampledToken> sampled;
   if (!plan.decode.seq_ids.empty()) {
     auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
-    if (sampler)
-      for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i)
-        sampled.push_back(samplers.sample(plan.decode.seq_ids[i], logits[static_cast<int64_t>(i)], plan.decode_ban_eos[i]));
+    if (sampler) sampled = samplers.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
   }
   for (const auto& w : plan.prefill) {
     auto logits = exec.prefill(w.seq_id, w.tokens, w.policy, false, /*to_rank0=*/false);
