@@ -267,5 +267,24 @@ TEST(BatchedPrefillFailure, RunnerBatchesWhatFits) {
   }
 }
 
+TEST(BatchedPrefillFailure, BadTokenFailsOnlyItsPrompt) {
+  const std::string dir = fixture("llama-mha");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-mha";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto prompts = make_prompts({5, 9, 30}, model->config().vocab_size);
+  prompts[1][3] = model->config().vocab_size;  // out of range: the batch's embedding throws
+  LocalRunner runner(model, make_memory(*model, 64));
+  StepPlan plan;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    plan.start.push_back({static_cast<int64_t>(i), SamplingParams{}, prompts[i], 1, {}});
+    plan.prefill.push_back({static_cast<int64_t>(i), prompts[i], "", true, false});
+  }
+  const StepResult r = runner.execute(plan);
+  EXPECT_TRUE(r.prefilled.at(0).error.empty()) << r.prefilled[0].error;
+  EXPECT_NE(r.prefilled.at(1).error.find("token id out of range"), std::string::npos) << r.prefilled[1].error;
+  EXPECT_TRUE(r.prefilled.at(2).error.empty()) << r.prefilled[2].error;
+  EXPECT_EQ(r.shards.at(0).held, (std::vector<int64_t>{2, 0, 4}));
+}
+
 }  // namespace
 }  // namespace kvserve
