@@ -190,21 +190,62 @@ torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
 }
 
 torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv) {
-  torch::NoGradGuard ng;
   const int64_t T = x.size(0);
+  return prefill_layers_batch({seq_id}, {T}, std::move(x), kv);
+}
+
+torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens,
+                                               torch::Tensor x, KvMemory& kv) {
+  torch::NoGradGuard ng;
+  const int64_t N = x.size(0), n = static_cast<int64_t>(seq_ids.size());
+  KV_CHECK(n > 0 && lens.size() == seq_ids.size(), "internal: prefill of " << n << " sequences with " << lens.size() << " lengths");
+  std::vector<int64_t> offsets;
+  int64_t rows = 0, longest = 0;
+  for (int64_t T : lens) {
+    KV_CHECK(T > 0, "empty prompt");
+    offsets.push_back(rows);
+    rows += T;
+    longest = std::max(longest, T);
+  }
+  KV_CHECK(rows == N, "internal: prompts of " << rows << " tokens in total, hidden states of " << N << " rows");
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
-  const RopeAngles angles =
-      rope_->angles(torch::arange(T, torch::TensorOptions().dtype(torch::kInt64).device(device_)), T, x.scalar_type());
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  torch::Tensor positions;
+  if (n == 1) {
+    positions = torch::arange(N, i64.device(device_));
+  } else {
+    std::vector<int64_t> pos;
+    pos.reserve(static_cast<size_t>(N));
+    for (int64_t T : lens)
+      for (int64_t t = 0; t < T; ++t) pos.push_back(t);
+    positions = torch::tensor(pos, i64).to(device_);
+  }
+  const RopeAngles angles = rope_->angles(positions, longest, x.scalar_type());
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
-    auto q = Rope::apply(qkv.narrow(1, 0, H * D).view({T, H, D}), angles).transpose(0, 1).contiguous();
-    auto k = Rope::apply(qkv.narrow(1, H * D, KV * D).view({T, KV, D}), angles).transpose(0, 1).contiguous();
-    auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({T, KV, D}).transpose(0, 1).contiguous();
-    auto attn = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
-                                                 /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
-    kv.store_prefill(seq_id, li, q, k, v);
-    x = x + row_parallel(attn.squeeze(0).transpose(0, 1).reshape({T, H * D}), l.wo, l.bo);
+    auto q_all = Rope::apply(qkv.narrow(1, 0, H * D).view({N, H, D}), angles);
+    auto k_all = Rope::apply(qkv.narrow(1, H * D, KV * D).view({N, KV, D}), angles);
+    auto v_all = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D});
+    // Attention per prompt: a block-diagonal mask over all rows would compute (sum T)^2 scores
+    // instead of sum T^2, and the policies want each sequence's own q/k/v anyway.
+    torch::Tensor attn = n == 1 ? torch::Tensor() : torch::empty({N, H * D}, x.options());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = offsets[static_cast<size_t>(i)], T = lens[static_cast<size_t>(i)];
+      auto q = q_all.narrow(0, s, T).transpose(0, 1).contiguous();  // [H, T, D]
+      auto k = k_all.narrow(0, s, T).transpose(0, 1).contiguous();
+      auto v = v_all.narrow(0, s, T).transpose(0, 1).contiguous();
+      auto a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
+                                                /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
+      kv.store_prefill(seq_ids[static_cast<size_t>(i)], li, q, k, v);
+      auto rows_out = a.squeeze(0).transpose(0, 1).reshape({T, H * D});
+      if (n == 1) {
+        attn = rows_out;
+      } else {
+        attn.narrow(0, s, T).copy_(rows_out);
+      }
+    }
+    x = x + row_parallel(attn, l.wo, l.bo);
     x = x + mlp(l, rms_norm(x, l.post_norm));
   }
   return x;
@@ -241,15 +282,45 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
 
 torch::Tensor LlamaModel::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits,
                                   const std::string& policy) {
+  return prefill_batch({PrefillInput{seq_id, tokens, policy}}, kv, all_logits);
+}
+
+torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs, KvMemory& kv, bool all_logits) {
   torch::NoGradGuard ng;
   KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::prefill runs a whole pipeline; use the sharded executor");
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  KV_CHECK(T > 0, "empty prompt");
-  auto x = embed(tokens);  // [T, hidden]
-  kv.begin_prefill(seq_id, T, policy);
-  x = prefill_layers(seq_id, x, kv);
-  kv.end_prefill(seq_id);
-  return logits(all_logits ? x : x.narrow(0, T - 1, 1));
+  KV_CHECK(!seqs.empty(), "internal: empty prefill batch");
+  std::vector<int64_t> ids, lens, tokens;
+  for (const auto& s : seqs) {
+    KV_CHECK(!s.tokens.empty(), "empty prompt");
+    ids.push_back(s.seq_id);
+    lens.push_back(static_cast<int64_t>(s.tokens.size()));
+    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+  }
+  auto x = embed(tokens);  // [sum T, hidden]; a bad token id fails here, before any KV is touched
+  size_t begun = 0;
+  try {
+    for (; begun < seqs.size(); ++begun) kv.begin_prefill(ids[begun], lens[begun], seqs[begun].policy);
+    x = prefill_layers_batch(ids, lens, x, kv);
+    for (int64_t id : ids) kv.end_prefill(id);
+  } catch (...) {
+    // A half-written sequence would hold blocks until the engine releases it a step later, and a
+    // retry of the same sequence (one by one after a failed batch) needs it gone.
+    for (size_t i = 0; i < begun; ++i) {
+      try {
+        kv.release(ids[i]);
+      } catch (const std::exception& e) {
+        KV_LOG("releasing sequence " << ids[i] << " after a failed prefill: " << e.what());
+      }
+    }
+    throw;
+  }
+  if (all_logits) return logits(x);
+  const int64_t N = x.size(0);
+  if (seqs.size() == 1) return logits(x.narrow(0, N - 1, 1));
+  std::vector<int64_t> last;
+  int64_t end = 0;
+  for (int64_t T : lens) last.push_back((end += T) - 1);
+  return logits(x.index_select(0, torch::tensor(last, torch::kInt64).to(device_)));
 }
 
 torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv) {

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,13 @@ class ProcessGroup;
 }
 
 namespace kvserve {
+
+// One prompt of a batched prefill; `tokens` must outlive the call.
+struct PrefillInput {
+  int64_t seq_id = 0;
+  std::span<const int64_t> tokens;
+  std::string policy;  // "" = the KV memory's default
+};
 
 // How to load a checkpoint: device, compute dtype (default fp32 on CPU, bf16 on CUDA), progress output.
 struct LoadOptions {
@@ -51,8 +59,16 @@ class LlamaModel {
   // Runs the whole prompt through every layer, handing each layer's K/V to `kv`. Returns fp32
   // logits for every position ([T, V]) when all_logits, else for the last position ([1, V]).
   // Needs the first and last stage (a whole model, or tensor-parallel only).
+  // A failed prefill leaves no KV state behind (as prefill_batch).
   torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits = false,
                         const std::string& policy = "");
+  // Several prompts in one forward: their token rows run concatenated through every matmul, RoPE
+  // positions restart at 0 per prompt and attention stays within each prompt, so each sequence gets
+  // the K/V (and the policy selections) that prefill() would give it. Returns fp32 logits of each
+  // prompt's last position ([n, V], in input order), or of every position ([sum T, V], prompts
+  // concatenated) when all_logits. On an exception the KV state of every listed sequence this call
+  // began is released, so the caller can retry them one by one.
+  torch::Tensor prefill_batch(const std::vector<PrefillInput>& seqs, KvMemory& kv, bool all_logits = false);
   // One new token per sequence at batch.positions; returns fp32 logits [B, V].
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv);
 
@@ -86,6 +102,9 @@ class LlamaModel {
   // A row-parallel layer's partial output: summed over the TP group, then the bias added once.
   torch::Tensor reduce_partial(torch::Tensor partial, const torch::Tensor& b) const;
   const Layer& layer(int64_t global) const;
+  // This shard's layers over several prompts' concatenated hidden states x [sum lens, hidden].
+  torch::Tensor prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens, torch::Tensor x,
+                                     KvMemory& kv);
 
   ModelConfig config_;
   std::string model_dir_;

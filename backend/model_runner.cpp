@@ -1,8 +1,16 @@
 #include "backend/model_runner.h"
 
 #include "backend/llama_model.h"
+#include "common/log.h"
 
 namespace kvserve {
+namespace {
+
+// Prompt tokens per prefill forward: bounds the activations of a batch (the scheduler's default
+// max_num_batched_tokens, so a default step's prompts run as one). A longer prompt runs alone.
+constexpr size_t kPrefillBatchRows = 8192;
+
+}  // namespace
 
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
@@ -19,16 +27,38 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       r.decode_error = e.what();
     }
   }
-  for (const auto& p : plan.prefill) {
-    PrefillOutcome o;
-    try {
-      torch::Tensor logits = model_->prefill(p.seq_id, p.tokens, *kv_, false, p.policy);
-      if (p.sample) o.first = samplers_.sample(p.seq_id, logits[0], p.ban_eos);
-      o.kept_tokens = kv_->kept_tokens(p.seq_id);
-    } catch (const std::exception& e) {
-      o.error = e.what();
+  // The prefills run in groups of up to kPrefillBatchRows prompt tokens, one forward each. When a
+  // group's forward fails (it leaves no KV behind), its prompts run again one by one, so that only
+  // the one at fault reports an error, as when every prompt ran alone.
+  for (size_t g = 0; g < plan.prefill.size();) {
+    size_t end = g + 1;
+    for (size_t rows = plan.prefill[g].tokens.size();
+         end < plan.prefill.size() && rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows; ++end)
+      rows += plan.prefill[end].tokens.size();
+    torch::Tensor group_logits;
+    if (end - g > 1) {
+      std::vector<PrefillInput> batch;
+      for (size_t i = g; i < end; ++i) batch.push_back({plan.prefill[i].seq_id, plan.prefill[i].tokens, plan.prefill[i].policy});
+      try {
+        group_logits = model_->prefill_batch(batch, *kv_).to(torch::kCPU);
+      } catch (const std::exception& e) {
+        KV_LOG("a prefill of " << end - g << " prompts failed (" << e.what() << "); running them one by one");
+      }
     }
-    r.prefilled.push_back(std::move(o));
+    for (size_t i = g; i < end; ++i) {
+      const PrefillWork& p = plan.prefill[i];
+      PrefillOutcome o;
+      try {
+        torch::Tensor logits = group_logits.defined() ? group_logits.narrow(0, static_cast<int64_t>(i - g), 1)
+                                                      : model_->prefill(p.seq_id, p.tokens, *kv_, false, p.policy);
+        if (p.sample) o.first = samplers_.sample(p.seq_id, logits[0], p.ban_eos);
+        o.kept_tokens = kv_->kept_tokens(p.seq_id);
+      } catch (const std::exception& e) {
+        o.error = e.what();
+      }
+      r.prefilled.push_back(std::move(o));
+    }
+    g = end;
   }
   r.shards.push_back(shard_usage(*kv_, plan));
   return r;
