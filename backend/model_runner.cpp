@@ -40,17 +40,46 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       std::vector<PrefillInput> batch;
       for (size_t i = g; i < end; ++i) batch.push_back({plan.prefill[i].seq_id, plan.prefill[i].tokens, plan.prefill[i].policy});
       try {
-        group_logits = model_->prefill_batch(batch, *kv_).to(torch::kCPU);
+        group_logits = model_->prefill_batch(batch, *kv_);
       } catch (const std::exception& e) {
         KV_LOG("a prefill of " << end - g << " prompts failed (" << e.what() << "); running them one by one");
       }
+    }
+    if (group_logits.defined()) {
+      // One sampling call for the group's rows that sample, on the logits' device.
+      std::vector<int64_t> rows, ids;
+      std::vector<char> ban;
+      for (size_t i = g; i < end; ++i) {
+        if (!plan.prefill[i].sample) continue;
+        rows.push_back(static_cast<int64_t>(i - g));
+        ids.push_back(plan.prefill[i].seq_id);
+        ban.push_back(plan.prefill[i].ban_eos);
+      }
+      std::vector<SampledToken> firsts;
+      std::string error;
+      try {
+        if (!rows.empty())
+          firsts = samplers_.sample_batch(ids, group_logits.index_select(0, torch::tensor(rows).to(group_logits.device())), ban);
+      } catch (const std::exception& e) {
+        error = e.what();  // the prompts that sample report it, as when each sampled alone
+      }
+      for (size_t i = g, k = 0; i < end; ++i) {
+        PrefillOutcome o;
+        if (plan.prefill[i].sample) {
+          if (error.empty()) o.first = firsts[k++];
+          else o.error = error;
+        }
+        o.kept_tokens = kv_->kept_tokens(plan.prefill[i].seq_id);
+        r.prefilled.push_back(std::move(o));
+      }
+      g = end;
+      continue;
     }
     for (size_t i = g; i < end; ++i) {
       const PrefillWork& p = plan.prefill[i];
       PrefillOutcome o;
       try {
-        torch::Tensor logits = group_logits.defined() ? group_logits.narrow(0, static_cast<int64_t>(i - g), 1)
-                                                      : model_->prefill(p.seq_id, p.tokens, *kv_, false, p.policy);
+        torch::Tensor logits = model_->prefill(p.seq_id, p.tokens, *kv_, false, p.policy);
         if (p.sample) o.first = samplers_.sample(p.seq_id, logits[0], p.ban_eos);
         o.kept_tokens = kv_->kept_tokens(p.seq_id);
       } catch (const std::exception& e) {
