@@ -68,13 +68,15 @@ run)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvserve-site "$DEPS"/whl/*.whl
   export PYTHONPATH=/tmp/kvserve-site${PYTHONPATH:+:$PYTHONPATH}
   build_kvserve
-  # CUDA gtests, if any: test targets named *cuda* (none yet; `--target kvserve` builds no tests).
+  # CUDA gtests: test targets named *cuda* (`--target kvserve` builds no tests), plus the sampler's
+  # (Sampler.SameTokensOnTheDevice) and the device tables' targets.
   cuda_targets=$(cmake --build "$BUILD" --target help 2>/dev/null | sed -e 's/^\.\.\. //' -e 's/:.*//' \
-    | grep -i cuda | grep -v '[/.]' || true)
+    | grep -i -e cuda -e '^backend_test_sampler$' -e '^cache_manager_test_device_block_tables$' | grep -v '[/.]' || true)
   if [ -n "$cuda_targets" ]; then
     echo "CUDA gtest targets: $cuda_targets"
     cmake --build "$BUILD" -j "$(nproc)" --target $cuda_targets >> "$out/build.log" 2>&1
-    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]' --output-on-failure) 2>&1 | tee "$out/ctest.log" || rc=1
+    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]|OnTheDevice|DeviceBlockTables' --output-on-failure) 2>&1 \
+      | tee "$out/ctest.log" || rc=1
   else
     echo "no CUDA gtest targets" | tee "$out/ctest.log"
   fi

@@ -145,3 +145,61 @@ TEST(DeviceBlockTables, PagedCacheMirrorsEveryChangeAndADecodeStepIsOneCopy) {
   EXPECT_THROW(c.begin_decode({1, 1}, {1, 2}), KvError);
   EXPECT_THROW(c.begin_decode({1, 99}, {1, 2}), KvError);
 }
+
+// On a GPU: the same changes land in CUDA tables (pinned copy, device scatter), and a cache on a
+// CUDA pool decodes like one on the CPU (the CUDA kernels read those tables).
+TEST(DeviceBlockTables, OnTheDeviceAsOnTheHost) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  DeviceBlockTables cpu(2, torch::kCPU), gpu(2, torch::Device(torch::kCUDA));
+  for (DeviceBlockTables* t : {&cpu, &gpu}) {
+    for (int64_t s = 0; s < 20; ++s) {
+      const int32_t r = t->add(s);
+      std::vector<int32_t> blocks;
+      for (int64_t i = 0; i <= s * 3; ++i) blocks.push_back(static_cast<int32_t>(1000 * s + i));
+      t->set_blocks(r, s % 2, blocks);
+      t->set_length(r, s % 2, 7 * s);
+    }
+    t->set_batch({3, 1, 4}, {15, 9, 26});
+    t->flush();
+  }
+  for (int64_t l = 0; l < 2; ++l) {
+    EXPECT_TRUE(torch::equal(cpu.tables(l), gpu.tables(l).cpu()));
+    EXPECT_TRUE(torch::equal(cpu.lengths(l), gpu.lengths(l).cpu()));
+  }
+  EXPECT_TRUE(torch::equal(cpu.batch_positions(3), gpu.batch_positions(3).cpu()));
+
+  kvserve::KvPoolOptions o;
+  o.num_kv_heads = 2;
+  o.head_dim = 64;
+  o.block_size = 16;
+  o.num_blocks = 256;
+  kvserve::KvPoolOptions og = o;
+  og.device = torch::Device(torch::kCUDA);
+  kvserve::PagedKvCache hc(2, o), dc(2, og);
+  torch::manual_seed(3);
+  for (kvserve::PagedKvCache* c : {&hc, &dc}) {
+    for (int64_t id : {1, 2, 3}) c->add_sequence(id);
+  }
+  for (int64_t id : {1, 2, 3}) {
+    for (int64_t l = 0; l < 2; ++l) {
+      const int64_t n = 40 * id + 13 * l;
+      auto k = torch::randn({2, n, 64}), v = torch::randn({2, n, 64});
+      auto pos = torch::arange(n, torch::kLong).unsqueeze(0).expand({2, n}).contiguous();
+      hc.write(id, l, k, v, pos);
+      dc.write(id, l, k, v, pos);
+    }
+  }
+  std::vector<int64_t> ids = {3, 1, 2}, pos = {200, 100, 150};
+  for (int step = 0; step < 20; ++step) {
+    hc.begin_decode(ids, pos);
+    dc.begin_decode(ids, pos);
+    for (int64_t l = 0; l < 2; ++l) {
+      auto q = torch::randn({3, 8, 64}), k = torch::randn({3, 2, 64}), v = torch::randn({3, 2, 64});
+      auto want = hc.decode_layer(l, q, k, v);
+      auto got = dc.decode_layer(l, q.cuda(), k.cuda(), v.cuda()).cpu();
+      EXPECT_LE((want - got).abs().max().item<double>(), 1e-4) << "step " << step << " layer " << l;
+    }
+    for (auto& p : pos) ++p;
+  }
+  dc.check_invariants();
+}
