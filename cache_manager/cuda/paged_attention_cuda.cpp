@@ -53,6 +53,17 @@ void check_device(const char* what, const torch::Tensor& ref, std::initializer_l
   }
 }
 
+// The table fields both kernels' arguments share (rows and lengths already contiguous).
+template <typename Args>
+void set_tables(Args& a, const torch::Tensor& tables, const torch::Tensor& rows, const torch::Tensor& lengths) {
+  a.tables = tables.data_ptr<int32_t>();
+  a.table_stride = tables.size(0) > 1 ? tables.stride(0) : tables.size(1);
+  a.table_cols = tables.size(1);
+  a.rows = rows.data_ptr<int32_t>();
+  a.lengths = lengths.data_ptr<int32_t>();
+  a.num_rows = tables.size(0);
+}
+
 cuda_kernels::DType kernel_dtype(torch::ScalarType t) {
   switch (t) {
     case torch::kBFloat16: return cuda_kernels::DType::kBFloat16;
@@ -111,12 +122,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   cuda_kernels::PagedDecodeArgs a;
   a.q = qc.data_ptr();
   a.pool = pool.data_ptr();
-  a.tables = tables.data_ptr<int32_t>();
-  a.table_stride = tables.size(0) > 1 ? tables.stride(0) : tables.size(1);
-  a.table_cols = tables.size(1);
-  a.rows = rc.data_ptr<int32_t>();
-  a.lengths = lc.data_ptr<int32_t>();
-  a.num_rows = tables.size(0);
+  set_tables(a, tables, rc, lc);
   a.out = out.data_ptr();
   if (ws > 0) {
     a.partial_acc = workspace.data_ptr<float>();
@@ -160,12 +166,7 @@ void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const 
   const torch::Tensor rc = rows.contiguous(), lc = lengths.contiguous();
   cuda_kernels::PagedAppendArgs a;
   a.pool = pool.data_ptr();
-  a.tables = tables.data_ptr<int32_t>();
-  a.table_stride = tables.size(0) > 1 ? tables.stride(0) : tables.size(1);
-  a.table_cols = tables.size(1);
-  a.rows = rc.data_ptr<int32_t>();
-  a.lengths = lc.data_ptr<int32_t>();
-  a.num_rows = tables.size(0);
+  set_tables(a, tables, rc, lc);
   a.k = kc.data_ptr();
   a.v = vc.data_ptr();
   a.batch = k.size(0);
