@@ -236,7 +236,25 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
     if (!seen_init.empty()) seen_.view(-1).index_fill_(0, longs(dev, w_seen_init), true);
   }
   torch::Tensor p_idx, p_slot;
-  if (!p_rows.empty()) {
+  if (!p_rows.empty() && device.is_cpu()) {
+    // On the CPU one pass over each penalised row in place: the tensor version below makes a dozen
+    // full-vocabulary temporaries (fresh pages each), about 2 ms a step at batch 8. Same arithmetic.
+    p_idx = longs(dev, w_p_rows), p_slot = longs(dev, w_p_slots);
+    float* lp0 = l.data_ptr<float>();
+    const bool* seen0 = seen_.data_ptr<bool>();
+    const int32_t* counts0 = counts_.data_ptr<int32_t>();
+    for (size_t j = 0; j < p_rows.size(); ++j) {
+      float* row = lp0 + p_rows[j] * V;
+      const bool* seen = seen0 + p_slots[j] * V;
+      const int32_t* counts = counts0 + p_slots[j] * V;
+      const float rp = static_cast<float>(p_rp[j]);
+      const double freq = p_freq[j], pres = p_pres[j];
+      for (int64_t t = 0; t < V; ++t) {
+        if (seen[t]) row[t] = row[t] > 0 ? row[t] / rp : row[t] * rp;
+        if (counts[t] > 0) row[t] -= static_cast<float>(freq * counts[t] + pres);
+      }
+    }
+  } else if (!p_rows.empty()) {
     p_idx = longs(dev, w_p_rows), p_slot = longs(dev, w_p_slots);
     auto x = l.index_select(0, p_idx);
     const auto seen = seen_.index_select(0, p_slot);
