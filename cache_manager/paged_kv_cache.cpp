@@ -210,53 +210,71 @@ void PagedKvCache::append(int64_t layer, const std::vector<int64_t>& seq_ids, co
   KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
            "append: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "append: v " << v.sizes() << " != k " << k.sizes());
-  KV_CHECK(static_cast<int64_t>(positions.size()) == B, "append: " << positions.size() << " positions for " << B
-                                                                   << " sequences");
   KV_CHECK(layer >= 0 && layer < num_layers_, "append: layer " << layer << " out of range [0, " << num_layers_ << ")");
-  std::vector<LayerBlocks*> lbs(static_cast<size_t>(B));
-  int64_t need = 0, first_needing = -1;
-  for (int64_t b = 0; b < B; ++b) {
-    LayerBlocks& lb = table_of(seq_ids[b]).layer(layer);
-    for (int64_t c = 0; c < b; ++c) KV_CHECK(lbs[c] != &lb, "append: sequence " << seq_ids[b] << " twice in one batch");
-    KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
-             "append: position " << positions[b] << " out of range");
-    if (lb.length == lb.capacity(bs_)) {
-      need += 1;
-      if (first_needing < 0) first_needing = seq_ids[b];
-    } else {
-      KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1,
-               "append: last block of sequence " << seq_ids[b] << " layer " << layer << " is shared (copy-on-write not implemented)");
-    }
-    lbs[b] = &lb;
-  }
-  if (need > alloc_.free_blocks()) {
-    KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence "
-                                       << first_needing << ", layer " << layer << ")");
-  }
+  const Slots s = take_slots("append", seq_ids, positions, layer, 1);
   step_.active = false;  // the planned step's slots are stale now
-  std::vector<int32_t> blk(static_cast<size_t>(B));
-  std::vector<int64_t> off(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    LayerBlocks& lb = *lbs[b];
-    const int32_t row = dev_.row(seq_ids[b]);
-    if (lb.length == lb.capacity(bs_)) {
-      lb.blocks.push_back(alloc_.allocate());
-      dev_.set_block(row, layer, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
-    }
-    blk[b] = lb.blocks.back();
-    off[b] = lb.length % bs_;
-  }
-  write_slots(blk, off, k, v);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk[b], h)[off[b]] = static_cast<int32_t>(positions[b]);
-    lbs[b]->length += 1;
-    dev_.set_length(dev_.row(seq_ids[b]), layer, lbs[b]->length);
-  }
+  write_slots(s.block.data(), s.offset.data(), k, v);
 }
 
-void PagedKvCache::write_slots(const std::vector<int32_t>& blk, const std::vector<int64_t>& off, const torch::Tensor& k,
-                               const torch::Tensor& v) {
-  const int64_t B = static_cast<int64_t>(blk.size());
+PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector<int64_t>& seq_ids,
+                                             const std::vector<int64_t>& positions, int64_t first, int64_t layers) {
+  const int64_t B = static_cast<int64_t>(seq_ids.size());
+  KV_CHECK(static_cast<int64_t>(positions.size()) == B, what << ": " << positions.size() << " positions for " << B
+                                                             << " sequences");
+  Slots s;
+  s.rows.resize(static_cast<size_t>(B));
+  std::vector<SequenceBlockTable*> tables(static_cast<size_t>(B));
+  std::unordered_set<int64_t> seen;
+  for (int64_t b = 0; b < B; ++b) {
+    KV_CHECK(seen.insert(seq_ids[b]).second, what << ": sequence " << seq_ids[b] << " twice in one batch");
+    KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
+             what << ": position " << positions[b] << " out of range");
+    tables[b] = &table_of(seq_ids[b]);
+    s.rows[b] = dev_.row(seq_ids[b]);
+  }
+  // Every layer's blocks are taken before anything changes: a batch that cannot get them all fails whole.
+  int64_t need = 0, first_seq = -1, first_layer = -1;
+  for (int64_t l = first; l < first + layers; ++l) {
+    for (int64_t b = 0; b < B; ++b) {
+      const LayerBlocks& lb = tables[b]->layer(l);
+      if (lb.length == lb.capacity(bs_)) {
+        if (need++ == 0) first_seq = seq_ids[b], first_layer = l;
+      } else {
+        KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1, what << ": last block of sequence " << seq_ids[b] << " layer " << l
+                                                              << " is shared (copy-on-write not implemented)");
+      }
+    }
+  }
+  if (need > alloc_.free_blocks()) {
+    KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence " << first_seq
+                                       << ", layer " << first_layer << ")");
+  }
+  s.block.resize(static_cast<size_t>(layers * B));
+  s.offset.resize(static_cast<size_t>(layers * B));
+  s.max_blocks.assign(static_cast<size_t>(layers), 0);
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t l = first + i;
+    for (int64_t b = 0; b < B; ++b) {
+      LayerBlocks& lb = tables[b]->layer(l);
+      if (lb.length == lb.capacity(bs_)) {
+        lb.blocks.push_back(alloc_.allocate());
+        dev_.set_block(s.rows[b], l, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
+      }
+      const int32_t blk = lb.blocks.back();
+      const int64_t off = lb.length % bs_;
+      s.block[i * B + b] = blk;
+      s.offset[i * B + b] = off;
+      for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk, h)[off] = static_cast<int32_t>(positions[b]);
+      lb.length += 1;
+      dev_.set_length(s.rows[b], l, lb.length);
+      s.max_blocks[i] = std::max<int64_t>(s.max_blocks[i], static_cast<int64_t>(lb.blocks.size()));
+    }
+  }
+  return s;
+}
+
+void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t B = k.size(0);
   const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
                     k.scalar_type() == pool_.dtype() && v.scalar_type() == pool_.dtype();
   if (fast) {
@@ -275,8 +293,8 @@ void PagedKvCache::write_slots(const std::vector<int32_t>& blk, const std::vecto
     }
   } else {
     const auto dev = pool_.device();
-    const torch::Tensor bt = torch::tensor(std::vector<int64_t>(blk.begin(), blk.end()), torch::kLong).to(dev);
-    const torch::Tensor ot = torch::tensor(off, torch::kLong).to(dev);
+    const torch::Tensor bt = torch::tensor(std::vector<int64_t>(blk, blk + B), torch::kLong).to(dev);
+    const torch::Tensor ot = torch::tensor(std::vector<int64_t>(off, off + B), torch::kLong).to(dev);
     const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(dev);
     pool_.keys().index_put_({bt, Slice(), ot}, k.to(opts));
     pool_.values().index_put_({bt, Slice(), ot}, v.to(opts));
@@ -322,62 +340,13 @@ torch::Tensor PagedKvCache::append_and_attend(int64_t layer, const std::vector<i
 }
 
 void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions) {
-  const int64_t B = static_cast<int64_t>(seq_ids.size()), L = num_layers_;
-  KV_CHECK(static_cast<int64_t>(positions.size()) == B, "decode: " << positions.size() << " positions for " << B
-                                                                   << " sequences");
   step_.active = false;
-  std::vector<SequenceBlockTable*> tables(static_cast<size_t>(B));
-  std::vector<int32_t> rows(static_cast<size_t>(B));
-  std::unordered_set<int64_t> seen;
-  for (int64_t b = 0; b < B; ++b) {
-    KV_CHECK(seen.insert(seq_ids[b]).second, "decode: sequence " << seq_ids[b] << " twice in one batch");
-    KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
-             "decode: position " << positions[b] << " out of range");
-    tables[b] = &table_of(seq_ids[b]);
-    rows[b] = dev_.row(seq_ids[b]);
-  }
-  // Every layer's blocks are taken before anything changes: a step that cannot get them all fails whole.
-  int64_t need = 0, first_seq = -1, first_layer = -1;
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t b = 0; b < B; ++b) {
-      const LayerBlocks& lb = tables[b]->layer(l);
-      if (lb.length == lb.capacity(bs_)) {
-        if (need++ == 0) first_seq = seq_ids[b], first_layer = l;
-      } else {
-        KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1, "decode: last block of sequence " << seq_ids[b] << " layer " << l
-                                                             << " is shared (copy-on-write not implemented)");
-      }
-    }
-  }
-  if (need > alloc_.free_blocks()) {
-    KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence " << first_seq
-                                       << ", layer " << first_layer << ")");
-  }
-  step_.slot_block.assign(static_cast<size_t>(L * B), 0);
-  step_.slot_offset.assign(static_cast<size_t>(L * B), 0);
-  step_.max_blocks.assign(static_cast<size_t>(L), 0);
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t b = 0; b < B; ++b) {
-      LayerBlocks& lb = tables[b]->layer(l);
-      if (lb.length == lb.capacity(bs_)) {
-        lb.blocks.push_back(alloc_.allocate());
-        dev_.set_block(rows[b], l, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
-      }
-      const int32_t blk = lb.blocks.back();
-      const int64_t off = lb.length % bs_;
-      step_.slot_block[l * B + b] = blk;
-      step_.slot_offset[l * B + b] = off;
-      for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk, h)[off] = static_cast<int32_t>(positions[b]);
-      lb.length += 1;
-      dev_.set_length(rows[b], l, lb.length);
-      step_.max_blocks[l] = std::max<int64_t>(step_.max_blocks[l], static_cast<int64_t>(lb.blocks.size()));
-    }
-  }
-  dev_.set_batch(rows, positions);
+  step_.slots = take_slots("decode", seq_ids, positions, 0, num_layers_);
+  dev_.set_batch(step_.slots.rows, positions);
   dev_.flush();
-  step_.rows = dev_.batch_rows(B);
+  step_.rows = dev_.batch_rows(static_cast<int64_t>(seq_ids.size()));
   step_.seq_ids = seq_ids;
-  step_.done.assign(static_cast<size_t>(L), 0);
+  step_.done.assign(static_cast<size_t>(num_layers_), 0);
   step_.active = true;
 }
 
@@ -394,7 +363,7 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
            "decode: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "decode: v " << v.sizes() << " != k " << k.sizes());
-  const int64_t max_blocks = step_.max_blocks[static_cast<size_t>(layer)];
+  const int64_t max_blocks = step_.slots.max_blocks[static_cast<size_t>(layer)];
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
   if (use_cuda_kernels(pool_)) {
@@ -404,10 +373,7 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     return cuda::paged_decode_attention(q, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
                                         max_blocks, scale);
   }
-  const auto first = step_.slot_block.begin() + layer * B;
-  write_slots(std::vector<int32_t>(first, first + B),
-              std::vector<int64_t>(step_.slot_offset.begin() + layer * B, step_.slot_offset.begin() + (layer + 1) * B), k,
-              v);
+  write_slots(step_.slots.block.data() + layer * B, step_.slots.offset.data() + layer * B, k, v);
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);

@@ -119,18 +119,28 @@ class PagedKvCache {
   // Table rows of a batch as a device tensor, and the most blocks any of them holds in `layer`.
   torch::Tensor batch_rows(const std::vector<int64_t>& seq_ids);
   int64_t max_blocks(int64_t layer, const std::vector<int64_t>& seq_ids) const;
+  // Where one new token per sequence goes in layers [first, first + layers): per layer and batch
+  // entry its block and offset, and per layer the most blocks a batch entry then holds.
+  struct Slots {
+    std::vector<int32_t> rows;          // [B] device table rows
+    std::vector<int32_t> block;         // [layers * B]
+    std::vector<int64_t> offset;        // [layers * B]
+    std::vector<int64_t> max_blocks;    // [layers]
+  };
+  // Append and decode share this: checks the batch, takes the blocks of every layer in the range (or
+  // throws the exhaustion error before changing anything), records the positions and advances the
+  // lengths on the host and, as diffs, for the device. `what` prefixes the error messages.
+  Slots take_slots(const char* what, const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions,
+                   int64_t first, int64_t layers);
   // Writes k, v [B, KV, D] to slots (block, offset) per batch entry, from host-known slots.
-  void write_slots(const std::vector<int32_t>& blk, const std::vector<int64_t>& off, const torch::Tensor& k,
-                   const torch::Tensor& v);
+  void write_slots(const int32_t* blk, const int64_t* off, const torch::Tensor& k, const torch::Tensor& v);
 
-  // What begin_decode() planned: per layer and batch entry the slot the new token goes to.
+  // What begin_decode() planned: every layer's slots for the batch.
   struct DecodePlan {
     std::vector<int64_t> seq_ids;
-    torch::Tensor rows;                 // int32 [B] on the device (the step's batch rows)
-    std::vector<int32_t> slot_block;    // [layers * B]
-    std::vector<int64_t> slot_offset;   // [layers * B]
-    std::vector<int64_t> max_blocks;    // [layers]: the most blocks a batch entry holds
-    std::vector<char> done;             // [layers]
+    torch::Tensor rows;  // int32 [B] on the device (the step's batch rows)
+    Slots slots;
+    std::vector<char> done;  // [layers]
     bool active = false;
   };
 
