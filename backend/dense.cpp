@@ -1,6 +1,7 @@
 #include "backend/dense.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <atomic>
@@ -62,9 +63,39 @@ int64_t dense_parallel_width() {
   return seen.load();
 }
 
-torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (small_batch_applies(x, w, b) && x.numel() / std::max<int64_t>(1, x.size(-1)) <= kSmallBatchMaxRows) {
-    return small_batch_dense(x, w, b);
+CpuGemm cpu_gemm_from_name(const std::string& name) {
+  if (name == "mkl") return CpuGemm::kMkl;
+  if (name == "onednn") return CpuGemm::kOneDnn;
+  KV_FAIL("unknown CPU GEMM '" << name << "' (use mkl or onednn)");
+}
+
+torch::Tensor onednn_dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  KV_CHECK(small_batch_applies(x, w, b), "onednn_dense: needs fp32 CPU x [.., K], contiguous W [N, K] and b [N]; got x "
+                                             << x.sizes() << " " << x.scalar_type() << ", W " << w.sizes() << " "
+                                             << w.scalar_type());
+  // libtorch registers oneDNN's linear as an operator (what torch.compile's CPU backend calls), not
+  // as an at:: function, so it is found once through the dispatcher. It takes W as stored: oneDNN
+  // reorders it per call, a copy of W that costs little next to a prefill-sized product.
+  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, std::string_view,
+                        c10::List<std::optional<at::Scalar>>, std::optional<std::string_view>);
+  static const auto op = [] {
+    auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    KV_CHECK(handle.has_value(), "cpu_gemm onednn: this libtorch has no oneDNN linear (mkldnn::_linear_pointwise); use mkl");
+    return handle->typed<Fn>();
+  }();
+  const int64_t K = w.size(1);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = w.size(0);
+  const torch::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const std::optional<at::Tensor> bias = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+  return op.call(x2, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt).view(out_shape);
+}
+
+torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, CpuGemm gemm) {
+  if (small_batch_applies(x, w, b)) {
+    const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
+    if (rows <= kSmallBatchMaxRows) return small_batch_dense(x, w, b);
+    if (gemm == CpuGemm::kOneDnn) return onednn_dense(x, w, b);
   }
   return b.defined() ? torch::linear(x, w, b) : torch::linear(x, w);
 }

@@ -26,6 +26,7 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   }
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
+  m->gemm_ = opt.cpu_gemm;
   m->layout_ = opt.layout.num_layers_total > 0 ? opt.layout : make_shard_layout(model_shape(c), 1, 0, 1, 0);
   const ShardLayout& s = m->layout_;
   KV_CHECK(s.num_layers_total == c.num_hidden_layers, model_dir << ": shard layout is for " << s.num_layers_total
@@ -125,7 +126,7 @@ torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& 
 }
 
 torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
-  return tp_ ? reduce_partial(dense(x, w), b) : dense(x, w, b);
+  return tp_ ? reduce_partial(dense(x, w, {}, gemm_), b) : dense(x, w, b, gemm_);
 }
 
 torch::Tensor LlamaModel::reduce_partial(torch::Tensor partial, const torch::Tensor& b) const {
@@ -142,9 +143,9 @@ torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   constexpr int64_t kRowChunk = 512;
   // This shard's down projection of some rows (under TP a partial sum, reduced once below).
   auto down = [&](const torch::Tensor& rows) {
-    auto gu = dense(rows, l.wgate_up, l.bgate_up);
+    auto gu = dense(rows, l.wgate_up, l.bgate_up, gemm_);
     auto act = torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
-    return tp_ ? dense(act, l.wdown) : dense(act, l.wdown, l.bdown);
+    return tp_ ? dense(act, l.wdown, {}, gemm_) : dense(act, l.wdown, l.bdown, gemm_);
   };
   torch::Tensor out;
   if (T <= kRowChunk) {
@@ -183,7 +184,7 @@ torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
 
 torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
   KV_CHECK(layout_.last_stage(), "internal: the LM head lives on the last pipeline stage");
-  auto local = dense(rms_norm(x, final_norm_), lm_head_).to(torch::kFloat32);
+  auto local = dense(rms_norm(x, final_norm_), lm_head_, {}, gemm_).to(torch::kFloat32);
   if (!tp_) return local;
   auto all = tp_->all_gather(local.transpose(0, 1).contiguous());  // [tp * vocab_per_rank, rows]
   return all.narrow(0, 0, config_.vocab_size).transpose(0, 1).contiguous();
@@ -223,7 +224,7 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
   const RopeAngles angles = rope_->angles(positions, longest, x.scalar_type());
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv);
+    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
     auto q_all = Rope::apply(qkv.narrow(1, 0, H * D).view({N, H, D}), angles);
     auto k_all = Rope::apply(qkv.narrow(1, H * D, KV * D).view({N, KV, D}), angles);
     auto v_all = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D});
@@ -266,7 +267,7 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
-    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv); });
+    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
     auto q = StepProfile::time(p, StepProfile::kRope, [&] { return Rope::apply(qkv.narrow(1, 0, H * D).view({B, H, D}), angles).contiguous(); });
     auto k = StepProfile::time(p, StepProfile::kRope, [&] { return Rope::apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), angles).contiguous(); });
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();

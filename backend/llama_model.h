@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/dense.h"
 #include "backend/model_config.h"
 #include "backend/rope.h"
 #include "backend/step_profile.h"
@@ -35,6 +36,7 @@ struct LoadOptions {
   std::string device;
   std::string dtype;  // empty = device default
   bool progress;
+  CpuGemm cpu_gemm = CpuGemm::kMkl;  // prefill-sized fp32 CPU products
   // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
   // tensor-parallel group whose members hold the other slices.
   ShardLayout layout;
@@ -110,6 +112,7 @@ class LlamaModel {
   std::string model_dir_;
   torch::Device device_{torch::kCPU};
   torch::Dtype dtype_ = torch::kFloat32;
+  CpuGemm gemm_ = CpuGemm::kMkl;
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;

@@ -25,7 +25,7 @@ namespace kvserve::cli {
 namespace {
 
 struct BenchDecodeArgs {
-  std::string model, device = "cpu", dtype;
+  std::string model, device = "cpu", dtype, cpu_gemm = "mkl";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
@@ -175,10 +175,14 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_flag("--profile", a->profile, "time each stage of the decode step (CPU; adds profile_ms_per_step)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
+  cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
+      ->check(CLI::IsMember({"mkl", "onednn"}));
   a->policy.add_to(cmd);
   cmd->callback([a] {
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
-    auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, false});
+    LoadOptions load{a->device, a->dtype, false};
+    load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
+    auto model = LlamaModel::load(a->model, load);
     const auto specs = a->policy.specs();
     const std::string name = PolicyFlags::selected(specs);
     const auto policies = resolve_policies(specs);

@@ -19,7 +19,7 @@ namespace kvserve::cli {
 
 namespace {
 struct ForwardArgs {
-  std::string model, input_ids, output, device = "cpu", dtype, dump_kept;
+  std::string model, input_ids, output, device = "cpu", dtype, dump_kept, cpu_gemm = "mkl";
   PolicyFlags policy;
   ParallelFlags parallel;
 };
@@ -99,6 +99,8 @@ void add_forward_command(CLI::App& app) {
   cmd->add_option("--output", args->output, "output .safetensors file (tensor 'logits' [seq, vocab] fp32)")->required();
   cmd->add_option("--device", args->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", args->dtype, "compute dtype: float32, bfloat16, float16");
+  cmd->add_option("--cpu-gemm", args->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
+      ->check(CLI::IsMember({"mkl", "onednn"}));
   args->policy.add_to(cmd);
   cmd->add_option("--dump-kept", args->dump_kept,
                   "write the per-layer budgets and kept positions per KV head as JSON to this file");
@@ -108,6 +110,7 @@ void add_forward_command(CLI::App& app) {
     LoadOptions load;
     load.device = args->device;
     load.dtype = args->dtype;
+    load.cpu_gemm = cpu_gemm_from_name(args->cpu_gemm);
     // Every rank of a sharded job runs this same command on the same prompt (SPMD).
     auto job = ParallelJob::start(args->parallel.apply(), args->model, load);
     auto model = job->model();

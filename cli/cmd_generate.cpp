@@ -21,7 +21,7 @@ namespace kvserve::cli {
 
 namespace {
 struct GenerateArgs {
-  std::string model, prompt, prompts_file, device = "cpu", dtype;
+  std::string model, prompt, prompts_file, device = "cpu", dtype, cpu_gemm = "mkl";
   PolicyFlags policy;
   ParallelFlags parallel;
   std::vector<int64_t> prompt_ids;
@@ -56,6 +56,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_flag("--ignore-eos", a->ignore_eos, "keep generating past end-of-sequence tokens");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
+  cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
+      ->check(CLI::IsMember({"mkl", "onednn"}));
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
@@ -67,6 +69,7 @@ void add_generate_command(CLI::App& app) {
     LoadOptions load;
     load.device = a->device;
     load.dtype = a->dtype;
+    load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
     load.progress = !a->json;
     auto job = ParallelJob::start(a->parallel.apply(), a->model, load);
     auto model = job->model();

@@ -30,7 +30,7 @@ namespace {
 
 struct ServeArgs {
   std::string config;
-  std::optional<std::string> host, model, served_model_name, device, dtype, api_key, kv_cache_bytes, max_body_bytes,
+  std::optional<std::string> host, model, served_model_name, device, dtype, cpu_gemm, api_key, kv_cache_bytes, max_body_bytes,
       default_policy;
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
@@ -59,6 +59,7 @@ LoadOptions load_options(const config::ServerConfig& cfg) {
   LoadOptions load;
   load.device = cfg.model.device;
   load.dtype = dtype;
+  load.cpu_gemm = cpu_gemm_from_name(cfg.model.cpu_gemm);
   return load;
 }
 
@@ -93,6 +94,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.served_model_name) c.model.served_model_name = *a.served_model_name;
   if (a.device) c.model.device = *a.device;
   if (a.dtype) c.model.dtype = *a.dtype;
+  if (a.cpu_gemm) c.model.cpu_gemm = *a.cpu_gemm;
   if (a.max_model_len) c.model.max_model_len = *a.max_model_len;
   if (a.api_key) c.server.api_key = *a.api_key;
   bytes(a.kv_cache_bytes, c.cache.kv_cache_bytes, "--kv-cache-bytes");
@@ -258,6 +260,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--served-model-name", a->served_model_name, "name clients use as `model`");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "float32, bfloat16, float16 or auto");
+  cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD)");
   cmd->add_option("--max-model-len", a->max_model_len, "context length limit (0 = the model's)");
   cmd->add_option("--api-key", a->api_key, "require Authorization: Bearer <key> (also $KVSERVE_API_KEY)");
   cmd->add_option("--threads", a->threads, "HTTP I/O threads");

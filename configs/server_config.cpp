@@ -106,6 +106,7 @@ std::string effective_api_key(const ServerSection& server) {
 namespace {
 
 const std::set<std::string> kDtypes = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"};
+const std::set<std::string> kCpuGemms = {"mkl", "onednn"};
 
 bool valid_policy_name(const std::string& s) {
   if (s.empty() || s.size() > 64) return false;
@@ -375,6 +376,7 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
     add("model.device", e.what());
   }
   if (!kDtypes.count(c.model.dtype)) add("model.dtype", "must be one of float32, bfloat16, float16, auto; got '" + c.model.dtype + "'");
+  if (!kCpuGemms.count(c.model.cpu_gemm)) add("model.cpu_gemm", "must be one of mkl, onednn; got '" + c.model.cpu_gemm + "'");
   if (c.server.host.empty()) add("server.host", "must not be empty");
   if (c.server.port < 0 || c.server.port > 65535) add("server.port", "must be between 0 and 65535");
   if (c.cache.block_size <= 0) add("cache.block_size", "must be positive");
@@ -460,7 +462,12 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                                           return kDtypes.count(s) ? std::string()
                                                                                   : "must be one of float32, bfloat16, float16, auto; got '" + s + "'";
                                                         })},
-                                  {"max_model_len", p.int_of(m.max_model_len, 0, int64_t{1} << 40)}});
+                                  {"max_model_len", p.int_of(m.max_model_len, 0, int64_t{1} << 40)},
+                                  {"cpu_gemm", p.string_of(m.cpu_gemm,
+                                                           [](const std::string& s) {
+                                                             return kCpuGemms.count(s) ? std::string()
+                                                                                       : "must be one of mkl, onednn; got '" + s + "'";
+                                                           })}});
                    })},
                   {"server", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.server;

@@ -31,6 +31,7 @@ struct ModelSection {
   std::string device = "cpu";              // cpu | cuda | cuda:<index>
   std::string dtype = "float32";           // float32 | bfloat16 | float16 | auto
   int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
+  std::string cpu_gemm = "mkl";            // mkl | onednn: the library for prefill-sized fp32 CPU products
 };
 
 struct ServerSection {

@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -110,6 +112,35 @@ TEST(Dense, RoutesLongInputsAndOtherDtypesToTorchLinear) {
   EXPECT_TRUE(torch::equal(dense(xd.narrow(0, 0, 2), wd, bd), torch::linear(xd.narrow(0, 0, 2), wd, bd)));
   auto xs = x.narrow(0, 0, 4);
   EXPECT_TRUE(torch::equal(dense(xs, w, b), small_batch_dense(xs, w, b)));
+}
+
+TEST(Dense, OneDnnMatchesTheReferenceAndRoutesOnlyLongInputs) {
+  torch::manual_seed(12);
+  for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{kSmallBatchMaxRows + 1, 40, 96}, {300, 72, 768}, {64, 33, 3072}}) {
+    auto w = torch::randn({N, K}), b = torch::randn({N}), x = torch::randn({M, K});
+    const auto ref = reference(x, w, b);
+    const double atol = 1e-4 * std::sqrt(static_cast<double>(K));
+    EXPECT_TRUE(torch::allclose(onednn_dense(x, w, b), ref, 1e-4, atol)) << M << "x" << N << "x" << K;
+    EXPECT_TRUE(torch::allclose(onednn_dense(x, w), reference(x, w, {}), 1e-4, atol)) << "no bias";
+    EXPECT_TRUE(torch::allclose(dense(x.view({M, 1, K}), w, b, CpuGemm::kOneDnn), ref.view({M, 1, N}), 1e-4, atol));
+  }
+  auto w = torch::randn({24, 32}), b = torch::randn({24});
+  auto xs = torch::randn({4, 32});  // decode-sized rows stay on the small-batch kernel
+  EXPECT_TRUE(torch::equal(dense(xs, w, b, CpuGemm::kOneDnn), small_batch_dense(xs, w, b)));
+  auto xd = torch::randn({40, 32}, torch::kFloat64);  // only fp32 goes to oneDNN
+  EXPECT_TRUE(torch::equal(dense(xd, w.to(torch::kFloat64), {}, CpuGemm::kOneDnn), torch::linear(xd, w.to(torch::kFloat64))));
+  EXPECT_THROW(onednn_dense(torch::randn({40, 31}), w), std::exception);
+}
+
+TEST(Dense, CpuGemmNames) {
+  EXPECT_EQ(cpu_gemm_from_name("mkl"), CpuGemm::kMkl);
+  EXPECT_EQ(cpu_gemm_from_name("onednn"), CpuGemm::kOneDnn);
+  try {
+    cpu_gemm_from_name("blis");
+    FAIL();
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown CPU GEMM 'blis' (use mkl or onednn)"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

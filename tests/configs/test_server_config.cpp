@@ -169,6 +169,7 @@ const BadCase kBadCases[] = {
     {"duplicate_key", "server:\n  port: 1\n  port: 2\n", 3, "server.port", "duplicate key"},
     {"bad_device", "model:\n  device: tpu\n", 2, "model.device", "cpu, cuda or cuda:<index>"},
     {"bad_dtype", "model:\n  dtype: int4\n", 2, "model.dtype", "float32"},
+    {"bad_cpu_gemm", "model:\n  cpu_gemm: openblas\n", 2, "model.cpu_gemm", "mkl, onednn; got 'openblas'"},
     {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
     {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
     {"neg_timeout", "server:\n  idle_timeout_s: -1\n", 2, "server.idle_timeout_s", "between"},
