@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -79,37 +80,155 @@ int32_t order_key(float f) {
   return ((bits >> 31) & 0x7fffffff) ^ bits;
 }
 
-// top_ids for a CPU row set and k well below V: one pass per row keeping the k best (key, id)
-// pairs in a heap, where the tensor version builds several full-vocabulary temporaries and a
-// topk (about 5 % of a batch-8 decode step with top-k 40). Same order: key descending, id ascending.
+// A CPU row's candidate: (order_key, id).
+using Cand = std::pair<int32_t, int32_t>;
+// "a ranks before b" in the candidates' order: value descending, id ascending.
+bool ranks_before(const Cand& a, const Cand& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); }
+bool ranks_after(const Cand& a, const Cand& b) { return ranks_before(b, a); }
+
+// The k best candidates of one row in order, by one pass keeping a heap whose front is the worst
+// kept; the tensor version builds several full-vocabulary temporaries and a topk.
+void top_candidates(const float* row, int64_t V, int64_t k, std::vector<Cand>& heap) {
+  heap.clear();
+  heap.reserve(static_cast<size_t>(k));
+  for (int64_t t = 0; t < V; ++t) {
+    const Cand c{order_key(row[t]), static_cast<int32_t>(t)};
+    if (static_cast<int64_t>(heap.size()) < k) {
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), ranks_before);
+    } else if (ranks_before(c, heap.front())) {
+      std::pop_heap(heap.begin(), heap.end(), ranks_before);
+      heap.back() = c;
+      std::push_heap(heap.begin(), heap.end(), ranks_before);
+    }
+  }
+  std::sort_heap(heap.begin(), heap.end(), ranks_before);
+}
+
+// top_ids for CPU rows and k well below V (about 5 % of a batch-8 decode step with top-k 40 in the
+// tensor version). Same order.
 torch::Tensor top_ids_cpu(const torch::Tensor& l_in, int64_t k) {
   const torch::Tensor l = l_in.contiguous();
   const int64_t R = l.size(0), V = l.size(1);
   torch::Tensor out = torch::empty({R, k}, torch::TensorOptions().dtype(torch::kInt64));
-  using Cand = std::pair<int32_t, int32_t>;  // (key, id)
-  // "a ranks before b": the heap's front is then the worst candidate kept.
-  const auto before = [](const Cand& a, const Cand& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); };
-  std::vector<Cand> heap;
-  heap.reserve(static_cast<size_t>(k));
+  std::vector<Cand> cands;
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = l.data_ptr<float>() + r * V;
-    heap.clear();
-    for (int64_t t = 0; t < V; ++t) {
-      const Cand c{order_key(row[t]), static_cast<int32_t>(t)};
-      if (static_cast<int64_t>(heap.size()) < k) {
-        heap.push_back(c);
-        std::push_heap(heap.begin(), heap.end(), before);
-      } else if (before(c, heap.front())) {
-        std::pop_heap(heap.begin(), heap.end(), before);
-        heap.back() = c;
-        std::push_heap(heap.begin(), heap.end(), before);
-      }
-    }
-    std::sort_heap(heap.begin(), heap.end(), before);
+    top_candidates(l.data_ptr<float>() + r * V, V, k, cands);
     int64_t* o = out.data_ptr<int64_t>() + r * k;
-    for (int64_t j = 0; j < k; ++j) o[j] = heap[static_cast<size_t>(j)].second;
+    for (int64_t j = 0; j < k; ++j) o[j] = cands[static_cast<size_t>(j)].second;
   }
   return out;
+}
+
+// Candidates up to which a CPU row is sorted outright; a row with more (no top-k, or a large
+// one) is drawn lazily from a heap.
+constexpr int64_t kSortedCandidates = 4096;
+
+// sample_rows for one fp32 CPU row: the same filters and draw. With at most kSortedCandidates
+// candidates every sum runs in the same order as sample_rows', so the token is the same. With
+// more (no top-k), a full sort of the vocabulary cost ~6 ms a row (~50 ms a step at batch 8, more
+// than the model), so candidates come off a heap only as far as the draw needs them, and the
+// normaliser and the kept mass are summed in vocabulary order: the same sums up to float64
+// rounding, so the token differs only if a draw lands within ~1e-16 of a boundary.
+int64_t sample_row_cpu(const float* row, int64_t V, double temp, double top_p, int64_t m, double min_p, double u) {
+  std::vector<Cand> c;
+  if (m <= kSortedCandidates) {
+    top_candidates(row, V, m, c);
+    const double top = static_cast<double>(row[c[0].second]) / temp;
+    std::vector<double> p(static_cast<size_t>(m)), cum(static_cast<size_t>(m));
+    double sum = 0;
+    for (int64_t j = 0; j < m; ++j) sum += p[j] = std::exp(static_cast<double>(row[c[j].second]) / temp - top);
+    double acc = 0;
+    for (int64_t j = 0; j < m; ++j) cum[j] = acc += p[j] /= sum;
+    int64_t n = 0;
+    while (n < m && cum[n] < top_p) ++n;
+    n = std::min(n + 1, m);
+    int64_t run = 1;
+    while (run < n && p[run] >= min_p * p[0]) ++run;
+    n = run;
+    const double r = cum[n - 1] * u;
+    int64_t at = 0;
+    while (at < n - 1 && cum[at] <= r) ++at;
+    return c[at].second;
+  }
+  Cand best{order_key(row[0]), 0};
+  for (int64_t t = 1; t < V; ++t) {
+    const Cand x{order_key(row[t]), static_cast<int32_t>(t)};
+    if (ranks_before(x, best)) best = x;
+  }
+  const double top = static_cast<double>(row[best.second]) / temp;
+  // exp(l / temp - max) of the whole row at once (vectorised; within an ulp of std::exp).
+  torch::Tensor pt = torch::from_blob(const_cast<float*>(row), {V}, torch::kFloat32)
+                         .to(torch::kFloat64)
+                         .div_(temp)
+                         .sub_(top)
+                         .exp_();
+  double* p = pt.data_ptr<double>();  // by id
+  if (m < V) {  // top-k: the others weigh nothing
+    for (int64_t t = 0; t < V; ++t) c.push_back({order_key(row[t]), static_cast<int32_t>(t)});
+    std::nth_element(c.begin(), c.begin() + (m - 1), c.end(), ranks_before);
+    std::vector<char> member(static_cast<size_t>(V), 0);
+    for (int64_t j = 0; j < m; ++j) member[static_cast<size_t>(c[j].second)] = 1;
+    for (int64_t t = 0; t < V; ++t)
+      if (!member[static_cast<size_t>(t)]) p[t] = 0;
+    c.clear();
+  }
+  pt.div_(pt.sum().item<double>());
+  // min-p keeps a prefix of the sorted candidates (p falls along it), so it is a count; its mass is
+  // the kept mass when top-p is off.
+  int64_t kept = m;
+  double kept_mass = 0;
+  if (min_p > 0) {
+    const auto in = pt.ge(min_p * p[best.second]);
+    kept = in.sum().item<int64_t>();
+    kept_mass = pt.masked_select(in).sum().item<double>();
+  } else {
+    kept_mass = pt.sum().item<double>();
+  }
+  // Only the head of the order is walked: the candidates above a threshold whose mass already
+  // exceeds what the walk needs (top-p's target, or the draw) form a prefix of the order that holds
+  // the answer. The threshold falls until they do.
+  const double need = std::isfinite(top_p) ? std::min(top_p, kept_mass) : kept_mass * u;
+  for (double tau : {1e-2, 1e-4, 1e-8, 0.0}) {
+    const double thr = tau * p[best.second];
+    c.clear();
+    double mass = 0;
+    for (int64_t t = 0; t < V; ++t)
+      if (p[t] > thr || (tau == 0.0 && (m == V || p[t] > 0)) || t == best.second) {
+        c.push_back({order_key(row[t]), static_cast<int32_t>(t)});
+        mass += p[t];
+      }
+    if (mass > need) break;
+  }
+  std::make_heap(c.begin(), c.end(), ranks_after);  // front: the best left
+  std::vector<int32_t> ids;
+  std::vector<double> cum;
+  double acc = 0;
+  auto take = [&] {
+    std::pop_heap(c.begin(), c.end(), ranks_after);
+    ids.push_back(c.back().second);
+    c.pop_back();
+    cum.push_back(acc += p[ids.back()]);
+  };
+  int64_t n = kept;
+  if (std::isfinite(top_p)) {
+    // top-p: the shortest prefix reaching top_p, within the min-p run.
+    while (static_cast<int64_t>(ids.size()) < kept && !c.empty()) {
+      take();
+      if (acc >= top_p) break;
+    }
+    n = static_cast<int64_t>(ids.size());
+    kept_mass = cum.back();
+  }
+  const double r = kept_mass * u;
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == static_cast<int64_t>(ids.size())) {
+      if (c.empty()) break;
+      take();
+    }
+    if (cum[j] > r || j == n - 1) return ids[j];
+  }
+  return ids.back();
 }
 
 // The first k ids of each row in that order ([R, k]).
@@ -322,9 +441,16 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   if (!s_rows.empty()) {
     const auto s_idx = longs(dev, w_s_rows);
     const int64_t K = *std::max_element(s_nk.begin(), s_nk.end());
-    tokens.index_copy_(0, s_idx,
-                       sample_rows(l.index_select(0, s_idx), K, doubles(dev, w_temp), doubles(dev, w_top_p),
-                                   longs(dev, w_s_nk), doubles(dev, w_min_p), doubles(dev, w_u)));
+    if (device.is_cpu()) {
+      int64_t* tp = tokens.data_ptr<int64_t>();
+      const float* l0 = l.data_ptr<float>();
+      for (size_t j = 0; j < s_rows.size(); ++j)
+        tp[s_rows[j]] = sample_row_cpu(l0 + s_rows[j] * V, V, s_temp[j], s_top_p[j], s_nk[j], s_min_p[j], s_u[j]);
+    } else {
+      tokens.index_copy_(0, s_idx,
+                         sample_rows(l.index_select(0, s_idx), K, doubles(dev, w_temp), doubles(dev, w_top_p),
+                                     longs(dev, w_s_nk), doubles(dev, w_min_p), doubles(dev, w_u)));
+    }
   }
 
   if (!p_rows.empty()) {

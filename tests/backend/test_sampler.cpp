@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -71,7 +72,8 @@ torch::Tensor random_logits(int64_t B, int64_t V, uint64_t seed) {
 // Runs `steps` steps of the bank (batched) and of one reference sampler per row on the same logits,
 // checking tokens and logprobs row by row. Returns how many tokens were not the raw argmax (draws,
 // penalties, bans), so a caller can see that more than plain greedy was compared.
-int64_t expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed) {
+int64_t expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed,
+                                 const std::function<void(std::mt19937_64&, Spec&)>& tweak = {}) {
   int64_t off_argmax = 0;
   std::mt19937_64 g(seed);
   SamplerBank bank;
@@ -79,6 +81,7 @@ int64_t expect_same_as_reference(int64_t B, int64_t V, int steps, uint64_t seed)
   std::vector<int64_t> ids;
   for (int64_t i = 0; i < B; ++i) {
     Spec s = random_spec(g, V);
+    if (tweak) tweak(g, s);
     bank.add(100 + i, s.params, s.prompt, s.seed, s.eos);
     ref.emplace_back(s.params, s.prompt, s.seed, s.eos);
     ids.push_back(100 + i);
@@ -349,6 +352,16 @@ TEST(Sampler, SameTokensAsTheHostSamplerManyBatches) {
   EXPECT_GT(off, 200);
 }
 TEST(Sampler, SameTokensAsTheHostSamplerLargeVocab) { EXPECT_GT(expect_same_as_reference(8, 49157, 3, 3), 3); }
+// Temperature rows with more candidates than the CPU path sorts outright (no top-k, or a top-k of
+// thousands): they are drawn from the head of the order only.
+TEST(Sampler, SameTokensAsTheHostSamplerWithoutTopK) {
+  const int64_t V = 20011;
+  const auto many_candidates = [&](std::mt19937_64& g, Spec& s) {
+    s.params.temperature = pick<double>(g, {0.3, 0.7, 1.0, 1.5, 4.0});
+    s.params.top_k = pick<int64_t>(g, {0, 0, 5000, V - 1});
+  };
+  EXPECT_GT(expect_same_as_reference(16, V, 24, 77, many_candidates), 100);
+}
 
 TEST(Sampler, SameTokensOnTheDevice) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
