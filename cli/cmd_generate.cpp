@@ -191,7 +191,7 @@ void add_generate_command(CLI::App& app) {
         out["timings"]["load_s"] = secs(t_loaded - t0).count();
       } else {
         out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
-               {"load_s", secs(t_loaded - t0).count()}};
+               {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}};
         for (const auto& r : results) out["results"].push_back(as_json(r));
       }
       std::cout << out.dump() << "\n";

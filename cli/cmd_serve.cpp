@@ -269,8 +269,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
   cmd->add_option("--max-num-seqs", a->max_num_seqs, "sequences decoding at once");
   cmd->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "prompt tokens prefilled per step");
-  cmd->add_flag("--enable-chunked-prefill,!--no-enable-chunked-prefill", a->enable_chunked_prefill,
-                "prefill prompts longer than --max-num-batched-tokens over several steps while others decode");
+  // A function, not an optional<bool> target: CLI11 would set that to false when the flag is absent,
+  // overriding the YAML.
+  cmd->add_flag_function(
+      "--enable-chunked-prefill,!--no-enable-chunked-prefill", [a](int64_t n) { a->enable_chunked_prefill = n > 0; },
+      "prefill prompts longer than --max-num-batched-tokens over several steps while others decode");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");
