@@ -30,10 +30,7 @@ def check_equal(model: Path, vocab: int, long_len: int, budget: int, policy: str
     f = write_json(tmp_path / "prompts.json", prompts)
     whole_run = generate(model, f, policy, False, budget)
     chunked_run = generate(model, f, policy, True, budget)
-    # The long prompt took several steps (H2O's runs whole): the chunking happened.
-    expected_extra = 0 if policy == "h2o" else (long_len + budget - 1) // budget - 1
-    assert chunked_run["steps"] - whole_run["steps"] >= expected_extra - 1, (whole_run["steps"], chunked_run["steps"])
-    whole, chunked = whole_run["results"], chunked_run["results"]
+    whole, chunked = whole_run["results"], chunked_run["results"]  # (the batch's step counts vary: see below)
     assert len(whole) == len(chunked) == len(prompts)
     for i, (a, b) in enumerate(zip(whole, chunked)):
         assert b["token_ids"] == a["token_ids"], f"prompt {i}: chunked {b['token_ids']} != whole {a['token_ids']}"
@@ -53,3 +50,18 @@ def test_default_model_greedy_tokens_equal(policy, tmp_path):
     model = default_model_dir()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     check_equal(model, vocab, long_len=1500, budget=512, policy=policy, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv", "h2o"])
+def test_generate_prefills_a_long_prompt_in_chunks(policy, tmp_path):
+    """Alone, a prompt of T tokens takes ceil(T / budget) - 1 more steps chunked (H2O's: none). (The
+    batches above submit their prompts while the engine already runs, so their step counts vary.)"""
+    model = fixtures_dir() / "llama-gqa"
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    f = write_json(tmp_path / "prompt.json", [random_ids(300, vocab, seed=1)])
+    whole = generate(model, f, policy, False, 64)
+    chunked = generate(model, f, policy, True, 64)
+    assert chunked["results"][0]["token_ids"] == whole["results"][0]["token_ids"]
+    # +-1: the step that frees the finished sequence may run before or after generate reads the count.
+    extra = 0 if policy == "h2o" else (300 + 63) // 64 - 1
+    assert abs(chunked["steps"] - whole["steps"] - extra) <= 1, (whole["steps"], chunked["steps"])
