@@ -58,10 +58,11 @@ def test_generate_prefills_a_long_prompt_in_chunks(policy, tmp_path):
     batches above submit their prompts while the engine already runs, so their step counts vary.)"""
     model = fixtures_dir() / "llama-gqa"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    f = write_json(tmp_path / "prompt.json", [random_ids(300, vocab, seed=1)])
+    f = write_json(tmp_path / "prompt.json", [random_ids(600, vocab, seed=1)])
     whole = generate(model, f, policy, False, 64)
     chunked = generate(model, f, policy, True, 64)
     assert chunked["results"][0]["token_ids"] == whole["results"][0]["token_ids"]
-    # +-1: the step that frees the finished sequence may run before or after generate reads the count.
-    extra = 0 if policy == "h2o" else (300 + 63) // 64 - 1
-    assert abs(chunked["steps"] - whole["steps"] - extra) <= 1, (whole["steps"], chunked["steps"])
+    # Each count may be one short or one over: the request's last event comes before its step is
+    # counted, and the step that frees it may run before or after generate reads the count.
+    extra = 0 if policy == "h2o" else (600 + 63) // 64 - 1
+    assert abs(chunked["steps"] - whole["steps"] - extra) <= 2, (whole["steps"], chunked["steps"])
