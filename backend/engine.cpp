@@ -53,6 +53,9 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
   Scheduler::Options so;
   so.max_num_seqs = options_.max_num_seqs;
   so.max_num_batched_tokens = options_.max_num_batched_tokens;
+  so.enable_chunked_prefill = options_.enable_chunked_prefill && impl_->runner->chunked_prefill();
+  if (options_.enable_chunked_prefill && !so.enable_chunked_prefill)
+    KV_LOG("chunked prefill is not supported by the sharded runtime yet; prompts are prefilled whole");
   so.policies = std::move(policies);
   so.eos_ids = eos_ids;
   so.on_queue_time = options_.on_queue_time;

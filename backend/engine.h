@@ -25,6 +25,9 @@ class Tokenizer;
 struct EngineOptions {
   int64_t max_num_seqs = 32;              // sequences decoding at once
   int64_t max_num_batched_tokens = 8192;  // prompt tokens prefilled per step
+  // Longer prompts are prefilled over several steps while the others decode (Scheduler::Options;
+  // a runner that cannot take chunks, the sharded one, prefills whole prompts).
+  bool enable_chunked_prefill = false;
   int64_t max_waiting = 256;              // queue bound; submit() beyond it throws EngineOverloaded
   int64_t max_model_len = 0;              // 0 = the model's max_position_embeddings
   int64_t kv_cache_bytes = int64_t{1} << 30;

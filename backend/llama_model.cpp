@@ -196,32 +196,40 @@ torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemo
 }
 
 torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens,
-                                               torch::Tensor x, KvMemory& kv) {
+                                               torch::Tensor x, KvMemory& kv, const std::vector<int64_t>& starts_in,
+                                               const std::vector<int64_t>& prompt_lens) {
   torch::NoGradGuard ng;
   const int64_t N = x.size(0), n = static_cast<int64_t>(seq_ids.size());
   KV_CHECK(n > 0 && lens.size() == seq_ids.size(), "internal: prefill of " << n << " sequences with " << lens.size() << " lengths");
+  const std::vector<int64_t> starts = starts_in.empty() ? std::vector<int64_t>(seq_ids.size(), 0) : starts_in;
+  KV_CHECK(starts.size() == seq_ids.size() && (prompt_lens.empty() || prompt_lens.size() == seq_ids.size()),
+           "internal: prefill of " << n << " sequences with " << starts.size() << " starts");
   std::vector<int64_t> offsets;
-  int64_t rows = 0, longest = 0;
-  for (int64_t T : lens) {
+  std::vector<char> chunk(seq_ids.size());  // goes through store_prefill_chunk
+  int64_t rows = 0, end = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    const int64_t T = lens[i];
     KV_CHECK(T > 0, "empty prompt");
+    KV_CHECK(starts[i] >= 0, "internal: chunk start " << starts[i]);
+    chunk[i] = starts[i] > 0 || (!prompt_lens.empty() && prompt_lens[i] != T);
     offsets.push_back(rows);
     rows += T;
-    longest = std::max(longest, T);
+    end = std::max(end, starts[i] + T);
   }
   KV_CHECK(rows == N, "internal: prompts of " << rows << " tokens in total, hidden states of " << N << " rows");
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   const auto i64 = torch::TensorOptions().dtype(torch::kInt64);
   torch::Tensor positions;
   if (n == 1) {
-    positions = torch::arange(N, i64.device(device_));
+    positions = torch::arange(starts[0], starts[0] + N, i64.device(device_));
   } else {
     std::vector<int64_t> pos;
     pos.reserve(static_cast<size_t>(N));
-    for (int64_t T : lens)
-      for (int64_t t = 0; t < T; ++t) pos.push_back(t);
+    for (size_t i = 0; i < lens.size(); ++i)
+      for (int64_t t = 0; t < lens[i]; ++t) pos.push_back(starts[i] + t);
     positions = torch::tensor(pos, i64).to(device_);
   }
-  const RopeAngles angles = rope_->angles(positions, longest, x.scalar_type());
+  const RopeAngles angles = rope_->angles(positions, end, x.scalar_type());
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
@@ -236,9 +244,30 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
       auto q = q_all.narrow(0, s, T).transpose(0, 1).contiguous();  // [H, T, D]
       auto k = k_all.narrow(0, s, T).transpose(0, 1).contiguous();
       auto v = v_all.narrow(0, s, T).transpose(0, 1).contiguous();
-      auto a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
-                                                /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
-      kv.store_prefill(seq_ids[static_cast<size_t>(i)], li, q, k, v);
+      const int64_t start = starts[static_cast<size_t>(i)];
+      torch::Tensor a;
+      if (start == 0) {
+        a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
+                                             /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
+      } else {
+        // A later chunk: its queries see the earlier chunks' K/V and, causally, its own. SDPA's
+        // is_causal aligns the mask top-left, so the offset mask is explicit.
+        auto [pk, pv] = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
+        KV_CHECK(pk.size(1) == start, "internal: chunk at " << start << " of sequence " << seq_ids[static_cast<size_t>(i)]
+                                                            << " finds " << pk.size(1) << " earlier positions in layer " << li);
+        auto kc = torch::cat({pk.to(k.scalar_type()), k}, 1);
+        auto vc = torch::cat({pv.to(v.scalar_type()), v}, 1);
+        auto qi = torch::arange(T, i64.device(device_)).unsqueeze(1);
+        auto kj = torch::arange(start + T, i64.device(device_)).unsqueeze(0);
+        auto mask = kj <= qi + start;  // [T, start + T]
+        a = at::scaled_dot_product_attention(q.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), mask, 0.0,
+                                             /*is_causal=*/false, std::nullopt, /*enable_gqa=*/H != KV);
+      }
+      if (chunk[static_cast<size_t>(i)]) {
+        kv.store_prefill_chunk(seq_ids[static_cast<size_t>(i)], li, start, q, k, v);
+      } else {
+        kv.store_prefill(seq_ids[static_cast<size_t>(i)], li, q, k, v);
+      }
       auto rows_out = a.squeeze(0).transpose(0, 1).reshape({T, H * D});
       if (n == 1) {
         attn = rows_out;
@@ -290,23 +319,38 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs, K
   torch::NoGradGuard ng;
   KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::prefill runs a whole pipeline; use the sharded executor");
   KV_CHECK(!seqs.empty(), "internal: empty prefill batch");
-  std::vector<int64_t> ids, lens, tokens;
+  std::vector<int64_t> ids, lens, tokens, starts, totals;
   for (const auto& s : seqs) {
     KV_CHECK(!s.tokens.empty(), "empty prompt");
+    KV_CHECK(s.start >= 0 && s.start + static_cast<int64_t>(s.tokens.size()) <= s.total(),
+             "internal: chunk [" << s.start << ", " << s.start + static_cast<int64_t>(s.tokens.size())
+                                 << ") outside a prompt of " << s.total() << " tokens");
     ids.push_back(s.seq_id);
     lens.push_back(static_cast<int64_t>(s.tokens.size()));
+    starts.push_back(s.start);
+    totals.push_back(s.total());
     tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
   }
-  auto x = embed(tokens);  // [sum T, hidden]; a bad token id fails here, before any KV is touched
-  size_t begun = 0;
+  torch::Tensor x;
+  // Which sequences hold KV state that a failure must free: those begun here, and every chunk that
+  // continues a prompt (its earlier chunks' KV is useless without this one).
+  std::vector<char> owned(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) owned[i] = seqs[i].start > 0;
   try {
-    for (; begun < seqs.size(); ++begun) kv.begin_prefill(ids[begun], lens[begun], seqs[begun].policy);
-    x = prefill_layers_batch(ids, lens, x, kv);
-    for (int64_t id : ids) kv.end_prefill(id);
+    x = embed(tokens);  // [sum T, hidden]; a bad token id fails here, before any KV is begun
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (seqs[i].start > 0) continue;
+      kv.begin_prefill(ids[i], totals[i], seqs[i].policy);
+      owned[i] = 1;
+    }
+    x = prefill_layers_batch(ids, lens, x, kv, starts, totals);
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (seqs[i].last_chunk()) kv.end_prefill(ids[i]);
   } catch (...) {
     // A half-written sequence would hold blocks until the engine releases it a step later, and a
     // retry of the same sequence (one by one after a failed batch) needs it gone.
-    for (size_t i = 0; i < begun; ++i) {
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (!owned[i]) continue;
       try {
         kv.release(ids[i]);
       } catch (const std::exception& e) {

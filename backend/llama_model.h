@@ -22,11 +22,17 @@ class ProcessGroup;
 
 namespace kvserve {
 
-// One prompt of a batched prefill; `tokens` must outlive the call.
+// One prompt of a batched prefill, or one chunk of a prompt prefilled over several steps (the
+// prompt's positions [start, start + tokens.size()) of prompt_len); `tokens` must outlive the call.
 struct PrefillInput {
   int64_t seq_id = 0;
   std::span<const int64_t> tokens;
-  std::string policy;  // "" = the KV memory's default
+  std::string policy;      // "" = the KV memory's default
+  int64_t start = 0;       // > 0: earlier chunks' K/V are in the KV memory
+  int64_t prompt_len = 0;  // the whole prompt; 0 = tokens.size() (not chunked)
+
+  int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
+  bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
 };
 
 // How to load a checkpoint: device, compute dtype (default fp32 on CPU, bf16 on CUDA), progress output.
@@ -69,7 +75,11 @@ class LlamaModel {
   // the K/V (and the policy selections) that prefill() would give it. Returns fp32 logits of each
   // prompt's last position ([n, V], in input order), or of every position ([sum T, V], prompts
   // concatenated) when all_logits. On an exception the KV state of every listed sequence this call
-  // began is released, so the caller can retry them one by one.
+  // began is released, so the caller can retry them one by one; a chunk that continues a prompt
+  // (start > 0) loses its earlier chunks' KV too (its request fails, it cannot be retried).
+  // Chunks: a chunk's queries attend to the earlier chunks' K/V (read back from `kv`) and causally
+  // to its own; RoPE positions are the prompt's; begin_prefill runs at the first chunk, end_prefill
+  // after the last.
   torch::Tensor prefill_batch(const std::vector<PrefillInput>& seqs, KvMemory& kv, bool all_logits = false);
   // One new token per sequence at batch.positions; returns fp32 logits [B, V].
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv);
@@ -105,8 +115,11 @@ class LlamaModel {
   torch::Tensor reduce_partial(torch::Tensor partial, const torch::Tensor& b) const;
   const Layer& layer(int64_t global) const;
   // This shard's layers over several prompts' concatenated hidden states x [sum lens, hidden].
+  // starts: each prompt's first position (a chunk of a longer prompt when > 0 or short of its
+  // prompt_lens entry); empty = whole prompts.
   torch::Tensor prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens, torch::Tensor x,
-                                     KvMemory& kv);
+                                     KvMemory& kv, const std::vector<int64_t>& starts = {},
+                                     const std::vector<int64_t>& prompt_lens = {});
 
   ModelConfig config_;
   std::string model_dir_;

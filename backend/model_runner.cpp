@@ -29,16 +29,20 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   }
   // The prefills run in groups of up to kPrefillBatchRows prompt tokens, one forward each. When a
   // group's forward fails (it leaves no KV behind), its prompts run again one by one, so that only
-  // the one at fault reports an error, as when every prompt ran alone.
+  // the one at fault reports an error, as when every prompt ran alone. A chunk that continues a
+  // prompt runs alone: its failure frees the earlier chunks' KV, so it could not be retried.
+  auto input = [](const PrefillWork& p) { return PrefillInput{p.seq_id, p.tokens, p.policy, p.start, p.total()}; };
   for (size_t g = 0; g < plan.prefill.size();) {
     size_t end = g + 1;
     for (size_t rows = plan.prefill[g].tokens.size();
-         end < plan.prefill.size() && rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows; ++end)
+         plan.prefill[g].start == 0 && end < plan.prefill.size() && plan.prefill[end].start == 0 &&
+         rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows;
+         ++end)
       rows += plan.prefill[end].tokens.size();
     torch::Tensor group_logits;
     if (end - g > 1) {
       std::vector<PrefillInput> batch;
-      for (size_t i = g; i < end; ++i) batch.push_back({plan.prefill[i].seq_id, plan.prefill[i].tokens, plan.prefill[i].policy});
+      for (size_t i = g; i < end; ++i) batch.push_back(input(plan.prefill[i]));
       try {
         group_logits = model_->prefill_batch(batch, *kv_);
       } catch (const std::exception& e) {
@@ -50,7 +54,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       std::vector<int64_t> rows, ids;
       std::vector<char> ban;
       for (size_t i = g; i < end; ++i) {
-        if (!plan.prefill[i].sample) continue;
+        if (!plan.prefill[i].sample || !plan.prefill[i].last_chunk()) continue;
         rows.push_back(static_cast<int64_t>(i - g));
         ids.push_back(plan.prefill[i].seq_id);
         ban.push_back(plan.prefill[i].ban_eos);
@@ -65,7 +69,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       }
       for (size_t i = g, k = 0; i < end; ++i) {
         PrefillOutcome o;
-        if (plan.prefill[i].sample) {
+        if (plan.prefill[i].sample && plan.prefill[i].last_chunk()) {
           if (error.empty()) o.first = firsts[k++];
           else o.error = error;
         }
@@ -79,8 +83,8 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       const PrefillWork& p = plan.prefill[i];
       PrefillOutcome o;
       try {
-        torch::Tensor logits = model_->prefill(p.seq_id, p.tokens, *kv_, false, p.policy);
-        if (p.sample) o.first = samplers_.sample(p.seq_id, logits[0], p.ban_eos);
+        torch::Tensor logits = model_->prefill_batch({input(p)}, *kv_);
+        if (p.sample && p.last_chunk()) o.first = samplers_.sample(p.seq_id, logits[0], p.ban_eos);
         o.kept_tokens = kv_->kept_tokens(p.seq_id);
       } catch (const std::exception& e) {
         o.error = e.what();

@@ -25,6 +25,10 @@ class ModelRunner {
   virtual void stop() {}
   // Collectives the steps ran on the control path so far (0 for one process).
   virtual int64_t step_collectives() const { return 0; }
+  // Whether plans may carry prompt chunks (PrefillWork::chunked). The sharded runtime prefills whole
+  // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
+  // run the selection together, which is not built yet.
+  virtual bool chunked_prefill() const { return false; }
 };
 
 class LocalRunner final : public ModelRunner {
@@ -32,6 +36,7 @@ class LocalRunner final : public ModelRunner {
   LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv)
       : model_(std::move(model)), kv_(std::move(kv)) {}
   StepResult execute(const StepPlan& plan) override;
+  bool chunked_prefill() const override { return true; }
 
  private:
   std::shared_ptr<LlamaModel> model_;

@@ -49,6 +49,41 @@ std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string&
   return std::nullopt;
 }
 
+bool Scheduler::may_chunk(int64_t n, const std::string& policy) const {
+  if (!options_.enable_chunked_prefill) return false;
+  const PolicyConfig& cfg = options_.policies.at(policy);
+  if (!PagedKvMemory::chunkable(cfg)) return false;
+  // A compressing policy holds the whole uncompressed prompt until its last chunk: where a pool
+  // cannot hold that, the prompt is prefilled whole (at its compressed peak) instead.
+  for (const Pool& p : shards_)
+    if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n, true) > p.usage.blocks_total) return false;
+  return true;
+}
+
+int64_t Scheduler::reserved(const Sequence& s, size_t i) const {
+  const Pool& p = shards_[i];
+  const int64_t peak = PagedKvMemory::prompt_blocks(options_.policies.at(s.req.kv_policy), p.usage.geometry, s.prefill_len, true);
+  auto h = p.held.find(s.id);
+  return std::max<int64_t>(0, peak - (h == p.held.end() ? 0 : h->second));
+}
+
+void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
+  const auto tokens = s.prefill_tokens();
+  KV_CHECK(static_cast<int64_t>(tokens.size()) == s.prefill_len,
+           "internal: sequence " << s.id << " changed its prompt while prefilling in chunks");
+  const int64_t start = s.prefill_done, n = std::min(budget, s.prefill_len - start);
+  PrefillWork w;
+  w.seq_id = s.id;
+  w.tokens.assign(tokens.begin() + start, tokens.begin() + start + n);
+  w.policy = s.req.kv_policy;
+  w.start = start;
+  w.prompt_len = s.prefill_len;
+  w.sample = s.output.empty() && w.last_chunk();  // only the last chunk has the next token's logits
+  w.ban_eos = s.ban_eos();
+  plan.prefill.push_back(std::move(w));
+  s.prefill_done = start + n;
+}
+
 StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   KV_CHECK(knows_pools(), "internal: the scheduler plans from a first StepResult");
   StepPlan plan;
@@ -69,10 +104,15 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   for (int64_t id : plan.release) forget(id);
 
   // Decode first: every running sequence advances one token. Preempt (recompute later) the most
-  // recently admitted sequences while some shard cannot hold one more token for each.
+  // recently admitted sequences while some shard cannot hold one more token for each. A prompt still
+  // being prefilled in chunks does not decode yet; it keeps the rest of its peak reserved instead.
   auto demand = [&](size_t i) {
     int64_t d = 0;
     for (const auto& s : running_) {
+      if (s->prefilling()) {
+        d += reserved(*s, i);
+        continue;
+      }
       auto it = shards_[i].demand.find(s->id);
       if (it != shards_[i].demand.end()) d += it->second;
     }
@@ -89,6 +129,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     forget(victim->id);
     plan.release.push_back(victim->id);
     victim->in_cache = false;
+    victim->prefill_done = victim->prefill_len = 0;
     waiting_.push_front(std::move(victim));
     ++preemptions_;
   }
@@ -97,16 +138,24 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   // a sequence that keeps failing then fails alone (the others wait meanwhile).
   auto suspect = std::find_if(running_.begin(), running_.end(), [](const auto& s) { return s->suspect; });
   for (const auto& s : running_) {
-    if (suspect != running_.end() && s != *suspect) continue;
+    if (s->prefilling() || (suspect != running_.end() && s != *suspect)) continue;
     plan.decode.seq_ids.push_back(s->id);
     plan.decode.positions.push_back(s->next_position());
     plan.decode_tokens.push_back(s->output.back());
     plan.decode_ban_eos.push_back(s->ban_eos());
   }
 
+  // Prompts being prefilled in chunks go on first, in admission order, within the step's budget.
+  int64_t prefilled = 0;
+  for (const auto& s : running_) {
+    if (!s->prefilling() || prefilled >= options_.max_num_batched_tokens) continue;
+    const int64_t before = s->prefill_done;
+    plan_chunk(*s, options_.max_num_batched_tokens - prefilled, plan);
+    prefilled += s->prefill_done - before;
+  }
+
   // Then admit waiting sequences in order while every shard holds them at their peak (compressed)
   // size, reserving what each admitted prompt takes.
-  int64_t prefilled = 0;
   std::vector<int64_t> need(S);
   while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence& s = *waiting_.front();
@@ -118,11 +167,13 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       waiting_.pop_front();
       continue;
     }
-    if (prefilled > 0 && prefilled + n > options_.max_num_batched_tokens) break;
+    const int64_t budget = options_.max_num_batched_tokens - prefilled;
+    const bool chunk = n > budget && may_chunk(n, s.req.kv_policy);
+    if (chunk ? budget <= 0 : prefilled > 0 && n > budget) break;
     const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
     bool fits = true;
     for (size_t i = 0; i < S; ++i) {
-      need[i] = PagedKvMemory::prompt_blocks(cfg, shards_[i].usage.geometry, n);
+      need[i] = PagedKvMemory::prompt_blocks(cfg, shards_[i].usage.geometry, n, chunk);
       fits = fits && need[i] <= free[i];
     }
     if (!fits) break;
@@ -139,8 +190,10 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       owned->sampler_added = true;
     }
     owned->in_cache = true;
-    plan.prefill.push_back({owned->id, tokens, owned->req.kv_policy, owned->output.empty(), owned->ban_eos()});
-    prefilled += n;
+    owned->prefill_len = n;
+    owned->prefill_done = 0;
+    plan_chunk(*owned, chunk ? budget : n, plan);
+    prefilled += owned->prefill_done;
     running_.push_back(std::move(owned));
   }
   return plan;
@@ -196,8 +249,10 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
   for (size_t p = 0; p < plan.prefill.size(); ++p) {
     Sequence* s = by_id.at(plan.prefill[p].seq_id);
     PrefillOutcome& o = result.prefilled.at(p);
-    s->kept_kv = o.kept_tokens;
-    s->full_kv = static_cast<int64_t>(plan.prefill[p].tokens.size()) * layers;
+    if (plan.prefill[p].last_chunk()) {
+      s->kept_kv = o.kept_tokens;
+      s->full_kv = plan.prefill[p].total() * layers;
+    }
     if (!o.error.empty()) out.push_back({s, std::nullopt, o.error});
     else if (o.first) out.push_back({s, std::move(o.first), ""});
   }

@@ -26,6 +26,10 @@ class Scheduler {
   struct Options {
     int64_t max_num_seqs = 32;              // sequences decoding at once
     int64_t max_num_batched_tokens = 8192;  // prompt tokens prefilled per step
+    // A prompt longer than what is left of the step's max_num_batched_tokens is prefilled in chunks
+    // over several steps while the running sequences keep decoding (policies whose selection needs
+    // the whole prompt at once, and prompts whose uncompressed size does not fit a pool, run whole).
+    bool enable_chunked_prefill = false;
     std::map<std::string, PolicyConfig> policies;  // by name; what a prompt may occupy
     std::vector<int64_t> eos_ids;                  // the model's and the tokenizer's
     // Called once per request with the seconds from submit() to its first admission.
@@ -74,6 +78,12 @@ class Scheduler {
   void drop_later(Sequence& s);
   // Why a prompt of `n` tokens under `policy` can never fit some shard's whole pool, if it cannot.
   std::optional<std::string> unfit_reason(int64_t n, const std::string& policy) const;
+  // Whether a prompt of `n` tokens under `policy` is prefilled in chunks when it exceeds a step's budget.
+  bool may_chunk(int64_t n, const std::string& policy) const;
+  // Blocks a prompt being prefilled in chunks still reserves on shard `i` (its peak less what it holds).
+  int64_t reserved(const Sequence& s, size_t i) const;
+  // Plans the next chunk of `s` (at most `budget` tokens; the rest of its prompt if it fits).
+  void plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const;
 
   Options options_;
   std::deque<std::unique_ptr<Sequence>> waiting_;

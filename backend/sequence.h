@@ -25,6 +25,10 @@ struct Sequence {
   bool sampler_added = false;  // the runner holds its sampler
   bool in_cache = false;       // holds KV (or will, once the planned prefill runs)
   bool suspect = false;        // was in a decode batch that failed: decodes alone until a step succeeds
+  // Chunked prefill: positions of prefill_tokens() planned so far, of prefill_len; the sequence
+  // decodes once every chunk ran.
+  int64_t prefill_done = 0, prefill_len = 0;
+  bool prefilling() const { return in_cache && prefill_done < prefill_len; }
 
   // Output state.
   std::unique_ptr<IncrementalDetokenizer> detok;

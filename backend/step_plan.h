@@ -22,13 +22,20 @@ struct SequenceStart {
   std::vector<int64_t> eos_ids;  // masked while min_tokens is not reached
 };
 
-// One prompt to prefill (a preempted sequence's prompt plus what it had generated).
+// One prompt to prefill (a preempted sequence's prompt plus what it had generated), or one chunk of
+// it: with chunked prefill a prompt longer than the step's token budget runs over several steps.
 struct PrefillWork {
   int64_t seq_id = 0;
-  std::vector<int64_t> tokens;
+  std::vector<int64_t> tokens;  // the prompt's tokens [start, start + tokens.size())
   std::string policy;
-  bool sample = true;    // false after a preemption: the next token is already known
+  bool sample = true;    // false after a preemption (the next token is already known) and before the last chunk
   bool ban_eos = false;  // min_tokens not reached yet
+  int64_t start = 0;       // the chunk's first position; > 0: earlier chunks' KV is in the pool
+  int64_t prompt_len = 0;  // the whole prompt (0: tokens.size(), not chunked)
+
+  int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
+  bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
+  bool chunked() const { return total() != static_cast<int64_t>(tokens.size()); }
 };
 
 // What one step runs, in this order: free KV, drop and create samplers, one decode token for every

@@ -4,7 +4,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "common/check.h"
 
 namespace kvserve {
 
@@ -24,8 +27,24 @@ class KvMemory {
   // all of it or a policy's selection. Called for layers in increasing order.
   virtual void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                              const torch::Tensor& v) = 0;
-  // Called after the last layer (policies that rebalance across layers settle here).
+  // Called after the last layer (policies that rebalance across layers settle here). A chunked
+  // prefill calls it once, after its last chunk.
   virtual void end_prefill(int64_t seq_id) = 0;
+  // Chunked prefill (docs/architecture.md, "Chunked prefill"): the prompt of begin_prefill's
+  // `prompt_len` arrives over several forwards, each a run of positions [start, start + T).
+  // prefill_context returns the K/V [KV, start, D] the earlier chunks left for `layer` (what the
+  // chunk's queries attend to besides themselves); store_prefill_chunk takes the chunk's K/V
+  // ([KV, T, D], after RoPE) and queries ([H, T, D]). The memory keeps every earlier position until
+  // the chunk that ends the prompt, where a policy selects over the whole prompt as store_prefill
+  // would. A memory that cannot take chunks throws.
+  virtual std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) {
+    KV_FAIL("this KV memory does not support chunked prefill (sequence " << seq_id << ", layer " << layer << ")");
+  }
+  virtual void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q,
+                                   const torch::Tensor& k, const torch::Tensor& v) {
+    KV_FAIL("this KV memory does not support chunked prefill (sequence " << seq_id << ", layer " << layer
+                                                                          << ", chunk at " << start << ")");
+  }
   // Called once per decode step before the first layer: a memory may plan the whole step here
   // (take every layer's blocks, send its tables to the device once). Optional for callers:
   // decode_attention plans a step itself when it finds none.

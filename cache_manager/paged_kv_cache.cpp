@@ -151,6 +151,44 @@ void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, 
   mirror_layer(seq_id, layer, lb);
 }
 
+void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
+                          const torch::Tensor& positions) {
+  SequenceBlockTable& t = table_of(seq_id);
+  LayerBlocks& lb = t.layer(layer);
+  KV_CHECK(k.dim() == 3 && k.size(0) == kv_ && k.size(2) == d_,
+           "extend: k must be [KV=" << kv_ << ", n, D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(v.sizes() == k.sizes(), "extend: v " << v.sizes() << " != k " << k.sizes());
+  const int64_t n = k.size(1), len = lb.length;
+  KV_CHECK(positions.dim() == 2 && positions.size(0) == kv_ && positions.size(1) == n,
+           "extend: positions must be [KV=" << kv_ << ", n=" << n << "], got " << positions.sizes());
+  const torch::Tensor pos = positions.to(torch::kCPU, torch::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < kv_ * n; ++i) {
+    KV_CHECK(pp[i] >= 0 && pp[i] <= std::numeric_limits<int32_t>::max(), "extend: position " << pp[i] << " out of range");
+  }
+  if (n == 0) return;
+  // Blocks are taken (or the exhaustion error thrown) before anything changes.
+  const int64_t more = blocks_for_tokens(len + n, bs_) - static_cast<int64_t>(lb.blocks.size());
+  if (more > 0) {
+    std::vector<int32_t> fresh = take_blocks(more, seq_id, layer);
+    lb.blocks.insert(lb.blocks.end(), fresh.begin(), fresh.end());
+  }
+  auto [blk, off] = slot_index(lb.blocks, len + n);
+  blk = blk.narrow(0, len, n);
+  off = off.narrow(0, len, n);
+  const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
+  pool_.keys().index_put_({blk, Slice(), off}, k.to(opts).transpose(0, 1));
+  pool_.values().index_put_({blk, Slice(), off}, v.to(opts).transpose(0, 1));
+  for (int64_t h = 0; h < kv_; ++h) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = len + j;
+      pos_ptr(lb.blocks[static_cast<size_t>(slot / bs_)], h)[slot % bs_] = static_cast<int32_t>(pp[h * n + j]);
+    }
+  }
+  lb.length = len + n;
+  mirror_layer(seq_id, layer, lb);
+}
+
 void PagedKvCache::mirror_layer(int64_t seq_id, int64_t layer, const LayerBlocks& lb) {
   const int32_t row = dev_.row(seq_id);
   dev_.set_blocks(row, layer, lb.blocks);

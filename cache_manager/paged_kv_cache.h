@@ -40,6 +40,10 @@ class PagedKvCache {
   // [KV, n] integer (host or device). n may be 0. Blocks the layer held are reused/freed.
   void write(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
              const torch::Tensor& positions);
+  // Appends n tokens to the layer after its current content: k, v [KV, n, D], positions [KV, n]
+  // (a chunk of a chunked prefill). Takes only the blocks the new tokens need.
+  void extend(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
+              const torch::Tensor& positions);
   // Keeps, per head, the slots keep_slots [KV, m] (int64, each in [0, length)) in the given order:
   // new slot j of head h = old slot keep_slots[h][j]. Copied into fresh blocks, old ones freed at once.
   void compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots);

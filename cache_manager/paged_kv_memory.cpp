@@ -59,7 +59,9 @@ PagedKvMemory::Geometry PagedKvMemory::geometry() const {
   return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size()};
 }
 
-int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len) {
+bool PagedKvMemory::chunkable(const PolicyConfig& cfg) { return cfg.scorer != ScorerKind::kAccumulatedAttention; }
+
+int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len, bool chunked) {
   std::vector<int64_t> per_layer(static_cast<size_t>(g.num_layers), prompt_len);
   auto blocks = [&](int64_t tokens) { return blocks_for_tokens(tokens, g.block_size); };
   // Compaction copies a layer's kept tokens into fresh blocks before it frees the old ones, so the
@@ -72,6 +74,10 @@ int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g,
     const auto all = sel.budgets();
     per_layer.assign(all.begin() + g.first_layer, all.begin() + g.first_layer + g.num_layers);
     if (sel.is_dynamic()) transient = blocks(*std::max_element(per_layer.begin(), per_layer.end()));
+    // Chunked, every layer holds the whole prompt until the last chunk; the selection then rewrites
+    // each layer in place (PagedKvCache::write reuses its blocks), so only DynamicKV's re-budgeting
+    // copy comes on top.
+    if (chunked) per_layer.assign(per_layer.size(), prompt_len);
   }
   if (cfg.decode_budget > 0) transient = std::max(transient, blocks(std::max<int64_t>(0, cfg.decode_budget - cfg.decode_evict_chunk)));
   int64_t n = transient;
@@ -177,6 +183,61 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   apply_updates(seq_id);
 }
 
+std::pair<torch::Tensor, torch::Tensor> PagedKvMemory::prefill_context(int64_t seq_id, int64_t layer) {
+  KV_CHECK(seqs_.count(seq_id), "chunked prefill: sequence " << seq_id << " has no KV state");
+  return cache_.gather(seq_id, local(layer));
+}
+
+void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q,
+                                        const torch::Tensor& k, const torch::Tensor& v) {
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end(), "chunked prefill: sequence " << seq_id << " has no KV state");
+  SeqState& s = it->second;
+  const int64_t ll = local(layer), KV = k.size(0), T = k.size(1);
+  const int64_t held = cache_.length(seq_id, ll);
+  KV_CHECK(held == start, "chunked prefill: sequence " << seq_id << ", layer " << layer << " holds " << held
+                                                       << " positions, the chunk starts at " << start);
+  KV_CHECK(start + T <= s.prompt_len, "chunked prefill: chunk [" << start << ", " << start + T << ") past the prompt of "
+                                                                   << s.prompt_len << " tokens");
+  const bool last = start + T == s.prompt_len;
+  const bool compresses = s.selector && s.selector->compresses();
+  if (compresses) {
+    KV_CHECK(chunkable(*s.policy), "policy '" << s.policy->name << "' (scorer " << to_string(s.policy->scorer)
+                                              << ") cannot prefill in chunks; its prompts are prefilled whole");
+    KV_CHECK(!shard_.exchange->gathers_queries() && shard_.first_layer == 0 && last_shard(),
+             "chunked prefill of a compressing policy runs in one process only");
+  }
+  if (!compresses || !last) {
+    // Every position stays until the last chunk: as they are for `full`, for the selection otherwise.
+    auto pos = torch::arange(start, start + T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
+    cache_.extend(seq_id, ll, k, v, pos);
+    if (compresses && scorer_needs_queries(s.policy->scorer)) {
+      // The last chunk's window may reach back into this one: keep the latest `window` queries.
+      if (s.query_tail.empty()) s.query_tail.resize(static_cast<size_t>(num_layers_));
+      torch::Tensor& tail = s.query_tail[static_cast<size_t>(ll)];
+      tail = tail.defined() ? torch::cat({tail, q}, 1) : q;
+      const int64_t keep = std::min<int64_t>(s.policy->window, tail.size(1));
+      tail = tail.narrow(1, tail.size(1) - keep, keep).contiguous();
+    }
+    return;
+  }
+  // The last chunk of a compressing policy: the whole prompt's keys (and the window's queries) as
+  // one forward would hand them over, then the same selection as store_prefill.
+  auto [pk, pv] = cache_.gather(seq_id, ll);
+  const auto dt = k.scalar_type();
+  torch::Tensor kf = torch::cat({pk.to(dt), k}, 1), vf = torch::cat({pv.to(dt), v}, 1);
+  torch::Tensor qf = q;
+  if (!s.query_tail.empty() && s.query_tail[static_cast<size_t>(ll)].defined()) {
+    qf = torch::cat({s.query_tail[static_cast<size_t>(ll)].to(q.scalar_type()), q}, 1);
+    s.query_tail[static_cast<size_t>(ll)] = torch::Tensor();
+  }
+  const int64_t D = kf.size(2);
+  torch::Tensor kept = s.selector->on_layer(layer, qf, kf);  // [KV, n] ascending positions
+  auto idx = kept.to(kf.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
+  cache_.write(seq_id, ll, kf.gather(1, idx), vf.gather(1, idx), kept);
+  apply_updates(seq_id);
+}
+
 void PagedKvMemory::end_prefill(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
@@ -226,6 +287,7 @@ void PagedKvMemory::settle(int64_t seq_id) {
     apply_updates(seq_id);
     s.selector.reset();
   }
+  s.query_tail.clear();
   s.budgets.clear();
   for (int64_t l = 0; l < num_layers_; ++l) s.budgets.push_back(cache_.length(seq_id, l));
 }

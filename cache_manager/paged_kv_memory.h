@@ -2,6 +2,7 @@
 // PagedKvMemory: the model's KV memory on the paged pool, with each sequence's policy choosing what it keeps.
 #include <map>
 #include <memory>
+#include <utility>
 #include <string>
 #include <unordered_map>
 
@@ -39,6 +40,9 @@ class PagedKvMemory final : public KvMemory {
   void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v) override;
   void end_prefill(int64_t seq_id) override;
+  std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) override;
+  void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
+                           const torch::Tensor& v) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
   void begin_decode(const DecodeBatch& batch) override;
   torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
@@ -61,7 +65,13 @@ class PagedKvMemory final : public KvMemory {
   Geometry geometry() const;
   // Blocks a prompt occupies at its peak under `cfg` in the shard's layers (DynamicKV: its
   // candidates; plus one layer's compaction copy and room for the first decoded token).
-  static int64_t prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len);
+  // `chunked`: the prompt is prefilled over several steps, so a compressing policy holds every
+  // position of every layer until the last chunk selects (the chunked peak).
+  static int64_t prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len, bool chunked = false);
+  // Whether prompts under `cfg` may be prefilled in chunks with the same kept positions as whole:
+  // not H2O's accumulated attention, which needs every query of the prompt at once (its prompts
+  // are prefilled whole).
+  static bool chunkable(const PolicyConfig& cfg);
   int64_t free_blocks() const { return cache_.free_blocks(); }
   // At most how many blocks one decode step of these sequences takes at its peak (a fresh block
   // wherever a layer's last block is full; a decode-time eviction's compacted copy until the blocks
@@ -98,6 +108,9 @@ class PagedKvMemory final : public KvMemory {
     std::vector<DecodeEvictor> evictors;  // per layer; empty when the policy never evicts in decode
     std::vector<int64_t> budgets;
     int64_t prompt_len = 0;
+    // Chunked prefill of a compressing policy: per layer the last `window` queries seen so far
+    // (what window attention scores with at the last chunk); undefined when not needed.
+    std::vector<torch::Tensor> query_tail;
   };
   int64_t num_layers_;
   KvShard shard_;

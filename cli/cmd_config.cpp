@@ -25,7 +25,8 @@ void add_config_commands(CLI::App& app) {
                 << (kvserve::config::effective_api_key(c.server).empty() ? "" : ", API key required") << "\n"
                 << "  cache: block_size " << c.cache.block_size << ", " << c.cache.kv_cache_bytes << " bytes\n"
                 << "  scheduler: max_num_seqs " << c.scheduler.max_num_seqs << ", max_num_batched_tokens "
-                << c.scheduler.max_num_batched_tokens << ", max_waiting " << c.scheduler.max_waiting << "\n"
+                << c.scheduler.max_num_batched_tokens
+                << (c.scheduler.enable_chunked_prefill ? ", chunked prefill" : "") << ", max_waiting " << c.scheduler.max_waiting << "\n"
                 << "  policies:";
       for (const auto& [name, spec] : c.policies) {
         std::cout << " " << name;

@@ -32,6 +32,8 @@ struct GenerateArgs {
   std::vector<std::string> stop;
   bool json = false, ignore_eos = false, stream = false;
   std::string kv_cache = "1GiB";
+  int64_t max_num_batched_tokens = EngineOptions{}.max_num_batched_tokens;
+  bool enable_chunked_prefill = false;
 };
 
 }  // namespace
@@ -59,6 +61,10 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
+  cmd->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "prompt tokens prefilled per step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  cmd->add_flag("--enable-chunked-prefill", a->enable_chunked_prefill,
+                "prefill prompts longer than --max-num-batched-tokens over several steps");
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
@@ -81,6 +87,8 @@ void add_generate_command(CLI::App& app) {
     }
     eo.policies = a->policy.specs();
     eo.default_policy = PolicyFlags::selected(eo.policies);
+    eo.max_num_batched_tokens = a->max_num_batched_tokens;
+    eo.enable_chunked_prefill = a->enable_chunked_prefill;
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
       if (rc != 0) throw CLI::RuntimeError(rc);
@@ -186,7 +194,7 @@ void add_generate_command(CLI::App& app) {
         out["timings"]["load_s"] = secs(t_loaded - t0).count();
       } else {
         out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
-               {"load_s", secs(t_loaded - t0).count()}};
+               {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}};
         for (const auto& r : results) out["results"].push_back(as_json(r));
       }
       std::cout << out.dump() << "\n";

@@ -34,6 +34,7 @@ struct ServeArgs {
       default_policy;
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
+  std::optional<bool> enable_chunked_prefill;
   ParallelFlags parallel;
   bool quiet = false;
 };
@@ -42,6 +43,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   EngineOptions eo;
   eo.max_num_seqs = cfg.scheduler.max_num_seqs;
   eo.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
+  eo.enable_chunked_prefill = cfg.scheduler.enable_chunked_prefill;
   eo.max_waiting = cfg.scheduler.max_waiting;
   eo.max_model_len = cfg.model.max_model_len;
   eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
@@ -102,6 +104,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.block_size) c.cache.block_size = *a.block_size;
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
+  if (a.enable_chunked_prefill) c.scheduler.enable_chunked_prefill = *a.enable_chunked_prefill;
   if (a.max_waiting) c.scheduler.max_waiting = *a.max_waiting;
   if (a.default_policy) c.default_policy = *a.default_policy;
   for (auto& i : config::validate(c)) {
@@ -269,6 +272,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
   cmd->add_option("--max-num-seqs", a->max_num_seqs, "sequences decoding at once");
   cmd->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "prompt tokens prefilled per step");
+  // A function, not an optional<bool> target: CLI11 would set that to false when the flag is absent,
+  // overriding the YAML.
+  cmd->add_flag_function(
+      "--enable-chunked-prefill,!--no-enable-chunked-prefill", [a](int64_t n) { a->enable_chunked_prefill = n > 0; },
+      "prefill prompts longer than --max-num-batched-tokens over several steps while others decode");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");

@@ -221,6 +221,20 @@ class Parser {
     };
   }
 
+  Handler bool_of(bool& out) {
+    return [this, &out](const YAML::Node& n, const std::string& path) {
+      if (!scalar(n, path, "true or false")) return;
+      const std::string& s = n.Scalar();
+      if (s == "true") {
+        out = true;
+      } else if (s == "false") {
+        out = false;
+      } else {
+        error(n, path, "expected true or false, got " + describe(n));
+      }
+    };
+  }
+
   Handler number_of(double& out, double lo, double hi) {
     return [this, &out, lo, hi](const YAML::Node& n, const std::string& path) {
       if (!scalar(n, path, "a number")) return;
@@ -513,6 +527,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                      p.parse_map(n, path,
                                  {{"max_num_seqs", p.int_of(s.max_num_seqs, 1, 1 << 20)},
                                   {"max_num_batched_tokens", p.int_of(s.max_num_batched_tokens, 1, int64_t{1} << 40)},
+                                  {"enable_chunked_prefill", p.bool_of(s.enable_chunked_prefill)},
                                   {"max_waiting", p.int_of(s.max_waiting, 0, int64_t{1} << 30)}});
                    })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {

@@ -7,7 +7,7 @@
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
 //               retry_after_s, threads, drain_timeout_s}
 //   cache:     {block_size, kv_cache_bytes}
-//   scheduler: {max_num_seqs, max_num_batched_tokens, max_waiting}
+//   scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting}
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
@@ -59,6 +59,10 @@ struct CacheSection {
 struct SchedulerSection {
   int64_t max_num_seqs = 32;
   int64_t max_num_batched_tokens = 8192;
+  // Prompts longer than a step's max_num_batched_tokens are prefilled over several steps while the
+  // running requests decode. Off by default: chunked logits differ from whole-prompt ones in the
+  // last bits (fp32 summation order), so greedy outputs may differ on near ties.
+  bool enable_chunked_prefill = false;
   int64_t max_waiting = 256;
 };
 

@@ -79,6 +79,9 @@ struct ShardCommand {
     for (const auto& s : p.start) put(s.seq_id), put(static_cast<int64_t>(s.seed)), put(s.eos_ids), put(s.prompt), put(s.sampling);
     put(p.decode.seq_ids), put(p.decode.positions), put(p.decode_tokens), put(p.decode_ban_eos);
     put(static_cast<int64_t>(p.prefill.size()));
+    for (const auto& w : p.prefill) {
+      KV_CHECK(!w.chunked(), "internal: a sharded job prefills whole prompts (chunked prefill is local only)");
+    }
     for (const auto& w : p.prefill)
       put(w.seq_id), put(w.policy), put(w.tokens), put(static_cast<int64_t>(w.sample)), put(static_cast<int64_t>(w.ban_eos));
   }

@@ -26,6 +26,7 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
   if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes) out.push_back("cache");
   if (a.scheduler.max_num_seqs != b.scheduler.max_num_seqs ||
       a.scheduler.max_num_batched_tokens != b.scheduler.max_num_batched_tokens ||
+      a.scheduler.enable_chunked_prefill != b.scheduler.enable_chunked_prefill ||
       a.scheduler.max_waiting != b.scheduler.max_waiting)
     out.push_back("scheduler");
   if (config::engine_policies(a) != config::engine_policies(b)) out.push_back("policies");

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <tuple>
 
 #include "backend/model_runner.h"
 #include "backend/scheduler.h"
@@ -27,8 +28,9 @@ class FakeRunner final : public ModelRunner {
   StepResult execute(const StepPlan& plan) override {
     plans.push_back(plan);
     for (int64_t id : plan.release) {
-      EXPECT_TRUE(len_.count(id)) << "released sequence " << id << " holds nothing";
+      EXPECT_TRUE(len_.count(id) || failed_.count(id)) << "released sequence " << id << " holds nothing";
       len_.erase(id);
+      failed_.erase(id);
     }
     for (int64_t id : plan.remove) EXPECT_EQ(samplers_.erase(id), 1u) << "no sampler for " << id;
     for (const auto& s : plan.start) EXPECT_TRUE(samplers_.insert(s.seq_id).second) << "sampler twice " << s.seq_id;
@@ -47,11 +49,25 @@ class FakeRunner final : public ModelRunner {
       r.decoded.push_back(t);
     }
     for (const auto& p : plan.prefill) {
-      EXPECT_FALSE(len_.count(p.seq_id)) << "prefill of a sequence that holds KV";
-      const int64_t n = static_cast<int64_t>(p.tokens.size());
-      auto k = keep_.find(p.policy);
-      len_[p.seq_id] = k == keep_.end() ? n : std::min(n, k->second);
+      // A chunk continues where the sequence's last one ended; a first chunk starts from nothing.
+      if (p.start == 0) {
+        EXPECT_FALSE(len_.count(p.seq_id)) << "prefill of a sequence that holds KV";
+      } else {
+        EXPECT_EQ(len_.count(p.seq_id) ? len_.at(p.seq_id) : -1, p.start) << "chunk of sequence " << p.seq_id;
+      }
+      EXPECT_TRUE(!p.sample || p.last_chunk()) << "a chunk before the last samples";
       PrefillOutcome o;
+      if (p.seq_id == fail_prefill_of) {  // as LocalRunner: the failed chunk frees its earlier ones
+        len_.erase(p.seq_id);
+        failed_.insert(p.seq_id);
+        o.error = "injected prefill failure";
+        r.prefilled.push_back(o);
+        continue;
+      }
+      const int64_t n = p.start + static_cast<int64_t>(p.tokens.size());
+      auto k = keep_.find(p.policy);
+      // A compressing policy holds every position until the last chunk selects.
+      len_[p.seq_id] = k == keep_.end() || !p.last_chunk() ? n : std::min(n, k->second);
       if (p.sample) o.first = SampledToken{n + 1000, {}, {}};
       o.kept_tokens = len_[p.seq_id] * kLayers;
       r.prefilled.push_back(o);
@@ -64,7 +80,10 @@ class FakeRunner final : public ModelRunner {
       u.blocks_high_water = u.blocks_used;
       if (u.blocks_used > total) overflow = true;
       for (int64_t id : plan.decode.seq_ids) u.held.push_back(held(len_.at(id))), u.demand.push_back(demand(len_.at(id)));
-      for (const auto& p : plan.prefill) u.held.push_back(held(len_.at(p.seq_id))), u.demand.push_back(demand(len_.at(p.seq_id)));
+      for (const auto& p : plan.prefill) {
+        const int64_t len = len_.count(p.seq_id) ? len_.at(p.seq_id) : 0;
+        u.held.push_back(held(len)), u.demand.push_back(len_.count(p.seq_id) ? demand(len) : 0);
+      }
       r.shards.push_back(u);
     }
     return r;
@@ -75,25 +94,35 @@ class FakeRunner final : public ModelRunner {
   std::vector<StepPlan> plans;
   bool overflow = false;       // the scheduler admitted more than a pool holds
   int64_t fail_decode_of = -1;  // a decode step containing this sequence fails
+  int64_t fail_prefill_of = -1;  // this sequence's next prefill (or chunk) fails
+  int64_t used() const {
+    int64_t n = 0;
+    for (auto& [id, len] : len_) n += held(len);
+    return n;
+  }
+  bool holds(int64_t id) const { return len_.count(id) != 0; }
 
  private:
   std::vector<int64_t> totals_;
   std::map<std::string, int64_t> keep_;
   std::map<int64_t, int64_t> len_;
+  std::set<int64_t> failed_;  // freed by a failed prefill, released by the scheduler later
   std::set<int64_t> samplers_;
 };
 
 std::map<std::string, PolicyConfig> policies() {
-  return resolve_policies({{"stream8", {{"name", "streamingllm"}, {"budget", "8"}, {"sink", "4"}}}});
+  return resolve_policies({{"stream8", {{"name", "streamingllm"}, {"budget", "8"}, {"sink", "4"}}},
+                           {"h2o8", {{"name", "h2o"}, {"budget", "8"}, {"window", "2"}}}});
 }
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void make(std::vector<int64_t> shard_blocks, int64_t max_seqs = 8, int64_t max_tokens = 8192) {
-    runner = std::make_unique<FakeRunner>(std::move(shard_blocks), std::map<std::string, int64_t>{{"stream8", 8}});
+  void make(std::vector<int64_t> shard_blocks, int64_t max_seqs = 8, int64_t max_tokens = 8192, bool chunked = false) {
+    runner = std::make_unique<FakeRunner>(std::move(shard_blocks), std::map<std::string, int64_t>{{"stream8", 8}, {"h2o8", 8}});
     Scheduler::Options o;
     o.max_num_seqs = max_seqs;
     o.max_num_batched_tokens = max_tokens;
+    o.enable_chunked_prefill = chunked;
     o.policies = policies();
     sched = std::make_unique<Scheduler>(std::move(o));
     sched->update(StepPlan{}, runner->execute(StepPlan{}));
@@ -275,6 +304,151 @@ TEST_F(SchedulerTest, AFailedDecodeRecomputesItsBatchAndOnlyTheFailingSequenceFa
   EXPECT_EQ(p.release, (std::vector<int64_t>{2}));
   EXPECT_EQ(p.remove, (std::vector<int64_t>{2}));
   EXPECT_EQ(step().decode.seq_ids, (std::vector<int64_t>{1, 3}));  // the survivors batch again
+}
+
+// --- chunked prefill ---------------------------------------------------------------------------
+
+// (start, size, samples) of each prefill of a plan.
+std::vector<std::tuple<int64_t, int64_t, int64_t, bool>> chunks(const StepPlan& p) {
+  std::vector<std::tuple<int64_t, int64_t, int64_t, bool>> out;
+  for (const auto& w : p.prefill) out.emplace_back(w.seq_id, w.start, static_cast<int64_t>(w.tokens.size()), w.sample);
+  return out;
+}
+using Chunks = std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>;
+
+TEST_F(SchedulerTest, ChunkedPrefillSplitsALongPromptWhileTheOthersDecodeEveryStep) {
+  make({1000}, 8, /*max_tokens=*/10, /*chunked=*/true);
+  add(1, 4), add(2, 4);
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 4, true}, {2, 0, 4, true}}));
+  Sequence* s3 = add(3, 25);
+  StepPlan p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(chunks(p), (Chunks{{3, 0, 10, false}}));
+  EXPECT_EQ(p.prefill[0].prompt_len, 25);
+  EXPECT_EQ(p.start.size(), 1u);  // the sampler comes with the first chunk
+  EXPECT_TRUE(s3->output.empty());
+  p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(chunks(p), (Chunks{{3, 10, 10, false}}));
+  EXPECT_TRUE(p.start.empty());
+  p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(chunks(p), (Chunks{{3, 20, 5, true}}));  // only the last chunk samples
+  EXPECT_EQ(s3->output, (std::vector<int64_t>{1025}));
+  EXPECT_EQ(s3->full_kv, 25 * kLayers);
+  p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(p.decode.positions.back(), 25);
+  EXPECT_TRUE(p.prefill.empty());
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, ChunksShareTheStepBudgetInAdmissionOrder) {
+  make({1000}, 8, /*max_tokens=*/10, /*chunked=*/true);
+  add(1, 14), add(2, 14), add(3, 3);
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 10, false}}));
+  // 1 goes on first; 2 gets a first chunk from what is left; 3 waits behind it (FCFS).
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 10, 4, true}, {2, 0, 6, false}}));
+  StepPlan p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1}));
+  EXPECT_EQ(chunks(p), (Chunks{{2, 6, 8, true}, {3, 0, 2, false}}));
+  p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(chunks(p), (Chunks{{3, 2, 1, true}}));
+}
+
+TEST_F(SchedulerTest, WithoutChunkingALongPromptRunsWholeInOneStep) {
+  make({1000}, 8, /*max_tokens=*/10);
+  add(1, 25);
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 25, true}}));
+}
+
+TEST_F(SchedulerTest, H2oPromptsArePrefilledWhole) {
+  make({1000}, 8, /*max_tokens=*/10, /*chunked=*/true);
+  add(1, 25, 100, "h2o8"), add(2, 25, 100, "stream8");
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 25, true}}));  // alone, as without chunking
+  EXPECT_EQ(chunks(step()), (Chunks{{2, 0, 10, false}}));
+}
+
+TEST_F(SchedulerTest, AChunkedCompressedPromptReservesItsUncompressedSizeUntilItsLastChunk) {
+  // stream8, 30 tokens: 2 * ceil(9 / 4) = 6 blocks whole, 2 * ceil(31 / 4) = 16 chunked. A full
+  // 8-token prompt needs 6. After the first chunk (20 tokens, 10 blocks held) the first prompt still
+  // reserves 6 more, so the second fits beside it only in a pool of 22.
+  for (int64_t pool : {21, 22}) {
+    make({pool}, 8, /*max_tokens=*/20, /*chunked=*/true);
+    add(1, 30, 100, "stream8"), add(2, 8);
+    EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 20, false}})) << pool;
+    StepPlan p = step();
+    if (pool == 21) {
+      EXPECT_EQ(chunks(p), (Chunks{{1, 20, 10, true}}));
+      EXPECT_EQ(chunks(step()), (Chunks{{2, 0, 8, true}}));  // once 1 is compacted to 8 tokens
+    } else {
+      EXPECT_EQ(chunks(p), (Chunks{{1, 20, 10, true}, {2, 0, 8, true}}));
+    }
+    EXPECT_FALSE(runner->overflow) << pool;
+  }
+  // A pool that cannot hold the uncompressed prompt prefills it whole, at its compressed size.
+  make({15}, 8, /*max_tokens=*/20, /*chunked=*/true);
+  add(1, 30, 100, "stream8");
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 30, true}}));
+}
+
+TEST_F(SchedulerTest, PreemptionMidPromptFreesItsChunksAndStartsItOver) {
+  // 1 (7 tokens, 4 blocks) decodes; 2 (24 tokens) reserves 2 * ceil(25 / 4) = 14 of the 18 blocks.
+  // When 1's next token needs a fresh block per layer, 2 (admitted last) is preempted mid-prompt.
+  make({18}, 8, /*max_tokens=*/8, /*chunked=*/true);
+  add(1, 7, 5);
+  step();
+  add(2, 24);
+  EXPECT_EQ(chunks(step()), (Chunks{{2, 0, 8, false}}));
+  StepPlan p = step();
+  EXPECT_EQ(sched->preemptions(), 1);
+  EXPECT_EQ(p.release, (std::vector<int64_t>{2}));
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1}));
+  EXPECT_FALSE(runner->holds(2));
+  EXPECT_FALSE(runner->overflow);
+  // It comes back from its first token, unsampled chunks included, and samples at its last chunk.
+  bool restarted = false, sampled = false;
+  for (int i = 0; i < 60 && !sampled; ++i) {
+    p = step();
+    for (const auto& w : p.prefill) {
+      if (w.seq_id != 2) continue;
+      restarted = restarted || w.start == 0;
+      sampled = w.sample;
+      EXPECT_EQ(w.prompt_len, 24);
+    }
+  }
+  EXPECT_TRUE(restarted && sampled);
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, CancellingMidPromptFreesTheStagedChunks) {
+  make({1000}, 8, /*max_tokens=*/8, /*chunked=*/true);
+  add(1, 30);
+  step();
+  EXPECT_TRUE(runner->holds(1));
+  auto taken = sched->take_if([](const Sequence& s) { return s.id == 1; });
+  ASSERT_EQ(taken.size(), 1u);
+  StepPlan p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
+  EXPECT_EQ(p.remove, (std::vector<int64_t>{1}));
+  EXPECT_TRUE(p.prefill.empty());
+  EXPECT_EQ(runner->used(), 0);
+}
+
+TEST_F(SchedulerTest, AFailedChunkFailsOnlyItsRequest) {
+  make({1000}, 8, /*max_tokens=*/8, /*chunked=*/true);
+  add(1, 4), add(2, 20);
+  step();  // 1 whole, 2's first chunk [0, 4)
+  runner->fail_prefill_of = 2;
+  StepPlan p = step();
+  EXPECT_EQ(chunks(p), (Chunks{{2, 4, 8, false}}));
+  EXPECT_EQ(errors, (std::vector<int64_t>{2}));
+  p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{2}));
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1}));
+  EXPECT_FALSE(runner->holds(2));
+  EXPECT_EQ(sched->num_running(), 1);
 }
 
 }  // namespace

@@ -189,11 +189,19 @@ const BadCase kBadCases[] = {
     {"unknown_default_policy", "policies:\n  a: {method: full}\ndefault_policy: pyramid\n", 3, "default_policy",
      "not a defined policy"},
     {"scheduler_key", "scheduler:\n  max_num_seqs: 4\n  max_seqs: 3\n", 3, "scheduler.max_seqs", "max_num_seqs"},
+    {"chunked_prefill_not_bool", "scheduler:\n  enable_chunked_prefill: yes\n", 2, "scheduler.enable_chunked_prefill",
+     "expected true or false"},
     {"host_null", "server:\n  host:\n", 2, "server.host", "expected a string"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kBadCases),
                          [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
+
+TEST(ServerConfig, ChunkedPrefillIsOffUnlessEnabled) {
+  EXPECT_FALSE(parse_server_config("model:\n  path: m\n", "a.yaml").scheduler.enable_chunked_prefill);
+  EXPECT_TRUE(parse_server_config("model:\n  path: m\nscheduler:\n  enable_chunked_prefill: true\n", "b.yaml")
+                  .scheduler.enable_chunked_prefill);
+}
 
 TEST(ServerConfig, ReportsEveryProblem) {
   try {
