@@ -35,6 +35,9 @@ struct LoadOptions {
   std::string device;
   std::string dtype;  // empty = device default
   bool progress;
+  // Storage dtype of the KV cache built from kv_layout(): "" or "auto" = the compute dtype; on CPU
+  // float16 / bfloat16 under fp32 compute halve the cache (CUDA takes only the compute dtype).
+  std::string kv_cache_dtype;
   // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
   // tensor-parallel group whose members hold the other slices.
   ShardLayout layout;
@@ -50,7 +53,8 @@ class LlamaModel {
   const std::string& model_dir() const { return model_dir_; }
   torch::Device device() const { return device_; }
   torch::Dtype dtype() const { return dtype_; }
-  int64_t kv_bytes_per_token() const;  // all layers, K and V
+  torch::Dtype kv_dtype() const { return kv_dtype_; }  // the KV cache's storage dtype
+  int64_t kv_bytes_per_token() const;  // all layers, K and V, in kv_dtype()
 
   const ShardLayout& layout() const { return layout_; }
   // This shard's KV shape, for make_kv_memory.
@@ -110,6 +114,7 @@ class LlamaModel {
   std::string model_dir_;
   torch::Device device_{torch::kCPU};
   torch::Dtype dtype_ = torch::kFloat32;
+  torch::Dtype kv_dtype_ = torch::kFloat32;
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;

@@ -14,9 +14,11 @@
 
 #include <ATen/Parallel.h>
 
+#include "backend/checkpoint.h"
 #include "backend/llama_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
 
@@ -25,7 +27,7 @@ namespace kvserve::cli {
 namespace {
 
 struct BenchDecodeArgs {
-  std::string model, device = "cpu", dtype;
+  std::string model, device = "cpu", dtype, kv_cache_dtype = "auto";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
@@ -51,7 +53,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         << c.max_position_embeddings);
   const PolicyConfig& cfg = policies.at(policy_name);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(model.dtype()));
-  const int64_t token_layer_bytes = 2 * KV * D * elem;
+  const int64_t token_layer_bytes = 2 * KV * D * static_cast<int64_t>(c10::elementSize(model.kv_dtype()));
 
   // Pool: every sequence's peak per-layer size (DynamicKV: its candidates) plus the decoded tokens.
   std::vector<int64_t> peak(L, context);
@@ -122,6 +124,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         {"steps", a.steps},
                         {"warmup", a.warmup},
                         {"threads", at::get_num_threads()},
+                        {"kv_cache_dtype", dtype_name(model.kv_dtype())},
                         {"fill_s", fill_s},
                         {"step_s_median", median},
                         {"step_s_mean", mean},
@@ -175,10 +178,13 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_flag("--profile", a->profile, "time each stage of the decode step (CPU; adds profile_ms_per_step)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   a->policy.add_to(cmd);
   cmd->callback([a] {
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
-    auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, false});
+    LoadOptions load{a->device, a->dtype, false};
+    load.kv_cache_dtype = a->kv_cache_dtype;
+    auto model = LlamaModel::load(a->model, load);
     const auto specs = a->policy.specs();
     const std::string name = PolicyFlags::selected(specs);
     const auto policies = resolve_policies(specs);

@@ -10,6 +10,7 @@
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -20,6 +21,7 @@ namespace kvserve::cli {
 namespace {
 struct ForwardArgs {
   std::string model, input_ids, output, device = "cpu", dtype, dump_kept;
+  std::string kv_cache_dtype = "auto";
   PolicyFlags policy;
   ParallelFlags parallel;
 };
@@ -99,6 +101,7 @@ void add_forward_command(CLI::App& app) {
   cmd->add_option("--output", args->output, "output .safetensors file (tensor 'logits' [seq, vocab] fp32)")->required();
   cmd->add_option("--device", args->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", args->dtype, "compute dtype: float32, bfloat16, float16");
+  add_kv_cache_dtype_option(cmd, args->kv_cache_dtype);
   args->policy.add_to(cmd);
   cmd->add_option("--dump-kept", args->dump_kept,
                   "write the per-layer budgets and kept positions per KV head as JSON to this file");
@@ -108,6 +111,7 @@ void add_forward_command(CLI::App& app) {
     LoadOptions load;
     load.device = args->device;
     load.dtype = args->dtype;
+    load.kv_cache_dtype = args->kv_cache_dtype;
     // Every rank of a sharded job runs this same command on the same prompt (SPMD).
     auto job = ParallelJob::start(args->parallel.apply(), args->model, load);
     auto model = job->model();

@@ -11,6 +11,7 @@
 #include "backend/llama_model.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -32,6 +33,7 @@ struct GenerateArgs {
   std::vector<std::string> stop;
   bool json = false, ignore_eos = false, stream = false;
   std::string kv_cache = "1GiB";
+  std::string kv_cache_dtype = "auto";
 };
 
 }  // namespace
@@ -57,6 +59,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
@@ -67,6 +70,7 @@ void add_generate_command(CLI::App& app) {
     LoadOptions load;
     load.device = a->device;
     load.dtype = a->dtype;
+    load.kv_cache_dtype = a->kv_cache_dtype;
     load.progress = !a->json;
     auto job = ParallelJob::start(a->parallel.apply(), a->model, load);
     auto model = job->model();

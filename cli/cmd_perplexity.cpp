@@ -10,6 +10,7 @@
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
 
@@ -17,7 +18,7 @@ namespace kvserve::cli {
 
 namespace {
 struct PerplexityArgs {
-  std::string model, input_ids, device = "cpu", dtype;
+  std::string model, input_ids, device = "cpu", dtype, kv_cache_dtype = "auto";
   PolicyFlags policy;
   int64_t prefill = 1;
   bool per_token = false;
@@ -63,11 +64,14 @@ void add_perplexity_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_flag("--per-token", a->per_token, "also print every scored token's NLL per document");
   a->policy.add_to(cmd);
   cmd->callback([a] {
     const auto docs = read_docs(a->input_ids);
-    auto model = LlamaModel::load(a->model, LoadOptions{a->device, a->dtype, false});
+    LoadOptions load{a->device, a->dtype, false};
+    load.kv_cache_dtype = a->kv_cache_dtype;
+    auto model = LlamaModel::load(a->model, load);
     const auto& c = model->config();
     KvPoolSize size;
     int64_t blocks = 0;
