@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -153,7 +154,7 @@ constexpr int64_t kPrefetchDist = 1;
 
 template <int kD, int kG, typename E>
 void attend_chunk(const Shapes& s, const float* q, float qscale, const void* pool_raw, const int32_t* table_row,
-                  int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc) {
+                  int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc, float* kbuf) {
   using T = typename E::Elem;
   const T* pool = static_cast<const T*>(pool_raw);
   const int64_t D = kD ? kD : s.D;
@@ -188,6 +189,15 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
       }
     }
 
+    // A 16-bit K tile is widened once into kbuf (L1), not once per query head of the group.
+    const float* Kf;
+    if constexpr (std::is_same_v<T, float>) {
+      Kf = K;
+    } else {
+      for (int64_t i = 0; i < ntiles * 8 * D; i += 8) _mm256_storeu_ps(kbuf + i, E::load8(K + i));
+      Kf = kbuf;
+    }
+
     // Scores (already in log2 units): each K row is read from memory once, then from L1 for the other heads.
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
@@ -197,7 +207,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
         for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 qv = _mm256_loadu_ps(qg + d);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, E::load8(K + (t0 + i) * D + d), a[i]);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(Kf + (t0 + i) * D + d), a[i]);
         }
         __m256 sv = hsum8(a);
         if (t0 + 8 > n) {  // slots past the length hold stale data: mask them out
@@ -272,7 +282,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
 }
 
 using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const int32_t*, int64_t, const WorkItem&,
-                         float*, float*, float*, float*, float*);
+                         float*, float*, float*, float*, float*, float*);
 
 template <int kD, typename E>
 ChunkFn select_for_d(int64_t G) {
@@ -363,12 +373,12 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   // Waking the other threads costs tens of microseconds: small caches (a compressed layer) run here.
   const int64_t workers = total_blocks < kMinParallelBlocks ? 1 : std::min(nthreads, std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qs(G * D), sc(G * s.bs);
+    std::vector<float> qs(G * D), sc(G * s.bs), kbuf(s.bs * D);
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const int64_t i = order[k];
       const WorkItem& w = items[i];
       fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, lens[w.b], w, part_acc.data() + i * G * D,
-         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data());
+         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data(), kbuf.data());
     }
   });
 
