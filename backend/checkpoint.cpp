@@ -36,6 +36,24 @@ torch::Dtype dtype_from_name(const std::string& n) {
   KV_FAIL("unknown dtype '" << n << "' (use float32, bfloat16 or float16)");
 }
 
+torch::Dtype kv_cache_dtype_from_name(const std::string& n, torch::Dtype compute) {
+  if (n.empty() || n == "auto") return compute;
+  try {
+    return dtype_from_name(n);
+  } catch (const KvError&) {
+    KV_FAIL("unknown KV cache dtype '" << n << "' (use auto, float32, bfloat16 or float16)");
+  }
+}
+
+std::string dtype_name(torch::Dtype t) {
+  switch (t) {
+    case torch::kFloat32: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    default: return c10::toString(t);
+  }
+}
+
 Checkpoint::Checkpoint(const std::string& model_dir) : dir_(model_dir) {
   const fs::path dir(model_dir);
   const fs::path single = dir / "model.safetensors";

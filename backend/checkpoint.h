@@ -42,5 +42,8 @@ class Checkpoint {
 };
 
 torch::Dtype dtype_from_name(const std::string& name);  // "float32"/"fp32"/"bfloat16"/"bf16"/"float16"/"fp16"
+// The KV cache's storage dtype: "" or "auto" = `compute` (the model's dtype), else as dtype_from_name.
+torch::Dtype kv_cache_dtype_from_name(const std::string& name, torch::Dtype compute);
+std::string dtype_name(torch::Dtype dtype);  // "float32", "bfloat16", "float16" (others: torch's name)
 
 }  // namespace kvserve

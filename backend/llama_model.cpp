@@ -27,6 +27,13 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
   m->gemm_ = opt.cpu_gemm;
+
+  m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
+  // The CUDA decode kernels read K/V in q's dtype; a narrower CUDA cache would need them to widen.
+  KV_CHECK(!m->device_.is_cuda() || m->kv_dtype_ == m->dtype_,
+           "KV cache dtype " << dtype_name(m->kv_dtype_) << " differs from the compute dtype " << dtype_name(m->dtype_)
+                             << " on " << opt.device << ": CUDA pools take only the compute dtype (use kv_cache_dtype "
+                             << "auto, or set the model dtype to " << dtype_name(m->kv_dtype_) << ")");
   m->layout_ = opt.layout.num_layers_total > 0 ? opt.layout : make_shard_layout(model_shape(c), 1, 0, 1, 0);
   const ShardLayout& s = m->layout_;
   KV_CHECK(s.num_layers_total == c.num_hidden_layers, model_dir << ": shard layout is for " << s.num_layers_total
@@ -103,7 +110,7 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
 }
 
 int64_t LlamaModel::kv_bytes_per_token() const {
-  return 2 * layout_.num_layers() * layout_.kv_heads * config_.head_dim * static_cast<int64_t>(c10::elementSize(dtype_));
+  return 2 * layout_.num_layers() * layout_.kv_heads * config_.head_dim * static_cast<int64_t>(c10::elementSize(kv_dtype_));
 }
 
 KvMemoryLayout LlamaModel::kv_layout() const {
@@ -113,7 +120,7 @@ KvMemoryLayout LlamaModel::kv_layout() const {
   l.total_layers = config_.num_hidden_layers;
   l.num_kv_heads = layout_.kv_heads;
   l.head_dim = config_.head_dim;
-  l.dtype = dtype_;
+  l.dtype = kv_dtype_;
   l.device = device_;
   return l;
 }

@@ -43,6 +43,10 @@ struct LoadOptions {
   std::string dtype;  // empty = device default
   bool progress;
   CpuGemm cpu_gemm = CpuGemm::kMkl;  // prefill-sized fp32 CPU products
+
+  // Storage dtype of the KV cache built from kv_layout(): "" or "auto" = the compute dtype; on CPU
+  // float16 / bfloat16 under fp32 compute halve the cache (CUDA takes only the compute dtype).
+  std::string kv_cache_dtype;
   // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
   // tensor-parallel group whose members hold the other slices.
   ShardLayout layout;
@@ -58,7 +62,8 @@ class LlamaModel {
   const std::string& model_dir() const { return model_dir_; }
   torch::Device device() const { return device_; }
   torch::Dtype dtype() const { return dtype_; }
-  int64_t kv_bytes_per_token() const;  // all layers, K and V
+  torch::Dtype kv_dtype() const { return kv_dtype_; }  // the KV cache's storage dtype
+  int64_t kv_bytes_per_token() const;  // all layers, K and V, in kv_dtype()
 
   const ShardLayout& layout() const { return layout_; }
   // This shard's KV shape, for make_kv_memory.
@@ -126,6 +131,8 @@ class LlamaModel {
   torch::Device device_{torch::kCPU};
   torch::Dtype dtype_ = torch::kFloat32;
   CpuGemm gemm_ = CpuGemm::kMkl;
+
+  torch::Dtype kv_dtype_ = torch::kFloat32;
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;

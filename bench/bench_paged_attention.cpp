@@ -1,4 +1,5 @@
-// Decode attention for one layer: paged AVX2 kernel vs libtorch on pre-gathered contiguous KV.
+// Decode attention for one layer: paged AVX2 kernel (fp32, fp16 and bf16 pools) vs libtorch on
+// pre-gathered contiguous KV.
 // Reports bytes of KV read per step and GB/s, to compare with the ~30 GB/s floor of docs/benchmarks.md (2 threads).
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
@@ -17,10 +18,11 @@ constexpr int64_t kB = 8, kKV = 4, kG = 3, kD = 64;
 // A cache with kB sequences of `ctx` tokens in one layer, blocks interleaved between sequences as
 // they would be after decoding them together.
 struct Setup {
-  explicit Setup(int64_t ctx) {
+  Setup(int64_t ctx, torch::ScalarType dtype) {
     kvserve::KvPoolOptions o;
     o.num_kv_heads = kKV;
     o.head_dim = kD;
+    o.dtype = dtype;
     o.num_blocks = kB * ((ctx + 15) / 16) + 8;
     cache = std::make_unique<kvserve::PagedKvCache>(1, o);
     std::vector<int64_t> pos(kB, 0);
@@ -42,7 +44,7 @@ struct Setup {
     }
     k_all = torch::stack(ks);  // [B, KV, S, D]
     v_all = torch::stack(vs);
-    bytes = 2 * kB * kKV * ctx * kD * 4;
+    bytes = 2 * kB * kKV * ctx * kD * static_cast<int64_t>(c10::elementSize(dtype));
   }
   std::unique_ptr<kvserve::PagedKvCache> cache;
   std::vector<int64_t> ids;
@@ -52,10 +54,15 @@ struct Setup {
   int64_t bytes = 0;
 };
 
-Setup& setup_for(int64_t ctx) {
-  static std::map<int64_t, std::unique_ptr<Setup>> cache;
-  auto& s = cache[ctx];
-  if (!s) s = std::make_unique<Setup>(ctx);
+// Pool dtype by benchmark argument: 0 fp32, 1 fp16, 2 bf16 (the KV cache dtype).
+torch::ScalarType pool_dtype(int64_t code) {
+  return code == 1 ? torch::kFloat16 : code == 2 ? torch::kBFloat16 : torch::kFloat32;
+}
+
+Setup& setup_for(int64_t ctx, int64_t dtype_code = 0) {
+  static std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Setup>> cache;
+  auto& s = cache[{ctx, dtype_code}];
+  if (!s) s = std::make_unique<Setup>(ctx, pool_dtype(dtype_code));
   return *s;
 }
 
@@ -65,7 +72,7 @@ void report(benchmark::State& state, int64_t bytes) {
 }
 
 void BM_PagedKernel(benchmark::State& state) {
-  Setup& s = setup_for(state.range(0));
+  Setup& s = setup_for(state.range(0), state.range(1));
   for (auto _ : state) {
     auto t = s.cache->decode_tables(0, s.ids);  // included: the per-step table build
     benchmark::DoNotOptimize(kvserve::paged_attention(s.q, s.cache->pool().storage(), t.block_table, t.lengths));
@@ -94,7 +101,11 @@ void BM_ContiguousLibtorch(benchmark::State& state) {
   report(state, s.bytes);
 }
 
-BENCHMARK(BM_PagedKernel)->Arg(512)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond)->MinTime(1.0);
+BENCHMARK(BM_PagedKernel)
+    ->ArgNames({"ctx", "kv_dtype"})
+    ->ArgsProduct({{512, 4096, 16384}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0);
 BENCHMARK(BM_PagedGatherLibtorch)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond)->MinTime(1.0);
 BENCHMARK(BM_ContiguousLibtorch)->Arg(512)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond)->MinTime(1.0);
 

@@ -5,12 +5,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVSERVE_PAGED_AVX2 1
+#endif
+#if defined(KVSERVE_PAGED_AVX2) && defined(__F16C__)
+#define KVSERVE_PAGED_F16C 1
 #endif
 
 #include "common/check.h"
@@ -107,6 +112,28 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(lo, hi);
 }
 
+// How the kernel reads 8 consecutive K/V elements of a pool of each storage dtype as fp32 lanes.
+// 16-bit pools are widened in registers: every byte still comes from memory once, and everything
+// after the load (scores, softmax, the V sums) runs in fp32 as for an fp32 pool.
+struct F32Elems {
+  using Elem = float;
+  static __m256 load8(const Elem* p) { return _mm256_loadu_ps(p); }
+};
+struct Bf16Elems {
+  using Elem = uint16_t;
+  // bf16 is the top half of an fp32: widen to 32 bits and shift into place (exact).
+  static __m256 load8(const Elem* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+};
+#ifdef KVSERVE_PAGED_F16C
+struct F16Elems {
+  using Elem = uint16_t;
+  static __m256 load8(const Elem* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+#endif
+
 // A slice of one (sequence, KV head)'s blocks; long contexts are split so that all threads stay busy.
 struct WorkItem {
   int32_t b, kvh, blk_begin, blk_end;
@@ -125,9 +152,11 @@ constexpr int register_chunks(int d, int g) {
 // Blocks ahead to prefetch (1 measured best of 1, 2, 4 on the 2-core box).
 constexpr int64_t kPrefetchDist = 1;
 
-template <int kD, int kG>
-void attend_chunk(const Shapes& s, const float* q, float qscale, const float* pool, const int32_t* table_row,
-                  int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc) {
+template <int kD, int kG, typename E>
+void attend_chunk(const Shapes& s, const float* q, float qscale, const void* pool_raw, const int32_t* table_row,
+                  int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc, float* kbuf) {
+  using T = typename E::Elem;
+  const T* pool = static_cast<const T*>(pool_raw);
   const int64_t D = kD ? kD : s.D;
   const int64_t G = kG ? kG : s.G, bs = s.bs;
   const int64_t tile = bs * D;           // one head's K (or V) in one block
@@ -143,8 +172,8 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const float* po
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
 
   for (int64_t blk = w.blk_begin; blk < w.blk_end; ++blk) {
-    const float* K = pool + static_cast<int64_t>(table_row[blk]) * block_stride + w.kvh * tile;
-    const float* V = K + s.KV * tile;
+    const T* K = pool + static_cast<int64_t>(table_row[blk]) * block_stride + w.kvh * tile;
+    const T* V = K + s.KV * tile;
     const int64_t n = std::min<int64_t>(bs, len - blk * bs);
     const int64_t ntiles = (n + 7) / 8;
     if (blk + kPrefetchDist < w.blk_end) {
@@ -152,12 +181,21 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const float* po
       // prefetchers never ramp up: request all of its K and V lines while this block computes.
       const char* nk = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table_row[blk + kPrefetchDist]) * block_stride +
                                                      w.kvh * tile);
-      const char* nv = nk + s.KV * tile * static_cast<int64_t>(sizeof(float));
-      const int64_t tile_bytes = tile * static_cast<int64_t>(sizeof(float));
+      const char* nv = nk + s.KV * tile * static_cast<int64_t>(sizeof(T));
+      const int64_t tile_bytes = tile * static_cast<int64_t>(sizeof(T));
       for (int64_t off = 0; off < tile_bytes; off += 64) {
         _mm_prefetch(nk + off, _MM_HINT_T0);
         _mm_prefetch(nv + off, _MM_HINT_T0);
       }
+    }
+
+    // A 16-bit K tile is widened once into kbuf (L1), not once per query head of the group.
+    const float* Kf;
+    if constexpr (std::is_same_v<T, float>) {
+      Kf = K;
+    } else {
+      for (int64_t i = 0; i < ntiles * 8 * D; i += 8) _mm256_storeu_ps(kbuf + i, E::load8(K + i));
+      Kf = kbuf;
     }
 
     // Scores (already in log2 units): each K row is read from memory once, then from L1 for the other heads.
@@ -169,7 +207,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const float* po
         for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 qv = _mm256_loadu_ps(qg + d);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + (t0 + i) * D + d), a[i]);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(Kf + (t0 + i) * D + d), a[i]);
         }
         __m256 sv = hsum8(a);
         if (t0 + 8 > n) {  // slots past the length hold stale data: mask them out
@@ -216,7 +254,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const float* po
           __m256 p[kG];
           for (int g = 0; g < kG; ++g) p[g] = _mm256_broadcast_ss(sc + g * bs + t);
           for (int c = 0; c < kRC; ++c) {
-            const __m256 vv = _mm256_loadu_ps(V + t * D + d0 + 8 * c);
+            const __m256 vv = E::load8(V + t * D + d0 + 8 * c);
             for (int g = 0; g < kG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], vv, a[g][c]);
           }
         }
@@ -233,36 +271,49 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const float* po
         __m256 a1 = _mm256_setzero_ps();
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), _mm256_loadu_ps(V + t * D + d), a0);
-          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + 1), _mm256_loadu_ps(V + (t + 1) * D + d), a1);
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), E::load8(V + t * D + d), a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + 1), E::load8(V + (t + 1) * D + d), a1);
         }
-        if (t < n) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), _mm256_loadu_ps(V + t * D + d), a0);
+        if (t < n) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), E::load8(V + t * D + d), a0);
         _mm256_storeu_ps(ag, _mm256_add_ps(a0, a1));
       }
     }
   }
 }
 
-using ChunkFn = void (*)(const Shapes&, const float*, float, const float*, const int32_t*, int64_t, const WorkItem&,
-                         float*, float*, float*, float*, float*);
+using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const int32_t*, int64_t, const WorkItem&,
+                         float*, float*, float*, float*, float*, float*);
 
-template <int kD>
+template <int kD, typename E>
 ChunkFn select_for_d(int64_t G) {
   switch (G) {
-    case 1: return &attend_chunk<kD, 1>;
-    case 2: return &attend_chunk<kD, 2>;
-    case 3: return &attend_chunk<kD, 3>;
-    case 4: return &attend_chunk<kD, 4>;
-    case 6: return &attend_chunk<kD, 6>;
-    case 8: return &attend_chunk<kD, 8>;
-    default: return &attend_chunk<kD, 0>;
+    case 1: return &attend_chunk<kD, 1, E>;
+    case 2: return &attend_chunk<kD, 2, E>;
+    case 3: return &attend_chunk<kD, 3, E>;
+    case 4: return &attend_chunk<kD, 4, E>;
+    case 6: return &attend_chunk<kD, 6, E>;
+    case 8: return &attend_chunk<kD, 8, E>;
+    default: return &attend_chunk<kD, 0, E>;
   }
 }
 
-ChunkFn select_kernel(int64_t D, int64_t G) {
-  if (D == 64) return select_for_d<64>(G);
-  if (D == 128) return select_for_d<128>(G);
-  return &attend_chunk<0, 0>;
+template <typename E>
+ChunkFn select_for_elems(int64_t D, int64_t G) {
+  if (D == 64) return select_for_d<64, E>(G);
+  if (D == 128) return select_for_d<128, E>(G);
+  return &attend_chunk<0, 0, E>;
+}
+
+// Null when this build has no kernel for the pool's dtype (fp16 without F16C).
+ChunkFn select_kernel(torch::ScalarType pool_dtype, int64_t D, int64_t G) {
+  switch (pool_dtype) {
+    case torch::kFloat32: return select_for_elems<F32Elems>(D, G);
+    case torch::kBFloat16: return select_for_elems<Bf16Elems>(D, G);
+#ifdef KVSERVE_PAGED_F16C
+    case torch::kFloat16: return select_for_elems<F16Elems>(D, G);
+#endif
+    default: return nullptr;
+  }
 }
 
 // Tokens per split-K chunk are at least this many blocks, so the merge stays negligible.
@@ -270,11 +321,12 @@ constexpr int64_t kMinChunkBlocks = 16;
 // Below this many (block, KV head) tiles in a call, one thread does all of them.
 constexpr int64_t kMinParallelBlocks = 64;
 
-torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, const torch::Tensor& pool,
+// q of any float dtype is read as fp32 (exact) and the result returned in q's dtype.
+torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch::Tensor& q, const torch::Tensor& pool,
                                        const torch::Tensor& table_in, const torch::Tensor& lengths_in, double scale) {
   const torch::Tensor table = table_in.to(torch::kCPU).contiguous();
   const torch::Tensor lengths = lengths_in.to(torch::kCPU).contiguous();
-  const torch::Tensor qc = q.contiguous();
+  const torch::Tensor qc = q.to(torch::kFloat32).contiguous();
   const int32_t* tab = table.data_ptr<int32_t>();
   const int32_t* lens = lengths.data_ptr<int32_t>();
   check_lengths(s, lens);
@@ -313,21 +365,20 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, 
 
   const int64_t G = s.G, D = s.D;
   std::vector<float> part_acc(items.size() * G * D), part_m(items.size() * G), part_l(items.size() * G);
-  const ChunkFn fn = select_kernel(D, G);
   const float qscale = static_cast<float>(scale * 1.4426950408889634);  // fold log2(e): softmax via exp2
   const float* qp = qc.data_ptr<float>();
-  const float* pp = pool.data_ptr<float>();
+  const void* pp = pool.data_ptr();
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   // Waking the other threads costs tens of microseconds: small caches (a compressed layer) run here.
   const int64_t workers = total_blocks < kMinParallelBlocks ? 1 : std::min(nthreads, std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qs(G * D), sc(G * s.bs);
+    std::vector<float> qs(G * D), sc(G * s.bs), kbuf(s.bs * D);
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const int64_t i = order[k];
       const WorkItem& w = items[i];
       fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, lens[w.b], w, part_acc.data() + i * G * D,
-         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data());
+         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data(), kbuf.data());
     }
   });
 
@@ -356,7 +407,7 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, const torch::Tensor& q, 
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
   }
-  return out;
+  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
 }
 #endif  // KVSERVE_PAGED_AVX2
 
@@ -373,9 +424,11 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool,
   const Shapes s = check_args(q, pool, block_table, lengths);
   scale = resolve_scale(scale, s.D);
 #ifdef KVSERVE_PAGED_AVX2
-  if (pool.device().is_cpu() && q.device().is_cpu() && pool.scalar_type() == torch::kFloat32 &&
-      q.scalar_type() == torch::kFloat32 && pool.is_contiguous() && s.D % 8 == 0 && s.bs % 8 == 0) {
-    return paged_attention_cpu_avx2(s, q, pool, block_table, lengths, scale);
+  if (pool.device().is_cpu() && q.device().is_cpu() && q.is_floating_point() && pool.is_contiguous() &&
+      s.D % 8 == 0 && s.bs % 8 == 0) {
+    if (const ChunkFn fn = select_kernel(pool.scalar_type(), s.D, s.G)) {
+      return paged_attention_cpu_avx2(s, fn, q, pool, block_table, lengths, scale);
+    }
   }
 #endif
   return paged_attention_gather(q, pool, block_table, lengths, scale);
@@ -398,14 +451,16 @@ torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor
   const torch::Tensor blocks = pool.index_select(0, idx).view({s.B, s.max_blocks, 2, s.KV, s.bs, s.D});
   const torch::Tensor k = blocks.select(2, 0).permute({0, 2, 1, 3, 4}).reshape({s.B, s.KV, S, s.D});
   const torch::Tensor v = blocks.select(2, 1).permute({0, 2, 1, 3, 4}).reshape({s.B, s.KV, S, s.D});
-  const torch::Tensor qg = q.to(dev, pool.scalar_type()).view({s.B, s.KV, s.G, s.D});
-  torch::Tensor scores = torch::matmul(qg, k.transpose(-1, -2)).to(torch::kFloat32).mul_(scale);  // [B, KV, G, S]
+  // A 16-bit pool under an fp32 q is widened, never q narrowed: the math runs in the wider dtype.
+  const torch::ScalarType ct = torch::promote_types(q.scalar_type(), pool.scalar_type());
+  const torch::Tensor qg = q.to(dev, ct).view({s.B, s.KV, s.G, s.D});
+  torch::Tensor scores = torch::matmul(qg, k.to(ct).transpose(-1, -2)).to(torch::kFloat32).mul_(scale);  // [B, KV, G, S]
   // Stale slots may hold NaN/inf: replace, don't add, so nothing leaks through the mask.
   const torch::Tensor invalid = torch::arange(S, lens.options()).view({1, S}) >= lens.view({s.B, 1});
   scores.masked_fill_(invalid.view({s.B, 1, 1, S}), -std::numeric_limits<float>::infinity());
   torch::Tensor probs = torch::softmax(scores, -1).nan_to_num_(0.0);  // empty rows → 0
-  const torch::Tensor vz = v.masked_fill(invalid.view({s.B, 1, S, 1}), 0);
-  torch::Tensor out = torch::matmul(probs.to(pool.scalar_type()), vz);  // [B, KV, G, D]
+  const torch::Tensor vz = v.to(ct).masked_fill(invalid.view({s.B, 1, S, 1}), 0);
+  torch::Tensor out = torch::matmul(probs.to(ct), vz);  // [B, KV, G, D]
   return out.reshape({s.B, s.H, s.D}).to(q.device(), q.scalar_type());
 }
 

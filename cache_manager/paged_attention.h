@@ -6,20 +6,23 @@ namespace kvserve {
 
 // Shared argument shapes (one layer, one decode step):
 //   q            [B, H, D] (H = KV * G query heads; query head h reads KV head h / G)
-//   pool         [N, 2, KV, block_size, D] (KvBlockPool::storage())
+//   pool         [N, 2, KV, block_size, D] (KvBlockPool::storage()); its dtype (the KV cache dtype)
+//                may differ from q's: a 16-bit pool is widened as it is read, never q narrowed
 //   block_table  int32 [B, max_blocks]: sequence b's blocks in slot order; entries past
 //                ceil(lengths[b] / block_size) are ignored (pad with any valid id, e.g. 0)
 //   lengths      int32 [B]: filled slots per sequence (0 gives a zero output row)
 //   scale        softmax scale; <= 0 means 1/sqrt(D)
 // Returns [B, H, D] in q's dtype. Tables may be on host or on the pool's device.
 
-// Picks the fastest path: the hand-written AVX2 flash-decoding kernel for fp32 CPU pools (every KV block
-// read once for all G query heads of its group, split-K over long contexts, parallel over
-// (sequence, KV head, chunk)); libtorch gather + softmax otherwise (CUDA, bf16/fp16 on CPU).
+// Picks the fastest path: the hand-written AVX2 flash-decoding kernel for CPU pools of fp32, bf16 or
+// fp16 (every KV block read once for all G query heads of its group, 16-bit K/V widened in
+// registers, fp32 accumulation, split-K over long contexts, parallel over (sequence, KV head,
+// chunk)); libtorch gather + softmax otherwise (CUDA, head_dim or block_size not a multiple of 8).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
                               const torch::Tensor& lengths, double scale = -1.0);
 
-// The libtorch-ops path on its own (batched block gather, masked fp32 softmax); device-agnostic.
+// The libtorch-ops path on its own (batched block gather, masked fp32 softmax); device-agnostic. The
+// products run in the wider of q's and the pool's dtype.
 torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
                                      const torch::Tensor& lengths, double scale = -1.0);
 

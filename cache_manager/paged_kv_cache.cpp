@@ -313,10 +313,10 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
 
 void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t B = k.size(0);
-  const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
-                    k.scalar_type() == pool_.dtype() && v.scalar_type() == pool_.dtype();
+  const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu();
   if (fast) {
-    const torch::Tensor kc = k.contiguous(), vc = v.contiguous();
+    // A 16-bit pool under fp32 activations: .to() rounds to nearest even, as every other write does.
+    const torch::Tensor kc = k.to(pool_.dtype()).contiguous(), vc = v.to(pool_.dtype()).contiguous();
     const int64_t esz = static_cast<int64_t>(c10::elementSize(pool_.dtype()));
     char* base = static_cast<char*>(pool_.storage().data_ptr());
     const char* ks = static_cast<const char*>(kc.data_ptr());

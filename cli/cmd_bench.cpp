@@ -14,9 +14,11 @@
 
 #include <ATen/Parallel.h>
 
+#include "backend/checkpoint.h"
 #include "backend/llama_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
 
@@ -26,6 +28,8 @@ namespace {
 
 struct BenchDecodeArgs {
   std::string model, device = "cpu", dtype, cpu_gemm = "mkl";
+
+  std::string model, device = "cpu", dtype, kv_cache_dtype = "auto";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
@@ -51,7 +55,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         << c.max_position_embeddings);
   const PolicyConfig& cfg = policies.at(policy_name);
   const int64_t elem = static_cast<int64_t>(c10::elementSize(model.dtype()));
-  const int64_t token_layer_bytes = 2 * KV * D * elem;
+  const int64_t token_layer_bytes = 2 * KV * D * static_cast<int64_t>(c10::elementSize(model.kv_dtype()));
 
   // Pool: every sequence's peak per-layer size (DynamicKV: its candidates) plus the decoded tokens.
   std::vector<int64_t> peak(L, context);
@@ -122,6 +126,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         {"steps", a.steps},
                         {"warmup", a.warmup},
                         {"threads", at::get_num_threads()},
+                        {"kv_cache_dtype", dtype_name(model.kv_dtype())},
                         {"fill_s", fill_s},
                         {"step_s_median", median},
                         {"step_s_mean", mean},
@@ -177,11 +182,15 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
+
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   a->policy.add_to(cmd);
   cmd->callback([a] {
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
+
+    load.kv_cache_dtype = a->kv_cache_dtype;
     auto model = LlamaModel::load(a->model, load);
     const auto specs = a->policy.specs();
     const std::string name = PolicyFlags::selected(specs);

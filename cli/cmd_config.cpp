@@ -23,7 +23,8 @@ void add_config_commands(CLI::App& app) {
                 << c.model.dtype << "\n"
                 << "  server: " << c.server.host << ":" << c.server.port
                 << (kvserve::config::effective_api_key(c.server).empty() ? "" : ", API key required") << "\n"
-                << "  cache: block_size " << c.cache.block_size << ", " << c.cache.kv_cache_bytes << " bytes\n"
+                << "  cache: block_size " << c.cache.block_size << ", " << c.cache.kv_cache_bytes << " bytes, KV "
+                << c.cache.kv_cache_dtype << "\n"
                 << "  scheduler: max_num_seqs " << c.scheduler.max_num_seqs << ", max_num_batched_tokens "
                 << c.scheduler.max_num_batched_tokens
                 << (c.scheduler.enable_chunked_prefill ? ", chunked prefill" : "") << ", max_waiting " << c.scheduler.max_waiting << "\n"

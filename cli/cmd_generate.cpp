@@ -11,6 +11,7 @@
 #include "backend/llama_model.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -34,6 +35,8 @@ struct GenerateArgs {
   std::string kv_cache = "1GiB";
   int64_t max_num_batched_tokens = EngineOptions{}.max_num_batched_tokens;
   bool enable_chunked_prefill = false;
+
+  std::string kv_cache_dtype = "auto";
 };
 
 }  // namespace
@@ -65,6 +68,8 @@ void add_generate_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   cmd->add_flag("--enable-chunked-prefill", a->enable_chunked_prefill,
                 "prefill prompts longer than --max-num-batched-tokens over several steps");
+
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
@@ -76,6 +81,8 @@ void add_generate_command(CLI::App& app) {
     load.device = a->device;
     load.dtype = a->dtype;
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
+
+    load.kv_cache_dtype = a->kv_cache_dtype;
     load.progress = !a->json;
     auto job = ParallelJob::start(a->parallel.apply(), a->model, load);
     auto model = job->model();

@@ -10,6 +10,7 @@
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
 
@@ -18,6 +19,8 @@ namespace kvserve::cli {
 namespace {
 struct PerplexityArgs {
   std::string model, input_ids, device = "cpu", dtype, cpu_gemm = "mkl";
+
+  std::string model, input_ids, device = "cpu", dtype, kv_cache_dtype = "auto";
   PolicyFlags policy;
   int64_t prefill = 1;
   bool per_token = false;
@@ -65,12 +68,16 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
+
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_flag("--per-token", a->per_token, "also print every scored token's NLL per document");
   a->policy.add_to(cmd);
   cmd->callback([a] {
     const auto docs = read_docs(a->input_ids);
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
+
+    load.kv_cache_dtype = a->kv_cache_dtype;
     auto model = LlamaModel::load(a->model, load);
     const auto& c = model->config();
     KvPoolSize size;

@@ -112,7 +112,8 @@ void run_plan(const PlanArgs& a) {
   o.reserve_fraction = a.reserve;
   o.block_size = a.block_size;
   o.weight_dtype_bytes = dtype_bytes(a.dtype);
-  o.kv_dtype_bytes = dtype_bytes(a.kv_dtype.empty() ? a.dtype : a.kv_dtype);
+  // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
+  o.kv_dtype_bytes = dtype_bytes(a.kv_dtype.empty() || a.kv_dtype == "auto" ? a.dtype : a.kv_dtype);
 
   std::map<std::string, std::string> params = parse_key_values(a.params, "--param");
   if (!a.budget.empty()) params["budget"] = a.budget;
@@ -141,7 +142,7 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
   cmd->add_option("--dtype", a->dtype, "weight dtype (bfloat16, float16, float32, fp8)")->capture_default_str();
-  cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype (default: --dtype)");
+  cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype: auto (= --dtype, the default), bfloat16, float16, float32, fp8");
   cmd->add_option("--gpu-reserve-fraction", a->reserve, "fraction of GPU memory kept for activations/workspace")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 0.99));

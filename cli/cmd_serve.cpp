@@ -13,6 +13,7 @@
 #include "backend/llama_model.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
+#include "cli/kv_cache_dtype_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/serve/config_reloader.h"
 #include "cli/serve/signal_waiter.h"
@@ -32,6 +33,7 @@ struct ServeArgs {
   std::string config;
   std::optional<std::string> host, model, served_model_name, device, dtype, cpu_gemm, api_key, kv_cache_bytes, max_body_bytes,
       default_policy;
+  std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
   std::optional<bool> enable_chunked_prefill;
@@ -62,6 +64,8 @@ LoadOptions load_options(const config::ServerConfig& cfg) {
   load.device = cfg.model.device;
   load.dtype = dtype;
   load.cpu_gemm = cpu_gemm_from_name(cfg.model.cpu_gemm);
+
+  load.kv_cache_dtype = cfg.cache.kv_cache_dtype;
   return load;
 }
 
@@ -102,6 +106,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   bytes(a.kv_cache_bytes, c.cache.kv_cache_bytes, "--kv-cache-bytes");
   bytes(a.max_body_bytes, c.server.max_body_bytes, "--max-body-bytes");
   if (a.block_size) c.cache.block_size = *a.block_size;
+  if (!a.kv_cache_dtype.empty()) c.cache.kv_cache_dtype = a.kv_cache_dtype;
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
   if (a.enable_chunked_prefill) c.scheduler.enable_chunked_prefill = *a.enable_chunked_prefill;
@@ -270,6 +275,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--max-body-bytes", a->max_body_bytes, "request body limit, e.g. 1MiB");
   cmd->add_option("--kv-cache-bytes", a->kv_cache_bytes, "KV cache pool size, e.g. 2GiB");
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
+  add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_option("--max-num-seqs", a->max_num_seqs, "sequences decoding at once");
   cmd->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "prompt tokens prefilled per step");
   // A function, not an optional<bool> target: CLI11 would set that to false when the flag is absent,

@@ -108,6 +108,14 @@ namespace {
 const std::set<std::string> kDtypes = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"};
 const std::set<std::string> kCpuGemms = {"mkl", "onednn"};
 
+// One spelling per dtype of kDtypes (aliases folded), to compare two names.
+std::string canonical_dtype(const std::string& d) {
+  if (d == "fp32") return "float32";
+  if (d == "bf16") return "bfloat16";
+  if (d == "fp16") return "float16";
+  return d;
+}
+
 bool valid_policy_name(const std::string& s) {
   if (s.empty() || s.size() > 64) return false;
   for (char c : s)
@@ -394,6 +402,13 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
   if (c.server.host.empty()) add("server.host", "must not be empty");
   if (c.server.port < 0 || c.server.port > 65535) add("server.port", "must be between 0 and 65535");
   if (c.cache.block_size <= 0) add("cache.block_size", "must be positive");
+  if (!kDtypes.count(c.cache.kv_cache_dtype)) {
+    add("cache.kv_cache_dtype", "must be one of auto, float32, bfloat16, float16; got '" + c.cache.kv_cache_dtype + "'");
+  } else if (c.model.device.rfind("cuda", 0) == 0 && c.cache.kv_cache_dtype != "auto" && kDtypes.count(c.model.dtype) &&
+             canonical_dtype(c.cache.kv_cache_dtype) != canonical_dtype(c.model.dtype == "auto" ? "bfloat16" : c.model.dtype)) {
+    add("cache.kv_cache_dtype", "'" + c.cache.kv_cache_dtype + "' differs from the compute dtype on " + c.model.device +
+                                    ": CUDA pools take only model.dtype (use auto)");
+  }
   if (c.scheduler.max_num_seqs <= 0) add("scheduler.max_num_seqs", "must be positive");
   const auto& par = c.parallel;
   if (par.node_rank >= par.nnodes)
@@ -520,7 +535,11 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                   {"cache", H([&](const YAML::Node& n, const std::string& path) {
                      p.parse_map(n, path,
                                  {{"block_size", p.int_of(c.cache.block_size, 1, 4096)},
-                                  {"kv_cache_bytes", p.bytes_of(c.cache.kv_cache_bytes, 1)}});
+                                  {"kv_cache_bytes", p.bytes_of(c.cache.kv_cache_bytes, 1)},
+                                  {"kv_cache_dtype", p.string_of(c.cache.kv_cache_dtype, [](const std::string& s) {
+                                     return kDtypes.count(s) ? std::string()
+                                                             : "must be one of auto, float32, bfloat16, float16; got '" + s + "'";
+                                   })}});
                    })},
                   {"scheduler", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.scheduler;

@@ -23,7 +23,9 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
       a.server.header_timeout_s != b.server.header_timeout_s || a.server.write_timeout_s != b.server.write_timeout_s ||
       a.server.retry_after_s != b.server.retry_after_s)
     out.push_back("server");
-  if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes) out.push_back("cache");
+  if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes ||
+      a.cache.kv_cache_dtype != b.cache.kv_cache_dtype)
+    out.push_back("cache");
   if (a.scheduler.max_num_seqs != b.scheduler.max_num_seqs ||
       a.scheduler.max_num_batched_tokens != b.scheduler.max_num_batched_tokens ||
       a.scheduler.enable_chunked_prefill != b.scheduler.enable_chunked_prefill ||

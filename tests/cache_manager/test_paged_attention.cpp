@@ -1,4 +1,5 @@
-// Paged decode attention: exact against a contiguous fp64 softmax over the same K/V.
+// Paged decode attention: exact against a contiguous fp64 softmax over the same K/V, for pools of
+// every KV cache dtype (a 16-bit pool against the values it stores).
 #include <gtest/gtest.h>
 #include <ATen/Parallel.h>
 
@@ -16,6 +17,7 @@ struct Case {
   int64_t kv, g, d, bs;
   std::vector<int64_t> lens;
   float q_scale = 1.0f;
+  torch::ScalarType kv_dtype = torch::kFloat32;  // the pool's; q stays fp32
 };
 
 // Contiguous reference straight from the tensors that were written (never from the pool).
@@ -36,42 +38,55 @@ void run_case(const Case& c, uint64_t seed) {
   torch::manual_seed(seed);
   const int64_t B = static_cast<int64_t>(c.lens.size());
   int64_t blocks = 4;
-  for (int64_t n : c.lens) blocks += 2 * ((n + c.bs - 1) / c.bs + 1);
+  for (int64_t n : c.lens) blocks += 3 * ((n + c.bs - 1) / c.bs + 1);
   KvPoolOptions o;
   o.num_kv_heads = c.kv;
   o.head_dim = c.d;
   o.block_size = c.bs;
   o.num_blocks = blocks;
+  o.dtype = c.kv_dtype;
   PagedKvCache cache(2, o);
   cache.pool().storage().fill_(std::nanf(""));  // stale slots must never leak into results
-  // Interleave a filler sequence so every sequence's blocks are scattered through the pool.
+  // Interleave a filler sequence so every sequence's blocks are scattered through the pool. Layer 1
+  // holds the whole context, layer 0 a third of it (as a compressing policy leaves it).
   std::vector<int64_t> ids;
-  std::vector<torch::Tensor> ks, vs;
+  std::vector<torch::Tensor> ks[2], vs[2];
   cache.add_sequence(-1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t id = 10 + b;
     cache.add_sequence(id);
     ids.push_back(id);
-    const int64_t n = c.lens[b];
-    ks.push_back(torch::randn({c.kv, n, c.d}));
-    vs.push_back(torch::randn({c.kv, n, c.d}));
-    cache.write(-1, b % 2, torch::randn({c.kv, c.bs, c.d}), torch::randn({c.kv, c.bs, c.d}),
-                torch::zeros({c.kv, c.bs}, torch::kLong));
-    cache.write(id, 1, ks[b], vs[b], torch::zeros({c.kv, n}, torch::kLong));
+    for (int64_t l : {1, 0}) {
+      const int64_t n = l == 1 ? c.lens[b] : (c.lens[b] + 2) / 3;
+      ks[l].push_back(torch::randn({c.kv, n, c.d}));
+      vs[l].push_back(torch::randn({c.kv, n, c.d}));
+      cache.write(-1, b % 2, torch::randn({c.kv, c.bs, c.d}), torch::randn({c.kv, c.bs, c.d}),
+                  torch::zeros({c.kv, c.bs}, torch::kLong));
+      cache.write(id, l, ks[l][b], vs[l][b], torch::zeros({c.kv, n}, torch::kLong));
+      // What the pool holds: the values rounded (to nearest even) to its dtype.
+      ks[l][b] = ks[l][b].to(c.kv_dtype);
+      vs[l][b] = vs[l][b].to(c.kv_dtype);
+    }
   }
   const torch::Tensor q = torch::randn({B, c.kv * c.g, c.d}) * c.q_scale;
-  const torch::Tensor want = contiguous_attention(q, ks, vs, c.kv);
-  const DecodeTables t = cache.decode_tables(1, ids);
   const auto& pool = cache.pool().storage();
-  const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths);
-  const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths);
-  const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths);
-  EXPECT_EQ(fast.sizes(), q.sizes());
-  EXPECT_EQ(fast.scalar_type(), torch::kFloat32);
-  const double tol = 1e-5;
-  EXPECT_LE((fast.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
-  EXPECT_LE((gath.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
-  EXPECT_LE((ref.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+  for (int64_t l : {1, 0}) {
+    SCOPED_TRACE(::testing::Message() << "layer " << l << " kv dtype " << c.kv_dtype);
+    const torch::Tensor want = contiguous_attention(q, ks[l], vs[l], c.kv);
+    const DecodeTables t = cache.decode_tables(l, ids);
+    const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths);
+    const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths);
+    const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths);
+    EXPECT_EQ(fast.sizes(), q.sizes());
+    EXPECT_EQ(fast.scalar_type(), torch::kFloat32);
+    EXPECT_EQ(gath.scalar_type(), torch::kFloat32);
+    // fp32 accumulation over exactly the stored values: as tight for a 16-bit pool as for fp32.
+    const double tol = 1e-5;
+    EXPECT_LE((fast.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+    EXPECT_LE((gath.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+    EXPECT_LE((ref.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
+    EXPECT_LE((fast - gath).abs().max().item<float>(), tol);
+  }
   EXPECT_EQ(cache.attend(1, ids, q).sizes(), q.sizes());
 }
 
@@ -109,6 +124,104 @@ TEST(PagedAttention, RandomShapes) {
     run_case(c, 100 + i);
   }
 }
+
+// 16-bit pools: the kernel widens fp16 (F16C) and bf16 (shift) K/V; the same shapes as above.
+class PagedAttention16 : public ::testing::TestWithParam<torch::ScalarType> {};
+
+TEST_P(PagedAttention16, OddShapes) {
+  const torch::ScalarType t = GetParam();
+  run_case({2, 4, 64, 16, {1, 17, 100, 16, 33}, 1.0f, t}, 21);    // GQA 4:1
+  run_case({4, 3, 64, 16, {300, 2, 47}, 1.0f, t}, 22);            // group of 3 (bench-125m's)
+  run_case({4, 1, 128, 32, {5, 64, 1, 250}, 1.0f, t}, 23);        // MHA, block 32
+  run_case({1, 4, 128, 16, {5001}, 1.0f, t}, 24);                 // split-K over threads
+  run_case({2, 2, 64, 16, {40, 700}, 8.0f, t}, 25);               // large scores
+  run_case({2, 2, 32, 8, {9, 31, 1}, 1.0f, t}, 26);               // generic D, block 8
+  run_case({3, 2, 24, 5, {9, 31, 1}, 1.0f, t}, 27);               // libtorch path
+  run_case({4, 3, 64, 16, {3000, 1, 15, 1, 777, 16, 17, 2}, 1.0f, t}, 28);
+}
+
+TEST_P(PagedAttention16, RandomShapes) {
+  std::mt19937 rng(7);
+  for (int i = 0; i < 12; ++i) {
+    Case c;
+    c.kv_dtype = GetParam();
+    c.kv = 1 + rng() % 4;
+    c.g = 1 + rng() % 4;
+    c.d = (rng() % 2) ? 64 : 128;
+    c.bs = (rng() % 3 == 0) ? 32 : 16;
+    const int64_t B = 1 + rng() % 6;
+    for (int64_t b = 0; b < B; ++b) c.lens.push_back(1 + rng() % (rng() % 4 == 0 ? 2000 : 70));
+    SCOPED_TRACE(::testing::Message() << "case " << i << " kv " << c.kv << " g " << c.g << " d " << c.d);
+    run_case(c, 200 + i);
+  }
+}
+
+// A 16-bit compute dtype on CPU (q in the pool's dtype) runs the same kernel; out in q's dtype.
+TEST_P(PagedAttention16, QueryInThePoolsDtype) {
+  torch::manual_seed(31);
+  const torch::ScalarType t = GetParam();
+  KvPoolOptions o;
+  o.num_kv_heads = 2;
+  o.head_dim = 64;
+  o.num_blocks = 16;
+  o.dtype = t;
+  PagedKvCache cache(1, o);
+  cache.add_sequence(0);
+  cache.write(0, 0, torch::randn({2, 50, 64}), torch::randn({2, 50, 64}), torch::zeros({2, 50}, torch::kLong));
+  const torch::Tensor q = torch::randn({1, 6, 64}).to(t);
+  const DecodeTables d = cache.decode_tables(0, {0});
+  const torch::Tensor out = paged_attention(q, cache.pool().storage(), d.block_table, d.lengths);
+  const torch::Tensor ref = paged_attention_reference(q, cache.pool().storage(), d.block_table, d.lengths);
+  EXPECT_EQ(out.scalar_type(), t);
+  // Both end in one rounding to q's dtype.
+  EXPECT_LE((out.to(torch::kFloat32) - ref.to(torch::kFloat32)).abs().max().item<float>(), t == torch::kBFloat16 ? 1e-2 : 2e-3);
+}
+
+// Decode appends convert on write: append-and-attend on a 16-bit pool against the rounded values.
+TEST_P(PagedAttention16, AppendAndAttendMatchesContiguous) {
+  torch::manual_seed(12);
+  const int64_t KV = 4, G = 3, D = 64;
+  KvPoolOptions o;
+  o.num_kv_heads = KV;
+  o.head_dim = D;
+  o.num_blocks = 32;
+  o.dtype = GetParam();
+  PagedKvCache cache(1, o);
+  const std::vector<int64_t> ids = {1, 2};
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t id : ids) {
+    cache.add_sequence(id);
+    const int64_t n = 13 + 7 * id;
+    ks.push_back(torch::randn({KV, n, D}));
+    vs.push_back(torch::randn({KV, n, D}));
+    cache.write(id, 0, ks.back(), vs.back(), torch::arange(n, torch::kLong).expand({KV, n}));
+    ks.back() = ks.back().to(o.dtype);
+    vs.back() = vs.back().to(o.dtype);
+  }
+  for (int step = 0; step < 12; ++step) {
+    auto q = torch::randn({2, KV * G, D}), k = torch::randn({2, KV, D}), v = torch::randn({2, KV, D});
+    for (size_t b = 0; b < ids.size(); ++b) {
+      ks[b] = torch::cat({ks[b], k[b].to(o.dtype).unsqueeze(1)}, 1);
+      vs[b] = torch::cat({vs[b], v[b].to(o.dtype).unsqueeze(1)}, 1);
+    }
+    const std::vector<int64_t> pos = {20 + step, 27 + step};
+    cache.begin_decode(ids, pos);  // the planned step's write_slots path
+    auto out = cache.decode_layer(0, q, k, v);
+    ASSERT_LE((out.to(torch::kFloat64) - contiguous_attention(q, ks, vs, KV)).abs().max().item<double>(), 1e-5)
+        << "step " << step;
+  }
+  // Bitwise: what the pool holds is torch's round-to-nearest-even of what was appended.
+  for (size_t b = 0; b < ids.size(); ++b) {
+    auto [k, v] = cache.gather(ids[b], 0);
+    EXPECT_TRUE(torch::equal(k, ks[b]));
+    EXPECT_TRUE(torch::equal(v, vs[b]));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(KvDtypes, PagedAttention16, ::testing::Values(torch::kFloat16, torch::kBFloat16),
+                         [](const ::testing::TestParamInfo<torch::ScalarType>& i) {
+                           return std::string(i.param == torch::kFloat16 ? "float16" : "bfloat16");
+                         });
 
 TEST(PagedAttention, EmptyLayerGivesZeros) {
   KvPoolOptions o;

@@ -1,6 +1,7 @@
 // PagedKvCache: write / append / compact / release bookkeeping, positions, exhaustion behaviour.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <random>
 
@@ -48,6 +49,42 @@ TEST(PagedKvCache, SizedInBytes) {
   o.kv_cache_bytes = 0;
   o.device_memory_fraction = 0.5;  // CPU pool: a fraction of device memory makes no sense
   EXPECT_THROW(PagedKvCache(3, o), KvError);
+}
+
+// A 16-bit KV cache dtype halves the block and doubles the blocks of the same memory.
+TEST(PagedKvCache, SixteenBitPoolHoldsTwiceTheBlocks) {
+  KvPoolOptions o = opts(0);
+  o.kv_cache_bytes = int64_t{1} << 20;
+  const int64_t fp32_blocks = PagedKvCache(3, o).total_blocks();
+  for (torch::ScalarType t : {torch::kFloat16, torch::kBFloat16}) {
+    o.dtype = t;
+    PagedKvCache c(3, o);
+    EXPECT_EQ(c.block_bytes(), KvBlockPool::bytes_per_block(kKV, kBS, kD, torch::kFloat32) / 2);
+    EXPECT_EQ(c.total_blocks(), 2 * fp32_blocks);
+    EXPECT_EQ(c.pool().storage().scalar_type(), t);
+  }
+}
+
+// Prefill writes convert fp32 K/V to the pool's dtype with torch's rounding (to nearest even).
+TEST(PagedKvCache, SixteenBitWriteRoundsAsTorch) {
+  for (torch::ScalarType t : {torch::kFloat16, torch::kBFloat16}) {
+    KvPoolOptions o = opts(16);
+    o.dtype = t;
+    PagedKvCache c(1, o);
+    c.add_sequence(1);
+    torch::manual_seed(3);
+    auto k = torch::randn({kKV, 21, kD}), v = torch::randn({kKV, 21, kD}) * 1000;
+    // Ties: 1 + 2^-11 is halfway between two fp16 values, 1 + 2^-8 between two bf16 values.
+    k[0][0][0] = 1.0f + std::ldexp(1.0f, -11);
+    k[0][0][1] = 1.0f + std::ldexp(1.0f, -8);
+    c.write(1, 0, k, v, torch::zeros({kKV, 21}, torch::kLong));
+    auto [gk, gv] = c.gather(1, 0);
+    EXPECT_EQ(gk.scalar_type(), t);
+    EXPECT_TRUE(torch::equal(gk, k.to(t)));
+    EXPECT_TRUE(torch::equal(gv, v.to(t)));
+    EXPECT_EQ(gk[0][0][t == torch::kFloat16 ? 0 : 1].item<float>(), 1.0f);  // the tie goes to even, not up
+    EXPECT_FALSE(torch::equal(gk.to(torch::kFloat32), k));                   // it really was narrowed
+  }
 }
 
 TEST(PagedKvCache, WriteGatherPerLayerLengths) {

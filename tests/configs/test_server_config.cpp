@@ -119,6 +119,31 @@ TEST(ServerConfig, LoadMissingFileNamesIt) {
   }
 }
 
+TEST(ServerConfig, KvCacheDtype) {
+  EXPECT_EQ(parse_server_config("").cache.kv_cache_dtype, "auto");
+  for (const char* d : {"auto", "float32", "bfloat16", "float16", "fp16", "bf16"}) {
+    EXPECT_EQ(parse_server_config(std::string("cache:\n  kv_cache_dtype: ") + d + "\n").cache.kv_cache_dtype, d);
+  }
+  // CUDA pools take only the compute dtype (the CUDA kernels read K/V in q's dtype).
+  const std::string cuda_fp16 = "model:\n  device: cuda\n  dtype: bfloat16\ncache:\n  kv_cache_dtype: float16\n";
+  try {
+    parse_server_config(cuda_fp16, "gpu.yaml");
+    FAIL() << "accepted a float16 KV cache under bfloat16 compute on CUDA";
+  } catch (const ConfigError& e) {
+    ASSERT_EQ(e.issues().size(), 1u) << e.what();
+    EXPECT_EQ(e.issues()[0].key, "cache.kv_cache_dtype");
+    EXPECT_NE(e.issues()[0].message.find("CUDA pools take only model.dtype"), std::string::npos) << e.what();
+  }
+  // The same dtype spelled either way, auto, or CPU: accepted. model.dtype auto is bfloat16 on CUDA.
+  EXPECT_NO_THROW(parse_server_config("model:\n  device: cuda\n  dtype: bf16\ncache:\n  kv_cache_dtype: bfloat16\n"));
+  EXPECT_NO_THROW(parse_server_config("model:\n  device: cuda:1\n  dtype: auto\ncache:\n  kv_cache_dtype: bfloat16\n"));
+  EXPECT_THROW(parse_server_config("model:\n  device: cuda\n  dtype: auto\ncache:\n  kv_cache_dtype: float32\n"),
+               ConfigError);
+  EXPECT_THROW(parse_server_config("model:\n  device: cuda\ncache:\n  kv_cache_dtype: float16\n"), ConfigError);
+  EXPECT_NO_THROW(parse_server_config("model:\n  device: cuda\ncache:\n  kv_cache_dtype: auto\n"));
+  EXPECT_NO_THROW(parse_server_config("model:\n  device: cpu\ncache:\n  kv_cache_dtype: float16\n"));
+}
+
 TEST(ServerConfig, DefaultYamlIsValid) {
   auto c = kvserve::config::load_server_config(std::string(KVSERVE_SOURCE_DIR) + "/configs/default.yaml");
   EXPECT_EQ(c.server.host, "127.0.0.1");
@@ -126,6 +151,7 @@ TEST(ServerConfig, DefaultYamlIsValid) {
   EXPECT_EQ(c.model.device, "cpu");
   EXPECT_EQ(c.model.path, "models/smollm2-135m-instruct");
   EXPECT_EQ(c.model_name(), "smollm2-135m-instruct");
+  EXPECT_EQ(c.cache.kv_cache_dtype, "auto");
 }
 
 struct BadCase {
@@ -172,6 +198,9 @@ const BadCase kBadCases[] = {
     {"bad_cpu_gemm", "model:\n  cpu_gemm: openblas\n", 2, "model.cpu_gemm", "mkl, onednn; got 'openblas'"},
     {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
     {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
+    {"bad_kv_cache_dtype", "cache:\n  block_size: 16\n  kv_cache_dtype: fp8\n", 3, "cache.kv_cache_dtype",
+     "must be one of auto, float32, bfloat16, float16; got 'fp8'"},
+    {"kv_cache_dtype_list", "cache:\n  kv_cache_dtype: [float16]\n", 2, "cache.kv_cache_dtype", "expected a string"},
     {"neg_timeout", "server:\n  idle_timeout_s: -1\n", 2, "server.idle_timeout_s", "between"},
     {"zero_header_timeout", "server:\n  header_timeout_s: 0\n", 2, "server.header_timeout_s", "between"},
     {"write_timeout_text", "server:\n  write_timeout_s: soon\n", 2, "server.write_timeout_s", "expected a number"},

@@ -1,0 +1,18 @@
+#pragma once
+// --kv-cache-dtype: the KV cache's storage dtype flag of serve, generate, forward, perplexity and bench decode.
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+namespace kvserve::cli {
+
+// The names cache.kv_cache_dtype takes in YAML; CLI11 rejects anything else, naming the flag.
+inline CLI::Option* add_kv_cache_dtype_option(CLI::App* cmd, std::string& value) {
+  return cmd
+      ->add_option("--kv-cache-dtype", value,
+                   "KV cache storage dtype: auto (= the compute dtype), float32, bfloat16 or float16 (CPU: a "
+                   "16-bit cache under fp32 compute holds twice the tokens)")
+      ->check(CLI::IsMember({"auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"}));
+}
+
+}  // namespace kvserve::cli
