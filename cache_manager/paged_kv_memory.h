@@ -40,7 +40,7 @@ class PagedKvMemory final : public KvMemory {
                      const torch::Tensor& v) override;
   void end_prefill(int64_t seq_id) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
-  void begin_decode(const DecodeBatch& batch) override;
+  void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) override;
   torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                  const torch::Tensor& k, const torch::Tensor& v) override;
   void release(int64_t seq_id) override;
