@@ -78,20 +78,20 @@ std::string DecodeGraphs::unsupported(const LlamaModel& model, const PagedKvMemo
 #endif
 }
 
-DecodeGraphs::DecodeGraphs(std::shared_ptr<LlamaModel> model, PagedKvMemory& kv, DecodeGraphOptions options)
-    : model_(std::move(model)), kv_(kv), options_(options), buckets_(decode_graph_buckets(options.max_batch)) {
+DecodeGraphs::DecodeGraphs(LlamaModel& model, PagedKvMemory& kv, DecodeGraphOptions options)
+    : model_(model), kv_(kv), options_(options), buckets_(decode_graph_buckets(options.max_batch)) {
   if (options_.capture) {
-    const std::string why = unsupported(*model_, kv_);
+    const std::string why = unsupported(model_, kv_);
     KV_CHECK(why.empty(), "decode graphs: " << why);
   }
-  KV_CHECK(model_->layout().pp_size == 1, "decode graphs: the model must be whole (no pipeline stages)");
-  inputs_ = torch::zeros({2, buckets_.back()}, torch::TensorOptions().dtype(torch::kInt64).device(model_->device()));
+  KV_CHECK(model_.layout().pp_size == 1, "decode graphs: the model must be whole (no pipeline stages)");
+  inputs_ = torch::zeros({2, buckets_.back()}, torch::TensorOptions().dtype(torch::kInt64).device(model_.device()));
   // Every sequence and the padding's null row fit from the start: a growth would move the tables
   // and force every graph to be recaptured.
   kv_.cache().reserve_decode_rows(buckets_.back());
 #ifdef KVSERVE_HAVE_CUDA_GRAPHS
   if (options_.capture) {
-    const c10::DeviceIndex dev = model_->device().has_index() ? model_->device().index() : c10::cuda::current_device();
+    const c10::DeviceIndex dev = model_.device().has_index() ? model_.device().index() : c10::cuda::current_device();
     cuda_ = std::make_unique<Cuda>(dev);
   }
 #endif
@@ -104,7 +104,7 @@ int64_t DecodeGraphs::graphs() const { return static_cast<int64_t>(graphs_.size(
 void DecodeGraphs::drop_graphs() { graphs_.clear(); }
 
 torch::Tensor DecodeGraphs::run_body(const DecodeBatch& batch, int64_t rows) {
-  return model_->decode_planned(batch, inputs_[0].narrow(0, 0, rows), inputs_[1].narrow(0, 0, rows), kv_);
+  return model_.decode_planned(batch, inputs_[0].narrow(0, 0, rows), inputs_[1].narrow(0, 0, rows), kv_);
 }
 
 torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens) {
@@ -114,21 +114,21 @@ torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<i
   const int64_t rows = broken_ ? 0 : decode_graph_bucket(buckets_, B);
   if (rows == 0) {
     ++stats_.eager;
-    return model_->decode(batch, tokens, kv_);
+    return model_.decode(batch, tokens, kv_);
   }
 #ifdef KVSERVE_HAVE_CUDA_GRAPHS
   std::optional<c10::cuda::CUDAGuard> guard;
-  if (model_->device().is_cuda()) guard.emplace(model_->device());
+  if (model_.device().is_cuda()) guard.emplace(model_.device());
 #endif
   // Host work, outside any graph: evictions, blocks, the tables' one copy (padding -> null row).
-  model_->plan_decode(batch, tokens, kv_, rows);
+  model_.plan_decode(batch, tokens, kv_, rows);
   PagedKvCache& cache = kv_.cache();
   const int64_t hint = decode_graph_split_hint(cache.planned_max_blocks());
   cache.fix_split_hint(hint);
   // The static inputs, in one (pinned, asynchronous) copy; padding rows read token 0 at position 0.
   const int64_t cap = buckets_.back();
   torch::Tensor host =
-      torch::zeros({2, cap}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(model_->device().is_cuda()));
+      torch::zeros({2, cap}, torch::TensorOptions().dtype(torch::kInt64).pinned_memory(model_.device().is_cuda()));
   int64_t* hp = host.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     hp[b] = tokens[static_cast<size_t>(b)];
@@ -143,7 +143,7 @@ torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<i
 #ifndef KVSERVE_HAVE_CUDA_GRAPHS
   KV_FAIL("internal: decode graphs without CUDA graph support");
 #else
-  const Baked now{cache.device_tables().generation(), model_->rope_capacity()};
+  const Baked now{cache.device_tables().generation(), model_.rope_capacity()};
   if (now != baked_) {
     if (!graphs_.empty()) {
       ++stats_.invalidations;

@@ -54,7 +54,8 @@ struct DecodeGraphStats {
 // Steps above the largest bucket run eagerly. Not thread-safe (the engine thread drives it).
 class DecodeGraphs {
  public:
-  DecodeGraphs(std::shared_ptr<LlamaModel> model, PagedKvMemory& kv, DecodeGraphOptions options);
+  // `model` and `kv` must outlive this.
+  DecodeGraphs(LlamaModel& model, PagedKvMemory& kv, DecodeGraphOptions options);
   ~DecodeGraphs();
   DecodeGraphs(const DecodeGraphs&) = delete;
   DecodeGraphs& operator=(const DecodeGraphs&) = delete;
@@ -85,7 +86,7 @@ class DecodeGraphs {
   Graph& capture(const DecodeBatch& batch, int64_t rows, int64_t hint);
   void drop_graphs();
 
-  std::shared_ptr<LlamaModel> model_;
+  LlamaModel& model_;
   PagedKvMemory& kv_;
   DecodeGraphOptions options_;
   std::vector<int64_t> buckets_;

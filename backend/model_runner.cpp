@@ -22,7 +22,7 @@ LocalRunner::LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<Page
   }
   DecodeGraphOptions go;
   go.max_batch = options.max_num_seqs;
-  graphs_ = std::make_unique<DecodeGraphs>(model_, *kv_, go);
+  graphs_ = std::make_unique<DecodeGraphs>(*model_, *kv_, go);
 }
 
 LocalRunner::~LocalRunner() = default;

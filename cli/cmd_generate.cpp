@@ -30,7 +30,7 @@ struct GenerateArgs {
   int64_t top_k = 0;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
-  bool json = false, ignore_eos = false, stream = false;
+  bool json = false, ignore_eos = false, stream = false, enforce_eager = false;
   std::string kv_cache = "1GiB";
 };
 
@@ -57,6 +57,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
+  cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
@@ -78,6 +79,7 @@ void add_generate_command(CLI::App& app) {
     }
     eo.policies = a->policy.specs();
     eo.default_policy = PolicyFlags::selected(eo.policies);
+    eo.enforce_eager = a->enforce_eager;
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
       if (rc != 0) throw CLI::RuntimeError(rc);
