@@ -189,7 +189,17 @@ const BadCase kBadCases[] = {
      "not a defined policy"},
     {"scheduler_key", "scheduler:\n  max_num_seqs: 4\n  max_seqs: 3\n", 3, "scheduler.max_seqs", "max_num_seqs"},
     {"host_null", "server:\n  host:\n", 2, "server.host", "expected a string"},
+    {"enforce_eager_yes", "model:\n  enforce_eager: yes\n", 2, "model.enforce_eager", "expected true or false"},
+    {"enforce_eager_number", "model:\n  enforce_eager: 1\n", 2, "model.enforce_eager", "expected true or false"},
+    {"enforce_eager_list", "model:\n  enforce_eager: [true]\n", 2, "model.enforce_eager", "expected true or false"},
+    {"enforce_eager_typo", "model:\n  enforce_eagre: true\n", 2, "model.enforce_eagre", "enforce_eager"},
 };
+
+TEST(ServerConfig, EnforceEager) {
+  EXPECT_FALSE(parse_server_config("", "empty.yaml").model.enforce_eager);
+  EXPECT_TRUE(parse_server_config("model:\n  enforce_eager: true\n", "e.yaml").model.enforce_eager);
+  EXPECT_FALSE(parse_server_config("model:\n  enforce_eager: false\n", "e.yaml").model.enforce_eager);
+}
 
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kBadCases),
                          [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
