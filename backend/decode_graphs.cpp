@@ -53,7 +53,6 @@ struct DecodeGraphs::Graph {
 #ifdef KVSERVE_HAVE_CUDA_GRAPHS
   at::cuda::CUDAGraph graph;
 #endif
-  torch::Tensor output;  // fp32 [bucket, V]: written by every replay
 };
 
 struct DecodeGraphs::Cuda {
@@ -79,7 +78,10 @@ std::string DecodeGraphs::unsupported(const LlamaModel& model, const PagedKvMemo
 }
 
 DecodeGraphs::DecodeGraphs(LlamaModel& model, PagedKvMemory& kv, DecodeGraphOptions options)
-    : model_(model), kv_(kv), options_(options), buckets_(decode_graph_buckets(options.max_batch)) {
+    : model_(model),
+      kv_(kv),
+      options_(options),
+      buckets_(decode_graph_buckets(std::min(options.max_batch, kMaxDecodeGraphBatch))) {
   if (options_.capture) {
     const std::string why = unsupported(model_, kv_);
     KV_CHECK(why.empty(), "decode graphs: " << why);
@@ -93,6 +95,8 @@ DecodeGraphs::DecodeGraphs(LlamaModel& model, PagedKvMemory& kv, DecodeGraphOpti
   if (options_.capture) {
     const c10::DeviceIndex dev = model_.device().has_index() ? model_.device().index() : c10::cuda::current_device();
     cuda_ = std::make_unique<Cuda>(dev);
+    logits_ = torch::empty({buckets_.back(), model_.config().vocab_size},
+                           torch::TensorOptions().dtype(torch::kFloat32).device(model_.device()));
   }
 #endif
 }
@@ -101,7 +105,13 @@ DecodeGraphs::~DecodeGraphs() = default;
 
 int64_t DecodeGraphs::graphs() const { return static_cast<int64_t>(graphs_.size()); }
 
-void DecodeGraphs::drop_graphs() { graphs_.clear(); }
+void DecodeGraphs::drop_graphs() {
+  graphs_.clear();
+#ifdef KVSERVE_HAVE_CUDA_GRAPHS
+  // The old pool goes with its last graph; later captures start a fresh one.
+  if (cuda_) cuda_->pool = at::cuda::graph_pool_handle();
+#endif
+}
 
 torch::Tensor DecodeGraphs::run_body(const DecodeBatch& batch, int64_t rows) {
   return model_.decode_planned(batch, inputs_[0].narrow(0, 0, rows), inputs_[1].narrow(0, 0, rows), kv_);
@@ -171,7 +181,7 @@ torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<i
   g->graph.replay();
   cache.end_decode();
   ++stats_.replays;
-  return g->output.narrow(0, 0, B);
+  return logits_.narrow(0, 0, B);
 #endif
 }
 
@@ -196,7 +206,7 @@ DecodeGraphs::Graph& DecodeGraphs::capture(const DecodeBatch& batch, int64_t row
     cache.rearm_decode();
     try {
       g->graph.capture_begin(cuda_->pool, cudaStreamCaptureModeThreadLocal);
-      g->output = run_body(batch, rows);
+      logits_.narrow(0, 0, rows).copy_(run_body(batch, rows));
       g->graph.capture_end();
     } catch (...) {
       // A capture that failed part-way leaves the stream capturing: end it before the graph object

@@ -28,8 +28,12 @@ int64_t decode_graph_bucket(const std::vector<int64_t>& buckets, int64_t batch);
 // contexts that grow by up to 25 % and a split is at most 25 % emptier than the step's own plan.
 int64_t decode_graph_split_hint(int64_t max_blocks);
 
+// The largest bucket, whatever max_num_seqs is: the static logits buffer is [bucket, V] fp32 (a
+// 128K vocabulary makes that 256 MiB at 512), and bigger batches gain little from a graph.
+constexpr int64_t kMaxDecodeGraphBatch = 512;
+
 struct DecodeGraphOptions {
-  int64_t max_batch = 32;  // the largest bucket (the scheduler's max_num_seqs)
+  int64_t max_batch = 32;  // the largest bucket (the scheduler's max_num_seqs; capped at kMaxDecodeGraphBatch)
   // false: run every bucketed step eagerly, padded exactly as a graph would run it (the same
   // static inputs, padding and fixed split hint) instead of capturing it. The CPU tests use this to
   // check the padded step; it also isolates a graph problem from a padding problem on a GPU.
@@ -49,7 +53,7 @@ struct DecodeGraphStats {
 // copy; padding rows point at the tables' null row), the RoPE tables are grown, and the token ids and
 // positions go to static device inputs in one copy. Then the bucket's graph is replayed, or captured
 // first: a warm-up run and the capture on a side stream, into one private memory pool shared by
-// every bucket. A graph is keyed by (bucket, split hint) and bakes in the device tables' and RoPE
+// every bucket; each graph ends by copying its logits into one static buffer. A graph is keyed by (bucket, split hint) and bakes in the device tables' and RoPE
 // tables' storage; when either is reallocated every graph is dropped and recaptured on demand.
 // Steps above the largest bucket run eagerly. Not thread-safe (the engine thread drives it).
 class DecodeGraphs {
@@ -65,7 +69,7 @@ class DecodeGraphs {
   static std::string unsupported(const LlamaModel& model, const PagedKvMemory& kv);
 
   // One decode step, as LlamaModel::decode: fp32 logits [B, V] on the model's device. A replayed
-  // step's logits are a view of the graph's output, valid until the next step.
+  // step's logits are a view of a buffer every replay rewrites: valid until the next step.
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens);
 
   const std::vector<int64_t>& buckets() const { return buckets_; }
@@ -91,6 +95,9 @@ class DecodeGraphs {
   DecodeGraphOptions options_;
   std::vector<int64_t> buckets_;
   torch::Tensor inputs_;  // int64 [2, max bucket] on the device: token ids, then positions
+  // fp32 [max bucket, V]: every graph copies its logits here, so no graph keeps a live output in the
+  // shared pool (graphs may then replay in any order, and the pool holds one graph's temporaries).
+  torch::Tensor logits_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Graph>> graphs_;  // (bucket, hint) -> graph
   Baked baked_;
   bool broken_ = false;  // a capture failed: every later step runs eagerly

@@ -1,5 +1,6 @@
 #include "backend/model_runner.h"
 
+#include "backend/decode_graphs.h"
 #include "backend/llama_model.h"
 #include "common/log.h"
 

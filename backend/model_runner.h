@@ -4,13 +4,13 @@
 #include <memory>
 #include <string>
 
-#include "backend/decode_graphs.h"
 #include "backend/sampler.h"
 #include "backend/step_plan.h"
 #include "cache_manager/paged_kv_memory.h"
 
 namespace kvserve {
 
+class DecodeGraphs;
 class LlamaModel;
 
 class ModelRunner {

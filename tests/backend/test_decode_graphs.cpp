@@ -47,6 +47,19 @@ TEST(DecodeGraphBuckets, SpacingAndTheLargestBatch) {
   EXPECT_THROW(decode_graph_buckets(0), KvError);
 }
 
+TEST(DecodeGraphBuckets, TheLargestBucketIsCapped) {
+  auto model = LlamaModel::load(std::string(KVSERVE_SOURCE_DIR) + "/models/tiny-llama", LoadOptions{"cpu", "", false});
+  const auto& c = model->config();
+  KvPoolOptions pool;
+  pool.num_kv_heads = c.num_key_value_heads;
+  pool.head_dim = c.head_dim;
+  pool.num_blocks = 16;
+  PagedKvMemory kv(c.num_hidden_layers, pool, resolve_policies({}));
+  DecodeGraphs g(*model, kv, DecodeGraphOptions{int64_t{1} << 20, false});
+  EXPECT_EQ(g.buckets().back(), kMaxDecodeGraphBatch);
+  EXPECT_GE(kv.cache().device_tables().row_capacity(), kMaxDecodeGraphBatch + 1);  // reserved up front
+}
+
 TEST(DecodeGraphBuckets, ABatchGoesToTheSmallestBucketThatHoldsIt) {
   const auto b = decode_graph_buckets(32);
   EXPECT_EQ(decode_graph_bucket(b, 1), 1);
