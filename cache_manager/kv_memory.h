@@ -3,9 +3,10 @@
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "common/check.h"
 
 namespace kvserve {
 
@@ -33,8 +34,7 @@ class KvMemory {
   // step padded to that many entries (a CUDA graph's batch bucket): decode_attention then gets
   // q/k/v with that many rows, and the padding must change nothing; a memory that cannot pad throws.
   virtual void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) {
-    if (padded_rows > static_cast<int64_t>(batch.seq_ids.size()))
-      throw std::invalid_argument("this KV memory cannot pad a decode step");
+    KV_CHECK(padded_rows <= static_cast<int64_t>(batch.seq_ids.size()), "this KV memory cannot pad a decode step");
   }
   // Appends one token per sequence (k, v: [B, KV, D]) to `layer` and returns attention of q
   // ([B, H, D]) over each sequence's cached tokens of that layer, the new one included: [B, H, D].
