@@ -45,8 +45,10 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
   auto policies = resolve_policies(options_.policies);
   impl_->runner = runner ? std::move(runner)
                          : std::make_unique<LocalRunner>(
-                               model_, make_kv_memory(model_->kv_layout(), {options_.block_size, 0, options_.kv_cache_bytes},
-                                                      policies, options_.default_policy));
+                               model_,
+                               make_kv_memory(model_->kv_layout(), {options_.block_size, 0, options_.kv_cache_bytes}, policies,
+                                              options_.default_policy),
+                               LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager});
   std::vector<int64_t> eos_ids = c.eos_token_ids;
   if (auto e = tokenizer_->eos_id(); e && std::find(eos_ids.begin(), eos_ids.end(), *e) == eos_ids.end())
     eos_ids.push_back(*e);

@@ -32,6 +32,7 @@ struct EngineOptions {
   int64_t max_model_len = 0;              // 0 = the model's max_position_embeddings
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t block_size = 16;
+  bool enforce_eager = false;  // no CUDA graphs for decode (model.enforce_eager, --enforce-eager)
   std::string default_policy = "full";
   // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
   std::map<std::string, std::map<std::string, std::string>> policies;

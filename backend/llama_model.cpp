@@ -178,7 +178,10 @@ torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
   KV_CHECK(ids.numel() > 0, "empty token list");
   KV_CHECK(ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < config_.vocab_size,
            "token id out of range [0, " << config_.vocab_size << ")");
-  ids = ids.to(device_);
+  return embed_ids(ids.to(device_));
+}
+
+torch::Tensor LlamaModel::embed_ids(const torch::Tensor& ids) const {
   if (!tp_) return embed_.index_select(0, ids);
   // Vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup.
   auto local = ids - layout_.vocab_begin;
@@ -293,12 +296,18 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
   const int64_t B = x.size(0);
   KV_CHECK(B > 0 && static_cast<int64_t>(batch.seq_ids.size()) == B && static_cast<int64_t>(batch.positions.size()) == B,
            "decode batch of " << B << " tokens does not match its sequence list");
-  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   // The step's bookkeeping happens here, once: the KV memory takes every layer's blocks and sends its
   // tables over, the RoPE rows are looked up; the layer loop below then never waits for the host.
   kv.begin_decode(batch);
   const int64_t end = *std::max_element(batch.positions.begin(), batch.positions.end()) + 1;
   const RopeAngles angles = rope_->angles(torch::tensor(batch.positions, torch::kInt64).to(device_), end, x.scalar_type());
+  return run_decode_layers(batch, std::move(x), angles, kv);
+}
+
+torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
+                                            KvMemory& kv) {
+  const int64_t B = x.size(0);  // the step's entries, padding included
+  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   StepProfile* p = profile_;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
@@ -375,17 +384,41 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs, K
   return logits(x.index_select(0, torch::tensor(last, torch::kInt64).to(device_)));
 }
 
-torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv) {
-  torch::NoGradGuard ng;
+void LlamaModel::plan_decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
+                             int64_t padded_rows) {
   KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::decode runs a whole pipeline; use the sharded executor");
-  KV_CHECK(!tokens.empty() && batch.seq_ids.size() == tokens.size(), "decode batch of " << tokens.size()
-                                                                                        << " tokens does not match its sequence list");
+  const int64_t B = static_cast<int64_t>(tokens.size());
+  KV_CHECK(B > 0 && batch.seq_ids.size() == tokens.size() && batch.positions.size() == tokens.size(),
+           "decode batch of " << tokens.size() << " tokens does not match its sequence list");
+  for (int64_t t : tokens) KV_CHECK(t >= 0 && t < config_.vocab_size, "token id out of range [0, " << config_.vocab_size << ")");
+  kv.begin_decode(batch, padded_rows);
+  rope_->reserve(*std::max_element(batch.positions.begin(), batch.positions.end()) + 1);
+}
+
+torch::Tensor LlamaModel::decode_planned(const DecodeBatch& batch, const torch::Tensor& ids, const torch::Tensor& positions,
+                                         KvMemory& kv) {
+  torch::NoGradGuard ng;
+  KV_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() && ids.size(0) >= static_cast<int64_t>(batch.seq_ids.size()),
+           "decode: ids " << ids.sizes() << " and positions " << positions.sizes() << " for a batch of "
+                          << batch.seq_ids.size());
   StepProfile* p = profile_;
-  auto x = StepProfile::time(p, StepProfile::kEmbed, [&] { return embed(tokens); });
-  x = decode_layers(batch, x, kv);
+  auto x = StepProfile::time(p, StepProfile::kEmbed, [&] { return embed_ids(ids); });
+  x = run_decode_layers(batch, x, rope_->lookup(positions, x.scalar_type()), kv);
   auto out = StepProfile::time(p, StepProfile::kLogits, [&] { return logits(x); });
   if (p) ++p->steps;
   return out;
+}
+
+torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
+                                 int64_t padded_rows) {
+  torch::NoGradGuard ng;
+  plan_decode(batch, tokens, kv, padded_rows);
+  const int64_t B = static_cast<int64_t>(tokens.size()), P = std::max(B, padded_rows);
+  std::vector<int64_t> ids = tokens, pos = batch.positions;
+  ids.resize(static_cast<size_t>(P), 0);
+  pos.resize(static_cast<size_t>(P), 0);
+  auto out = decode_planned(batch, torch::tensor(ids, torch::kInt64).to(device_), torch::tensor(pos, torch::kInt64).to(device_), kv);
+  return P > B ? out.narrow(0, 0, B) : out;
 }
 
 }  // namespace kvserve

@@ -86,8 +86,26 @@ class LlamaModel {
   // to its own; RoPE positions are the prompt's; begin_prefill runs at the first chunk, end_prefill
   // after the last.
   torch::Tensor prefill_batch(const std::vector<PrefillInput>& seqs, KvMemory& kv, bool all_logits = false);
-  // One new token per sequence at batch.positions; returns fp32 logits [B, V].
-  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv);
+  // One new token per sequence at batch.positions; returns fp32 logits [B, V]. padded_rows > B runs
+  // the step padded to that many rows, as a CUDA graph of that batch bucket does (plan_decode); the
+  // padding's logits are dropped.
+  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
+                       int64_t padded_rows = 0);
+
+  // decode() in its two halves, so that the second can be captured in a CUDA graph
+  // (backend/decode_graphs.h). Whole model only (no pipeline stages).
+  // The step's host work: checks the token ids, has `kv` plan the step (evictions, blocks, its
+  // device tables; padded to padded_rows entries when that is larger than the batch) and grows the
+  // RoPE tables to the step's positions.
+  void plan_decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv, int64_t padded_rows = 0);
+  // Runs the planned step on the device alone: ids and positions are int64 [P] on the model's
+  // device (P = the planned entries; padding: id 0, position 0). Returns fp32 logits [P, V]. Builds
+  // nothing on the host and never syncs (CUDA, device kernels), so a CUDA graph can capture it.
+  torch::Tensor decode_planned(const DecodeBatch& batch, const torch::Tensor& ids, const torch::Tensor& positions,
+                               KvMemory& kv);
+  // Rows of the RoPE tables: a captured step reads them in place, so a growth means a recapture.
+  int64_t rope_capacity() const { return rope_->capacity(); }
+  bool tensor_parallel() const { return tp_ != nullptr; }
 
   // The pieces a pipeline stage runs (every tensor-parallel shard of the stage calls them together).
   // Hidden states [T, hidden] of the token ids (first stage).
@@ -119,6 +137,10 @@ class LlamaModel {
   // A row-parallel layer's partial output: summed over the TP group, then the bias added once.
   torch::Tensor reduce_partial(torch::Tensor partial, const torch::Tensor& b) const;
   const Layer& layer(int64_t global) const;
+  // Hidden states of token ids already on the model's device (int64 [N], in range).
+  torch::Tensor embed_ids(const torch::Tensor& ids) const;
+  // This shard's layers over a planned decode step: x [P, hidden], the rows' RoPE angles.
+  torch::Tensor run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles, KvMemory& kv);
   // This shard's layers over several prompts' concatenated hidden states x [sum lens, hidden].
   // starts: each prompt's first position (a chunk of a longer prompt when > 0 or short of its
   // prompt_lens entry); empty = whole prompts.

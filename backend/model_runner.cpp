@@ -1,5 +1,6 @@
 #include "backend/model_runner.h"
 
+#include "backend/decode_graphs.h"
 #include "backend/llama_model.h"
 #include "common/log.h"
 
@@ -12,6 +13,21 @@ constexpr size_t kPrefillBatchRows = 8192;
 
 }  // namespace
 
+LocalRunner::LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options)
+    : model_(std::move(model)), kv_(std::move(kv)) {
+  if (options.enforce_eager || !model_->device().is_cuda()) return;
+  const std::string why = DecodeGraphs::unsupported(*model_, *kv_);
+  if (!why.empty()) {
+    KV_LOG("decode runs eagerly, without CUDA graphs: " << why);
+    return;
+  }
+  DecodeGraphOptions go;
+  go.max_batch = options.max_num_seqs;
+  graphs_ = std::make_unique<DecodeGraphs>(*model_, *kv_, go);
+}
+
+LocalRunner::~LocalRunner() = default;
+
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
   for (int64_t id : plan.release) kv_->release(id);
@@ -20,7 +36,8 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   if (!plan.decode.seq_ids.empty()) {
     try {
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
-      torch::Tensor logits = model_->decode(plan.decode, plan.decode_tokens, *kv_);
+      torch::Tensor logits = graphs_ ? graphs_->decode(plan.decode, plan.decode_tokens)
+                                     : model_->decode(plan.decode, plan.decode_tokens, *kv_);
       r.decoded = samplers_.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
     } catch (const std::exception& e) {
       r.decoded.clear();

@@ -10,6 +10,7 @@
 
 namespace kvserve {
 
+class DecodeGraphs;
 class LlamaModel;
 
 class ModelRunner {
@@ -31,16 +32,26 @@ class ModelRunner {
   virtual bool chunked_prefill() const { return false; }
 };
 
+struct LocalRunnerOptions {
+  int64_t max_num_seqs = 32;   // the largest decode batch: the largest CUDA graph bucket
+  bool enforce_eager = false;  // never capture CUDA graphs (model.enforce_eager, --enforce-eager)
+};
+
 class LocalRunner final : public ModelRunner {
  public:
-  LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv)
-      : model_(std::move(model)), kv_(std::move(kv)) {}
+  // On a CUDA model whose decode step can be captured (DecodeGraphs::unsupported), and unless
+  // enforce_eager, decode steps run as CUDA graphs.
+  LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options = {});
+  ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
+  // Null when decode runs eagerly.
+  const DecodeGraphs* decode_graphs() const { return graphs_.get(); }
 
  private:
   std::shared_ptr<LlamaModel> model_;
   std::unique_ptr<PagedKvMemory> kv_;
+  std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   SamplerBank samplers_;
 };
 

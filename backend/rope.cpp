@@ -41,6 +41,10 @@ void Rope::ensure(int64_t max_pos) {
 
 RopeAngles Rope::angles(const torch::Tensor& positions, int64_t end, torch::ScalarType dtype) {
   ensure(end);
+  return lookup(positions, dtype);
+}
+
+RopeAngles Rope::lookup(const torch::Tensor& positions, torch::ScalarType dtype) const {
   return {cos_.index_select(0, positions).to(dtype).unsqueeze(1), sin_.index_select(0, positions).to(dtype).unsqueeze(1)};
 }
 

@@ -340,7 +340,8 @@ class Bench:
         return [self.kvserve, "bench", "decode", "--model", model, "--device", self.args.device, "--dtype",
                 self.args.dtype, "--steps", str(steps), "--warmup", str(warmup), "--bandwidth-gbs",
                 f"{self.bw:.3f}", "--context", *map(str, contexts), "--batch", *map(str, batches),
-                *POLICIES[label], *(["--threads", str(self.args.threads)] if self.args.threads else [])]
+                *POLICIES[label], *(["--threads", str(self.args.threads)] if self.args.threads else []),
+                *(["--enforce-eager"] if self.args.enforce_eager else [])]
 
     def add_cell(self, shape: str, label: str, ctx: int, batch: int, status: str, row: dict | None = None,
                  note: str = "", group: str = "matrix") -> dict:
@@ -564,7 +565,8 @@ class Bench:
                 continue
             cmd = [self.kvserve, "generate", "--model", model, "--device", a.device, "--dtype", a.dtype,
                    "--prompts-file", str(pf), "--max-tokens", str(a.gen_new_tokens), "--ignore-eos", "--json",
-                   "--kv-cache", f"{kv_cache // (1 << 20)}MiB", *POLICIES[label]]
+                   "--kv-cache", f"{kv_cache // (1 << 20)}MiB", *POLICIES[label],
+                   *(["--enforce-eager"] if a.enforce_eager else [])]
             log(f"[{time.time() - self.t_start:5.0f}s] generate {shape} {label}: {a.gen_prompts} x "
                 f"{a.gen_prompt_tokens} tokens, {a.gen_new_tokens} new")
             try:
@@ -808,6 +810,8 @@ def main() -> None:
     ap.add_argument("--mem-fraction", type=float, default=0.92, help="share of free device memory a cell may plan for")
     ap.add_argument("--threads", type=int, default=0, help="kvserve --threads (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="kvserve decodes without CUDA graphs (the A/B against a default run; shown in the run line)")
     ap.add_argument("--cmd-timeout", type=float, default=90, help="seconds per bench decode process, plus --cell-timeout per cell")
     ap.add_argument("--cell-timeout", type=float, default=20)
     ap.add_argument("--gen-timeout", type=float, default=180)

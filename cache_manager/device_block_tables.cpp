@@ -35,6 +35,19 @@ void DeviceBlockTables::remove(int64_t seq_id) {
   rows_.erase(it);
 }
 
+int32_t DeviceBlockTables::null_row() {
+  if (null_row_ < 0) {
+    null_row_ = next_row_++;
+    for (int64_t l = 0; l < layers_; ++l) set_length(null_row_, l, 0);
+  }
+  return null_row_;
+}
+
+void DeviceBlockTables::reserve(int64_t rows, int64_t blocks) {
+  KV_CHECK(rows >= 0 && blocks >= 0, "reserve: negative capacity (" << rows << " rows, " << blocks << " blocks)");
+  if (rows > row_cap_ || blocks > block_cap_) grow(rows, blocks);
+}
+
 int32_t DeviceBlockTables::row(int64_t seq_id) const {
   auto it = rows_.find(seq_id);
   KV_CHECK(it != rows_.end(), "sequence " << seq_id << " has no device table row");
@@ -84,6 +97,7 @@ void DeviceBlockTables::grow(int64_t rows, int64_t blocks) {
   const torch::Tensor old = state_;
   row_cap_ = std::max(rows, row_cap_);
   block_cap_ = std::max(blocks, block_cap_);
+  ++generation_;
   state_ = torch::zeros({tables_size() + layers_ * row_cap_ + 2 * row_cap_},
                         torch::TensorOptions().dtype(torch::kInt32).device(device_));
   if (!old.defined()) return;

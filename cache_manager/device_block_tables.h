@@ -27,6 +27,13 @@ class DeviceBlockTables {
   int32_t add(int64_t seq_id);
   void remove(int64_t seq_id);
   int32_t row(int64_t seq_id) const;
+  // A row no sequence ever gets: length 0 in every layer, so the kernels read nothing through it and
+  // the append writes nowhere. The padded entries of a batch bucket (a CUDA graph's fixed batch size)
+  // point here. Reserved on first use.
+  int32_t null_row();
+
+  // Makes room for `rows` rows and `blocks` blocks per table now, so that later steps need not grow.
+  void reserve(int64_t rows, int64_t blocks);
 
   // Host-side changes, applied at the next flush() (later changes to the same entry win).
   void set_block(int32_t row, int64_t layer, int64_t index, int32_t block);
@@ -51,6 +58,9 @@ class DeviceBlockTables {
   // Host→device copies so far (one per flush that had changes).
   int64_t copies() const { return copies_; }
   const torch::Device& device() const { return device_; }
+  // Changes whenever the buffer is reallocated (growth): views taken before, and a CUDA graph that
+  // captured them, then point at the old storage.
+  int64_t generation() const { return generation_; }
 
  private:
   enum class Kind : uint8_t { kBlock, kLength, kBatchRow, kPosition };
@@ -75,6 +85,8 @@ class DeviceBlockTables {
   std::vector<int32_t> free_rows_;
   int32_t next_row_ = 0;
   int64_t copies_ = 0;
+  int64_t generation_ = 0;
+  int32_t null_row_ = -1;
 };
 
 }  // namespace kvserve

@@ -47,8 +47,12 @@ class KvMemory {
   }
   // Called once per decode step before the first layer: a memory may plan the whole step here
   // (take every layer's blocks, send its tables to the device once). Optional for callers:
-  // decode_attention plans a step itself when it finds none.
-  virtual void begin_decode(const DecodeBatch& batch) {}
+  // decode_attention plans a step itself when it finds none. padded_rows > batch size asks for a
+  // step padded to that many entries (a CUDA graph's batch bucket): decode_attention then gets
+  // q/k/v with that many rows, and the padding must change nothing; a memory that cannot pad throws.
+  virtual void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) {
+    KV_CHECK(padded_rows <= static_cast<int64_t>(batch.seq_ids.size()), "this KV memory cannot pad a decode step");
+  }
   // Appends one token per sequence (k, v: [B, KV, D]) to `layer` and returns attention of q
   // ([B, H, D]) over each sequence's cached tokens of that layer, the new one included: [B, H, D].
   virtual torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,

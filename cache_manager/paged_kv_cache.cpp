@@ -377,13 +377,28 @@ torch::Tensor PagedKvCache::append_and_attend(int64_t layer, const std::vector<i
   return attend(layer, seq_ids, q, scale);
 }
 
-void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions) {
+void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions,
+                                int64_t padded_rows) {
   step_.active = false;
+  const int64_t B = static_cast<int64_t>(seq_ids.size());
+  KV_CHECK(padded_rows <= 0 || padded_rows >= B,
+           "decode: a batch of " << B << " sequences cannot be padded to " << padded_rows << " rows");
+  const int64_t P = std::max(B, padded_rows);
   step_.slots = take_slots("decode", seq_ids, positions, 0, num_layers_);
-  dev_.set_batch(step_.slots.rows, positions);
+  if (P > B) {
+    std::vector<int32_t> rows = step_.slots.rows;
+    std::vector<int64_t> pos = positions;
+    rows.resize(static_cast<size_t>(P), dev_.null_row());
+    pos.resize(static_cast<size_t>(P), 0);
+    dev_.set_batch(rows, pos);
+  } else {
+    dev_.set_batch(step_.slots.rows, positions);
+  }
   dev_.flush();
-  step_.rows = dev_.batch_rows(static_cast<int64_t>(seq_ids.size()));
+  step_.rows = dev_.batch_rows(P);
   step_.seq_ids = seq_ids;
+  step_.padded_rows = static_cast<size_t>(P);
+  step_.split_hint = -1;
   step_.done.assign(static_cast<size_t>(num_layers_), 0);
   step_.active = true;
 }
@@ -393,25 +408,54 @@ bool PagedKvCache::decode_planned(const std::vector<int64_t>& seq_ids, int64_t l
          step_.seq_ids == seq_ids;
 }
 
+int64_t PagedKvCache::planned_max_blocks() const {
+  KV_CHECK(step_.active, "decode: no step is planned");
+  int64_t n = 0;
+  for (int64_t m : step_.slots.max_blocks) n = std::max(n, m);
+  return n;
+}
+
+void PagedKvCache::fix_split_hint(int64_t hint) {
+  KV_CHECK(step_.active, "decode: no step is planned");
+  KV_CHECK(hint >= 0, "decode: split hint must be >= 0, got " << hint);
+  step_.split_hint = hint;
+}
+
+void PagedKvCache::rearm_decode() {
+  KV_CHECK(!step_.seq_ids.empty() && step_.padded_rows > 0, "decode: no step was planned");
+  step_.done.assign(static_cast<size_t>(num_layers_), 0);
+  step_.active = true;
+}
+
+bool PagedKvCache::device_kernels() const { return use_cuda_kernels(pool_); }
+
+void PagedKvCache::reserve_decode_rows(int64_t rows) {
+  // The null row and the sequences' rows share the capacity.
+  dev_.reserve(rows + 1, dev_.block_capacity());
+}
+
 torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                                          const torch::Tensor& v, double scale) {
   KV_CHECK(step_.active && layer >= 0 && layer < num_layers_ && !step_.done[static_cast<size_t>(layer)],
            "decode: layer " << layer << " was not planned by begin_decode (or already ran)");
-  const int64_t B = static_cast<int64_t>(step_.seq_ids.size());
-  KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
-           "decode: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
+  const int64_t B = static_cast<int64_t>(step_.seq_ids.size()), P = static_cast<int64_t>(step_.padded_rows);
+  KV_CHECK(k.dim() == 3 && k.size(0) == P && k.size(1) == kv_ && k.size(2) == d_,
+           "decode: k must be [B=" << P << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "decode: v " << v.sizes() << " != k " << k.sizes());
+  KV_CHECK(q.dim() == 3 && q.size(0) == P, "decode: q must have " << P << " rows, got " << q.sizes());
   const int64_t max_blocks = step_.slots.max_blocks[static_cast<size_t>(layer)];
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
   if (use_cuda_kernels(pool_)) {
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
+    // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
     cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), k.to(opts), v.to(opts));
     return cuda::paged_decode_attention(q, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
-                                        max_blocks, scale);
+                                        step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale);
   }
-  write_slots(step_.slots.block.data() + layer * B, step_.slots.offset.data() + layer * B, k, v);
+  const int64_t* off = step_.slots.offset.data() + layer * B;
+  write_slots(step_.slots.block.data() + layer * B, off, k.narrow(0, 0, B), v.narrow(0, 0, B));
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);

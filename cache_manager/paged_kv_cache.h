@@ -65,13 +65,36 @@ class PagedKvCache {
   // anything), advances the host lengths and positions, and sends the step's table changes, batch
   // rows and positions to the device in one copy. decode_layer() then runs each layer on the device
   // alone: no host-built indices, no host synchronisation.
-  void begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions);
+  // padded_rows > B pads the step to that many batch entries (a CUDA graph's bucket): the extra
+  // entries use the device tables' null row (length 0 everywhere), so they read no K/V, get a zero
+  // attention output and write nothing; no blocks, lengths or positions change for them.
+  void begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions,
+                    int64_t padded_rows = 0);
   // True when begin_decode() planned this batch and `layer` has not run yet.
   bool decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer) const;
-  // Writes k, v [B, KV, D] into the slots begin_decode() took and returns paged attention of
-  // q [B, H, D] over each sequence's tokens of `layer`, the new one included.
+  // Writes k, v [P, KV, D] (P = the planned batch entries, padding included) into the slots
+  // begin_decode() took and returns paged attention of q [P, H, D] over each entry's tokens of
+  // `layer`, the new one included (zero rows for padding).
   torch::Tensor decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              double scale = -1.0);
+  // Batch entries of the planned step (padding included), and the most blocks any real entry holds
+  // in any layer after the step's append.
+  int64_t planned_rows() const { return step_.active ? static_cast<int64_t>(step_.padded_rows) : 0; }
+  int64_t planned_max_blocks() const;
+  // Makes every layer of the planned step size its split-K launch from `hint` instead of its own
+  // block count: a captured CUDA graph bakes the launch shape in, so it must not vary per step.
+  // Any hint is correct (paged_decode_attention); one below the step's blocks is only slower.
+  void fix_split_hint(int64_t hint);
+  // Lets the planned step's layers run again (a CUDA graph's warm-up run, then its capture). The
+  // host plan is unchanged and running a layer twice writes the same K/V to the same slots.
+  void rearm_decode();
+  // The planned step has run outside decode_layer (a CUDA graph replay).
+  void end_decode() { step_.active = false; }
+  // Whether decode_layer() runs kvserve's CUDA kernels, which read everything from device memory
+  // and never sync (the libtorch path builds indices on the host and cannot be captured).
+  bool device_kernels() const;
+  // Room in the device tables for this many batch entries (sequences plus padding), reserved now.
+  void reserve_decode_rows(int64_t rows);
   const DeviceBlockTables& device_tables() const { return dev_; }
 
   // --- inspection --------------------------------------------------------------------------------
@@ -146,6 +169,8 @@ class PagedKvCache {
     Slots slots;
     std::vector<char> done;  // [layers]
     bool active = false;
+    size_t padded_rows = 0;  // batch entries incl. padding (>= seq_ids.size())
+    int64_t split_hint = -1;  // >= 0: every layer's split-K hint (fix_split_hint)
   };
 
   int64_t num_layers_;

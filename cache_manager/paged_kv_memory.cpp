@@ -299,7 +299,7 @@ int64_t PagedKvMemory::local(int64_t layer) const {
   return l;
 }
 
-void PagedKvMemory::begin_decode(const DecodeBatch& batch) {
+void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) {
   // Decode-time eviction runs once per decode_evict_chunk tokens for sequences whose policy evicts.
   // Each layer's eviction reads only that layer's cache, which this step has not touched yet, so
   // running them all before the step keeps what evicting layer by layer would, and its peak block
@@ -315,7 +315,7 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch) {
       cache_.compact(id, ll, ev.select(cache_.positions(id, ll), keys).to(torch::kCPU));
     }
   }
-  cache_.begin_decode(batch.seq_ids, batch.positions);
+  cache_.begin_decode(batch.seq_ids, batch.positions, padded_rows);
 }
 
 torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,

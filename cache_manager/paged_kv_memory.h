@@ -44,7 +44,7 @@ class PagedKvMemory final : public KvMemory {
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
-  void begin_decode(const DecodeBatch& batch) override;
+  void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) override;
   torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                  const torch::Tensor& k, const torch::Tensor& v) override;
   void release(int64_t seq_id) override;

@@ -5,7 +5,7 @@
 // q/k/v of `context` tokens: the policy's real PrefillSelector picks what each layer keeps (its real
 // per-layer budgets) and the kept tokens are written into the paged pool. Then `steps` real decode
 // steps run through LlamaModel::decode for the whole batch at positions context + t (greedy argmax
-// fed back). Decode cost depends only on how many KV entries each (sequence, layer, head) holds, not
+// fed back); on CUDA through DecodeGraphs (captured in the warmup) unless --enforce-eager. Decode cost depends only on how many KV entries each (sequence, layer, head) holds, not
 // on their values, so this times what a real run with that context would time per decode step.
 #include <algorithm>
 #include <chrono>
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "backend/checkpoint.h"
+#include "backend/decode_graphs.h"
 #include "backend/llama_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/commands.h"
@@ -35,7 +36,7 @@ struct BenchDecodeArgs {
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
   uint64_t seed = 0;
   double bandwidth_gbs = 30.0;
-  bool profile = false;
+  bool profile = false, enforce_eager = false;
 };
 
 int64_t weight_bytes(const ModelConfig& c, int64_t elem) {
@@ -86,6 +87,16 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   std::vector<int64_t> kept_per_layer;
   for (int64_t l = 0; l < L; ++l) kept_per_layer.push_back(mem.cached_tokens(1, l));
 
+  // On CUDA the steps replay CUDA graphs (captured during the warmup) unless --enforce-eager.
+  std::unique_ptr<DecodeGraphs> graphs;
+  if (model.device().is_cuda() && !a.enforce_eager) {
+    const std::string why = DecodeGraphs::unsupported(model, mem);
+    KV_CHECK(why.empty(), "bench decode: no CUDA graphs here (" << why << "); pass --enforce-eager");
+    DecodeGraphOptions go;
+    go.max_batch = batch;
+    graphs = std::make_unique<DecodeGraphs>(model, mem, go);
+  }
+
   // Decode: warmup, then timed steps; tokens are the previous step's argmax.
   std::vector<int64_t> tokens(batch, 1);
   std::vector<double> step_s;
@@ -101,7 +112,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
     }
     if (a.profile && t == a.warmup) model.set_profile(&profile);
     const auto s0 = std::chrono::steady_clock::now();
-    auto logits = model.decode(db, tokens, mem);
+    auto logits = graphs ? graphs->decode(db, tokens) : model.decode(db, tokens, mem);
     auto next = logits.argmax(-1).to(torch::kCPU);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     for (int64_t b = 0; b < batch; ++b) tokens[b] = next[b].item<int64_t>();
@@ -144,7 +155,13 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         {"live_kv_bytes", live_kv},
                         {"bandwidth_gbs", a.bandwidth_gbs},
                         {"floor_step_s", floor_s},
-                        {"fraction_of_floor", floor_s / median}};
+                        {"fraction_of_floor", floor_s / median},
+                        {"cuda_graphs", graphs != nullptr}};
+  if (graphs) {
+    const DecodeGraphStats& gs = graphs->stats();
+    out["cuda_graph_stats"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager", gs.eager},
+                               {"invalidations", gs.invalidations}};
+  }
   if (a.profile) {
     // Mean ms per step of each stage; "other" is the rest of the mean step (argmax, host work).
     nlohmann::json stages;
@@ -178,6 +195,7 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--seed", a->seed, "seed of the random KV");
   cmd->add_option("--bandwidth-gbs", a->bandwidth_gbs, "memory bandwidth for the floor, GB/s")->check(CLI::Range(0.001, 1e6));
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
+  cmd->add_flag("--enforce-eager", a->enforce_eager, "CUDA: decode without CUDA graphs (the A/B against them)");
   cmd->add_flag("--profile", a->profile, "time each stage of the decode step (CPU; adds profile_ms_per_step)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")

@@ -20,7 +20,7 @@ void add_config_commands(CLI::App& app) {
       auto c = kvserve::config::load_server_config(*file);
       std::cout << *file << ": OK\n"
                 << "  model: " << c.model.path << " (served as '" << c.model_name() << "') on " << c.model.device << ", "
-                << c.model.dtype << "\n"
+                << c.model.dtype << (c.model.enforce_eager ? ", enforce_eager" : "") << "\n"
                 << "  server: " << c.server.host << ":" << c.server.port
                 << (kvserve::config::effective_api_key(c.server).empty() ? "" : ", API key required") << "\n"
                 << "  cache: block_size " << c.cache.block_size << ", " << c.cache.kv_cache_bytes << " bytes, KV "

@@ -31,11 +31,10 @@ struct GenerateArgs {
   int64_t top_k = 0;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
-  bool json = false, ignore_eos = false, stream = false;
+  bool json = false, ignore_eos = false, stream = false, enforce_eager = false;
   std::string kv_cache = "1GiB";
   int64_t max_num_batched_tokens = EngineOptions{}.max_num_batched_tokens;
   bool enable_chunked_prefill = false;
-
   std::string kv_cache_dtype = "auto";
 };
 
@@ -70,6 +69,7 @@ void add_generate_command(CLI::App& app) {
                 "prefill prompts longer than --max-num-batched-tokens over several steps");
 
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
@@ -96,6 +96,7 @@ void add_generate_command(CLI::App& app) {
     eo.default_policy = PolicyFlags::selected(eo.policies);
     eo.max_num_batched_tokens = a->max_num_batched_tokens;
     eo.enable_chunked_prefill = a->enable_chunked_prefill;
+    eo.enforce_eager = a->enforce_eager;
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
       if (rc != 0) throw CLI::RuntimeError(rc);

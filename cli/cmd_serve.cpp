@@ -38,7 +38,7 @@ struct ServeArgs {
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
   std::optional<bool> enable_chunked_prefill;
   ParallelFlags parallel;
-  bool quiet = false;
+  bool quiet = false, enforce_eager = false;
 };
 
 EngineOptions engine_options(const config::ServerConfig& cfg) {
@@ -48,6 +48,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.enable_chunked_prefill = cfg.scheduler.enable_chunked_prefill;
   eo.max_waiting = cfg.scheduler.max_waiting;
   eo.max_model_len = cfg.model.max_model_len;
+  eo.enforce_eager = cfg.model.enforce_eager;
   eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
   eo.block_size = cfg.cache.block_size;
   eo.default_policy = cfg.default_policy;
@@ -102,6 +103,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.dtype) c.model.dtype = *a.dtype;
   if (a.cpu_gemm) c.model.cpu_gemm = *a.cpu_gemm;
   if (a.max_model_len) c.model.max_model_len = *a.max_model_len;
+  if (a.enforce_eager) c.model.enforce_eager = true;
   if (a.api_key) c.server.api_key = *a.api_key;
   bytes(a.kv_cache_bytes, c.cache.kv_cache_bytes, "--kv-cache-bytes");
   bytes(a.max_body_bytes, c.server.max_body_bytes, "--max-body-bytes");
@@ -270,6 +272,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "float32, bfloat16, float16 or auto");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD)");
   cmd->add_option("--max-model-len", a->max_model_len, "context length limit (0 = the model's)");
+  cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (sets model.enforce_eager)");
   cmd->add_option("--api-key", a->api_key, "require Authorization: Bearer <key> (also $KVSERVE_API_KEY)");
   cmd->add_option("--threads", a->threads, "HTTP I/O threads");
   cmd->add_option("--max-body-bytes", a->max_body_bytes, "request body limit, e.g. 1MiB");

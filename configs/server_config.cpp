@@ -209,6 +209,21 @@ class Parser {
     };
   }
 
+  // YAML's core-schema booleans only: `yes`/`on` are strings there, and a typo must not read as false.
+  Handler bool_of(bool& out) {
+    return [this, &out](const YAML::Node& n, const std::string& path) {
+      if (!scalar(n, path, "true or false")) return;
+      const std::string& s = n.Scalar();
+      if (s == "true" || s == "True" || s == "TRUE") {
+        out = true;
+      } else if (s == "false" || s == "False" || s == "FALSE") {
+        out = false;
+      } else {
+        error(n, path, "expected true or false, got " + describe(n));
+      }
+    };
+  }
+
   template <typename Int>
   Handler int_of(Int& out, int64_t lo, int64_t hi) {
     return [this, &out, lo, hi](const YAML::Node& n, const std::string& path) {
@@ -496,7 +511,8 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                                            [](const std::string& s) {
                                                              return kCpuGemms.count(s) ? std::string()
                                                                                        : "must be one of mkl, onednn; got '" + s + "'";
-                                                           })}});
+                                                           })},
+                                  {"enforce_eager", p.bool_of(m.enforce_eager)}});
                    })},
                   {"server", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.server;

@@ -69,13 +69,15 @@ run)
   export PYTHONPATH=/tmp/kvserve-site${PYTHONPATH:+:$PYTHONPATH}
   build_kvserve
   # CUDA gtests: test targets named *cuda* (`--target kvserve` builds no tests), plus the sampler's
-  # (Sampler.SameTokensOnTheDevice) and the device tables' targets.
+  # (Sampler.SameTokensOnTheDevice), the device tables' and the decode graphs' (DecodeGraphsCuda.*,
+  # with the CPU padding tests of the same file) targets.
   cuda_targets=$(cmake --build "$BUILD" --target help 2>/dev/null | sed -e 's/^\.\.\. //' -e 's/:.*//' \
-    | grep -i -e cuda -e '^backend_test_sampler$' -e '^cache_manager_test_device_block_tables$' | grep -v '[/.]' || true)
+    | grep -i -e cuda -e '^backend_test_sampler$' -e '^cache_manager_test_device_block_tables$' \
+      -e '^backend_test_decode_graphs$' | grep -v '[/.]' || true)
   if [ -n "$cuda_targets" ]; then
     echo "CUDA gtest targets: $cuda_targets"
     cmake --build "$BUILD" -j "$(nproc)" --target $cuda_targets >> "$out/build.log" 2>&1
-    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]|OnTheDevice|DeviceBlockTables' --output-on-failure) 2>&1 \
+    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]|OnTheDevice|DeviceBlockTables|DecodeGraph|PaddedDecode' --output-on-failure) 2>&1 \
       | tee "$out/ctest.log" || rc=1
   else
     echo "no CUDA gtest targets" | tee "$out/ctest.log"

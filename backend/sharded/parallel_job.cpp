@@ -107,7 +107,9 @@ std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& opt
 
 std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {
   KV_CHECK(is_driver(), "internal: only rank 0 drives the engine");
-  if (!sharded()) return std::make_unique<LocalRunner>(model_, make_memory(options));
+  if (!sharded())
+    return std::make_unique<LocalRunner>(model_, make_memory(options),
+                                         LocalRunnerOptions{options.max_num_seqs, options.enforce_eager});
   return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
                                          [this](const std::string&) { stop_workers(); });
 }

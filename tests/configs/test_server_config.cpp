@@ -221,7 +221,17 @@ const BadCase kBadCases[] = {
     {"chunked_prefill_not_bool", "scheduler:\n  enable_chunked_prefill: yes\n", 2, "scheduler.enable_chunked_prefill",
      "expected true or false"},
     {"host_null", "server:\n  host:\n", 2, "server.host", "expected a string"},
+    {"enforce_eager_yes", "model:\n  enforce_eager: yes\n", 2, "model.enforce_eager", "expected true or false"},
+    {"enforce_eager_number", "model:\n  enforce_eager: 1\n", 2, "model.enforce_eager", "expected true or false"},
+    {"enforce_eager_list", "model:\n  enforce_eager: [true]\n", 2, "model.enforce_eager", "expected true or false"},
+    {"enforce_eager_typo", "model:\n  enforce_eagre: true\n", 2, "model.enforce_eagre", "enforce_eager"},
 };
+
+TEST(ServerConfig, EnforceEager) {
+  EXPECT_FALSE(parse_server_config("", "empty.yaml").model.enforce_eager);
+  EXPECT_TRUE(parse_server_config("model:\n  enforce_eager: true\n", "e.yaml").model.enforce_eager);
+  EXPECT_FALSE(parse_server_config("model:\n  enforce_eager: false\n", "e.yaml").model.enforce_eager);
+}
 
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kBadCases),
                          [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });

@@ -5,7 +5,9 @@ and as kvserve on CPU.
   transformers in bf16 (rounding differs, so the check is argmax agreement and a mean-error bound);
 - every policy's budgets and kept positions per (layer, KV head) identical to the CPU run (the
   fixtures have random weights, so no two scores tie);
-- greedy generation on the embedded model identical to CPU, and the passkey answered.
+- greedy generation on the embedded model identical to CPU, and the passkey answered;
+- decode through CUDA graphs (the default on CUDA) generating what --enforce-eager generates, and
+  `bench decode` replaying graphs unless --enforce-eager.
 """
 from __future__ import annotations
 
@@ -94,3 +96,29 @@ def test_embedded_model_generates_the_same_on_cuda_and_retrieves():
         outs[dev] = json.loads(proc.stdout)
     assert outs["cuda"]["token_ids"] == outs["cpu"]["token_ids"]
     assert outs["cuda"]["text"].startswith(answer), (outs["cuda"]["text"], answer)
+
+
+def test_cuda_graphs_generate_what_eager_decode_generates(tmp_path):
+    model = ROOT / "models" / "tiny-llama"
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    # Five prompts (bucket 8: three padding rows), of lengths that cross block and split boundaries.
+    prompts = [random_ids(n, vocab, seed) for seed, n in enumerate([5, 40, 200, 33, 900])]
+    path = write_json(tmp_path / "prompts.json", prompts)
+    outs = {}
+    for mode in ("graphs", "eager"):
+        flags = ["--enforce-eager"] if mode == "eager" else []
+        proc = run_kvserve("generate", "--model", str(model), "--prompts-file", str(path), "--max-tokens", "24",
+                           "--ignore-eos", "--json", "--device", "cuda", "--dtype", "float32", *flags)
+        outs[mode] = [r["token_ids"] for r in json.loads(proc.stdout)["results"]]
+    assert outs["graphs"] == outs["eager"]
+
+
+def test_bench_decode_replays_graphs_unless_enforce_eager():
+    model = ROOT / "models" / "tiny-llama"
+    args = ["bench", "decode", "--model", str(model), "--device", "cuda", "--context", "300", "--batch", "3",
+            "--steps", "6", "--warmup", "2", "--block-size", "16"]
+    graphs = json.loads(run_kvserve(*args).stdout.strip().splitlines()[-1])
+    eager = json.loads(run_kvserve(*args, "--enforce-eager").stdout.strip().splitlines()[-1])
+    assert graphs["cuda_graphs"] is True and graphs["cuda_graph_stats"]["replays"] == 8
+    assert graphs["cuda_graph_stats"]["eager"] == 0
+    assert eager["cuda_graphs"] is False
