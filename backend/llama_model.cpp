@@ -27,7 +27,6 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
   m->gemm_ = opt.cpu_gemm;
-
   m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
   // The CUDA decode kernels read K/V in q's dtype; a narrower CUDA cache would need them to widen.
   KV_CHECK(!m->device_.is_cuda() || m->kv_dtype_ == m->dtype_,

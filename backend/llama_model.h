@@ -43,7 +43,6 @@ struct LoadOptions {
   std::string dtype;  // empty = device default
   bool progress;
   CpuGemm cpu_gemm = CpuGemm::kMkl;  // prefill-sized fp32 CPU products
-
   // Storage dtype of the KV cache built from kv_layout(): "" or "auto" = the compute dtype; on CPU
   // float16 / bfloat16 under fp32 compute halve the cache (CUDA takes only the compute dtype).
   std::string kv_cache_dtype;
@@ -153,7 +152,6 @@ class LlamaModel {
   torch::Device device_{torch::kCPU};
   torch::Dtype dtype_ = torch::kFloat32;
   CpuGemm gemm_ = CpuGemm::kMkl;
-
   torch::Dtype kv_dtype_ = torch::kFloat32;
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;

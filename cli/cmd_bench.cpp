@@ -28,9 +28,7 @@ namespace kvserve::cli {
 namespace {
 
 struct BenchDecodeArgs {
-  std::string model, device = "cpu", dtype, cpu_gemm = "mkl";
-
-  std::string model, device = "cpu", dtype, kv_cache_dtype = "auto";
+  std::string model, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
@@ -200,14 +198,12 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
-
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   a->policy.add_to(cmd);
   cmd->callback([a] {
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
-
     load.kv_cache_dtype = a->kv_cache_dtype;
     auto model = LlamaModel::load(a->model, load);
     const auto specs = a->policy.specs();

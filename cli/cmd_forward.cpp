@@ -21,8 +21,6 @@ namespace kvserve::cli {
 namespace {
 struct ForwardArgs {
   std::string model, input_ids, output, device = "cpu", dtype, dump_kept, cpu_gemm = "mkl";
-
-  std::string model, input_ids, output, device = "cpu", dtype, dump_kept;
   std::string kv_cache_dtype = "auto";
   PolicyFlags policy;
   ParallelFlags parallel;
@@ -105,7 +103,6 @@ void add_forward_command(CLI::App& app) {
   cmd->add_option("--dtype", args->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", args->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
-
   add_kv_cache_dtype_option(cmd, args->kv_cache_dtype);
   args->policy.add_to(cmd);
   cmd->add_option("--dump-kept", args->dump_kept,
@@ -117,7 +114,6 @@ void add_forward_command(CLI::App& app) {
     load.device = args->device;
     load.dtype = args->dtype;
     load.cpu_gemm = cpu_gemm_from_name(args->cpu_gemm);
-
     load.kv_cache_dtype = args->kv_cache_dtype;
     // Every rank of a sharded job runs this same command on the same prompt (SPMD).
     auto job = ParallelJob::start(args->parallel.apply(), args->model, load);

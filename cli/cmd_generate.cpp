@@ -81,7 +81,6 @@ void add_generate_command(CLI::App& app) {
     load.device = a->device;
     load.dtype = a->dtype;
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
-
     load.kv_cache_dtype = a->kv_cache_dtype;
     load.progress = !a->json;
     auto job = ParallelJob::start(a->parallel.apply(), a->model, load);

@@ -18,9 +18,7 @@ namespace kvserve::cli {
 
 namespace {
 struct PerplexityArgs {
-  std::string model, input_ids, device = "cpu", dtype, cpu_gemm = "mkl";
-
-  std::string model, input_ids, device = "cpu", dtype, kv_cache_dtype = "auto";
+  std::string model, input_ids, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto";
   PolicyFlags policy;
   int64_t prefill = 1;
   bool per_token = false;
@@ -68,7 +66,6 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
-
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_flag("--per-token", a->per_token, "also print every scored token's NLL per document");
   a->policy.add_to(cmd);
@@ -76,7 +73,6 @@ void add_perplexity_command(CLI::App& app) {
     const auto docs = read_docs(a->input_ids);
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
-
     load.kv_cache_dtype = a->kv_cache_dtype;
     auto model = LlamaModel::load(a->model, load);
     const auto& c = model->config();

@@ -65,7 +65,6 @@ LoadOptions load_options(const config::ServerConfig& cfg) {
   load.device = cfg.model.device;
   load.dtype = dtype;
   load.cpu_gemm = cpu_gemm_from_name(cfg.model.cpu_gemm);
-
   load.kv_cache_dtype = cfg.cache.kv_cache_dtype;
   return load;
 }

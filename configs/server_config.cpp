@@ -244,20 +244,6 @@ class Parser {
     };
   }
 
-  Handler bool_of(bool& out) {
-    return [this, &out](const YAML::Node& n, const std::string& path) {
-      if (!scalar(n, path, "true or false")) return;
-      const std::string& s = n.Scalar();
-      if (s == "true") {
-        out = true;
-      } else if (s == "false") {
-        out = false;
-      } else {
-        error(n, path, "expected true or false, got " + describe(n));
-      }
-    };
-  }
-
   Handler number_of(double& out, double lo, double hi) {
     return [this, &out, lo, hi](const YAML::Node& n, const std::string& path) {
       if (!scalar(n, path, "a number")) return;
