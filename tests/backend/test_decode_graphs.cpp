@@ -322,9 +322,12 @@ TEST(DecodeGraphs, PaddedEagerModeMatchesPlainDecodeAsSequencesJoinAndFinish) {
   const Trace want = run_schedule(*model, *plain, [&](const DecodeBatch& b, const std::vector<int64_t>& t) {
     return model->decode(b, t, *plain);
   });
+  const int64_t gen0 = mem->cache().device_tables().generation();
   const Trace got = run_schedule(*model, *mem, [&](const DecodeBatch& b, const std::vector<int64_t>& t) {
     return graphs.decode(b, t);
   });
+  // The schedule outgrows the tables (what makes the CUDA test recapture).
+  EXPECT_GT(mem->cache().device_tables().generation(), gen0);
   float worst = 0;
   for (int s = 0; s < kSteps; ++s) {
     EXPECT_EQ(got.tokens[s], want.tokens[s]) << "step " << s;
@@ -379,7 +382,7 @@ TEST(DecodeGraphsCuda, ReplayMatchesEagerAsSequencesJoinAndFinish) {
             << ", eager " << st.eager << ", invalidations " << st.invalidations << "\n";
   EXPECT_LE(vs_eager, 1e-3);  // different split plans and GEMM row counts
   EXPECT_LE(vs_body, 1e-5);   // the same kernels on the same shapes: expected bitwise
-  expect_same_cache(*model, *plain, *replayed, 1e-5f);
+  expect_same_cache(*model, *plain, *replayed, 1e-4f);
   EXPECT_EQ(st.eager, 2);
   EXPECT_EQ(st.replays, kSteps - 2);
   // Buckets 1, 2, 4 and 6 were all used; the tables grew after graphs existed, so they were recaptured.
