@@ -121,6 +121,7 @@ KvMemoryLayout LlamaModel::kv_layout() const {
   l.head_dim = config_.head_dim;
   l.dtype = kv_dtype_;
   l.device = device_;
+  l.rounds = kv_dtype_ != dtype_;
   return l;
 }
 

@@ -55,8 +55,10 @@ bool Scheduler::may_chunk(int64_t n, const std::string& policy) const {
   if (!PagedKvMemory::chunkable(cfg)) return false;
   // A compressing policy holds the whole uncompressed prompt until its last chunk: where a pool
   // cannot hold that, the prompt is prefilled whole (at its compressed peak) instead.
-  for (const Pool& p : shards_)
+  for (const Pool& p : shards_) {
+    if (!cfg.is_full() && p.usage.geometry.rounds_kv) return false;  // see Geometry::rounds_kv
     if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n, true) > p.usage.blocks_total) return false;
+  }
   return true;
 }
 

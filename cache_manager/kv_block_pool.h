@@ -19,6 +19,7 @@ struct KvPoolOptions {
   double device_memory_fraction = 0.0;
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
+  bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
 };
 
 // Storage [num_blocks, 2, KV, block_size, D]: one block = K then V of all KV heads of one layer for

@@ -17,6 +17,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   pool.kv_cache_bytes = size.kv_cache_bytes;
   pool.dtype = layout.dtype;
   pool.device = layout.device;
+  pool.rounds = layout.rounds;
   shard.first_layer = layout.first_layer;
   shard.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
   return std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));

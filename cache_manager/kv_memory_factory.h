@@ -21,6 +21,7 @@ struct KvMemoryLayout {
   int64_t head_dim = 0;
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
+  bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
 };
 
 // How big the pool is: num_blocks when > 0, else kv_cache_bytes.

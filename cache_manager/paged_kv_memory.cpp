@@ -32,7 +32,7 @@ std::map<std::string, PolicyConfig> resolve_policies(
 PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std::map<std::string, PolicyConfig> policies,
                              std::string default_policy, KvShard shard)
     : num_layers_(num_layers), shard_(std::move(shard)), cache_(num_layers, pool), policies_(std::move(policies)),
-      default_policy_(std::move(default_policy)) {
+      default_policy_(std::move(default_policy)), rounds_kv_(pool.rounds) {
   if (shard_.total_layers == 0) shard_.total_layers = num_layers;
   if (!shard_.exchange) shard_.exchange = std::make_shared<LocalScoreExchange>();
   KV_CHECK(shard_.first_layer >= 0 && shard_.first_layer + num_layers <= shard_.total_layers,
@@ -56,7 +56,7 @@ const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
 }
 
 PagedKvMemory::Geometry PagedKvMemory::geometry() const {
-  return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size()};
+  return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size(), rounds_kv_};
 }
 
 bool PagedKvMemory::chunkable(const PolicyConfig& cfg) { return cfg.scorer != ScorerKind::kAccumulatedAttention; }
@@ -206,6 +206,8 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
                                               << ") cannot prefill in chunks; its prompts are prefilled whole");
     KV_CHECK(!shard_.exchange->gathers_queries() && shard_.first_layer == 0 && last_shard(),
              "chunked prefill of a compressing policy runs in one process only");
+    KV_CHECK(!rounds_kv_, "policy '" << s.policy->name << "' cannot prefill in chunks over a KV cache stored in another "
+                                     << "dtype than the model computes (its selection would see rounded keys)");
   }
   if (!compresses || !last) {
     // Every position stays until the last chunk: as they are for `full`, for the selection otherwise.

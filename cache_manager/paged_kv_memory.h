@@ -61,6 +61,10 @@ class PagedKvMemory final : public KvMemory {
   // runs it in the driving process for every shard of a sharded job).
   struct Geometry {
     int64_t first_layer = 0, num_layers = 0, total_layers = 0, num_kv_heads = 0, block_size = 16;
+    // The pool stores K/V in another dtype than the model computes them: a chunk reading the earlier
+    // chunks back gets them rounded, so compressing policies do not chunk (their selection must see
+    // the computed keys, as a whole prefill does).
+    bool rounds_kv = false;
   };
   Geometry geometry() const;
   // Blocks a prompt occupies at its peak under `cfg` in the shard's layers (DynamicKV: its
@@ -117,6 +121,7 @@ class PagedKvMemory final : public KvMemory {
   PagedKvCache cache_;
   std::map<std::string, PolicyConfig> policies_;
   std::string default_policy_;
+  bool rounds_kv_ = false;  // Geometry::rounds_kv
   std::unordered_map<int64_t, SeqState> seqs_;
 };
 

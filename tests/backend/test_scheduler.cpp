@@ -74,7 +74,7 @@ class FakeRunner final : public ModelRunner {
     }
     for (int64_t total : totals_) {
       ShardUsage u;
-      u.geometry = {0, kLayers, kLayers, 1, kBlock};
+      u.geometry = {0, kLayers, kLayers, 1, kBlock, rounds_kv};
       u.blocks_total = total;
       for (auto& [id, n] : len_) u.blocks_used += held(n);
       u.blocks_high_water = u.blocks_used;
@@ -95,6 +95,7 @@ class FakeRunner final : public ModelRunner {
   bool overflow = false;       // the scheduler admitted more than a pool holds
   int64_t fail_decode_of = -1;  // a decode step containing this sequence fails
   int64_t fail_prefill_of = -1;  // this sequence's next prefill (or chunk) fails
+  bool rounds_kv = false;        // the pools report a KV dtype other than the compute dtype
   int64_t used() const {
     int64_t n = 0;
     for (auto& [id, len] : len_) n += held(len);
@@ -367,6 +368,15 @@ TEST_F(SchedulerTest, H2oPromptsArePrefilledWhole) {
   make({1000}, 8, /*max_tokens=*/10, /*chunked=*/true);
   add(1, 25, 100, "h2o8"), add(2, 25, 100, "stream8");
   EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 25, true}}));  // alone, as without chunking
+  EXPECT_EQ(chunks(step()), (Chunks{{2, 0, 10, false}}));
+}
+
+TEST_F(SchedulerTest, OverARoundingKvCacheOnlyFullPromptsAreChunked) {
+  make({1000}, 8, /*max_tokens=*/10, /*chunked=*/true);
+  runner->rounds_kv = true;
+  sched->update(StepPlan{}, runner->execute(StepPlan{}));
+  add(1, 25, 100, "stream8"), add(2, 25);
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 25, true}}));  // compressing: whole, its selection sees fp32 keys
   EXPECT_EQ(chunks(step()), (Chunks{{2, 0, 10, false}}));
 }
 
