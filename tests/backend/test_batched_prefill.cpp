@@ -13,6 +13,7 @@
 #include "backend/llama_model.h"
 #include "backend/model_runner.h"
 #include "cache_manager/paged_kv_memory.h"
+#include "tests/support/fixture_models.h"
 
 namespace kvserve {
 namespace {
@@ -23,18 +24,8 @@ using Specs = std::map<std::string, std::map<std::string, std::string>>;
 // prompts that together cross the MLP's 512-row chunks at different offsets than alone.
 const std::vector<int64_t> kLens = {1, 17, 300, 700};
 
-std::string fixture(const std::string& name) {
-  const char* env = std::getenv("KVSERVE_FIXTURES");
-  if (!env) return "";
-  const std::string dir = std::string(env) + "/" + name;
-  return std::filesystem::exists(dir + "/config.json") ? dir : "";
-}
-
-std::vector<int64_t> make_prompt(int64_t T, int64_t salt, int64_t vocab) {
-  std::vector<int64_t> p;
-  for (int64_t t = 0; t < T; ++t) p.push_back((t * 7919 + salt * 104729 + (t * t) % 97) % vocab);
-  return p;
-}
+using test::fixture;
+using test::make_prompt;
 
 std::vector<std::vector<int64_t>> make_prompts(const std::vector<int64_t>& lens, int64_t vocab) {
   std::vector<std::vector<int64_t>> out;
@@ -112,14 +103,7 @@ TEST_P(BatchedPrefill, LogitsAndKvMatchPromptsAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, BatchedPrefill,
-                         ::testing::Values("llama-gqa", "llama-mha", "llama-kvfew", "qwen2-bias", "mistral", "llama3-rope",
-                                           "llama-tied"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& ch : s)
-                             if (ch == '-') ch = '_';
-                           return s;
-                         });
+                         test::fixture_models(), test::fixture_param_name);
 
 // Budgets small enough that the 300- and 700-token prompts compress and the short ones do not.
 const Specs& policy_specs() {

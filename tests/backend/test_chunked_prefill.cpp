@@ -13,24 +13,15 @@
 #include "backend/llama_model.h"
 #include "backend/model_runner.h"
 #include "cache_manager/paged_kv_memory.h"
+#include "tests/support/fixture_models.h"
 
 namespace kvserve {
 namespace {
 
 using Specs = std::map<std::string, std::map<std::string, std::string>>;
 
-std::string fixture(const std::string& name) {
-  const char* env = std::getenv("KVSERVE_FIXTURES");
-  if (!env) return "";
-  const std::string dir = std::string(env) + "/" + name;
-  return std::filesystem::exists(dir + "/config.json") ? dir : "";
-}
-
-std::vector<int64_t> make_prompt(int64_t T, int64_t salt, int64_t vocab) {
-  std::vector<int64_t> p;
-  for (int64_t t = 0; t < T; ++t) p.push_back((t * 7919 + salt * 104729 + (t * t) % 97) % vocab);
-  return p;
-}
+using test::fixture;
+using test::make_prompt;
 
 std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, const Specs& specs = {}) {
   const auto& c = m.config();
@@ -104,14 +95,7 @@ TEST_P(ChunkedPrefill, LogitsKvAndDecodeMatchWholePrompt) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ChunkedPrefill,
-                         ::testing::Values("llama-gqa", "llama-mha", "llama-kvfew", "qwen2-bias", "mistral", "llama3-rope",
-                                           "llama-tied"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& ch : s)
-                             if (ch == '-') ch = '_';
-                           return s;
-                         });
+                         test::fixture_models(), test::fixture_param_name);
 
 // Budgets small enough that the 700-token prompt compresses in every policy.
 const Specs& policy_specs() {
@@ -164,7 +148,9 @@ TEST_P(ChunkedPrefillPolicy, KeepsThePositionsOfTheWholePrompt) {
   }
   std::cout << "[ " << policy << " ] max |chunked - whole| last logits " << logit_diff << "\n";
   EXPECT_LE(logit_diff, 1e-4);
-  if (policy != "full") EXPECT_GT(compressed, 0) << "the policy compressed nothing";
+  if (policy != "full") {
+    EXPECT_GT(compressed, 0) << "the policy compressed nothing";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ChunkedPrefillPolicy,
