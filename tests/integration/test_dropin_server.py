@@ -169,6 +169,12 @@ def test_echo_logprobs_score_the_prompt_as_transformers(srv):
         entry = plp[t][str(ids[t])]
         assert entry["logprob"] == pytest.approx(want[t - 1], abs=2e-4)
         assert entry["rank"] >= 1 and len(plp[t]) <= 3
+    # One forward over the whole prompt, before any compression: the same under a compressing policy.
+    long_ids = tokenize(srv, " ".join(f"item {i} is {i * 7 % 13}." for i in range(30)), add_special_tokens=True)
+    by_policy = [c.completions.create(model="tiny", prompt=long_ids, max_tokens=1,
+                                      extra_body={"prompt_logprobs": 0, "kv_policy": p}).choices[0].model_extra
+                 ["prompt_logprobs"] for p in ("full", "pyramidkv")]
+    assert len(long_ids) > 24 and by_policy[0] == by_policy[1]
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                      extra_body={"prompt_logprobs": 0})
     assert chat.model_extra["prompt_logprobs"][0] is None
