@@ -104,6 +104,8 @@ void Engine::submit(GenerationRequest req, EventCallback on_event) {
   if (req.kv_policy.empty()) req.kv_policy = options_.default_policy;
   if (!has_policy(req.kv_policy)) KV_FAIL("unknown kv_policy '" << req.kv_policy << "'");
   KV_CHECK(req.sampling.max_tokens >= 1, "max_tokens must be at least 1");
+  if (req.sampling.prompt_logprobs >= 0 && !impl_->runner->prompt_logprobs())
+    KV_FAIL("prompt_logprobs are not supported by the sharded (tensor/pipeline parallel) runtime");
   auto seq = std::make_unique<Sequence>();
   seq->arrival = std::chrono::steady_clock::now();
   seq->req = std::move(req);

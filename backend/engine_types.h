@@ -22,6 +22,7 @@ struct TokenLogprob {
   int64_t token_id = 0;
   std::string token;  // decoded text of this single token
   double logprob = 0.0;
+  int64_t rank = 0;   // 1-based rank in its distribution (prompt_logprobs); 0 = not computed
 };
 
 // Emitted by the engine as a request progresses; the last event has finished = true.
@@ -30,6 +31,10 @@ struct GenerationEvent {
   std::vector<int64_t> token_ids;         // tokens generated in this step
   std::vector<TokenLogprob> chosen;       // per token, when logprobs were requested
   std::vector<std::vector<TokenLogprob>> top_logprobs;
+  // prompt_logprobs, on the first token's event: per prompt position from the second on (the first
+  // has no logprob), the prompt token's logprob and the top-k of that position.
+  std::vector<TokenLogprob> prompt_chosen;
+  std::vector<std::vector<TokenLogprob>> prompt_top;
   bool finished = false;
   std::string finish_reason;              // "stop" | "length" | "abort" | "error"
   std::string error;                      // when finish_reason == "error"

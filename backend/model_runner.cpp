@@ -49,10 +49,16 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   // the one at fault reports an error, as when every prompt ran alone. A chunk that continues a
   // prompt runs alone: its failure frees the earlier chunks' KV, so it could not be retried.
   auto input = [](const PrefillWork& p) { return PrefillInput{p.seq_id, p.tokens, p.policy, p.start, p.total()}; };
+  // prompt_logprobs (top-k, or -1): such a prompt runs alone, with the logits of every position. The
+  // scheduler prefills it whole.
+  auto prompt_k = [&](const PrefillWork& p) {
+    return p.sample && !p.chunked() ? samplers_.prompt_logprobs(p.seq_id) : int64_t{-1};
+  };
   for (size_t g = 0; g < plan.prefill.size();) {
     size_t end = g + 1;
     for (size_t rows = plan.prefill[g].tokens.size();
-         plan.prefill[g].start == 0 && end < plan.prefill.size() && plan.prefill[end].start == 0 &&
+         plan.prefill[g].start == 0 && prompt_k(plan.prefill[g]) < 0 && end < plan.prefill.size() &&
+         plan.prefill[end].start == 0 && prompt_k(plan.prefill[end]) < 0 &&
          rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows;
          ++end)
       rows += plan.prefill[end].tokens.size();
@@ -100,8 +106,12 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       const PrefillWork& p = plan.prefill[i];
       PrefillOutcome o;
       try {
-        torch::Tensor logits = model_->prefill_batch({input(p)}, *kv_);
-        if (p.sample && p.last_chunk()) o.first = samplers_.sample(p.seq_id, logits[0], p.ban_eos);
+        const int64_t k = prompt_k(p);
+        torch::Tensor logits = model_->prefill_batch({input(p)}, *kv_, /*all_logits=*/k >= 0);
+        if (p.sample && p.last_chunk()) {
+          o.first = samplers_.sample(p.seq_id, logits[logits.size(0) - 1], p.ban_eos);
+          if (k >= 0) o.first->prompt = kvserve::prompt_logprobs(logits, p.tokens, k);
+        }
         o.kept_tokens = kv_->kept_tokens(p.seq_id);
       } catch (const std::exception& e) {
         o.error = e.what();

@@ -30,6 +30,9 @@ class ModelRunner {
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
   virtual bool chunked_prefill() const { return false; }
+  // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
+  // runtime's last stage returns the last position's only.
+  virtual bool prompt_logprobs() const { return false; }
 };
 
 struct LocalRunnerOptions {
@@ -45,6 +48,7 @@ class LocalRunner final : public ModelRunner {
   ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
+  bool prompt_logprobs() const override { return true; }
   // Null when decode runs eagerly.
   const DecodeGraphs* decode_graphs() const { return graphs_.get(); }
 

@@ -25,14 +25,17 @@ std::optional<std::string> OutputProcessor::on_token(Sequence& s, const SampledT
   const bool is_stop_id = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok) != sp.stop_token_ids.end();
   GenerationEvent ev;
   ev.token_ids = {tok};
-  if (sp.logprobs >= 0) {
-    TokenLogprob c = t.chosen;
-    c.token = tokenizer_.decode({tok});
-    ev.chosen.push_back(c);
-    std::vector<TokenLogprob> top = t.top;
-    for (auto& x : top) x.token = tokenizer_.decode({x.token_id});
-    ev.top_logprobs.push_back(std::move(top));
-  }
+  // A sampled token's logprobs with their token texts.
+  auto with_texts = [&](const SampledToken& x, std::vector<TokenLogprob>& chosen, std::vector<std::vector<TokenLogprob>>& tops) {
+    TokenLogprob c = x.chosen;
+    c.token = tokenizer_.decode({x.token});
+    chosen.push_back(c);
+    std::vector<TokenLogprob> top = x.top;
+    for (auto& y : top) y.token = tokenizer_.decode({y.token_id});
+    tops.push_back(std::move(top));
+  };
+  if (sp.logprobs >= 0) with_texts(t, ev.chosen, ev.top_logprobs);
+  for (const SampledToken& p : t.prompt) with_texts(p, ev.prompt_chosen, ev.prompt_top);
   std::optional<std::string> reason;
   if ((is_eos || is_stop_id) && static_cast<int64_t>(s.output.size()) > sp.min_tokens) {
     reason = "stop";  // the stop token's own text is not part of the output

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/logits_processors.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -269,10 +270,57 @@ torch::Tensor sample_rows(const torch::Tensor& l, int64_t K, const torch::Tensor
 
 }  // namespace
 
+std::vector<SampledToken> prompt_logprobs(const torch::Tensor& logits, const std::vector<int64_t>& tokens, int64_t k) {
+  const auto T = static_cast<int64_t>(tokens.size());
+  KV_CHECK(logits.dim() == 2 && logits.size(0) == T, "internal: prompt logits " << logits.sizes() << " for " << T << " tokens");
+  if (T < 2) return {};
+  const int64_t V = logits.size(1);
+  k = std::min(k, V);
+  const torch::Device device = logits.device();
+  const auto next = torch::tensor(std::vector<int64_t>(tokens.begin() + 1, tokens.end()), torch::kInt64).to(device);
+  // Row blocks bound the float64 temporaries of the log-softmax (a long prompt's [T, V] would not).
+  constexpr int64_t kRows = 256;
+  std::vector<torch::Tensor> chosen, rank, top_id, top_lp;
+  for (int64_t at = 0; at < T - 1; at += kRows) {
+    const int64_t n = std::min(kRows, T - 1 - at);
+    const auto lp = model_logprobs(logits.narrow(0, at, n).to(torch::kFloat32).contiguous());
+    const auto c = lp.gather(1, next.narrow(0, at, n).unsqueeze(1));
+    chosen.push_back(c.to(torch::kFloat64).view(torch::kInt64).view(-1));
+    rank.push_back((lp > c).sum(1) + 1);
+    if (k > 0) {
+      const auto ids = top_ids(lp, k);
+      top_id.push_back(ids.reshape(-1));
+      top_lp.push_back(lp.gather(1, ids).to(torch::kFloat64).view(torch::kInt64).reshape(-1));
+    }
+  }
+  std::vector<torch::Tensor> parts = chosen;
+  parts.insert(parts.end(), rank.begin(), rank.end());
+  parts.insert(parts.end(), top_id.begin(), top_id.end());
+  parts.insert(parts.end(), top_lp.begin(), top_lp.end());
+  const torch::Tensor host = torch::cat(parts).to(torch::kCPU).contiguous();
+  const int64_t* h = host.data_ptr<int64_t>();
+  const int64_t R = T - 1;
+  std::vector<SampledToken> out(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    SampledToken& s = out[static_cast<size_t>(r)];
+    s.token = tokens[static_cast<size_t>(r + 1)];
+    s.chosen = TokenLogprob{s.token, "", std::bit_cast<double>(h[r]), h[R + r]};
+    const int64_t* ids = h + 2 * R + r * k;
+    const int64_t* lps = h + 2 * R + R * k + r * k;
+    for (int64_t c = 0; c < k; ++c) s.top.push_back(TokenLogprob{ids[c], "", std::bit_cast<double>(lps[c]), c + 1});
+  }
+  return out;
+}
+
+int64_t SamplerBank::prompt_logprobs(int64_t seq_id) const {
+  auto it = entries_.find(seq_id);
+  return it == entries_.end() ? -1 : it->second.params.prompt_logprobs;
+}
+
 void SamplerBank::add(int64_t seq_id, const SamplingParams& params, const std::vector<int64_t>& prompt, uint64_t seed,
                       std::vector<int64_t> eos_ids) {
   remove(seq_id);
-  Entry e{params, std::mt19937_64(params.seed.value_or(seed)), std::move(eos_ids), {}, -1};
+  Entry e{params, std::mt19937_64(params.seed.value_or(seed)), std::move(eos_ids), {}, -1, {}};
   if (uses_penalties(params)) e.prompt = prompt;
   entries_.emplace(seq_id, std::move(e));
 }
@@ -367,6 +415,10 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
       top_n = std::max(top_n, std::min(p.logprobs, V));
     }
   }
+  std::vector<LogitEditRow> edits;
+  for (int64_t i = 0; i < B; ++i)
+    if (has_logit_edits(rows[static_cast<size_t>(i)]->params))
+      edits.push_back({i, &rows[static_cast<size_t>(i)]->params, &rows[static_cast<size_t>(i)]->output});
   StepWords w;
   const auto w_ban = w.add(ban), w_s_rows = w.add(s_rows), w_s_nk = w.add(s_nk), w_p_rows = w.add(p_rows),
              w_p_slots = w.add(p_slots), w_l_rows = w.add(l_rows), w_new = w.add(new_slots),
@@ -377,7 +429,7 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
 
   // Device side: no host syncs until the results are copied back.
   torch::Tensor l = logits_in.to(torch::kFloat32).contiguous();
-  if (!ban.empty() || !p_rows.empty()) l = l.clone();  // never write into the model's logits
+  if (!ban.empty() || !p_rows.empty() || !edits.empty()) l = l.clone();  // never write into the model's logits
   if (!ban.empty()) l.view(-1).index_fill_(0, longs(dev, w_ban), -std::numeric_limits<float>::infinity());
 
   torch::Tensor l_idx, lp, top_lp_vals, top_lp_ids;
@@ -390,6 +442,8 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
       top_lp_vals = lp.gather(1, top_lp_ids);
     }
   }
+
+  apply_logit_edits(l, edits);  // after the logprobs, which report the model's own distribution
 
   if (!new_slots.empty()) {
     const auto fresh = longs(dev, w_new);
@@ -478,13 +532,17 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   const int64_t* top_lp = top_id + L * top_n;
 
   std::vector<SampledToken> out(static_cast<size_t>(B));
-  for (int64_t i = 0; i < B; ++i) out[static_cast<size_t>(i)].token = h[i];
+  for (int64_t i = 0; i < B; ++i) {
+    out[static_cast<size_t>(i)].token = h[i];
+    Entry& e = *rows[static_cast<size_t>(i)];
+    if (!e.params.bad_words_ids.empty()) e.output.push_back(h[i]);
+  }
   for (int64_t j = 0; j < L; ++j) {
     SampledToken& s = out[static_cast<size_t>(l_rows[static_cast<size_t>(j)])];
-    s.chosen = TokenLogprob{s.token, "", std::bit_cast<double>(chosen_lp[j])};
+    s.chosen = TokenLogprob{s.token, "", std::bit_cast<double>(chosen_lp[j]), 0};
     const int64_t k = std::min(rows[static_cast<size_t>(l_rows[static_cast<size_t>(j)])]->params.logprobs, V);
     for (int64_t c = 0; c < k; ++c)
-      s.top.push_back(TokenLogprob{top_id[j * top_n + c], "", std::bit_cast<double>(top_lp[j * top_n + c])});
+      s.top.push_back(TokenLogprob{top_id[j * top_n + c], "", std::bit_cast<double>(top_lp[j * top_n + c]), 0});
   }
   return out;
 }

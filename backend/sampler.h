@@ -18,13 +18,22 @@ struct SampledToken {
   int64_t token = 0;
   TokenLogprob chosen;
   std::vector<TokenLogprob> top;
+  // prompt_logprobs (a prefill's first token only): per prompt position from the second on, that
+  // prompt token as `token`/`chosen` and the position's top-k.
+  std::vector<SampledToken> prompt;
 };
+
+// The logprob of each prompt token after the first under the model's fp32 logits of every prompt
+// position ([T, V]; row t predicts token t + 1), and each row's top-k (ids ascending among equal
+// logprobs). One device-to-host copy.
+std::vector<SampledToken> prompt_logprobs(const torch::Tensor& logits, const std::vector<int64_t>& tokens, int64_t k);
 
 // The samplers of the sequences this process samples for: the process that holds the logits (one
 // process, or a pipeline's last stage), so that only token ids and logprobs have to travel.
 //
 // Per row, in this order: EOS masking (ban_eos), logprobs of that distribution (the model's own,
-// before penalties), repetition penalty (prompt + output tokens), presence/frequency penalties
+// before penalties), the request's logit edits (logit_bias, allowed_token_ids, bad_words:
+// backend/logits_processors.h), repetition penalty (prompt + output tokens), presence/frequency penalties
 // (output counts), then greedy (first maximum) or temperature with top-k, top-p, min-p and one
 // uniform draw over the kept mass. The arithmetic is the former per-row host sampler's (float64
 // probabilities over candidates sorted by descending logit, lower id first on ties), so the same
@@ -41,6 +50,8 @@ class SamplerBank {
                                          const std::vector<char>& ban_eos);
   // One row: logits [V] or [1, V].
   SampledToken sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos);
+  // The sequence's prompt_logprobs (-1: none, or no such sequence).
+  int64_t prompt_logprobs(int64_t seq_id) const;
   // Rows of the device penalty pool held by live sequences (the ones whose params use a penalty).
   int64_t penalty_rows_in_use() const { return pool_capacity_ - static_cast<int64_t>(free_slots_.size()); }
 
@@ -52,6 +63,7 @@ class SamplerBank {
     std::vector<int64_t> eos_ids;
     std::vector<int64_t> prompt;  // kept until the first sample seeds the penalty row (V is known then)
     int64_t slot = -1;            // row of the penalty pool; -1: none (yet)
+    std::vector<int64_t> output;  // sampled tokens, kept only for bad_words (matched against their ends)
   };
   int64_t acquire_slot(int64_t vocab, const torch::Device& device);
 

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kvserve {
@@ -24,6 +25,12 @@ struct SamplingParams {
   bool include_stop_str_in_output = false;
   int64_t logprobs = -1;                  // -1: none; n >= 0: chosen token's logprob + top-n
   bool skip_special_tokens = true;
+  // Logit edits (backend/logits_processors.h), applied before penalties and sampling; token ids
+  // are checked against the vocabulary at the HTTP edge.
+  std::vector<std::pair<int64_t, double>> logit_bias;  // token id -> added to its logit
+  std::vector<int64_t> allowed_token_ids;              // non-empty: every other token is masked
+  std::vector<std::vector<int64_t>> bad_words_ids;     // a word's tokens: its last one is masked after the others
+  int64_t prompt_logprobs = -1;  // -1: none; k >= 0: each prompt token's logprob (after the first) + top-k
 };
 
 }  // namespace kvserve

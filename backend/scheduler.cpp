@@ -170,7 +170,8 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       continue;
     }
     const int64_t budget = options_.max_num_batched_tokens - prefilled;
-    const bool chunk = n > budget && may_chunk(n, s.req.kv_policy);
+    // prompt_logprobs need every position's logits from one forward: such prompts run whole.
+    const bool chunk = n > budget && s.req.sampling.prompt_logprobs < 0 && may_chunk(n, s.req.kv_policy);
     if (chunk ? budget <= 0 : prefilled > 0 && n > budget) break;
     const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
     bool fits = true;

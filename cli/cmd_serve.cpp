@@ -37,6 +37,7 @@ struct ServeArgs {
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
   std::optional<bool> enable_chunked_prefill;
+  std::vector<std::string> allowed_origins;  // --allowed-origins (replaces server.allowed_origins)
   ParallelFlags parallel;
   bool quiet = false, enforce_eager = false;
 };
@@ -104,6 +105,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.max_model_len) c.model.max_model_len = *a.max_model_len;
   if (a.enforce_eager) c.model.enforce_eager = true;
   if (a.api_key) c.server.api_key = *a.api_key;
+  if (!a.allowed_origins.empty()) c.server.allowed_origins = a.allowed_origins;
   bytes(a.kv_cache_bytes, c.cache.kv_cache_bytes, "--kv-cache-bytes");
   bytes(a.max_body_bytes, c.server.max_body_bytes, "--max-body-bytes");
   if (a.block_size) c.cache.block_size = *a.block_size;
@@ -191,6 +193,7 @@ int serve(const ServeArgs& a) {
   sopt.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
   sopt.max_concurrent_connections = cfg.server.max_concurrent_connections;
   sopt.log_requests = !a.quiet;
+  sopt.allowed_origins = cfg.server.allowed_origins;
   http::HttpServer server(sopt, service);
   server.start();
   KV_LOG("listening on http://" << cfg.server.host << ":" << server.port() << " (model '" << model_name
@@ -275,6 +278,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--api-key", a->api_key, "require Authorization: Bearer <key> (also $KVSERVE_API_KEY)");
   cmd->add_option("--threads", a->threads, "HTTP I/O threads");
   cmd->add_option("--max-body-bytes", a->max_body_bytes, "request body limit, e.g. 1MiB");
+  cmd->add_option("--allowed-origins", a->allowed_origins,
+                  "CORS: browser origins allowed to call the API, e.g. https://app.example.com or '*' (sets server.allowed_origins)")
+      ->delimiter(',');
   cmd->add_option("--kv-cache-bytes", a->kv_cache_bytes, "KV cache pool size, e.g. 2GiB");
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);

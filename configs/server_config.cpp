@@ -532,7 +532,22 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"max_concurrent_connections", p.int_of(s.max_concurrent_connections, 1, 1000000)},
                                   {"retry_after_s", p.int_of(s.retry_after_s, 0, 86400)},
                                   {"threads", p.int_of(s.threads, 1, 256)},
-                                  {"drain_timeout_s", p.number_of(s.drain_timeout_s, 0.0, 1e7)}});
+                                  {"drain_timeout_s", p.number_of(s.drain_timeout_s, 0.0, 1e7)},
+                                  {"allowed_origins", [&](const YAML::Node& v, const std::string& vp) {
+                                     if (v.IsNull()) return;
+                                     if (!v.IsSequence()) {
+                                       p.error(v, vp, "expected a list of origins (e.g. [\"https://app.example.com\"] or [\"*\"]), got " + describe(v));
+                                       return;
+                                     }
+                                     s.allowed_origins.clear();
+                                     for (const auto& item : v) {
+                                       if (!item.IsScalar() || item.Scalar().empty()) {
+                                         p.error(item, vp, "expected an origin such as https://app.example.com or *");
+                                         continue;
+                                       }
+                                       s.allowed_origins.push_back(item.Scalar());
+                                     }
+                                   }}});
                    })},
                   {"cache", H([&](const YAML::Node& n, const std::string& path) {
                      p.parse_map(n, path,

@@ -5,7 +5,7 @@
 //   model:     {path, served_model_name, device, dtype, max_model_len, enforce_eager}
 //   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
-//               retry_after_s, threads, drain_timeout_s}
+//               retry_after_s, threads, drain_timeout_s, allowed_origins}
 //   cache:     {block_size, kv_cache_bytes, kv_cache_dtype}
 //   scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting}
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
@@ -50,6 +50,7 @@ struct ServerSection {
   int64_t retry_after_s = 1;         // Retry-After of 429 (queue full) and 503 (over capacity, draining)
   int threads = 2;                   // I/O threads
   double drain_timeout_s = 30.0;     // SIGTERM: how long in-flight requests may still run
+  std::vector<std::string> allowed_origins;  // CORS: browser origins allowed ("*" = any); empty = off
 };
 
 struct CacheSection {

@@ -15,7 +15,15 @@ namespace {
 void check(const ParsedRequest& r, const kvserve::http::ParserLimits& lim) {
   // What the parser accepted must be within the limits the rest of the server relies on.
   if (r.n < 1 || r.n > lim.max_n) std::abort();
-  if (r.sampling.max_tokens < 1 || r.sampling.max_tokens > lim.max_tokens) std::abort();
+  // 0 only for a completion's echo (the prompt alone).
+  if (r.sampling.max_tokens < (r.echo ? 0 : 1) || r.sampling.max_tokens > lim.max_tokens) std::abort();
+  if (static_cast<int64_t>(r.bad_words.size()) > lim.max_bad_words) std::abort();
+  if (static_cast<int64_t>(r.sampling.logit_bias.size()) > lim.max_logit_bias) std::abort();
+  for (const auto& [t, b] : r.sampling.logit_bias)
+    if (t < 0 || !(b >= -100.0 && b <= 100.0)) std::abort();
+  for (int64_t t : r.sampling.allowed_token_ids)
+    if (t < 0) std::abort();
+  if (r.sampling.prompt_logprobs > lim.max_logprobs || (r.stream && r.sampling.prompt_logprobs >= 0 && !r.echo)) std::abort();
   if (static_cast<int64_t>(r.sampling.stop.size()) > lim.max_stop) std::abort();
   if (r.sampling.logprobs > lim.max_logprobs || r.top_logprobs > lim.max_logprobs) std::abort();
   if (static_cast<int64_t>(r.prompts.size()) > lim.max_prompts) std::abort();

@@ -41,6 +41,11 @@ class EngineBackend : public ServingBackend {
     return tokenizer_->encode(text, add_special_tokens);
   }
   std::string decode(const std::vector<int64_t>& ids) const override { return tokenizer_->decode(ids, false); }
+  std::vector<std::string> token_strings(const std::vector<int64_t>& ids) const override {
+    std::vector<std::string> out;
+    for (int64_t id : ids) out.push_back(tokenizer_->id_to_token(id));
+    return out;
+  }
   int64_t max_model_len() const override { return max_model_len_; }
   int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
   void shutdown(bool drain) override { engine_->shutdown(drain); }

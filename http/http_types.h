@@ -3,6 +3,7 @@
 // OpenAI routes (openai_service.cpp).
 #include <functional>
 #include <map>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,15 @@ struct HttpRequest {
 };
 
 using HeaderList = std::vector<std::pair<std::string, std::string>>;
+
+// n random hexadecimal digits (response ids, request ids).
+inline std::string random_hex(size_t n) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static const char* digits = "0123456789abcdef";
+  std::string s(n, '0');
+  for (auto& c : s) c = digits[rng() & 15];
+  return s;
+}
 
 struct HttpResponse {
   int status = 200;

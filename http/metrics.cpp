@@ -1,8 +1,10 @@
 // Prometheus text exposition of the server's metrics.
 #include "http/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <tuple>
 
 namespace kvserve::http {
@@ -33,6 +35,54 @@ void header(std::string& out, const std::string& name, const char* type, const c
 }
 
 }  // namespace
+
+const std::vector<std::pair<std::string, std::string>>& vllm_metric_names() {
+  static const std::vector<std::pair<std::string, std::string>> names = {
+      {"kvserve:num_requests_running", "vllm:num_requests_running"},
+      {"kvserve:num_requests_waiting", "vllm:num_requests_waiting"},
+      {"kvserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"},
+      {"kvserve:prompt_tokens_total", "vllm:prompt_tokens_total"},
+      {"kvserve:generation_tokens_total", "vllm:generation_tokens_total"},
+      {"kvserve:num_preemptions_total", "vllm:num_preemptions_total"},
+      {"kvserve:request_success_total", "vllm:request_success_total"},
+      {"kvserve:time_to_first_token_seconds", "vllm:time_to_first_token_seconds"},
+      {"kvserve:inter_token_latency_seconds", "vllm:inter_token_latency_seconds"},
+      {"kvserve:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"},
+      {"kvserve:request_queue_time_seconds", "vllm:request_queue_time_seconds"},
+  };
+  return names;
+}
+
+std::string vllm_aliases(const std::string& text) {
+  std::map<std::string, std::string> to;
+  for (const auto& [k, v] : vllm_metric_names()) to[k] = v;
+  // A histogram's series are its name plus one of these.
+  static const char* kSuffixes[] = {"", "_bucket", "_sum", "_count"};
+  auto rename = [&](const std::string& name) -> std::string {
+    for (const char* suffix : kSuffixes) {
+      const std::string sfx = suffix;
+      if (name.size() < sfx.size() || name.compare(name.size() - sfx.size(), sfx.size(), sfx) != 0) continue;
+      auto it = to.find(name.substr(0, name.size() - sfx.size()));
+      if (it != to.end()) return it->second + sfx;
+    }
+    return "";
+  };
+  std::string out;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(at, end - at);
+    at = end + 1;
+    // "# HELP name ...", "# TYPE name ...", or "name{labels} value".
+    const size_t name_at = line.rfind("# HELP ", 0) == 0 || line.rfind("# TYPE ", 0) == 0 ? 7 : 0;
+    if (name_at == 0 && line.rfind("#", 0) == 0) continue;
+    const size_t name_end = line.find_first_of("{ ", name_at);
+    const std::string renamed = rename(line.substr(name_at, name_end - name_at));
+    if (!renamed.empty()) out += line.substr(0, name_at) + renamed + line.substr(std::min(name_end, line.size())) + "\n";
+  }
+  return out;
+}
 
 std::string prometheus_escape(const std::string& value) {
   std::string out;
@@ -225,7 +275,7 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   for (const auto& [reason, n] : connections_closed_)
     out += "kvserve:http_connections_closed_total{" + model + ",reason=\"" + prometheus_escape(reason) + "\"} " +
            std::to_string(n) + "\n";
-  return out;
+  return out + vllm_aliases(out);
 }
 
 }  // namespace kvserve::http

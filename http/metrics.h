@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/engine.h"
@@ -75,6 +76,14 @@ class ServerMetrics {
   std::map<int, uint64_t> http_status_;
   std::map<std::string, uint64_t> connections_closed_;
 };
+
+// kvserve series that vLLM exports too, as (kvserve name, vLLM name): /metrics repeats each under
+// its vLLM name (same labels, model_name included), so that dashboards and autoscaling rules
+// written for vLLM read kvserve unchanged. A new series with a vLLM twin adds a row here.
+const std::vector<std::pair<std::string, std::string>>& vllm_metric_names();
+
+// Prometheus text -> the lines of the series in vllm_metric_names() under their vLLM names.
+std::string vllm_aliases(const std::string& text);
 
 // Escapes a Prometheus label value (backslash, quote, newline).
 std::string prometheus_escape(const std::string& value);

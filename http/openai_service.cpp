@@ -7,7 +7,9 @@
 #include <random>
 #include <set>
 
+#include "backend/logits_processors.h"
 #include "common/check.h"
+#include "http/tokenize_routes.h"
 
 namespace kvserve::http {
 
@@ -25,14 +27,6 @@ HttpResponse error_response(const ApiError& error) {
 
 namespace {
 
-std::string random_hex(size_t n) {
-  thread_local std::mt19937_64 rng{std::random_device{}()};
-  static const char* digits = "0123456789abcdef";
-  std::string s(n, '0');
-  for (auto& c : s) c = digits[rng() & 15];
-  return s;
-}
-
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -48,6 +42,27 @@ json utf8_bytes(const std::string& s) {
   json arr = json::array();
   for (unsigned char c : s) arr.push_back(static_cast<int>(c));
   return arr;
+}
+
+// Token ids of logit_bias and allowed_token_ids must be in the vocabulary; bad_words become vLLM's
+// token sequences.
+void check_logit_edits(ParsedRequest& req, const ServingBackend& backend) {
+  const int64_t vocab = backend.vocab_size();
+  auto in_vocab = [&](int64_t t, const char* param) {
+    if (t >= vocab)
+      throw ApiError(400, "token id " + std::to_string(t) + " in '" + param + "' is outside the vocabulary (" +
+                              std::to_string(vocab) + ")", param);
+  };
+  for (const auto& [t, b] : req.sampling.logit_bias) in_vocab(t, "logit_bias");
+  for (int64_t t : req.sampling.allowed_token_ids) in_vocab(t, "allowed_token_ids");
+  req.sampling.bad_words_ids =
+      bad_words_token_ids(req.bad_words, [&](const std::string& w) { return backend.encode(w, false); });
+  for (const auto& w : req.sampling.bad_words_ids)
+    for (int64_t t : w) in_vocab(t, "bad_words");
+}
+
+ApiError unauthorized() {
+  return ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "", "", "invalid_api_key");
 }
 
 std::string sse(const json& j) { return "data: " + dump_json(j) + "\n\n"; }
@@ -69,6 +84,10 @@ struct Choice {
   json chat_logprobs = json::array();  // chat: content entries
   json tokens = json::array(), token_logprobs = json::array(), top_logprobs = json::array(), text_offset = json::array();
   size_t text_bytes = 0;  // completions text_offset
+  bool prompt_seen = false;  // the first event (which carries prompt_logprobs) arrived
+  bool echoed = false;       // stream: the echoed prompt was sent
+  json prompt_logprobs;      // vLLM's [null, {id: {logprob, rank, decoded_token}}, ...]
+  json echo_logprobs;        // completions echo + logprobs: the prompt's part of `logprobs`
 };
 
 // One HTTP generation request: n choices per prompt, possibly streamed.
@@ -89,6 +108,8 @@ struct Exchange {
   std::vector<Choice> choices;
   std::vector<int64_t> prompt_tokens;  // per prompt
   std::vector<std::string> echo_text;  // per prompt (completions echo)
+  std::vector<std::string> first_token_text;  // per prompt: the token echo's logprobs start with
+  bool echo_only = false;  // echo with max_tokens 0: the one token generated is not returned
   size_t remaining = 0;
   bool started = false;  // stream headers sent (events before that are buffered)
   bool done = false;     // the response is complete (or failed); later events are ignored
@@ -162,10 +183,53 @@ struct Exchange {
     return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
   }
 
-  void on_event(size_t index, const GenerationEvent& ev) {
+  // The prompt's logprobs, from a choice's first event: vLLM's prompt_logprobs, and for an echo with
+  // logprobs the prompt's tokens in the completions format (the first without a logprob).
+  void take_prompt(Choice& c, const GenerationEvent& ev) {
+    c.prompt_seen = true;
+    if (req.sampling.prompt_logprobs >= 0) {
+      c.prompt_logprobs = json::array({nullptr});
+      for (size_t i = 0; i < ev.prompt_chosen.size(); ++i) {
+        const auto& t = ev.prompt_chosen[i];
+        json entry = {{std::to_string(t.token_id), {{"logprob", t.logprob}, {"rank", t.rank}, {"decoded_token", t.token}}}};
+        for (const auto& alt : ev.prompt_top[i])
+          if (!entry.contains(std::to_string(alt.token_id)))
+            entry[std::to_string(alt.token_id)] = {{"logprob", alt.logprob}, {"rank", alt.rank}, {"decoded_token", alt.token}};
+        c.prompt_logprobs.push_back(entry);
+      }
+    }
+    if (chat || !req.echo || !req.want_logprobs) return;
+    const std::string& first = first_token_text[c.prompt_index];
+    json tokens = json::array({first}), lps = json::array({nullptr}), tops = json::array({nullptr}),
+         offsets = json::array({0});
+    c.text_bytes = first.size();
+    for (size_t i = 0; i < ev.prompt_chosen.size(); ++i) {
+      const auto& t = ev.prompt_chosen[i];
+      json top = {{t.token, t.logprob}};  // as vLLM: the prompt token, then the top-k
+      for (const auto& alt : ev.prompt_top[i]) top[alt.token] = alt.logprob;
+      tokens.push_back(t.token);
+      lps.push_back(t.logprob);
+      tops.push_back(top);
+      offsets.push_back(c.text_bytes);
+      c.text_bytes += t.token.size();
+    }
+    c.echo_logprobs = {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  }
+
+  void on_event(size_t index, const GenerationEvent& event) {
     std::lock_guard<std::mutex> lock(mu);
     Choice& c = choices[index];
     if (c.finished) return;
+    if (!c.prompt_seen) take_prompt(c, event);
+    GenerationEvent stripped;
+    if (echo_only) {  // the token vLLM also generates for an echo of max_tokens 0 is not part of the answer
+      stripped.finished = event.finished;
+      stripped.finish_reason = event.finish_reason;
+      stripped.error = event.error;
+      stripped.kept_kv_tokens = event.kept_kv_tokens;
+      stripped.full_kv_tokens = event.full_kv_tokens;
+    }
+    const GenerationEvent& ev = echo_only ? stripped : event;
     const auto now = Clock::now();
     const int64_t ntok = static_cast<int64_t>(ev.token_ids.size());
     if (ntok > 0) {
@@ -209,6 +273,15 @@ struct Exchange {
 
   void stream_event(size_t index, const GenerationEvent& ev, const json& lp) {
     Choice& c = choices[index];
+    if (!chat && req.echo && !c.echoed) {
+      c.echoed = true;
+      json choice = {{"index", index}, {"text", echo_text[c.prompt_index]}, {"finish_reason", nullptr},
+                     {"logprobs", req.want_logprobs ? c.echo_logprobs : json(nullptr)}};
+      json chunk = chunk_base();
+      chunk["choices"] = json::array({choice});
+      if (req.include_usage) chunk["usage"] = nullptr;
+      emit(sse(chunk));
+    }
     const bool has_content = !ev.text_delta.empty() || !lp.is_null();
     if (has_content) {
       json choice = {{"index", index}, {"logprobs", lp}, {"finish_reason", nullptr}};
@@ -274,17 +347,26 @@ struct Exchange {
         std::string text = c.text;
         if (req.echo) text = echo_text[c.prompt_index] + text;
         choice["text"] = text;
-        choice["logprobs"] = req.want_logprobs ? json{{"tokens", c.tokens},
-                                                      {"token_logprobs", c.token_logprobs},
-                                                      {"top_logprobs", c.top_logprobs},
-                                                      {"text_offset", c.text_offset}}
-                                               : json(nullptr);
+        json lp = nullptr;
+        if (req.want_logprobs) {
+          lp = c.echo_logprobs.is_null() ? json{{"tokens", json::array()}, {"token_logprobs", json::array()},
+                                                {"top_logprobs", json::array()}, {"text_offset", json::array()}}
+                                         : c.echo_logprobs;
+          for (const auto& [key, part] : {std::pair<const char*, const json*>{"tokens", &c.tokens},
+                                          {"token_logprobs", &c.token_logprobs},
+                                          {"top_logprobs", &c.top_logprobs},
+                                          {"text_offset", &c.text_offset}})
+            for (const auto& e : *part) lp[key].push_back(e);
+        }
+        choice["logprobs"] = lp;
+        if (req.sampling.prompt_logprobs >= 0) choice["prompt_logprobs"] = c.prompt_logprobs;
       }
       out_choices.push_back(choice);
     }
     json body = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
                  {"model", model}, {"choices", out_choices}, {"usage", usage()}};
     if (chat) body["system_fingerprint"] = nullptr;
+    if (chat && req.sampling.prompt_logprobs >= 0) body["prompt_logprobs"] = choices.front().prompt_logprobs;
     HttpResponse r = json_response(200, body);
     r.headers = headers;
     channel->respond(std::move(r));
@@ -387,7 +469,7 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
   }
   if (path == "/v1/models" || path.rfind("/v1/models/", 0) == 0) {
     if (auto r = method_must_be("GET")) return *r;
-    if (!authorized(req)) return error_response(ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "", "", "invalid_api_key"));
+    if (!authorized(req)) return error_response(unauthorized());
     auto b = backend();
     json model = {{"id", options_.model_name},
                   {"object", "model"},
@@ -405,6 +487,13 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
     if (id != options_.model_name)
       return error_response(ApiError(404, "the model '" + id + "' does not exist", "model", "", "model_not_found"));
     return json_response(200, model);
+  }
+  if (path == "/tokenize" || path == "/detokenize") {
+    if (auto r = method_must_be("POST")) return *r;
+    if (!authorized(req)) return error_response(unauthorized());
+    auto b = backend();
+    if (!b) return error_response(ApiError(503, "the model is loading; retry shortly"));
+    return path == "/tokenize" ? tokenize_route(req, *b, options_.limits) : detokenize_route(req, *b);
   }
   if (path == "/v1/completions" || path == "/v1/chat/completions") {
     if (auto r = method_must_be("POST")) return *r;
@@ -444,7 +533,7 @@ void OpenAIService::handle(HttpRequest req, std::shared_ptr<ResponseChannel> cha
 
 void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std::shared_ptr<ResponseChannel> channel) {
   if (!authorized(http_req))
-    throw ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "", "", "invalid_api_key");
+    throw unauthorized();
   auto backend = this->backend();
   if (!backend) throw ApiError(503, "the model is loading; retry shortly");
   if (shutting_down_) throw ApiError(503, "the server is shutting down");
@@ -463,7 +552,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   const int64_t vocab = backend->vocab_size();
   if (chat) {
     std::string text = backend->render_chat(req);
-    prompts.push_back(backend->encode(text, /*add_special_tokens=*/false));
+    prompts.push_back(backend->encode(text, req.add_special_tokens.value_or(false)));
     echo.push_back(text);
   } else {
     for (size_t i = 0; i < req.prompts.size(); ++i) {
@@ -475,11 +564,12 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
         prompts.push_back(p.token_ids);
         echo.push_back(req.echo ? backend->decode(p.token_ids) : std::string());
       } else {
-        prompts.push_back(backend->encode(p.text, /*add_special_tokens=*/true));
+        prompts.push_back(backend->encode(p.text, req.add_special_tokens.value_or(true)));
         echo.push_back(p.text);
       }
     }
   }
+  check_logit_edits(req, *backend);
   const int64_t max_len = backend->max_model_len();
   for (size_t i = 0; i < prompts.size(); ++i) {
     const std::string param = chat ? "messages" : "prompt";
@@ -530,6 +620,9 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   ex->created = unix_now();
   ex->arrival = Clock::now();
   ex->echo_text = echo;
+  ex->echo_only = !chat && req.echo && req.max_tokens == 0;
+  if (!chat && req.echo)
+    for (const auto& p : prompts) ex->first_token_text.push_back(backend->decode({p.front()}));
   ex->headers = {{"X-KV-Policy", policy}, {"X-Request-Id", http_req.header("x-request-id").empty() ? ex->id : http_req.header("x-request-id")}};
   if (!rollout_rule.empty()) ex->headers.push_back({"X-KV-Rollout-Rule", rollout_rule});
   for (const auto& p : prompts) ex->prompt_tokens.push_back(static_cast<int64_t>(p.size()));
@@ -557,6 +650,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
         g.prompt_ids = prompts[p];
         g.sampling = r.sampling;
         if (g.sampling.seed && k > 0) g.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(k);
+        if (ex->echo_only) g.sampling.max_tokens = 1;  // as vLLM: one token is generated and dropped
         if (!r.max_tokens && chat && max_len > 0) g.sampling.max_tokens = max_len - static_cast<int64_t>(prompts[p].size());
         else if (!r.max_tokens && max_len > 0)
           g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));

@@ -1,8 +1,11 @@
 // OpenAI request bodies -> ParsedRequest, with a 400 naming the field for anything wrong.
 #include "http/request_parser.h"
 
+#include "http/request_fields.h"
+
 #include <cmath>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -102,11 +105,46 @@ std::optional<std::string> get_string(const json& obj, const char* key) {
   return v->get<std::string>();
 }
 
-void reject_if_set(const json& obj, const char* key, const std::string& why) {
-  const json* v = field(obj, key);
-  if (!v) return;
-  if ((v->is_array() || v->is_object()) && v->empty()) return;
-  bad(key, "'" + std::string(key) + "' is not supported" + (why.empty() ? "" : ": " + why));
+std::vector<int64_t> token_list(const json& arr, const std::string& name);
+
+// logit_bias, allowed_token_ids, bad_words (token ids are checked against the vocabulary later).
+void parse_logit_edits(const json& body, ParsedRequest& r, const ParserLimits& limits) {
+  auto& s = r.sampling;
+  if (const json* lb = field(body, "logit_bias")) {
+    if (!lb->is_object()) wrong_type("logit_bias", "an object mapping token ids to numbers", *lb);
+    if (static_cast<int64_t>(lb->size()) > limits.max_logit_bias)
+      bad("logit_bias", "'logit_bias' has at most " + std::to_string(limits.max_logit_bias) + " entries");
+    std::map<int64_t, double> bias;  // "7" and "07" name one token: one entry
+    for (const auto& [key, value] : lb->items()) {
+      const std::string name = "logit_bias." + key;
+      if (key.empty() || key.size() > 10 || key.find_first_not_of("0123456789") != std::string::npos)
+        bad("logit_bias", "'logit_bias' keys must be token ids (decimal integers), got '" + key + "'");
+      if (!value.is_number()) wrong_type(name, "a number", value);
+      const double b = value.get<double>();
+      if (!std::isfinite(b) || b < -100.0 || b > 100.0)
+        bad("logit_bias", "'" + name + "' must be between -100 and 100, got " + num_str(b));
+      bias[std::stoll(key)] = b;
+    }
+    s.logit_bias.assign(bias.begin(), bias.end());
+  }
+  if (const json* ids = field(body, "allowed_token_ids")) {
+    if (!ids->is_array()) wrong_type("allowed_token_ids", "an array of token ids", *ids);
+    if (ids->empty()) bad("allowed_token_ids", "'allowed_token_ids' must not be empty");
+    s.allowed_token_ids = token_list(*ids, "allowed_token_ids");
+  }
+  if (const json* words = field(body, "bad_words")) {
+    if (!words->is_array()) wrong_type("bad_words", "an array of strings", *words);
+    if (static_cast<int64_t>(words->size()) > limits.max_bad_words)
+      bad("bad_words", "'bad_words' has at most " + std::to_string(limits.max_bad_words) + " entries");
+    for (size_t i = 0; i < words->size(); ++i) {
+      const json& w = (*words)[i];
+      const std::string name = "bad_words[" + std::to_string(i) + "]";
+      if (!w.is_string()) wrong_type(name, "a string", w);
+      if (w.get<std::string>().find_first_not_of(" \t\n\r\f\v") == std::string::npos)
+        bad(name, "'" + name + "' must contain a non-space character");
+      r.bad_words.push_back(w.get<std::string>());
+    }
+  }
 }
 
 // Fields common to both endpoints.
@@ -138,7 +176,8 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
     s.seed = static_cast<uint64_t>(*v);
 
   // max_completion_tokens (chat, newer) wins over max_tokens.
-  std::optional<int64_t> max_tokens = get_int(body, "max_tokens", 1, limits.max_tokens);
+  // 0 only for a completion's echo (checked there): the prompt comes back without new text.
+  std::optional<int64_t> max_tokens = get_int(body, "max_tokens", 0, limits.max_tokens);
   if (auto mct = get_int(body, "max_completion_tokens", 1, limits.max_tokens)) max_tokens = mct;
   if (max_tokens) s.max_tokens = *max_tokens;
   r.max_tokens = max_tokens;
@@ -178,10 +217,12 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
     if (p->empty()) bad("kv_policy", "'kv_policy' must not be empty");
     r.kv_policy = *p;
   }
-  reject_if_set(body, "logit_bias", "");
-  reject_if_set(body, "prompt_logprobs", "");
-  reject_if_set(body, "guided_json", "");
-  reject_if_set(body, "guided_regex", "");
+  parse_logit_edits(body, r, limits);
+  if (auto k = get_int(body, "prompt_logprobs", 0, limits.max_logprobs)) {
+    if (r.stream) bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+    s.prompt_logprobs = *k;
+  }
+  if (field(body, "add_special_tokens")) r.add_special_tokens = get_bool(body, "add_special_tokens", false);
 }
 
 std::vector<int64_t> token_list(const json& arr, const std::string& name) {
@@ -305,22 +346,28 @@ json parse_json_body(std::string_view body) {
 ParsedRequest parse_completion_json(const json& body, const ParserLimits& limits) {
   ParsedRequest r;
   r.endpoint = Endpoint::kCompletions;
+  check_request_fields(body, r.endpoint);
   parse_common(body, r, limits);
   parse_prompt(body, r, limits);
   r.echo = get_bool(body, "echo", false);
+  if (r.max_tokens == 0 && !r.echo)
+    bad("max_tokens", "'max_tokens' must be between 1 and " + std::to_string(limits.max_tokens) + ", got 0 (0 only with 'echo': the prompt alone)");
   if (auto lp = get_int(body, "logprobs", 0, limits.max_logprobs)) {
     r.want_logprobs = true;
     r.top_logprobs = *lp;
   }
-  reject_if_set(body, "suffix", "");
   r.sampling.logprobs = r.want_logprobs ? r.top_logprobs : -1;
+  // As vLLM: echo with logprobs scores the prompt too (what evaluation harnesses read).
+  if (r.echo && r.want_logprobs && r.sampling.prompt_logprobs < 0) r.sampling.prompt_logprobs = r.top_logprobs;
   return r;
 }
 
 ParsedRequest parse_chat_json(const json& body, const ParserLimits& limits) {
   ParsedRequest r;
   r.endpoint = Endpoint::kChatCompletions;
+  check_request_fields(body, r.endpoint);
   parse_common(body, r, limits);
+  if (r.max_tokens == 0) bad("max_tokens", "'max_tokens' must be between 1 and " + std::to_string(limits.max_tokens) + ", got 0");
   parse_messages(body, r);
   r.want_logprobs = get_bool(body, "logprobs", false);
   if (auto t = get_int(body, "top_logprobs", 0, limits.max_logprobs)) {
@@ -336,14 +383,6 @@ ParsedRequest parse_chat_json(const json& body, const ParserLimits& limits) {
   if (const json* kw = field(body, "chat_template_kwargs")) {
     if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", *kw);
     r.chat_template_kwargs = *kw;
-  }
-  reject_if_set(body, "tools", "tool calling");
-  reject_if_set(body, "functions", "function calling");
-  if (const json* rf = field(body, "response_format")) {
-    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
-    auto t = rf->find("type");
-    if (t == rf->end() || !t->is_string() || t->get<std::string>() != "text")
-      bad("response_format", "only response_format {\"type\": \"text\"} is supported");
   }
   return r;
 }

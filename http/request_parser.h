@@ -1,6 +1,7 @@
 #pragma once
 // Parsing and validation of OpenAI request bodies, apart from the transport. Every problem is an
-// ApiError(400) whose `param` names the offending field.
+// ApiError(400) whose `param` names the offending field; fields the server does not support or
+// know are refused by the table in http/request_fields.h.
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -45,6 +46,8 @@ struct ParsedRequest {
   int64_t top_logprobs = 0;
   std::string user;
   std::string kv_policy;  // empty = not given
+  std::vector<std::string> bad_words;       // tokenized into sampling.bad_words_ids by the service
+  std::optional<bool> add_special_tokens;   // as given (completions default true, chat false)
 };
 
 // Limits the parser enforces (beyond types).
@@ -54,6 +57,8 @@ struct ParserLimits {
   int64_t max_stop = 16;
   int64_t max_logprobs = 20;
   int64_t max_prompts = 64;
+  int64_t max_bad_words = 128;     // vLLM's per-request limit
+  int64_t max_logit_bias = 1024;
 };
 
 // Parses JSON text, reporting syntax errors, invalid UTF-8 and number overflow as ApiError(400)

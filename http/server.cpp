@@ -1,11 +1,14 @@
 // Boost.Beast/Asio transport for the OpenAI service.
 #include "http/server.h"
 
+#include "http/cors.h"
+
 #include <sys/socket.h>
 
 #include <boost/asio.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -51,6 +54,10 @@ std::string serialize_head(int status, const std::string& content_type, const He
   out += keep_alive ? "Connection: keep-alive\r\n" : "Connection: close\r\n";
   out += "\r\n";
   return out;
+}
+
+bool has_header(const HeaderList& headers, const std::string& name) {
+  return std::any_of(headers.begin(), headers.end(), [&](const auto& h) { return beast::iequals(h.first, name); });
 }
 
 std::string chunk(const std::string& data) {
@@ -166,13 +173,21 @@ class Session : public std::enable_shared_from_this<Session> {
     head_sent_ = true;
     exchange_done_ = true;
     status_ = r.status;
-    enqueue(serialize_head(r.status, r.content_type, r.headers, keep_alive_, r.body.size()) + r.body);
+    enqueue(serialize_head(r.status, r.content_type, exchange_headers(std::move(r.headers)), keep_alive_, r.body.size()) + r.body);
   }
   void begin_stream_impl(uint64_t gen, int status, const HeaderList& headers) {
     if (gen != gen_ || !in_exchange_ || head_sent_ || closed_) return;
     head_sent_ = true;
     status_ = status;
-    enqueue(serialize_head(status, "text/event-stream; charset=utf-8", headers, keep_alive_, std::nullopt));
+    enqueue(serialize_head(status, "text/event-stream; charset=utf-8", exchange_headers(headers), keep_alive_, std::nullopt));
+  }
+  // Every response carries X-Request-Id (the service's, else the client's, else a new one) and, for
+  // an allowed browser origin, the CORS headers.
+  HeaderList exchange_headers(HeaderList h) const {
+    if (!has_header(h, "X-Request-Id")) h.push_back({"X-Request-Id", request_id_});
+    for (auto& c : cors_.response_headers(origin_))
+      if (!has_header(h, c.first)) h.push_back(std::move(c));
+    return h;
   }
   void stream_impl(uint64_t gen, const std::string& data) {
     if (gen != gen_ || !in_exchange_ || !head_sent_ || exchange_done_ || closed_ || data.empty()) return;
@@ -272,6 +287,8 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void begin_local_exchange(const std::string& what) {
     ++gen_;
+    request_id_ = random_hex(32);
+    origin_.clear();
     in_exchange_ = true;
     head_sent_ = false;
     exchange_done_ = false;
@@ -295,7 +312,14 @@ class Session : public std::enable_shared_from_this<Session> {
     req.remote = remote_;
     keep_alive_ = msg.keep_alive() && !server_->stopping;
     begin_local_exchange(req.method + " " + req.target);
+    if (!req.header("x-request-id").empty()) request_id_ = req.header("x-request-id");
+    origin_ = req.header("origin");
     channel_ = std::make_shared<Channel>(weak_from_this(), gen_);
+    if (cors_.is_preflight(req)) {
+      // Answered here: a preflight carries no credentials and never reaches the API.
+      respond_impl(gen_, cors_.preflight(req));
+      return;
+    }
     arm_request_timer();
     watch_disconnect();
     auto channel = channel_;
@@ -437,6 +461,8 @@ class Session : public std::enable_shared_from_this<Session> {
   int status_ = 0;
   std::string method_target_;
   Clock::time_point t_start_;
+  CorsPolicy cors_{server_->options.allowed_origins};
+  std::string request_id_, origin_;  // of the current exchange
 };
 
 template <typename F>

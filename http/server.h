@@ -26,6 +26,7 @@ struct ServerOptions {
   int64_t max_concurrent_connections = 256;
   int retry_after_s = 1;           // Retry-After of the over-capacity 503
   bool log_requests = true;
+  std::vector<std::string> allowed_origins;  // CORS (http/cors.h); empty = off
 };
 
 class HttpServer {

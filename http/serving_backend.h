@@ -33,6 +33,8 @@ class ServingBackend {
   virtual std::string default_policy() const = 0;
   virtual std::vector<int64_t> encode(const std::string& text, bool add_special_tokens) const = 0;
   virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
+  // The vocabulary's strings of `ids` (e.g. "Ġhello"), as /tokenize's return_token_strs shows them.
+  virtual std::vector<std::string> token_strings(const std::vector<int64_t>& ids) const = 0;
   // Renders the chat template for a chat request; throws ApiError(400) when the template fails.
   virtual std::string render_chat(const ParsedRequest& request) const = 0;
   virtual int64_t max_model_len() const = 0;

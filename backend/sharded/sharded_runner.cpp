@@ -30,6 +30,11 @@ struct ShardCommand {
   void put(const SamplingParams& p) {
     put(p.temperature), put(p.top_p), put(p.top_k), put(p.min_p), put(p.repetition_penalty);
     put(p.presence_penalty), put(p.frequency_penalty), put(p.logprobs);
+    put(static_cast<int64_t>(p.logit_bias.size()));
+    for (const auto& [t, b] : p.logit_bias) put(t), put(b);
+    put(p.allowed_token_ids);
+    put(static_cast<int64_t>(p.bad_words_ids.size()));
+    for (const auto& w : p.bad_words_ids) put(w);
   }
   void put(const std::vector<int64_t>& v) {
     put(static_cast<int64_t>(v.size()));
@@ -66,6 +71,16 @@ struct ShardCommand {
     p.presence_penalty = get_double();
     p.frequency_penalty = get_double();
     p.logprobs = get();
+    const int64_t biases = get();
+    KV_CHECK(biases >= 0 && biases <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
+    for (int64_t i = 0; i < biases; ++i) {
+      const int64_t t = get();
+      p.logit_bias.emplace_back(t, get_double());
+    }
+    p.allowed_token_ids = get_vector();
+    const int64_t words = get();
+    KV_CHECK(words >= 0 && words <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
+    for (int64_t i = 0; i < words; ++i) p.bad_words_ids.push_back(get_vector());
     return p;
   }
   std::string get_string() {

@@ -22,7 +22,7 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
       a.server.idle_timeout_s != b.server.idle_timeout_s || a.server.drain_timeout_s != b.server.drain_timeout_s ||
       a.server.max_concurrent_connections != b.server.max_concurrent_connections ||
       a.server.header_timeout_s != b.server.header_timeout_s || a.server.write_timeout_s != b.server.write_timeout_s ||
-      a.server.retry_after_s != b.server.retry_after_s)
+      a.server.retry_after_s != b.server.retry_after_s || a.server.allowed_origins != b.server.allowed_origins)
     out.push_back("server");
   if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes ||
       a.cache.kv_cache_dtype != b.cache.kv_cache_dtype)

@@ -250,3 +250,19 @@ TEST(ServerConfig, ReportsEveryProblem) {
     EXPECT_EQ(e.issues().size(), 3u) << e.what();
   }
 }
+
+TEST(ServerConfig, AllowedOrigins) {
+  EXPECT_TRUE(parse_server_config("", "empty.yaml").server.allowed_origins.empty());  // CORS off by default
+  auto c = parse_server_config("server:\n  allowed_origins: [\"https://a.example\", \"*\"]\n", "cors.yaml");
+  EXPECT_EQ(c.server.allowed_origins, (std::vector<std::string>{"https://a.example", "*"}));
+  for (const char* bad : {"server:\n  allowed_origins: https://a.example\n", "server:\n  allowed_origins: [\"\"]\n",
+                          "server:\n  allowed_origins: [[1]]\n"}) {
+    try {
+      parse_server_config(bad, "cors.yaml");
+      ADD_FAILURE() << "accepted: " << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("allowed_origins"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cors.yaml:2"), std::string::npos) << e.what();
+    }
+  }
+}

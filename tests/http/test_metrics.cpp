@@ -68,3 +68,28 @@ TEST(Metrics, QueueTimeIsNotTimeToFirstToken) {
   EXPECT_TRUE(has_line(t, "kvserve:time_to_first_token_seconds_count{" + L + "} 1"));
   EXPECT_TRUE(has_line(t, "kvserve:time_to_first_token_seconds_sum{" + L + "} 3"));
 }
+
+TEST(Metrics, VllmNamesRepeatTheirKvserveTwins) {
+  ServerMetrics m("tiny");
+  m.observe_ttft(0.03);
+  m.request_finished("length", "full", 5, 5);
+  kvserve::EngineStats s;
+  s.running = 3;
+  s.prompt_tokens_total = 11;
+  const std::string t = m.render(s);
+  const std::string L = "model_name=\"tiny\"";
+  EXPECT_TRUE(has_line(t, "vllm:num_requests_running{" + L + "} 3")) << t;
+  EXPECT_TRUE(has_line(t, "vllm:prompt_tokens_total{" + L + "} 11")) << t;
+  EXPECT_TRUE(has_line(t, "vllm:request_success_total{" + L + ",finished_reason=\"length\"} 1")) << t;
+  EXPECT_TRUE(has_line(t, "vllm:time_to_first_token_seconds_count{" + L + "} 1")) << t;
+  EXPECT_TRUE(has_line(t, "# TYPE vllm:time_to_first_token_seconds histogram")) << t;
+  // Every mapped series appears under both names, line for line; unmapped ones only as kvserve:.
+  for (const auto& [ours, theirs] : vllm_metric_names()) {
+    size_t a = 0, b = 0;
+    for (size_t at = t.find(ours); at != std::string::npos; at = t.find(ours, at + 1)) ++a;
+    for (size_t at = t.find(theirs); at != std::string::npos; at = t.find(theirs, at + 1)) ++b;
+    EXPECT_GT(a, 0u) << ours;
+    EXPECT_EQ(a, b) << ours;
+  }
+  EXPECT_EQ(t.find("vllm:kv_kept_tokens_total"), std::string::npos);
+}

@@ -72,6 +72,11 @@ class ScriptedBackend : public ServingBackend {
       if (id >= 3) s += static_cast<char>(id - 3);
     return s;
   }
+  std::vector<std::string> token_strings(const std::vector<int64_t>& ids) const override {
+    std::vector<std::string> out;
+    for (auto id : ids) out.push_back("<" + std::to_string(id) + ">");
+    return out;
+  }
   std::string render_chat(const ParsedRequest& req) const override {
     std::string out;
     for (const auto& m : req.messages) {

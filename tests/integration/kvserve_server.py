@@ -5,6 +5,7 @@ when the committed `models/tiny-llama` is absent), KVSERVE_TEST_MODEL (optional 
 """
 from __future__ import annotations
 
+import http.client
 import os
 import pathlib
 import re
@@ -38,6 +39,20 @@ def model_dir() -> str:
     if (gqa / "config.json").exists():
         return str(gqa)
     pytest.skip("no model: neither models/tiny-llama nor $KVSERVE_FIXTURES/llama-gqa exists")
+
+
+def raw(srv, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+    """One HTTP exchange with `srv`, outside the openai client: (status, headers, body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    if isinstance(body, str):
+        body = body.encode()
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    conn.request(method, path, body=body, headers=h)
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, dict(r.getheaders()), data
 
 
 class Server:

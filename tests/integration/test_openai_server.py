@@ -1,7 +1,6 @@
 """A real `kvserve serve` driven with the official openai client (and raw HTTP for malformed input)."""
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import subprocess
@@ -12,26 +11,13 @@ import urllib.request
 import openai
 import pytest
 
-from kvserve_server import Server, kvserve_bin
+from kvserve_server import Server, kvserve_bin, raw
 
 PROMPT = "The passkey is 4711. Remember it. The passkey is"
 
 
 def client(srv, key="none", **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0, timeout=60, **kw)
-
-
-def raw(srv, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    if isinstance(body, str):
-        body = body.encode()
-    h = {"Content-Type": "application/json"}
-    h.update(headers or {})
-    conn.request(method, path, body=body, headers=h)
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
-    return r.status, dict(r.getheaders()), data
 
 
 def test_health_models_version(server):

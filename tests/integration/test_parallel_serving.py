@@ -62,11 +62,22 @@ def metrics(url: str, *names: str) -> list[float]:
     return [values[n] for n in names]
 
 
+# Logit edits travel to the sampling rank inside the plan's sampling params.
+EDITS = {"logit_bias": {"7": 5.0, "100": 3.0}, "allowed_token_ids": list(range(5, 400)), "bad_words": ["ab", "c"],
+         "ignore_eos": True}
+
+
+def edited(url: str) -> list[str]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    r = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0, extra_body=EDITS)
+    return r.choices[0].logprobs.tokens
+
+
 @pytest.fixture(scope="module")
 def single_process_tokens():
     s = Server(model=fixture("llama-kvfew"))
     try:
-        yield greedy(s.url)
+        yield greedy(s.url), edited(s.url)
     finally:
         s.close()
 
@@ -77,7 +88,11 @@ def test_sharded_server_matches_single_process(layout, single_process_tokens):
     try:
         world = 4 if len(layout) == 4 else 2
         assert len(children(s.proc.pid)) == world - 1, "rank 0 starts the other ranks as its children"
-        assert greedy(s.url) == single_process_tokens
+        assert greedy(s.url) == single_process_tokens[0]
+        assert edited(s.url) == single_process_tokens[1]
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0).completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 1})
         # The control path: one broadcast of the plan and one all-reduce of the shards' pools per
         # step (a short prompt's plan fits the broadcast frame).
         steps, collectives = metrics(s.url, "kvserve:engine_steps_total", "kvserve:step_collectives_total")
@@ -154,7 +169,7 @@ def test_two_nodes_on_one_machine(single_process_tokens, tmp_path):
         s = Server(model=fixture("llama-kvfew"), extra_args=(*node_args, "--node-rank", "0"))
         try:
             assert children(s.proc.pid) == [], "one rank per node: node 0 starts no local workers"
-            assert greedy(s.url) == single_process_tokens
+            assert greedy(s.url) == single_process_tokens[0]
         finally:
             s.close()
         assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()

@@ -1,0 +1,39 @@
+#pragma once
+// The request-field table: every field of vLLM's CompletionRequest and ChatCompletionRequest (plus
+// OpenAI's and vLLM's older names), marked supported or refused per endpoint, so that no field is
+// silently ignored. docs/api.md shows the same table (a test keeps the two equal).
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "http/request_parser.h"
+
+namespace kvserve::http {
+
+// How one endpoint treats a field.
+enum class FieldSupport {
+  kSupported,
+  kRefused,  // a 400 naming it, unless its value is null or one of the field's no-op values
+  kUnknown,  // not a field of this endpoint: a 400 like any unknown field
+};
+
+// One request field.
+struct RequestField {
+  const char* name;
+  FieldSupport completions;
+  FieldSupport chat;
+  const char* no_ops;  // JSON array of the values a refused field may have (its defaults), "" = none
+  const char* note;    // for the docs: what kvserve does with it, or why it is refused
+};
+
+const std::vector<RequestField>& request_fields();
+
+// Throws ApiError(400), param = the field, for the first field of `body` (in key order) the
+// endpoint does not know or refuses. Null values always pass.
+void check_request_fields(const nlohmann::json& body, Endpoint endpoint);
+
+// The table as the markdown rows of docs/api.md ("| `name` | completions | chat | note |").
+std::string request_fields_markdown();
+
+}  // namespace kvserve::http
