@@ -46,7 +46,9 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
   impl_->runner = runner ? std::move(runner)
                          : std::make_unique<LocalRunner>(
                                model_,
-                               make_kv_memory(model_->kv_layout(), {options_.block_size, 0, options_.kv_cache_bytes}, policies,
+                               make_kv_memory(model_->kv_layout(),
+                                              {options_.block_size, 0, options_.kv_cache_bytes, options_.enable_prefix_caching},
+                                              policies,
                                               options_.default_policy),
                                LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager});
   std::vector<int64_t> eos_ids = c.eos_token_ids;
@@ -183,6 +185,10 @@ void Engine::loop() {
     im.stats.prompt_tokens_total += prefilled;
     im.stats.generation_tokens_total += generated;
     im.stats.preemptions_total = sched.preemptions();
+    im.stats.prefix_cache_queries_total = sched.prefix_queries();
+    im.stats.prefix_cache_hits_total = sched.prefix_hits();
+    im.stats.kv_blocks_cached = usage.blocks_cached;
+    im.stats.prefix_cache_bytes = usage.cached_bytes;
     if (!plan.empty()) ++im.stats.steps_total;
     im.stats.step_collectives_total = runner.step_collectives();
     return stopping && sched.idle() && !sched.has_pending();

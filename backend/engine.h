@@ -33,6 +33,9 @@ struct EngineOptions {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t block_size = 16;
   bool enforce_eager = false;  // no CUDA graphs for decode (model.enforce_eager, --enforce-eager)
+  // Automatic prefix caching (cache.enable_prefix_caching): full prompt blocks stay in the pool
+  // for later requests that start with the same tokens; on by default, as in vLLM.
+  bool enable_prefix_caching = true;
   std::string default_policy = "full";
   // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
   std::map<std::string, std::map<std::string, std::string>> policies;
@@ -55,6 +58,10 @@ struct EngineStats {
   int64_t preemptions_total = 0;
   int64_t steps_total = 0;
   int64_t step_collectives_total = 0;  // control-path collectives of a sharded job's steps
+  int64_t prefix_cache_queries_total = 0;  // prompt tokens looked up in the prefix cache
+  int64_t prefix_cache_hits_total = 0;     // of those, served from it
+  int64_t kv_blocks_cached = 0;            // blocks the prefix cache holds (part of the pool)
+  int64_t prefix_cache_bytes = 0;
 };
 
 // Thrown by submit() when the queue is full (HTTP maps it to 429/503).

@@ -42,6 +42,7 @@ struct GenerationEvent {
   int64_t completion_tokens = 0;
   int64_t kept_kv_tokens = 0;             // KV tokens the policy kept after prefill (all layers)
   int64_t full_kv_tokens = 0;             // what full KV would have held
+  int64_t cached_tokens = 0;              // prompt tokens served from the prefix cache
 };
 
 using EventCallback = std::function<void(const GenerationEvent&)>;

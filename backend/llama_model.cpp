@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <sstream>
 
 #include "backend/checkpoint.h"
 #include "backend/dense.h"
@@ -122,6 +123,15 @@ KvMemoryLayout LlamaModel::kv_layout() const {
   l.dtype = kv_dtype_;
   l.device = device_;
   l.rounds = kv_dtype_ != dtype_;
+  // Cached prefix blocks are valid only for K/V computed the same way: the weights (the model
+  // directory), the arithmetic (dtypes, GEMM backend), RoPE and this shard's slice of the model.
+  std::ostringstream what;
+  what << model_dir_ << '|' << config_.architecture << '|' << config_.num_hidden_layers << '|' << config_.hidden_size << '|'
+       << config_.num_key_value_heads << '|' << config_.head_dim << '|' << config_.rope_theta << '|'
+       << static_cast<int>(config_.rope_scaling.kind) << '|' << config_.rope_scaling.factor << '|' << dtype_name(dtype_)
+       << '|' << dtype_name(kv_dtype_) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
+       << layout_.describe();
+  l.kv_salt = std::hash<std::string>{}(what.str());
   return l;
 }
 
@@ -336,34 +346,51 @@ torch::Tensor LlamaModel::prefill(int64_t seq_id, const std::vector<int64_t>& to
   return prefill_batch({PrefillInput{seq_id, tokens, policy}}, kv, all_logits);
 }
 
-torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs, KvMemory& kv, bool all_logits) {
+torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in, KvMemory& kv, bool all_logits) {
   torch::NoGradGuard ng;
   KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::prefill runs a whole pipeline; use the sharded executor");
-  KV_CHECK(!seqs.empty(), "internal: empty prefill batch");
-  std::vector<int64_t> ids, lens, tokens, starts, totals;
-  for (const auto& s : seqs) {
+  KV_CHECK(!seqs_in.empty(), "internal: empty prefill batch");
+  for (const auto& s : seqs_in) {
     KV_CHECK(!s.tokens.empty(), "empty prompt");
     KV_CHECK(s.start >= 0 && s.start + static_cast<int64_t>(s.tokens.size()) <= s.total(),
              "internal: chunk [" << s.start << ", " << s.start + static_cast<int64_t>(s.tokens.size())
                                  << ") outside a prompt of " << s.total() << " tokens");
-    ids.push_back(s.seq_id);
-    lens.push_back(static_cast<int64_t>(s.tokens.size()));
-    starts.push_back(s.start);
-    totals.push_back(s.total());
-    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
   }
+  // What runs: a prompt whose first blocks the memory holds from its prefix cache starts after them.
+  std::vector<PrefillInput> seqs = seqs_in;
+  std::vector<int64_t> ids, lens, tokens, starts, totals;
   torch::Tensor x;
   // Which sequences hold KV state that a failure must free: those begun here, and every chunk that
   // continues a prompt (its earlier chunks' KV is useless without this one).
   std::vector<char> owned(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) owned[i] = seqs[i].start > 0;
   try {
-    x = embed(tokens);  // [sum T, hidden]; a bad token id fails here, before any KV is begun
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      if (seqs[i].start > 0) continue;
-      kv.begin_prefill(ids[i], totals[i], seqs[i].policy);
-      owned[i] = 1;
+    for (auto& s : seqs) {
+      KV_CHECK(std::all_of(s.tokens.begin(), s.tokens.end(), [&](int64_t t) { return t >= 0 && t < config_.vocab_size; }),
+               "token id out of range [0, " << config_.vocab_size << ")");
     }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      PrefillInput& s = seqs[i];
+      if (s.start == 0) {
+        kv.begin_prefill(s.seq_id, s.total(), s.policy);
+        owned[i] = 1;
+      }
+      // Every position's logits are asked for: nothing may come from the cache.
+      const int64_t hit = kv.prefill_tokens(s.seq_id, s.start, s.tokens, s.reuse_prefix && !all_logits, s.keep_copy);
+      if (hit > 0) {
+        s.tokens = s.tokens.subspan(static_cast<size_t>(hit));
+        s.start = hit;
+        if (s.prompt_len == 0) s.prompt_len = static_cast<int64_t>(seqs_in[i].tokens.size());
+      }
+    }
+    for (const auto& s : seqs) {
+      ids.push_back(s.seq_id);
+      lens.push_back(static_cast<int64_t>(s.tokens.size()));
+      starts.push_back(s.start);
+      totals.push_back(s.total());
+      tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end());
+    }
+    x = embed(tokens);  // [sum T, hidden]
     x = prefill_layers_batch(ids, lens, x, kv, starts, totals);
     for (size_t i = 0; i < seqs.size(); ++i)
       if (seqs[i].last_chunk()) kv.end_prefill(ids[i]);
@@ -373,9 +400,9 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs, K
     for (size_t i = 0; i < seqs.size(); ++i) {
       if (!owned[i]) continue;
       try {
-        kv.release(ids[i]);
+        kv.release(seqs[i].seq_id);
       } catch (const std::exception& e) {
-        KV_LOG("releasing sequence " << ids[i] << " after a failed prefill: " << e.what());
+        KV_LOG("releasing sequence " << seqs[i].seq_id << " after a failed prefill: " << e.what());
       }
     }
     throw;

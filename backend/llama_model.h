@@ -30,6 +30,10 @@ struct PrefillInput {
   std::string policy;      // "" = the KV memory's default
   int64_t start = 0;       // > 0: earlier chunks' K/V are in the KV memory
   int64_t prompt_len = 0;  // the whole prompt; 0 = tokens.size() (not chunked)
+  // Prefix caching (KvMemory::prefill_tokens): a first chunk may start after the blocks the memory
+  // holds from its cache; a compressing policy may copy its full prompt blocks into the cache.
+  bool reuse_prefix = true;
+  bool keep_copy = true;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }

@@ -48,11 +48,21 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   // group's forward fails (it leaves no KV behind), its prompts run again one by one, so that only
   // the one at fault reports an error, as when every prompt ran alone. A chunk that continues a
   // prompt runs alone: its failure frees the earlier chunks' KV, so it could not be retried.
-  auto input = [](const PrefillWork& p) { return PrefillInput{p.seq_id, p.tokens, p.policy, p.start, p.total()}; };
+  auto input = [](const PrefillWork& p) {
+    PrefillInput in{p.seq_id, p.tokens, p.policy, p.start, p.total()};
+    in.keep_copy = p.keep_copy;
+    return in;
+  };
   // prompt_logprobs (top-k, or -1): such a prompt runs alone, with the logits of every position. The
   // scheduler prefills it whole.
   auto prompt_k = [&](const PrefillWork& p) {
     return p.sample && !p.chunked() ? samplers_.prompt_logprobs(p.seq_id) : int64_t{-1};
+  };
+  // What a first chunk found in the prefix cache (later chunks report nothing).
+  auto looked_up = [&](const PrefillWork& p, PrefillOutcome& o) {
+    if (p.start != 0) return;
+    o.queried_tokens = kv_->prefix_queried(p.seq_id);
+    o.cached_tokens = kv_->prefix_hit(p.seq_id);
   };
   for (size_t g = 0; g < plan.prefill.size();) {
     size_t end = g + 1;
@@ -97,6 +107,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
           else o.error = error;
         }
         o.kept_tokens = kv_->kept_tokens(plan.prefill[i].seq_id);
+        looked_up(plan.prefill[i], o);
         r.prefilled.push_back(std::move(o));
       }
       g = end;
@@ -113,6 +124,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
           if (k >= 0) o.first->prompt = kvserve::prompt_logprobs(logits, p.tokens, k);
         }
         o.kept_tokens = kv_->kept_tokens(p.seq_id);
+        looked_up(p, o);
       } catch (const std::exception& e) {
         o.error = e.what();
       }

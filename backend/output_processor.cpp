@@ -61,6 +61,7 @@ std::optional<std::string> OutputProcessor::on_token(Sequence& s, const SampledT
   s.held.erase(0, s.held.size() - keep);
   ev.prompt_tokens = static_cast<int64_t>(s.req.prompt_ids.size());
   ev.completion_tokens = static_cast<int64_t>(s.output.size());
+  ev.cached_tokens = s.cached_tokens;
   s.on_event(ev);
   if (reason) s.detok.reset();  // nothing more to flush
   return reason;
@@ -75,6 +76,7 @@ void OutputProcessor::finish(Sequence& s, const std::string& reason, const std::
   s.held.clear();
   ev.prompt_tokens = static_cast<int64_t>(s.req.prompt_ids.size());
   ev.completion_tokens = static_cast<int64_t>(s.output.size());
+  ev.cached_tokens = s.cached_tokens;
   ev.kept_kv_tokens = s.kept_kv;
   ev.full_kv_tokens = s.full_kv;
   s.on_event(ev);

@@ -42,6 +42,7 @@ void Scheduler::drop_later(Sequence& s) {
 std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string& policy) const {
   const PolicyConfig& cfg = options_.policies.at(policy);
   for (const Pool& p : shards_) {
+    // Copies for the prefix cache are optional (admission leaves them out when they do not fit).
     if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n) > p.usage.blocks_total)
       return "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
              " tokens); raise cache.kv_cache_bytes or use a compressing kv_policy";
@@ -64,7 +65,9 @@ bool Scheduler::may_chunk(int64_t n, const std::string& policy) const {
 
 int64_t Scheduler::reserved(const Sequence& s, size_t i) const {
   const Pool& p = shards_[i];
-  const int64_t peak = PagedKvMemory::prompt_blocks(options_.policies.at(s.req.kv_policy), p.usage.geometry, s.prefill_len, true);
+  const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+  int64_t peak = PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, s.prefill_len, true);
+  if (s.keep_copy) peak += PagedKvMemory::prefix_copy_blocks(cfg, p.usage.geometry, s.prefill_len);
   auto h = p.held.find(s.id);
   return std::max<int64_t>(0, peak - (h == p.held.end() ? 0 : h->second));
 }
@@ -82,6 +85,7 @@ void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
   w.prompt_len = s.prefill_len;
   w.sample = s.output.empty() && w.last_chunk();  // only the last chunk has the next token's logits
   w.ban_eos = s.ban_eos();
+  w.keep_copy = s.keep_copy;
   plan.prefill.push_back(std::move(w));
   s.prefill_done = start + n;
 }
@@ -158,7 +162,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
 
   // Then admit waiting sequences in order while every shard holds them at their peak (compressed)
   // size, reserving what each admitted prompt takes.
-  std::vector<int64_t> need(S);
+  std::vector<int64_t> need(S), copies(S);
   while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence& s = *waiting_.front();
     const auto tokens = s.prefill_tokens();
@@ -180,7 +184,14 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       fits = fits && need[i] <= free[i];
     }
     if (!fits) break;
-    for (size_t i = 0; i < S; ++i) free[i] -= need[i];
+    // A compressing policy's prompt also goes into the prefix cache, as a full-precision copy,
+    // where every shard has room for it besides the prompt's peak.
+    bool keep_copy = true;
+    for (size_t i = 0; i < S; ++i) {
+      copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, n);
+      keep_copy = keep_copy && need[i] + copies[i] <= free[i];
+    }
+    for (size_t i = 0; i < S; ++i) free[i] -= need[i] + (keep_copy ? copies[i] : 0);
     std::unique_ptr<Sequence> owned = std::move(waiting_.front());
     waiting_.pop_front();
     if (!owned->scheduled) {  // queue time ends at the first admission, not at a re-admission
@@ -193,6 +204,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       owned->sampler_added = true;
     }
     owned->in_cache = true;
+    owned->keep_copy = keep_copy;
     owned->prefill_len = n;
     owned->prefill_done = 0;
     plan_chunk(*owned, chunk ? budget : n, plan);
@@ -256,6 +268,15 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
       s->kept_kv = o.kept_tokens;
       s->full_kv = plan.prefill[p].total() * layers;
     }
+    if (plan.prefill[p].start == 0 && o.error.empty()) {
+      prefix_queries_ += o.queried_tokens;
+      prefix_hits_ += o.cached_tokens;
+      // A request reports its first prefill's hit (a recompute after a preemption is the engine's affair).
+      if (!s->prefix_reported) {
+        s->cached_tokens = std::min<int64_t>(o.cached_tokens, static_cast<int64_t>(s->req.prompt_ids.size()));
+        s->prefix_reported = true;
+      }
+    }
     if (!o.error.empty()) out.push_back({s, std::nullopt, o.error});
     else if (o.first) out.push_back({s, std::move(o.first), ""});
   }
@@ -268,6 +289,8 @@ KvUsage Scheduler::usage() const {
     u.blocks_total += p.usage.blocks_total;
     u.blocks_used += p.usage.blocks_used;
     u.blocks_high_water += p.usage.blocks_high_water;
+    u.blocks_cached += p.usage.blocks_cached;
+    u.cached_bytes += p.usage.cached_bytes;
   }
   return u;
 }

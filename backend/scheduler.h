@@ -66,6 +66,9 @@ class Scheduler {
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t preemptions() const { return preemptions_; }
+  // Prefix cache lookups so far, in prompt tokens: looked up, and found (vLLM's queries and hits).
+  int64_t prefix_queries() const { return prefix_queries_; }
+  int64_t prefix_hits() const { return prefix_hits_; }
   KvUsage usage() const;
 
  private:
@@ -91,6 +94,7 @@ class Scheduler {
   std::vector<int64_t> release_, remove_;           // for the next plan
   std::vector<Pool> shards_;
   int64_t preemptions_ = 0;
+  int64_t prefix_queries_ = 0, prefix_hits_ = 0;
 };
 
 }  // namespace kvserve

@@ -28,12 +28,15 @@ struct Sequence {
   // Chunked prefill: positions of prefill_tokens() planned so far, of prefill_len; the sequence
   // decodes once every chunk ran.
   int64_t prefill_done = 0, prefill_len = 0;
+  bool keep_copy = false;  // its prefill may copy full prompt blocks into the prefix cache (reserved)
   bool prefilling() const { return in_cache && prefill_done < prefill_len; }
 
   // Output state.
   std::unique_ptr<IncrementalDetokenizer> detok;
   std::string held;  // decoded text not yet sent (could be the start of a stop string)
   int64_t kept_kv = 0, full_kv = 0;
+  int64_t cached_tokens = 0;     // prompt tokens its first prefill took from the prefix cache
+  bool prefix_reported = false;
 
   int64_t next_position() const { return static_cast<int64_t>(req.prompt_ids.size() + output.size()) - 1; }
   // Tokens a (re)prefill runs: the prompt, plus everything generated but the last token, which the

@@ -8,8 +8,10 @@ ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
   u.blocks_total = kv.blocks_total();
   u.blocks_used = kv.blocks_used();
   u.blocks_high_water = kv.blocks_high_water();
+  u.blocks_cached = kv.cache().cached_blocks();
+  u.cached_bytes = u.blocks_cached * kv.cache().block_bytes();
   auto add = [&](int64_t id) {
-    u.held.push_back(kv.blocks_held(id));
+    u.held.push_back(kv.private_blocks(id));
     u.demand.push_back(kv.decode_demand({id}));
   };
   for (int64_t id : plan.decode.seq_ids) add(id);

@@ -32,6 +32,9 @@ struct PrefillWork {
   bool ban_eos = false;  // min_tokens not reached yet
   int64_t start = 0;       // the chunk's first position; > 0: earlier chunks' KV is in the pool
   int64_t prompt_len = 0;  // the whole prompt (0: tokens.size(), not chunked)
+  // Prefix caching: a compressing policy may copy its full prompt blocks into the cache (the
+  // scheduler reserved room for the copies).
+  bool keep_copy = false;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
@@ -61,8 +64,11 @@ struct ShardUsage {
   int64_t blocks_total = 0;
   int64_t blocks_used = 0;
   int64_t blocks_high_water = 0;
-  // Per sequence the step touched (decoded rows, then prefills, in plan order): blocks it holds and
-  // the most its next decode step can take. Empty entries for a failed part.
+  int64_t blocks_cached = 0;  // held by the prefix cache (requests may use them too)
+  int64_t cached_bytes = 0;   // the same in bytes
+  // Per sequence the step touched (decoded rows, then prefills, in plan order): blocks only it
+  // holds (what its release frees) and the most its next decode step can take. Empty entries for
+  // a failed part.
   std::vector<int64_t> held;
   std::vector<int64_t> demand;
 };
@@ -70,6 +76,8 @@ struct ShardUsage {
 struct PrefillOutcome {
   std::optional<SampledToken> first;  // when the plan asked to sample
   int64_t kept_tokens = 0;            // KV tokens kept, summed over layers (each layer counted once)
+  int64_t queried_tokens = 0;         // prompt tokens looked up in the prefix cache (first chunk)
+  int64_t cached_tokens = 0;          // of those, taken from it
   std::string error;                  // non-empty: this prefill failed; the others ran
 };
 
@@ -85,6 +93,8 @@ struct KvUsage {
   int64_t blocks_total = 0;
   int64_t blocks_used = 0;
   int64_t blocks_high_water = 0;
+  int64_t blocks_cached = 0;
+  int64_t cached_bytes = 0;
 };
 
 // One shard's pool after `plan` ran: geometry, occupancy, and the touched sequences' blocks.

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +45,18 @@ class KvMemory {
                                    const torch::Tensor& k, const torch::Tensor& v) {
     KV_FAIL("this KV memory does not support chunked prefill (sequence " << seq_id << ", layer " << layer
                                                                           << ", chunk at " << start << ")");
+  }
+  // Prefix caching (docs/architecture.md, "Prefix caching"): the tokens [start, start + n) of a
+  // prompt being prefilled, told before the chunk's layers run (every chunk, so that the memory
+  // knows the whole prompt by end_prefill). At the first chunk (start 0) and with `reuse`, returns
+  // how many leading positions the memory already holds from cached blocks (whole blocks, fewer
+  // than n): the caller computes only the rest, as a chunk at that position. `keep_copy`: a
+  // compressing policy may also copy its full-precision prompt blocks into the cache (the
+  // scheduler reserved room for them). A memory without a prefix cache returns 0.
+  virtual int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, bool reuse,
+                                 bool keep_copy) {
+    (void)seq_id, (void)start, (void)tokens, (void)reuse, (void)keep_copy;
+    return 0;
   }
   // Called once per decode step before the first layer: a memory may plan the whole step here
   // (take every layer's blocks, send its tables to the device once). Optional for callers:

@@ -20,7 +20,9 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   pool.rounds = layout.rounds;
   shard.first_layer = layout.first_layer;
   shard.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
-  return std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));
+  auto mem = std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));
+  if (size.prefix_caching) mem->enable_prefix_cache(layout.kv_salt);
+  return mem;
 }
 
 }  // namespace kvserve

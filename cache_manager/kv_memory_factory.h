@@ -22,6 +22,7 @@ struct KvMemoryLayout {
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
   bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
+  uint64_t kv_salt = 0;  // names what else makes the K/V (the prefix cache's key salt)
 };
 
 // How big the pool is: num_blocks when > 0, else kv_cache_bytes.
@@ -29,6 +30,7 @@ struct KvPoolSize {
   int64_t block_size = 16;
   int64_t num_blocks = 0;
   int64_t kv_cache_bytes = 0;
+  bool prefix_caching = false;  // keep full prompt blocks for later requests (cache.enable_prefix_caching)
 };
 
 // `policies`: the named policies sequences may ask for ("full" is always there); `shard`: a sharded

@@ -80,6 +80,7 @@ const SequenceBlockTable& PagedKvCache::table_of(int64_t seq_id) const {
 }
 
 std::vector<int32_t> PagedKvCache::take_blocks(int64_t n, int64_t seq_id, int64_t layer) {
+  if (n > alloc_.free_blocks() && prefix_) prefix_->reclaim(n, alloc_);
   if (n > alloc_.free_blocks()) {
     KV_FAIL("KV pool exhausted: need " << n << " blocks, " << alloc_.free_blocks() << " free (sequence " << seq_id
                                        << ", layer " << layer << ")");
@@ -129,6 +130,7 @@ void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, 
   const int64_t need = blocks_for_tokens(n, bs_);
   int64_t reclaimable = 0;
   for (int32_t b : lb.blocks) reclaimable += alloc_.refcount(b) == 1;
+  if (need > alloc_.free_blocks() + reclaimable && prefix_) prefix_->reclaim(need - reclaimable, alloc_);
   if (need > alloc_.free_blocks() + reclaimable) {
     KV_FAIL("KV pool exhausted: need " << need - reclaimable << " blocks, " << alloc_.free_blocks() << " free (sequence "
                                        << seq_id << ", layer " << layer << ")");
@@ -187,6 +189,45 @@ void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k,
   }
   lb.length = len + n;
   mirror_layer(seq_id, layer, lb);
+}
+
+void PagedKvCache::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn) {
+  KV_CHECK(!prefix_, "prefix cache enabled twice");
+  prefix_.emplace(num_layers_, bs_, salt, std::move(key_fn));
+}
+
+void PagedKvCache::share(int64_t seq_id, int64_t layer, const std::vector<int32_t>& blocks, int64_t length) {
+  LayerBlocks& lb = table_of(seq_id).layer(layer);
+  KV_CHECK(lb.blocks.empty() && lb.length == 0, "share: sequence " << seq_id << " layer " << layer << " is not empty");
+  KV_CHECK(length == static_cast<int64_t>(blocks.size()) * bs_,
+           "share: " << blocks.size() << " blocks are shared whole, not as " << length << " slots");
+  for (int32_t b : blocks) alloc_.incref(b);
+  lb.blocks = blocks;
+  lb.length = length;
+  mirror_layer(seq_id, layer, lb);
+}
+
+std::vector<int32_t> PagedKvCache::store_blocks(const torch::Tensor& k, const torch::Tensor& v, int64_t first) {
+  KV_CHECK(k.dim() == 3 && k.size(0) == kv_ && k.size(2) == d_ && v.sizes() == k.sizes(),
+           "store_blocks: k, v must be [KV=" << kv_ << ", n, D=" << d_ << "], got " << k.sizes() << ", " << v.sizes());
+  const int64_t n = k.size(1);
+  std::vector<int32_t> blocks = take_blocks(blocks_for_tokens(n, bs_), -1, -1);
+  if (n == 0) return blocks;
+  const auto [blk, off] = slot_index(blocks, n);
+  const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
+  pool_.keys().index_put_({blk, Slice(), off}, k.to(opts).transpose(0, 1));
+  pool_.values().index_put_({blk, Slice(), off}, v.to(opts).transpose(0, 1));
+  for (int64_t h = 0; h < kv_; ++h)
+    for (int64_t j = 0; j < n; ++j) pos_ptr(blocks[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(first + j);
+  return blocks;
+}
+
+int64_t PagedKvCache::private_blocks_of(int64_t seq_id) const {
+  const SequenceBlockTable& t = table_of(seq_id);
+  int64_t n = 0;
+  for (int64_t l = 0; l < t.num_layers(); ++l)
+    for (int32_t b : t.layer(l).blocks) n += alloc_.refcount(b) == 1;
+  return n;
 }
 
 void PagedKvCache::mirror_layer(int64_t seq_id, int64_t layer, const LayerBlocks& lb) {
@@ -283,6 +324,7 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
       }
     }
   }
+  if (need > alloc_.free_blocks() && prefix_) prefix_->reclaim(need, alloc_);
   if (need > alloc_.free_blocks()) {
     KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence " << first_seq
                                        << ", layer " << first_layer << ")");
@@ -521,6 +563,10 @@ void PagedKvCache::check_invariants() const {
         ++refs[static_cast<size_t>(b)];
       }
     }
+  }
+  if (prefix_) {
+    prefix_->check_invariants();
+    prefix_->count_refs(refs);
   }
   // The device tables say what the host's say.
   dev_.flush();

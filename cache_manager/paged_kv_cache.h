@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "cache_manager/block_table.h"
 #include "cache_manager/device_block_tables.h"
 #include "cache_manager/kv_block_pool.h"
+#include "cache_manager/prefix_cache.h"
 
 namespace kvserve {
 
@@ -97,6 +100,28 @@ class PagedKvCache {
   void reserve_decode_rows(int64_t rows);
   const DeviceBlockTables& device_tables() const { return dev_; }
 
+  // --- prefix caching (cache_manager/prefix_cache.h) ---------------------------------------------
+  // Keeps full-precision prompt blocks after their request, reclaimed (least recently used first)
+  // whenever an allocation finds the free list short; `salt` names what else changes the K/V.
+  void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr);
+  PrefixCache* prefix_cache() { return prefix_ ? &*prefix_ : nullptr; }
+  const PrefixCache* prefix_cache() const { return prefix_ ? &*prefix_ : nullptr; }
+  // PrefixCache::insert on this pool's allocator (-1: not inserted).
+  int32_t prefix_insert(int32_t parent, std::span<const int64_t> block_tokens, const std::vector<int32_t>& blocks) {
+    KV_CHECK(prefix_, "prefix cache not enabled");
+    return prefix_->insert(parent, block_tokens, blocks, alloc_);
+  }
+  // Makes an empty layer of seq_id hold `blocks` (full, shared: each gets a reference) as its first
+  // `length` slots; their positions are those the blocks were written with.
+  void share(int64_t seq_id, int64_t layer, const std::vector<int32_t>& blocks, int64_t length);
+  // Writes k, v [KV, n, D] at positions first, first + 1, ... into fresh blocks that no sequence
+  // holds (one reference each, the caller's); throws the exhaustion error when they cannot be had.
+  std::vector<int32_t> store_blocks(const torch::Tensor& k, const torch::Tensor& v, int64_t first);
+  // Returns blocks from store_blocks (or any reference the caller holds).
+  void drop(std::vector<int32_t>& blocks) { drop_blocks(blocks); }
+  // Blocks of a sequence's tables that only it references (what its release frees at once).
+  int64_t private_blocks_of(int64_t seq_id) const;
+
   // --- inspection --------------------------------------------------------------------------------
   int64_t length(int64_t seq_id, int64_t layer) const;
   // Original token positions, int64 [KV, length] on the host.
@@ -106,8 +131,11 @@ class PagedKvCache {
   const LayerBlocks& layer_blocks(int64_t seq_id, int64_t layer) const;
 
   // --- accounting --------------------------------------------------------------------------------
-  int64_t free_blocks() const { return alloc_.free_blocks(); }
-  int64_t used_blocks() const { return alloc_.used_blocks(); }
+  // Free counts cached blocks no request uses: an allocation reclaims them.
+  int64_t free_blocks() const { return alloc_.free_blocks() + (prefix_ ? prefix_->reclaimable_blocks() : 0); }
+  int64_t used_blocks() const { return total_blocks() - free_blocks(); }
+  // Blocks the prefix cache holds (used by requests or not).
+  int64_t cached_blocks() const { return prefix_ ? prefix_->cached_blocks() : 0; }
   int64_t total_blocks() const { return alloc_.total_blocks(); }
   int64_t high_water_blocks() const { return alloc_.high_water_blocks(); }
   void reset_high_water() { alloc_.reset_high_water(); }
@@ -182,6 +210,7 @@ class PagedKvCache {
   // Mutable: flushing brings the device mirror up to date without changing what the cache holds.
   mutable DeviceBlockTables dev_;
   DecodePlan step_;
+  std::optional<PrefixCache> prefix_;
 };
 
 }  // namespace kvserve

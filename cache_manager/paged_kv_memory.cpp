@@ -56,7 +56,13 @@ const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
 }
 
 PagedKvMemory::Geometry PagedKvMemory::geometry() const {
-  return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size(), rounds_kv_};
+  return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size(), rounds_kv_,
+          prefix_caching()};
+}
+
+int64_t PagedKvMemory::prefix_copy_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len) {
+  if (!g.prefix_caching || cfg.is_full()) return 0;
+  return prompt_len / g.block_size * g.num_layers;
 }
 
 bool PagedKvMemory::chunkable(const PolicyConfig& cfg) { return cfg.scorer != ScorerKind::kAccumulatedAttention; }
@@ -149,6 +155,133 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// prefix caching
+
+void PagedKvMemory::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn) {
+  cache_.enable_prefix_cache(salt, std::move(key_fn));
+}
+
+int64_t PagedKvMemory::prefix_queried(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? 0 : it->second.queried;
+}
+
+int64_t PagedKvMemory::prefix_hit(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? 0 : it->second.hit;
+}
+
+int64_t PagedKvMemory::reuse_limit(const SeqState& s) const {
+  const int64_t n = s.prompt_len;
+  if (!s.selector || !s.selector->compresses()) return n - 1;  // the last position's logits are computed
+  // A compressing policy continues from the cached prefix as a chunked prefill's last chunk does:
+  // where that chunk could not run, nothing is reused.
+  const PolicyConfig& cfg = *s.policy;
+  if (!chunkable(cfg) || rounds_kv_ || shard_.exchange->gathers_queries() || !holds_every_layer()) return 0;
+  // The window's queries score the whole prompt: they are computed, never cached.
+  return scorer_needs_queries(cfg.scorer) ? n - std::max<int64_t>(cfg.window, 1) : n - 1;
+}
+
+int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, bool reuse,
+                                      bool keep_copy) {
+  PrefixCache* pc = cache_.prefix_cache();
+  if (!pc) return 0;
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end(), "prefill: sequence " << seq_id << " has no KV state");
+  SeqState& s = it->second;
+  if (static_cast<int64_t>(s.tokens.size()) != start) {
+    s.tokens.clear();  // told out of order (a caller that skips chunks): this prompt is not cached
+    return 0;
+  }
+  s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
+  if (start != 0) return 0;
+  s.keep_copy = keep_copy;
+  if (!reuse) return 0;
+  const int64_t bs = cache_.block_size();
+  const int64_t limit = std::min<int64_t>(reuse_limit(s), static_cast<int64_t>(tokens.size()) - 1);
+  s.queried = s.prompt_len;
+  if (limit < bs) return 0;
+  std::vector<int32_t> hit = pc->match(tokens, limit / bs);
+  if (hit.empty()) return 0;
+  pc->acquire(hit);
+  s.prefix = hit;
+  const int64_t h = static_cast<int64_t>(hit.size()) * bs;
+  std::vector<int32_t> layer_blocks(hit.size());
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (size_t b = 0; b < hit.size(); ++b) layer_blocks[b] = pc->blocks(hit[b])[static_cast<size_t>(l)];
+    cache_.share(seq_id, l, layer_blocks, h);
+  }
+  s.hit = h;
+  return h;
+}
+
+void PagedKvMemory::copy_for_cache(int64_t seq_id, int64_t ll, const torch::Tensor& kf, const torch::Tensor& vf) {
+  SeqState& s = seqs_.at(seq_id);
+  if (!s.keep_copy || !cache_.prefix_cache() || static_cast<int64_t>(s.tokens.size()) != s.prompt_len) return;
+  const int64_t bs = cache_.block_size(), first = s.hit, end = s.prompt_len / bs * bs;
+  if (end <= first) return;
+  if (s.copies.empty()) s.copies.resize(static_cast<size_t>(num_layers_));
+  try {
+    s.copies[static_cast<size_t>(ll)] =
+        cache_.store_blocks(kf.narrow(1, first, end - first), vf.narrow(1, first, end - first), first);
+  } catch (const KvError&) {
+    // No room after all: this prompt is simply not cached (its prefill goes on).
+    for (auto& c : s.copies) cache_.drop(c);
+    s.copies.clear();
+    s.keep_copy = false;
+  }
+}
+
+void PagedKvMemory::publish_prefix(int64_t seq_id, bool compressed) {
+  SeqState& s = seqs_.at(seq_id);
+  PrefixCache* pc = cache_.prefix_cache();
+  const int64_t bs = cache_.block_size();
+  const int64_t first = s.hit / bs, end = s.prompt_len / bs;
+  const bool told = static_cast<int64_t>(s.tokens.size()) == s.prompt_len;
+  // Uncompressed, the sequence's own blocks hold the full-precision prompt and become the cache's
+  // (shared: the sequence uses them as one of the entries' users); compressed, its copies do.
+  const bool own = !compressed;
+  const bool have_copies = !s.copies.empty() && std::all_of(s.copies.begin(), s.copies.end(), [&](const auto& c) {
+    return static_cast<int64_t>(c.size()) == end - first;
+  });
+  if (pc && told && end > first && (own || have_copies)) {
+    int32_t parent = s.prefix.empty() ? -1 : s.prefix.back();
+    std::vector<int32_t> blocks(static_cast<size_t>(num_layers_));
+    for (int64_t b = first; b < end; ++b) {
+      for (int64_t l = 0; l < num_layers_; ++l) {
+        blocks[static_cast<size_t>(l)] = own ? cache_.layer_blocks(seq_id, l).blocks[static_cast<size_t>(b)]
+                                             : s.copies[static_cast<size_t>(l)][static_cast<size_t>(b - first)];
+      }
+      const auto tok = std::span<const int64_t>(s.tokens).subspan(static_cast<size_t>(b * bs), static_cast<size_t>(bs));
+      const int32_t id = cache_.prefix_insert(parent, tok, blocks);
+      if (id < 0) break;  // cached meanwhile by another prompt (or a key collision): stop here
+      if (own) {
+        pc->acquire({id});
+        s.prefix.push_back(id);
+      }
+      parent = id;
+    }
+  }
+  // The copies' own references go (the cache holds what it took), and a compressed sequence no
+  // longer reads the cached prefix: its layers hold their own compressed blocks now.
+  for (auto& c : s.copies) cache_.drop(c);
+  s.copies.clear();
+  if (compressed) drop_prefix(seq_id);
+  s.tokens.clear();
+  s.tokens.shrink_to_fit();
+}
+
+void PagedKvMemory::drop_prefix(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  SeqState& s = it->second;
+  if (!s.prefix.empty() && cache_.prefix_cache()) cache_.prefix_cache()->release(s.prefix);
+  s.prefix.clear();
+  for (auto& c : s.copies) cache_.drop(c);
+  s.copies.clear();
+}
+
 void PagedKvMemory::apply_updates(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   for (auto& [layer, kept] : s.selector->take_updates()) {
@@ -178,6 +311,7 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
     scorer_q = shard_.exchange->gather_queries(q.narrow(1, T - rows, rows).contiguous());
   }
   torch::Tensor kept = s.selector->on_layer(layer, scorer_q, k);  // [KV, n] ascending positions
+  copy_for_cache(seq_id, ll, k, v);
   auto idx = kept.to(k.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
   cache_.write(seq_id, ll, k.gather(1, idx), v.gather(1, idx), kept);
   apply_updates(seq_id);
@@ -235,6 +369,7 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   }
   const int64_t D = kf.size(2);
   torch::Tensor kept = s.selector->on_layer(layer, qf, kf);  // [KV, n] ascending positions
+  copy_for_cache(seq_id, ll, kf, vf);
   auto idx = kept.to(kf.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
   cache_.write(seq_id, ll, kf.gather(1, idx), vf.gather(1, idx), kept);
   apply_updates(seq_id);
@@ -242,8 +377,10 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
 
 void PagedKvMemory::end_prefill(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
+  const bool compressed = s.selector && s.selector->compresses();
   if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
   settle(seq_id);
+  publish_prefix(seq_id, compressed);
 }
 
 void PagedKvMemory::receive_earlier_scores(int64_t seq_id) {
@@ -328,6 +465,7 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
 }
 
 void PagedKvMemory::release(int64_t seq_id) {
+  drop_prefix(seq_id);
   if (cache_.has_sequence(seq_id)) cache_.release(seq_id);
   seqs_.erase(seq_id);
 }

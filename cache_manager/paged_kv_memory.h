@@ -1,6 +1,7 @@
 #pragma once
 // PagedKvMemory: the model's KV memory on the paged pool, with each sequence's policy choosing what it keeps.
 #include <map>
+#include <span>
 #include <memory>
 #include <utility>
 #include <string>
@@ -40,6 +41,8 @@ class PagedKvMemory final : public KvMemory {
   void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v) override;
   void end_prefill(int64_t seq_id) override;
+  int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, bool reuse,
+                         bool keep_copy) override;
   std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) override;
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
@@ -57,6 +60,15 @@ class PagedKvMemory final : public KvMemory {
 
   const PolicyConfig& policy(const std::string& name) const;
 
+  // Automatic prefix caching (cache_manager/prefix_cache.h): full prompt blocks stay in the pool
+  // after their request, keyed with `salt` (what else changes the K/V: model, dtypes, RoPE, shard).
+  void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr);
+  bool prefix_caching() const { return cache_.prefix_cache() != nullptr; }
+  // What the last prefill_tokens lookup of a sequence found: prompt tokens looked up (0: none was
+  // made) and positions taken from the cache.
+  int64_t prefix_queried(int64_t seq_id) const;
+  int64_t prefix_hit(int64_t seq_id) const;
+
   // Admission arithmetic, also for a shard whose memory lives in another process (the scheduler
   // runs it in the driving process for every shard of a sharded job).
   struct Geometry {
@@ -65,6 +77,7 @@ class PagedKvMemory final : public KvMemory {
     // chunks back gets them rounded, so compressing policies do not chunk (their selection must see
     // the computed keys, as a whole prefill does).
     bool rounds_kv = false;
+    bool prefix_caching = false;  // full prompt blocks go into a prefix cache
   };
   Geometry geometry() const;
   // Blocks a prompt occupies at its peak under `cfg` in the shard's layers (DynamicKV: its
@@ -72,6 +85,10 @@ class PagedKvMemory final : public KvMemory {
   // `chunked`: the prompt is prefilled over several steps, so a compressing policy holds every
   // position of every layer until the last chunk selects (the chunked peak).
   static int64_t prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len, bool chunked = false);
+  // Blocks a compressing policy's prefill takes on top of prompt_blocks to copy its full prompt
+  // blocks into the prefix cache (0 for policies whose own blocks are cached, or without a cache).
+  static int64_t prefix_copy_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len);
+
   // Whether prompts under `cfg` may be prefilled in chunks with the same kept positions as whole:
   // not H2O's accumulated attention, which needs every query of the prompt at once (its prompts
   // are prefilled whole).
@@ -83,6 +100,8 @@ class PagedKvMemory final : public KvMemory {
   int64_t decode_demand(const std::vector<int64_t>& seq_ids) const;
   // Blocks the sequence holds over this shard's layers (0 when it holds none).
   int64_t blocks_held(int64_t seq_id) const;
+  // Of those, the blocks no other holder (sequence or prefix cache) references.
+  int64_t private_blocks(int64_t seq_id) const { return cache_.has_sequence(seq_id) ? cache_.private_blocks_of(seq_id) : 0; }
   // Per-layer kept counts decided at prefill (before any decode-time eviction), this shard's layers.
   const std::vector<int64_t>& prefill_budgets(int64_t seq_id) const { return seqs_.at(seq_id).budgets; }
   // Kept positions [local KV heads, n] of a (global) layer.
@@ -101,6 +120,11 @@ class PagedKvMemory final : public KvMemory {
   LayerScores scores_so_far(int64_t seq_id) const;
   void finish_dynamic(int64_t seq_id);
   void settle(int64_t seq_id);
+  // Prefix caching: a compressing policy's full-precision copy of a layer's cacheable blocks (kf, vf
+  // [KV, prompt, D]), and at end_prefill the prompt's new full blocks into the cache.
+  void copy_for_cache(int64_t seq_id, int64_t ll, const torch::Tensor& kf, const torch::Tensor& vf);
+  void publish_prefix(int64_t seq_id, bool compressed);
+  void drop_prefix(int64_t seq_id);
   int64_t local(int64_t layer) const;
   bool last_shard() const { return shard_.first_layer + num_layers_ == shard_.total_layers; }
   bool holds_every_layer() const { return shard_.first_layer == 0 && last_shard(); }
@@ -115,7 +139,20 @@ class PagedKvMemory final : public KvMemory {
     // Chunked prefill of a compressing policy: per layer the last `window` queries seen so far
     // (what window attention scores with at the last chunk); undefined when not needed.
     std::vector<torch::Tensor> query_tail;
+    // Prefix caching: the prompt's tokens told so far, the cache entries the sequence uses (a chain
+    // from the prompt's first block), what its lookup found, whether it may copy its blocks into
+    // the cache and, per layer, those copies (blocks [hit, prompt_len / block_size)).
+    std::vector<int64_t> tokens;
+    std::vector<int32_t> prefix;
+    int64_t queried = 0, hit = 0;
+    bool keep_copy = false;
+    std::vector<std::vector<int32_t>> copies;
   };
+  // The most prompt positions the sequence may take from the prefix cache: the last position, and
+  // a window scorer's last `window` queries, are always computed (H2O's every query), so a hit
+  // never changes what a policy keeps.
+  int64_t reuse_limit(const SeqState& s) const;
+
   int64_t num_layers_;
   KvShard shard_;
   PagedKvCache cache_;

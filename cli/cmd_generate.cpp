@@ -35,6 +35,7 @@ struct GenerateArgs {
   std::string kv_cache = "1GiB";
   int64_t max_num_batched_tokens = EngineOptions{}.max_num_batched_tokens;
   bool enable_chunked_prefill = false;
+  bool enable_prefix_caching = EngineOptions{}.enable_prefix_caching;
   std::string kv_cache_dtype = "auto";
 };
 
@@ -67,7 +68,8 @@ void add_generate_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   cmd->add_flag("--enable-chunked-prefill", a->enable_chunked_prefill,
                 "prefill prompts longer than --max-num-batched-tokens over several steps");
-
+  cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", a->enable_prefix_caching,
+                "reuse the cached blocks of earlier prompts with the same prefix (default on)");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
   a->policy.add_to(cmd);
@@ -95,6 +97,7 @@ void add_generate_command(CLI::App& app) {
     eo.default_policy = PolicyFlags::selected(eo.policies);
     eo.max_num_batched_tokens = a->max_num_batched_tokens;
     eo.enable_chunked_prefill = a->enable_chunked_prefill;
+    eo.enable_prefix_caching = a->enable_prefix_caching;
     eo.enforce_eager = a->enforce_eager;
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);

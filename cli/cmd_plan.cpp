@@ -26,6 +26,7 @@ struct PlanArgs {
   int64_t tp = 1, pp = 1;
   std::string gpu_memory = "80GiB";
   std::string context = "32768";
+  std::string shared_prefix;  // tokens, like --context; empty = none
   std::string policy = "full";
   std::string budget;
   std::vector<std::string> params;
@@ -85,7 +86,9 @@ void print_text(const parallel::ShardPlan& p) {
               << (s.has_embedding ? " +embedding" : "") << (s.has_lm_head ? " +norm+lm_head" : "")
               << "  weights/GPU " << gib(s.weight_bytes) << " (" << s.weight_params << " params)"
               << "  KV heads/GPU " << s.kv_heads << "  KV/token " << s.kv_bytes_per_token << " B"
-              << "  KV capacity " << gib(s.kv_capacity_bytes) << "\n";
+              << "  KV capacity " << gib(s.kv_capacity_bytes);
+    if (s.prefix_cache_bytes > 0) std::cout << " (shared prefix cached: " << gib(s.prefix_cache_bytes) << ")";
+    std::cout << "\n";
   }
   if (!p.weights_fit) std::cout << "WARNING: weights do not fit in usable memory on some stage\n";
   for (const auto& pol : p.policies) {
@@ -109,6 +112,7 @@ void run_plan(const PlanArgs& a) {
   o.pp = a.pp;
   o.gpu_memory_bytes = config::parse_byte_size(a.gpu_memory);
   o.context = parse_context(a.context);
+  if (!a.shared_prefix.empty()) o.shared_prefix = parse_context(a.shared_prefix);
   o.reserve_fraction = a.reserve;
   o.block_size = a.block_size;
   o.weight_dtype_bytes = dtype_bytes(a.dtype);
@@ -139,6 +143,8 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--gpu-memory", a->gpu_memory, "memory per GPU (e.g. 80GiB)")->capture_default_str();
   cmd->add_option("--context", a->context, "tokens per sequence (e.g. 32768 or 32k)")->capture_default_str();
   cmd->add_option("--policy", a->policy, "KV policy shown beside full")->capture_default_str();
+  cmd->add_option("--shared-prefix", a->shared_prefix,
+                  "leading tokens of the context every sequence shares, held once by the prefix cache (e.g. 8k)");
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
   cmd->add_option("--dtype", a->dtype, "weight dtype (bfloat16, float16, float32, fp8)")->capture_default_str();

@@ -36,7 +36,7 @@ struct ServeArgs {
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
-  std::optional<bool> enable_chunked_prefill;
+  std::optional<bool> enable_chunked_prefill, enable_prefix_caching;
   std::vector<std::string> allowed_origins;  // --allowed-origins (replaces server.allowed_origins)
   ParallelFlags parallel;
   bool quiet = false, enforce_eager = false;
@@ -52,6 +52,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.enforce_eager = cfg.model.enforce_eager;
   eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
   eo.block_size = cfg.cache.block_size;
+  eo.enable_prefix_caching = cfg.cache.enable_prefix_caching;
   eo.default_policy = cfg.default_policy;
   eo.policies = config::engine_policies(cfg);
   return eo;
@@ -113,6 +114,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
   if (a.enable_chunked_prefill) c.scheduler.enable_chunked_prefill = *a.enable_chunked_prefill;
+  if (a.enable_prefix_caching) c.cache.enable_prefix_caching = *a.enable_prefix_caching;
   if (a.max_waiting) c.scheduler.max_waiting = *a.max_waiting;
   if (a.default_policy) c.default_policy = *a.default_policy;
   for (auto& i : config::validate(c)) {
@@ -291,6 +293,9 @@ void add_serve_command(CLI::App& app) {
   cmd->add_flag_function(
       "--enable-chunked-prefill,!--no-enable-chunked-prefill", [a](int64_t n) { a->enable_chunked_prefill = n > 0; },
       "prefill prompts longer than --max-num-batched-tokens over several steps while others decode");
+  cmd->add_flag_function(
+      "--enable-prefix-caching,!--no-enable-prefix-caching", [a](int64_t n) { a->enable_prefix_caching = n > 0; },
+      "keep full prompt blocks for later requests with the same prefix (default on)");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");

@@ -556,7 +556,8 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"kv_cache_dtype", p.string_of(c.cache.kv_cache_dtype, [](const std::string& s) {
                                      return kDtypes.count(s) ? std::string()
                                                              : "must be one of auto, float32, bfloat16, float16; got '" + s + "'";
-                                   })}});
+                                   })},
+                                  {"enable_prefix_caching", p.bool_of(c.cache.enable_prefix_caching)}});
                    })},
                   {"scheduler", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.scheduler;

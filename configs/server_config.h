@@ -6,7 +6,7 @@
 //   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
 //               retry_after_s, threads, drain_timeout_s, allowed_origins}
-//   cache:     {block_size, kv_cache_bytes, kv_cache_dtype}
+//   cache:     {block_size, kv_cache_bytes, kv_cache_dtype, enable_prefix_caching}
 //   scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting}
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
@@ -59,6 +59,9 @@ struct CacheSection {
   // Storage dtype of K/V: auto (= model.dtype) | float32 | bfloat16 | float16. A 16-bit cache under
   // fp32 compute holds twice the tokens in kv_cache_bytes (CPU only: CUDA takes model.dtype).
   std::string kv_cache_dtype = "auto";
+  // Automatic prefix caching: full prompt blocks stay in the pool (reclaimable) for later requests
+  // that start with the same tokens; exact for every policy (docs/architecture.md, "Prefix caching").
+  bool enable_prefix_caching = true;
 };
 
 struct SchedulerSection {

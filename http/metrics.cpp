@@ -206,6 +206,14 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
   counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));
   counter("kvserve:engine_steps_total", "Engine scheduler steps.", static_cast<double>(s.steps_total));
+  counter("kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+          static_cast<double>(s.prefix_cache_queries_total));
+  counter("kvserve:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",
+          static_cast<double>(s.prefix_cache_hits_total));
+  gauge("kvserve:kv_cache_blocks_cached", "KV-cache blocks held by the prefix cache (in use by requests or reclaimable).",
+        static_cast<double>(s.kv_blocks_cached));
+  header(out, "kvserve:prefix_cache_bytes", "gauge", "Bytes of cached prefix blocks, per tier.");
+  out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"pool\"} " + fmt(static_cast<double>(s.prefix_cache_bytes)) + "\n";
   counter("kvserve:step_collectives_total", "Control-path collectives of a sharded job's steps (0 in one process).",
           static_cast<double>(s.step_collectives_total));
 

@@ -79,6 +79,7 @@ struct Choice {
   std::string error;
   int64_t kept_kv = 0;
   int64_t full_kv = 0;
+  int64_t cached_tokens = 0;  // prompt tokens from the prefix cache
   Clock::time_point last_token;
   // logprobs, accumulated for non-streaming responses
   json chat_logprobs = json::array();  // chat: content entries
@@ -131,14 +132,20 @@ struct Exchange {
   json usage() const {
     int64_t prompt = 0, completion = 0, kept = 0, full = 0;
     for (int64_t p : prompt_tokens) prompt += p;
+    // A prompt's n choices share it: its cached tokens are the most any of them found.
+    std::vector<int64_t> cached(prompt_tokens.size(), 0);
     for (const auto& c : choices) {
       completion += c.completion_tokens;
       kept += c.kept_kv;
       full += c.full_kv;
+      if (c.prompt_index < cached.size()) cached[c.prompt_index] = std::max(cached[c.prompt_index], c.cached_tokens);
     }
+    int64_t cached_total = 0;
+    for (int64_t n : cached) cached_total += n;
     return {{"prompt_tokens", prompt},
             {"completion_tokens", completion},
             {"total_tokens", prompt + completion},
+            {"prompt_tokens_details", {{"cached_tokens", cached_total}}},
             {"kv_policy", policy},
             {"kv_rollout_rule", rollout_rule.empty() ? json(nullptr) : json(rollout_rule)},
             {"kv_kept_tokens", kept},
@@ -264,6 +271,7 @@ struct Exchange {
       c.error = ev.error;
       c.kept_kv = ev.kept_kv_tokens;
       c.full_kv = ev.full_kv_tokens;
+      c.cached_tokens = ev.cached_tokens;
       metrics->request_finished(c.finish_reason, policy, c.kept_kv, c.full_kv, rollout_rule);
     }
     if (done) return;

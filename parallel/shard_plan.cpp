@@ -93,6 +93,10 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     plan.stages.push_back(st);
   }
 
+  KV_CHECK(o.shared_prefix >= 0 && o.shared_prefix <= o.context,
+           "shared prefix of " << o.shared_prefix << " tokens outside the context of " << o.context);
+  const int64_t shared_blocks = o.shared_prefix / o.block_size;  // only whole blocks are cached
+  for (auto& st : plan.stages) st.prefix_cache_bytes = shared_blocks * (st.layers.end - st.layers.begin) * st.block_bytes;
   for (const auto& cfg : policies) {
     PolicyPlan pp;
     pp.policy = cfg.name;
@@ -101,14 +105,16 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     pp.max_seqs_peak = std::numeric_limits<int64_t>::max();
     for (const auto& st : plan.stages) {
       int64_t steady_blocks = 0, peak_blocks = 0;
+      // An uncompressed sequence's shared prefix blocks are the cache's, not its own.
+      const int64_t shared = cfg.is_full() ? shared_blocks : 0;
       for (int64_t l = st.layers.begin; l < st.layers.end; ++l) {
-        steady_blocks += ceil_div(pp.kept_per_layer[l], o.block_size);
-        peak_blocks += ceil_div(pp.peak_per_layer[l], o.block_size);
+        steady_blocks += ceil_div(pp.kept_per_layer[l], o.block_size) - shared;
+        peak_blocks += ceil_div(pp.peak_per_layer[l], o.block_size) - shared;
       }
       const int64_t steady = steady_blocks * st.block_bytes, peak = peak_blocks * st.block_bytes;
       pp.kv_bytes_per_seq.push_back(steady);
       pp.kv_bytes_per_seq_peak.push_back(peak);
-      const int64_t cap = std::max<int64_t>(0, st.kv_capacity_bytes);
+      const int64_t cap = std::max<int64_t>(0, st.kv_capacity_bytes - st.prefix_cache_bytes);
       const int64_t n = steady > 0 ? cap / steady : 0;
       const int64_t n_peak = peak > 0 ? cap / peak : 0;
       pp.max_seqs_per_stage.push_back(n);
@@ -144,6 +150,7 @@ nlohmann::json to_json(const ShardPlan& p) {
   j["block_size"] = p.options.block_size;
   j["weight_dtype_bytes"] = p.options.weight_dtype_bytes;
   j["kv_dtype_bytes"] = p.options.kv_dtype_bytes;
+  j["shared_prefix"] = p.options.shared_prefix;
   j["weights_fit"] = p.weights_fit;
   j["stages"] = nlohmann::json::array();
   for (const auto& s : p.stages) {
@@ -155,7 +162,8 @@ nlohmann::json to_json(const ShardPlan& p) {
                            {"weight_bytes_per_gpu", s.weight_bytes},
                            {"kv_heads_per_gpu", s.kv_heads},
                            {"kv_bytes_per_token", s.kv_bytes_per_token},
-                           {"kv_capacity_bytes", s.kv_capacity_bytes}});
+                           {"kv_capacity_bytes", s.kv_capacity_bytes},
+                           {"prefix_cache_bytes", s.prefix_cache_bytes}});
   }
   j["policies"] = nlohmann::json::array();
   for (const auto& pp : p.policies) {

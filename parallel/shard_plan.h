@@ -24,6 +24,10 @@ struct PlanOptions {
   int64_t block_size = 16;          // paged KV block, tokens
   int64_t weight_dtype_bytes = 2;   // bfloat16
   int64_t kv_dtype_bytes = 2;       // bfloat16
+  // Leading tokens of `context` every sequence shares (a document, a system prompt): with prefix
+  // caching their whole blocks are held once, in full precision, and uncompressed sequences use
+  // them instead of their own (compressing policies keep their own compressed copy).
+  int64_t shared_prefix = 0;
 };
 
 // Parameters one TP rank of a stage holds (the largest rank where a split is uneven).
@@ -42,6 +46,7 @@ struct StagePlan {
   int64_t kv_bytes_per_token = 0;         // the above x this stage's layers (no block rounding)
   int64_t block_bytes = 0;                // one paged block of one layer
   int64_t kv_capacity_bytes = 0;          // gpu_memory x (1 - reserve) - weights (may be negative)
+  int64_t prefix_cache_bytes = 0;         // the shared prefix's cached blocks (PlanOptions::shared_prefix)
 };
 
 // One policy's KV footprint on every stage at the planned context.

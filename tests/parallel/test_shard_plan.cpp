@@ -227,5 +227,23 @@ TEST(ShardPlan, ShortContextKeepsEverything) {
   EXPECT_EQ(plan.policies[0].kv_bytes_per_seq[0], 40 * 112 * 1024);  // 100 -> 7 blocks of 16
 }
 
+// A shared 8K prefix (prefix caching), same shapes: its 512 blocks per layer are held once per
+// stage: 512 x 40 layers x 16 tokens x 1024 B = 335,544,320 B. A full sequence owns only the
+// other 24K tokens (1536 blocks x 40 x 16,384 B = 1,006,632,960 B): stage 1 holds
+// (59,669,987,328 - 335,544,320) / 1,006,632,960 = 58.9 -> 58 (44 without). PyramidKV keeps
+// its own compressed copy: 8,601,600 B per sequence as before, in 335 MB less room.
+TEST(ShardPlan, ASharedPrefixIsHeldOnceAndFullSequencesOwnOnlyTheRest) {
+  auto o = opts(4, 2, 32768);
+  o.shared_prefix = 8192 + 5;  // the partial block is not cached
+  const auto plan = make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128"));
+  for (const auto& s : plan.stages) EXPECT_EQ(s.prefix_cache_bytes, 335544320);
+  EXPECT_EQ(plan.policies[0].kv_bytes_per_seq[1], 1006632960);
+  EXPECT_EQ(plan.policies[0].max_seqs, 58);
+  EXPECT_EQ(plan.policies[1].kv_bytes_per_seq[0], 8601600);
+  EXPECT_EQ(plan.policies[1].max_seqs_per_stage[0], (59670003712 - 335544320) / 8601600);
+  o.shared_prefix = o.context + 1;
+  EXPECT_THROW(make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128")), KvError);
+}
+
 }  // namespace
 }  // namespace kvserve::parallel

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Prefix caching on the real workloads: time to first token with `cache.enable_prefix_caching`
+off and on, per KV policy, and whether the greedy tokens are the same.
+
+(a) doc-QA: one long document (--doc tokens) and --questions different questions after it, sent one
+    after the other. With the cache on, the first question is a miss and the others hit the cached
+    document; with it off, every question is a miss (--miss-questions of them are run: their cost is
+    the same).
+(b) multi-turn: --conversations chats of --turns turns behind one shared system prompt
+    (--system tokens); each turn adds a --user-token message and the model's greedy reply
+    (--reply tokens) and the next turn sends the whole conversation again.
+
+Prompts are token ids (deterministic pseudo-random text from the vocabulary), sent to
+/v1/completions with streaming; TTFT is the client's time to the first streamed token. Each policy
+gets its own document and system prompt, so that its first request is a miss whatever ran before.
+One server per (workload, cache setting), the settings interleaved per workload, both on the same
+(shared, loaded) machine. Prints a markdown table and writes --json.
+
+Usage: python3 bench/bench_prefix_cache.py --kvserve build/kvserve [--model models/smollm2-135m-instruct]
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import pathlib
+import random
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+from tokenizers import Tokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+POLICIES = {
+    "full": "{}",
+    "snapkv": "{budget: 512, window: 32}",
+    "pyramidkv": "{budget: 512, window: 8}",
+    "dynamickv": "{budget: 512, window: 8}",
+    "streamingllm": "{budget: 512, sink: 4}",
+    "h2o": "{budget: 512, window: 8}",
+    "knorm": "{budget: 512}",
+}
+
+
+def start_server(binary: str, model: str, caching: bool, policies: list[str]) -> tuple[subprocess.Popen, str]:
+    tmp = tempfile.mkdtemp(prefix="kvserve-prefix-")
+    cfg = pathlib.Path(tmp) / "config.yaml"
+    pol = "".join(f"  {p}: {POLICIES[p]}\n" for p in policies if p != "full")
+    cfg.write_text(f"model: {{path: {model}, served_model_name: bench}}\n"
+                   f"server: {{host: 127.0.0.1, port: 0, request_timeout_s: 3600}}\n"
+                   f"cache: {{kv_cache_bytes: 3GiB, enable_prefix_caching: {'true' if caching else 'false'}}}\n"
+                   f"scheduler: {{max_num_seqs: 8, max_num_batched_tokens: 8192}}\n"
+                   f"policies:\n{pol or '  {}'}\n")
+    log_path = pathlib.Path(tmp) / "server.log"
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet"], stderr=log, stdout=log)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        log.seek(0)
+        m = re.search(r"127\.0\.0\.1:(\d+)", log.read())
+        if m:
+            url = f"127.0.0.1:{m.group(1)}"
+            try:
+                with urllib.request.urlopen(f"http://{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return proc, url
+            except Exception:
+                pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit(f"server did not become healthy; log {log_path}")
+
+
+def complete(url: str, prompt: list[int], policy: str, max_tokens: int) -> tuple[float, str, int]:
+    """One streaming greedy completion: (TTFT seconds, generated text, cached prompt tokens)."""
+    conn = http.client.HTTPConnection(url, timeout=3600)
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "kv_policy": policy,
+                       "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    ttft, text, cached = None, "", 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        if chunk.get("usage"):
+            cached = chunk["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        for c in chunk.get("choices") or []:
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text += c.get("text") or ""
+    conn.close()
+    return ttft, text, cached
+
+
+def words(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(200, vocab) for _ in range(n)]
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+        m = re.search(rf"kvserve:{name}\{{[^}}]*\}} ([0-9.e+]+)", text)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def doc_qa(url: str, policy: str, args, vocab: int, n_questions: int) -> dict:
+    rng = random.Random(f"doc-{policy}")
+    doc = words(rng, args.doc, vocab)
+    runs = []
+    for q in range(n_questions):
+        question = words(random.Random(f"q-{q}"), args.question, vocab)
+        ttft, text, cached = complete(url, doc + question, policy, args.max_tokens)
+        runs.append({"ttft": ttft, "text": text, "cached": cached})
+    return {"runs": runs}
+
+
+def multi_turn(url: str, policy: str, args, vocab: int, tokenizer) -> dict:
+    system = words(random.Random(f"sys-{policy}"), args.system, vocab)
+    runs = []
+    for c in range(args.conversations):
+        rng = random.Random(f"conv-{c}")
+        history = list(system)
+        for t in range(args.turns):
+            history += words(rng, args.user, vocab)
+            ttft, text, cached = complete(url, history, policy, args.reply)
+            runs.append({"ttft": ttft, "text": text, "cached": cached, "prompt": len(history)})
+            history += tokenizer.encode(text, add_special_tokens=False).ids  # the reply, as the next turn sends it
+    return {"runs": runs}
+
+
+def p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kvserve", default=str(REPO / "build" / "kvserve"))
+    ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--workloads", default="doc,chat")
+    ap.add_argument("--doc", type=int, default=8000)
+    ap.add_argument("--question", type=int, default=64)
+    ap.add_argument("--questions", type=int, default=20)
+    ap.add_argument("--miss-questions", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--system", type=int, default=1024)
+    ap.add_argument("--user", type=int, default=64)
+    ap.add_argument("--reply", type=int, default=32)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    policies = args.policies.split(",")
+    vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
+    tokenizer = Tokenizer.from_file(str(pathlib.Path(args.model) / "tokenizer.json"))
+    load = os.getloadavg()
+    results: dict = {"args": vars(args), "loadavg_start": load, "doc": {}, "chat": {}}
+    for workload in args.workloads.split(","):
+        for caching in (False, True):
+            proc, url = start_server(args.kvserve, args.model, caching, policies)
+            try:
+                for policy in policies:
+                    if workload == "doc":
+                        r = doc_qa(url, policy, args, vocab, args.questions if caching else args.miss_questions)
+                    else:
+                        r = multi_turn(url, policy, args, vocab, tokenizer)
+                    results[workload].setdefault(policy, {})["on" if caching else "off"] = r
+                    print(f"{workload} {policy} cache={'on' if caching else 'off'}: TTFT p50 "
+                          f"{p50([x['ttft'] for x in r['runs']]):.3f} s", flush=True)
+                results[workload]["metrics_" + ("on" if caching else "off")] = metrics(url)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    results["loadavg_end"] = os.getloadavg()
+
+    print(f"\nload average at start {load[0]:.1f}, at end {results['loadavg_end'][0]:.1f} (shared machine)\n")
+    if "doc" in results and any(p in results["doc"] for p in policies):
+        print("| policy | miss TTFT (cache off, p50) | first question (cache on, miss) | hit TTFT p50 | miss / hit | "
+              "hit rate (tokens) | same tokens |")
+        print("|---|---|---|---|---|---|---|")
+        for p in policies:
+            r = results["doc"].get(p)
+            if not r:
+                continue
+            off, on = r["off"]["runs"], r["on"]["runs"]
+            miss, hits = p50([x["ttft"] for x in off]), [x["ttft"] for x in on[1:]]
+            same = sum(a["text"] == b["text"] for a, b in zip(off, on))
+            rate = sum(x["cached"] for x in on) / max(1, len(on) * (args.doc + args.question))
+            print(f"| {p} | {miss:.3f} s | {on[0]['ttft']:.3f} s | {p50(hits):.3f} s | {miss / p50(hits):.1f}x | "
+                  f"{100 * rate:.0f} % | {same}/{len(off)} |")
+    if "chat" in results and any(p in results["chat"] for p in policies):
+        print("\n| policy | TTFT p50 off | TTFT p50 on | off / on | hit rate (tokens) | same tokens |")
+        print("|---|---|---|---|---|---|")
+        for p in policies:
+            r = results["chat"].get(p)
+            if not r:
+                continue
+            off, on = r["off"]["runs"], r["on"]["runs"]
+            a, b = p50([x["ttft"] for x in off]), p50([x["ttft"] for x in on])
+            same = sum(x["text"] == y["text"] for x, y in zip(off, on))
+            rate = sum(x["cached"] for x in on) / max(1, sum(x["prompt"] for x in on))
+            print(f"| {p} | {a:.3f} s | {b:.3f} s | {a / b:.1f}x | {100 * rate:.0f} % | {same}/{len(off)} |")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

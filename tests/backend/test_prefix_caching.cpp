@@ -1,0 +1,283 @@
+// Prefix caching on the random fixtures: a prompt that starts with a cached document gives, under
+// every KV policy, the logits, kept positions and decode of a run without the cache; the cached
+// blocks are shared and reclaimed before anything fails; a failed or cancelled prefill releases
+// its references; a key collision is a miss; the runner reports what it found.
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/llama_model.h"
+#include "backend/model_runner.h"
+#include "cache_manager/paged_kv_memory.h"
+#include "tests/support/fixture_models.h"
+
+namespace kvserve {
+namespace {
+
+using Specs = std::map<std::string, std::map<std::string, std::string>>;
+using test::fixture;
+using test::make_prompt;
+
+const Specs& policy_specs() {
+  static const Specs s = {
+      {"snap", {{"name", "snapkv"}, {"budget", "64"}, {"window", "8"}, {"kernel", "5"}}},
+      {"snap_w", {{"name", "snapkv"}, {"budget", "200"}, {"window", "150"}, {"kernel", "5"}}},
+      {"pyr", {{"name", "pyramidkv"}, {"budget", "64"}, {"window", "8"}, {"beta", "4"}}},
+      {"dyn", {{"name", "dynamickv"}, {"budget", "48"}, {"window", "8"}, {"r_max", "3"}, {"m", "2"}}},
+      {"stream", {{"name", "streamingllm"}, {"budget", "64"}, {"sink", "4"}}},
+      {"h2o", {{"name", "h2o"}, {"budget", "64"}, {"window", "8"}}},
+      {"knorm", {{"name", "knorm"}, {"budget", "0.5"}}},
+      {"rand", {{"name", "random"}, {"budget", "40"}}},
+      {"knorm_dec", {{"name", "knorm"}, {"budget", "0.5"}, {"decode_budget", "80"}, {"decode_evict_chunk", "8"}}},
+      // Keeps the whole prompt, then evicts while decoding: its shared prompt blocks are compacted away.
+      {"stream_dec", {{"name", "streamingllm"}, {"budget", "4096"}, {"decode_budget", "704"}, {"decode_evict_chunk", "8"}}},
+  };
+  return s;
+}
+
+std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, bool caching,
+                                           PrefixCache::KeyFn key_fn = nullptr) {
+  const auto& c = m.config();
+  KvPoolOptions pool;
+  pool.num_kv_heads = c.num_key_value_heads;
+  pool.head_dim = c.head_dim;
+  pool.num_blocks = blocks;
+  auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(policy_specs()));
+  if (caching) kv->enable_prefix_cache(m.kv_layout().kv_salt, std::move(key_fn));
+  return kv;
+}
+
+float max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<float>(); }
+
+// A 640-token document (40 blocks) and a question after it.
+constexpr int64_t kDoc = 640, kQuestion = 60;
+std::vector<int64_t> doc_and_question(int64_t vocab, int64_t question_salt) {
+  auto p = make_prompt(kDoc, 11, vocab);
+  const auto q = make_prompt(kQuestion, question_salt, vocab);
+  p.insert(p.end(), q.begin(), q.end());
+  return p;
+}
+
+class PrefixCachingPolicy : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PrefixCachingPolicy, AHitKeepsAndComputesWhatAMissDoes) {
+  const std::string& policy = GetParam();
+  float logit_diff = 0, decode_diff = 0;
+  for (const std::string name : {"llama-gqa", "llama-kvfew"}) {
+    const std::string dir = fixture(name);
+    if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << name;
+    auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+    const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+    const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
+    const int64_t T = static_cast<int64_t>(second.size()), blocks = 4 * (T / 16 + 3) * L;
+    auto cached = make_memory(*model, blocks, true);
+    auto plain = make_memory(*model, blocks, false);
+    // The first request fills the cache and finishes.
+    model->prefill(1, first, *cached, false, policy);
+    EXPECT_EQ(cached->prefix_hit(1), 0);
+    cached->release(1);
+    EXPECT_EQ(cached->blocks_used(), 0) << "cached blocks count as free";
+    EXPECT_GT(cached->cache().cached_blocks(), 0);
+    // The second starts with the same document.
+    const torch::Tensor got = model->prefill(2, second, *cached, false, policy);
+    const torch::Tensor want = model->prefill(2, second, *plain, false, policy);
+    const int64_t hit = cached->prefix_hit(2);
+    if (policy == "h2o") {
+      EXPECT_EQ(hit, 0) << "H2O scores with every query: nothing may come from the cache";
+    } else if (policy == "snap_w") {
+      EXPECT_EQ(hit, (T - 150) / 16 * 16) << "the window's queries are computed";
+    } else {
+      EXPECT_EQ(hit, kDoc) << name;
+    }
+    EXPECT_EQ(cached->prefix_queried(2), T);
+    logit_diff = std::max(logit_diff, max_diff(got, want));
+    EXPECT_EQ(got.argmax(-1).item<int64_t>(), want.argmax(-1).item<int64_t>());
+    EXPECT_EQ(cached->prefill_budgets(2), plain->prefill_budgets(2)) << name;
+    for (int64_t l = 0; l < L; ++l) {
+      EXPECT_TRUE(torch::equal(cached->kept_positions(2, l), plain->kept_positions(2, l))) << name << " layer " << l;
+      auto [ka, va] = cached->cache().gather(2, l);
+      auto [kb, vb] = plain->cache().gather(2, l);
+      EXPECT_LE(std::max(max_diff(ka, kb), max_diff(va, vb)), 1e-4) << name << " layer " << l;
+    }
+    // A compressing policy decodes from its own compressed blocks: it holds what a miss holds
+    // (key norm skips layers 0 and 1, so on a two-layer fixture it keeps everything).
+    if (plain->kept_tokens(2) < T * L) {
+      EXPECT_EQ(cached->private_blocks(2), plain->blocks_held(2)) << name;
+    }
+    for (int64_t step = 0; step < 20; ++step) {
+      DecodeBatch b{{2}, {T + step}};
+      const std::vector<int64_t> tok{second[static_cast<size_t>(step)]};
+      decode_diff = std::max(decode_diff, max_diff(model->decode(b, tok, *cached), model->decode(b, tok, *plain)));
+    }
+    for (int64_t l = 0; l < L; ++l)
+      EXPECT_TRUE(torch::equal(cached->kept_positions(2, l), plain->kept_positions(2, l))) << name << " layer " << l;
+    cached->cache().check_invariants();
+    cached->release(2);
+    EXPECT_EQ(cached->blocks_used(), 0);
+    cached->cache().check_invariants();
+  }
+  std::cout << "[ " << policy << " ] max |cached - plain|: last logits " << logit_diff << ", decode logits " << decode_diff
+            << "\n";
+  EXPECT_LE(logit_diff, 1e-4);
+  EXPECT_LE(decode_diff, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, PrefixCachingPolicy,
+                         ::testing::Values("full", "snap", "snap_w", "pyr", "dyn", "stream", "h2o", "knorm", "rand",
+                                           "knorm_dec", "stream_dec"));
+
+TEST(PrefixCaching, RequestsShareTheCachedBlocksWhileTheyDecode) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+  auto kv = make_memory(*model, 600, true);
+  const auto a = doc_and_question(V, 1), b = doc_and_question(V, 2);
+  model->prefill(1, a, *kv);
+  const int64_t one = kv->blocks_used();
+  model->prefill(2, b, *kv);
+  EXPECT_EQ(kv->prefix_hit(2), kDoc);
+  // The second request added only its question's blocks.
+  EXPECT_EQ(kv->blocks_used() - one, (static_cast<int64_t>(b.size()) / 16 + 1 - kDoc / 16) * L);
+  // Its full blocks are all cached now (the document's, and its own question's): only the partial
+  // last block is its alone.
+  EXPECT_EQ(kv->private_blocks(2), L);
+  const int64_t T = static_cast<int64_t>(a.size());
+  for (int64_t step = 0; step < 40; ++step) {  // across a block boundary: decode never writes a shared block
+    model->decode(DecodeBatch{{1, 2}, {T + step, T + step}}, {a[static_cast<size_t>(step)], b[static_cast<size_t>(step)]}, *kv);
+  }
+  kv->cache().check_invariants();
+  kv->release(1);
+  EXPECT_EQ(kv->prefix_hit(1), 0);
+  kv->cache().check_invariants();
+  kv->release(2);
+  EXPECT_EQ(kv->blocks_used(), 0);
+  // The first prompt's full blocks, and the second's after the shared document.
+  EXPECT_EQ(kv->cache().cached_blocks(), (T / 16 + T / 16 - kDoc / 16) * L);
+  kv->cache().check_invariants();
+}
+
+TEST(PrefixCaching, CachedBlocksAreReclaimedBeforeAnAllocationFails) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+  const int64_t pool = (kDoc / 16 + kQuestion / 16 + 2) * L;
+  auto kv = make_memory(*model, pool, true);
+  model->prefill(1, doc_and_question(V, 1), *kv);
+  kv->release(1);
+  const int64_t cached = kv->cache().cached_blocks();
+  EXPECT_GT(cached, 0);
+  // An unrelated prompt that needs most of the pool evicts the cached document.
+  const auto other = make_prompt(kDoc, 99, V);
+  model->prefill(2, other, *kv);
+  EXPECT_EQ(kv->prefix_hit(2), 0);
+  EXPECT_LT(kv->cache().cached_blocks() - (kDoc / 16) * L, cached);
+  kv->cache().check_invariants();
+  kv->release(2);
+  kv->cache().check_invariants();
+}
+
+TEST(PrefixCaching, AFailedPrefillReleasesItsReferences) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+  // Room for the document and a short question, not for a long one.
+  auto kv = make_memory(*model, (kDoc / 16 + kQuestion / 16 + 2) * L, true);
+  model->prefill(1, doc_and_question(V, 1), *kv);
+  kv->release(1);
+  auto longer = make_prompt(kDoc, 11, V);
+  const auto q = make_prompt(400, 3, V);
+  longer.insert(longer.end(), q.begin(), q.end());
+  EXPECT_THROW(model->prefill(2, longer, *kv), std::exception);
+  kv->cache().check_invariants();
+  EXPECT_EQ(kv->blocks_used(), 0) << "the hit's entries are reclaimable again";
+  // A chunked prefill cancelled after its first chunk (the engine releases it) lets go as well.
+  const auto again = doc_and_question(V, 5);
+  const std::span<const int64_t> all(again);
+  model->prefill_batch({PrefillInput{3, all.subspan(0, kDoc + 20), "", 0, static_cast<int64_t>(again.size())}}, *kv);
+  EXPECT_EQ(kv->prefix_hit(3), kDoc);
+  kv->release(3);
+  EXPECT_EQ(kv->blocks_used(), 0);
+  kv->cache().check_invariants();
+}
+
+TEST(PrefixCaching, AKeyCollisionRecomputesInsteadOfAliasing) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size;
+  // Every block's key depends on its position in the prompt only: two documents collide everywhere.
+  auto kv = make_memory(*model, 2000, true, [](uint64_t parent, std::span<const int64_t>) { return parent * 31 + 7; });
+  auto plain = make_memory(*model, 2000, false);
+  model->prefill(1, make_prompt(kDoc, 1, V), *kv);
+  kv->release(1);
+  const auto other = make_prompt(kDoc, 2, V);
+  const torch::Tensor got = model->prefill(2, other, *kv);
+  EXPECT_EQ(kv->prefix_hit(2), 0);
+  EXPECT_LE(max_diff(got, model->prefill(2, other, *plain)), 1e-4);
+  kv->cache().check_invariants();
+}
+
+TEST(PrefixCaching, EveryPositionsLogitsMeanNoReuse) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size;
+  auto kv = make_memory(*model, 1000, true);
+  const auto p = doc_and_question(V, 1);
+  model->prefill(1, p, *kv);
+  kv->release(1);
+  const torch::Tensor all = model->prefill(2, p, *kv, /*all_logits=*/true);
+  EXPECT_EQ(all.size(0), static_cast<int64_t>(p.size()));
+  EXPECT_EQ(kv->prefix_hit(2), 0);
+}
+
+TEST(PrefixCaching, TheRunnerReportsLookupsAndACompressingPolicyCopiesOnlyWhenAllowed) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size;
+  LocalRunner runner(model, make_memory(*model, 2000, true));
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  auto work = [&](int64_t id, const std::vector<int64_t>& p, bool keep_copy) {
+    PrefillWork w;
+    w.seq_id = id;
+    w.tokens = p;
+    w.policy = "snap";
+    w.keep_copy = keep_copy;
+    return w;
+  };
+  const auto a = doc_and_question(V, 1), b = doc_and_question(V, 2), c = doc_and_question(V, 3);
+  StepPlan s1;
+  s1.start = {{1, greedy, a, 0, {}}};
+  s1.prefill = {work(1, a, false)};
+  const StepResult r1 = runner.execute(s1);
+  EXPECT_EQ(r1.prefilled.at(0).queried_tokens, static_cast<int64_t>(a.size()));
+  EXPECT_EQ(r1.prefilled.at(0).cached_tokens, 0);
+  EXPECT_EQ(r1.shards.at(0).blocks_cached, 0) << "no room reserved for a copy: nothing cached";
+  StepPlan s2;
+  s2.release = {1};
+  s2.start = {{2, greedy, b, 0, {}}};
+  s2.prefill = {work(2, b, true)};
+  const StepResult r2 = runner.execute(s2);
+  EXPECT_EQ(r2.prefilled.at(0).cached_tokens, 0);
+  EXPECT_GT(r2.shards.at(0).blocks_cached, 0);
+  EXPECT_GT(r2.shards.at(0).cached_bytes, 0);
+  StepPlan s3;
+  s3.start = {{3, greedy, c, 0, {}}};
+  s3.prefill = {work(3, c, true)};
+  const StepResult r3 = runner.execute(s3);
+  EXPECT_EQ(r3.prefilled.at(0).cached_tokens, kDoc);
+  ASSERT_TRUE(r3.prefilled.at(0).first.has_value());
+  auto plain = make_memory(*model, 2000, false);
+  EXPECT_EQ(r3.prefilled[0].first->token, model->prefill(3, c, *plain, false, "snap")[0].argmax().item<int64_t>());
+}
+
+}  // namespace
+}  // namespace kvserve

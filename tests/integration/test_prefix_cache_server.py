@@ -1,0 +1,92 @@
+"""Prefix caching through a real server: questions about one document, with the cache on (the
+default) and off (`--no-enable-prefix-caching`), give the same greedy text and kept KV under full
+and compressing policies; the official openai client reads `usage.prompt_tokens_details.cached_tokens`;
+`/metrics` counts the lookups and shows the cached blocks; cancelled requests leave no block held.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from kvserve_server import Server
+
+DOC = 200  # 12 full blocks of 16 and a bit
+
+
+def completion(url: str, prompt: list[int], policy: str, max_tokens: int = 8) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "kv_policy": policy}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def servers():
+    on = Server()
+    off = Server(extra_args=("--no-enable-prefix-caching",))
+    yield on, off
+    for s in (on, off):
+        rc = s.stop()
+        log = s.log()
+        s.tmp.cleanup()
+        assert rc == 0, log[-4000:]
+
+
+def tokens(seed: int, n: int, vocab: int = 2000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv"])
+def test_questions_on_one_document_equal_the_uncached_server(servers, policy):
+    on, off = servers
+    doc = tokens({"full": 1, "snapkv": 2, "pyramidkv": 3}[policy], DOC)
+    before = on.metrics()
+    cached = []
+    for q in range(3):
+        prompt = doc + tokens(100 + q, 20)
+        a, b = completion(on.url, prompt, policy), completion(off.url, prompt, policy)
+        assert a["choices"][0]["text"] == b["choices"][0]["text"], (policy, q)
+        assert a["usage"]["kv_kept_tokens"] == b["usage"]["kv_kept_tokens"], (policy, q)
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached.append(a["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0
+    # Whole blocks of the document, the window (4 tokens) and the last token always computed.
+    assert cached[1] == cached[2] == DOC // 16 * 16, cached
+    after = on.metrics()
+    assert after["kvserve:prefix_cache_queries_total"] - before["kvserve:prefix_cache_queries_total"] == 3 * (DOC + 20)
+    assert after["kvserve:prefix_cache_hits_total"] - before["kvserve:prefix_cache_hits_total"] == sum(cached)
+    assert after["kvserve:kv_cache_blocks_cached"] > 0
+    assert after['kvserve:prefix_cache_bytes{model_name="tiny",tier="pool"}'] > 0
+    assert off.metrics()["kvserve:kv_cache_blocks_cached"] == 0
+
+
+def test_the_openai_client_reads_cached_tokens(servers):
+    on, _ = servers
+    client = openai.OpenAI(base_url=on.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    doc = tokens(7, DOC)
+    first = client.completions.create(model="tiny", prompt=doc + [5, 6, 7], max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny", prompt=doc + [8, 9], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == DOC // 16 * 16
+    assert second.usage.prompt_tokens == DOC + 2
+
+
+def test_finished_and_cancelled_requests_hold_no_blocks(servers):
+    on, _ = servers
+    doc = tokens(9, DOC)
+    for q in range(3):
+        completion(on.url, doc + tokens(300 + q, 10), "snapkv", max_tokens=2)
+    # Cached blocks no request uses are free: nothing is in use once the requests are released
+    # (within a step of their last response).
+    deadline = time.time() + 10
+    while (m := on.metrics())["kvserve:kv_cache_blocks_used"] != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert m["kvserve:kv_cache_blocks_used"] == 0, m
+    assert m["kvserve:kv_cache_blocks_cached"] > 0
