@@ -34,10 +34,35 @@ VARIANTS = {
     "norm_kth": {"norm": "kth"},
     "norm_kth_min50": {"norm": "kth", "min_frac": 0.5},
     "uniform50": {"prior": "uniform", "alpha": 0.5},
+    "kth50": {"norm": "kth", "rank": 0.5},
+    "kth25": {"norm": "kth", "rank": 0.25},
+    "kth50_authors": {"norm": "kth", "rank": 0.5, "per_query_head": True, "final": False, "authors_trailing": True},
+    "kth50_maxpool": {"norm": "kth", "rank": 0.5, "pooling": "max"},
+    "kth50_min50": {"norm": "kth", "rank": 0.5, "min_frac": 0.5},
 }
 
 
+def report(path: str, keys: list) -> str:
+    """Markdown: per-layer kept tokens / attention mass kept / needle tokens kept, and accuracies."""
+    d = json.loads(pathlib.Path(path).read_text())
+    L = d["layers"]
+    keys = [k for k in keys if k in L]
+    out = ["| layer | " + " | ".join(keys) + " |", "|---:|" + "---|" * len(keys)]
+    for i in range(len(L[keys[0]])):
+        out.append(f"| {i} | " + " | ".join("%.0f / %.2f / %.2f" % tuple(L[k][i]) for k in keys) + " |")
+    out.append("| sum | " + " | ".join("%.0f" % sum(r[0] for r in L[k]) for k in keys) + " |")
+    out += ["", "| config | " + " | ".join(next(iter(d["cells"].values())).keys()) + " | all |",
+            "|---|" + "---:|" * (len(next(iter(d["cells"].values()))) + 1)]
+    for k, c in d["cells"].items():
+        tot = sum(v[0] for v in c.values()), sum(v[1] for v in c.values())
+        out.append(f"| {k} | " + " | ".join(f"{v[0]}/{v[1]}" for v in c.values()) + f" | {tot[0]}/{tot[1]} |")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        print(report(sys.argv[2], sys.argv[3].split(",")))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/smollm2-135m-instruct")
     ap.add_argument("--tasks", default="niah_number,multikey,qa")
@@ -79,7 +104,7 @@ def main() -> None:
             c = cells.setdefault(key, {}).setdefault(smp.task, [0, 0])
             c[0] += ok
             c[1] += 1
-            if kept is not None and (pol != "dynamickv" or v in ("paper", "authors", "norm_kth", "prior50", "min50")):
+            if kept is not None and (pol != "dynamickv" or v in ("paper", "authors", "norm_kth", "prior50", "min50", "kth50", "kth25")):
                 ev = kv_sim.evidence(cap, kept, needle, t, 8)
                 acc = layers.setdefault(key, [[0.0, 0.0, 0.0] for _ in ev])
                 for i, (n, m, nd) in enumerate(ev):

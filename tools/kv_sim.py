@@ -136,7 +136,8 @@ def dynamic_budgets(scores: list, base: int, bs: int, opts: dict) -> list:
     L = len(scores)
     rows, cap = scores[0].shape
     m = opts.get("m", 4)
-    normed = [normalise(s.reshape(-1, cap), opts.get("norm", "none"), base) for s in scores]
+    kth = max(1, int(opts.get("rank", 1.0) * base))
+    normed = [normalise(s.reshape(-1, cap), opts.get("norm", "none"), kth) for s in scores]
     budget = [bs] * L
     prior = None
     if opts.get("prior") == "uniform":
