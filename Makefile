@@ -25,7 +25,7 @@ FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load toke
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 
-.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval train-model clean fuzz fuzz-build soak
+.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -81,9 +81,19 @@ bench: build
 bench-llamacpp: build model
 	$(PYTHON) bench/bench_llamacpp.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks-llamacpp.md
 
-# Retrieval accuracy per policy x budget and perplexity under decode-time eviction on tiny-retriever,
-# then perplexity and pass key retrieval per policy on the default model (SmolLM2) -> docs/eval/.
+# The long-context quality suite on the default model (RULER-style tasks, every policy x budget)
+# -> docs/eval/quality.md. EVAL_GRID=full for every length/budget/policy; EVAL_KVPRESS=1 adds
+# kvpress's presses side by side; EVAL_ARGS passes more (--jobs, --device cuda, --dtype bfloat16).
+EVAL_GRID ?= default
+EVAL_KVPRESS ?=
+EVAL_ARGS ?=
 eval: build model
+	$(PYTHON) tools/eval_quality.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --grid $(EVAL_GRID) \
+	  $(if $(EVAL_KVPRESS),--kvpress) $(EVAL_ARGS)
+
+# The earlier evaluations: retrieval accuracy per policy x budget and perplexity under decode-time
+# eviction on tiny-retriever, then perplexity and pass key retrieval on the default model.
+eval-legacy: build model
 	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --n 4 --workers 8
 	$(PYTHON) tools/eval_perplexity.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
 	$(PYTHON) tools/eval_real_model.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval

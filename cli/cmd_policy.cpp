@@ -1,5 +1,6 @@
-// `kvserve policy budgets|select`: KV-policy budgets and kept positions without a model, for tests
-// against the Python references.
+// `kvserve policy budgets|select`: KV-policy budgets and kept positions without a model (for tests
+// against the Python references), and `budgets --model` for a real prompt (DynamicKV's budgets
+// depend on the prompt's attention scores).
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -11,6 +12,10 @@
 #include <torch/torch.h>
 
 #include "backend/safetensors_file.h"
+#include "backend/sharded/parallel_job.h"
+#include "cache_manager/kv_memory_factory.h"
+#include "cli/cli_files.h"
+#include "text/tokenizer.h"
 #include "cli/commands.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -86,6 +91,55 @@ void run_budgets(const PolicyArgs& a, int64_t prompt_len, int64_t layers, int64_
   std::cout << j.dump() << "\n";
 }
 
+// A real prompt for `policy budgets --model`.
+struct PromptArgs {
+  std::string model, prompt, prompt_file, input_ids, device = "cpu", dtype;
+};
+
+// Prefills the prompt with the policy (one process) and prints the budgets each layer ended with.
+void run_prompt_budgets(const PolicyArgs& a, const PromptArgs& p) {
+  const int given = !p.prompt.empty() + !p.prompt_file.empty() + !p.input_ids.empty();
+  KV_CHECK(given == 1, "policy budgets --model: give exactly one of --prompt, --prompt-file, --input-ids");
+  auto cfg = build_config(a);
+  LoadOptions load;
+  load.device = p.device;
+  load.dtype = p.dtype;
+  load.progress = false;
+  auto job = ParallelJob::start(ParallelOptions{}, p.model, load);
+  auto model = job->model();
+  std::vector<int64_t> ids;
+  if (!p.input_ids.empty()) {
+    ids = token_ids_of(read_json_file(p.input_ids), p.input_ids);
+  } else {
+    std::string text = p.prompt;
+    if (!p.prompt_file.empty()) {
+      std::ifstream f(p.prompt_file);
+      KV_CHECK(f.good(), "--prompt-file " << p.prompt_file << ": cannot open");
+      text.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
+    ids = Tokenizer::from_dir(p.model).encode(text);
+  }
+  KV_CHECK(!ids.empty(), "policy budgets --model: the prompt is empty");
+  const auto& layout = model->layout();
+  KvPoolSize size;  // every layer's whole prompt plus one compaction copy: the policy decides
+  size.num_blocks = (layout.num_layers() + 1) * (static_cast<int64_t>(ids.size()) / size.block_size + 2);
+  std::map<std::string, PolicyConfig> policies{{cfg.name, cfg}};
+  auto memory = make_kv_memory(model->kv_layout(), size, policies, cfg.name, job->kv_shard());
+  model->prefill(0, ids, *memory, /*all_logits=*/false, cfg.name);
+  const auto& budgets = memory->prefill_budgets(0);
+  int64_t total = 0;
+  for (int64_t b : budgets) total += b;
+  nlohmann::json j;
+  j["policy"] = to_json(cfg);
+  j["prompt_len"] = ids.size();
+  j["layers"] = budgets.size();
+  j["budgets"] = budgets;
+  j["total"] = total;
+  j["full_total"] = static_cast<int64_t>(ids.size() * budgets.size());
+  memory->release(0);
+  std::cout << j.dump() << "\n";
+}
+
 void run_select(const PolicyArgs& a, const std::string& qk_path, const std::string& out_path) {
   auto cfg = build_config(a);
   SafetensorsFile f(qk_path);
@@ -127,12 +181,25 @@ void add_policy_commands(CLI::App& app) {
   auto prompt_len = std::make_shared<int64_t>(0);
   auto layers = std::make_shared<int64_t>(0);
   auto kv_heads = std::make_shared<int64_t>(1);
-  auto* budgets = policy->add_subcommand("budgets", "print per-layer kept-token budgets as JSON");
+  auto prompt = std::make_shared<PromptArgs>();
+  auto* budgets = policy->add_subcommand(
+      "budgets", "print per-layer kept-token budgets as JSON: from --prompt-len/--layers, or (DynamicKV's, which "
+                 "depend on the prompt) from a --model run on a prompt");
   add_policy_args(budgets, *budgets_args);
-  budgets->add_option("--prompt-len", *prompt_len, "prompt length in tokens")->required()->check(CLI::PositiveNumber);
-  budgets->add_option("--layers", *layers, "number of layers")->required()->check(CLI::PositiveNumber);
+  budgets->add_option("--prompt-len", *prompt_len, "prompt length in tokens (without --model)")->check(CLI::PositiveNumber);
+  budgets->add_option("--layers", *layers, "number of layers (without --model)")->check(CLI::PositiveNumber);
   budgets->add_option("--kv-heads", *kv_heads, "KV heads per layer")->check(CLI::PositiveNumber);
-  budgets->callback([=] { run_budgets(*budgets_args, *prompt_len, *layers, *kv_heads); });
+  budgets->add_option("--model", prompt->model, "model directory: prefill the prompt and print the budgets it got");
+  budgets->add_option("--prompt", prompt->prompt, "prompt text (with --model; tokenized as is, no chat template)");
+  budgets->add_option("--prompt-file", prompt->prompt_file, "file holding the prompt text (with --model)");
+  budgets->add_option("--input-ids", prompt->input_ids, "JSON file with the prompt's token ids (with --model)");
+  budgets->add_option("--device", prompt->device, "cpu, cuda or cuda:N (with --model)");
+  budgets->add_option("--dtype", prompt->dtype, "compute dtype (with --model)");
+  budgets->callback([=] {
+    if (!prompt->model.empty()) return run_prompt_budgets(*budgets_args, *prompt);
+    KV_CHECK(*prompt_len > 0 && *layers > 0, "policy budgets: give --prompt-len and --layers, or --model and a prompt");
+    run_budgets(*budgets_args, *prompt_len, *layers, *kv_heads);
+  });
 
   auto select_args = std::make_shared<PolicyArgs>();
   auto qk = std::make_shared<std::string>();

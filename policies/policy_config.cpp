@@ -50,6 +50,18 @@ std::string to_string(ScorerKind k) {
 }
 std::string to_string(PoolingKind k) { return k == PoolingKind::kMax ? "max" : "avg"; }
 std::string to_string(Semantics k) { return k == Semantics::kPaper ? "paper" : "kvpress"; }
+std::string to_string(DynamicVariant k) { return k == DynamicVariant::kPaper ? "paper" : "authors"; }
+std::string to_string(ScoreNorm k) {
+  switch (k) {
+    case ScoreNorm::kNone: return "none";
+    case ScoreNorm::kLayer: return "layer";
+    case ScoreNorm::kHead: return "head";
+    case ScoreNorm::kMax: return "max";
+    case ScoreNorm::kKth: return "kth";
+  }
+  return "?";
+}
+std::string to_string(BudgetPrior k) { return k == BudgetPrior::kNone ? "none" : "pyramid"; }
 
 namespace {
 
@@ -166,6 +178,39 @@ const std::map<std::string, Setter>& setters() {
       {"update_interval",
        [](PolicyConfig& c, const std::string& k, const std::string& v) { c.update_interval = parse_nonneg(k, v, 1); }},
       {"m", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.update_interval = parse_nonneg(k, v, 1); }},
+      {"variant",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.dynamic.variant =
+             parse_enum<DynamicVariant>(k, v, {{"paper", DynamicVariant::kPaper}, {"authors", DynamicVariant::kAuthors}});
+       }},
+      {"normalize",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.dynamic.norm = parse_enum<ScoreNorm>(
+             k, v, {{"none", ScoreNorm::kNone}, {"layer", ScoreNorm::kLayer}, {"head", ScoreNorm::kHead}, {"max", ScoreNorm::kMax},
+                    {"kth", ScoreNorm::kKth}});
+       }},
+      {"norm_rank",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         double r = parse_double(k, v);
+         if (!(r > 0.0 && r <= 1.0)) KV_FAIL("policy parameter '" << k << "': '" << v << "' must be in (0, 1]");
+         c.dynamic.norm_rank = r;
+       }},
+      {"min_ratio",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         double r = parse_double(k, v);
+         if (!(r >= 0.0 && r <= 1.0)) KV_FAIL("policy parameter '" << k << "': '" << v << "' must be in [0, 1]");
+         c.dynamic.min_ratio = r;
+       }},
+      {"prior",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.dynamic.prior = parse_enum<BudgetPrior>(k, v, {{"none", BudgetPrior::kNone}, {"pyramid", BudgetPrior::kPyramid}});
+       }},
+      {"prior_weight",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         double r = parse_double(k, v);
+         if (!(r >= 0.0 && r <= 1.0)) KV_FAIL("policy parameter '" << k << "': '" << v << "' must be in [0, 1]");
+         c.dynamic.prior_weight = r;
+       }},
       {"sink", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.sink = parse_nonneg(k, v); }},
       {"skip_layers",
        [](PolicyConfig& c, const std::string& k, const std::string& v) { c.skip_layers = parse_layer_list(k, v); }},
@@ -183,6 +228,19 @@ const std::map<std::string, Setter>& setters() {
        }},
   };
   return s;
+}
+
+bool is_dynamic_key(const std::string& k) {
+  return k == "variant" || k == "normalize" || k == "norm_rank" || k == "min_ratio" || k == "prior" || k == "prior_weight";
+}
+
+// `dynamickv`'s default: the variant that did best on the default model's quality suite
+// (docs/eval/dynamickv.md). An explicit `variant=` starts from that variant exactly instead.
+DynamicOptions tuned_dynamic_options() {
+  DynamicOptions o;
+  o.norm = ScoreNorm::kKth;
+  o.norm_rank = 0.5;
+  return o;
 }
 
 PolicyConfig named_defaults(const std::string& name) {
@@ -204,6 +262,7 @@ PolicyConfig named_defaults(const std::string& name) {
     c.scorer = ScorerKind::kWindowAttention;
     c.pooling = PoolingKind::kAvg;  // the authors' Llama setting
     c.budget = 128;
+    c.dynamic = tuned_dynamic_options();
   } else if (name == "streamingllm") {
     c.allocator = AllocatorKind::kUniform;
     c.scorer = ScorerKind::kSinkRecent;
@@ -256,6 +315,15 @@ void validate_policy_config(const PolicyConfig& c) {
                  c.scorer == ScorerKind::kAccumulatedAttention || c.scorer == ScorerKind::kRandom,
              "policy '" << c.name << "': the dynamic allocator needs a ranking scorer, not " << to_string(c.scorer));
   }
+  if (c.allocator != AllocatorKind::kDynamic) {
+    KV_CHECK(c.dynamic.is_paper() && c.dynamic.prior_weight == 0.5 && c.dynamic.norm_rank == 1.0,
+             "policy '" << c.name
+                        << "': variant, normalize, norm_rank, min_ratio, prior and prior_weight are DynamicKV parameters");
+  }
+  if (c.dynamic.variant == DynamicVariant::kAuthors) {
+    KV_CHECK(c.scorer == ScorerKind::kWindowAttention,
+             "policy '" << c.name << "': variant=authors selects per query head and needs scorer window_attention");
+  }
   if (c.allocator == AllocatorKind::kDynamic) {
     KV_CHECK(c.skip_layers.empty(), "policy '" << c.name << "': the dynamic allocator budgets every layer (skip_layers must be empty)");
   }
@@ -284,6 +352,7 @@ PolicyConfig make_policy_config(const std::string& name, const std::map<std::str
   if (name == "knorm" && sem != params.end() && sem->second == "kvpress" && !params.count("skip_layers")) {
     c.skip_layers.clear();
   }
+  if (c.allocator == AllocatorKind::kDynamic && params.count("variant")) c.dynamic = DynamicOptions{};
   const auto& table = setters();
   for (const auto& [key, value] : params) {
     auto it = table.find(key);
@@ -297,6 +366,10 @@ PolicyConfig make_policy_config(const std::string& name, const std::map<std::str
       KV_FAIL("unknown policy parameter '" << key << "' (value '" << value << "'); valid keys: " << os.str());
     }
     it->second(c, key, value);
+  }
+  if (c.allocator != AllocatorKind::kDynamic &&
+      std::none_of(params.begin(), params.end(), [](const auto& kv) { return is_dynamic_key(kv.first); })) {
+    c.dynamic = DynamicOptions{};  // dynamickv's tuned options mean nothing for another allocator
   }
   validate_policy_config(c);
   return c;
@@ -318,6 +391,14 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["beta"] = c.beta;
   j["r_max"] = c.r_max;
   j["update_interval"] = c.update_interval;
+  if (c.allocator == AllocatorKind::kDynamic) {
+    j["variant"] = to_string(c.dynamic.variant);
+    j["normalize"] = to_string(c.dynamic.norm);
+    j["norm_rank"] = c.dynamic.norm_rank;
+    j["min_ratio"] = c.dynamic.min_ratio;
+    j["prior"] = to_string(c.dynamic.prior);
+    j["prior_weight"] = c.dynamic.prior_weight;
+  }
   j["sink"] = c.sink;
   j["skip_layers"] = c.skip_layers;
   j["semantics"] = to_string(c.semantics);

@@ -17,6 +17,32 @@ enum class ScorerKind { kNone, kWindowAttention, kAccumulatedAttention, kSinkRec
 enum class PoolingKind { kMax, kAvg };
 // Whose arithmetic to follow where the references differ (docs/architecture.md, "The methods' arithmetic").
 enum class Semantics { kPaper, kKvpress };
+// DynamicKV: whose selection rules (docs/eval/dynamickv.md). kPaper: Algorithm 1 as written, scores
+// per KV head. kAuthors: the authors' code: scores per query head (each KV head stores the union of
+// its query heads' choices), re-budgeted at every m-th layer only (the last L mod m layers keep bs).
+enum class DynamicVariant { kPaper, kAuthors };
+// DynamicKV: how each layer's scores are scaled before the cross-layer top-k. kLayer: a layer's
+// scores sum to 1; kHead: each head's (ranking row's) sum to 1; kMax: each head's best is 1; kKth:
+// each head's (norm_rank * base)-th best is 1 (base = B - window): every head is sure of about that
+// many tokens and the rest of the total goes to the tokens strongest against their own head's
+// reference (norm_rank 1 gives every layer the same budget: SnapKV's allocation).
+enum class ScoreNorm { kNone, kLayer, kHead, kMax, kKth };
+// DynamicKV: a schedule the dynamic budgets are mixed with (kPyramid: PyramidKV's, beta).
+enum class BudgetPrior { kNone, kPyramid };
+
+// DynamicKV's options beyond r_max/update_interval; the defaults are the exact paper variant.
+struct DynamicOptions {
+  DynamicVariant variant = DynamicVariant::kPaper;
+  ScoreNorm norm = ScoreNorm::kNone;
+  double norm_rank = 1.0;     // ScoreNorm::kKth: the rank scaled to 1, as a fraction of B - window
+  double min_ratio = 0.0;     // every layer keeps at least min_ratio * (B - window) scored tokens
+  BudgetPrior prior = BudgetPrior::kNone;
+  double prior_weight = 0.5;  // weight of the dynamic budgets against the prior's
+  // True for Algorithm 1 exactly as the paper writes it.
+  bool is_paper() const {
+    return variant == DynamicVariant::kPaper && norm == ScoreNorm::kNone && min_ratio == 0.0 && prior == BudgetPrior::kNone;
+  }
+};
 
 // All parameters of one policy; build it with make_policy_config so that it is validated.
 struct PolicyConfig {
@@ -34,6 +60,7 @@ struct PolicyConfig {
   int64_t beta = 20;         // PyramidKV top-layer divisor
   int64_t r_max = 10;        // DynamicKV candidate multiplier
   int64_t update_interval = 4;  // DynamicKV: re-budget after every m-th layer
+  DynamicOptions dynamic;       // DynamicKV: variant, score normalisation, per-layer minimum, prior
   int64_t sink = 4;          // StreamingLLM sink tokens
   std::vector<int64_t> skip_layers;  // layers never compressed (key_norm paper default {0,1})
   Semantics semantics = Semantics::kPaper;
@@ -69,5 +96,8 @@ std::string to_string(AllocatorKind k);
 std::string to_string(ScorerKind k);
 std::string to_string(PoolingKind k);
 std::string to_string(Semantics k);
+std::string to_string(DynamicVariant k);
+std::string to_string(ScoreNorm k);
+std::string to_string(BudgetPrior k);
 
 }  // namespace kvserve

@@ -1,8 +1,10 @@
 #include "policies/prefill_selector.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "common/check.h"
+#include "policies/pyramid_budget.h"
 #include "policies/token_scorer.h"
 #include "policies/top_select.h"
 
@@ -28,8 +30,19 @@ PrefillSelector::PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, in
   compresses_ = std::any_of(plan_.begin(), plan_.end(), [](const LayerBudget& b) { return !b.full; });
   if (compresses_ && cfg_.allocator == AllocatorKind::kDynamic) {
     const auto s = dynamic_sizes(cfg_, prompt_len);
-    dynamic_.emplace(num_layers, s.base, s.bs, cfg_.update_interval);
+    std::vector<int64_t> prior;
+    if (cfg_.dynamic.prior == BudgetPrior::kPyramid) {
+      const int64_t w = std::min(cfg_.window, prompt_len);
+      for (int64_t kept : pyramid_budgets_paper(prompt_len, s.base + w, w, cfg_.beta, num_layers)) {
+        prior.push_back(std::max<int64_t>(0, kept - w));
+      }
+    }
+    dynamic_.emplace(num_layers, s.base, s.bs, cfg_.update_interval, scored_region_, cfg_.dynamic, std::move(prior));
     order_.resize(num_layers);
+    head_scores_.resize(num_layers);
+    kept_scored_.assign(num_layers, -1);
+    kept_budget_.assign(num_layers, -1);
+    held_.resize(num_layers);
   }
 }
 
@@ -55,6 +68,15 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
     KV_CHECK(q.defined() && q.dim() == 3 && q.size(0) % num_kv_heads_ == 0,
              "PrefillSelector: layer " << layer << " needs queries [H, T, D] with H a multiple of " << num_kv_heads_);
   }
+  if (dynamic_ && per_query_head()) {
+    // Ranked per query head; a KV head's query heads travel side by side as one row [KV, G * N].
+    auto hs = window_attention_head_scores(q, k, cfg_.window, cfg_.kernel, cfg_.pooling, /*mean_over_window=*/false);
+    dynamic_->set_layer_scores(layer, exchange_->gather_scores(layer, hs.reshape({num_kv_heads_, -1})));
+    head_scores_[layer] = hs;
+    auto kept = with_window(union_selection(layer, dynamic_->budgets()[layer]), lb.window, dev);
+    if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+    return kept;
+  }
   torch::Tensor scores = score_tokens(cfg_, layer, q, k);  // [KV, prompt - window]
 
   if (!dynamic_) {
@@ -64,6 +86,7 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
   // DynamicKV: keep the bs best as candidates in score order; budget from every KV head's scores.
   dynamic_->set_layer_scores(layer, exchange_->gather_scores(layer, scores));
   order_[layer] = stable_rank_order(scores, std::min(dynamic_->budgets()[layer], scored_region_));
+  kept_scored_[layer] = order_[layer].size(1);
   auto kept = with_window(std::get<0>(torch::sort(order_[layer], 1)), lb.window, dev);
   if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
   return kept;
@@ -72,10 +95,18 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
 void PrefillSelector::apply_dynamic_budgets(const std::vector<int64_t>& new_budgets) {
   const int64_t n = static_cast<int64_t>(new_budgets.size());
   for (int64_t i = 0; i < n; ++i) {
-    const auto& ord = order_[i];
-    if (!ord.defined() || new_budgets[i] >= ord.size(1)) continue;  // not local, or unchanged
-    order_[i] = ord.narrow(1, 0, new_budgets[i]);
-    auto kept = with_window(std::get<0>(torch::sort(order_[i], 1)), plan_[i].window, ord.device());
+    torch::Tensor kept;
+    if (per_query_head()) {
+      const auto& hs = head_scores_[i];
+      if (!hs.defined() || new_budgets[i] >= kept_budget_[i]) continue;  // not local, or unchanged
+      kept = with_window(union_selection(i, new_budgets[i]), plan_[i].window, hs.device());
+    } else {
+      const auto& ord = order_[i];
+      if (!ord.defined() || new_budgets[i] >= ord.size(1)) continue;  // not local, or unchanged
+      order_[i] = ord.narrow(1, 0, new_budgets[i]);
+      kept_scored_[i] = new_budgets[i];
+      kept = with_window(std::get<0>(torch::sort(order_[i], 1)), plan_[i].window, ord.device());
+    }
     auto it = std::find_if(pending_.begin(), pending_.end(), [i](const auto& p) { return p.first == i; });
     if (it != pending_.end()) {
       it->second = kept;
@@ -84,6 +115,41 @@ void PrefillSelector::apply_dynamic_budgets(const std::vector<int64_t>& new_budg
     }
   }
   std::sort(pending_.begin(), pending_.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+}
+
+namespace {
+// Which positions of each KV head some query head ranks in its top b: rows [KV * G, N] -> [KV, N].
+torch::Tensor union_mask(const torch::Tensor& rows, int64_t groups, int64_t b) {
+  auto mask = torch::zeros(rows.sizes(), rows.options().dtype(torch::kBool));
+  if (b > 0) mask.scatter_(1, stable_rank_order(rows, b), true);
+  return mask.view({-1, groups, rows.size(1)}).any(1);
+}
+}  // namespace
+
+int64_t PrefillSelector::union_width(int64_t layer, int64_t b) const {
+  b = std::min(b, scored_region_);
+  if (b <= 0) return 0;
+  const auto& all = dynamic_->layer_scores(layer);  // [every KV head, G * N]
+  const int64_t groups = all.size(1) / scored_region_;
+  return union_mask(all.reshape({-1, scored_region_}), groups, b).sum(1).max().item<int64_t>();
+}
+
+torch::Tensor PrefillSelector::union_selection(int64_t layer, int64_t b) {
+  const auto& hs = head_scores_[layer];  // [local KV * G, N]
+  const int64_t groups = hs.size(0) / num_kv_heads_;
+  b = std::min(b, scored_region_);
+  const int64_t width = union_width(layer, b);
+  kept_scored_[layer] = width;
+  kept_budget_[layer] = b;
+  // The union ranks first (+inf); the padding is the KV head's next best by its query heads' mean,
+  // among the positions still held (a re-selection keeps a subset of what the layer holds).
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  auto ranked = hs.view({num_kv_heads_, groups, scored_region_}).mean(1);
+  if (held_[layer].defined()) ranked = ranked.masked_fill(held_[layer].logical_not(), -kInf);
+  ranked = ranked.masked_fill(union_mask(hs, groups, b), kInf);
+  auto order = stable_rank_order(ranked, width);
+  held_[layer] = torch::zeros(ranked.sizes(), ranked.options().dtype(torch::kBool)).scatter_(1, order, true);
+  return std::get<0>(torch::sort(order, 1));
 }
 
 std::vector<std::pair<int64_t, torch::Tensor>> PrefillSelector::take_updates() {
@@ -101,7 +167,20 @@ std::vector<int64_t> PrefillSelector::budgets() const {
   auto out = kept_counts(plan_, prompt_len_);
   if (dynamic_) {
     for (int64_t l = 0; l < num_layers_; ++l) {
-      if (!plan_[l].full) out[l] = plan_[l].window + dynamic_->budgets()[l];
+      if (plan_[l].full) continue;
+      int64_t scored = dynamic_->budgets()[l];
+      if (per_query_head()) {
+        // The union a layer holds (or would hold, for another shard's layer whose scores are here).
+        // Before its scores are known a layer's union is bounded only by the scored region.
+        if (kept_scored_[l] >= 0) {
+          scored = kept_scored_[l];
+        } else if (dynamic_->has_layer_scores(l)) {
+          scored = union_width(l, scored);
+        } else {
+          scored = scored_region_;
+        }
+      }
+      out[l] = plan_[l].window + scored;
     }
   }
   return out;
@@ -114,8 +193,10 @@ torch::Tensor PrefillSelector::layer_scores(int64_t layer) const {
 
 void PrefillSelector::import_layer_scores(int64_t layer, const torch::Tensor& scores) {
   KV_CHECK(dynamic_.has_value(), "PrefillSelector::import_layer_scores: policy '" << cfg_.name << "' is not DynamicKV");
-  KV_CHECK(scores.dim() == 2 && scores.size(1) == scored_region_,
-           "PrefillSelector::import_layer_scores: scores must be [heads, " << scored_region_ << "], got " << scores.sizes());
+  const int64_t rows = per_query_head() ? scores.size(1) / std::max<int64_t>(1, scored_region_) : 1;
+  KV_CHECK(scores.dim() == 2 && scores.size(1) == rows * scored_region_ && rows >= 1,
+           "PrefillSelector::import_layer_scores: scores must be [heads, " << (per_query_head() ? "G * " : "")
+                                                                          << scored_region_ << "], got " << scores.sizes());
   dynamic_->set_layer_scores(layer, scores);
 }
 

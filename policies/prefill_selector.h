@@ -65,6 +65,13 @@ class PrefillSelector {
  private:
   torch::Tensor with_window(const torch::Tensor& scored_positions, int64_t window_kept, const torch::Device& dev) const;
   void apply_dynamic_budgets(const std::vector<int64_t>& new_budgets);
+  bool per_query_head() const { return cfg_.dynamic.variant == DynamicVariant::kAuthors; }
+  // variant=authors: the scored positions each local KV head keeps for a budget of b per query head:
+  // the union of its query heads' top b, padded with the KV head's next best (by the mean of its
+  // query heads' scores) to the widest union over every KV head (so all shards keep the same count).
+  torch::Tensor union_selection(int64_t layer, int64_t b);
+  // variant=authors: the widest union over every KV head of `layer` for b per query head.
+  int64_t union_width(int64_t layer, int64_t b) const;
 
   PolicyConfig cfg_;
   int64_t num_layers_, num_kv_heads_, prompt_len_;
@@ -74,6 +81,10 @@ class PrefillSelector {
   std::vector<LayerBudget> plan_;
   std::optional<DynamicBudget> dynamic_;
   std::vector<torch::Tensor> order_;  // DynamicKV: per layer [KV, budget] positions in score order
+  std::vector<torch::Tensor> head_scores_;  // variant=authors: per local layer [local KV * G, N]
+  std::vector<int64_t> kept_scored_;        // DynamicKV: scored positions a layer holds now (-1: unknown)
+  std::vector<int64_t> kept_budget_;        // variant=authors: the per-query-head budget a layer was selected with
+  std::vector<torch::Tensor> held_;         // variant=authors: per local layer [local KV, N], positions held
   std::vector<std::pair<int64_t, torch::Tensor>> pending_;
   ScoreExchange* exchange_;
 };

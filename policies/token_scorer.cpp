@@ -40,6 +40,13 @@ bool scorer_needs_queries(ScorerKind s) {
 
 torch::Tensor window_attention_scores(const torch::Tensor& q, const torch::Tensor& k, int64_t window, int64_t kernel,
                                       PoolingKind pooling, bool mean_over_window) {
+  auto per_head = window_attention_head_scores(q, k, window, kernel, pooling, mean_over_window);
+  const int64_t kv = k.size(0);
+  return per_head.view({kv, per_head.size(0) / kv, per_head.size(1)}).mean(1);
+}
+
+torch::Tensor window_attention_head_scores(const torch::Tensor& q, const torch::Tensor& k, int64_t window,
+                                           int64_t kernel, PoolingKind pooling, bool mean_over_window) {
   check_qk(q, k, "window_attention_scores");
   const int64_t kv = k.size(0), t = k.size(1), d = k.size(2), h = q.size(0), g = h / kv;
   KV_CHECK(window >= 1 && window < t, "window_attention_scores: window " << window << " must be in [1, " << t << ")");
@@ -58,8 +65,7 @@ torch::Tensor window_attention_scores(const torch::Tensor& q, const torch::Tenso
   logits.narrow(3, n, window).masked_fill_(future, -std::numeric_limits<float>::infinity());
   auto probs = torch::softmax(logits, 3).narrow(3, 0, n);  // [KV, G, w, n]
   auto per_head = mean_over_window ? probs.mean(2) : probs.sum(2);  // [KV, G, n]
-  auto pooled = pool_rows(per_head.reshape({kv * g, n}), kernel, pooling);  // [H, n]
-  return pooled.view({kv, g, n}).mean(1);
+  return pool_rows(per_head.reshape({kv * g, n}), kernel, pooling);  // [H, n]
 }
 
 torch::Tensor accumulated_attention_scores(const torch::Tensor& q, const torch::Tensor& k, int64_t window,

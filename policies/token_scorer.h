@@ -17,6 +17,10 @@ namespace kvserve {
 // over the query heads of each KV head. Returns fp32 [KV, T - window]. O(window * T) work.
 torch::Tensor window_attention_scores(const torch::Tensor& q, const torch::Tensor& k, int64_t window, int64_t kernel,
                                       PoolingKind pooling, bool mean_over_window);
+// The same before the average over each KV head's query heads: fp32 [H, T - window], the query
+// heads of KV head j in rows [j * H / KV, (j + 1) * H / KV) (DynamicKV variant=authors).
+torch::Tensor window_attention_head_scores(const torch::Tensor& q, const torch::Tensor& k, int64_t window,
+                                           int64_t kernel, PoolingKind pooling, bool mean_over_window);
 
 // H2O accumulated attention: for every key j the causal softmax attention it receives from all
 // queries i >= j, divided by the number of such queries (T - j), averaged over the query heads of

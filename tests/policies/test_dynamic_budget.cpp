@@ -88,3 +88,77 @@ TEST(DynamicBudget, MissingScoresIsAnError) {
   d.set_layer_scores(1, torch::rand({2, 100}));
   EXPECT_THROW(d.update(2), std::exception);
 }
+
+TEST(DynamicShape, MinimumTakenFromTheLayersAbove) {
+  DynamicOptions o;
+  o.min_ratio = 0.5;  // base 20 -> minimum 10
+  // Raise 10 (layer 0); the excess above 10 is {0, 0, 40}: layer 2 gives it all.
+  EXPECT_EQ(dynamic_shape({0, 10, 50}, o, 20, {}), (std::vector<int64_t>{10, 10, 40}));
+  // Excess {10, 30}: raise 8 taken 2 and 6.
+  EXPECT_EQ(dynamic_shape({2, 20, 40}, o, 20, {}), (std::vector<int64_t>{10, 18, 34}));
+  EXPECT_EQ(dynamic_shape({12, 30}, o, 20, {}), (std::vector<int64_t>{12, 30}));  // nothing below
+}
+
+TEST(DynamicShape, PriorMix) {
+  DynamicOptions o;
+  o.prior = BudgetPrior::kPyramid;
+  o.prior_weight = 0.25;
+  // 0.25 * b + 0.75 * prior over the layers seen.
+  EXPECT_EQ(dynamic_shape({100, 0}, o, 20, {20, 40, 60}), (std::vector<int64_t>{40, 30}));
+  o.prior_weight = 1.0;
+  EXPECT_EQ(dynamic_shape({100, 0}, o, 20, {20, 40, 60}), (std::vector<int64_t>{100, 0}));
+}
+
+TEST(DynamicNormalize, RowsAndLayers) {
+  auto s = torch::tensor({{1.0f, 3.0f, 2.0f, 2.0f}, {4.0f, 4.0f, 0.0f, 8.0f}});
+  EXPECT_TRUE(torch::allclose(normalize_scores(s, ScoreNorm::kLayer, 4).sum(), torch::tensor(1.0f)));
+  // Rows of 2 positions (two query heads side by side per KV head): each row sums to 1.
+  auto h = normalize_scores(s, ScoreNorm::kHead, 2).view({4, 2});
+  EXPECT_TRUE(torch::allclose(h.sum(1), torch::ones({4})));
+  auto m = normalize_scores(s, ScoreNorm::kMax, 4);
+  EXPECT_TRUE(torch::allclose(std::get<0>(m.max(1)), torch::ones({2})));
+  EXPECT_TRUE(torch::equal(normalize_scores(s, ScoreNorm::kNone, 4), s));
+}
+
+TEST(DynamicBudget, NormalisedHeadsShareTheTotalMoreEvenly) {
+  // Layer 0's scores are 100x layer 1's: unnormalised, layer 1 gets no hit; per head sums equal
+  // both ways, so normalised both layers get hits.
+  const int64_t L = 2, base = 10, bs = 40;
+  torch::manual_seed(1);
+  auto s0 = torch::rand({2, 100}) * 100, s1 = torch::rand({2, 100});
+  DynamicBudget plain(L, base, bs, 2, 100);
+  DynamicOptions o;
+  o.norm = ScoreNorm::kHead;
+  DynamicBudget normed(L, base, bs, 2, 100, o);
+  for (auto* d : {&plain, &normed}) {
+    d->set_layer_scores(0, s0);
+    d->set_layer_scores(1, s1);
+    d->update(2);
+  }
+  EXPECT_EQ(plain.budgets()[1], 0);
+  EXPECT_GT(normed.budgets()[1], 5);
+  EXPECT_EQ(normed.layer_scores(0).sum().item<float>(), s0.sum().item<float>());  // raw scores kept
+}
+
+TEST(DynamicBudget, AuthorsVariantLeavesTrailingLayers) {
+  DynamicOptions o;
+  o.variant = DynamicVariant::kAuthors;
+  DynamicBudget d(6, 10, 50, 4, 100, o);
+  for (int64_t l = 0; l < 6; ++l) {
+    d.set_layer_scores(l, torch::rand({2, 3 * 100}));  // 2 KV heads x 3 query heads x 100 positions
+    if (d.update_due_after(l)) d.update(l + 1);
+  }
+  EXPECT_FALSE(d.final_update_due());
+  EXPECT_FALSE(d.final_update().has_value());
+  EXPECT_EQ(d.budgets()[4], 50);
+  EXPECT_EQ(d.budgets()[5], 50);
+  EXPECT_LE(sum(std::vector<int64_t>(d.budgets().begin(), d.budgets().begin() + 4)), 10 * 6);
+  EXPECT_THROW(d.set_layer_scores(0, torch::rand({2, 150})), std::exception);  // not rows of 100
+}
+
+TEST(DynamicNormalize, KthBestScoresOne) {
+  auto s = torch::tensor({{5.0f, 1.0f, 3.0f, 2.0f}, {0.4f, 0.8f, 0.1f, 0.2f}});
+  auto k = normalize_scores(s, ScoreNorm::kKth, 4, 2);  // second best of each row -> 1
+  EXPECT_TRUE(torch::allclose(k, torch::tensor({{5.0f / 3, 1.0f / 3, 1.0f, 2.0f / 3}, {1.0f, 2.0f, 0.25f, 0.5f}})));
+  EXPECT_TRUE(torch::allclose(normalize_scores(s, ScoreNorm::kKth, 4, 99).select(1, 2), torch::tensor({3.0f, 1.0f})));
+}

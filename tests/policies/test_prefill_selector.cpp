@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <map>
 #include <set>
+#include <string>
 
 #include <torch/torch.h>
 
@@ -11,6 +13,8 @@
 #include "policies/prefill_selector.h"
 #include "policies/score_exchange.h"
 #include "policies/pyramid_budget.h"
+#include "policies/token_scorer.h"
+#include "policies/top_select.h"
 
 using namespace kvserve;
 
@@ -220,4 +224,71 @@ TEST(PrefillSelector, Errors) {
   EXPECT_THROW(sel.on_layer(0, qk.q, qk.k), KvError);  // out of order
   EXPECT_THROW(PrefillSelector(cfg, 0, 2, 100), KvError);
   EXPECT_THROW(sel.layer_scores(0), KvError);  // not dynamic
+}
+
+TEST(PrefillSelector, DynamicAuthorsKeepsEachQueryHeadsChoiceAndChargesTheUnion) {
+  const int64_t H = 6, KV = 2, T = 300, D = 8, L = 6, w = 8;
+  auto cfg = make_policy_config("dynamickv", {{"budget", "24"}, {"r_max", "3"}, {"variant", "authors"}});
+  PrefillSelector sel(cfg, L, KV, T);
+  EXPECT_EQ(sel.budgets()[0], T);  // before any score the union may cover the whole scored region
+  std::vector<torch::Tensor> held(L), q(L), k(L);
+  for (int64_t l = 0; l < L; ++l) {
+    auto qk = random_qk(H, KV, T, D, 200 + l);
+    q[l] = qk.q;
+    k[l] = qk.k;
+    held[l] = sel.on_layer(l, qk.q, qk.k);
+    expect_valid(held[l], KV, T, w, T);
+    for (auto& [layer, kept] : sel.take_updates()) {
+      EXPECT_TRUE(is_subset(kept, held[layer])) << "layer " << layer;
+      held[layer] = kept;
+    }
+  }
+  sel.finish();
+  EXPECT_TRUE(sel.take_updates().empty());  // no final update in the authors' schedule
+  const auto b = sel.dynamic_budgets();
+  EXPECT_EQ(b[4], 3 * 16);  // trailing layers keep bs
+  EXPECT_EQ(b[5], 3 * 16);
+  const auto counts = sel.budgets();
+  for (int64_t l = 0; l < L; ++l) {
+    EXPECT_EQ(held[l].size(1), counts[l]) << "layer " << l;
+    EXPECT_GE(held[l].size(1), b[l] + w);  // at least one query head's choice
+    // Every query head's own top b[l] is held by its KV head.
+    auto hs = window_attention_head_scores(q[l], k[l], w, cfg.kernel, cfg.pooling, false);
+    auto top = stable_top_positions(hs, b[l]);
+    for (int64_t h = 0; h < H; ++h) {
+      EXPECT_TRUE(is_subset(top.narrow(0, h, 1), held[l].narrow(0, h / (H / KV), 1))) << "layer " << l << " head " << h;
+    }
+  }
+}
+
+TEST(PrefillSelector, DynamicVariantsStayInsideTheBudget) {
+  const int64_t H = 4, KV = 2, T = 400, D = 8, L = 9;
+  for (const auto& params : std::vector<std::map<std::string, std::string>>{
+           {{"normalize", "head"}}, {{"min_ratio", "0.5"}}, {{"prior", "pyramid"}, {"prior_weight", "0.5"}},
+           {{"normalize", "layer"}, {"min_ratio", "0.25"}}}) {
+    auto p = params;
+    p["budget"] = "24";
+    p["r_max"] = "5";
+    auto cfg = make_policy_config("dynamickv", p);
+    PrefillSelector sel(cfg, L, KV, T);
+    std::vector<torch::Tensor> held(L);
+    for (int64_t l = 0; l < L; ++l) {
+      auto qk = random_qk(H, KV, T, D, 300 + l);
+      held[l] = sel.on_layer(l, qk.q, qk.k);
+      for (auto& [layer, kept] : sel.take_updates()) {
+        EXPECT_TRUE(is_subset(kept, held[layer]));
+        held[layer] = kept;
+      }
+    }
+    sel.finish();
+    for (auto& [layer, kept] : sel.take_updates()) held[layer] = kept;
+    int64_t total = 0;
+    const auto b = sel.budgets();
+    for (int64_t l = 0; l < L; ++l) {
+      EXPECT_EQ(held[l].size(1), b[l]);
+      total += b[l];
+      if (p.count("min_ratio")) { EXPECT_GE(b[l] - 8, static_cast<int64_t>(std::stod(p["min_ratio"]) * 16)) << l; }
+    }
+    EXPECT_LE(total, 24 * L + L) << p.begin()->first;  // integer rounding of the mix: at most 1 a layer
+  }
 }

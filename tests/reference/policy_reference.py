@@ -266,3 +266,110 @@ def compare_kept(got: list[int], want: list[int], scores: list[float] | None, rt
             f"(only kvserve: {only_got[:10]}, only reference: {only_want[:10]})"
         )
     return len(only_got)
+
+
+# ----------------------------------------------------------------------------- DynamicKV variants
+
+
+@dataclass
+class DynOptions:
+    """DynamicKV beyond the paper (docs/eval/dynamickv.md): names as kvserve's --param keys."""
+
+    variant: str = "paper"      # paper | authors (ranked per query head, union per KV head)
+    normalize: str = "none"     # none | kth
+    norm_rank: float = 1.0      # kth: each head's (norm_rank * base)-th best scores 1
+    min_ratio: float = 0.0      # per-layer minimum, a fraction of base
+    prior: str = "none"         # none | pyramid
+    prior_weight: float = 0.5
+
+
+def _head_scores(q: torch.Tensor, k: torch.Tensor, window: int, kernel: int, pooling: str) -> torch.Tensor:
+    """Per query head window scores (summed over the window, pooled): [H, T - window]."""
+    t = k.shape[1]
+    probs = _attention_rows(q, k, range(t - window, t)) if q.shape[1] == t else _attention_rows_window_only(q, k, window)
+    return _pool(probs[:, :, : t - window].sum(1), kernel, pooling)
+
+
+def _shape(b: list[int], base: int, o: DynOptions, prior: list[int] | None) -> list[int]:
+    mn = int(o.min_ratio * base)
+    if mn > 0:
+        raise_ = sum(max(0, mn - x) for x in b)
+        over = sum(max(0, x - mn) for x in b)
+        b = [max(x, mn) - (min(max(0, x - mn), raise_ * max(0, x - mn) // over) if over else 0) for x in b]
+    if prior is not None:
+        b = [int(o.prior_weight * x + (1.0 - o.prior_weight) * p) for x, p in zip(b, prior)]
+    return b
+
+
+def dynamickv_variant(policy: RefPolicy, o: DynOptions, qs: list[torch.Tensor], ks: list[torch.Tensor]):
+    """DynamicKV with the variant options: (kept per layer incl. window, kept[layer][kv_head]).
+
+    The kept sets are followed as kvserve builds them, layer by layer: a layer is selected when seen
+    with its budget then, and re-selected inside what it holds when an update shrinks it."""
+    num_layers = len(ks)
+    kv, t, _ = ks[0].shape
+    h = qs[0].shape[0]
+    g = h // kv
+    w = policy.window
+    base = policy.budget - w
+    bs = min(policy.r_max * base, t - w)
+    cap = t - w
+    m = policy.update_interval
+    prior = None
+    if o.prior == "pyramid":
+        prior = [max(0, x - w) for x in pyramid_budgets(t, base + w, w, policy.beta, num_layers)]
+    budget = [bs] * num_layers
+    ranked: list[torch.Tensor] = []   # per layer: the ranking rows [rows, cap]
+    normed: list[torch.Tensor] = []
+    held: list[list[set] | None] = [None] * num_layers
+    kept_budget = [None] * num_layers
+
+    def select(layer: int, b: int) -> None:
+        rows = ranked[layer]
+        if o.variant == "paper":
+            sets = [set(_rank(r)[:b]) for r in rows.tolist()]
+        else:
+            tops = [set(_rank(r)[:b]) for r in rows.tolist()]
+            unions = [set().union(*tops[j * g:(j + 1) * g]) for j in range(kv)]
+            width = max(len(u) for u in unions)
+            mean = rows.view(kv, g, cap).mean(1).tolist()
+            sets = []
+            for j in range(kv):
+                allowed = range(cap) if held[layer] is None else held[layer][j]
+                rest = sorted((p for p in allowed if p not in unions[j]), key=lambda p: (-mean[j][p], p))
+                sets.append(unions[j] | set(rest[: width - len(unions[j])]))
+        held[layer] = sets
+        kept_budget[layer] = b
+
+    def update(n: int) -> None:
+        rows = normed[0].shape[0]
+        flat = torch.cat([s.reshape(-1) for s in normed[:n]])
+        order = torch.sort(flat, descending=True, stable=True).indices[: base * rows * n]
+        hits = torch.bincount(order // (rows * cap), minlength=n).tolist()
+        new = _rebudget(hits, bs, base, num_layers, cap, budget[:n])
+        if o.min_ratio > 0 or prior is not None:
+            new = [max(0, min(x, cap, cur)) for x, cur in zip(_shape(new, base, o, prior), budget[:n])]
+        budget[:n] = new
+        for i in range(n):
+            if budget[i] < kept_budget[i]:
+                select(i, budget[i])
+
+    for layer in range(num_layers):
+        if o.variant == "paper":
+            s = window_scores(qs[layer], ks[layer], w, policy.kernel, policy.pooling, "mean")
+        else:
+            s = _head_scores(qs[layer], ks[layer], w, policy.kernel, policy.pooling)
+        ranked.append(s)
+        if o.normalize == "kth":
+            k = min(max(1, int(o.norm_rank * base)), cap)
+            s = s / torch.topk(s, k, -1).values[:, k - 1:].clamp_min(1e-30)
+        elif o.normalize != "none":
+            raise ValueError(o.normalize)
+        normed.append(s)
+        select(layer, budget[layer])
+        if (layer + 1) % m == 0:
+            update(layer + 1)
+    if num_layers % m != 0 and o.variant == "paper":
+        update(num_layers)
+    kept = [[sorted(hs) + list(range(t - w, t)) for hs in held[layer]] for layer in range(num_layers)]
+    return [len(k[0]) for k in kept], kept

@@ -26,7 +26,15 @@ from safetensors.torch import load_file
 from kvserve_testlib import POLICY_FLAGS, fixtures_dir, run_kvserve, write_json
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-POLICIES = POLICY_FLAGS
+# DynamicKV's variants (m=2 so that the 3-layer fixture re-budgets mid-prompt): the authors' per
+# query head unions and the shaped budgets must also come out the same on every shard.
+DYNAMIC_VARIANTS = {
+    "dynamickv-paper": [*POLICY_FLAGS["dynamickv"], "--policy-param", "variant=paper", "--policy-param", "m=2"],
+    "dynamickv-authors": [*POLICY_FLAGS["dynamickv"], "--policy-param", "variant=authors", "--policy-param", "m=2"],
+    "dynamickv-shaped": [*POLICY_FLAGS["dynamickv"], "--policy-param", "normalize=head", "--policy-param",
+                         "min_ratio=0.5", "--policy-param", "prior=pyramid", "--policy-param", "m=2"],
+}
+POLICIES = {**POLICY_FLAGS, **DYNAMIC_VARIANTS}
 PROMPT = [(7 * i + 3) % 1900 + 5 for i in range(41)]
 
 
@@ -76,7 +84,8 @@ def test_forward_sharded_equals_single_process(tmp_path, fixture, policy):
         assert any(b < len(PROMPT) for b in ref_kept["budgets"]), f"{policy} should compress this prompt"
 
 
-@pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "knorm-decode", "streamingllm"])
+@pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "dynamickv-authors", "knorm-decode",
+                                    "streamingllm"])
 def test_generate_sharded_equals_single_process(policy):
     model = str(fixtures_dir() / "llama-kvfew")
     ref = generate(model, POLICIES[policy], 1, 1)

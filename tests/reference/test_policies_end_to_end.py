@@ -211,7 +211,7 @@ PAPER_CASES = {
     "pyramidkv-b64": ("pyramidkv", 64, dict(window=8, kernel=7, pooling="max", beta=20), dict(beta=20)),
     "pyramidkv-b100-w16-b5": ("pyramidkv", 100, dict(window=16, kernel=5, pooling="avg", beta=5),
                               dict(window=16, kernel=5, pooling="avg", beta=5)),
-    "dynamickv-b40-r3-m2": ("dynamickv", 40, dict(window=8, kernel=7, pooling="avg", r_max=3, m=2),
+    "dynamickv-b40-r3-m2": ("dynamickv", 40, dict(window=8, kernel=7, pooling="avg", r_max=3, m=2, variant="paper"),
                             dict(pooling="avg", r_max=3, update_interval=2)),
     "h2o-b64": ("h2o", 64, dict(window=8), dict()),
     "knorm-b100": ("knorm", 100, dict(), dict(window=0, skip_layers=[0, 1])),

@@ -317,7 +317,8 @@ def test_pyramidkv_paper_matches_reference(tmp_path, budget, layers):
 )
 def test_dynamickv_matches_reference(tmp_path, budget, r_max, m, layers, pooling):
     qs, ks = random_qk(layers, H, KV, T, D, seed=500 + layers)
-    got = run_select(tmp_path, "dynamickv", qs, ks, budget=budget, r_max=r_max, m=m, pooling=pooling)
+    got = run_select(tmp_path, "dynamickv", qs, ks, budget=budget, r_max=r_max, m=m, pooling=pooling,
+                     variant="paper")
     policy = ref.RefPolicy("dynamickv", budget=budget, r_max=r_max, update_interval=m, pooling=pooling)
     budgets, want = ref.dynamickv(policy, qs, ks)
     assert got["budgets"] == budgets
@@ -343,3 +344,32 @@ def test_prompt_within_budget_is_kept_whole(tmp_path):
         assert got["budgets"] == [50, 50, 50], policy
         for layer in got["layers"]:
             assert layer["kept"] == [list(range(50))] * 2, policy
+
+
+@pytest.mark.parametrize(
+    "params,layers",
+    [
+        (dict(variant="authors"), 6),                                   # the authors' code: unions, trailing bs
+        (dict(variant="authors", m=2), 5),
+        (dict(), 6),                                                    # the named default
+        (dict(normalize="kth", norm_rank=0.5), 6),
+        (dict(variant="paper", normalize="kth", norm_rank=0.25, min_ratio=0.5), 7),
+        (dict(variant="paper", prior="pyramid", prior_weight=0.3), 6),
+    ],
+)
+def test_dynamickv_variants_match_reference(tmp_path, params, layers):
+    """Each DynamicKV variant's budgets and kept sets equal policy_reference.dynamickv_variant's."""
+    qs, ks = random_qk(layers, H, KV, T, D, seed=900 + layers)
+    m = params.get("m", 4)
+    got = run_select(tmp_path, "dynamickv", qs, ks, budget=24, r_max=5, pooling="avg", **params)
+    opts = {k: v for k, v in params.items() if k != "m"}
+    if "variant" not in opts:  # the named default's options, as kvserve reports them
+        pol = got["policy"]
+        opts = {**{k: pol[k] for k in ("variant", "normalize", "norm_rank", "min_ratio", "prior", "prior_weight")},
+                **opts}
+    want_budgets, want = ref.dynamickv_variant(ref.RefPolicy("dynamickv", budget=24, r_max=5, pooling="avg",
+                                                             update_interval=m), ref.DynOptions(**opts), qs, ks)
+    assert got["budgets"] == want_budgets
+    assert [x["kept"] for x in got["layers"]] == want
+    if params.get("variant") == "authors":
+        assert sum(want_budgets) > 24 * layers  # the unions cost more than the budget: charged honestly
