@@ -30,6 +30,9 @@ class ModelRunner {
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
   virtual bool chunked_prefill() const { return false; }
+  // Whether this process samples (a pipeline's last stage samples elsewhere): grammar-constrained
+  // requests need the compiled grammar where the sampler runs.
+  virtual bool samples_in_process() const { return true; }
 };
 
 struct LocalRunnerOptions {

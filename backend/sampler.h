@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/engine_types.h"
+#include "backend/grammar_mask.h"
 #include "backend/sampling_params.h"
 
 namespace kvserve {
@@ -18,16 +19,17 @@ struct SampledToken {
   int64_t token = 0;
   TokenLogprob chosen;
   std::vector<TokenLogprob> top;
+  bool grammar_dead_end = false;  // the request's grammar allowed no token: `token` is void
 };
 
 // The samplers of the sequences this process samples for: the process that holds the logits (one
 // process, or a pipeline's last stage), so that only token ids and logprobs have to travel.
 //
 // Per row, in this order: EOS masking (ban_eos), logprobs of that distribution (the model's own,
-// before penalties), repetition penalty (prompt + output tokens), presence/frequency penalties
-// (output counts), then greedy (first maximum) or temperature with top-k, top-p, min-p and one
-// uniform draw over the kept mass. The arithmetic is the former per-row host sampler's (float64
-// probabilities over candidates sorted by descending logit, lower id first on ties), so the same
+// before penalties), the grammar mask of a structured-output request (GrammarMasks), repetition
+// penalty (prompt + output tokens), presence/frequency penalties (output counts), then greedy
+// (first maximum) or temperature with top-k, top-p, min-p and one uniform draw over the kept
+// mass. The arithmetic is the former per-row host sampler's (float64 probabilities over candidates sorted by descending logit, lower id first on ties), so the same
 // seed picks the same tokens on the CPU; on CUDA only summation order can move a boundary draw.
 class SamplerBank {
  public:
@@ -41,6 +43,8 @@ class SamplerBank {
                                          const std::vector<char>& ban_eos);
   // One row: logits [V] or [1, V].
   SampledToken sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos);
+  // Starts the grammar masks of the next sample_batch(seq_ids) beside the model's forward.
+  void prepare(const std::vector<int64_t>& seq_ids) { grammar_.prepare(seq_ids); }
   // Rows of the device penalty pool held by live sequences (the ones whose params use a penalty).
   int64_t penalty_rows_in_use() const { return pool_capacity_ - static_cast<int64_t>(free_slots_.size()); }
 
@@ -61,6 +65,7 @@ class SamplerBank {
   torch::Tensor counts_, seen_;
   int64_t pool_capacity_ = 0;
   std::vector<int64_t> free_slots_;
+  GrammarMasks grammar_;  // structured-output requests' matchers
 };
 
 }  // namespace kvserve

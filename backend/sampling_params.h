@@ -1,11 +1,14 @@
 #pragma once
 // SamplingParams: how one request picks its tokens and when it stops (OpenAI + vLLM fields).
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace kvserve {
+
+struct StructuredGrammar;  // backend/grammar_compiler.h
 
 struct SamplingParams {
   double temperature = 1.0;  // 0 = greedy
@@ -24,6 +27,8 @@ struct SamplingParams {
   bool include_stop_str_in_output = false;
   int64_t logprobs = -1;                  // -1: none; n >= 0: chosen token's logprob + top-n
   bool skip_special_tokens = true;
+  // Structured output: the compiled grammar every token must follow (null = unconstrained).
+  std::shared_ptr<const StructuredGrammar> grammar;
 };
 
 }  // namespace kvserve

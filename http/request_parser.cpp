@@ -6,6 +6,8 @@
 #include <set>
 #include <sstream>
 
+#include "http/structured_output_request.h"
+
 namespace kvserve::http {
 
 using nlohmann::json;
@@ -180,8 +182,7 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
   }
   reject_if_set(body, "logit_bias", "");
   reject_if_set(body, "prompt_logprobs", "");
-  reject_if_set(body, "guided_json", "");
-  reject_if_set(body, "guided_regex", "");
+  r.structured = parse_structured_output(body);
 }
 
 std::vector<int64_t> token_list(const json& arr, const std::string& name) {
@@ -337,23 +338,20 @@ ParsedRequest parse_chat_json(const json& body, const ParserLimits& limits) {
     if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", *kw);
     r.chat_template_kwargs = *kw;
   }
-  reject_if_set(body, "tools", "tool calling");
-  reject_if_set(body, "functions", "function calling");
-  if (const json* rf = field(body, "response_format")) {
-    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
-    auto t = rf->find("type");
-    if (t == rf->end() || !t->is_string() || t->get<std::string>() != "text")
-      bad("response_format", "only response_format {\"type\": \"text\"} is supported");
-  }
+  r.tools = parse_tools(body);
   return r;
 }
 
 ParsedRequest parse_completion_request(std::string_view body, const ParserLimits& limits) {
-  return parse_completion_json(parse_json_body(body), limits);
+  ParsedRequest r = parse_completion_json(parse_json_body(body), limits);
+  keep_schema_key_order(r.structured, body);
+  return r;
 }
 
 ParsedRequest parse_chat_request(std::string_view body, const ParserLimits& limits) {
-  return parse_chat_json(parse_json_body(body), limits);
+  ParsedRequest r = parse_chat_json(parse_json_body(body), limits);
+  keep_schema_key_order(r.structured, body);
+  return r;
 }
 
 }  // namespace kvserve::http

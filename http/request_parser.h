@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "backend/sampling_params.h"
+#include "backend/structured_output_spec.h"
 #include "http/api_error.h"
+#include "http/tool_calls.h"
 
 namespace kvserve::http {
 
@@ -45,6 +47,10 @@ struct ParsedRequest {
   int64_t top_logprobs = 0;
   std::string user;
   std::string kv_policy;  // empty = not given
+  // response_format / guided_* / structured_outputs (http/structured_output_request.h).
+  StructuredOutputSpec structured;
+  // /v1/chat/completions: tools, tool_choice, parallel_tool_calls (http/tool_calls.h).
+  ToolsRequest tools;
 };
 
 // Limits the parser enforces (beyond types).
