@@ -21,7 +21,8 @@ export CCACHE_NOHASHDIR := 1
 FUZZ_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS ?=
-FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load tokenizer_encode server_config chat_template
+FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load tokenizer_encode server_config chat_template \
+  structured_output
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 

@@ -6,6 +6,7 @@
 #include <random>
 #include <unordered_set>
 
+#include "backend/grammar_compiler.h"
 #include "backend/llama_model.h"
 #include "backend/model_runner.h"
 #include "backend/output_processor.h"
@@ -93,8 +94,21 @@ void Engine::mark_unhealthy(const std::string& reason) {
   impl_->cv.notify_all();
 }
 
+std::shared_ptr<const StructuredGrammar> Engine::compile_grammar(const StructuredOutputSpec& spec) {
+  if (!impl_->runner->samples_in_process())
+    throw GrammarError(spec.field, "structured outputs are not supported with pipeline parallelism yet (the last "
+                                   "stage samples, and the compiled grammar lives on rank 0)");
+  std::call_once(grammar_once_, [&] {
+    grammar_ = std::make_unique<GrammarCompiler>(*tokenizer_, model_->config().vocab_size, impl_->output->eos_ids());
+  });
+  return grammar_->compile(spec);
+}
+
 void Engine::submit(GenerationRequest req, EventCallback on_event) {
   if (!healthy_) throw EngineOverloaded("the engine is unhealthy: " + unhealthy_reason());
+  if (req.sampling.grammar)
+    KV_CHECK(impl_->runner->samples_in_process() && req.sampling.grammar->vocab_size == model_->config().vocab_size,
+             "a grammar compiled for another model or runner");
   const int64_t vocab = model_->config().vocab_size;
   KV_CHECK(!req.prompt_ids.empty(), "the prompt is empty");
   for (int64_t t : req.prompt_ids) KV_CHECK(t >= 0 && t < vocab, "prompt token id " << t << " is outside the vocabulary");

@@ -14,10 +14,13 @@
 #include <vector>
 
 #include "backend/engine_types.h"
+#include "backend/structured_output_spec.h"
 
 namespace kvserve {
 
+class GrammarCompiler;
 class LlamaModel;
+struct StructuredGrammar;
 class ModelRunner;
 class Tokenizer;
 
@@ -83,6 +86,9 @@ class Engine {
   // max_model_len, empty prompt) and EngineOverloaded when the queue is full. `on_event` runs on the
   // engine thread and must not block; the last event it gets has finished = true.
   void submit(GenerationRequest request, EventCallback on_event);
+  // Compiles a structured-output spec for SamplingParams::grammar (any thread; cached; bounded in
+  // time). Throws GrammarError naming the spec's field.
+  std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec);
   // Cancels a queued or running request (its blocks return to the pool within one step); the
   // request's last event has finish_reason "abort". Unknown ids are ignored.
   void cancel(const std::string& request_id);
@@ -109,6 +115,8 @@ class Engine {
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineOptions options_;
   std::unique_ptr<Impl> impl_;
+  std::once_flag grammar_once_;
+  std::unique_ptr<GrammarCompiler> grammar_;  // made on the first structured-output request
   std::atomic<bool> healthy_{true};
   std::thread thread_;
 };

@@ -36,7 +36,7 @@ struct GenerationEvent {
   std::vector<TokenLogprob> prompt_chosen;
   std::vector<std::vector<TokenLogprob>> prompt_top;
   bool finished = false;
-  std::string finish_reason;              // "stop" | "length" | "abort" | "error"
+  std::string finish_reason;              // "stop" | "length" | "abort" | "error" | "grammar_dead_end"
   std::string error;                      // when finish_reason == "error"
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;

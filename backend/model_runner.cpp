@@ -35,6 +35,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
     try {
+      samplers_.prepare(plan.decode.seq_ids);  // grammar masks, beside the forward
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
       torch::Tensor logits = graphs_ ? graphs_->decode(plan.decode, plan.decode_tokens)
                                      : model_->decode(plan.decode, plan.decode_tokens, *kv_);

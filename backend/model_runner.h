@@ -33,6 +33,9 @@ class ModelRunner {
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
   // runtime's last stage returns the last position's only.
   virtual bool prompt_logprobs() const { return false; }
+  // Whether this process samples (a pipeline's last stage samples elsewhere): grammar-constrained
+  // requests need the compiled grammar where the sampler runs.
+  virtual bool samples_in_process() const { return true; }
 };
 
 struct LocalRunnerOptions {

@@ -18,6 +18,8 @@ size_t held_suffix(const std::string& text, const std::vector<std::string>& stop
 }
 
 std::optional<std::string> OutputProcessor::on_token(Sequence& s, const SampledToken& t) const {
+  // The grammar allowed no token: the sampled one is void, the request ends here.
+  if (t.grammar_dead_end) return std::string("grammar_dead_end");
   const int64_t tok = t.token;
   s.output.push_back(tok);
   const auto& sp = s.req.sampling;

@@ -18,7 +18,8 @@ class OutputProcessor {
 
   const std::vector<int64_t>& eos_ids() const { return eos_ids_; }
   // Appends a freshly sampled token and emits its event. Returns the finish reason ("stop",
-  // "length") when the sequence is done; then call finish() with it.
+  // "length", or "grammar_dead_end" without appending when the grammar allowed no token) when the
+  // sequence is done; then call finish() with it.
   std::optional<std::string> on_token(Sequence& s, const SampledToken& t) const;
   // Emits the final event (reason "stop" | "length" | "abort" | "error").
   void finish(Sequence& s, const std::string& reason, const std::string& error = "") const;

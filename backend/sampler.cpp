@@ -323,10 +323,12 @@ void SamplerBank::add(int64_t seq_id, const SamplingParams& params, const std::v
   Entry e{params, std::mt19937_64(params.seed.value_or(seed)), std::move(eos_ids), {}, -1, {}};
   if (uses_penalties(params)) e.prompt = prompt;
   entries_.emplace(seq_id, std::move(e));
+  grammar_.add(seq_id, params.grammar);
 }
 
 void SamplerBank::remove(int64_t seq_id) {
   auto it = entries_.find(seq_id);
+  grammar_.remove(seq_id);
   if (it == entries_.end()) return;
   if (it->second.slot >= 0) free_slots_.push_back(it->second.slot);
   entries_.erase(it);
@@ -429,7 +431,8 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
 
   // Device side: no host syncs until the results are copied back.
   torch::Tensor l = logits_in.to(torch::kFloat32).contiguous();
-  if (!ban.empty() || !p_rows.empty() || !edits.empty()) l = l.clone();  // never write into the model's logits
+  if (!ban.empty() || !p_rows.empty() || !edits.empty() || grammar_.any(seq_ids))
+    l = l.clone();  // never write into the model's logits
   if (!ban.empty()) l.view(-1).index_fill_(0, longs(dev, w_ban), -std::numeric_limits<float>::infinity());
 
   torch::Tensor l_idx, lp, top_lp_vals, top_lp_ids;
@@ -444,6 +447,7 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   }
 
   apply_logit_edits(l, edits);  // after the logprobs, which report the model's own distribution
+  std::vector<char> dead = grammar_.apply(seq_ids, l, ban_eos);
 
   if (!new_slots.empty()) {
     const auto fresh = longs(dev, w_new);
@@ -535,8 +539,10 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   for (int64_t i = 0; i < B; ++i) {
     out[static_cast<size_t>(i)].token = h[i];
     Entry& e = *rows[static_cast<size_t>(i)];
-    if (!e.params.bad_words_ids.empty()) e.output.push_back(h[i]);
+    if (!e.params.bad_words_ids.empty() && !dead[static_cast<size_t>(i)]) e.output.push_back(h[i]);
   }
+  grammar_.accept(seq_ids, std::vector<int64_t>(h, h + B), dead);
+  for (int64_t i = 0; i < B; ++i) out[static_cast<size_t>(i)].grammar_dead_end = dead[static_cast<size_t>(i)];
   for (int64_t j = 0; j < L; ++j) {
     SampledToken& s = out[static_cast<size_t>(l_rows[static_cast<size_t>(j)])];
     s.chosen = TokenLogprob{s.token, "", std::bit_cast<double>(chosen_lp[j]), 0};

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/engine_types.h"
+#include "backend/grammar_mask.h"
 #include "backend/sampling_params.h"
 
 namespace kvserve {
@@ -21,6 +22,7 @@ struct SampledToken {
   // prompt_logprobs (a prefill's first token only): per prompt position from the second on, that
   // prompt token as `token`/`chosen` and the position's top-k.
   std::vector<SampledToken> prompt;
+  bool grammar_dead_end = false;  // the request's grammar allowed no token: `token` is void
 };
 
 // The logprob of each prompt token after the first under the model's fp32 logits of every prompt
@@ -33,10 +35,11 @@ std::vector<SampledToken> prompt_logprobs(const torch::Tensor& logits, const std
 //
 // Per row, in this order: EOS masking (ban_eos), logprobs of that distribution (the model's own,
 // before penalties), the request's logit edits (logit_bias, allowed_token_ids, bad_words:
-// backend/logits_processors.h), repetition penalty (prompt + output tokens), presence/frequency penalties
-// (output counts), then greedy (first maximum) or temperature with top-k, top-p, min-p and one
-// uniform draw over the kept mass. The arithmetic is the former per-row host sampler's (float64
-// probabilities over candidates sorted by descending logit, lower id first on ties), so the same
+// backend/logits_processors.h), the grammar mask of a structured-output request (GrammarMasks),
+// repetition penalty (prompt + output tokens), presence/frequency penalties (output counts), then
+// greedy (first maximum) or temperature with top-k, top-p, min-p and one uniform draw over the kept
+// mass. The arithmetic is the former per-row host sampler's (float64 probabilities over candidates
+// sorted by descending logit, lower id first on ties), so the same
 // seed picks the same tokens on the CPU; on CUDA only summation order can move a boundary draw.
 class SamplerBank {
  public:
@@ -52,6 +55,8 @@ class SamplerBank {
   SampledToken sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos);
   // The sequence's prompt_logprobs (-1: none, or no such sequence).
   int64_t prompt_logprobs(int64_t seq_id) const;
+  // Starts the grammar masks of the next sample_batch(seq_ids) beside the model's forward.
+  void prepare(const std::vector<int64_t>& seq_ids) { grammar_.prepare(seq_ids); }
   // Rows of the device penalty pool held by live sequences (the ones whose params use a penalty).
   int64_t penalty_rows_in_use() const { return pool_capacity_ - static_cast<int64_t>(free_slots_.size()); }
 
@@ -73,6 +78,7 @@ class SamplerBank {
   torch::Tensor counts_, seen_;
   int64_t pool_capacity_ = 0;
   std::vector<int64_t> free_slots_;
+  GrammarMasks grammar_;  // structured-output requests' matchers
 };
 
 }  // namespace kvserve

@@ -1,12 +1,15 @@
 #pragma once
 // SamplingParams: how one request picks its tokens and when it stops (OpenAI + vLLM fields).
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace kvserve {
+
+struct StructuredGrammar;  // backend/grammar_compiler.h
 
 struct SamplingParams {
   double temperature = 1.0;  // 0 = greedy
@@ -31,6 +34,8 @@ struct SamplingParams {
   std::vector<int64_t> allowed_token_ids;              // non-empty: every other token is masked
   std::vector<std::vector<int64_t>> bad_words_ids;     // a word's tokens: its last one is masked after the others
   int64_t prompt_logprobs = -1;  // -1: none; k >= 0: each prompt token's logprob (after the first) + top-k
+  // Structured output: the compiled grammar every token must follow (null = unconstrained).
+  std::shared_ptr<const StructuredGrammar> grammar;
 };
 
 }  // namespace kvserve

@@ -155,6 +155,7 @@ int serve(const ServeArgs& a) {
   so.api_keys = cfg.server.api_keys;
   so.log_requests = !a.quiet;
   so.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
+  so.tool_call_parser = cfg.model.tool_call_parser;
   so.rollout_resolver = [reloader, model_name, keys = cfg.server.api_keys](
                             const http::HttpRequest& http_req, const http::ParsedRequest& req, int64_t prompt_tokens,
                             const std::string& request_id) -> http::ServiceOptions::PolicyChoice {

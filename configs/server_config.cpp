@@ -107,6 +107,7 @@ namespace {
 
 const std::set<std::string> kDtypes = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"};
 const std::set<std::string> kCpuGemms = {"mkl", "onednn"};
+const std::set<std::string> kToolParsers = {"auto", "hermes", "llama3_json", "mistral"};
 
 // One spelling per dtype of kDtypes (aliases folded), to compare two names.
 std::string canonical_dtype(const std::string& d) {
@@ -498,7 +499,12 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                                              return kCpuGemms.count(s) ? std::string()
                                                                                        : "must be one of mkl, onednn; got '" + s + "'";
                                                            })},
-                                  {"enforce_eager", p.bool_of(m.enforce_eager)}});
+                                  {"enforce_eager", p.bool_of(m.enforce_eager)},
+                                  {"tool_call_parser", p.string_of(m.tool_call_parser,
+                                                                   [](const std::string& s) {
+                                                                     return kToolParsers.count(s) ? std::string()
+                                                                                                  : "must be one of auto, hermes, llama3_json, mistral; got '" + s + "'";
+                                                                   })}});
                    })},
                   {"server", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.server;

@@ -2,7 +2,7 @@
 // ServerConfig: the YAML configuration of `kvserve serve`, parsed into plain structs.
 //
 // Layout of a config file (every section and key optional; unknown keys are errors):
-//   model:     {path, served_model_name, device, dtype, max_model_len, enforce_eager}
+//   model:     {path, served_model_name, device, dtype, max_model_len, enforce_eager, tool_call_parser}
 //   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
 //               retry_after_s, threads, drain_timeout_s, allowed_origins}
@@ -33,6 +33,8 @@ struct ModelSection {
   int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
   std::string cpu_gemm = "mkl";            // mkl | onednn: the library for prefill-sized fp32 CPU products
   bool enforce_eager = false;              // no CUDA graphs for decode (vLLM's name); CUDA only
+  // How the model writes tool calls: auto (read from the chat template) | hermes | llama3_json | mistral.
+  std::string tool_call_parser = "auto";
 };
 
 struct ServerSection {

@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "backend/engine.h"
+#include "backend/grammar_compiler.h"
 #include "http/request_parser.h"
 #include "http/serving_backend.h"
 #include "text/chat_template.h"
@@ -49,6 +50,10 @@ class EngineBackend : public ServingBackend {
   int64_t max_model_len() const override { return max_model_len_; }
   int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
   void shutdown(bool drain) override { engine_->shutdown(drain); }
+  std::string chat_template() const override { return tokenizer_->chat_template(); }
+  std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec) override {
+    return engine_->compile_grammar(spec);
+  }
 
   std::string render_chat(const ParsedRequest& req) const override {
     if (!template_) {
@@ -59,7 +64,8 @@ class EngineBackend : public ServingBackend {
     }
     nlohmann::json ctx = nlohmann::json::object();
     for (auto it = req.chat_template_kwargs.begin(); it != req.chat_template_kwargs.end(); ++it) ctx[it.key()] = it.value();
-    ctx["messages"] = req.messages;
+    ctx["messages"] = template_messages(req.messages);
+    if (!req.tools.tools.empty()) ctx["tools"] = req.tools.tools;  // as transformers passes them
     ctx["add_generation_prompt"] = req.add_generation_prompt;
     ctx["bos_token"] = tokenizer_->bos_token();
     ctx["eos_token"] = tokenizer_->eos_token();
@@ -92,6 +98,10 @@ class EngineBackend : public ServingBackend {
 };
 
 }  // namespace
+
+std::shared_ptr<const StructuredGrammar> ServingBackend::compile_grammar(const StructuredOutputSpec& spec) {
+  throw GrammarError(spec.field, "structured outputs are not supported by this backend");
+}
 
 std::shared_ptr<ServingBackend> make_engine_backend(std::unique_ptr<Engine> engine,
                                                     std::shared_ptr<const Tokenizer> tokenizer,

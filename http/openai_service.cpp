@@ -8,6 +8,7 @@
 #include <set>
 
 #include "backend/logits_processors.h"
+#include "backend/grammar_compiler.h"
 #include "common/check.h"
 #include "http/tokenize_routes.h"
 
@@ -89,6 +90,7 @@ struct Choice {
   bool echoed = false;       // stream: the echoed prompt was sent
   json prompt_logprobs;      // vLLM's [null, {id: {logprob, rank, decoded_token}}, ...]
   json echo_logprobs;        // completions echo + logprobs: the prompt's part of `logprobs`
+  std::shared_ptr<ToolCallStream> tool_stream;  // chat with tools: content held once a call may start
 };
 
 // One HTTP generation request: n choices per prompt, possibly streamed.
@@ -111,6 +113,7 @@ struct Exchange {
   std::vector<std::string> echo_text;  // per prompt (completions echo)
   std::vector<std::string> first_token_text;  // per prompt: the token echo's logprobs start with
   bool echo_only = false;  // echo with max_tokens 0: the one token generated is not returned
+  ToolCallFormat tool_format = ToolCallFormat::kHermes;
   size_t remaining = 0;
   bool started = false;  // stream headers sent (events before that are buffered)
   bool done = false;     // the response is complete (or failed); later events are ignored
@@ -290,11 +293,12 @@ struct Exchange {
       if (req.include_usage) chunk["usage"] = nullptr;
       emit(sse(chunk));
     }
-    const bool has_content = !ev.text_delta.empty() || !lp.is_null();
+    const std::string text = c.tool_stream ? c.tool_stream->feed(ev.text_delta) : ev.text_delta;
+    const bool has_content = !text.empty() || !lp.is_null();
     if (has_content) {
       json choice = {{"index", index}, {"logprobs", lp}, {"finish_reason", nullptr}};
-      if (chat) choice["delta"] = {{"content", ev.text_delta}};
-      else choice["text"] = ev.text_delta;
+      if (chat) choice["delta"] = {{"content", text}};
+      else choice["text"] = text;
       json chunk = chunk_base();
       chunk["choices"] = json::array({choice});
       if (req.include_usage) chunk["usage"] = nullptr;
@@ -304,6 +308,22 @@ struct Exchange {
       if (c.finish_reason == "error") {
         emit(sse(ApiError(500, "generation failed: " + c.error, "", "server_error").to_json()));
         return;
+      }
+      if (c.tool_stream) {
+        // What was held: the rest of the content, then each call as one tool_calls delta.
+        const ToolCallOutput out = c.tool_stream->finish();
+        json delta = json::object();
+        if (!out.content.empty()) delta["content"] = out.content;
+        if (!out.calls.empty()) {
+          delta["tool_calls"] = tool_calls_json(out.calls, /*with_index=*/true);
+          c.finish_reason = "tool_calls";
+        }
+        if (!delta.empty()) {
+          json chunk = chunk_base();
+          chunk["choices"] = json::array({{{"index", index}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+          if (req.include_usage) chunk["usage"] = nullptr;
+          emit(sse(chunk));
+        }
       }
       json choice = {{"index", index}, {"logprobs", nullptr}, {"finish_reason", wire_finish_reason(c.finish_reason)}};
       if (chat) choice["delta"] = json::object();
@@ -348,7 +368,16 @@ struct Exchange {
     for (size_t i = 0; i < choices.size(); ++i) {
       const Choice& c = choices[i];
       json choice = {{"index", i}, {"finish_reason", wire_finish_reason(c.finish_reason)}};
-      if (chat) {
+      if (chat && c.tool_stream) {
+        const ToolCallOutput out = parse_tool_calls(c.text, tool_format);
+        choice["message"] = {{"role", "assistant"}, {"content", out.content}};
+        if (!out.calls.empty()) {
+          choice["message"]["content"] = out.content.empty() ? json(nullptr) : json(out.content);
+          choice["message"]["tool_calls"] = tool_calls_json(out.calls, /*with_index=*/false);
+          choice["finish_reason"] = "tool_calls";
+        }
+        choice["logprobs"] = req.want_logprobs ? json{{"content", c.chat_logprobs}} : json(nullptr);
+      } else if (chat) {
         choice["message"] = {{"role", "assistant"}, {"content", c.text}};
         choice["logprobs"] = req.want_logprobs ? json{{"content", c.chat_logprobs}} : json(nullptr);
       } else {
@@ -614,6 +643,31 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
     throw ApiError(400, "unknown kv_policy '" + policy + "' (configured: " + names + ")", "kv_policy");
   }
 
+  // Tools: the format the model writes calls in; a forced call is a grammar.
+  ToolCallFormat tool_format = ToolCallFormat::kHermes;
+  if (chat && req.tools.active()) {
+    const auto named = tool_call_format_named(options_.tool_call_parser);
+    tool_format = named ? *named : detect_tool_call_format(backend->chat_template());
+    if (req.tools.forced()) {
+      if (req.structured.active())
+        throw ApiError(400, "'tool_choice' forces a tool call; it cannot be combined with '" + req.structured.field + "'",
+                       "tool_choice");
+      req.structured = forced_tool_call_spec(req.tools, tool_format);
+    }
+    // Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens the parser must see.
+    if (tool_format != ToolCallFormat::kHermes) req.sampling.skip_special_tokens = false;
+  }
+
+  // Structured output: compiled here, on the HTTP thread and before queueing, so that the engine
+  // never waits for a compile and a bad schema is a 400.
+  if (req.structured.active()) {
+    try {
+      req.sampling.grammar = backend->compile_grammar(req.structured);
+    } catch (const GrammarError& e) {
+      throw ApiError(400, e.what(), e.field());
+    }
+  }
+
   auto ex = std::make_shared<Exchange>();
   in_flight_->fetch_add(1);
   ex->in_flight = in_flight_;
@@ -631,11 +685,14 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   ex->echo_only = !chat && req.echo && req.max_tokens == 0;
   if (!chat && req.echo)
     for (const auto& p : prompts) ex->first_token_text.push_back(backend->decode({p.front()}));
+  ex->tool_format = tool_format;
   ex->headers = {{"X-KV-Policy", policy}, {"X-Request-Id", http_req.header("x-request-id").empty() ? ex->id : http_req.header("x-request-id")}};
   if (!rollout_rule.empty()) ex->headers.push_back({"X-KV-Rollout-Rule", rollout_rule});
   for (const auto& p : prompts) ex->prompt_tokens.push_back(static_cast<int64_t>(p.size()));
   const size_t total = prompts.size() * static_cast<size_t>(req.n);
   ex->choices.resize(total);
+  if (chat && req.tools.active())
+    for (auto& c : ex->choices) c.tool_stream = std::make_shared<ToolCallStream>(tool_format, req.tools.forced());
   ex->remaining = total;
   ex->req = std::move(req);
   const ParsedRequest& r = ex->req;

@@ -38,6 +38,8 @@ struct ServiceOptions {
   std::map<std::string, std::string> api_keys;
   // Seconds sent in Retry-After with every 429 (queue full) and 503 (loading, shutting down).
   int retry_after_s = 1;
+  // How the model writes tool calls: "auto" (read from the chat template), hermes, llama3_json, mistral.
+  std::string tool_call_parser = "auto";
 };
 
 // The Bearer token of a request ("" = none).

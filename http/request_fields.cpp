@@ -12,8 +12,8 @@ constexpr FieldSupport S = FieldSupport::kSupported;
 constexpr FieldSupport R = FieldSupport::kRefused;
 constexpr FieldSupport U = FieldSupport::kUnknown;
 
-// Structured outputs and tool calling (issue 24, items 1-3) are another unit's; refused until it lands.
-#define KV_GRAMMAR "structured outputs / tool calling are not supported yet"
+// Structured outputs (http/structured_output_request.h) and tool calls (http/tool_calls.h).
+#define KV_GRAMMAR "compiled by xgrammar into per-token masks"
 
 const std::vector<RequestField> kFields = {
     // OpenAI fields.
@@ -38,10 +38,10 @@ const std::vector<RequestField> kFields = {
     {"temperature", S, S, "", ""},
     {"top_p", S, S, "", ""},
     {"user", S, S, "", "kept for rollout rules and logs"},
-    {"response_format", R, R, "[{\"type\": \"text\"}]", KV_GRAMMAR},
-    {"tools", U, R, "[[]]", KV_GRAMMAR},
-    {"tool_choice", U, R, "[\"none\"]", KV_GRAMMAR},
-    {"parallel_tool_calls", U, R, "[true]", KV_GRAMMAR},
+    {"response_format", S, S, "", "text, json_object, json_schema (strict): " KV_GRAMMAR},
+    {"tools", U, S, "", "passed to the chat template; calls parsed into tool_calls (server.tool_call_parser)"},
+    {"tool_choice", U, S, "", "none, auto, required, a named function (required/named: " KV_GRAMMAR ")"},
+    {"parallel_tool_calls", U, S, "", ""},
     {"functions", U, R, "[[]]", "deprecated function calling"},
     {"function_call", U, R, "[\"none\"]", "deprecated function calling"},
     {"reasoning_effort", U, R, "", "no reasoning models"},
@@ -81,14 +81,14 @@ const std::vector<RequestField> kFields = {
     {"chat_template_kwargs", U, S, "", ""},
     {"mm_processor_kwargs", U, R, "", "text only"},
     {"prompt_embeds", R, U, "", "token ids or text only"},
-    {"structured_outputs", R, R, "", KV_GRAMMAR},
-    {"guided_json", R, R, "", KV_GRAMMAR},
-    {"guided_regex", R, R, "", KV_GRAMMAR},
-    {"guided_choice", R, R, "", KV_GRAMMAR},
-    {"guided_grammar", R, R, "", KV_GRAMMAR},
-    {"guided_decoding_backend", R, R, "", KV_GRAMMAR},
-    {"guided_whitespace_pattern", R, R, "", KV_GRAMMAR},
-    {"structural_tag", R, R, "", KV_GRAMMAR},
+    {"structured_outputs", S, S, "", KV_GRAMMAR},
+    {"guided_json", S, S, "", KV_GRAMMAR},
+    {"guided_regex", S, S, "", KV_GRAMMAR},
+    {"guided_choice", S, S, "", KV_GRAMMAR},
+    {"guided_grammar", S, S, "", KV_GRAMMAR},
+    {"guided_decoding_backend", R, R, "[\"xgrammar\", \"auto\"]", "xgrammar only"},
+    {"guided_whitespace_pattern", R, R, "", "JSON is generated without free whitespace"},
+    {"structural_tag", R, R, "", "no structural tags"},
     {"priority", R, R, "[0]", "first come, first served"},
     {"request_id", R, R, "", "ids come from the server (X-Request-Id echoes the client's header)"},
     {"logits_processors", R, R, "", "no custom logits processors"},

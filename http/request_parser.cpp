@@ -9,6 +9,8 @@
 #include <set>
 #include <sstream>
 
+#include "http/structured_output_request.h"
+
 namespace kvserve::http {
 
 using nlohmann::json;
@@ -223,6 +225,7 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
     s.prompt_logprobs = *k;
   }
   if (field(body, "add_special_tokens")) r.add_special_tokens = get_bool(body, "add_special_tokens", false);
+  r.structured = parse_structured_output(body);
 }
 
 std::vector<int64_t> token_list(const json& arr, const std::string& name) {
@@ -384,15 +387,20 @@ ParsedRequest parse_chat_json(const json& body, const ParserLimits& limits) {
     if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", *kw);
     r.chat_template_kwargs = *kw;
   }
+  r.tools = parse_tools(body);
   return r;
 }
 
 ParsedRequest parse_completion_request(std::string_view body, const ParserLimits& limits) {
-  return parse_completion_json(parse_json_body(body), limits);
+  ParsedRequest r = parse_completion_json(parse_json_body(body), limits);
+  keep_schema_key_order(r.structured, body);
+  return r;
 }
 
 ParsedRequest parse_chat_request(std::string_view body, const ParserLimits& limits) {
-  return parse_chat_json(parse_json_body(body), limits);
+  ParsedRequest r = parse_chat_json(parse_json_body(body), limits);
+  keep_schema_key_order(r.structured, body);
+  return r;
 }
 
 }  // namespace kvserve::http

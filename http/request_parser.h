@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "backend/sampling_params.h"
+#include "backend/structured_output_spec.h"
 #include "http/api_error.h"
+#include "http/tool_calls.h"
 
 namespace kvserve::http {
 
@@ -48,6 +50,10 @@ struct ParsedRequest {
   std::string kv_policy;  // empty = not given
   std::vector<std::string> bad_words;       // tokenized into sampling.bad_words_ids by the service
   std::optional<bool> add_special_tokens;   // as given (completions default true, chat false)
+  // response_format / guided_* / structured_outputs (http/structured_output_request.h).
+  StructuredOutputSpec structured;
+  // /v1/chat/completions: tools, tool_choice, parallel_tool_calls (http/tool_calls.h).
+  ToolsRequest tools;
 };
 
 // Limits the parser enforces (beyond types).

@@ -37,8 +37,13 @@ class ServingBackend {
   virtual std::vector<std::string> token_strings(const std::vector<int64_t>& ids) const = 0;
   // Renders the chat template for a chat request; throws ApiError(400) when the template fails.
   virtual std::string render_chat(const ParsedRequest& request) const = 0;
+  // The chat template's text ("" when none): where the tool-call format is detected.
+  virtual std::string chat_template() const { return ""; }
   virtual int64_t max_model_len() const = 0;
   virtual int64_t vocab_size() const = 0;
+  // Compiles a request's structured-output spec (response_format, guided_*, tool_choice) on the
+  // caller's thread, before the request is queued; throws GrammarError naming the field.
+  virtual std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec);
   // Stops the engine: drain = finish in-flight work, else abort it.
   virtual void shutdown(bool drain) = 0;
 };

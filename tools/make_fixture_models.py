@@ -9,6 +9,7 @@ written by transformers itself, so the loader is tested on real checkpoint layou
   llama3-rope    Llama, GQA 2:1, llama3 rope scaling, 3 layers
   llama-tied     Llama, tied embeddings, Llama-2 style (Prepend/Replace + byte fallback) tokenizer
   qwen2-bias     Qwen2 with q/k/v bias, Qwen2 byte-level tokenizer
+  qwen2-tools    qwen2-bias with a Hermes-style tool-calling chat template (<tool_call>)
   mistral        Mistral, GQA, Metaspace tokenizer
   llama-sharded  Llama GQA saved in several shards with model.safetensors.index.json
   llama-bf16     Llama GQA stored in bfloat16 on disk
@@ -33,6 +34,30 @@ from make_fixture_tokenizers import make_tokenizers  # noqa: E402
 VERSION = "3"  # bump when the fixtures change so stale folders are remade
 
 
+# A Hermes-style tool-calling chat template (the format Qwen2.5 and the SmolLM family write): tools
+# listed in the system turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool
+# results as <tool_response> user turns.
+HERMES_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call functions. Their signatures are within <tools></tools>:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Answer a call as <tool_call>\n{\"name\": <name>, \"arguments\": <arguments object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% if message.content %}{{ message.content }}\n{% endif %}"
+    "{% for call in message.tool_calls %}<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>\n"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def _base(vocab: int) -> dict:
     return dict(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
@@ -52,6 +77,8 @@ def specs() -> dict[str, tuple[str, str, dict, dict]]:
                                                                  "original_max_position_embeddings": 64}), {}),
         "llama-tied": ("llama", "metaspace", dict(tie_word_embeddings=True), {}),
         "qwen2-bias": ("qwen2", "qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False), {}),
+        "qwen2-tools": ("qwen2", "qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False),
+                        dict(chat_template=HERMES_TOOLS_TEMPLATE)),
         "mistral": ("mistral", "metaspace_pt", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None), {}),
         "llama-sharded": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3),
                           dict(max_shard_size="150KB")),
@@ -85,12 +112,17 @@ def make_model(out: pathlib.Path, arch: str, tok_dir: pathlib.Path, overrides: d
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
                 p.copy_((torch.randn_like(p) * 0.1) + (1.0 if "norm" in name else 0.0))
+    save = dict(save)
+    template = save.pop("chat_template", None)  # replaces the tokenizer's chat template
     dtype = save.pop("dtype", None)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(out, safe_serialization=True, **save)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, out / f)
+    if template is not None:
+        tok_cfg["chat_template"] = template
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
 
 def main() -> None:

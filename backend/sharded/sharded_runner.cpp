@@ -309,6 +309,8 @@ ShardedRunner::ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<
 
 ShardedRunner::~ShardedRunner() { stop(); }
 
+bool ShardedRunner::samples_in_process() const { return sampler_rank(exec_.layout()) == 0; }
+
 void ShardedRunner::stop() {
   if (dead_ || stopped_) return;
   stopped_ = true;

@@ -25,6 +25,7 @@ class ShardedRunner final : public ModelRunner {
   void idle() override;
   void stop() override;
   int64_t step_collectives() const override { return step_collectives_; }
+  bool samples_in_process() const override;
 
  private:
   template <typename F>

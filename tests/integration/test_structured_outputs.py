@@ -1,0 +1,188 @@
+"""Structured outputs and tool calls through the official openai client against the default model
+(`make serve`'s configs/default.yaml): 30 JSON schemas validate with jsonschema, json_object parses,
+regex and choice match, vLLM's field names give the same greedy tokens as OpenAI's, forced tool
+calls parse and validate (streamed too), and bad specs are 400s naming the field."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import jsonschema
+import openai
+import pytest
+
+from kvserve_server import REPO, Server
+
+MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+SCHEMAS = json.loads((pathlib.Path(__file__).parent / "structured_schemas.json").read_text())
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_smollm2.py"), "--out", str(MODEL_DIR)], check=True)
+    s = Server(config=REPO / "configs" / "default.yaml")
+    yield s
+    s.close()
+
+
+def client(s) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(c, content: str, **kw):
+    kw.setdefault("max_tokens", 200)
+    return c.chat.completions.create(model="smollm2-135m-instruct", temperature=0,
+                                     messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_thirty_schemas_validate(srv):
+    c = client(srv)
+
+    def one(i):
+        s = SCHEMAS[i]
+        # A mild repetition penalty: the 135M model, greedy, otherwise loops inside free-text strings
+        # ("a team coach, a team coach, ...") until max_tokens, grammar or not.
+        r = ask(c, f"Describe {s['topic']} as JSON.", extra_body={"repetition_penalty": 1.1},
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": f"s{i}", "schema": s["schema"], "strict": True}})
+        return r.choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(one, range(len(SCHEMAS))))
+    # Every output that ended by the grammar (EOS once the JSON is complete) parses and validates;
+    # the only other ending is max_tokens inside a free-text string the small model keeps writing.
+    failures, truncated = [], []
+    for i, ch in enumerate(choices):
+        if ch.finish_reason == "length":
+            truncated.append(f"{i} ({SCHEMAS[i]['topic']}): {ch.message.content[:120]!r}...")
+            continue
+        try:
+            assert ch.finish_reason == "stop", ch.finish_reason
+            jsonschema.validate(json.loads(ch.message.content), SCHEMAS[i]["schema"])
+        except Exception as e:  # noqa: BLE001 - collected and reported together
+            failures.append(f"{i} ({SCHEMAS[i]['topic']}): {ch.finish_reason} {ch.message.content!r}: {e}")
+    assert not failures, f"{len(failures)}/30 completed outputs do not validate:\n" + "\n".join(failures)
+    assert len(truncated) <= 1, f"{len(truncated)}/30 ran into max_tokens:\n" + "\n".join(truncated)
+
+
+def test_json_object_parses(srv):
+    r = ask(client(srv), "Give me a JSON object about a cat.", response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_regex_and_choice_match_also_streamed_and_with_n(srv):
+    c = client(srv)
+    r = ask(c, "What is the phone number?", extra_body={"guided_regex": r"\d{3}-\d{4}"}, n=2)
+    for ch in r.choices:
+        assert re.fullmatch(r"\d{3}-\d{4}", ch.message.content), ch.message.content
+    r = ask(c, "Is Paris in France?", extra_body={"guided_choice": ["yes", "no", "maybe not"]})
+    assert r.choices[0].message.content in ("yes", "no", "maybe not")
+    text = ""
+    for chunk in ask(c, "Pick a color.", extra_body={"structured_outputs": {"choice": ["red", "green"]}}, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    assert text in ("red", "green")
+    # Completions too, with a stop string that cuts the constrained text.
+    r = client(srv).completions.create(model="smollm2-135m-instruct", prompt="Digits:", max_tokens=20, temperature=0,
+                                       extra_body={"guided_regex": "[0-9]{6}"}, stop=["5"])
+    assert re.fullmatch(r"[0-9]{0,6}", r.choices[0].text) and "5" not in r.choices[0].text
+
+
+def test_vllm_field_names_give_the_same_tokens(srv):
+    c = client(srv)
+    schema = SCHEMAS[0]["schema"]
+    kw = dict(logprobs=True)
+    a = ask(c, "Describe a person as JSON.", response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}, **kw)
+    b = ask(c, "Describe a person as JSON.", extra_body={"guided_json": schema}, **kw)
+    d = ask(c, "Describe a person as JSON.", extra_body={"structured_outputs": {"json": schema}}, **kw)
+    toks = [[t.token for t in x.choices[0].logprobs.content] for x in (a, b, d)]
+    assert toks[0] == toks[1] == toks[2]
+    g = ask(c, "Is it?", extra_body={"guided_grammar": 'root ::= "yes" | "no"'}, **kw)
+    h = ask(c, "Is it?", extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, **kw)
+    assert g.choices[0].message.content == h.choices[0].message.content in ("yes", "no")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+])
+def test_bad_specs_are_400_naming_the_field(srv, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client(srv), "hi", extra_body=body)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def forced_call(c, tool_choice, stream=False):
+    kw = dict(tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=100)
+    if not stream:
+        r = ask(c, "What is the weather in Paris?", **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls"
+        return [(t.id, t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+    calls: dict[int, list] = {}
+    finish = None
+    for chunk in ask(c, "What is the weather in Paris?", stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for t in d.tool_calls or []:
+            e = calls.setdefault(t.index, ["", "", ""])
+            e[0] += t.id or ""
+            e[1] += (t.function.name or "") if t.function else ""
+            e[2] += (t.function.arguments or "") if t.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_parse_and_validate(srv, stream):
+    c = client(srv)
+    params = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+    named = forced_call(c, {"type": "function", "function": {"name": "get_weather"}}, stream)
+    assert len(named) == 1 and named[0][1] == "get_weather" and named[0][0].startswith("call_")
+    jsonschema.validate(json.loads(named[0][2]), params["get_weather"])
+    required = forced_call(c, "required", stream)
+    assert len(required) == 1 and required[0][1] in params
+    jsonschema.validate(json.loads(required[0][2]), params[required[0][1]])
+
+
+def test_tool_history_renders(srv):
+    """An assistant tool_calls turn and a tool result in the history reach the template."""
+    c = client(srv)
+    r = c.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=20, tools=[WEATHER],
+                                  tool_choice="none", messages=[
+                                      {"role": "user", "content": "Weather in Paris?"},
+                                      {"role": "assistant", "content": None, "tool_calls": [
+                                          {"id": "call_1", "type": "function",
+                                           "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                                      {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}])
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
