@@ -7,13 +7,21 @@ include(FetchContent)
 
 set(KVSERVE_XGRAMMAR_VERSION 0.2.8)
 set(KVSERVE_XGRAMMAR_SHA256 8305646fd2b319d6c3003f51a1665e54cbbe9cba1fb636bc41d0b46434ccbb80)
-set(KVSERVE_XGRAMMAR_URL
-    "https://files.pythonhosted.org/packages/03/0f/29f521535729be740779c2c98b630ef6607cf28be9b669895dd2b821ff63/xgrammar-${KVSERVE_XGRAMMAR_VERSION}.tar.gz")
-set(KVSERVE_XGRAMMAR_SDIST "" CACHE FILEPATH "a local copy of the xgrammar sdist (else it is downloaded from PyPI)")
+set(KVSERVE_XGRAMMAR_SDIST "" CACHE FILEPATH "a local copy of the xgrammar sdist (else it is fetched from pip's index)")
 if(KVSERVE_XGRAMMAR_SDIST)
   set(xgrammar_url "${KVSERVE_XGRAMMAR_SDIST}")
 else()
-  set(xgrammar_url "${KVSERVE_XGRAMMAR_URL}")
+  # Fetched by name and version from the index pip uses (tools/fetch_sdist.py), once per build dir.
+  set(xgrammar_url "${CMAKE_BINARY_DIR}/_sdist/xgrammar-${KVSERVE_XGRAMMAR_VERSION}.tar.gz")
+  find_package(Python3 REQUIRED COMPONENTS Interpreter)
+  execute_process(
+    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/../tools/fetch_sdist.py xgrammar
+            ${KVSERVE_XGRAMMAR_VERSION} ${KVSERVE_XGRAMMAR_SHA256} ${xgrammar_url}
+    RESULT_VARIABLE fetch_rc)
+  if(NOT fetch_rc EQUAL 0)
+    message(FATAL_ERROR "could not fetch the xgrammar ${KVSERVE_XGRAMMAR_VERSION} sdist from pip's index "
+                        "(pass -DKVSERVE_XGRAMMAR_SDIST=/path/to/xgrammar-${KVSERVE_XGRAMMAR_VERSION}.tar.gz)")
+  endif()
 endif()
 
 # SOURCE_SUBDIR names a folder without a CMakeLists.txt: unpack only, xgrammar's own CMake (Python
