@@ -49,6 +49,8 @@ const std::vector<std::pair<std::string, std::string>>& vllm_metric_names() {
       {"kvserve:inter_token_latency_seconds", "vllm:inter_token_latency_seconds"},
       {"kvserve:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds"},
       {"kvserve:request_queue_time_seconds", "vllm:request_queue_time_seconds"},
+      {"kvserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"},
+      {"kvserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"},
   };
   return names;
 }
