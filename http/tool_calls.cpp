@@ -111,8 +111,11 @@ ToolCallFormat detect_tool_call_format(const std::string& t) {
 
 ToolsRequest parse_tools(const json& body) {
   ToolsRequest r;
-  if (present(body, "functions")) fail("functions", "'functions' is deprecated and not supported; use 'tools'");
-  if (present(body, "function_call")) fail("function_call", "'function_call' is deprecated and not supported; use 'tool_choice'");
+  // Their defaults ([] and "none") are no-ops, as in the request-field table (http/request_fields.cpp).
+  if (const json* f = present(body, "functions"); f && !(f->is_array() && f->empty()))
+    fail("functions", "'functions' is deprecated and not supported; use 'tools'");
+  if (const json* f = present(body, "function_call"); f && *f != "none")
+    fail("function_call", "'function_call' is deprecated and not supported; use 'tool_choice'");
   if (const json* tools = present(body, "tools")) {
     if (!tools->is_array()) fail("tools", "'tools' must be an array");
     static const std::regex kName("[a-zA-Z0-9_-]{1,64}");
