@@ -48,7 +48,7 @@ def refused_fields() -> list[tuple[str, str]]:
 
 def test_every_refused_field_is_a_400_naming_it(srv):
     fields = refused_fields()
-    assert len(fields) > 60
+    assert len(fields) > 40  # the table parsed (56 refusals when the grammar fields became supported)
     for route, name in fields:
         body = {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
         body[name] = {"kvserve_test": True}
