@@ -58,8 +58,8 @@ def test_every_refused_field_is_a_400_naming_it(srv):
     # The official client's extra_body reaches the same check.
     with pytest.raises(openai.BadRequestError) as e:
         client(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                            extra_body={"guided_choice": ["yes", "no"]})
-    assert e.value.body["param"] == "guided_choice"
+                                            extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search"
     with pytest.raises(openai.BadRequestError) as e:
         client(srv).completions.create(model="tiny", prompt="hi", extra_body={"temprature": 0})
     assert e.value.body["param"] == "temprature" and "unknown field" in e.value.body["message"]
