@@ -4,7 +4,6 @@ regex and choice match, vLLM's field names give the same greedy tokens as OpenAI
 calls parse and validate (streamed too), and bad specs are 400s naming the field."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import pathlib
 import re
@@ -58,34 +57,34 @@ def ask(c, content: str, **kw):
                                      messages=[{"role": "user", "content": content}], **kw)
 
 
+# Settings for the 30-schema run. The 135M model, greedy, otherwise keeps writing inside a free-text
+# string ("Axelon-Axelon-...", "a team coach, a team coach, ...") until max_tokens, grammar or not:
+# measured on this model, no instruction and no penalty finish 26/30, repetition_penalty 1.1 alone 29,
+# 1.2 alone 29, the schema in the prompt 27-28; this system message plus 1.1 finish 30/30.
+SHORT_VALUES = "You answer in compact JSON. Keep every string value short: a few words."
+
+
 def test_thirty_schemas_validate(srv):
     c = client(srv)
 
     def one(i):
         s = SCHEMAS[i]
-        # A mild repetition penalty: the 135M model, greedy, otherwise loops inside free-text strings
-        # ("a team coach, a team coach, ...") until max_tokens, grammar or not.
-        r = ask(c, f"Describe {s['topic']} as JSON.", extra_body={"repetition_penalty": 1.1},
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": f"s{i}", "schema": s["schema"], "strict": True}})
+        r = c.chat.completions.create(
+            model="smollm2-135m-instruct", temperature=0, max_tokens=200, extra_body={"repetition_penalty": 1.1},
+            messages=[{"role": "system", "content": SHORT_VALUES}, {"role": "user", "content": f"Describe {s['topic']} as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s["schema"], "strict": True}})
         return r.choices[0]
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        choices = list(pool.map(one, range(len(SCHEMAS))))
-    # Every output that ended by the grammar (EOS once the JSON is complete) parses and validates;
-    # the only other ending is max_tokens inside a free-text string the small model keeps writing.
-    failures, truncated = [], []
+    # One at a time: a batch's composition changes the float sums and so, rarely, a greedy token.
+    choices = [one(i) for i in range(len(SCHEMAS))]
+    failures = []
     for i, ch in enumerate(choices):
-        if ch.finish_reason == "length":
-            truncated.append(f"{i} ({SCHEMAS[i]['topic']}): {ch.message.content[:120]!r}...")
-            continue
         try:
-            assert ch.finish_reason == "stop", ch.finish_reason
+            assert ch.finish_reason == "stop", f"finish_reason {ch.finish_reason}"
             jsonschema.validate(json.loads(ch.message.content), SCHEMAS[i]["schema"])
         except Exception as e:  # noqa: BLE001 - collected and reported together
-            failures.append(f"{i} ({SCHEMAS[i]['topic']}): {ch.finish_reason} {ch.message.content!r}: {e}")
-    assert not failures, f"{len(failures)}/30 completed outputs do not validate:\n" + "\n".join(failures)
-    assert len(truncated) <= 1, f"{len(truncated)}/30 ran into max_tokens:\n" + "\n".join(truncated)
+            failures.append(f"{i} ({SCHEMAS[i]['topic']}): {ch.message.content[:160]!r}: {e}")
+    assert not failures, f"{len(failures)}/30 outputs do not finish and validate:\n" + "\n".join(failures)
 
 
 def test_json_object_parses(srv):
