@@ -26,7 +26,7 @@ FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load toke
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 
-.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model clean fuzz fuzz-build soak
+.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model train-tool-model clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -103,6 +103,10 @@ eval-legacy: build model
 # else on the CPU (hours; see the model card for the measured rate).
 train-model: deps
 	nice -n 15 $(PYTHON) tools/train_tiny_model.py --out models/tiny-retriever
+
+# Retrains models/tiny-toolcaller (the tool_choice "auto" test's model) from scratch on the CPU.
+train-tool-model: deps
+	nice -n 15 $(PYTHON) tools/train_tool_model.py --out models/tiny-toolcaller
 
 clean:
 	rm -rf $(BUILD_DIR) $(FIXTURES) $(FUZZ_DIR)
