@@ -83,9 +83,12 @@ GrammarCompiler::GrammarCompiler(const Tokenizer& tokenizer, int64_t vocab_size,
     if (t >= 0 && t < vocab_size) state_->stop_ids.push_back(static_cast<int32_t>(t));
   state_->info = std::make_unique<xgrammar::TokenizerInfo>(vocab, vocab_type(tokenizer),
                                                            static_cast<int>(vocab_size), state_->stop_ids);
-  const int threads = static_cast<int>(std::max(1u, std::min(4u, std::thread::hardware_concurrency())));
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : static_cast<int>(std::max(1u, std::min(4u, std::thread::hardware_concurrency())));
   state_->compiler =
-      std::make_unique<xgrammar::GrammarCompiler>(*state_->info, threads, /*cache_enabled=*/true, options.cache_bytes);
+      std::make_unique<xgrammar::GrammarCompiler>(*state_->info, threads, /*cache_enabled=*/options.cache_bytes != 0,
+                                                    options.cache_bytes);
 }
 
 GrammarCompiler::~GrammarCompiler() = default;

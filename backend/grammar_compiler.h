@@ -47,7 +47,8 @@ std::string choice_grammar(const std::vector<std::string>& choices);
 struct GrammarCompilerOptions {
   std::chrono::milliseconds timeout{10000};  // a compile running longer answers 400
   int max_in_flight = 4;                     // compiles running at once (timed-out ones included)
-  int64_t cache_bytes = int64_t{256} << 20;  // xgrammar's compiled-grammar cache
+  int64_t cache_bytes = int64_t{256} << 20;  // xgrammar's compiled-grammar cache (0: none)
+  int threads = 0;                           // xgrammar's threads per compile (0: the cores, at most 4)
 };
 
 class GrammarCompiler {

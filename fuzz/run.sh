@@ -13,6 +13,10 @@ RUNS=$3
 shift 3
 HERE=$(cd "$(dirname "$0")" && pwd)
 declare -A MAX_LEN=([tokenizer_load]=16384 [chat_template]=8192 [server_config]=8192 [request_body]=8192)
+# structured_output: each compile runs on a detached thread (GrammarCompiler's timeout) that frees
+# its state just after the input returns, so mallocs never balance frees per input and libFuzzer's
+# per-input leak check would scan the whole heap after most inputs (60 % of the run's time).
+declare -A EXTRA=([structured_output]="-detect_leaks=0")
 summary="$BUILD_DIR/fuzz-summary.tsv"
 printf "target\texecs\tseconds\texec_per_s\tcorpus\tresult\n" > "$summary"
 failed=0
@@ -24,7 +28,7 @@ for t in "$@"; do
   seeds=("$HERE/corpus/$t")
   [ -d "$HERE/regressions/$t" ] && seeds+=("$HERE/regressions/$t")
   common=(-dict="$HERE/dict/$t.dict" -max_len="${MAX_LEN[$t]:-4096}" -timeout=10 -rss_limit_mb=2048
-          -artifact_prefix="$BUILD_DIR/artifacts/$t-" -print_final_stats=1)
+          -artifact_prefix="$BUILD_DIR/artifacts/$t-" -print_final_stats=1 ${EXTRA[$t]:-})
   # Replay: every committed input once, as a regression test.
   if ! "$bin" "${common[@]}" -runs=0 "${seeds[@]}" > "$log.replay" 2>&1; then
     echo "fuzz $t: a committed seed or regression input fails:"; tail -30 "$log.replay"
