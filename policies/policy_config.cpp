@@ -239,7 +239,7 @@ bool is_dynamic_key(const std::string& k) {
 DynamicOptions tuned_dynamic_options() {
   DynamicOptions o;
   o.norm = ScoreNorm::kKth;
-  o.norm_rank = 0.5;
+  o.norm_rank = 0.75;
   return o;
 }
 
