@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cctype>
 #include <cstdio>
 #include <future>
 #include <thread>
@@ -95,6 +96,39 @@ GrammarCompiler::~GrammarCompiler() = default;
 
 namespace {
 
+// xgrammar 0.2.8 reads "\x" and any number of hex digits after it into an int, which overflows
+// (undefined behaviour) past 7 digits; the structured_output fuzz target found it through a regex.
+// No code point needs more than 6, so longer ones are refused before xgrammar sees them.
+void check_hex_escapes(const std::string& text) {
+  for (size_t i = 0; i + 1 < text.size(); ++i) {
+    if (text[i] != '\\' || text[i + 1] != 'x') continue;
+    size_t n = 0;
+    while (i + 2 + n < text.size() && std::isxdigit(static_cast<unsigned char>(text[i + 2 + n]))) ++n;
+    if (n > 6)
+      throw std::runtime_error("a \\x escape with " + std::to_string(n) + " hex digits at offset " + std::to_string(i) +
+                               " (at most 6)");
+  }
+}
+
+// The same over every string of a JSON document (a schema's patterns arrive JSON-decoded).
+void check_hex_escapes(const nlohmann::json& j) {
+  if (j.is_string()) {
+    check_hex_escapes(j.get_ref<const std::string&>());
+  } else if (j.is_object()) {
+    for (const auto& [k, v] : j.items()) {
+      check_hex_escapes(k);
+      check_hex_escapes(v);
+    }
+  } else if (j.is_array()) {
+    for (const auto& v : j) check_hex_escapes(v);
+  }
+}
+
+void check_json_hex_escapes(const std::string& text) {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_discarded()) check_hex_escapes(j);
+}
+
 xgrammar::CompiledGrammar compile_spec(xgrammar::GrammarCompiler& c, const StructuredOutputSpec& spec) {
   using K = StructuredOutputSpec::Kind;
   switch (spec.kind) {
@@ -103,6 +137,7 @@ xgrammar::CompiledGrammar compile_spec(xgrammar::GrammarCompiler& c, const Struc
       const auto j = nlohmann::json::parse(spec.text, nullptr, /*allow_exceptions=*/false);
       if (j.is_discarded()) throw std::runtime_error("the schema is not valid JSON");
       if (!j.is_object() && !j.is_boolean()) throw std::runtime_error("the schema must be a JSON object");
+      check_hex_escapes(j);
       // Compact separators and no free whitespace: a small model cannot loop on blanks. Strict
       // mode (no properties or items the schema does not name) as vLLM compiles it.
       return c.CompileJSONSchema(spec.text, /*any_whitespace=*/false, std::nullopt, std::nullopt, /*strict_mode=*/true);
@@ -110,12 +145,15 @@ xgrammar::CompiledGrammar compile_spec(xgrammar::GrammarCompiler& c, const Struc
     case K::kJsonObject:
       return c.CompileJSONSchema(R"({"type": "object"})", /*any_whitespace=*/false);
     case K::kRegex:
+      check_hex_escapes(spec.text);
       return c.CompileRegex(spec.text);
     case K::kChoice:
       return c.CompileGrammar(choice_grammar(spec.choices), "root");
     case K::kGrammar:
+      check_hex_escapes(spec.text);
       return c.CompileGrammar(spec.text, "root");
     case K::kToolCall: {
+      check_json_hex_escapes(spec.text);
       std::vector<xgrammar::Grammar> parts;
       if (!spec.prefix.empty()) parts.push_back(xgrammar::Grammar::FromEBNF("root ::= " + ebnf_literal(spec.prefix)));
       parts.push_back(xgrammar::Grammar::FromJSONSchema(spec.text, /*any_whitespace=*/false, std::nullopt, std::nullopt,

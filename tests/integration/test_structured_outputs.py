@@ -128,6 +128,8 @@ def test_vllm_field_names_give_the_same_tokens(srv):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_regex": "a\\x" + "B" * 60}, "guided_regex"),  # xgrammar's \x overflow (fuzz regression)
+    ({"guided_json": {"type": "string", "pattern": "\\x1234567"}}, "guided_json"),
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
