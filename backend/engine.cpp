@@ -184,7 +184,8 @@ void Engine::loop() {
         continue;
       }
       ++generated;
-      if (auto reason = out.on_token(*o.seq, *o.token)) out.finish(*sched.finish(o.seq->id), *reason);
+      if (auto reason = out.on_token(*o.seq, *o.token))
+        out.finish(*sched.finish(o.seq->id, *reason == "stop" || *reason == "length"), *reason);
     }
     int64_t prefilled = 0;
     for (const auto& p : plan.prefill) prefilled += static_cast<int64_t>(p.tokens.size());
@@ -203,6 +204,9 @@ void Engine::loop() {
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
     im.stats.kv_blocks_cached = usage.blocks_cached;
     im.stats.prefix_cache_bytes = usage.cached_bytes;
+    im.stats.conversations_parked = usage.conversations_parked;
+    im.stats.kv_blocks_parked = usage.blocks_parked;
+    im.stats.conversation_cache_bytes = usage.parked_bytes;
     if (!plan.empty()) ++im.stats.steps_total;
     im.stats.step_collectives_total = runner.step_collectives();
     return stopping && sched.idle() && !sched.has_pending();

@@ -65,6 +65,10 @@ struct EngineStats {
   int64_t prefix_cache_hits_total = 0;     // of those, served from it
   int64_t kv_blocks_cached = 0;            // blocks the prefix cache holds (part of the pool)
   int64_t prefix_cache_bytes = 0;
+  // prefix_reuse: compressed: conversations whose KV is parked, and the blocks and bytes it holds.
+  int64_t conversations_parked = 0;
+  int64_t kv_blocks_parked = 0;
+  int64_t conversation_cache_bytes = 0;
 };
 
 // Thrown by submit() when the queue is full (HTTP maps it to 429/503).

@@ -2,6 +2,7 @@
 // Engine request and output types shared by the CLI, the HTTP server and the scheduler.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,9 @@ struct GenerationRequest {
   std::vector<int64_t> prompt_ids;
   SamplingParams sampling;
   std::string kv_policy;  // a named policy from the config; empty = the engine's default
+  // prefix_reuse: true = "compressed" (continue the conversation's parked compressed KV), false =
+  // "exact"; unset = the policy's setting.
+  std::optional<bool> reuse_compressed;
 };
 
 struct TokenLogprob {

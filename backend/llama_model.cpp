@@ -210,9 +210,9 @@ torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
   return all.narrow(0, 0, config_.vocab_size).transpose(0, 1).contiguous();
 }
 
-torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv) {
+torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start, int64_t prompt_len) {
   const int64_t T = x.size(0);
-  return prefill_layers_batch({seq_id}, {T}, std::move(x), kv);
+  return prefill_layers_batch({seq_id}, {T}, std::move(x), kv, {start}, {prompt_len > 0 ? prompt_len : start + T});
 }
 
 torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens,
@@ -280,12 +280,15 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
                                              /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
       } else {
         auto [pk, pv] = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
-        KV_CHECK(pk.size(1) == start, "internal: chunk at " << start << " of sequence " << seq_ids[static_cast<size_t>(i)]
-                                                            << " finds " << pk.size(1) << " earlier positions in layer " << li);
+        const int64_t held = pk.size(1);
+        KV_CHECK(held <= start, "internal: chunk at " << start << " of sequence " << seq_ids[static_cast<size_t>(i)]
+                                                      << " finds " << held << " earlier positions in layer " << li);
         auto kc = torch::cat({pk.to(k.scalar_type()), k}, 1);
         auto vc = torch::cat({pv.to(v.scalar_type()), v}, 1);
-        a = at::scaled_dot_product_attention(q.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0),
-                                             chunk_masks[static_cast<size_t>(i)], 0.0,
+        // A resumed conversation holds only the kept positions before the chunk: all visible.
+        torch::Tensor mask = chunk_masks[static_cast<size_t>(i)];
+        if (held < start) mask = mask.narrow(1, start - held, held + T);
+        a = at::scaled_dot_product_attention(q.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), mask, 0.0,
                                              /*is_causal=*/false, std::nullopt, /*enable_gqa=*/H != KV);
       }
       if (chunk[static_cast<size_t>(i)]) {
@@ -375,8 +378,11 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in
         kv.begin_prefill(s.seq_id, s.total(), s.policy);
         owned[i] = 1;
       }
+      KV_CHECK(!all_logits || s.resume.seq_id < 0, "internal: every position's logits asked of a resumed prompt");
       // Every position's logits are asked for: nothing may come from the cache.
-      const int64_t hit = kv.prefill_tokens(s.seq_id, s.start, s.tokens, s.reuse_prefix && !all_logits, s.keep_copy);
+      const int64_t hit = kv.prefill_tokens(s.seq_id, s.start, s.tokens,
+                                            s.reuse_prefix && !all_logits ? s.total() : KvMemory::kNoLookup, s.keep_copy,
+                                            s.resume);
       if (hit > 0) {
         s.tokens = s.tokens.subspan(static_cast<size_t>(hit));
         s.start = hit;

@@ -34,6 +34,8 @@ struct PrefillInput {
   // holds from its cache; a compressing policy may copy its full prompt blocks into the cache.
   bool reuse_prefix = true;
   bool keep_copy = true;
+  // prefix_reuse: compressed: the parked sequence whose KV the prompt continues.
+  ResumeFrom resume;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
@@ -113,8 +115,9 @@ class LlamaModel {
   // The pieces a pipeline stage runs (every tensor-parallel shard of the stage calls them together).
   // Hidden states [T, hidden] of the token ids (first stage).
   torch::Tensor embed(const std::vector<int64_t>& tokens) const;
-  // This shard's layers over a prompt's hidden states [T, hidden] (positions 0..T-1).
-  torch::Tensor prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv);
+  // This shard's layers over a prompt's hidden states [T, hidden] at positions start..start+T-1 of a
+  // prompt of prompt_len (0 = start + T); start > 0: the earlier positions' K/V are in `kv`.
+  torch::Tensor prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start = 0, int64_t prompt_len = 0);
   // This shard's layers over one new token per sequence, x [B, hidden].
   torch::Tensor decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv);
   // fp32 logits [rows, V] of hidden states (last stage).

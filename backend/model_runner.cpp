@@ -31,6 +31,7 @@ LocalRunner::~LocalRunner() = default;
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
   for (int64_t id : plan.release) kv_->release(id);
+  for (int64_t id : plan.park) kv_->park(id);
   for (int64_t id : plan.remove) samplers_.remove(id);
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
@@ -52,6 +53,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   auto input = [](const PrefillWork& p) {
     PrefillInput in{p.seq_id, p.tokens, p.policy, p.start, p.total()};
     in.keep_copy = p.keep_copy;
+    in.resume = p.resume;
     return in;
   };
   // prompt_logprobs (top-k, or -1): such a prompt runs alone, with the logits of every position. The
@@ -67,9 +69,10 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   };
   for (size_t g = 0; g < plan.prefill.size();) {
     size_t end = g + 1;
+    // A prompt that resumes a parked conversation runs alone too: a failed group frees that KV.
+    auto groupable = [&](const PrefillWork& p) { return p.start == 0 && prompt_k(p) < 0 && p.resume.seq_id < 0; };
     for (size_t rows = plan.prefill[g].tokens.size();
-         plan.prefill[g].start == 0 && prompt_k(plan.prefill[g]) < 0 && end < plan.prefill.size() &&
-         plan.prefill[end].start == 0 && prompt_k(plan.prefill[end]) < 0 &&
+         groupable(plan.prefill[g]) && end < plan.prefill.size() && groupable(plan.prefill[end]) &&
          rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows;
          ++end)
       rows += plan.prefill[end].tokens.size();

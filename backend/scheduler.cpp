@@ -23,17 +23,34 @@ std::vector<std::unique_ptr<Sequence>> Scheduler::take_if(const std::function<bo
   return out;
 }
 
-std::unique_ptr<Sequence> Scheduler::finish(int64_t seq_id) {
+std::unique_ptr<Sequence> Scheduler::finish(int64_t seq_id, bool completed) {
   auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->id == seq_id; });
   KV_CHECK(it != running_.end(), "internal: sequence " << seq_id << " is not running");
   std::unique_ptr<Sequence> s = std::move(*it);
   running_.erase(it);
-  drop_later(*s);
+  drop_later(*s, completed && !s->prefilling() && reuses_compressed(*s));
   return s;
 }
 
-void Scheduler::drop_later(Sequence& s) {
-  if (s.in_cache) release_.push_back(s.id);
+bool Scheduler::reuses_compressed(const Sequence& s) const {
+  const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+  return !cfg.is_full() && s.req.reuse_compressed.value_or(cfg.reuse_compressed);
+}
+
+const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const std::vector<int64_t>& prompt) const {
+  // A request's first prefill only (a preempted one recomputes exactly), and never when every
+  // prompt position's logits are asked for.
+  if (!reuses_compressed(s) || !s.output.empty() || s.req.sampling.prompt_logprobs >= 0) return nullptr;
+  return parked_.find(prompt, s.req.kv_policy);
+}
+
+void Scheduler::drop_later(Sequence& s, bool park) {
+  if (s.in_cache && park) {
+    park_.push_back(s.id);
+    parked_.park(s.id, s.prefill_tokens(), s.req.kv_policy);
+  } else if (s.in_cache) {
+    release_.push_back(s.id);
+  }
   if (s.sampler_added) remove_.push_back(s.id);
   s.in_cache = false;
   s.sampler_added = false;
@@ -95,6 +112,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   StepPlan plan;
   plan.release.swap(release_);
   plan.remove.swap(remove_);
+  plan.park.swap(park_);
 
   // Free blocks per shard once this plan's releases ran.
   const size_t S = shards_.size();
@@ -108,6 +126,15 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   };
   for (size_t i = 0; i < S; ++i) free[i] = shards_[i].usage.blocks_total - shards_[i].usage.blocks_used;
   for (int64_t id : plan.release) forget(id);
+  // A parked conversation goes (oldest first) before anything waits or is preempted for its room.
+  auto evict_parked = [&] {
+    const auto id = parked_.oldest();
+    if (!id) return false;
+    parked_.erase(*id);
+    plan.release.push_back(*id);
+    forget(*id);
+    return true;
+  };
 
   // Decode first: every running sequence advances one token. Preempt (recompute later) the most
   // recently admitted sequences while some shard cannot hold one more token for each. A prompt still
@@ -130,6 +157,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     return true;
   };
   while (!running_.empty() && !decode_fits()) {
+    if (evict_parked()) continue;
     std::unique_ptr<Sequence> victim = std::move(running_.back());
     running_.pop_back();
     forget(victim->id);
@@ -175,18 +203,27 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     }
     const int64_t budget = options_.max_num_batched_tokens - prefilled;
     // prompt_logprobs need every position's logits from one forward: such prompts run whole.
-    const bool chunk = n > budget && s.req.sampling.prompt_logprobs < 0 && may_chunk(n, s.req.kv_policy);
+    // A prompt that may continue its conversation runs whole (the parked KV covers a prefix of it).
+    const bool chunk = n > budget && s.req.sampling.prompt_logprobs < 0 && !reuses_compressed(s) &&
+                       may_chunk(n, s.req.kv_policy);
     if (chunk ? budget <= 0 : prefilled > 0 && n > budget) break;
     const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+    // A prompt that continues a parked conversation takes that KV over (already counted as used)
+    // and adds its new positions whole to every layer.
+    const ConversationCache::Entry* from = resumable(s, tokens);
+    const int64_t resumed = from ? static_cast<int64_t>(from->tokens.size()) : 0;
     bool fits = true;
     for (size_t i = 0; i < S; ++i) {
-      need[i] = PagedKvMemory::prompt_blocks(cfg, shards_[i].usage.geometry, n, chunk);
+      const auto& g = shards_[i].usage.geometry;
+      need[i] = from ? g.num_layers * (blocks_for_tokens(n - resumed + 1, g.block_size) + 1)
+                     : PagedKvMemory::prompt_blocks(cfg, g, n, chunk);
       fits = fits && need[i] <= free[i];
     }
+    if (!fits && evict_parked()) continue;
     if (!fits) break;
     // A compressing policy's prompt also goes into the prefix cache, as a full-precision copy,
     // where every shard has room for it besides the prompt's peak.
-    bool keep_copy = true;
+    bool keep_copy = !from;
     for (size_t i = 0; i < S; ++i) {
       copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, n);
       keep_copy = keep_copy && need[i] + copies[i] <= free[i];
@@ -208,6 +245,11 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     owned->prefill_len = n;
     owned->prefill_done = 0;
     plan_chunk(*owned, chunk ? budget : n, plan);
+    if (from) {
+      plan.prefill.back().resume = {from->seq_id, resumed};
+      for (auto& p : shards_) p.held.erase(from->seq_id), p.demand.erase(from->seq_id);
+      parked_.erase(from->seq_id);
+    }
     prefilled += owned->prefill_done;
     running_.push_back(std::move(owned));
   }
@@ -291,7 +333,14 @@ KvUsage Scheduler::usage() const {
     u.blocks_high_water += p.usage.blocks_high_water;
     u.blocks_cached += p.usage.blocks_cached;
     u.cached_bytes += p.usage.cached_bytes;
+    for (int64_t id : parked_.seq_ids()) {
+      if (auto h = p.held.find(id); h != p.held.end()) {
+        u.blocks_parked += h->second;
+        u.parked_bytes += h->second * p.usage.block_bytes;
+      }
+    }
   }
+  u.conversations_parked = parked_.size();
   return u;
 }
 

@@ -17,6 +17,7 @@
 
 #include "backend/sequence.h"
 #include "backend/step_plan.h"
+#include "cache_manager/conversation_cache.h"
 #include "policies/policy_config.h"
 
 namespace kvserve {
@@ -49,8 +50,9 @@ class Scheduler {
   // Takes every queued or running sequence `pred` selects out of the scheduler (cancellation,
   // shutdown); its KV and sampler go in the next plan. The caller sends the final event.
   std::vector<std::unique_ptr<Sequence>> take_if(const std::function<bool(const Sequence&)>& pred);
-  // Takes a running sequence out once it is done (its final event is the caller's).
-  std::unique_ptr<Sequence> finish(int64_t seq_id);
+  // Takes a running sequence out once it is done (its final event is the caller's). `completed`:
+  // it ended normally (stop or length), so its KV may be parked for its conversation's next turn.
+  std::unique_ptr<Sequence> finish(int64_t seq_id, bool completed = false);
 
   // A waiting sequence that can never fit in the pool, and why (the caller fails it).
   using Rejected = std::pair<std::unique_ptr<Sequence>, std::string>;
@@ -61,7 +63,7 @@ class Scheduler {
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
   // KV or samplers of finished sequences still to free (the next plan does it).
-  bool has_pending() const { return !release_.empty() || !remove_.empty(); }
+  bool has_pending() const { return !release_.empty() || !park_.empty() || !remove_.empty(); }
   bool knows_pools() const { return !shards_.empty(); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
@@ -77,8 +79,12 @@ class Scheduler {
     ShardUsage usage;
     std::unordered_map<int64_t, int64_t> held, demand;
   };
-  // Frees `id` from the books at the start of the next plan.
-  void drop_later(Sequence& s);
+  // Frees `id` from the books at the start of the next plan (parks its KV when `park`).
+  void drop_later(Sequence& s, bool park = false);
+  // Whether `s` leaves its KV for its conversation's next turn (prefix_reuse: compressed).
+  bool reuses_compressed(const Sequence& s) const;
+  // The parked conversation a waiting sequence's prompt continues, if any.
+  const ConversationCache::Entry* resumable(const Sequence& s, const std::vector<int64_t>& prompt) const;
   // Why a prompt of `n` tokens under `policy` can never fit some shard's whole pool, if it cannot.
   std::optional<std::string> unfit_reason(int64_t n, const std::string& policy) const;
   // Whether a prompt of `n` tokens under `policy` is prefilled in chunks when it exceeds a step's budget.
@@ -92,6 +98,11 @@ class Scheduler {
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;  // admission order (preemption takes the last)
   std::vector<int64_t> release_, remove_;           // for the next plan
+  std::vector<int64_t> park_;
+  // Finished sequences whose KV stays in the pools for their conversations' next turns. Their
+  // blocks count as used (Pool::held keeps them) until a prompt resumes them or they are evicted,
+  // oldest first, before anything is preempted or a prompt waits for room.
+  ConversationCache parked_;
   std::vector<Pool> shards_;
   int64_t preemptions_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;

@@ -9,7 +9,8 @@ ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
   u.blocks_used = kv.blocks_used();
   u.blocks_high_water = kv.blocks_high_water();
   u.blocks_cached = kv.cache().cached_blocks();
-  u.cached_bytes = u.blocks_cached * kv.cache().block_bytes();
+  u.block_bytes = kv.cache().block_bytes();
+  u.cached_bytes = u.blocks_cached * u.block_bytes;
   auto add = [&](int64_t id) {
     u.held.push_back(kv.private_blocks(id));
     u.demand.push_back(kv.decode_demand({id}));

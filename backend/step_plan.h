@@ -35,16 +35,24 @@ struct PrefillWork {
   // Prefix caching: a compressing policy may copy its full prompt blocks into the cache (the
   // scheduler reserved room for the copies).
   bool keep_copy = false;
+  // A sharded job's prefix-cache lookup, made once by rank 0 before the plan goes out: the leading
+  // positions its shard found cached (KvMemory::kNoLookup: none is made). The shards then take the
+  // least that all of them still hold.
+  int64_t cached = KvMemory::kNoLookup;
+  // prefix_reuse: compressed: the parked sequence of the same conversation whose KV this prompt
+  // (a whole one) continues.
+  ResumeFrom resume;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
   bool chunked() const { return total() != static_cast<int64_t>(tokens.size()); }
 };
 
-// What one step runs, in this order: free KV, drop and create samplers, one decode token for every
+// What one step runs, in this order: free (or park) KV, drop and create samplers, one decode token for every
 // running sequence, then the admitted prefills.
 struct StepPlan {
   std::vector<int64_t> release;  // sequences whose KV is freed (finished, cancelled, preempted)
+  std::vector<int64_t> park;     // finished sequences whose KV stays for their conversation's next turn
   std::vector<int64_t> remove;   // sequences whose sampler is dropped (their request is over)
   std::vector<SequenceStart> start;
   DecodeBatch decode;
@@ -53,7 +61,7 @@ struct StepPlan {
   std::vector<PrefillWork> prefill;
 
   bool empty() const {
-    return release.empty() && remove.empty() && start.empty() && decode.seq_ids.empty() && prefill.empty();
+    return release.empty() && park.empty() && remove.empty() && start.empty() && decode.seq_ids.empty() && prefill.empty();
   }
 };
 
@@ -66,6 +74,7 @@ struct ShardUsage {
   int64_t blocks_high_water = 0;
   int64_t blocks_cached = 0;  // held by the prefix cache (requests may use them too)
   int64_t cached_bytes = 0;   // the same in bytes
+  int64_t block_bytes = 0;    // one block (one layer's block_size tokens, K and V)
   // Per sequence the step touched (decoded rows, then prefills, in plan order): blocks only it
   // holds (what its release frees) and the most its next decode step can take. Empty entries for
   // a failed part.
@@ -95,6 +104,10 @@ struct KvUsage {
   int64_t blocks_high_water = 0;
   int64_t blocks_cached = 0;
   int64_t cached_bytes = 0;
+  // Parked conversations (prefix_reuse: compressed): entries, and the blocks and bytes they hold.
+  int64_t conversations_parked = 0;
+  int64_t blocks_parked = 0;
+  int64_t parked_bytes = 0;
 };
 
 // One shard's pool after `plan` ran: geometry, occupancy, and the touched sequences' blocks.

@@ -35,6 +35,15 @@ void DeviceBlockTables::remove(int64_t seq_id) {
   rows_.erase(it);
 }
 
+void DeviceBlockTables::rename(int64_t from, int64_t to) {
+  auto it = rows_.find(from);
+  KV_CHECK(it != rows_.end(), "sequence " << from << " has no device table row");
+  KV_CHECK(!rows_.count(to), "sequence " << to << " already has a device table row");
+  const int32_t r = it->second;
+  rows_.erase(it);
+  rows_.emplace(to, r);
+}
+
 int32_t DeviceBlockTables::null_row() {
   if (null_row_ < 0) {
     null_row_ = next_row_++;

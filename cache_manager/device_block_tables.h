@@ -26,6 +26,8 @@ class DeviceBlockTables {
   // A table row for the sequence (all layers empty); remove() gives it back.
   int32_t add(int64_t seq_id);
   void remove(int64_t seq_id);
+  // The sequence's row (tables unchanged) now belongs to `to`.
+  void rename(int64_t from, int64_t to);
   int32_t row(int64_t seq_id) const;
   // A row no sequence ever gets: length 0 in every layer, so the kernels read nothing through it and
   // the append writes nowhere. The padded entries of a batch bucket (a CUDA graph's fixed batch size)

@@ -18,6 +18,13 @@ struct DecodeBatch {
   std::vector<int64_t> positions;
 };
 
+// prefix_reuse: compressed: the parked sequence (a finished request of the same conversation) whose
+// KV covers this prompt's first `length` positions, as its policy left it.
+struct ResumeFrom {
+  int64_t seq_id = -1;  // < 0: none
+  int64_t length = 0;
+};
+
 class KvMemory {
  public:
   virtual ~KvMemory() = default;
@@ -33,8 +40,9 @@ class KvMemory {
   virtual void end_prefill(int64_t seq_id) = 0;
   // Chunked prefill (docs/architecture.md, "Chunked prefill"): the prompt of begin_prefill's
   // `prompt_len` arrives over several forwards, each a run of positions [start, start + T).
-  // prefill_context returns the K/V [KV, start, D] the earlier chunks left for `layer` (what the
-  // chunk's queries attend to besides themselves); store_prefill_chunk takes the chunk's K/V
+  // prefill_context returns the K/V [KV, n, D] the earlier chunks left for `layer` (what the
+  // chunk's queries attend to besides themselves; n = start, or fewer for a resumed conversation,
+  // every one of them before the chunk); store_prefill_chunk takes the chunk's K/V
   // ([KV, T, D], after RoPE) and queries ([H, T, D]). The memory keeps every earlier position until
   // the chunk that ends the prompt, where a policy selects over the whole prompt as store_prefill
   // would. A memory that cannot take chunks throws.
@@ -48,14 +56,18 @@ class KvMemory {
   }
   // Prefix caching (docs/architecture.md, "Prefix caching"): the tokens [start, start + n) of a
   // prompt being prefilled, told before the chunk's layers run (every chunk, so that the memory
-  // knows the whole prompt by end_prefill). At the first chunk (start 0) and with `reuse`, returns
-  // how many leading positions the memory already holds from cached blocks (whole blocks, fewer
-  // than n): the caller computes only the rest, as a chunk at that position. `keep_copy`: a
-  // compressing policy may also copy its full-precision prompt blocks into the cache (the
-  // scheduler reserved room for them). A memory without a prefix cache returns 0.
-  virtual int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, bool reuse,
-                                 bool keep_copy) {
-    (void)seq_id, (void)start, (void)tokens, (void)reuse, (void)keep_copy;
+  // knows the whole prompt by end_prefill). At the first chunk (start 0) and with max_hit >= 0,
+  // looks the prompt up and returns how many leading positions (whole blocks, fewer than n, at most
+  // max_hit) the memory now holds from cached blocks: the caller computes only the rest, as a chunk
+  // at that position. max_hit < 0: no lookup. `keep_copy`: a compressing policy may also copy its
+  // full-precision prompt blocks into the cache (the scheduler reserved room for them). `resume`:
+  // the prompt continues a parked sequence's KV instead, which it takes over (returns its length;
+  // the chunk's queries then attend to the kept positions only; nothing is selected again). A
+  // memory without a prefix cache returns 0.
+  static constexpr int64_t kNoLookup = -1;
+  virtual int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,
+                                 bool keep_copy, ResumeFrom resume = {}) {
+    (void)seq_id, (void)start, (void)tokens, (void)max_hit, (void)keep_copy, (void)resume;
     return 0;
   }
   // Called once per decode step before the first layer: a memory may plan the whole step here

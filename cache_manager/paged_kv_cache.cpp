@@ -79,6 +79,17 @@ const SequenceBlockTable& PagedKvCache::table_of(int64_t seq_id) const {
   return const_cast<PagedKvCache*>(this)->table_of(seq_id);
 }
 
+void PagedKvCache::rename_sequence(int64_t from, int64_t to) {
+  KV_CHECK(!seqs_.count(to), "sequence " << to << " already in the KV cache");
+  KV_CHECK(!step_.active || std::find(step_.seq_ids.begin(), step_.seq_ids.end(), from) == step_.seq_ids.end(),
+           "rename: sequence " << from << " is in the planned decode step");
+  auto node = seqs_.extract(from);
+  KV_CHECK(!node.empty(), "sequence " << from << " not in the KV cache");
+  node.key() = to;
+  seqs_.insert(std::move(node));
+  dev_.rename(from, to);
+}
+
 std::vector<int32_t> PagedKvCache::take_blocks(int64_t n, int64_t seq_id, int64_t layer) {
   if (n > alloc_.free_blocks() && prefix_) prefix_->reclaim(n, alloc_);
   if (n > alloc_.free_blocks()) {

@@ -122,6 +122,10 @@ class PagedKvCache {
   // Blocks of a sequence's tables that only it references (what its release frees at once).
   int64_t private_blocks_of(int64_t seq_id) const;
 
+  // Moves a sequence's tables (and its device row) to another id (a parked conversation resumed
+  // by its next turn's request).
+  void rename_sequence(int64_t from, int64_t to);
+
   // --- inspection --------------------------------------------------------------------------------
   int64_t length(int64_t seq_id, int64_t layer) const;
   // Original token positions, int64 [KV, length] on the host.

@@ -172,23 +172,40 @@ int64_t PagedKvMemory::prefix_hit(int64_t seq_id) const {
   return it == seqs_.end() ? 0 : it->second.hit;
 }
 
-int64_t PagedKvMemory::reuse_limit(const SeqState& s) const {
-  const int64_t n = s.prompt_len;
-  if (!s.selector || !s.selector->compresses()) return n - 1;  // the last position's logits are computed
+int64_t PagedKvMemory::reuse_limit(const PolicyConfig& cfg, bool compresses, int64_t n) const {
+  if (!compresses) return n - 1;  // the last position's logits are computed
   // A compressing policy continues from the cached prefix as a chunked prefill's last chunk does:
   // where that chunk could not run, nothing is reused.
-  const PolicyConfig& cfg = *s.policy;
-  if (!chunkable(cfg) || rounds_kv_ || shard_.exchange->gathers_queries() || !holds_every_layer()) return 0;
+  if (!chunkable(cfg) || rounds_kv_) return 0;
   // The window's queries score the whole prompt: they are computed, never cached.
   return scorer_needs_queries(cfg.scorer) ? n - std::max<int64_t>(cfg.window, 1) : n - 1;
 }
 
-int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, bool reuse,
-                                      bool keep_copy) {
-  PrefixCache* pc = cache_.prefix_cache();
-  if (!pc) return 0;
+std::vector<int32_t> PagedKvMemory::prefix_match(const PolicyConfig& cfg, bool compresses, int64_t prompt_len,
+                                                 std::span<const int64_t> tokens, int64_t max_hit) const {
+  const PrefixCache* pc = cache_.prefix_cache();
+  if (!pc || max_hit < 0) return {};
+  const int64_t bs = cache_.block_size();
+  const int64_t limit = std::min({reuse_limit(cfg, compresses, prompt_len), static_cast<int64_t>(tokens.size()) - 1, max_hit});
+  if (limit < bs) return {};
+  return pc->match(tokens, limit / bs);
+}
+
+int64_t PagedKvMemory::prefix_lookup(std::span<const int64_t> prompt, const std::string& name) const {
+  if (!prefix_caching() || prompt.empty()) return 0;
+  const PolicyConfig& cfg = policy(name);
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  const bool compresses = !cfg.is_full() && PrefillSelector(cfg, shard_.total_layers, cache_.num_kv_heads(), n).compresses();
+  return static_cast<int64_t>(prefix_match(cfg, compresses, n, prompt, n).size()) * cache_.block_size();
+}
+
+int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,
+                                      bool keep_copy, ResumeFrom resume) {
   auto it = seqs_.find(seq_id);
   KV_CHECK(it != seqs_.end(), "prefill: sequence " << seq_id << " has no KV state");
+  if (start == 0 && resume.seq_id >= 0) return resume_parked(seq_id, resume, static_cast<int64_t>(tokens.size()));
+  PrefixCache* pc = cache_.prefix_cache();
+  if (!pc) return 0;
   SeqState& s = it->second;
   if (static_cast<int64_t>(s.tokens.size()) != start) {
     s.tokens.clear();  // told out of order (a caller that skips chunks): this prompt is not cached
@@ -197,15 +214,14 @@ int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<c
   s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
   if (start != 0) return 0;
   s.keep_copy = keep_copy;
-  if (!reuse) return 0;
-  const int64_t bs = cache_.block_size();
-  const int64_t limit = std::min<int64_t>(reuse_limit(s), static_cast<int64_t>(tokens.size()) - 1);
+  if (max_hit < 0) return 0;
   s.queried = s.prompt_len;
-  if (limit < bs) return 0;
-  std::vector<int32_t> hit = pc->match(tokens, limit / bs);
+  const bool compresses = s.selector && s.selector->compresses();
+  std::vector<int32_t> hit = prefix_match(*s.policy, compresses, s.prompt_len, tokens, max_hit);
   if (hit.empty()) return 0;
   pc->acquire(hit);
   s.prefix = hit;
+  const int64_t bs = cache_.block_size();
   const int64_t h = static_cast<int64_t>(hit.size()) * bs;
   std::vector<int32_t> layer_blocks(hit.size());
   for (int64_t l = 0; l < num_layers_; ++l) {
@@ -303,18 +319,20 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
     cache_.write(seq_id, ll, k, v, pos);
     return;
   }
-  torch::Tensor scorer_q = q;
-  if (shard_.exchange->gathers_queries() && scorer_needs_queries(s.policy->scorer)) {
-    // Window scorers read only the window's queries: gather just those rows.
-    const bool all_rows = s.policy->scorer == ScorerKind::kAccumulatedAttention;
-    const int64_t rows = all_rows ? T : std::min<int64_t>(s.policy->window, T);
-    scorer_q = shard_.exchange->gather_queries(q.narrow(1, T - rows, rows).contiguous());
-  }
-  torch::Tensor kept = s.selector->on_layer(layer, scorer_q, k);  // [KV, n] ascending positions
+  torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, q), k);  // [KV, n] ascending positions
   copy_for_cache(seq_id, ll, k, v);
   auto idx = kept.to(k.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
   cache_.write(seq_id, ll, k.gather(1, idx), v.gather(1, idx), kept);
   apply_updates(seq_id);
+}
+
+torch::Tensor PagedKvMemory::scorer_queries(const PolicyConfig& cfg, const torch::Tensor& q) const {
+  if (!shard_.exchange->gathers_queries() || !scorer_needs_queries(cfg.scorer)) return q;
+  // Window scorers read only the window's queries: gather just those rows.
+  const int64_t T = q.size(1);
+  const bool all_rows = cfg.scorer == ScorerKind::kAccumulatedAttention;
+  const int64_t rows = all_rows ? T : std::min<int64_t>(cfg.window, T);
+  return shard_.exchange->gather_queries(q.narrow(1, T - rows, rows).contiguous());
 }
 
 std::pair<torch::Tensor, torch::Tensor> PagedKvMemory::prefill_context(int64_t seq_id, int64_t layer) {
@@ -329,8 +347,9 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   SeqState& s = it->second;
   const int64_t ll = local(layer), KV = k.size(0), T = k.size(1);
   const int64_t held = cache_.length(seq_id, ll);
-  KV_CHECK(held == start, "chunked prefill: sequence " << seq_id << ", layer " << layer << " holds " << held
-                                                       << " positions, the chunk starts at " << start);
+  // A resumed conversation holds only what the earlier turns kept, all before the chunk.
+  KV_CHECK(s.resumed ? held <= start : held == start, "chunked prefill: sequence " << seq_id << ", layer " << layer
+                                                        << " holds " << held << " positions, the chunk starts at " << start);
   KV_CHECK(start + T <= s.prompt_len, "chunked prefill: chunk [" << start << ", " << start + T << ") past the prompt of "
                                                                    << s.prompt_len << " tokens");
   const bool last = start + T == s.prompt_len;
@@ -338,8 +357,6 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   if (compresses) {
     KV_CHECK(chunkable(*s.policy), "policy '" << s.policy->name << "' (scorer " << to_string(s.policy->scorer)
                                               << ") cannot prefill in chunks; its prompts are prefilled whole");
-    KV_CHECK(!shard_.exchange->gathers_queries() && shard_.first_layer == 0 && last_shard(),
-             "chunked prefill of a compressing policy runs in one process only");
     KV_CHECK(!rounds_kv_, "policy '" << s.policy->name << "' cannot prefill in chunks over a KV cache stored in another "
                                      << "dtype than the model computes (its selection would see rounded keys)");
   }
@@ -368,7 +385,8 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
     s.query_tail[static_cast<size_t>(ll)] = torch::Tensor();
   }
   const int64_t D = kf.size(2);
-  torch::Tensor kept = s.selector->on_layer(layer, qf, kf);  // [KV, n] ascending positions
+  if (ll == 0 && shard_.first_layer > 0 && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
+  torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, qf), kf);  // [KV, n] ascending positions
   copy_for_cache(seq_id, ll, kf, vf);
   auto idx = kept.to(kf.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
   cache_.write(seq_id, ll, kf.gather(1, idx), vf.gather(1, idx), kept);
@@ -380,7 +398,50 @@ void PagedKvMemory::end_prefill(int64_t seq_id) {
   const bool compressed = s.selector && s.selector->compresses();
   if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
   settle(seq_id);
-  publish_prefix(seq_id, compressed);
+  if (!s.resumed) publish_prefix(seq_id, compressed);
+}
+
+void PagedKvMemory::park(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end() && !it->second.selector && it->second.tokens.empty(),
+           "park: sequence " << seq_id << " has no finished prefill");
+  it->second.parked = true;
+}
+
+bool PagedKvMemory::parked(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it != seqs_.end() && it->second.parked;
+}
+
+int64_t PagedKvMemory::resume_parked(int64_t seq_id, ResumeFrom from, int64_t prompt_len) {
+  auto it = seqs_.find(from.seq_id);
+  KV_CHECK(it != seqs_.end() && it->second.parked, "resume: sequence " << from.seq_id << " is not parked");
+  SeqState& fresh = seqs_.at(seq_id);
+  KV_CHECK(it->second.policy == fresh.policy, "resume: sequence " << from.seq_id << " was kept under policy '"
+                                                  << it->second.policy->name << "', not '" << fresh.policy->name << "'");
+  KV_CHECK(from.length > 0 && from.length < prompt_len && prompt_len == fresh.prompt_len,
+           "resume: " << from.length << " parked positions for a prompt of " << prompt_len);
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    KV_CHECK(cache_.length(from.seq_id, l) <= from.length, "resume: sequence " << from.seq_id << " holds "
+                                                               << cache_.length(from.seq_id, l) << " positions in layer "
+                                                               << shard_.first_layer + l << ", more than " << from.length);
+  }
+  // The parked state (its tables, prefix-cache references and decode evictors) becomes this
+  // sequence's; the new positions are appended whole after the kept ones, and none of this prompt
+  // goes into the prefix cache (its blocks are not the full prompt's).
+  SeqState s = std::move(it->second);
+  seqs_.erase(it);
+  cache_.release(seq_id);
+  cache_.rename_sequence(from.seq_id, seq_id);
+  s.parked = false;
+  s.resumed = true;
+  s.prompt_len = prompt_len;
+  s.tokens.clear();
+  s.keep_copy = false;
+  s.queried = prompt_len;
+  s.hit = from.length;
+  seqs_[seq_id] = std::move(s);
+  return from.length;
 }
 
 void PagedKvMemory::receive_earlier_scores(int64_t seq_id) {

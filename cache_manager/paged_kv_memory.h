@@ -41,8 +41,8 @@ class PagedKvMemory final : public KvMemory {
   void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                      const torch::Tensor& v) override;
   void end_prefill(int64_t seq_id) override;
-  int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, bool reuse,
-                         bool keep_copy) override;
+  int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,
+                         bool keep_copy, ResumeFrom resume = {}) override;
   std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) override;
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
@@ -51,6 +51,10 @@ class PagedKvMemory final : public KvMemory {
   torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                  const torch::Tensor& k, const torch::Tensor& v) override;
   void release(int64_t seq_id) override;
+  // A finished sequence whose conversation may continue from its KV (prefix_reuse: compressed):
+  // its KV stays as it is until a later prompt resumes it (prefill_tokens) or it is released.
+  void park(int64_t seq_id);
+  bool parked(int64_t seq_id) const;
   int64_t cached_tokens(int64_t seq_id, int64_t layer) const override { return cache_.length(seq_id, local(layer)); }
 
   int64_t blocks_total() const override { return cache_.total_blocks(); }
@@ -68,6 +72,10 @@ class PagedKvMemory final : public KvMemory {
   // made) and positions taken from the cache.
   int64_t prefix_queried(int64_t seq_id) const;
   int64_t prefix_hit(int64_t seq_id) const;
+  // The lookup prefill_tokens would make for a new prompt under `policy`, taking nothing: how many
+  // leading positions it would find in the cache now. A sharded job's rank 0 puts this in the step
+  // plan, and the shards agree on the least of theirs before any of them takes its blocks.
+  int64_t prefix_lookup(std::span<const int64_t> prompt, const std::string& policy) const;
 
   // Admission arithmetic, also for a shard whose memory lives in another process (the scheduler
   // runs it in the driving process for every shard of a sharded job).
@@ -119,6 +127,9 @@ class PagedKvMemory final : public KvMemory {
   void receive_earlier_scores(int64_t seq_id);
   LayerScores scores_so_far(int64_t seq_id) const;
   void finish_dynamic(int64_t seq_id);
+  // The queries a policy's scorer reads from a prompt's q [H, T, D]: with KV heads replicated over
+  // tensor-parallel ranks, the window's rows gathered from the group (a collective).
+  torch::Tensor scorer_queries(const PolicyConfig& cfg, const torch::Tensor& q) const;
   void settle(int64_t seq_id);
   // Prefix caching: a compressing policy's full-precision copy of a layer's cacheable blocks (kf, vf
   // [KV, prompt, D]), and at end_prefill the prompt's new full blocks into the cache.
@@ -147,11 +158,20 @@ class PagedKvMemory final : public KvMemory {
     int64_t queried = 0, hit = 0;
     bool keep_copy = false;
     std::vector<std::vector<int32_t>> copies;
+    // Conversation reuse: the prompt continues a parked sequence's KV (its first `hit` positions
+    // are what that sequence kept; the rest is appended whole); the sequence is parked.
+    bool resumed = false;
+    bool parked = false;
   };
   // The most prompt positions the sequence may take from the prefix cache: the last position, and
   // a window scorer's last `window` queries, are always computed (H2O's every query), so a hit
   // never changes what a policy keeps.
-  int64_t reuse_limit(const SeqState& s) const;
+  int64_t reuse_limit(const PolicyConfig& cfg, bool compresses, int64_t prompt_len) const;
+  // prefill_tokens with a parked sequence to continue: moves its KV state to seq_id.
+  int64_t resume_parked(int64_t seq_id, ResumeFrom from, int64_t prompt_len);
+  // The cache entries a prompt (its first chunk `tokens`) may take, at most max_hit positions.
+  std::vector<int32_t> prefix_match(const PolicyConfig& cfg, bool compresses, int64_t prompt_len,
+                                    std::span<const int64_t> tokens, int64_t max_hit) const;
 
   int64_t num_layers_;
   KvShard shard_;

@@ -216,6 +216,12 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
         static_cast<double>(s.kv_blocks_cached));
   header(out, "kvserve:prefix_cache_bytes", "gauge", "Bytes of cached prefix blocks, per tier.");
   out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"pool\"} " + fmt(static_cast<double>(s.prefix_cache_bytes)) + "\n";
+  out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"conversation\"} " +
+         fmt(static_cast<double>(s.conversation_cache_bytes)) + "\n";
+  gauge("kvserve:conversations_parked", "Finished requests whose compressed KV waits for their conversation's next turn.",
+        static_cast<double>(s.conversations_parked));
+  gauge("kvserve:kv_cache_blocks_parked", "KV-cache blocks parked conversations hold (counted in use).",
+        static_cast<double>(s.kv_blocks_parked));
   counter("kvserve:step_collectives_total", "Control-path collectives of a sharded job's steps (0 in one process).",
           static_cast<double>(s.step_collectives_total));
 

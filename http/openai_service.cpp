@@ -81,6 +81,7 @@ struct Choice {
   int64_t kept_kv = 0;
   int64_t full_kv = 0;
   int64_t cached_tokens = 0;  // prompt tokens from the prefix cache
+  std::vector<int64_t> token_ids;  // return_token_ids
   Clock::time_point last_token;
   // logprobs, accumulated for non-streaming responses
   json chat_logprobs = json::array();  // chat: content entries
@@ -110,6 +111,7 @@ struct Exchange {
   Clock::time_point arrival;
   std::vector<Choice> choices;
   std::vector<int64_t> prompt_tokens;  // per prompt
+  std::vector<std::vector<int64_t>> prompt_ids;  // per prompt, with return_token_ids
   std::vector<std::string> echo_text;  // per prompt (completions echo)
   std::vector<std::string> first_token_text;  // per prompt: the token echo's logprobs start with
   bool echo_only = false;  // echo with max_tokens 0: the one token generated is not returned
@@ -256,6 +258,7 @@ struct Exchange {
     }
     c.completion_tokens = std::max(c.completion_tokens + ntok, ev.completion_tokens);
     c.text += ev.text_delta;
+    if (req.return_token_ids) c.token_ids.insert(c.token_ids.end(), ev.token_ids.begin(), ev.token_ids.end());
     json lp = nullptr;
     if (req.want_logprobs && !ev.chosen.empty()) {
       lp = event_logprobs(ev, c);
@@ -397,13 +400,16 @@ struct Exchange {
         }
         choice["logprobs"] = lp;
         if (req.sampling.prompt_logprobs >= 0) choice["prompt_logprobs"] = c.prompt_logprobs;
+        if (req.return_token_ids) choice["prompt_token_ids"] = prompt_ids[c.prompt_index];
       }
+      if (req.return_token_ids) choice["token_ids"] = c.token_ids;
       out_choices.push_back(choice);
     }
     json body = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
                  {"model", model}, {"choices", out_choices}, {"usage", usage()}};
     if (chat) body["system_fingerprint"] = nullptr;
     if (chat && req.sampling.prompt_logprobs >= 0) body["prompt_logprobs"] = choices.front().prompt_logprobs;
+    if (chat && req.return_token_ids) body["prompt_token_ids"] = prompt_ids.front();
     HttpResponse r = json_response(200, body);
     r.headers = headers;
     channel->respond(std::move(r));
@@ -689,6 +695,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   ex->headers = {{"X-KV-Policy", policy}, {"X-Request-Id", http_req.header("x-request-id").empty() ? ex->id : http_req.header("x-request-id")}};
   if (!rollout_rule.empty()) ex->headers.push_back({"X-KV-Rollout-Rule", rollout_rule});
   for (const auto& p : prompts) ex->prompt_tokens.push_back(static_cast<int64_t>(p.size()));
+  if (req.return_token_ids) ex->prompt_ids = prompts;
   const size_t total = prompts.size() * static_cast<size_t>(req.n);
   ex->choices.resize(total);
   if (chat && req.tools.active())
@@ -720,6 +727,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
         else if (!r.max_tokens && max_len > 0)
           g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));
         g.kv_policy = policy;
+        g.reuse_compressed = r.reuse_compressed;
         {
           std::lock_guard<std::mutex> lock(ex->mu);
           ex->choices[index].request_id = g.request_id;

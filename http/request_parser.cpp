@@ -219,6 +219,13 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
     if (p->empty()) bad("kv_policy", "'kv_policy' must not be empty");
     r.kv_policy = *p;
   }
+  r.return_token_ids = get_bool(body, "return_token_ids", false);
+  if (r.return_token_ids && r.stream) bad("return_token_ids", "'return_token_ids' is not available when 'stream' is true");
+  if (auto p = get_string(body, "prefix_reuse")) {
+    if (*p != "exact" && *p != "compressed")
+      bad("prefix_reuse", "'prefix_reuse' must be \"exact\" or \"compressed\", got \"" + *p + "\"");
+    r.reuse_compressed = *p == "compressed";
+  }
   parse_logit_edits(body, r, limits);
   if (auto k = get_int(body, "prompt_logprobs", 0, limits.max_logprobs)) {
     if (r.stream) bad("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");

@@ -226,6 +226,10 @@ const std::map<std::string, Setter>& setters() {
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          c.seed = static_cast<uint64_t>(parse_nonneg(k, v));
        }},
+      {"prefix_reuse",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.reuse_compressed = parse_enum<bool>(k, v, {{"exact", false}, {"compressed", true}});
+       }},
   };
   return s;
 }
@@ -294,6 +298,9 @@ PolicyConfig named_defaults(const std::string& name) {
 }  // namespace
 
 void validate_policy_config(const PolicyConfig& c) {
+  KV_CHECK(!(c.reuse_compressed && c.is_full()),
+           "policy '" << c.name << "': prefix_reuse: compressed needs a compressing policy (full KV is reused exactly "
+                      << "by the prefix cache)");
   if (c.is_full()) return;
   KV_CHECK(c.budget > 0 || c.budget_ratio > 0.0,
            "policy '" << c.name << "': needs a budget (budget=N tokens per layer or budget_ratio=r)");
@@ -405,6 +412,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["decode_budget"] = c.decode_budget;
   j["decode_evict_chunk"] = c.decode_evict_chunk;
   j["seed"] = c.seed;
+  j["prefix_reuse"] = c.reuse_compressed ? "compressed" : "exact";
   return j;
 }
 

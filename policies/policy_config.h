@@ -67,6 +67,10 @@ struct PolicyConfig {
   int64_t decode_budget = 0;       // decode-time eviction threshold per (seq, layer); 0 = off
   int64_t decode_evict_chunk = 16;  // tokens evicted at once when decode_budget is exceeded
   uint64_t seed = 0;               // random scorer seed
+  // Whether a request may continue from the compressed KV its conversation's previous turn left
+  // (prefix_reuse: compressed; docs/architecture.md, "Conversation reuse"). Off by default: the
+  // earlier turns stay compressed for the question they were asked with.
+  bool reuse_compressed = false;
 
   // True when the policy never drops anything.
   bool is_full() const { return allocator == AllocatorKind::kFull || scorer == ScorerKind::kNone; }

@@ -101,10 +101,9 @@ KvShard ParallelJob::kv_shard() const {
 }
 
 std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& options) const {
-  // A sharded job's shards prefill without lookups (the sharded executor takes no chunks yet), so
-  // only one process caches prefixes.
+  // Every shard caches its own layers and heads; rank 0 makes the lookup decision (ShardedRunner).
   return make_kv_memory(model_->kv_layout(),
-                        {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching && !sharded()},
+                        {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching},
                         resolve_policies(options.policies), options.default_policy, kv_shard());
 }
 

@@ -38,21 +38,37 @@ int64_t ShardedExecutor::last_stage_head() const { return layout().global_rank(l
 
 torch::Tensor ShardedExecutor::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy,
                                        bool all_logits, bool to_rank0) {
+  begin_prefill(seq_id, tokens, policy, KvMemory::kNoLookup, false);
+  return run_prefill(seq_id, tokens, 0, all_logits, to_rank0);
+}
+
+void ShardedExecutor::begin_prefill(int64_t seq_id, std::span<const int64_t> prompt, const std::string& policy,
+                                    int64_t hit, bool keep_copy, ResumeFrom resume) {
+  KV_CHECK(!prompt.empty(), "empty prompt");
+  kv_.begin_prefill(seq_id, static_cast<int64_t>(prompt.size()), policy);
+  const int64_t took = kv_.prefill_tokens(seq_id, 0, prompt, hit, keep_copy, resume);
+  const int64_t want = resume.seq_id >= 0 ? resume.length : std::max<int64_t>(hit, 0);
+  KV_CHECK(took == want, "internal: the shards agreed on " << want << " cached positions of sequence " << seq_id
+                                                           << ", this one took " << took);
+}
+
+torch::Tensor ShardedExecutor::run_prefill(int64_t seq_id, std::span<const int64_t> prompt, int64_t start,
+                                           bool all_logits, bool to_rank0) {
   torch::NoGradGuard ng;
   const ShardLayout& s = layout();
-  const int64_t T = static_cast<int64_t>(tokens.size());
-  KV_CHECK(T > 0, "empty prompt");
+  const int64_t N = static_cast<int64_t>(prompt.size()), T = N - start;
+  KV_CHECK(start >= 0 && T > 0, "internal: prefill from position " << start << " of a prompt of " << N);
+  KV_CHECK(start == 0 || !all_logits, "internal: every position's logits asked of a prompt that starts from its cache");
   auto& data = *g_.data;
   const auto dev = model_->device();
   const int rank = g_.world->rank();
 
-  kv_.begin_prefill(seq_id, T, policy);
   // A DynamicKV prefill's memory exchanges scores through its ScoreExchange: it receives the earlier
   // stages' at its first layer (after this stage's activations arrived), and at end_prefill (after
   // the activations left) sends its own on and agrees on the final budgets with every rank.
-  torch::Tensor x =
-      s.first_stage() ? model_->embed(tokens) : data.recv_tensor(static_cast<int>(prev_rank()), kPrefillHidden, dev);
-  x = model_->prefill_layers(seq_id, x, kv_);
+  torch::Tensor x = s.first_stage() ? model_->embed(std::vector<int64_t>(prompt.begin() + start, prompt.end()))
+                                    : data.recv_tensor(static_cast<int>(prev_rank()), kPrefillHidden, dev);
+  x = model_->prefill_layers(seq_id, x, kv_, start, N);
   if (!s.last_stage()) data.send_tensor(x, static_cast<int>(next_rank()), kPrefillHidden);
   kv_.end_prefill(seq_id);
   torch::Tensor logits;

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,16 @@ class ShardedExecutor {
   // samplers are); an undefined tensor on the other ranks.
   torch::Tensor prefill(int64_t seq_id, const std::vector<int64_t>& tokens, const std::string& policy, bool all_logits,
                         bool to_rank0 = true);
+  // The same in two halves, so that a step can start all its prompts before any of them allocates
+  // (an allocation may reclaim cached blocks another prompt of the step found). begin_prefill
+  // starts a prompt on this shard and takes exactly `hit` leading positions from its prefix cache,
+  // the count every shard agreed on (KvMemory::kNoLookup: no lookup); run_prefill then computes
+  // positions [start, prompt.size()) through every stage and ends the prompt.
+  // `resume`: the prompt continues a parked sequence's KV instead (prefix_reuse: compressed).
+  void begin_prefill(int64_t seq_id, std::span<const int64_t> prompt, const std::string& policy, int64_t hit,
+                     bool keep_copy, ResumeFrom resume = {});
+  torch::Tensor run_prefill(int64_t seq_id, std::span<const int64_t> prompt, int64_t start, bool all_logits,
+                            bool to_rank0 = true);
   // [B, V], placed as for prefill.
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0 = true);
 

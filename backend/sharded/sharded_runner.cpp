@@ -89,7 +89,7 @@ struct ShardCommand {
     return s;
   }
   void put(const StepPlan& p) {
-    put(p.release), put(p.remove);
+    put(p.release), put(p.park), put(p.remove);
     put(static_cast<int64_t>(p.start.size()));
     for (const auto& s : p.start) put(s.seq_id), put(static_cast<int64_t>(s.seed)), put(s.eos_ids), put(s.prompt), put(s.sampling);
     put(p.decode.seq_ids), put(p.decode.positions), put(p.decode_tokens), put(p.decode_ban_eos);
@@ -98,11 +98,13 @@ struct ShardCommand {
       KV_CHECK(!w.chunked(), "internal: a sharded job prefills whole prompts (chunked prefill is local only)");
     }
     for (const auto& w : p.prefill)
-      put(w.seq_id), put(w.policy), put(w.tokens), put(static_cast<int64_t>(w.sample)), put(static_cast<int64_t>(w.ban_eos));
+      put(w.seq_id), put(w.policy), put(w.tokens), put(static_cast<int64_t>(w.sample)), put(static_cast<int64_t>(w.ban_eos)),
+          put(static_cast<int64_t>(w.keep_copy)), put(w.cached), put(w.resume.seq_id), put(w.resume.length);
   }
   StepPlan get_plan() {
     StepPlan p;
     p.release = get_vector();
+    p.park = get_vector();
     p.remove = get_vector();
     const int64_t starts = get();
     KV_CHECK(starts >= 0 && starts <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
@@ -128,6 +130,10 @@ struct ShardCommand {
       w.tokens = get_vector();
       w.sample = get() != 0;
       w.ban_eos = get() != 0;
+      w.keep_copy = get() != 0;
+      w.cached = get();
+      w.resume.seq_id = get();
+      w.resume.length = get();
       p.prefill.push_back(std::move(w));
     }
     return p;
@@ -221,6 +227,29 @@ std::vector<SampledToken> unpack(const torch::Tensor& t, size_t rows) {
   return out;
 }
 
+// Prefix caching: the positions each of the plan's prompts takes from the prefix cache, the same on
+// every rank. Rank 0's lookup is in the plan; a shard may have reclaimed some of those blocks since
+// (pools of different shards run short at different times), so when rank 0 found anything the
+// ranks agree on the least of what each holds now (one all-reduce). Called after the step's decode,
+// which may reclaim, and before any prompt allocates.
+std::vector<int64_t> agree_prefix_hits(const StepPlan& plan, const PagedKvMemory& kv, parallel::ProcessGroup& world) {
+  const auto P = static_cast<int64_t>(plan.prefill.size());
+  std::vector<int64_t> hits;
+  for (const auto& w : plan.prefill) hits.push_back(w.cached);
+  if (std::none_of(hits.begin(), hits.end(), [](int64_t h) { return h > 0; })) return hits;
+  auto all = torch::zeros({world.size(), P}, torch::kInt64);
+  int64_t* mine = all.data_ptr<int64_t>() + world.rank() * P;
+  for (int64_t i = 0; i < P; ++i) {
+    const auto& w = plan.prefill[static_cast<size_t>(i)];
+    mine[i] = w.cached > 0 ? std::min(w.cached, kv.prefix_lookup(w.tokens, w.policy)) : 0;
+  }
+  world.all_reduce_sum(all);
+  auto least = std::get<0>(all.min(0));
+  for (int64_t i = 0; i < P; ++i)
+    if (hits[static_cast<size_t>(i)] > 0) hits[static_cast<size_t>(i)] = least[i].item<int64_t>();
+  return hits;
+}
+
 // One step of `plan` on this rank: every rank runs the same executor calls on its shard; the
 // sampler rank samples and sends rank 0 the tokens; one all-reduce brings every rank's pool (its
 // slot of [geometry, occupancy, per row: held, demand, kept]) to every rank. Rank 0 gets the result.
@@ -230,6 +259,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   const int me = world.rank(), src = sampler_rank(layout);
   const bool sampler = me == src;
   for (int64_t id : plan.release) kv.release(id);
+  for (int64_t id : plan.park) kv.park(id);
   for (int64_t id : plan.remove) samplers.remove(id);
   if (sampler)
     for (const auto& s : plan.start) samplers.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
@@ -239,8 +269,15 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
     if (sampler) sampled = samplers.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
   }
-  for (const auto& w : plan.prefill) {
-    auto logits = exec.prefill(w.seq_id, w.tokens, w.policy, false, /*to_rank0=*/false);
+  const std::vector<int64_t> hits = agree_prefix_hits(plan, kv, world);
+  for (size_t i = 0; i < plan.prefill.size(); ++i) {
+    const auto& w = plan.prefill[i];
+    exec.begin_prefill(w.seq_id, w.tokens, w.policy, hits[i], w.keep_copy, w.resume);
+  }
+  for (size_t i = 0; i < plan.prefill.size(); ++i) {
+    const auto& w = plan.prefill[i];
+    const int64_t from = w.resume.seq_id >= 0 ? w.resume.length : std::max<int64_t>(hits[i], 0);
+    auto logits = exec.run_prefill(w.seq_id, w.tokens, from, false, /*to_rank0=*/false);
     if (sampler && w.sample) sampled.push_back(samplers.sample(w.seq_id, logits[0], w.ban_eos));
   }
   if (sampler && me != 0) {
@@ -254,12 +291,14 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 
   const ShardUsage mine = shard_usage(kv, plan);
   const int64_t R = static_cast<int64_t>(mine.held.size());
-  const int64_t slot = 8 + 3 * R;
+  constexpr int64_t kHead = 11;
+  const int64_t slot = kHead + 3 * R;
   auto all = torch::zeros({world.size() * slot}, torch::kInt64);
   int64_t* d = all.data_ptr<int64_t>() + me * slot;
   const auto& g = mine.geometry;
   for (int64_t v : {g.first_layer, g.num_layers, g.total_layers, g.num_kv_heads, g.block_size, mine.blocks_total,
-                    mine.blocks_used, mine.blocks_high_water})
+                    mine.blocks_used, mine.blocks_high_water, mine.blocks_cached, mine.cached_bytes,
+                    mine.block_bytes})
     *d++ = v;
   std::vector<int64_t> rows = plan.decode.seq_ids;
   for (const auto& w : plan.prefill) rows.push_back(w.seq_id);
@@ -280,10 +319,13 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     u.blocks_total = a[5];
     u.blocks_used = a[6];
     u.blocks_high_water = a[7];
+    u.blocks_cached = a[8];
+    u.cached_bytes = a[9];
+    u.block_bytes = a[10];
     for (int64_t r = 0; r < R; ++r) {
-      u.held.push_back(a[8 + 3 * r]);
-      u.demand.push_back(a[8 + 3 * r + 1]);
-      kept[static_cast<size_t>(r)] += a[8 + 3 * r + 2];
+      u.held.push_back(a[kHead + 3 * r]);
+      u.demand.push_back(a[kHead + 3 * r + 1]);
+      kept[static_cast<size_t>(r)] += a[kHead + 3 * r + 2];
     }
     result.shards.push_back(std::move(u));
   }
@@ -293,6 +335,8 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     PrefillOutcome o;
     if (plan.prefill[p].sample) o.first = std::move(sampled.at(next++));
     o.kept_tokens = kept[plan.decode.seq_ids.size() + p];
+    o.queried_tokens = kv.prefix_queried(plan.prefill[p].seq_id);
+    o.cached_tokens = kv.prefix_hit(plan.prefill[p].seq_id);
     result.prefilled.push_back(std::move(o));
   }
   return result;
@@ -343,8 +387,13 @@ auto ShardedRunner::guarded(F&& f) -> decltype(f()) {
 StepResult ShardedRunner::execute(const StepPlan& plan) {
   return guarded([&] {
     const int64_t before = groups_.world->collectives();
-    send_command(*groups_.world, command(ShardOp::kStep, plan));
-    StepResult r = run_step(plan, exec_, *kv_, samplers_, *groups_.world);
+    // The prefix-cache decision is rank 0's, made here and sent with the plan.
+    StepPlan sent = plan;
+    for (auto& w : sent.prefill)
+      w.cached = kv_->prefix_caching() && w.start == 0 && w.resume.seq_id < 0 ? kv_->prefix_lookup(w.tokens, w.policy)
+                                                                               : KvMemory::kNoLookup;
+    send_command(*groups_.world, command(ShardOp::kStep, sent));
+    StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world);
     step_collectives_ += groups_.world->collectives() - before;
     return r;
   });

@@ -81,10 +81,17 @@ TEST_P(PrefixCachingPolicy, AHitKeepsAndComputesWhatAMissDoes) {
     cached->release(1);
     EXPECT_EQ(cached->blocks_used(), 0) << "cached blocks count as free";
     EXPECT_GT(cached->cache().cached_blocks(), 0);
-    // The second starts with the same document.
+    // The second starts with the same document. The lookup alone (what a sharded job's rank 0 puts
+    // in its plan) finds what the prefill then takes, and a cap below it takes just that much.
+    const int64_t looked = cached->prefix_lookup(second, policy);
+    cached->begin_prefill(3, T, policy);
+    EXPECT_EQ(cached->prefill_tokens(3, 0, second, 32, false), std::min<int64_t>(looked, 32));
+    EXPECT_THROW(cached->prefill_tokens(4, 0, second, 32, false), KvError) << "a sequence without KV state";
+    cached->release(3);
     const torch::Tensor got = model->prefill(2, second, *cached, false, policy);
     const torch::Tensor want = model->prefill(2, second, *plain, false, policy);
     const int64_t hit = cached->prefix_hit(2);
+    EXPECT_EQ(looked, hit) << name;
     if (policy == "h2o") {
       EXPECT_EQ(hit, 0) << "H2O scores with every query: nothing may come from the cache";
     } else if (policy == "snap_w") {
@@ -277,6 +284,96 @@ TEST(PrefixCaching, TheRunnerReportsLookupsAndACompressingPolicyCopiesOnlyWhenAl
   ASSERT_TRUE(r3.prefilled.at(0).first.has_value());
   auto plain = make_memory(*model, 2000, false);
   EXPECT_EQ(r3.prefilled[0].first->token, model->prefill(3, c, *plain, false, "snap")[0].argmax().item<int64_t>());
+}
+
+// prefix_reuse: compressed. A finished request's KV stays parked; the next turn's prompt, which
+// extends it, takes it over and prefills only its new tokens, attending to what the first turn
+// kept. The reference feeds those tokens one by one through decode steps onto the first request's
+// KV: the paged decode kernel instead of the chunk's attention, the same kept positions.
+class ConversationReuse : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ConversationReuse, TheNextTurnContinuesFromWhatTheFirstKept) {
+  const std::string& policy = GetParam();
+  const std::string dir = fixture("llama-kvfew");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-kvfew";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+  const auto first = doc_and_question(V, 1);
+  const auto answer = make_prompt(6, 21, V), turn = make_prompt(40, 22, V);
+  const int64_t T = static_cast<int64_t>(first.size());
+  auto kv = make_memory(*model, 4000, true);
+  auto ref = make_memory(*model, 4000, false);
+  // Turn 1 in both: the prompt, then five of the answer's six tokens fed (the last is never fed).
+  for (auto* m : {kv.get(), ref.get()}) {
+    model->prefill(1, first, *m, false, policy);
+    for (int64_t i = 0; i < 5; ++i) model->decode(DecodeBatch{{1}, {T + i}}, {answer[static_cast<size_t>(i)]}, *m);
+  }
+  const int64_t compressed = kv->kept_tokens(1);
+  ASSERT_LT(compressed, (T + 5) * L) << "turn 1 compressed";
+  kv->park(1);
+  EXPECT_TRUE(kv->parked(1));
+  kv->cache().check_invariants();
+  // Turn 2's prompt: turn 1's, the whole answer, the new turn.
+  std::vector<int64_t> second = first;
+  second.insert(second.end(), answer.begin(), answer.end());
+  second.insert(second.end(), turn.begin(), turn.end());
+  const int64_t covered = T + 5, N = static_cast<int64_t>(second.size());
+  PrefillInput in{2, second, policy};
+  in.resume = {1, covered};
+  const torch::Tensor got = model->prefill_batch({in}, *kv);
+  EXPECT_EQ(kv->prefix_hit(2), covered);
+  EXPECT_FALSE(kv->cache().has_sequence(1)) << "the parked KV became sequence 2's";
+  EXPECT_EQ(kv->kept_tokens(2), compressed + (N - covered) * L) << "the new positions are added whole";
+  torch::Tensor want;
+  for (int64_t p = covered; p < N; ++p)
+    want = model->decode(DecodeBatch{{1}, {p}}, {second[static_cast<size_t>(p)]}, *ref);
+  EXPECT_LE(max_diff(got, want), 1e-4) << policy;
+  for (int64_t l = 0; l < L; ++l)
+    EXPECT_TRUE(torch::equal(kv->kept_positions(2, l), ref->kept_positions(1, l))) << policy << " layer " << l;
+  // Both decode on alike, and turn 2 may be parked in its turn.
+  float decode_diff = 0;
+  for (int64_t i = 0; i < 10; ++i) {
+    const std::vector<int64_t> tok{turn[static_cast<size_t>(i)]};
+    decode_diff = std::max(decode_diff, max_diff(model->decode(DecodeBatch{{2}, {N + i}}, tok, *kv),
+                                                 model->decode(DecodeBatch{{1}, {N + i}}, tok, *ref)));
+  }
+  EXPECT_LE(decode_diff, 1e-4) << policy;
+  kv->park(2);
+  kv->cache().check_invariants();
+  kv->release(2);
+  EXPECT_EQ(kv->blocks_used(), 0);
+  kv->cache().check_invariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, ConversationReuse, ::testing::Values("snap", "pyr", "dyn", "knorm"));
+
+TEST(ConversationReuse, OnlyAFinishedPrefillParksAndOnlyAParkedSequenceResumes) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size;
+  auto kv = make_memory(*model, 2000, true);
+  const auto p = doc_and_question(V, 1);
+  const std::span<const int64_t> all(p);
+  // Mid-way through a chunked prefill there is nothing whole to park.
+  model->prefill_batch({PrefillInput{1, all.subspan(0, 100), "snap", 0, static_cast<int64_t>(p.size())}}, *kv);
+  EXPECT_THROW(kv->park(1), KvError);
+  kv->release(1);
+  model->prefill(2, p, *kv, false, "snap");
+  std::vector<int64_t> longer = p;
+  longer.push_back(5);
+  // Resuming a sequence that was never parked, or under another policy, is refused.
+  PrefillInput in{3, longer, "snap"};
+  in.resume = {2, static_cast<int64_t>(p.size())};
+  EXPECT_THROW(model->prefill_batch({in}, *kv), KvError);
+  kv->park(2);
+  PrefillInput other{4, longer, "pyr"};
+  other.resume = {2, static_cast<int64_t>(p.size())};
+  EXPECT_THROW(model->prefill_batch({other}, *kv), KvError);
+  EXPECT_TRUE(kv->parked(2)) << "a refused resume leaves the parked KV alone";
+  kv->cache().check_invariants();
+  kv->release(2);
+  EXPECT_EQ(kv->blocks_used(), 0);
 }
 
 }  // namespace

@@ -32,6 +32,8 @@ class FakeRunner final : public ModelRunner {
       len_.erase(id);
       failed_.erase(id);
     }
+    for (int64_t id : plan.park) EXPECT_TRUE(len_.count(id) && parked.insert(id).second) << "parked " << id;
+    for (int64_t id : plan.release) parked.erase(id);
     for (int64_t id : plan.remove) EXPECT_EQ(samplers_.erase(id), 1u) << "no sampler for " << id;
     for (const auto& s : plan.start) EXPECT_TRUE(samplers_.insert(s.seq_id).second) << "sampler twice " << s.seq_id;
     StepResult r;
@@ -49,6 +51,17 @@ class FakeRunner final : public ModelRunner {
       r.decoded.push_back(t);
     }
     for (const auto& p : plan.prefill) {
+      // A resumed prompt takes its parked conversation's KV over and appends the rest whole.
+      if (p.resume.seq_id >= 0) {
+        EXPECT_EQ(parked.erase(p.resume.seq_id), 1u) << "resumed " << p.resume.seq_id << ", which is not parked";
+        len_[p.seq_id] = len_.at(p.resume.seq_id) + static_cast<int64_t>(p.tokens.size()) - p.resume.length;
+        len_.erase(p.resume.seq_id);
+        PrefillOutcome o;
+        if (p.sample) o.first = SampledToken{static_cast<int64_t>(p.tokens.size()) + 1000, {}, {}};
+        o.cached_tokens = p.resume.length;
+        r.prefilled.push_back(o);
+        continue;
+      }
       // A chunk continues where the sequence's last one ended; a first chunk starts from nothing.
       if (p.start == 0) {
         EXPECT_FALSE(len_.count(p.seq_id)) << "prefill of a sequence that holds KV";
@@ -92,6 +105,7 @@ class FakeRunner final : public ModelRunner {
   static int64_t demand(int64_t len) { return len % kBlock == 0 ? kLayers : 0; }
 
   std::vector<StepPlan> plans;
+  std::set<int64_t> parked;
   bool overflow = false;       // the scheduler admitted more than a pool holds
   int64_t fail_decode_of = -1;  // a decode step containing this sequence fails
   int64_t fail_prefill_of = -1;  // this sequence's next prefill (or chunk) fails
@@ -113,13 +127,14 @@ class FakeRunner final : public ModelRunner {
 
 std::map<std::string, PolicyConfig> policies() {
   return resolve_policies({{"stream8", {{"name", "streamingllm"}, {"budget", "8"}, {"sink", "4"}}},
+                           {"stream8c", {{"name", "streamingllm"}, {"budget", "8"}, {"sink", "4"}, {"prefix_reuse", "compressed"}}},
                            {"h2o8", {{"name", "h2o"}, {"budget", "8"}, {"window", "2"}}}});
 }
 
 class SchedulerTest : public ::testing::Test {
  protected:
   void make(std::vector<int64_t> shard_blocks, int64_t max_seqs = 8, int64_t max_tokens = 8192, bool chunked = false) {
-    runner = std::make_unique<FakeRunner>(std::move(shard_blocks), std::map<std::string, int64_t>{{"stream8", 8}, {"h2o8", 8}});
+    runner = std::make_unique<FakeRunner>(std::move(shard_blocks), std::map<std::string, int64_t>{{"stream8", 8}, {"stream8c", 8}, {"h2o8", 8}});
     Scheduler::Options o;
     o.max_num_seqs = max_seqs;
     o.max_num_batched_tokens = max_tokens;
@@ -128,11 +143,12 @@ class SchedulerTest : public ::testing::Test {
     sched = std::make_unique<Scheduler>(std::move(o));
     sched->update(StepPlan{}, runner->execute(StepPlan{}));
   }
-  Sequence* add(int64_t id, int64_t prompt_len, int64_t max_tokens = 100, const std::string& policy = "full") {
+  Sequence* add(int64_t id, int64_t prompt_len, int64_t max_tokens = 100, const std::string& policy = "full",
+               std::vector<int64_t> prompt = {}) {
     auto s = std::make_unique<Sequence>();
     s->id = id;
     s->req.request_id = "r" + std::to_string(id);
-    s->req.prompt_ids.assign(static_cast<size_t>(prompt_len), 7);
+    s->req.prompt_ids = prompt.empty() ? std::vector<int64_t>(static_cast<size_t>(prompt_len), 7) : std::move(prompt);
     s->req.kv_policy = policy;
     s->req.sampling.max_tokens = max_tokens;
     Sequence* raw = s.get();
@@ -151,7 +167,8 @@ class SchedulerTest : public ::testing::Test {
         continue;
       }
       o.seq->output.push_back(o.token->token);
-      if (static_cast<int64_t>(o.seq->output.size()) >= o.seq->req.sampling.max_tokens) finished.push_back(sched->finish(o.seq->id));
+      if (static_cast<int64_t>(o.seq->output.size()) >= o.seq->req.sampling.max_tokens)
+        finished.push_back(sched->finish(o.seq->id, /*completed=*/true));
     }
     return plan;
   }
@@ -459,6 +476,84 @@ TEST_F(SchedulerTest, AFailedChunkFailsOnlyItsRequest) {
   EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1}));
   EXPECT_FALSE(runner->holds(2));
   EXPECT_EQ(sched->num_running(), 1);
+}
+
+// prefix_reuse: compressed. A finished conversation's KV is parked (its blocks stay counted as
+// used); the next turn's prompt, which extends it, resumes it and adds only its new positions.
+TEST_F(SchedulerTest, AFinishedConversationIsParkedAndItsNextTurnResumesIt) {
+  make({1000});
+  add(1, 20, /*max_tokens=*/3, "stream8c");
+  while (finished.empty()) step();
+  const Sequence& first = *finished[0];
+  StepPlan p = step();
+  EXPECT_EQ(p.park, (std::vector<int64_t>{1}));
+  EXPECT_TRUE(p.release.empty());
+  EXPECT_TRUE(runner->holds(1));
+  EXPECT_EQ(sched->usage().conversations_parked, 1);
+  EXPECT_GT(sched->usage().blocks_parked, 0);
+  // The next turn: the first prompt, what was generated, and five new tokens.
+  std::vector<int64_t> next = first.req.prompt_ids;
+  next.insert(next.end(), first.output.begin(), first.output.end());
+  next.insert(next.end(), 5, 9);
+  add(2, 0, 2, "stream8c", next);
+  p = step();
+  ASSERT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));
+  EXPECT_EQ(p.prefill[0].resume.seq_id, 1);
+  EXPECT_EQ(p.prefill[0].resume.length, 20 + 3 - 1) << "the prompt and every fed token";
+  EXPECT_FALSE(runner->holds(1));
+  EXPECT_EQ(sched->usage().conversations_parked, 0);
+  // Asked for exactly, the third turn neither resumes nor parks.
+  while (finished.size() < 2) step();
+  step();
+  std::vector<int64_t> third = next;
+  third.insert(third.end(), finished[1]->output.begin(), finished[1]->output.end());
+  third.push_back(11);
+  Sequence* s = add(3, 0, 1, "stream8c", third);
+  s->req.reuse_compressed = false;
+  p = step();
+  ASSERT_EQ(prefill_ids(p), (std::vector<int64_t>{3}));
+  EXPECT_EQ(p.prefill[0].resume.seq_id, -1);
+  EXPECT_TRUE(runner->holds(2)) << "still parked";
+  while (finished.size() < 3) step();
+  p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{3}));
+  EXPECT_TRUE(p.park.empty());
+  EXPECT_FALSE(runner->overflow);
+}
+
+TEST_F(SchedulerTest, AnExactRequestNeitherParksNorResumes) {
+  make({1000});
+  Sequence* s = add(1, 20, 2, "stream8c");
+  s->req.reuse_compressed = false;
+  while (finished.empty()) step();
+  StepPlan p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
+  EXPECT_TRUE(p.park.empty());
+  // A full-KV policy has nothing compressed to keep, whatever the request asks.
+  Sequence* f = add(2, 20, 2, "full");
+  f->req.reuse_compressed = true;
+  while (finished.size() < 2) step();
+  p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{2}));
+}
+
+TEST_F(SchedulerTest, ParkedConversationsGoBeforeAPromptWaitsOrAnythingIsPreempted) {
+  // 2 layers x ceil(9 / 4) = 6 blocks for a compressed prompt (8 kept + 1); the pool holds 14.
+  make({14});
+  add(1, 20, 2, "stream8c"), add(2, 20, 2, "stream8c");
+  while (finished.size() < 2) step();
+  StepPlan p = step();
+  EXPECT_EQ(p.park.size(), 2u);
+  // A long full-KV prompt needs 2 x ceil(11 / 4) = 6 blocks: the oldest conversation goes first.
+  add(3, 10, 30, "full");
+  p = step();
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{3}));
+  // As it decodes, the other parked conversation goes before sequence 3 would be preempted.
+  while (runner->parked.count(2) && runner->plans.size() < 100) p = step();
+  EXPECT_FALSE(runner->parked.count(2));
+  EXPECT_EQ(sched->preemptions(), 0);
+  EXPECT_FALSE(runner->overflow);
 }
 
 }  // namespace

@@ -47,6 +47,8 @@ TEST(RequestParser, CompletionDefaultsAndFields) {
   EXPECT_EQ(r.sampling.logprobs, 3);
   EXPECT_EQ(r.user, "u1");
   EXPECT_EQ(r.kv_policy, "pyramidkv");
+  EXPECT_FALSE(r.reuse_compressed.has_value());
+  EXPECT_FALSE(r.return_token_ids);
   EXPECT_TRUE(r.stream);
   EXPECT_TRUE(r.include_usage);
 
@@ -56,6 +58,11 @@ TEST(RequestParser, CompletionDefaultsAndFields) {
   EXPECT_EQ(d.sampling.logprobs, -1);
   EXPECT_EQ(d.n, 1);
   EXPECT_FALSE(d.stream);
+
+  auto c = parse_completion_request(R"({"prompt":"x","prefix_reuse":"compressed","return_token_ids":true})");
+  EXPECT_EQ(c.reuse_compressed, true);
+  EXPECT_TRUE(c.return_token_ids);
+  EXPECT_EQ(parse_completion_request(R"({"prompt":"x","prefix_reuse":"exact"})").reuse_compressed, false);
 }
 
 TEST(RequestParser, PromptForms) {
@@ -151,6 +158,9 @@ const BadBody kBad[] = {
     {"message_image", true, R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})", "messages[0].content[0].type", "not supported"},
     {"kv_policy_type", false, R"({"prompt":"x","kv_policy":3})", "kv_policy", "a string"},
     {"kv_policy_empty", false, R"({"prompt":"x","kv_policy":""})", "kv_policy", "empty"},
+    {"prefix_reuse_value", false, R"({"prompt":"x","prefix_reuse":"lossy"})", "prefix_reuse", "\"exact\" or \"compressed\""},
+    {"prefix_reuse_type", true, R"({"messages":[{"role":"user","content":"x"}],"prefix_reuse":true})", "prefix_reuse", "a string"},
+    {"return_token_ids_stream", false, R"({"prompt":"x","stream":true,"return_token_ids":true})", "return_token_ids", "stream"},
     {"min_gt_max", false, R"({"prompt":"x","max_tokens":2,"min_tokens":5})", "min_tokens", "exceed"},
     {"tools", true, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", "tools[0].function", "must be an object"},
     {"response_format", true, R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}})", "response_format.type", "unsupported"},

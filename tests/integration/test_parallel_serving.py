@@ -94,10 +94,13 @@ def test_sharded_server_matches_single_process(layout, single_process_tokens):
             openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0).completions.create(
                 model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 1})
         # The control path: one broadcast of the plan and one all-reduce of the shards' pools per
-        # step (a short prompt's plan fits the broadcast frame).
-        steps, collectives = metrics(s.url, "kvserve:engine_steps_total", "kvserve:step_collectives_total")
+        # step (a short prompt's plan fits the broadcast frame), plus one all-reduce in a step whose
+        # prompt hit rank 0's prefix cache (the shards agree on the hit): the edited request's.
+        steps, collectives, hits = metrics(s.url, "kvserve:engine_steps_total", "kvserve:step_collectives_total",
+                                           "kvserve:prefix_cache_hits_total")
         print(f"{layout}: {collectives:.0f} control collectives over {steps:.0f} steps")
-        assert steps >= 12 and collectives <= 2 * steps
+        assert hits > 0
+        assert steps >= 12 and collectives <= 2 * steps + 1
         # Several concurrent streams through the pipeline (decode micro-batches).
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
         r = c.completions.create(model="tiny", prompt=[PROMPT, PROMPT[:20], PROMPT[5:]], max_tokens=6, temperature=0)

@@ -113,6 +113,19 @@ TEST(PolicyConfig, ErrorsNameKeyAndValue) {
   EXPECT_NE(e.find("skip_layers"), std::string::npos) << e;
   e = error_of("knorm", {{"decode_budget", "10"}, {"decode_evict_chunk", "16"}});
   EXPECT_NE(e.find("decode_budget"), std::string::npos) << e;
+  e = error_of("snapkv", {{"prefix_reuse", "lossy"}});
+  EXPECT_NE(e.find("prefix_reuse"), std::string::npos) << e;
+  EXPECT_NE(e.find("exact|compressed"), std::string::npos) << e;
+  e = error_of("full", {{"prefix_reuse", "compressed"}});
+  EXPECT_NE(e.find("compressing policy"), std::string::npos) << e;
+}
+
+TEST(PolicyConfig, PrefixReuse) {
+  EXPECT_FALSE(make_policy_config("snapkv").reuse_compressed) << "exact by default";
+  EXPECT_TRUE(make_policy_config("snapkv", {{"prefix_reuse", "compressed"}}).reuse_compressed);
+  EXPECT_FALSE(make_policy_config("pyramidkv", {{"prefix_reuse", "exact"}}).reuse_compressed);
+  EXPECT_EQ(to_json(make_policy_config("dynamickv", {{"prefix_reuse", "compressed"}}))["prefix_reuse"],
+            "compressed");
 }
 
 TEST(PolicyConfig, ToJson) {

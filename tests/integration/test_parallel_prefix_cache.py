@@ -1,0 +1,117 @@
+"""Prefix caching under tensor and pipeline parallelism (issue 23): each shard caches its own layers
+and KV heads, rank 0 makes the lookup and the shards agree on it; questions about one document give
+the same greedy text and kept KV as one process without the cache, for `full` and the compressing
+policies (DynamicKV's scores cross the pipeline; with 1 KV head over 2 TP ranks the window's queries
+are gathered), and the hits show in usage and /metrics. A conversation's second turn under
+`prefix_reuse: compressed` continues from the first turn's parked KV on every shard, as in one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import time
+import urllib.request
+
+import pytest
+
+from kvserve_server import Server
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+DOC = 120  # 7 full blocks of 16 and a bit
+POLICIES = ["full", "snapkv", "pyramidkv", "dynamickv"]
+EXTRA = """  dynamickv:
+    budget: 24
+    window: 4
+"""
+
+
+def fixture(name: str) -> str:
+    path = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures")) / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"fixture {name} missing (run make fixtures)")
+    return str(path)
+
+
+def tokens(seed: int, n: int, vocab: int = 1000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, vocab) for _ in range(n)]
+
+
+def completion(url: str, prompt: list[int], policy: str, **extra) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                       "kv_policy": policy, **extra}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def workload(policy: str) -> list[list[int]]:
+    doc = tokens(POLICIES.index(policy) + 1, DOC)
+    return [doc + tokens(100 + q, 12) for q in range(3)]
+
+
+def conversation(url: str, policy: str) -> dict:
+    """Two turns, the second continuing the first's compressed KV: the second turn's response."""
+    doc = tokens(50 + POLICIES.index(policy), DOC)
+    first = completion(url, doc, policy, prefix_reuse="compressed", return_token_ids=True)
+    answer = first["choices"][0]["token_ids"]
+    assert len(answer) == 6
+    second = completion(url, doc + answer + tokens(60, 10), policy, prefix_reuse="compressed")
+    # The first turn's prompt and every generated token but the last (never fed) were parked.
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC + 5, second["usage"]
+    return second
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One process, no prefix cache: what every sharded run must reproduce."""
+    s = Server(model=fixture("llama-kvfew"), extra_yaml=EXTRA, extra_args=("--no-enable-prefix-caching",))
+    try:
+        out = {p: [completion(s.url, prompt, p) for prompt in workload(p)] for p in POLICIES}
+        out["conversation"] = {p: conversation(s.url, p) for p in POLICIES[1:]}
+        yield out
+    finally:
+        s.stop()
+        s.tmp.cleanup()
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2"), ("--tp", "2", "--pp", "2")])
+def test_sharded_prefix_cache_equals_one_process_without_it(layout, reference):
+    s = Server(model=fixture("llama-kvfew"), extra_yaml=EXTRA, extra_args=layout)
+    try:
+        before = s.metrics()
+        hits = 0
+        for policy in POLICIES:
+            cached = []
+            for q, prompt in enumerate(workload(policy)):
+                got, want = completion(s.url, prompt, policy), reference[policy][q]
+                assert got["choices"][0]["text"] == want["choices"][0]["text"], (layout, policy, q)
+                assert got["usage"]["kv_kept_tokens"] == want["usage"]["kv_kept_tokens"], (layout, policy, q)
+                cached.append(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+            # The document's whole blocks (the window and the last token are always computed).
+            assert cached == [0, DOC // 16 * 16, DOC // 16 * 16], (layout, policy, cached)
+            hits += sum(cached)
+        after = s.metrics()
+        assert after["kvserve:prefix_cache_hits_total"] - before["kvserve:prefix_cache_hits_total"] == hits
+        assert after["kvserve:kv_cache_blocks_cached"] > 0
+        assert after['kvserve:prefix_cache_bytes{model_name="tiny",tier="pool"}'] > 0
+        # Requests are over: no block is held by one within a step of the last response (idle cached
+        # blocks count as free).
+        deadline = time.time() + 10
+        while (m := s.metrics())["kvserve:kv_cache_blocks_used"] != 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert m["kvserve:kv_cache_blocks_used"] == 0, m
+        for policy in POLICIES[1:]:
+            got, want = conversation(s.url, policy), reference["conversation"][policy]
+            assert got["choices"][0]["text"] == want["choices"][0]["text"], (layout, policy)
+            assert got["usage"]["kv_kept_tokens"] == want["usage"]["kv_kept_tokens"], (layout, policy)
+        m = s.metrics()
+        assert m["kvserve:conversations_parked"] == len(POLICIES) - 1
+        assert m['kvserve:prefix_cache_bytes{model_name="tiny",tier="conversation"}'] > 0
+    finally:
+        rc = s.stop()
+        log = s.log()
+        s.tmp.cleanup()
+    assert rc == 0, log[-4000:]
