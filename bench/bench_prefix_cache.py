@@ -8,7 +8,10 @@ off and on, per KV policy, and whether the greedy tokens are the same.
     the same).
 (b) multi-turn: --conversations chats of --turns turns behind one shared system prompt
     (--system tokens); each turn adds a --user-token message and the model's greedy reply
-    (--reply tokens) and the next turn sends the whole conversation again.
+    (--reply tokens, its token ids as the server returns them) and the next turn sends the whole
+    conversation again. Besides cache off and on, a third setting runs it with
+    `prefix_reuse: compressed` (each turn continues the previous turn's compressed KV; lossy, so
+    its tokens are compared with the exact runs' but not expected equal).
 
 Prompts are token ids (deterministic pseudo-random text from the vocabulary), sent to
 /v1/completions with streaming; TTFT is the client's time to the first streamed token. Each policy
@@ -32,8 +35,6 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-
-from tokenizers import Tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,17 +80,18 @@ def start_server(binary: str, model: str, caching: bool, policies: list[str]) ->
     raise SystemExit(f"server did not become healthy; log {log_path}")
 
 
-def complete(url: str, prompt: list[int], policy: str, max_tokens: int) -> tuple[float, str, int]:
-    """One streaming greedy completion: (TTFT seconds, generated text, cached prompt tokens)."""
+def complete(url: str, prompt: list[int], policy: str, max_tokens: int,
+             reuse: str = "exact") -> tuple[float, str, int, list[int]]:
+    """One streaming greedy completion: (TTFT seconds, generated text, cached prompt tokens, generated ids)."""
     conn = http.client.HTTPConnection(url, timeout=3600)
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "kv_policy": policy,
-                       "stream_options": {"include_usage": True}})
+                       "ignore_eos": True, "stream": True, "kv_policy": policy, "prefix_reuse": reuse,
+                       "return_token_ids": True, "stream_options": {"include_usage": True}})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
-    ttft, text, cached = None, "", 0
+    ttft, text, cached, ids = None, "", 0, []
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data:") or line == "data: [DONE]":
@@ -101,8 +103,9 @@ def complete(url: str, prompt: list[int], policy: str, max_tokens: int) -> tuple
             if ttft is None:
                 ttft = time.perf_counter() - t0
             text += c.get("text") or ""
+            ids += c.get("token_ids") or []
     conn.close()
-    return ttft, text, cached
+    return ttft, text, cached, ids
 
 
 def words(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -125,12 +128,12 @@ def doc_qa(url: str, policy: str, args, vocab: int, n_questions: int) -> dict:
     runs = []
     for q in range(n_questions):
         question = words(random.Random(f"q-{q}"), args.question, vocab)
-        ttft, text, cached = complete(url, doc + question, policy, args.max_tokens)
+        ttft, text, cached, _ = complete(url, doc + question, policy, args.max_tokens)
         runs.append({"ttft": ttft, "text": text, "cached": cached})
     return {"runs": runs}
 
 
-def multi_turn(url: str, policy: str, args, vocab: int, tokenizer) -> dict:
+def multi_turn(url: str, policy: str, args, vocab: int, reuse: str) -> dict:
     system = words(random.Random(f"sys-{policy}"), args.system, vocab)
     runs = []
     for c in range(args.conversations):
@@ -138,9 +141,9 @@ def multi_turn(url: str, policy: str, args, vocab: int, tokenizer) -> dict:
         history = list(system)
         for t in range(args.turns):
             history += words(rng, args.user, vocab)
-            ttft, text, cached = complete(url, history, policy, args.reply)
+            ttft, text, cached, ids = complete(url, history, policy, args.reply, reuse)
             runs.append({"ttft": ttft, "text": text, "cached": cached, "prompt": len(history)})
-            history += tokenizer.encode(text, add_special_tokens=False).ids  # the reply, as the next turn sends it
+            history += ids  # the reply, as the next turn sends it
     return {"runs": runs}
 
 
@@ -164,26 +167,28 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=32)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--compressed", type=int, default=1, help="chat: also run prefix_reuse: compressed (1/0)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     policies = args.policies.split(",")
     vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
-    tokenizer = Tokenizer.from_file(str(pathlib.Path(args.model) / "tokenizer.json"))
     load = os.getloadavg()
     results: dict = {"args": vars(args), "loadavg_start": load, "doc": {}, "chat": {}}
     for workload in args.workloads.split(","):
-        for caching in (False, True):
+        settings = [("off", False, "exact"), ("on", True, "exact")]
+        if workload == "chat" and args.compressed:
+            settings.append(("compressed", True, "compressed"))
+        for setting, caching, reuse in settings:
             proc, url = start_server(args.kvserve, args.model, caching, policies)
             try:
                 for policy in policies:
                     if workload == "doc":
                         r = doc_qa(url, policy, args, vocab, args.questions if caching else args.miss_questions)
                     else:
-                        r = multi_turn(url, policy, args, vocab, tokenizer)
-                    results[workload].setdefault(policy, {})["on" if caching else "off"] = r
-                    print(f"{workload} {policy} cache={'on' if caching else 'off'}: TTFT p50 "
-                          f"{p50([x['ttft'] for x in r['runs']]):.3f} s", flush=True)
-                results[workload]["metrics_" + ("on" if caching else "off")] = metrics(url)
+                        r = multi_turn(url, policy, args, vocab, reuse)
+                    results[workload].setdefault(policy, {})[setting] = r
+                    print(f"{workload} {policy} {setting}: TTFT p50 {p50([x['ttft'] for x in r['runs']]):.3f} s", flush=True)
+                results[workload]["metrics_" + setting] = metrics(url)
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
@@ -205,8 +210,9 @@ def main() -> None:
             print(f"| {p} | {miss:.3f} s | {on[0]['ttft']:.3f} s | {p50(hits):.3f} s | {miss / p50(hits):.1f}x | "
                   f"{100 * rate:.0f} % | {same}/{len(off)} |")
     if "chat" in results and any(p in results["chat"] for p in policies):
-        print("\n| policy | TTFT p50 off | TTFT p50 on | off / on | hit rate (tokens) | same tokens |")
-        print("|---|---|---|---|---|---|")
+        print("\n| policy | TTFT p50 off | TTFT p50 on | off / on | hit rate (tokens) | same tokens | "
+              "TTFT p50 compressed | off / compressed | hit rate compressed | same tokens as off, compressed |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for p in policies:
             r = results["chat"].get(p)
             if not r:
@@ -215,7 +221,16 @@ def main() -> None:
             a, b = p50([x["ttft"] for x in off]), p50([x["ttft"] for x in on])
             same = sum(x["text"] == y["text"] for x, y in zip(off, on))
             rate = sum(x["cached"] for x in on) / max(1, sum(x["prompt"] for x in on))
-            print(f"| {p} | {a:.3f} s | {b:.3f} s | {a / b:.1f}x | {100 * rate:.0f} % | {same}/{len(off)} |")
+            line = f"| {p} | {a:.3f} s | {b:.3f} s | {a / b:.1f}x | {100 * rate:.0f} % | {same}/{len(off)} |"
+            if "compressed" in r:
+                cp = r["compressed"]["runs"]
+                c = p50([x["ttft"] for x in cp])
+                crate = sum(x["cached"] for x in cp) / max(1, sum(x["prompt"] for x in cp))
+                csame = sum(x["text"] == y["text"] for x, y in zip(off, cp))
+                line += f" {c:.3f} s | {a / c:.1f}x | {100 * crate:.0f} % | {csame}/{len(off)} |"
+            else:
+                line += " - | - | - | - |"
+            print(line)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

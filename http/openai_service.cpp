@@ -82,6 +82,7 @@ struct Choice {
   int64_t full_kv = 0;
   int64_t cached_tokens = 0;  // prompt tokens from the prefix cache
   std::vector<int64_t> token_ids;  // return_token_ids
+  bool prompt_ids_sent = false;    // stream: the first chunk carried prompt_token_ids
   Clock::time_point last_token;
   // logprobs, accumulated for non-streaming responses
   json chat_logprobs = json::array();  // chat: content entries
@@ -297,11 +298,18 @@ struct Exchange {
       emit(sse(chunk));
     }
     const std::string text = c.tool_stream ? c.tool_stream->feed(ev.text_delta) : ev.text_delta;
-    const bool has_content = !text.empty() || !lp.is_null();
+    const bool ids = req.return_token_ids && !ev.token_ids.empty();
+    const bool has_content = !text.empty() || !lp.is_null() || ids;
     if (has_content) {
       json choice = {{"index", index}, {"logprobs", lp}, {"finish_reason", nullptr}};
       if (chat) choice["delta"] = {{"content", text}};
       else choice["text"] = text;
+      if (req.return_token_ids) {
+        // As vLLM: each chunk's tokens, and the prompt's with a choice's first chunk.
+        choice["token_ids"] = ev.token_ids;
+        if (!c.prompt_ids_sent) choice["prompt_token_ids"] = prompt_ids[c.prompt_index];
+        c.prompt_ids_sent = true;
+      }
       json chunk = chunk_base();
       chunk["choices"] = json::array({choice});
       if (req.include_usage) chunk["usage"] = nullptr;

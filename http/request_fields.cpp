@@ -93,7 +93,7 @@ const std::vector<RequestField> kFields = {
     {"request_id", R, R, "", "ids come from the server (X-Request-Id echoes the client's header)"},
     {"logits_processors", R, R, "", "no custom logits processors"},
     {"return_tokens_as_token_ids", R, R, "[false]", ""},
-    {"return_token_ids", S, S, "", "non-streaming: prompt_token_ids and token_ids"},
+    {"return_token_ids", S, S, "", "prompt_token_ids and token_ids, also streamed"},
     {"cache_salt", R, R, "", ""},
     {"kv_transfer_params", R, R, "", "no disaggregated serving"},
     {"vllm_xargs", R, R, "", "no extensions"},

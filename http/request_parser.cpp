@@ -220,7 +220,6 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
     r.kv_policy = *p;
   }
   r.return_token_ids = get_bool(body, "return_token_ids", false);
-  if (r.return_token_ids && r.stream) bad("return_token_ids", "'return_token_ids' is not available when 'stream' is true");
   if (auto p = get_string(body, "prefix_reuse")) {
     if (*p != "exact" && *p != "compressed")
       bad("prefix_reuse", "'prefix_reuse' must be \"exact\" or \"compressed\", got \"" + *p + "\"");

@@ -93,7 +93,17 @@ class Server:
             m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", self.log_path.read_text(errors="replace"))
             if m:
                 self.url = f"http://127.0.0.1:{m.group(1)}"
-                return
+                break
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        while hasattr(self, "url") and time.time() < deadline and self.proc.poll() is None:
+            try:  # listening comes before the model is loaded: wait for /health
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
             if self.proc.poll() is not None:
                 break
             time.sleep(0.2)
@@ -162,7 +172,7 @@ def main() -> None:
     for p in a.policies.split(","):
         for b in budgets:
             name = f"{p}_{b}"
-            policies[name] = {"name": p, "budget": b}
+            policies[name] = {"method": p, "budget": b}
             cells.append((p, b, name))
     t0 = time.time()
     results = {}

@@ -160,7 +160,7 @@ const BadBody kBad[] = {
     {"kv_policy_empty", false, R"({"prompt":"x","kv_policy":""})", "kv_policy", "empty"},
     {"prefix_reuse_value", false, R"({"prompt":"x","prefix_reuse":"lossy"})", "prefix_reuse", "\"exact\" or \"compressed\""},
     {"prefix_reuse_type", true, R"({"messages":[{"role":"user","content":"x"}],"prefix_reuse":true})", "prefix_reuse", "a string"},
-    {"return_token_ids_stream", false, R"({"prompt":"x","stream":true,"return_token_ids":true})", "return_token_ids", "stream"},
+    {"return_token_ids_type", false, R"({"prompt":"x","return_token_ids":1})", "return_token_ids", "boolean"},
     {"min_gt_max", false, R"({"prompt":"x","max_tokens":2,"min_tokens":5})", "min_tokens", "exceed"},
     {"tools", true, R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})", "tools[0].function", "must be an object"},
     {"response_format", true, R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}})", "response_format.type", "unsupported"},

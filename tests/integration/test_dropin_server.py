@@ -245,3 +245,31 @@ def test_metrics_under_vllm_names(srv):
                  "inter_token_latency_seconds_count", "request_queue_time_seconds_count", "num_preemptions_total"]:
         assert m[f'vllm:{name}{{model_name="tiny"}}'] == m[f'kvserve:{name}{{model_name="tiny"}}'], name
     assert m['vllm:request_success_total{model_name="tiny",finished_reason="length"}'] >= 1
+
+
+def test_return_token_ids_as_vllm_sends_them(srv):
+    """return_token_ids: the prompt's ids and each choice's generated ids, streamed or not."""
+    prompt = "The capital of France is"
+    r = client(srv).completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = r.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == tokenize(srv, prompt, add_special_tokens=True)
+    assert len(choice["token_ids"]) == r.usage.completion_tokens == 6
+    assert detokenize(srv, choice["token_ids"]) == choice["text"]
+    streamed, prompt_ids = [], None
+    for chunk in client(srv).completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                                extra_body={"return_token_ids": True, "ignore_eos": True}):
+        for c in chunk.choices:
+            d = c.model_dump()
+            streamed += d.get("token_ids") or []
+            if d.get("prompt_token_ids") is not None:
+                assert prompt_ids is None, "the prompt's ids come once"
+                prompt_ids = d["prompt_token_ids"]
+    assert streamed == choice["token_ids"] and prompt_ids == choice["prompt_token_ids"]
+    chat = client(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                               temperature=0, extra_body={"return_token_ids": True})
+    body = chat.model_dump()
+    assert body["prompt_token_ids"] and len(body["choices"][0]["token_ids"]) == chat.usage.completion_tokens
+    # Without it, neither appears.
+    plain = client(srv).completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0).choices[0]
+    assert "token_ids" not in plain.model_dump() or plain.model_dump()["token_ids"] is None
