@@ -28,7 +28,9 @@ std::unique_ptr<Sequence> Scheduler::finish(int64_t seq_id, bool completed) {
   KV_CHECK(it != running_.end(), "internal: sequence " << seq_id << " is not running");
   std::unique_ptr<Sequence> s = std::move(*it);
   running_.erase(it);
-  drop_later(*s, completed && !s->prefilling() && reuses_compressed(*s));
+  // Parked only when its prefill compressed something: an uncompressed prompt's blocks are in the
+  // prefix cache already (exactly), shared with it, and a parked sequence must hold only its own.
+  drop_later(*s, completed && !s->prefilling() && reuses_compressed(*s) && s->kept_kv < s->full_kv);
   return s;
 }
 

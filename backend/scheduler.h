@@ -51,7 +51,8 @@ class Scheduler {
   // shutdown); its KV and sampler go in the next plan. The caller sends the final event.
   std::vector<std::unique_ptr<Sequence>> take_if(const std::function<bool(const Sequence&)>& pred);
   // Takes a running sequence out once it is done (its final event is the caller's). `completed`:
-  // it ended normally (stop or length), so its KV may be parked for its conversation's next turn.
+  // it ended normally (stop or length), so its KV may be parked for its conversation's next turn
+  // (when its policy compressed its prompt).
   std::unique_ptr<Sequence> finish(int64_t seq_id, bool completed = false);
 
   // A waiting sequence that can never fit in the pool, and why (the caller fails it).

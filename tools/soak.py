@@ -13,7 +13,9 @@ bodies and odd routes are interleaved. Every response must be correct or the int
   - a malformed body answers the 4xx it is designed to provoke, with an OpenAI error object;
   - no 5xx at all, no connection refused or reset the client did not cause.
 
-At the end the server must be idle (KV blocks used 0, running 0, waiting 0 on /metrics), its RSS
+A share of clients hold conversations under `prefix_reuse: compressed` (turns that continue the
+previous turn's parked KV). At the end the server must be idle (KV blocks used 0 besides the parked
+conversations', running 0, waiting 0 on /metrics), its RSS
 must not have grown by more than --max-rss-growth after the warm-up, and SIGTERM must stop it
 cleanly. Prints a summary and writes it as JSON with --out.
 
@@ -305,7 +307,35 @@ class Soak:
         r -= a.malformed_share
         if r < 0.03:
             return self.other_route(rng)
+        r -= 0.03
+        if r < 0.05:
+            return self.conversation(rng)
         return self.generate(rng)
+
+    def conversation(self, rng: random.Random) -> None:
+        """Two to four turns under prefix_reuse: compressed, each prompt the previous one, its answer
+        and more: a turn continues the last one's parked KV unless it was evicted meanwhile."""
+        policy = rng.choice([p for p in POLICIES if p != "full"])
+        base = {"model": "soak", "max_tokens": rng.choice([2, 8]), "temperature": 0, "kv_policy": policy,
+                "prefix_reuse": "compressed", "return_token_ids": True}
+        prompt: list | str = sized_prompt(rng, self.costs, rng.randint(20, self.args.max_model_len // 4)) or "hello"
+        for turn in range(rng.randint(2, 4)):
+            status, _, payload = request(self.server.port, "POST", "/v1/completions",
+                                         json.dumps({**base, "prompt": prompt}).encode())
+            self.record("conversation_turn", status)
+            if status != 200:
+                return self.stats.fail(f"conversation {policy} turn {turn}: status {status}: {payload[:300]!r}")
+            try:
+                c = json.loads(payload)["choices"][0]
+                ids = c["prompt_token_ids"] + c["token_ids"]
+                if not 0 < len(c["token_ids"]) <= base["max_tokens"]:
+                    return self.stats.fail(f"conversation {policy} turn {turn}: {len(c['token_ids'])} token ids")
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                return self.stats.fail(f"conversation {policy} turn {turn}: {e}: {payload[:300]!r}")
+            room = self.args.max_model_len - len(ids) - base["max_tokens"] - 2
+            if room < 2:
+                return
+            prompt = ids + ids[:rng.randint(1, min(room, 24))]
 
     def record(self, kind: str, status: int | None = None) -> None:
         with self.stats.lock:
@@ -450,6 +480,11 @@ class Soak:
             self.stats.fail(f"{method} {path}: {status} (want {want})")
 
 
+def held_by_requests(m: dict) -> float:
+    """KV blocks in use less those parked conversations keep for their next turn."""
+    return m["kvserve:kv_cache_blocks_used"] - m["kvserve:kv_cache_blocks_parked"]
+
+
 def parse_bytes(text: str) -> float:
     """"256MiB" -> bytes (the binary and decimal units kvserve's config takes)."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", text)
@@ -530,7 +565,7 @@ def main() -> int:
         m = server.metrics()
         while time.time() < deadline:
             m = server.metrics()
-            if m["kvserve:kv_cache_blocks_used"] == 0 and m["kvserve:num_requests_running"] == 0 and \
+            if held_by_requests(m) == 0 and m["kvserve:num_requests_running"] == 0 and \
                     m["kvserve:num_requests_waiting"] == 0:
                 break
             time.sleep(0.1)
@@ -563,6 +598,8 @@ def main() -> int:
             "server_5xx": server_5xx,
             "greedy_repeats_checked": stats.greedy_checked,
             "kv_blocks_used_at_end": m["kvserve:kv_cache_blocks_used"],
+            "kv_blocks_parked_at_end": m["kvserve:kv_cache_blocks_parked"],
+            "conversations_parked_at_end": m["kvserve:conversations_parked"],
             "running_at_end": m["kvserve:num_requests_running"],
             "waiting_at_end": m["kvserve:num_requests_waiting"],
             "kv_blocks_high_water": m["kvserve:kv_cache_blocks_high_water"],
@@ -580,7 +617,7 @@ def main() -> int:
             problems.append(f"{stats.kinds['FAILED']} responses were wrong")
         if client_5xx or server_5xx:
             problems.append(f"5xx: {client_5xx} seen by clients, {server_5xx} counted by the server")
-        if m["kvserve:kv_cache_blocks_used"] or m["kvserve:num_requests_running"] or m["kvserve:num_requests_waiting"]:
+        if held_by_requests(m) or m["kvserve:num_requests_running"] or m["kvserve:num_requests_waiting"]:
             problems.append("the engine did not go idle (leaked KV blocks or stuck requests)")
         if growth > args.max_rss_growth:
             problems.append(f"RSS grew {growth:.1%} after the warm-up (limit {args.max_rss_growth:.0%})")
