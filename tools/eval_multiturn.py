@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import random
 import re
@@ -34,6 +33,7 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import ruler_tasks as rt  # noqa: E402
+from eval_quality import wilson  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HEAD = "Some special magic values are hidden inside the following text. Make sure to memorize them."
@@ -41,16 +41,6 @@ HEAD = "Some special magic values are hidden inside the following text. Make sur
 
 def log(msg: str) -> None:
     print(f"[eval_multiturn] {msg}", file=sys.stderr, flush=True)
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 0.0
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
 
 
 def question(key: str) -> tuple[str, str]:
