@@ -48,6 +48,14 @@ const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const st
 
 void Scheduler::drop_later(Sequence& s, bool park) {
   if (s.in_cache && park) {
+    while (parked_.size() >= std::max<int64_t>(1, options_.max_parked_conversations)) {
+      const int64_t oldest = *parked_.oldest();
+      parked_.erase(oldest);
+      // Freed instead (not parked at all if the plan that parks it has not gone out yet); its
+      // books go when the plan's releases are read.
+      if (auto p = std::find(park_.begin(), park_.end(), oldest); p != park_.end()) park_.erase(p);
+      release_.push_back(oldest);
+    }
     park_.push_back(s.id);
     parked_.park(s.id, s.prefill_tokens(), s.req.kv_policy);
   } else if (s.in_cache) {

@@ -33,6 +33,9 @@ class Scheduler {
     bool enable_chunked_prefill = false;
     std::map<std::string, PolicyConfig> policies;  // by name; what a prompt may occupy
     std::vector<int64_t> eos_ids;                  // the model's and the tokenizer's
+    // Parked conversations kept at most (prefix_reuse: compressed): the oldest goes beyond this,
+    // so the index's token lists stay bounded in host memory whatever the pools hold.
+    int64_t max_parked_conversations = 1024;
     // Called once per request with the seconds from submit() to its first admission.
     std::function<void(double seconds)> on_queue_time;
   };

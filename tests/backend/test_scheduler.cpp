@@ -556,5 +556,20 @@ TEST_F(SchedulerTest, ParkedConversationsGoBeforeAPromptWaitsOrAnythingIsPreempt
   EXPECT_FALSE(runner->overflow);
 }
 
+TEST_F(SchedulerTest, AtMostMaxParkedConversationsStayParked) {
+  runner = std::make_unique<FakeRunner>(std::vector<int64_t>{1000}, std::map<std::string, int64_t>{{"stream8c", 8}});
+  Scheduler::Options o;
+  o.policies = policies();
+  o.max_parked_conversations = 2;
+  sched = std::make_unique<Scheduler>(std::move(o));
+  sched->update(StepPlan{}, runner->execute(StepPlan{}));
+  for (int64_t id = 1; id <= 3; ++id) add(id, 20 + id, 2, "stream8c");
+  while (finished.size() < 3) step();
+  step();
+  EXPECT_EQ(sched->usage().conversations_parked, 2);
+  EXPECT_EQ(runner->parked, (std::set<int64_t>{2, 3})) << "the oldest went";
+  EXPECT_FALSE(runner->holds(1));
+}
+
 }  // namespace
 }  // namespace kvserve
