@@ -53,6 +53,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   auto input = [](const PrefillWork& p) {
     PrefillInput in{p.seq_id, p.tokens, p.policy, p.start, p.total()};
     in.keep_copy = p.keep_copy;
+    in.reuse_prefix = p.reuse_prefix;
     in.resume = p.resume;
     return in;
   };

@@ -113,6 +113,10 @@ void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
   w.sample = s.output.empty() && w.last_chunk();  // only the last chunk has the next token's logits
   w.ban_eos = s.ban_eos();
   w.keep_copy = s.keep_copy;
+  // A whole compressing prompt pins the cached blocks it takes until its end; its reservation
+  // covers them only with the copies' (hit blocks + copied blocks <= the prompt's full blocks).
+  // Chunked, its peak counts every position of every layer, the cached ones too.
+  w.reuse_prefix = w.chunked() || options_.policies.at(s.req.kv_policy).is_full() || s.keep_copy;
   plan.prefill.push_back(std::move(w));
   s.prefill_done = start + n;
 }

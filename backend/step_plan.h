@@ -35,6 +35,10 @@ struct PrefillWork {
   // Prefix caching: a compressing policy may copy its full prompt blocks into the cache (the
   // scheduler reserved room for the copies).
   bool keep_copy = false;
+  // Whether the prompt may start from the prefix cache. A compressing policy's whole-prompt prefill
+  // holds the cached blocks it takes (pinned) besides its compressed peak until it ends; admission
+  // counted room for them only together with the copies (keep_copy), whose bound covers both.
+  bool reuse_prefix = true;
   // A sharded job's prefix-cache lookup, made once by rank 0 before the plan goes out: the leading
   // positions its shard found cached (KvMemory::kNoLookup: none is made). The shards then take the
   // least that all of them still hold.

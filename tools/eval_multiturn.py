@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -103,8 +104,12 @@ class Server:
         req = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         t0 = time.time()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise SystemExit(f"request failed: {e.code} {e.read()[:2000]!r}\nserver log tail:\n"
+                             f"{self.log_path.read_text(errors='replace')[-3000:]}")
         out["seconds"] = time.time() - t0
         return out
 

@@ -390,8 +390,9 @@ StepResult ShardedRunner::execute(const StepPlan& plan) {
     // The prefix-cache decision is rank 0's, made here and sent with the plan.
     StepPlan sent = plan;
     for (auto& w : sent.prefill)
-      w.cached = kv_->prefix_caching() && w.start == 0 && w.resume.seq_id < 0 ? kv_->prefix_lookup(w.tokens, w.policy)
-                                                                               : KvMemory::kNoLookup;
+      w.cached = kv_->prefix_caching() && w.start == 0 && w.resume.seq_id < 0 && w.reuse_prefix
+                     ? kv_->prefix_lookup(w.tokens, w.policy)
+                     : KvMemory::kNoLookup;
     send_command(*groups_.world, command(ShardOp::kStep, sent));
     StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world);
     step_collectives_ += groups_.world->collectives() - before;

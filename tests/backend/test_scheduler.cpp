@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <set>
+#include <random>
 #include <tuple>
 
 #include "backend/model_runner.h"
@@ -87,7 +89,7 @@ class FakeRunner final : public ModelRunner {
     }
     for (int64_t total : totals_) {
       ShardUsage u;
-      u.geometry = {0, kLayers, kLayers, 1, kBlock, rounds_kv};
+      u.geometry = {0, kLayers, kLayers, 1, kBlock, rounds_kv, prefix_caching};
       u.blocks_total = total;
       for (auto& [id, n] : len_) u.blocks_used += held(n);
       u.blocks_high_water = u.blocks_used;
@@ -110,6 +112,7 @@ class FakeRunner final : public ModelRunner {
   int64_t fail_decode_of = -1;  // a decode step containing this sequence fails
   int64_t fail_prefill_of = -1;  // this sequence's next prefill (or chunk) fails
   bool rounds_kv = false;        // the pools report a KV dtype other than the compute dtype
+  bool prefix_caching = false;   // the pools report a prefix cache
   int64_t used() const {
     int64_t n = 0;
     for (auto& [id, len] : len_) n += held(len);
@@ -569,6 +572,66 @@ TEST_F(SchedulerTest, AtMostMaxParkedConversationsStayParked) {
   EXPECT_EQ(sched->usage().conversations_parked, 2);
   EXPECT_EQ(runner->parked, (std::set<int64_t>{2, 3})) << "the oldest went";
   EXPECT_FALSE(runner->holds(1));
+}
+
+// Conversations under pressure: turns that resume parked KV, exact requests, parked conversations
+// evicted to make room. The pool must never overflow and nothing may fail or be preempted for want
+// of room a parked conversation held.
+TEST_F(SchedulerTest, ConversationsUnderPressureNeverOverflowThePool) {
+  make({60}, /*max_seqs=*/4);
+  std::mt19937 rng(7);
+  std::map<int64_t, std::vector<int64_t>> next_turn;  // a finished turn's id -> its conversation so far
+  int64_t id = 0, resumed = 0;
+  for (int step_no = 0; step_no < 600; ++step_no) {
+    if (sched->num_waiting() < 2 && rng() % 3 == 0) {
+      ++id;
+      std::vector<int64_t> prompt;
+      if (!next_turn.empty() && rng() % 2 == 0) {
+        auto it = next_turn.begin();
+        std::advance(it, static_cast<long>(rng() % next_turn.size()));
+        prompt = it->second;
+        next_turn.erase(it);
+      } else {
+        prompt.assign(static_cast<size_t>(10 + rng() % 20), 100 + id);
+      }
+      prompt.insert(prompt.end(), static_cast<size_t>(1 + rng() % 6), 7);
+      Sequence* s = add(id, 0, 1 + static_cast<int64_t>(rng() % 5), rng() % 4 == 0 ? "full" : "stream8c", prompt);
+      if (rng() % 5 == 0) s->req.reuse_compressed = false;
+    }
+    const size_t before = finished.size();
+    StepPlan p = step();
+    for (const auto& w : p.prefill) resumed += w.resume.seq_id >= 0;
+    for (size_t f = before; f < finished.size(); ++f) {
+      const Sequence& done = *finished[f];
+      std::vector<int64_t> conv = done.req.prompt_ids;
+      conv.insert(conv.end(), done.output.begin(), done.output.end());
+      next_turn[done.id] = conv;
+    }
+    ASSERT_FALSE(runner->overflow) << "step " << step_no;
+  }
+  EXPECT_TRUE(errors.empty());
+  EXPECT_GT(resumed, 10) << "turns resumed their parked conversations";
+  std::cout << id << " requests, " << resumed << " resumed, " << sched->preemptions() << " preemptions\n";
+}
+
+// A whole compressing prompt may start from the prefix cache only where admission reserved the
+// copies' room: the cached blocks it takes stay pinned until it ends, and that bound covers them.
+TEST_F(SchedulerTest, ACompressingPromptReusesThePrefixCacheOnlyWithRoomForItsCopies) {
+  // stream8 on 20 tokens: a peak of 2 x ceil(9 / 4) = 6 blocks, copies of 2 x 20 / 4 = 10.
+  for (const auto& [pool, reuse] : {std::pair<int64_t, bool>{12, false}, {40, true}}) {
+    make({pool});
+    runner->prefix_caching = true;
+    sched->update(StepPlan{}, runner->execute(StepPlan{}));
+    add(1, 20, 1, "stream8");
+    add(2, 20, 1, "full");
+    StepPlan p = step();
+    ASSERT_FALSE(p.prefill.empty());
+    ASSERT_EQ(p.prefill[0].seq_id, 1);
+    EXPECT_EQ(p.prefill[0].keep_copy, reuse) << pool;
+    EXPECT_EQ(p.prefill[0].reuse_prefix, reuse) << pool;
+    while (p.prefill.empty() || p.prefill.back().seq_id != 2) p = step();
+    EXPECT_TRUE(p.prefill.back().reuse_prefix) << "full KV counts its cached blocks in its own need";
+  }
 }
 
 }  // namespace
