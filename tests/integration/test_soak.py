@@ -21,10 +21,12 @@ def test_short_soak(tmp_path: pathlib.Path):
     s = json.loads(out.read_text())
     assert s["problems"] == [] and s["failures"] == []
     assert s["client_5xx"] == 0 and s["server_5xx"] == 0
-    assert s["kv_blocks_used_at_end"] == 0 and s["running_at_end"] == 0 and s["waiting_at_end"] == 0
+    # Nothing held but what parked conversations (prefix_reuse: compressed) keep for a next turn.
+    assert s["kv_blocks_used_at_end"] == s["kv_blocks_parked_at_end"]
+    assert s["running_at_end"] == 0 and s["waiting_at_end"] == 0
     # The mix really happened: disconnects at every point, cancels, malformed bodies, greedy repeats.
     kinds = s["kinds"]
     assert all(kinds.get(k, 0) > 0 for k in ("disconnect_sending", "disconnect_sent", "disconnect_reading", "cancel",
-                                             "malformed", "generate", "route")), kinds
+                                             "malformed", "generate", "route", "conversation_turn")), kinds
     assert s["greedy_repeats_checked"] > 50
     assert s["aborted_requests"] > 0
