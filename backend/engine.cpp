@@ -48,7 +48,8 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
                          : std::make_unique<LocalRunner>(
                                model_,
                                make_kv_memory(model_->kv_layout(),
-                                              {options_.block_size, 0, options_.kv_cache_bytes, options_.enable_prefix_caching},
+                                              {options_.block_size, 0, options_.kv_cache_bytes, options_.enable_prefix_caching,
+                                               options_.prefix_cache_bytes},
                                               policies,
                                               options_.default_policy),
                                LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager});
@@ -204,6 +205,10 @@ void Engine::loop() {
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
     im.stats.kv_blocks_cached = usage.blocks_cached;
     im.stats.prefix_cache_bytes = usage.cached_bytes;
+    im.stats.prefix_cache_host_bytes = usage.host_cached_bytes;
+    im.stats.prefix_cache_host_capacity_bytes = usage.host_capacity_bytes;
+    im.stats.prefix_cache_host_stores_total = usage.host_stores;
+    im.stats.prefix_cache_host_loads_total = usage.host_loads;
     im.stats.conversations_parked = usage.conversations_parked;
     im.stats.kv_blocks_parked = usage.blocks_parked;
     im.stats.conversation_cache_bytes = usage.parked_bytes;

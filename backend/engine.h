@@ -39,6 +39,9 @@ struct EngineOptions {
   // Automatic prefix caching (cache.enable_prefix_caching): full prompt blocks stay in the pool
   // for later requests that start with the same tokens; on by default, as in vLLM.
   bool enable_prefix_caching = true;
+  // Host-RAM tier of the prefix cache per shard (cache.prefix_cache_bytes; 0 = none): cached
+  // blocks the pool reclaims move there and come back on a hit.
+  int64_t prefix_cache_bytes = 0;
   std::string default_policy = "full";
   // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
   std::map<std::string, std::map<std::string, std::string>> policies;
@@ -65,6 +68,12 @@ struct EngineStats {
   int64_t prefix_cache_hits_total = 0;     // of those, served from it
   int64_t kv_blocks_cached = 0;            // blocks the prefix cache holds (part of the pool)
   int64_t prefix_cache_bytes = 0;
+  // The host-RAM tier (cache.prefix_cache_bytes): bytes held and capacity, entries moved to it
+  // (reclaimed from the pool) and back (hits).
+  int64_t prefix_cache_host_bytes = 0;
+  int64_t prefix_cache_host_capacity_bytes = 0;
+  int64_t prefix_cache_host_stores_total = 0;
+  int64_t prefix_cache_host_loads_total = 0;
   // prefix_reuse: compressed: conversations whose KV is parked, and the blocks and bytes it holds.
   int64_t conversations_parked = 0;
   int64_t kv_blocks_parked = 0;

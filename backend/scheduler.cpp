@@ -347,6 +347,10 @@ KvUsage Scheduler::usage() const {
     u.blocks_high_water += p.usage.blocks_high_water;
     u.blocks_cached += p.usage.blocks_cached;
     u.cached_bytes += p.usage.cached_bytes;
+    u.host_cached_bytes += p.usage.host_cached_bytes;
+    u.host_capacity_bytes += p.usage.host_capacity_bytes;
+    u.host_stores += p.usage.host_stores;
+    u.host_loads += p.usage.host_loads;
     for (int64_t id : parked_.seq_ids()) {
       if (auto h = p.held.find(id); h != p.held.end()) {
         u.blocks_parked += h->second;

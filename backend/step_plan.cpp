@@ -11,6 +11,12 @@ ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
   u.blocks_cached = kv.cache().cached_blocks();
   u.block_bytes = kv.cache().block_bytes();
   u.cached_bytes = u.blocks_cached * u.block_bytes;
+  if (const HostKvTier* t = kv.cache().host_tier()) {
+    u.host_cached_bytes = t->used_slots() * t->slot_bytes();
+    u.host_capacity_bytes = t->total_bytes();
+    u.host_stores = t->stores();
+    u.host_loads = t->loads();
+  }
   auto add = [&](int64_t id) {
     u.held.push_back(kv.private_blocks(id));
     u.demand.push_back(kv.decode_demand({id}));

@@ -79,6 +79,12 @@ struct ShardUsage {
   int64_t blocks_cached = 0;  // held by the prefix cache (requests may use them too)
   int64_t cached_bytes = 0;   // the same in bytes
   int64_t block_bytes = 0;    // one block (one layer's block_size tokens, K and V)
+  // The prefix cache's host-RAM tier (cache.prefix_cache_bytes): bytes it holds and can hold, and
+  // entries moved there and back since the start.
+  int64_t host_cached_bytes = 0;
+  int64_t host_capacity_bytes = 0;
+  int64_t host_stores = 0;
+  int64_t host_loads = 0;
   // Per sequence the step touched (decoded rows, then prefills, in plan order): blocks only it
   // holds (what its release frees) and the most its next decode step can take. Empty entries for
   // a failed part.
@@ -108,6 +114,10 @@ struct KvUsage {
   int64_t blocks_high_water = 0;
   int64_t blocks_cached = 0;
   int64_t cached_bytes = 0;
+  int64_t host_cached_bytes = 0;
+  int64_t host_capacity_bytes = 0;
+  int64_t host_stores = 0;
+  int64_t host_loads = 0;
   // Parked conversations (prefix_reuse: compressed): entries, and the blocks and bytes they hold.
   int64_t conversations_parked = 0;
   int64_t blocks_parked = 0;

@@ -31,6 +31,7 @@ struct KvPoolSize {
   int64_t num_blocks = 0;
   int64_t kv_cache_bytes = 0;
   bool prefix_caching = false;  // keep full prompt blocks for later requests (cache.enable_prefix_caching)
+  int64_t prefix_cache_bytes = 0;  // the prefix cache's host-RAM tier (cache.prefix_cache_bytes), 0 = none
 };
 
 // `policies`: the named policies sequences may ask for ("full" is always there); `shard`: a sharded

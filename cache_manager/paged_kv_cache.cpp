@@ -202,9 +202,28 @@ void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k,
   mirror_layer(seq_id, layer, lb);
 }
 
-void PagedKvCache::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn) {
+void PagedKvCache::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn, int64_t host_tier_bytes) {
   KV_CHECK(!prefix_, "prefix cache enabled twice");
+  KV_CHECK(host_tier_bytes >= 0, "cache.prefix_cache_bytes must not be negative, got " << host_tier_bytes);
   prefix_.emplace(num_layers_, bs_, salt, std::move(key_fn));
+  if (host_tier_bytes > 0) {
+    tier_.emplace(pool_, num_layers_, host_tier_bytes);
+    prefix_->attach_tier(&*tier_);
+  }
+}
+
+size_t PagedKvCache::prefix_promote(const std::vector<int32_t>& entries) {
+  KV_CHECK(prefix_, "prefix cache not enabled");
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!prefix_->on_host(entries[i])) continue;
+    if (!prefix_->reclaim(num_layers_, alloc_)) return i;  // no room: the caller prefills the rest
+    const std::vector<int32_t>& blocks = prefix_->promote(entries[i], alloc_);
+    const int64_t first = int64_t{prefix_->depth(entries[i])} * bs_;
+    for (int32_t b : blocks)
+      for (int64_t h = 0; h < kv_; ++h)
+        for (int64_t j = 0; j < bs_; ++j) pos_ptr(b, h)[j] = static_cast<int32_t>(first + j);
+  }
+  return entries.size();
 }
 
 void PagedKvCache::share(int64_t seq_id, int64_t layer, const std::vector<int32_t>& blocks, int64_t length) {
@@ -579,6 +598,7 @@ void PagedKvCache::check_invariants() const {
     prefix_->check_invariants();
     prefix_->count_refs(refs);
   }
+  if (tier_) tier_->check_invariants();
   // The device tables say what the host's say.
   dev_.flush();
   for (int64_t l = 0; l < num_layers_; ++l) {

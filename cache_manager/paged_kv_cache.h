@@ -12,6 +12,7 @@
 #include "cache_manager/block_allocator.h"
 #include "cache_manager/block_table.h"
 #include "cache_manager/device_block_tables.h"
+#include "cache_manager/host_kv_tier.h"
 #include "cache_manager/kv_block_pool.h"
 #include "cache_manager/prefix_cache.h"
 
@@ -103,7 +104,15 @@ class PagedKvCache {
   // --- prefix caching (cache_manager/prefix_cache.h) ---------------------------------------------
   // Keeps full-precision prompt blocks after their request, reclaimed (least recently used first)
   // whenever an allocation finds the free list short; `salt` names what else changes the K/V.
-  void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr);
+  // host_tier_bytes > 0 adds the host-RAM tier (cache.prefix_cache_bytes) that reclaimed entries
+  // move to instead of being dropped.
+  void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0);
+  const HostKvTier* host_tier() const { return tier_ ? &*tier_ : nullptr; }
+  // Brings entries that are in the host tier back into pool blocks (PrefixCache::promote), with
+  // the positions they were cached at; entries already in the pool are left alone. Returns how
+  // many of `entries`, from the first, are now in the pool: where the pool had no room, the rest
+  // stays on the host.
+  size_t prefix_promote(const std::vector<int32_t>& entries);
   PrefixCache* prefix_cache() { return prefix_ ? &*prefix_ : nullptr; }
   const PrefixCache* prefix_cache() const { return prefix_ ? &*prefix_ : nullptr; }
   // PrefixCache::insert on this pool's allocator (-1: not inserted).
@@ -214,6 +223,7 @@ class PagedKvCache {
   // Mutable: flushing brings the device mirror up to date without changing what the cache holds.
   mutable DeviceBlockTables dev_;
   DecodePlan step_;
+  std::optional<HostKvTier> tier_;  // before prefix_, which points at it
   std::optional<PrefixCache> prefix_;
 };
 

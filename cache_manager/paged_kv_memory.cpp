@@ -158,8 +158,8 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
 // ---------------------------------------------------------------------------------------------------
 // prefix caching
 
-void PagedKvMemory::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn) {
-  cache_.enable_prefix_cache(salt, std::move(key_fn));
+void PagedKvMemory::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn, int64_t host_tier_bytes) {
+  cache_.enable_prefix_cache(salt, std::move(key_fn), host_tier_bytes);
 }
 
 int64_t PagedKvMemory::prefix_queried(int64_t seq_id) const {
@@ -220,6 +220,14 @@ int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<c
   std::vector<int32_t> hit = prefix_match(*s.policy, compresses, s.prompt_len, tokens, max_hit);
   if (hit.empty()) return 0;
   pc->acquire(hit);
+  // Entries in the host tier come back into the pool first; where the pool has no room for one,
+  // the prompt is prefilled from there on.
+  const size_t in_pool = cache_.prefix_promote(hit);
+  if (in_pool < hit.size()) {
+    pc->release(std::vector<int32_t>(hit.begin() + static_cast<std::ptrdiff_t>(in_pool), hit.end()));
+    hit.resize(in_pool);
+    if (hit.empty()) return 0;
+  }
   s.prefix = hit;
   const int64_t bs = cache_.block_size();
   const int64_t h = static_cast<int64_t>(hit.size()) * bs;

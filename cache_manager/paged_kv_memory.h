@@ -66,7 +66,7 @@ class PagedKvMemory final : public KvMemory {
 
   // Automatic prefix caching (cache_manager/prefix_cache.h): full prompt blocks stay in the pool
   // after their request, keyed with `salt` (what else changes the K/V: model, dtypes, RoPE, shard).
-  void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr);
+  void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0);
   bool prefix_caching() const { return cache_.prefix_cache() != nullptr; }
   // What the last prefill_tokens lookup of a sequence found: prompt tokens looked up (0: none was
   // made) and positions taken from the cache.

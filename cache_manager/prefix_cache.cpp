@@ -60,15 +60,50 @@ std::vector<int32_t> PrefixCache::match(std::span<const int64_t> tokens, int64_t
 
 const std::vector<int32_t>& PrefixCache::blocks(int32_t entry) const {
   check_entry(entry);
+  KV_CHECK(entries_[entry].slot < 0, "prefix cache: entry " << entry << " is in the host tier (promote it first)");
   return entries_[entry].blocks;
+}
+
+int32_t PrefixCache::depth(int32_t entry) const {
+  check_entry(entry);
+  return entries_[entry].depth;
+}
+
+bool PrefixCache::on_host(int32_t entry) const {
+  check_entry(entry);
+  return entries_[entry].slot >= 0;
+}
+
+// Every change of an entry's users, children, last use or tier goes between these two, which keep
+// the eviction orders and the idle / on-host counts.
+void PrefixCache::unlist(int32_t id) {
+  const Entry& e = entries_[id];
+  if (!e.live) return;
+  const Victim v = victim(id);
+  lru_.erase(v);
+  movable_.erase(v);
+  host_lru_.erase(v);
+  idle_ -= e.slot < 0 && e.users == 0;
+  on_host_ -= e.slot >= 0;
+}
+
+void PrefixCache::list(int32_t id) {
+  const Entry& e = entries_[id];
+  if (!e.live) return;
+  const Victim v = victim(id);
+  if (evictable(e)) lru_.insert(v);
+  if (tier_ && movable(e)) movable_.insert(v);
+  if (host_evictable(e)) host_lru_.insert(v);
+  idle_ += e.slot < 0 && e.users == 0;
+  on_host_ += e.slot >= 0;
 }
 
 void PrefixCache::acquire(const std::vector<int32_t>& ids) {
   for (int32_t id : ids) {
     check_entry(id);
-    Entry& e = entries_[id];
-    if (evictable(e)) lru_.erase(victim(id));
-    if (e.users++ == 0) --idle_;
+    unlist(id);
+    ++entries_[id].users;
+    list(id);
   }
 }
 
@@ -78,9 +113,10 @@ void PrefixCache::release(const std::vector<int32_t>& ids) {
     check_entry(id);
     Entry& e = entries_[id];
     KV_CHECK(e.users > 0, "prefix cache: entry " << id << " released more often than acquired");
+    unlist(id);
     e.last_use = clock_;
-    if (--e.users == 0) ++idle_;
-    if (evictable(e)) lru_.insert(victim(id));
+    --e.users;
+    list(id);
   }
 }
 
@@ -101,6 +137,11 @@ int32_t PrefixCache::insert(int32_t parent, std::span<const int64_t> block_token
     id = static_cast<int32_t>(entries_.size());
     entries_.emplace_back();
   }
+  if (parent >= 0) {
+    unlist(parent);
+    ++entries_[parent].children;
+    list(parent);
+  }
   Entry& e = entries_[id];
   e.live = true;
   e.key = k;
@@ -108,39 +149,82 @@ int32_t PrefixCache::insert(int32_t parent, std::span<const int64_t> block_token
   e.depth = parent >= 0 ? entries_[parent].depth + 1 : 0;
   e.tokens.assign(block_tokens.begin(), block_tokens.end());
   e.blocks = blocks;
+  e.slot = -1;
   e.users = 0;
   e.children = 0;
-  e.last_use = ++clock_;
+  // The clock moves on releases only: the blocks a request inserts share its time and go tail first.
+  e.last_use = clock_;
   for (int32_t b : blocks) alloc.incref(b);
   index_.emplace(k, id);
-  ++idle_;
-  if (parent >= 0) {
-    Entry& p = entries_[parent];
-    if (evictable(p)) lru_.erase(victim(parent));
-    ++p.children;
-  }
-  lru_.insert(victim(id));
+  list(id);
   return id;
 }
 
 void PrefixCache::evict(int32_t id, BlockAllocator& alloc) {
+  unlist(id);
   Entry& e = entries_[id];
-  lru_.erase(victim(id));
-  for (int32_t b : e.blocks) alloc.decref(b);
-  index_.erase(e.key);
-  --idle_;
-  if (e.parent >= 0) {
-    Entry& p = entries_[e.parent];
-    --p.children;
-    if (evictable(p)) lru_.insert(victim(e.parent));
+  if (e.slot >= 0) {
+    tier_->free(e.slot);
+  } else {
+    for (int32_t b : e.blocks) alloc.decref(b);
   }
+  index_.erase(e.key);
+  const int32_t parent = e.parent;
   e = Entry{};
   free_ids_.push_back(id);
+  if (parent >= 0) {
+    unlist(parent);
+    --entries_[parent].children;
+    list(parent);
+  }
+}
+
+bool PrefixCache::make_host_room(BlockAllocator& alloc) {
+  while (tier_->free_slots() == 0 && !host_lru_.empty()) evict(std::get<2>(*host_lru_.begin()), alloc);
+  return tier_->free_slots() > 0;
+}
+
+void PrefixCache::move_to_host(int32_t id, BlockAllocator& alloc) {
+  unlist(id);
+  Entry& e = entries_[id];
+  e.slot = tier_->store(e.blocks);
+  for (int32_t b : e.blocks) alloc.decref(b);
+  e.blocks.clear();
+  list(id);
+}
+
+const std::vector<int32_t>& PrefixCache::promote(int32_t id, BlockAllocator& alloc) {
+  check_entry(id);
+  Entry& e = entries_[id];
+  if (e.slot < 0) return e.blocks;
+  KV_CHECK(e.users > 0, "prefix cache: entry " << id << " promoted without a user");
+  reclaim(num_layers_, alloc);
+  std::vector<int32_t> blocks = alloc.allocate(num_layers_);  // throws "KV pool exhausted" when short
+  tier_->load(e.slot, blocks);
+  unlist(id);
+  tier_->free(e.slot);
+  e.slot = -1;
+  e.blocks = std::move(blocks);
+  list(id);
+  return e.blocks;
 }
 
 bool PrefixCache::reclaim(int64_t need, BlockAllocator& alloc) {
-  while (alloc.free_blocks() < need && !lru_.empty()) evict(std::get<2>(*lru_.begin()), alloc);
+  while (alloc.free_blocks() < need) {
+    if (tier_ && !movable_.empty() && make_host_room(alloc)) {
+      move_to_host(std::get<2>(*movable_.begin()), alloc);
+      continue;
+    }
+    if (lru_.empty()) break;
+    evict(std::get<2>(*lru_.begin()), alloc);
+  }
   return alloc.free_blocks() >= need;
+}
+
+void PrefixCache::clear(BlockAllocator& alloc) {
+  // Dropping a leaf can make its parent one: go on until neither order has any.
+  while (!lru_.empty() || !host_lru_.empty())
+    evict(std::get<2>(lru_.empty() ? *host_lru_.begin() : *lru_.begin()), alloc);
 }
 
 void PrefixCache::count_refs(std::vector<int32_t>& refs) const {
@@ -150,30 +234,47 @@ void PrefixCache::count_refs(std::vector<int32_t>& refs) const {
 }
 
 void PrefixCache::check_invariants() const {
-  int64_t live = 0, idle = 0, leaves = 0;
+  int64_t live = 0, idle = 0, host = 0, leaves = 0, movable_count = 0, host_leaves = 0;
   std::vector<int64_t> children(entries_.size(), 0);
+  std::vector<char> slot_seen(tier_ ? static_cast<size_t>(tier_->num_slots()) : 0, 0);
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     if (!e.live) continue;
     ++live;
-    idle += e.users == 0;
+    idle += e.slot < 0 && e.users == 0;
     auto it = index_.find(e.key);
     KV_CHECK(it != index_.end() && it->second == static_cast<int32_t>(i), "prefix cache: entry " << i << " not indexed");
-    KV_CHECK(static_cast<int64_t>(e.blocks.size()) == num_layers_, "prefix cache: entry " << i << " block count");
+    if (e.slot >= 0) {
+      ++host;
+      KV_CHECK(tier_ && e.slot < tier_->num_slots() && e.blocks.empty(), "prefix cache: entry " << i << " tier slot");
+      KV_CHECK(!slot_seen[static_cast<size_t>(e.slot)], "prefix cache: tier slot " << e.slot << " held twice");
+      slot_seen[static_cast<size_t>(e.slot)] = 1;
+    } else {
+      KV_CHECK(static_cast<int64_t>(e.blocks.size()) == num_layers_, "prefix cache: entry " << i << " block count");
+    }
     if (e.parent >= 0) {
       KV_CHECK(entries_[e.parent].live, "prefix cache: entry " << i << " outlived its parent " << e.parent);
       KV_CHECK(entries_[e.parent].users >= e.users, "prefix cache: entry " << i << " has more users than its parent");
       ++children[static_cast<size_t>(e.parent)];
     }
-    const bool in_lru = lru_.count(victim(static_cast<int32_t>(i))) != 0;
-    KV_CHECK(in_lru == evictable(e), "prefix cache: entry " << i << " eviction order out of date");
-    leaves += in_lru;
+    const Victim v = victim(static_cast<int32_t>(i));
+    KV_CHECK((lru_.count(v) != 0) == evictable(e), "prefix cache: entry " << i << " eviction order out of date");
+    KV_CHECK((movable_.count(v) != 0) == (tier_ && movable(e)), "prefix cache: entry " << i << " tier order out of date");
+    KV_CHECK((host_lru_.count(v) != 0) == host_evictable(e), "prefix cache: entry " << i << " host order out of date");
+    leaves += evictable(e);
+    movable_count += tier_ && movable(e);
+    host_leaves += host_evictable(e);
   }
   for (size_t i = 0; i < entries_.size(); ++i)
     if (entries_[i].live) KV_CHECK(children[i] == entries_[i].children, "prefix cache: entry " << i << " child count");
   KV_CHECK(live == num_entries(), "prefix cache: " << live << " live entries, " << num_entries() << " indexed");
-  KV_CHECK(idle == idle_, "prefix cache: " << idle << " entries without users, counted " << idle_);
-  KV_CHECK(leaves == static_cast<int64_t>(lru_.size()), "prefix cache: stale eviction order");
+  KV_CHECK(idle == idle_, "prefix cache: " << idle << " pool entries without users, counted " << idle_);
+  KV_CHECK(host == on_host_, "prefix cache: " << host << " entries on the host, counted " << on_host_);
+  KV_CHECK(!tier_ || tier_->used_slots() == host, "prefix cache: tier holds " << (tier_ ? tier_->used_slots() : 0)
+                                                       << " slots for " << host << " entries");
+  KV_CHECK(leaves == static_cast<int64_t>(lru_.size()) && movable_count == static_cast<int64_t>(movable_.size()) &&
+               host_leaves == static_cast<int64_t>(host_lru_.size()),
+           "prefix cache: stale eviction order");
 }
 
 }  // namespace kvserve

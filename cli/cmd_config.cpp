@@ -24,7 +24,10 @@ void add_config_commands(CLI::App& app) {
                 << "  server: " << c.server.host << ":" << c.server.port
                 << (kvserve::config::effective_api_key(c.server).empty() ? "" : ", API key required") << "\n"
                 << "  cache: block_size " << c.cache.block_size << ", " << c.cache.kv_cache_bytes << " bytes, KV "
-                << c.cache.kv_cache_dtype << "\n"
+                << c.cache.kv_cache_dtype
+                << (c.cache.enable_prefix_caching ? ", prefix caching" : "")
+                << (c.cache.prefix_cache_bytes > 0 ? " + host tier " + std::to_string(c.cache.prefix_cache_bytes) + " bytes" : "")
+                << "\n"
                 << "  scheduler: max_num_seqs " << c.scheduler.max_num_seqs << ", max_num_batched_tokens "
                 << c.scheduler.max_num_batched_tokens
                 << (c.scheduler.enable_chunked_prefill ? ", chunked prefill" : "") << ", max_waiting " << c.scheduler.max_waiting << "\n"

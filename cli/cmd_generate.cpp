@@ -36,6 +36,7 @@ struct GenerateArgs {
   int64_t max_num_batched_tokens = EngineOptions{}.max_num_batched_tokens;
   bool enable_chunked_prefill = false;
   bool enable_prefix_caching = EngineOptions{}.enable_prefix_caching;
+  std::string prefix_cache = "0";
   std::string kv_cache_dtype = "auto";
 };
 
@@ -70,6 +71,7 @@ void add_generate_command(CLI::App& app) {
                 "prefill prompts longer than --max-num-batched-tokens over several steps");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", a->enable_prefix_caching,
                 "reuse the cached blocks of earlier prompts with the same prefix (default on)");
+  cmd->add_option("--prefix-cache", a->prefix_cache, "host-RAM tier of the prefix cache, e.g. 4GiB (0 = none)");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
   a->policy.add_to(cmd);
@@ -92,6 +94,11 @@ void add_generate_command(CLI::App& app) {
       eo.kv_cache_bytes = config::parse_byte_size(a->kv_cache);
     } catch (const std::invalid_argument& e) {
       KV_FAIL("--kv-cache: " << e.what());
+    }
+    try {
+      eo.prefix_cache_bytes = config::parse_byte_size(a->prefix_cache);
+    } catch (const std::invalid_argument& e) {
+      KV_FAIL("--prefix-cache: " << e.what());
     }
     eo.policies = a->policy.specs();
     eo.default_policy = PolicyFlags::selected(eo.policies);

@@ -31,7 +31,7 @@ namespace {
 
 struct ServeArgs {
   std::string config;
-  std::optional<std::string> host, model, served_model_name, device, dtype, cpu_gemm, api_key, kv_cache_bytes, max_body_bytes,
+  std::optional<std::string> host, model, served_model_name, device, dtype, cpu_gemm, api_key, kv_cache_bytes, prefix_cache_bytes, max_body_bytes,
       default_policy;
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
   std::optional<int> port, threads;
@@ -51,6 +51,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.max_model_len = cfg.model.max_model_len;
   eo.enforce_eager = cfg.model.enforce_eager;
   eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
+  eo.prefix_cache_bytes = cfg.cache.prefix_cache_bytes;
   eo.block_size = cfg.cache.block_size;
   eo.enable_prefix_caching = cfg.cache.enable_prefix_caching;
   eo.default_policy = cfg.default_policy;
@@ -108,6 +109,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.api_key) c.server.api_key = *a.api_key;
   if (!a.allowed_origins.empty()) c.server.allowed_origins = a.allowed_origins;
   bytes(a.kv_cache_bytes, c.cache.kv_cache_bytes, "--kv-cache-bytes");
+  bytes(a.prefix_cache_bytes, c.cache.prefix_cache_bytes, "--prefix-cache-bytes");
   bytes(a.max_body_bytes, c.server.max_body_bytes, "--max-body-bytes");
   if (a.block_size) c.cache.block_size = *a.block_size;
   if (!a.kv_cache_dtype.empty()) c.cache.kv_cache_dtype = a.kv_cache_dtype;
@@ -297,6 +299,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_flag_function(
       "--enable-prefix-caching,!--no-enable-prefix-caching", [a](int64_t n) { a->enable_prefix_caching = n > 0; },
       "keep full prompt blocks for later requests with the same prefix (default on)");
+  cmd->add_option("--prefix-cache-bytes", a->prefix_cache_bytes,
+                  "host-RAM tier of the prefix cache per shard, e.g. 8GiB (sets cache.prefix_cache_bytes; 0 = none)");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");

@@ -411,6 +411,9 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
     add("cache.kv_cache_dtype", "'" + c.cache.kv_cache_dtype + "' differs from the compute dtype on " + c.model.device +
                                     ": CUDA pools take only model.dtype (use auto)");
   }
+  if (c.cache.prefix_cache_bytes < 0) add("cache.prefix_cache_bytes", "must not be negative");
+  if (c.cache.prefix_cache_bytes > 0 && !c.cache.enable_prefix_caching)
+    add("cache.prefix_cache_bytes", "is the prefix cache's host tier: it needs cache.enable_prefix_caching: true");
   if (c.scheduler.max_num_seqs <= 0) add("scheduler.max_num_seqs", "must be positive");
   const auto& par = c.parallel;
   if (par.node_rank >= par.nnodes)
@@ -563,7 +566,8 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                      return kDtypes.count(s) ? std::string()
                                                              : "must be one of auto, float32, bfloat16, float16; got '" + s + "'";
                                    })},
-                                  {"enable_prefix_caching", p.bool_of(c.cache.enable_prefix_caching)}});
+                                  {"enable_prefix_caching", p.bool_of(c.cache.enable_prefix_caching)},
+                                  {"prefix_cache_bytes", p.bytes_of(c.cache.prefix_cache_bytes, 0)}});
                    })},
                   {"scheduler", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.scheduler;

@@ -218,6 +218,14 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"pool\"} " + fmt(static_cast<double>(s.prefix_cache_bytes)) + "\n";
   out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"conversation\"} " +
          fmt(static_cast<double>(s.conversation_cache_bytes)) + "\n";
+  out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"host\"} " + fmt(static_cast<double>(s.prefix_cache_host_bytes)) +
+         "\n";
+  gauge("kvserve:prefix_cache_host_capacity_bytes", "Size of the prefix cache's host-RAM tier (cache.prefix_cache_bytes).",
+        static_cast<double>(s.prefix_cache_host_capacity_bytes));
+  counter("kvserve:prefix_cache_host_stores_total", "Cached blocks (one per layer each) moved from the pool to the host tier.",
+          static_cast<double>(s.prefix_cache_host_stores_total));
+  counter("kvserve:prefix_cache_host_loads_total", "Cached blocks (one per layer each) copied back from the host tier on a hit.",
+          static_cast<double>(s.prefix_cache_host_loads_total));
   gauge("kvserve:conversations_parked", "Finished requests whose compressed KV waits for their conversation's next turn.",
         static_cast<double>(s.conversations_parked));
   gauge("kvserve:kv_cache_blocks_parked", "KV-cache blocks parked conversations hold (counted in use).",

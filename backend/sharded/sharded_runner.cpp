@@ -291,14 +291,15 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 
   const ShardUsage mine = shard_usage(kv, plan);
   const int64_t R = static_cast<int64_t>(mine.held.size());
-  constexpr int64_t kHead = 11;
+  constexpr int64_t kHead = 15;
   const int64_t slot = kHead + 3 * R;
   auto all = torch::zeros({world.size() * slot}, torch::kInt64);
   int64_t* d = all.data_ptr<int64_t>() + me * slot;
   const auto& g = mine.geometry;
   for (int64_t v : {g.first_layer, g.num_layers, g.total_layers, g.num_kv_heads, g.block_size, mine.blocks_total,
                     mine.blocks_used, mine.blocks_high_water, mine.blocks_cached, mine.cached_bytes,
-                    mine.block_bytes})
+                    mine.block_bytes, mine.host_cached_bytes, mine.host_capacity_bytes, mine.host_stores,
+                    mine.host_loads})
     *d++ = v;
   std::vector<int64_t> rows = plan.decode.seq_ids;
   for (const auto& w : plan.prefill) rows.push_back(w.seq_id);
@@ -322,6 +323,10 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     u.blocks_cached = a[8];
     u.cached_bytes = a[9];
     u.block_bytes = a[10];
+    u.host_cached_bytes = a[11];
+    u.host_capacity_bytes = a[12];
+    u.host_stores = a[13];
+    u.host_loads = a[14];
     for (int64_t r = 0; r < R; ++r) {
       u.held.push_back(a[kHead + 3 * r]);
       u.demand.push_back(a[kHead + 3 * r + 1]);

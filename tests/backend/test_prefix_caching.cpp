@@ -39,14 +39,14 @@ const Specs& policy_specs() {
 }
 
 std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, bool caching,
-                                           PrefixCache::KeyFn key_fn = nullptr) {
+                                           PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0) {
   const auto& c = m.config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
   pool.head_dim = c.head_dim;
   pool.num_blocks = blocks;
   auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(policy_specs()));
-  if (caching) kv->enable_prefix_cache(m.kv_layout().kv_salt, std::move(key_fn));
+  if (caching) kv->enable_prefix_cache(m.kv_layout().kv_salt, std::move(key_fn), host_tier_bytes);
   return kv;
 }
 
@@ -284,6 +284,81 @@ TEST(PrefixCaching, TheRunnerReportsLookupsAndACompressingPolicyCopiesOnlyWhenAl
   ASSERT_TRUE(r3.prefilled.at(0).first.has_value());
   auto plain = make_memory(*model, 2000, false);
   EXPECT_EQ(r3.prefilled[0].first->token, model->prefill(3, c, *plain, false, "snap")[0].argmax().item<int64_t>());
+}
+
+// The host-RAM tier (cache.prefix_cache_bytes): a pool with room for about one request. The
+// document's cached blocks are moved to the tier when an unrelated prompt needs the pool, and the
+// next question on the document is served from the tier with the logits, kept positions, K/V and
+// decode of a run without any cache.
+class HostTier : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
+  const std::string& policy = GetParam();
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const auto& c = model->config();
+  const int64_t V = c.vocab_size, L = c.num_hidden_layers;
+  const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
+  const auto other = make_prompt(kDoc + kQuestion, 77, V);
+  const int64_t T = static_cast<int64_t>(second.size());
+  // One request's full prompt and its cache copies, not two requests' cached prompts.
+  const int64_t pool = 2 * (T / 16 + 3) * L;
+  const int64_t entry = KvBlockPool::bytes_per_block(c.num_key_value_heads, 16, c.head_dim, torch::kFloat32) * L;
+  auto kv = make_memory(*model, pool, true, nullptr, 3 * (T / 16) * entry);
+  auto plain = make_memory(*model, pool, false);
+  const HostKvTier* tier = kv->cache().host_tier();
+  ASSERT_NE(tier, nullptr);
+  model->prefill(1, first, *kv, false, policy);
+  kv->release(1);
+  const PrefixCache* pc = kv->cache().prefix_cache();
+  ASSERT_GT(pc->num_entries(), 0);
+  EXPECT_EQ(pc->host_entries(), 0);
+  model->prefill(2, other, *kv, false, policy);
+  EXPECT_EQ(kv->prefix_hit(2), 0);
+  kv->release(2);
+  EXPECT_GT(pc->host_entries(), 0) << "the document went to the tier, not away";
+  EXPECT_GT(tier->stores(), 0);
+  EXPECT_EQ(kv->cache().cached_blocks(), (pc->num_entries() - pc->host_entries()) * L);
+  kv->cache().check_invariants();
+  const int64_t loads = tier->loads();
+  const torch::Tensor got = model->prefill(3, second, *kv, false, policy);
+  const torch::Tensor want = model->prefill(3, second, *plain, false, policy);
+  EXPECT_EQ(kv->prefix_hit(3), kDoc);
+  EXPECT_GT(tier->loads(), loads) << "the hit came from the tier";
+  EXPECT_LE(max_diff(got, want), 1e-4);
+  EXPECT_EQ(kv->prefill_budgets(3), plain->prefill_budgets(3));
+  for (int64_t l = 0; l < L; ++l) {
+    EXPECT_TRUE(torch::equal(kv->kept_positions(3, l), plain->kept_positions(3, l))) << "layer " << l;
+    auto [ka, va] = kv->cache().gather(3, l);
+    auto [kb, vb] = plain->cache().gather(3, l);
+    EXPECT_LE(std::max(max_diff(ka, kb), max_diff(va, vb)), 1e-4) << "layer " << l;
+  }
+  float decode_diff = 0;
+  for (int64_t step = 0; step < 20; ++step) {
+    DecodeBatch b{{3}, {T + step}};
+    const std::vector<int64_t> tok{second[static_cast<size_t>(step)]};
+    decode_diff = std::max(decode_diff, max_diff(model->decode(b, tok, *kv), model->decode(b, tok, *plain)));
+  }
+  EXPECT_LE(decode_diff, 1e-4);
+  kv->cache().check_invariants();
+  kv->release(3);
+  EXPECT_EQ(kv->blocks_used(), 0);
+  kv->cache().check_invariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, HostTier, ::testing::Values("full", "snap", "pyr", "dyn", "stream", "knorm"));
+
+TEST(HostTier, ATierTooSmallForOneCachedBlockIsRefused) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  try {
+    make_memory(*model, 100, true, nullptr, 100);
+    FAIL() << "no error";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("cache.prefix_cache_bytes"), std::string::npos) << e.what();
+  }
 }
 
 // prefix_reuse: compressed. A finished request's KV stays parked; the next turn's prompt, which

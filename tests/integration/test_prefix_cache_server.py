@@ -90,3 +90,38 @@ def test_finished_and_cancelled_requests_hold_no_blocks(servers):
         time.sleep(0.05)
     assert m["kvserve:kv_cache_blocks_used"] == 0, m
     assert m["kvserve:kv_cache_blocks_cached"] > 0
+
+
+def test_a_host_tier_serves_a_document_the_pool_gave_up():
+    """cache.prefix_cache_bytes: a pool with room for about one request (tiny-llama: 8 KiB a block,
+    128 blocks) and a 2 MiB host tier. An unrelated prompt takes the pool, the document's cached
+    blocks move to the tier, and the next question on the document is served from there with the
+    same greedy text and kept KV as a server without any cache."""
+    on = Server(kv_cache_bytes="1MiB", extra_args=("--prefix-cache-bytes", "2MiB"))
+    off = Server(kv_cache_bytes="1MiB", extra_args=("--no-enable-prefix-caching",))
+    try:
+        m = on.metrics()
+        assert m["kvserve:prefix_cache_host_capacity_bytes"] == 2 << 20
+        for i, policy in enumerate(["full", "snapkv", "pyramidkv"]):
+            doc = tokens(40 + i, DOC)
+            first = completion(on.url, doc + tokens(500 + i, 20), policy)
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            before = on.metrics()
+            completion(on.url, tokens(600 + i, DOC + 20), policy)
+            moved = on.metrics()
+            assert moved["kvserve:prefix_cache_host_stores_total"] > before["kvserve:prefix_cache_host_stores_total"], policy
+            assert moved['kvserve:prefix_cache_bytes{model_name="tiny",tier="host"}'] > 0, policy
+            prompt = doc + tokens(700 + i, 20)
+            a, b = completion(on.url, prompt, policy), completion(off.url, prompt, policy)
+            assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC // 16 * 16, (policy, a["usage"])
+            assert a["choices"][0]["text"] == b["choices"][0]["text"], policy
+            assert a["usage"]["kv_kept_tokens"] == b["usage"]["kv_kept_tokens"], policy
+            after = on.metrics()
+            assert after["kvserve:prefix_cache_host_loads_total"] > moved["kvserve:prefix_cache_host_loads_total"], policy
+        assert off.metrics()['kvserve:prefix_cache_bytes{model_name="tiny",tier="host"}'] == 0
+    finally:
+        for s in (on, off):
+            rc = s.stop()
+            log = s.log()
+            s.tmp.cleanup()
+            assert rc == 0, log[-4000:]
