@@ -302,8 +302,8 @@ TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
   const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
   const auto other = make_prompt(kDoc + kQuestion, 77, V);
   const int64_t T = static_cast<int64_t>(second.size());
-  // One request's full prompt and its cache copies, not two requests' cached prompts.
-  const int64_t pool = 2 * (T / 16 + 3) * L;
+  // One request's prompt with its cache copies and a cached hit's peak, not two cached prompts.
+  const int64_t pool = (T / 16 + 12) * L;
   const int64_t entry = KvBlockPool::bytes_per_block(c.num_key_value_heads, 16, c.head_dim, torch::kFloat32) * L;
   auto kv = make_memory(*model, pool, true, nullptr, 3 * (T / 16) * entry);
   auto plain = make_memory(*model, pool, false);

@@ -198,6 +198,8 @@ const BadCase kBadCases[] = {
     {"bad_cpu_gemm", "model:\n  cpu_gemm: openblas\n", 2, "model.cpu_gemm", "mkl, onednn; got 'openblas'"},
     {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
     {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
+    {"bad_prefix_cache_bytes", "cache:\n  prefix_cache_bytes: lots\n", 2, "cache.prefix_cache_bytes", "is not a size"},
+    {"prefix_cache_bytes_list", "cache:\n  prefix_cache_bytes: [1GiB]\n", 2, "cache.prefix_cache_bytes", "a size"},
     {"bad_kv_cache_dtype", "cache:\n  block_size: 16\n  kv_cache_dtype: fp8\n", 3, "cache.kv_cache_dtype",
      "must be one of auto, float32, bfloat16, float16; got 'fp8'"},
     {"kv_cache_dtype_list", "cache:\n  kv_cache_dtype: [float16]\n", 2, "cache.kv_cache_dtype", "expected a string"},
@@ -226,6 +228,21 @@ const BadCase kBadCases[] = {
     {"enforce_eager_list", "model:\n  enforce_eager: [true]\n", 2, "model.enforce_eager", "expected true or false"},
     {"enforce_eager_typo", "model:\n  enforce_eagre: true\n", 2, "model.enforce_eagre", "enforce_eager"},
 };
+
+TEST(ServerConfig, PrefixCacheHostTier) {
+  EXPECT_EQ(parse_server_config("", "empty.yaml").cache.prefix_cache_bytes, 0);
+  EXPECT_EQ(parse_server_config("cache:\n  prefix_cache_bytes: 8GiB\n", "t.yaml").cache.prefix_cache_bytes,
+            int64_t{8} << 30);
+  EXPECT_EQ(parse_server_config("cache:\n  prefix_cache_bytes: 0\n", "t.yaml").cache.prefix_cache_bytes, 0);
+  try {
+    parse_server_config("cache:\n  enable_prefix_caching: false\n  prefix_cache_bytes: 1GiB\n", "t.yaml");
+    FAIL() << "a host tier without the prefix cache was accepted";
+  } catch (const ConfigError& e) {
+    ASSERT_EQ(e.issues().size(), 1u);
+    EXPECT_EQ(e.issues()[0].key, "cache.prefix_cache_bytes");
+    EXPECT_NE(e.issues()[0].message.find("enable_prefix_caching"), std::string::npos) << e.what();
+  }
+}
 
 TEST(ServerConfig, EnforceEager) {
   EXPECT_FALSE(parse_server_config("", "empty.yaml").model.enforce_eager);
