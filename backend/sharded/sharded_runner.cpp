@@ -291,12 +291,13 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 
   const ShardUsage mine = shard_usage(kv, plan);
   const int64_t R = static_cast<int64_t>(mine.held.size());
-  constexpr int64_t kHead = 15;
+  constexpr int64_t kHead = 17;
   const int64_t slot = kHead + 3 * R;
   auto all = torch::zeros({world.size() * slot}, torch::kInt64);
   int64_t* d = all.data_ptr<int64_t>() + me * slot;
   const auto& g = mine.geometry;
-  for (int64_t v : {g.first_layer, g.num_layers, g.total_layers, g.num_kv_heads, g.block_size, mine.blocks_total,
+  for (int64_t v : {g.first_layer, g.num_layers, g.total_layers, g.num_kv_heads, g.block_size, int64_t{g.rounds_kv},
+                    int64_t{g.prefix_caching}, mine.blocks_total,
                     mine.blocks_used, mine.blocks_high_water, mine.blocks_cached, mine.cached_bytes,
                     mine.block_bytes, mine.host_cached_bytes, mine.host_capacity_bytes, mine.host_stores,
                     mine.host_loads})
@@ -316,17 +317,19 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   std::vector<int64_t> kept(static_cast<size_t>(R), 0);
   for (int rank = 0; rank < world.size(); ++rank, a += slot) {
     ShardUsage u;
-    u.geometry = {a[0], a[1], a[2], a[3], a[4]};
-    u.blocks_total = a[5];
-    u.blocks_used = a[6];
-    u.blocks_high_water = a[7];
-    u.blocks_cached = a[8];
-    u.cached_bytes = a[9];
-    u.block_bytes = a[10];
-    u.host_cached_bytes = a[11];
-    u.host_capacity_bytes = a[12];
-    u.host_stores = a[13];
-    u.host_loads = a[14];
+    // The whole geometry: the scheduler's admission reads prefix_caching (room for a compressing
+    // prompt's cache copy) and rounds_kv from it.
+    u.geometry = {a[0], a[1], a[2], a[3], a[4], a[5] != 0, a[6] != 0};
+    u.blocks_total = a[7];
+    u.blocks_used = a[8];
+    u.blocks_high_water = a[9];
+    u.blocks_cached = a[10];
+    u.cached_bytes = a[11];
+    u.block_bytes = a[12];
+    u.host_cached_bytes = a[13];
+    u.host_capacity_bytes = a[14];
+    u.host_stores = a[15];
+    u.host_loads = a[16];
     for (int64_t r = 0; r < R; ++r) {
       u.held.push_back(a[kHead + 3 * r]);
       u.demand.push_back(a[kHead + 3 * r + 1]);

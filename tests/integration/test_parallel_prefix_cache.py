@@ -123,22 +123,27 @@ def test_sharded_host_tier_equals_one_process_without_a_cache(reference):
     blocks on the second) is short on the first stage only, so an unrelated prompt moves the
     document's blocks to the tier there while the second stage keeps them in its pool; the next
     question still takes the whole document from the cache on every shard, with one process's text.
-    DynamicKV is left out: in a pool this tight its sharded prefill (cache on, even without a tier)
-    runs a shard out of blocks, a known bug noted in docs/architecture.md."""
+    DynamicKV's first prompt here (candidates of every layer at its peak) leaves no room for a cache
+    copy on the first stage: the scheduler must see that from the shard's geometry (a sharded job
+    once sent it without `prefix_caching`, so copies were made without room and the job died)."""
     s = Server(model=fixture("llama-kvfew"), extra_yaml=EXTRA, kv_cache_bytes="64KiB",
                extra_args=("--tp", "2", "--pp", "2", "--prefix-cache-bytes", "64KiB"))
     try:
-        for i, policy in enumerate(POLICIES[:3]):
+        for i, policy in enumerate(POLICIES):
             first, second = workload(policy)[:2]
             assert completion(s.url, first, policy)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             before = s.metrics()
-            completion(s.url, tokens(900 + i, DOC + 60), policy)
+            completion(s.url, tokens(900 + i, DOC + 30), policy)
             moved = s.metrics()
-            assert moved["kvserve:prefix_cache_host_stores_total"] > before["kvserve:prefix_cache_host_stores_total"], policy
             got, want = completion(s.url, second, policy), reference[policy][1]
-            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC // 16 * 16, (policy, got["usage"])
             assert got["choices"][0]["text"] == want["choices"][0]["text"], policy
             assert got["usage"]["kv_kept_tokens"] == want["usage"]["kv_kept_tokens"], policy
+            if policy == "dynamickv":
+                # No room for the copy at admission: the document was never cached, nothing failed.
+                assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, got["usage"]
+                continue
+            assert moved["kvserve:prefix_cache_host_stores_total"] > before["kvserve:prefix_cache_host_stores_total"], policy
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == DOC // 16 * 16, (policy, got["usage"])
             assert s.metrics()["kvserve:prefix_cache_host_loads_total"] > moved["kvserve:prefix_cache_host_loads_total"], policy
     finally:
         rc = s.stop()
