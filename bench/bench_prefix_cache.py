@@ -13,6 +13,13 @@ off and on, per KV policy, and whether the greedy tokens are the same.
     `prefix_reuse: compressed` (each turn continues the previous turn's compressed KV; lossy, so
     its tokens are compared with the exact runs' but not expected equal).
 
+(c) tier (not in the defaults): the host-RAM tier (cache.prefix_cache_bytes). Both servers cache,
+    in a pool with room for about one request (--tier-pool); one adds a tier (--tier-bytes). A
+    document and its first question, then per further question an unrelated prompt as long as
+    the document (which needs the pool: the document's cached blocks move to the tier, or are
+    dropped without one) and the question: without a tier it is a miss, with one a hit from host
+    memory.
+
 Prompts are token ids (deterministic pseudo-random text from the vocabulary), sent to
 /v1/completions with streaming; TTFT is the client's time to the first streamed token. Each policy
 gets its own document and system prompt, so that its first request is a miss whatever ran before.
@@ -49,13 +56,15 @@ POLICIES = {
 }
 
 
-def start_server(binary: str, model: str, caching: bool, policies: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(binary: str, model: str, caching: bool, policies: list[str], pool: str = "3GiB",
+                 tier: str = "0") -> tuple[subprocess.Popen, str]:
     tmp = tempfile.mkdtemp(prefix="kvserve-prefix-")
     cfg = pathlib.Path(tmp) / "config.yaml"
     pol = "".join(f"  {p}: {POLICIES[p]}\n" for p in policies if p != "full")
     cfg.write_text(f"model: {{path: {model}, served_model_name: bench}}\n"
                    f"server: {{host: 127.0.0.1, port: 0, request_timeout_s: 3600}}\n"
-                   f"cache: {{kv_cache_bytes: 3GiB, enable_prefix_caching: {'true' if caching else 'false'}}}\n"
+                   f"cache: {{kv_cache_bytes: {pool}, enable_prefix_caching: {'true' if caching else 'false'}, "
+                   f"prefix_cache_bytes: {tier}}}\n"
                    f"scheduler: {{max_num_seqs: 8, max_num_batched_tokens: 8192}}\n"
                    f"policies:\n{pol or '  {}'}\n")
     log_path = pathlib.Path(tmp) / "server.log"
@@ -116,7 +125,8 @@ def metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {}
-    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_host_stores_total",
+                 "prefix_cache_host_loads_total"):
         m = re.search(rf"kvserve:{name}\{{[^}}]*\}} ([0-9.e+]+)", text)
         out[name] = float(m.group(1)) if m else 0.0
     return out
@@ -127,6 +137,22 @@ def doc_qa(url: str, policy: str, args, vocab: int, n_questions: int) -> dict:
     doc = words(rng, args.doc, vocab)
     runs = []
     for q in range(n_questions):
+        question = words(random.Random(f"q-{q}"), args.question, vocab)
+        ttft, text, cached, _ = complete(url, doc + question, policy, args.max_tokens)
+        runs.append({"ttft": ttft, "text": text, "cached": cached})
+    return {"runs": runs}
+
+
+def tier_qa(url: str, policy: str, args, vocab: int) -> dict:
+    """The host tier: a document and its first question, then for each further question an
+    unrelated prompt as long as the document first (it needs the pool, so the document's cached
+    blocks move to the tier, or are dropped without one), then the question."""
+    rng = random.Random(f"tier-{policy}")
+    doc = words(rng, args.doc, vocab)
+    runs = []
+    for q in range(args.tier_questions + 1):
+        if q:
+            complete(url, words(random.Random(f"flush-{policy}-{q}"), args.doc + args.question, vocab), policy, 1)
         question = words(random.Random(f"q-{q}"), args.question, vocab)
         ttft, text, cached, _ = complete(url, doc + question, policy, args.max_tokens)
         runs.append({"ttft": ttft, "text": text, "cached": cached})
@@ -168,21 +194,31 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--compressed", type=int, default=1, help="chat: also run prefix_reuse: compressed (1/0)")
+    ap.add_argument("--tier-questions", type=int, default=3, help="tier: questions after an unrelated prompt each")
+    ap.add_argument("--tier-pool", default="600MiB", help="tier: kv_cache_bytes, room for about one 8K request")
+    ap.add_argument("--tier-bytes", default="1GiB", help="tier: cache.prefix_cache_bytes")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     policies = args.policies.split(",")
     vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
     load = os.getloadavg()
-    results: dict = {"args": vars(args), "loadavg_start": load, "doc": {}, "chat": {}}
+    results: dict = {"args": vars(args), "loadavg_start": load, "doc": {}, "chat": {}, "tier": {}}
     for workload in args.workloads.split(","):
         settings = [("off", False, "exact"), ("on", True, "exact")]
         if workload == "chat" and args.compressed:
             settings.append(("compressed", True, "compressed"))
+        if workload == "tier":  # both with the cache, in a pool that holds one request: without and with a tier
+            settings = [("pool", True, "0"), ("host", True, args.tier_bytes)]
         for setting, caching, reuse in settings:
-            proc, url = start_server(args.kvserve, args.model, caching, policies)
+            if workload == "tier":
+                proc, url = start_server(args.kvserve, args.model, caching, policies, args.tier_pool, reuse)
+            else:
+                proc, url = start_server(args.kvserve, args.model, caching, policies)
             try:
                 for policy in policies:
-                    if workload == "doc":
+                    if workload == "tier":
+                        r = tier_qa(url, policy, args, vocab)
+                    elif workload == "doc":
                         r = doc_qa(url, policy, args, vocab, args.questions if caching else args.miss_questions)
                     else:
                         r = multi_turn(url, policy, args, vocab, reuse)
@@ -231,6 +267,22 @@ def main() -> None:
             else:
                 line += " - | - | - | - |"
             print(line)
+    if results["tier"]:
+        print("\n| policy | question after an unrelated prompt, pool only (p50) | cached tokens | same, host tier (p50) | "
+              "cached tokens | pool only / host tier | same tokens |")
+        print("|---|---|---|---|---|---|---|")
+        for p in policies:
+            r = results["tier"].get(p)
+            if not r:
+                continue
+            pool, host = r["pool"]["runs"][1:], r["host"]["runs"][1:]
+            a, b = p50([x["ttft"] for x in pool]), p50([x["ttft"] for x in host])
+            same = sum(x["text"] == y["text"] for x, y in zip(r["pool"]["runs"], r["host"]["runs"]))
+            print(f"| {p} | {a:.3f} s | {p50([x['cached'] for x in pool]):.0f} | {b:.3f} s | "
+                  f"{p50([x['cached'] for x in host]):.0f} | {a / b:.1f}x | {same}/{len(r['pool']['runs'])} |")
+        m = results["tier"].get("metrics_host", {})
+        print(f"\nhost tier: {m.get('prefix_cache_host_stores_total', 0):.0f} entries moved out, "
+              f"{m.get('prefix_cache_host_loads_total', 0):.0f} brought back")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 
