@@ -35,10 +35,9 @@ class HostKvTier {
   int64_t used_slots() const { return slots_.used_blocks(); }
   int64_t slot_bytes() const { return slot_bytes_; }
   int64_t total_bytes() const { return slot_bytes_ * num_slots(); }
-  // Entries copied out to the tier and back into the pool since the start, and the bytes moved.
+  // Entries copied out to the tier and back into the pool since the start.
   int64_t stores() const { return stores_; }
   int64_t loads() const { return loads_; }
-  int64_t bytes_loaded() const { return loads_ * slot_bytes_; }
   void check_invariants() const { slots_.check_invariants(); }
 
  private:
