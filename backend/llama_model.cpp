@@ -1,5 +1,7 @@
 #include "backend/llama_model.h"
 
+#include "backend/chunk_attention.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -250,15 +252,6 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
     positions = torch::tensor(pos, i64).to(device_);
   }
   const RopeAngles angles = rope_->angles(positions, end, x.scalar_type());
-  // A later chunk's queries see the earlier chunks' K/V and, causally, their own. SDPA's is_causal
-  // aligns the mask top-left, so those chunks get an explicit offset mask, the same in every layer.
-  std::vector<torch::Tensor> chunk_masks(seq_ids.size());
-  for (size_t i = 0; i < seq_ids.size(); ++i) {
-    if (starts[i] == 0) continue;
-    auto qi = torch::arange(lens[i], i64.device(device_)).unsqueeze(1);
-    auto kj = torch::arange(starts[i] + lens[i], i64.device(device_)).unsqueeze(0);
-    chunk_masks[i] = kj <= qi + starts[i];  // [T, start + T]
-  }
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
@@ -283,13 +276,8 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
         const int64_t held = pk.size(1);
         KV_CHECK(held <= start, "internal: chunk at " << start << " of sequence " << seq_ids[static_cast<size_t>(i)]
                                                       << " finds " << held << " earlier positions in layer " << li);
-        auto kc = torch::cat({pk.to(k.scalar_type()), k}, 1);
-        auto vc = torch::cat({pv.to(v.scalar_type()), v}, 1);
         // A resumed conversation holds only the kept positions before the chunk: all visible.
-        torch::Tensor mask = chunk_masks[static_cast<size_t>(i)];
-        if (held < start) mask = mask.narrow(1, start - held, held + T);
-        a = at::scaled_dot_product_attention(q.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), mask, 0.0,
-                                             /*is_causal=*/false, std::nullopt, /*enable_gqa=*/H != KV);
+        a = chunk_attention(q, pk.to(k.scalar_type()), pv.to(v.scalar_type()), k, v).unsqueeze(0);
       }
       if (chunk[static_cast<size_t>(i)]) {
         kv.store_prefill_chunk(seq_ids[static_cast<size_t>(i)], li, start, q, k, v);

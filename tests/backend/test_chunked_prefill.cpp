@@ -51,7 +51,8 @@ torch::Tensor prefill_chunks(LlamaModel& m, int64_t id, const std::vector<int64_
 }
 
 // Chunk boundaries inside blocks, on block edges, and a one-token last chunk.
-const std::vector<std::vector<int64_t>> kSplits = {{100, 250}, {128, 128, 128, 128, 128}, {699}};
+// {150}: its 550-token second chunk takes chunk_attention's split path.
+const std::vector<std::vector<int64_t>> kSplits = {{100, 250}, {128, 128, 128, 128, 128}, {699}, {150}};
 constexpr int64_t kLen = 700;
 
 class ChunkedPrefill : public ::testing::TestWithParam<std::string> {};
