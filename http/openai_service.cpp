@@ -78,6 +78,7 @@ struct Choice {
   bool first_token_seen = false;
   std::string finish_reason;
   std::string error;
+  bool request_error = false;  // the engine can never serve this request (too big for its KV pool)
   int64_t kept_kv = 0;
   int64_t full_kv = 0;
   int64_t cached_tokens = 0;  // prompt tokens from the prefix cache
@@ -239,6 +240,7 @@ struct Exchange {
       stripped.finished = event.finished;
       stripped.finish_reason = event.finish_reason;
       stripped.error = event.error;
+      stripped.request_error = event.request_error;
       stripped.kept_kv_tokens = event.kept_kv_tokens;
       stripped.full_kv_tokens = event.full_kv_tokens;
     }
@@ -276,6 +278,7 @@ struct Exchange {
       c.finished = true;
       c.finish_reason = ev.finish_reason.empty() ? "stop" : ev.finish_reason;
       c.error = ev.error;
+      c.request_error = ev.request_error;
       c.kept_kv = ev.kept_kv_tokens;
       c.full_kv = ev.full_kv_tokens;
       c.cached_tokens = ev.cached_tokens;
@@ -317,7 +320,7 @@ struct Exchange {
     }
     if (ev.finished) {
       if (c.finish_reason == "error") {
-        emit(sse(ApiError(500, "generation failed: " + c.error, "", "server_error").to_json()));
+        emit(sse(failure(c).to_json()));
         return;
       }
       if (c.tool_stream) {
@@ -346,6 +349,13 @@ struct Exchange {
     }
   }
 
+  // A request the engine can never serve is the client's to fix (vLLM answers an over-long prompt
+  // with 400); anything else that fails a generation is the server's.
+  static ApiError failure(const Choice& c) {
+    if (c.request_error) return ApiError(400, c.error, "", "invalid_request_error");
+    return ApiError(500, "generation failed: " + c.error, "", "server_error");
+  }
+
   static std::string wire_finish_reason(const std::string& r) {
     // OpenAI knows stop | length; vLLM also reports abort.
     return r;
@@ -369,7 +379,7 @@ struct Exchange {
     }
     for (const auto& c : choices) {
       if (c.finish_reason == "error") {
-        HttpResponse r = error_response(ApiError(500, "generation failed: " + c.error, "", "server_error"));
+        HttpResponse r = error_response(failure(c));
         r.headers = headers;
         channel->respond(std::move(r));
         return;

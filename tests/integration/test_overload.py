@@ -342,6 +342,28 @@ def test_a_request_failing_in_the_engine_fails_alone():
         alone.close()
 
 
+def test_a_prompt_bigger_than_the_pool_is_the_clients_error():
+    """A prompt that needs more KV than the whole pool holds can never run: it is refused as a bad
+    request (HTTP 400, invalid_request_error, as vLLM refuses an over-long prompt), in a stream too,
+    and the server goes on serving."""
+    server = Server(kv_cache_bytes="2MiB")  # 1024 tokens per layer
+    try:
+        body = {"model": "tiny", "prompt": "x y z " * 700, "max_tokens": 4}
+        status, _, raw = http(server.port, "POST", "/v1/completions", body)
+        err = json.loads(raw)["error"]
+        assert status == 400, (status, raw)
+        assert err["type"] == "invalid_request_error" and "more KV cache than the whole pool holds" in err["message"], err
+        status, _, raw = http(server.port, "POST", "/v1/completions", dict(body, stream=True))
+        assert status == 200
+        events = [json.loads(line[6:]) for line in raw.decode().split("\n") if line.startswith("data: {")]
+        errors = [e["error"] for e in events if "error" in e]
+        assert errors and errors[0]["type"] == "invalid_request_error", events
+        status, _, raw = http(server.port, "POST", "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 3})
+        assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length", raw
+    finally:
+        server.close()
+
+
 def test_sigterm_drains_within_drain_timeout():
     # The long request (3,900 tokens) needs ~1.5 s of decode on a quiet 2-core machine: the drain
     # deadline must be well below that, or the request finishes before it and is not aborted.
