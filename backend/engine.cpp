@@ -65,6 +65,10 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
   so.policies = std::move(policies);
   so.eos_ids = eos_ids;
   so.on_queue_time = options_.on_queue_time;
+  so.shared_prefix_blocks = [runner = impl_->runner.get()](std::span<const int64_t> prompt, const std::string& policy,
+                                                           std::span<const int64_t> leaving) {
+    return runner->shared_prefix_blocks(prompt, policy, leaving);
+  };
   impl_->scheduler = std::make_unique<Scheduler>(std::move(so));
   impl_->output = std::make_unique<OutputProcessor>(*tokenizer_, std::move(eos_ids), impl_->max_model_len);
   thread_ = std::thread([this] { loop(); });
@@ -161,6 +165,26 @@ EngineStats Engine::stats() const {
   return impl_->stats;
 }
 
+namespace {
+
+// The pools' side of the engine's stats, as the last step left them.
+void record_usage(EngineStats& st, const KvUsage& usage) {
+  st.kv_blocks_total = usage.blocks_total;
+  st.kv_blocks_used = usage.blocks_used;
+  st.kv_blocks_high_water = usage.blocks_high_water;
+  st.kv_blocks_cached = usage.blocks_cached;
+  st.prefix_cache_bytes = usage.cached_bytes;
+  st.prefix_cache_host_bytes = usage.host_cached_bytes;
+  st.prefix_cache_host_capacity_bytes = usage.host_capacity_bytes;
+  st.prefix_cache_host_stores_total = usage.host_stores;
+  st.prefix_cache_host_loads_total = usage.host_loads;
+  st.conversations_parked = usage.conversations_parked;
+  st.kv_blocks_parked = usage.blocks_parked;
+  st.conversation_cache_bytes = usage.parked_bytes;
+}
+
+}  // namespace
+
 void Engine::loop() {
   Impl& im = *impl_;
   Scheduler& sched = *im.scheduler;
@@ -175,7 +199,7 @@ void Engine::loop() {
       out.finish(*s, "abort");
     std::vector<Scheduler::Rejected> rejected;
     StepPlan plan = sched.schedule(&rejected);
-    for (auto& [s, why] : rejected) out.finish(*s, "error", why);
+    for (auto& [s, why] : rejected) out.finish(*s, "error", why, /*request_error=*/true);
     std::vector<Scheduler::Output> outputs;
     if (!plan.empty()) outputs = sched.update(plan, runner.execute(plan));
     int64_t generated = 0;
@@ -195,23 +219,12 @@ void Engine::loop() {
     im.stats.running = sched.num_running();
     im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
     im.stats.waiting = sched.num_waiting();
-    im.stats.kv_blocks_total = usage.blocks_total;
-    im.stats.kv_blocks_used = usage.blocks_used;
-    im.stats.kv_blocks_high_water = usage.blocks_high_water;
+    record_usage(im.stats, usage);
     im.stats.prompt_tokens_total += prefilled;
     im.stats.generation_tokens_total += generated;
     im.stats.preemptions_total = sched.preemptions();
     im.stats.prefix_cache_queries_total = sched.prefix_queries();
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
-    im.stats.kv_blocks_cached = usage.blocks_cached;
-    im.stats.prefix_cache_bytes = usage.cached_bytes;
-    im.stats.prefix_cache_host_bytes = usage.host_cached_bytes;
-    im.stats.prefix_cache_host_capacity_bytes = usage.host_capacity_bytes;
-    im.stats.prefix_cache_host_stores_total = usage.host_stores;
-    im.stats.prefix_cache_host_loads_total = usage.host_loads;
-    im.stats.conversations_parked = usage.conversations_parked;
-    im.stats.kv_blocks_parked = usage.blocks_parked;
-    im.stats.conversation_cache_bytes = usage.parked_bytes;
     if (!plan.empty()) ++im.stats.steps_total;
     im.stats.step_collectives_total = runner.step_collectives();
     return stopping && sched.idle() && !sched.has_pending();
@@ -226,7 +239,7 @@ void Engine::loop() {
     sched.update(StepPlan{}, runner.execute(StepPlan{}));  // learn the pools
     const KvUsage usage = sched.usage();
     std::lock_guard<std::mutex> lk(im.mu);
-    im.stats.kv_blocks_total = usage.blocks_total;
+    record_usage(im.stats, usage);  // the pool and tier sizes are in /metrics before any request
     im.stats.steps_total = 1;
     im.stats.step_collectives_total = runner.step_collectives();
   } catch (const std::exception& e) {

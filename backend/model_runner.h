@@ -2,6 +2,8 @@
 // ModelRunner: executes the scheduler's StepPlans on the model and its KV memory. LocalRunner is one
 // process; ShardedRunner (backend/sharded/) drives every shard of a tensor x pipeline parallel job.
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 
 #include "backend/sampler.h"
@@ -36,6 +38,13 @@ class ModelRunner {
   // Whether this process samples (a pipeline's last stage samples elsewhere): grammar-constrained
   // requests need the compiled grammar where the sampler runs.
   virtual bool samples_in_process() const { return true; }
+  // PagedKvMemory::shared_prefix_blocks of the one KV shard; nullopt where the shards are in other
+  // processes (admission then counts a prompt's cached blocks as new).
+  virtual std::optional<int64_t> shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& policy,
+                                                      std::span<const int64_t> leaving) const {
+    (void)prompt, (void)policy, (void)leaving;
+    return std::nullopt;
+  }
 };
 
 struct LocalRunnerOptions {
@@ -52,6 +61,10 @@ class LocalRunner final : public ModelRunner {
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
   bool prompt_logprobs() const override { return true; }
+  std::optional<int64_t> shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& policy,
+                                              std::span<const int64_t> leaving) const override {
+    return kv_->shared_prefix_blocks(prompt, policy, leaving);
+  }
   // Null when decode runs eagerly.
   const DecodeGraphs* decode_graphs() const { return graphs_.get(); }
 

@@ -231,6 +231,12 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       const auto& g = shards_[i].usage.geometry;
       need[i] = from ? g.num_layers * (blocks_for_tokens(n - resumed + 1, g.block_size) + 1)
                      : PagedKvMemory::prompt_blocks(cfg, g, n, chunk);
+      // Cached blocks in use by others are shared, not taken (whole prompts only: a chunked one's
+      // later reservations count its peak in its own blocks).
+      if (S == 1 && !from && !chunk && cfg.is_full() && options_.shared_prefix_blocks) {
+        if (auto shared = options_.shared_prefix_blocks(tokens, s.req.kv_policy, plan.release))
+          need[i] = std::max<int64_t>(0, need[i] - *shared);
+      }
       fits = fits && need[i] <= free[i];
     }
     if (!fits && evict_parked()) continue;

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -38,6 +39,12 @@ class Scheduler {
     int64_t max_parked_conversations = 1024;
     // Called once per request with the seconds from submit() to its first admission.
     std::function<void(double seconds)> on_queue_time;
+    // ModelRunner::shared_prefix_blocks (one KV shard): a whole `full` prompt is admitted for the
+    // blocks it adds, not for the cached ones it shares with running requests. Unset or nullopt:
+    // every block counts.
+    using SharedPrefixBlocks = std::function<std::optional<int64_t>(
+        std::span<const int64_t> prompt, const std::string& policy, std::span<const int64_t> leaving)>;
+    SharedPrefixBlocks shared_prefix_blocks;
   };
   // A decision about one sequence the engine turns into events.
   struct Output {

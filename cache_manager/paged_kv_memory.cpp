@@ -1,6 +1,7 @@
 #include "cache_manager/paged_kv_memory.h"
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "common/check.h"
 #include "policies/token_scorer.h"
@@ -197,6 +198,27 @@ int64_t PagedKvMemory::prefix_lookup(std::span<const int64_t> prompt, const std:
   const int64_t n = static_cast<int64_t>(prompt.size());
   const bool compresses = !cfg.is_full() && PrefillSelector(cfg, shard_.total_layers, cache_.num_kv_heads(), n).compresses();
   return static_cast<int64_t>(prefix_match(cfg, compresses, n, prompt, n).size()) * cache_.block_size();
+}
+
+int64_t PagedKvMemory::shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& name,
+                                            std::span<const int64_t> leaving) const {
+  const PrefixCache* pc = cache_.prefix_cache();
+  const PolicyConfig& cfg = policy(name);
+  if (!pc || !cfg.is_full() || prompt.empty()) return 0;
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  std::unordered_map<int32_t, int64_t> gone;  // uses that end before the prompt runs
+  for (int64_t id : leaving) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) continue;
+    for (int32_t e : it->second.prefix) ++gone[e];
+  }
+  int64_t shared = 0;
+  for (int32_t e : prefix_match(cfg, false, n, prompt, n)) {
+    auto g = gone.find(e);
+    if (pc->on_host(e) || pc->users(e) - (g == gone.end() ? 0 : g->second) <= 0) break;
+    ++shared;
+  }
+  return shared * num_layers_;
 }
 
 int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,

@@ -76,6 +76,12 @@ class PagedKvMemory final : public KvMemory {
   // leading positions it would find in the cache now. A sharded job's rank 0 puts this in the step
   // plan, and the shards agree on the least of theirs before any of them takes its blocks.
   int64_t prefix_lookup(std::span<const int64_t> prompt, const std::string& policy) const;
+  // Blocks (all layers) a new `full` prompt would share with running requests instead of taking
+  // new ones: its cached leading blocks that are in the pool and used by a sequence that is not
+  // `leaving` (released before the prompt runs). Admission counts only the rest; blocks it would
+  // pin from idle entries are counted, since pinning takes them from the reclaimable ones.
+  int64_t shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& policy,
+                               std::span<const int64_t> leaving) const;
 
   // Admission arithmetic, also for a shard whose memory lives in another process (the scheduler
   // runs it in the driving process for every shard of a sharded job).

@@ -74,6 +74,11 @@ bool PrefixCache::on_host(int32_t entry) const {
   return entries_[entry].slot >= 0;
 }
 
+int64_t PrefixCache::users(int32_t entry) const {
+  check_entry(entry);
+  return entries_[entry].users;
+}
+
 // Every change of an entry's users, children, last use or tier goes between these two, which keep
 // the eviction orders and the idle / on-host counts.
 void PrefixCache::unlist(int32_t id) {

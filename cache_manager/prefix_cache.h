@@ -48,6 +48,8 @@ class PrefixCache {
   const HostKvTier* tier() const { return tier_; }
   // Whether an entry's blocks are in the host tier, not the pool.
   bool on_host(int32_t entry) const;
+  // Requests using the entry now (acquire minus release).
+  int64_t users(int32_t entry) const;
   // Brings an entry that is on the host back into fresh pool blocks (reclaiming others if the pool
   // is short) and returns them; the entry must have a user (acquire first). Throws KvError when
   // the pool has no room, leaving the entry on the host.

@@ -167,6 +167,31 @@ TEST(PrefixCaching, RequestsShareTheCachedBlocksWhileTheyDecode) {
   kv->cache().check_invariants();
 }
 
+TEST(PrefixCaching, AdmissionCountsOnlyTheBlocksAFullPromptAdds) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+  auto kv = make_memory(*model, 600, true);
+  const auto a = doc_and_question(V, 1), b = doc_and_question(V, 2), c = doc_and_question(V, 3);
+  const std::vector<int64_t> none, first{1};
+  model->prefill(1, a, *kv);
+  const int64_t shared = kv->shared_prefix_blocks(b, "full", none);
+  EXPECT_EQ(shared, kDoc / 16 * L);
+  EXPECT_EQ(kv->shared_prefix_blocks(b, "full", first), 0);  // its only user is released first
+  EXPECT_EQ(kv->shared_prefix_blocks(b, "snap", none), 0);   // a compressing prompt holds its own blocks
+  const int64_t before = kv->blocks_used();
+  model->prefill(2, b, *kv);
+  // What the second prompt took: its whole prompt's blocks less the shared ones.
+  EXPECT_EQ(kv->blocks_used() - before, (static_cast<int64_t>(b.size()) / 16 + 1) * L - shared);
+  kv->release(1);
+  EXPECT_EQ(kv->shared_prefix_blocks(c, "full", none), kDoc / 16 * L);  // the second still uses the document
+  kv->release(2);
+  // Idle now: a prompt that pins these blocks takes them from the reclaimable ones, so they count.
+  EXPECT_EQ(kv->shared_prefix_blocks(c, "full", none), 0);
+  kv->cache().check_invariants();
+}
+
 TEST(PrefixCaching, CachedBlocksAreReclaimedBeforeAnAllocationFails) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";

@@ -91,13 +91,13 @@ class FakeRunner final : public ModelRunner {
       ShardUsage u;
       u.geometry = {0, kLayers, kLayers, 1, kBlock, rounds_kv, prefix_caching};
       u.blocks_total = total;
-      for (auto& [id, n] : len_) u.blocks_used += held(n);
+      for (auto& [id, n] : len_) u.blocks_used += held(n) - shares(id);
       u.blocks_high_water = u.blocks_used;
       if (u.blocks_used > total) overflow = true;
-      for (int64_t id : plan.decode.seq_ids) u.held.push_back(held(len_.at(id))), u.demand.push_back(demand(len_.at(id)));
+      for (int64_t id : plan.decode.seq_ids) u.held.push_back(held(len_.at(id)) - shares(id)), u.demand.push_back(demand(len_.at(id)));
       for (const auto& p : plan.prefill) {
         const int64_t len = len_.count(p.seq_id) ? len_.at(p.seq_id) : 0;
-        u.held.push_back(held(len)), u.demand.push_back(len_.count(p.seq_id) ? demand(len) : 0);
+        u.held.push_back(len ? held(len) - shares(p.seq_id) : 0), u.demand.push_back(len_.count(p.seq_id) ? demand(len) : 0);
       }
       r.shards.push_back(u);
     }
@@ -113,6 +113,8 @@ class FakeRunner final : public ModelRunner {
   int64_t fail_prefill_of = -1;  // this sequence's next prefill (or chunk) fails
   bool rounds_kv = false;        // the pools report a KV dtype other than the compute dtype
   bool prefix_caching = false;   // the pools report a prefix cache
+  std::map<int64_t, int64_t> shared;  // blocks a sequence shares with others (a prefix-cache hit): not its own
+  int64_t shares(int64_t id) const { return shared.count(id) ? shared.at(id) : 0; }
   int64_t used() const {
     int64_t n = 0;
     for (auto& [id, len] : len_) n += held(len);
@@ -143,6 +145,7 @@ class SchedulerTest : public ::testing::Test {
     o.max_num_batched_tokens = max_tokens;
     o.enable_chunked_prefill = chunked;
     o.policies = policies();
+    o.shared_prefix_blocks = shared_prefix_blocks;
     sched = std::make_unique<Scheduler>(std::move(o));
     sched->update(StepPlan{}, runner->execute(StepPlan{}));
   }
@@ -177,6 +180,7 @@ class SchedulerTest : public ::testing::Test {
   }
   std::unique_ptr<FakeRunner> runner;
   std::unique_ptr<Scheduler> sched;
+  Scheduler::Options::SharedPrefixBlocks shared_prefix_blocks;  // passed on by make()
   std::vector<Scheduler::Rejected> rejected;
   std::vector<std::unique_ptr<Sequence>> finished;
   std::vector<int64_t> errors;  // sequences that failed
@@ -632,6 +636,41 @@ TEST_F(SchedulerTest, ACompressingPromptReusesThePrefixCacheOnlyWithRoomForItsCo
     while (p.prefill.empty() || p.prefill.back().seq_id != 2) p = step();
     EXPECT_TRUE(p.prefill.back().reuse_prefix) << "full KV counts its cached blocks in its own need";
   }
+}
+
+TEST_F(SchedulerTest, AWholeFullPromptIsAdmittedForTheBlocksItDoesNotShare) {
+  // The runner's answer stands in for PagedKvMemory::shared_prefix_blocks (tested on a real memory
+  // in test_prefix_caching.cpp): 16 of a 39-token prompt's 20 blocks are in use by others.
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> asked;  // prompt length, leaving
+  shared_prefix_blocks = [&](std::span<const int64_t> prompt, const std::string& policy, std::span<const int64_t> leaving) {
+    EXPECT_EQ(policy, "full");
+    asked.push_back({static_cast<int64_t>(prompt.size()), {leaving.begin(), leaving.end()}});
+    return std::optional<int64_t>(prompt.size() == 39 ? 16 : 0);
+  };
+  make({32});
+  runner->shared[2] = 16;
+  add(1, 38), add(2, 39);
+  StepPlan p = step();  // 1 takes 20 blocks; 2 needs 20 - 16 = 4 of the 12 left
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{1, 2}));
+  add(3, 39, 100, "stream8");  // a compressing prompt is never asked about
+  add(4, 40);                  // nothing shared: 22 blocks do not fit
+  p = step();
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{3}));
+  EXPECT_FALSE(runner->overflow);
+  auto taken = sched->take_if([](const Sequence& s) { return s.id == 1; });
+  ASSERT_EQ(taken.size(), 1u);
+  asked.clear();
+  step();
+  // The plan that releases 1 tells the runner so, with 4's admission question.
+  ASSERT_FALSE(asked.empty());
+  EXPECT_EQ(asked[0], (std::pair<int64_t, std::vector<int64_t>>{40, {1}}));
+  // One shard of a sharded job: no answer, so every block counts.
+  shared_prefix_blocks = [](std::span<const int64_t>, const std::string&, std::span<const int64_t>) {
+    return std::optional<int64_t>();
+  };
+  make({32});
+  add(1, 38), add(2, 39);
+  EXPECT_EQ(prefill_ids(step()), (std::vector<int64_t>{1}));
 }
 
 }  // namespace

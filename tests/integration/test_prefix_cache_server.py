@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from kvserve_server import Server
+from kvserve_server import Server, kvserve_bin, model_dir
 
 DOC = 200  # 12 full blocks of 16 and a bit
 
@@ -100,6 +100,10 @@ def test_a_host_tier_serves_a_document_the_pool_gave_up():
     on = Server(kv_cache_bytes="768KiB", extra_args=("--prefix-cache-bytes", "2MiB"))
     off = Server(kv_cache_bytes="768KiB", extra_args=("--no-enable-prefix-caching",))
     try:
+        # The sizes are there before the first request.
+        fresh = on.metrics()
+        assert fresh["kvserve:prefix_cache_host_capacity_bytes"] == 2 << 20, fresh
+        assert fresh["kvserve:kv_cache_blocks_total"] == 96, fresh
         for i, policy in enumerate(["full", "snapkv", "pyramidkv"]):
             doc = tokens(40 + i, DOC)
             first = completion(on.url, doc + tokens(500 + i, 20), policy)
@@ -124,3 +128,27 @@ def test_a_host_tier_serves_a_document_the_pool_gave_up():
             log = s.log()
             s.tmp.cleanup()
             assert rc == 0, log[-4000:]
+
+
+def test_requests_sharing_a_cached_document_are_admitted_for_what_they_add(tmp_path):
+    """Admission counts a `full` prompt's cached blocks that running requests already use as shared,
+    not new: in a pool (tiny-llama, 40 blocks of 16 tokens a layer) where one 336-token request
+    takes 22 blocks a layer, four questions on one 320-token document run together with the cache
+    and one at a time without it, with the same greedy tokens."""
+    import subprocess
+    doc = tokens(77, 320)
+    prompts = [doc + tokens(900 + i, 16) for i in range(4)]
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(prompts))
+
+    def generate(*flags: str) -> dict:
+        cmd = [kvserve_bin(), "generate", "--model", model_dir(), "--prompts-file", str(path), "--max-tokens", "16",
+               "--ignore-eos", "--kv-cache", "1280KiB", "--json", *flags]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    on, off = generate(), generate("--no-enable-prefix-caching")
+    assert [r["token_ids"] for r in on["results"]] == [r["token_ids"] for r in off["results"]]
+    assert off["max_running"] == 1, off["max_running"]
+    assert on["max_running"] == 4, on["max_running"]
