@@ -19,6 +19,8 @@ off and on, per KV policy, and whether the greedy tokens are the same.
     the document (which needs the pool: the document's cached blocks move to the tier, or are
     dropped without one) and the question: without a tier it is a miss, with one a hit from host
     memory.
+(d) partial (not in the defaults): prompts that share only the first --partial-shared tokens of a
+    cached document (the rest is new), against misses of the same length, with the cache on.
 
 Prompts are token ids (deterministic pseudo-random text from the vocabulary), sent to
 /v1/completions with streaming; TTFT is the client's time to the first streamed token. Each policy
@@ -159,6 +161,22 @@ def tier_qa(url: str, policy: str, args, vocab: int) -> dict:
     return {"runs": runs}
 
 
+def partial_qa(url: str, policy: str, args, vocab: int) -> dict:
+    """A partial hit: after a document is cached, prompts as long as document + question whose first
+    --partial-shared tokens are the document's and the rest new, against misses of the same length."""
+    doc = words(random.Random(f"partial-{policy}"), args.doc, vocab)
+    complete(url, doc + words(random.Random("q-0"), args.question, vocab), policy, 1)
+    runs, misses = [], []
+    for q in range(args.partial_questions):
+        rest = words(random.Random(f"rest-{policy}-{q}"), args.doc - args.partial_shared + args.question, vocab)
+        ttft, text, cached, _ = complete(url, doc[:args.partial_shared] + rest, policy, args.max_tokens)
+        runs.append({"ttft": ttft, "text": text, "cached": cached})
+        fresh = words(random.Random(f"miss-{policy}-{q}"), args.doc + args.question, vocab)
+        ttft, text, cached, _ = complete(url, fresh, policy, args.max_tokens)
+        misses.append({"ttft": ttft, "text": text, "cached": cached})
+    return {"runs": runs, "misses": misses}
+
+
 def multi_turn(url: str, policy: str, args, vocab: int, reuse: str) -> dict:
     system = words(random.Random(f"sys-{policy}"), args.system, vocab)
     runs = []
@@ -197,18 +215,22 @@ def main() -> None:
     ap.add_argument("--tier-questions", type=int, default=3, help="tier: questions after an unrelated prompt each")
     ap.add_argument("--tier-pool", default="600MiB", help="tier: kv_cache_bytes, room for about one 8K request")
     ap.add_argument("--tier-bytes", default="1GiB", help="tier: cache.prefix_cache_bytes")
+    ap.add_argument("--partial-shared", type=int, default=2500, help="partial: leading document tokens a prompt shares")
+    ap.add_argument("--partial-questions", type=int, default=2, help="partial: partial hits (and as many misses)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     policies = args.policies.split(",")
     vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
     load = os.getloadavg()
-    results: dict = {"args": vars(args), "loadavg_start": load, "doc": {}, "chat": {}, "tier": {}}
+    results: dict = {"args": vars(args), "loadavg_start": load, "doc": {}, "chat": {}, "tier": {}, "partial": {}}
     for workload in args.workloads.split(","):
         settings = [("off", False, "exact"), ("on", True, "exact")]
         if workload == "chat" and args.compressed:
             settings.append(("compressed", True, "compressed"))
         if workload == "tier":  # both with the cache, in a pool that holds one request: without and with a tier
             settings = [("pool", True, "0"), ("host", True, args.tier_bytes)]
+        if workload == "partial":  # the cache on; its misses are the baseline
+            settings = [("on", True, "exact")]
         for setting, caching, reuse in settings:
             if workload == "tier":
                 proc, url = start_server(args.kvserve, args.model, caching, policies, args.tier_pool, reuse)
@@ -218,6 +240,8 @@ def main() -> None:
                 for policy in policies:
                     if workload == "tier":
                         r = tier_qa(url, policy, args, vocab)
+                    elif workload == "partial":
+                        r = partial_qa(url, policy, args, vocab)
                     elif workload == "doc":
                         r = doc_qa(url, policy, args, vocab, args.questions if caching else args.miss_questions)
                     else:
@@ -283,6 +307,16 @@ def main() -> None:
         m = results["tier"].get("metrics_host", {})
         print(f"\nhost tier: {m.get('prefix_cache_host_stores_total', 0):.0f} entries moved out, "
               f"{m.get('prefix_cache_host_loads_total', 0):.0f} brought back")
+    if results["partial"]:
+        print(f"\n| policy | miss, {args.doc + args.question} tokens (p50) | partial hit (p50) | cached tokens | "
+              "miss / partial hit |")
+        print("|---|---|---|---|---|")
+        for p in policies:
+            r = results["partial"].get(p, {}).get("on")
+            if not r:
+                continue
+            a, b = p50([x["ttft"] for x in r["misses"]]), p50([x["ttft"] for x in r["runs"]])
+            print(f"| {p} | {a:.3f} s | {b:.3f} s | {p50([x['cached'] for x in r['runs']]):.0f} | {a / b:.2f}x |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 
