@@ -59,11 +59,11 @@ POLICIES = {
 
 
 def start_server(binary: str, model: str, caching: bool, policies: list[str], pool: str = "3GiB",
-                 tier: str = "0") -> tuple[subprocess.Popen, str]:
+                 tier: str = "0", device: str = "cpu", dtype: str = "float32") -> tuple[subprocess.Popen, str]:
     tmp = tempfile.mkdtemp(prefix="kvserve-prefix-")
     cfg = pathlib.Path(tmp) / "config.yaml"
     pol = "".join(f"  {p}: {POLICIES[p]}\n" for p in policies if p != "full")
-    cfg.write_text(f"model: {{path: {model}, served_model_name: bench}}\n"
+    cfg.write_text(f"model: {{path: {model}, served_model_name: bench, device: {device}, dtype: {dtype}}}\n"
                    f"server: {{host: 127.0.0.1, port: 0, request_timeout_s: 3600}}\n"
                    f"cache: {{kv_cache_bytes: {pool}, enable_prefix_caching: {'true' if caching else 'false'}, "
                    f"prefix_cache_bytes: {tier}}}\n"
@@ -217,6 +217,9 @@ def main() -> None:
     ap.add_argument("--tier-bytes", default="1GiB", help="tier: cache.prefix_cache_bytes")
     ap.add_argument("--partial-shared", type=int, default=2500, help="partial: leading document tokens a prompt shares")
     ap.add_argument("--partial-questions", type=int, default=2, help="partial: partial hits (and as many misses)")
+    ap.add_argument("--device", default="cpu", help="model.device: cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default="float32", help="model.dtype (bfloat16 for the GPU rows)")
+    ap.add_argument("--pool", default="3GiB", help="kv_cache_bytes of the doc, chat and partial servers")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     policies = args.policies.split(",")
@@ -233,9 +236,11 @@ def main() -> None:
             settings = [("on", True, "exact")]
         for setting, caching, reuse in settings:
             if workload == "tier":
-                proc, url = start_server(args.kvserve, args.model, caching, policies, args.tier_pool, reuse)
+                proc, url = start_server(args.kvserve, args.model, caching, policies, args.tier_pool, reuse,
+                                         args.device, args.dtype)
             else:
-                proc, url = start_server(args.kvserve, args.model, caching, policies)
+                proc, url = start_server(args.kvserve, args.model, caching, policies, args.pool, "0", args.device,
+                                         args.dtype)
             try:
                 for policy in policies:
                     if workload == "tier":
@@ -304,6 +309,16 @@ def main() -> None:
             same = sum(x["text"] == y["text"] for x, y in zip(r["pool"]["runs"], r["host"]["runs"]))
             print(f"| {p} | {a:.3f} s | {p50([x['cached'] for x in pool]):.0f} | {b:.3f} s | "
                   f"{p50([x['cached'] for x in host]):.0f} | {a / b:.1f}x | {same}/{len(r['pool']['runs'])} |")
+        # With (a) in the same run: what a hit from the tier costs over a hit from the pool, the
+        # copy-in of the document's blocks, per layer.
+        layers = json.loads((pathlib.Path(args.model) / "config.json").read_text())["num_hidden_layers"]
+        for p in policies:
+            r, d = results["tier"].get(p), results["doc"].get(p)
+            if r and d and "on" in d:
+                tier_hit = p50([x["ttft"] for x in r["host"]["runs"][1:]])
+                pool_hit = p50([x["ttft"] for x in d["on"]["runs"][1:]])
+                print(f"{p}: hit from the tier {tier_hit:.3f} s, from the pool {pool_hit:.3f} s: copy-in "
+                      f"{1000 * (tier_hit - pool_hit):.1f} ms, {1000 * (tier_hit - pool_hit) / layers:.2f} ms per layer")
         m = results["tier"].get("metrics_host", {})
         print(f"\nhost tier: {m.get('prefix_cache_host_stores_total', 0):.0f} entries moved out, "
               f"{m.get('prefix_cache_host_loads_total', 0):.0f} brought back")

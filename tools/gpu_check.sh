@@ -5,6 +5,7 @@
 #   tools/gpu_check.sh fetch     # on the Debian 12 dev machine: .gpudeps/ (Debian .debs + openai wheels)
 #   tools/gpu_check.sh run       # on the GPU machine, from the repo root with .gpudeps/ copied along
 #   tools/gpu_check.sh bench [bench_gpu.py options]   # then, on the same machine: the GPU benchmark
+#   tools/gpu_check.sh prefix [bench_prefix_cache.py options]   # prefix cache and host tier, 8B bf16
 #
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
 # target whose name contains "cuda" against that machine's torch, runs those gtests (ctest -R cuda),
@@ -16,6 +17,12 @@
 # image has (no wheels are carried for them). Its default run is sized for ~8 minutes on an H100,
 # so give it its own command (a 10-minute limit), right after `run` while the machine still holds
 # /tmp/kvserve-build (or alone: it then builds kvserve first, ~90 s; pass --budget-s 360).
+# `prefix` (never run yet) measures issue 23's GPU row on the bench's random Llama-3.1-8B-shaped
+# checkpoint (made as `bench` makes it, or reused from its cache): bench/bench_prefix_cache.py with
+# model.device cuda and bfloat16, for full and pyramidkv. The document workload gives the miss and
+# hits from the pool; the tier workload (a pool with room for about 1.6 8K requests, as on CPU, and
+# a 4 GiB host tier) gives hits from host RAM. It prints the tier's copy-in time (tier hit - pool
+# hit) in all and per layer. Sized for a few minutes on an H100; its log and JSON go to $OUT.
 # `run` and `bench` ran as committed on an H100 on 2026-11-26 (docs/gpu.md): `run` 262 s (26 gtests,
 # 18 pytest cases, all passed), `bench` 144 s with --budget-s 220.
 set -euo pipefail
@@ -103,6 +110,16 @@ bench)
     --json-out "$out/benchmarks-gpu.json" "$@" 2>&1 | tee "$out/bench.log"
   cp "$out/benchmarks-gpu.md" docs/benchmarks-gpu.md
   ;;
+prefix)
+  shift
+  setup_env
+  [ -x "$BUILD/kvserve" ] || build_kvserve
+  model=/tmp/kvserve-bench-models/bench-8b
+  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234
+  python3 bench/bench_prefix_cache.py --kvserve "$BUILD/kvserve" --model "$model" --device cuda --dtype bfloat16 \
+    --workloads doc,tier --policies full,pyramidkv --questions 5 --miss-questions 2 --tier-questions 2 \
+    --pool 12GiB --tier-pool 1650MiB --tier-bytes 4GiB --json "$out/prefix.json" "$@" 2>&1 | tee "$out/prefix.log"
+  ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench [bench_gpu.py options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix [options]" >&2; exit 2 ;;
 esac
