@@ -232,8 +232,10 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       need[i] = from ? g.num_layers * (blocks_for_tokens(n - resumed + 1, g.block_size) + 1)
                      : PagedKvMemory::prompt_blocks(cfg, g, n, chunk);
       // Cached blocks in use by others are shared, not taken (whole prompts only: a chunked one's
-      // later reservations count its peak in its own blocks).
-      if (S == 1 && !from && !chunk && cfg.is_full() && options_.shared_prefix_blocks) {
+      // later reservations count its peak in its own blocks; one asking every position's logits
+      // takes nothing from the cache).
+      const bool shares = !from && !chunk && cfg.is_full() && s.req.sampling.prompt_logprobs < 0;
+      if (S == 1 && shares && options_.shared_prefix_blocks) {
         if (auto shared = options_.shared_prefix_blocks(tokens, s.req.kv_policy, plan.release))
           need[i] = std::max<int64_t>(0, need[i] - *shared);
       }

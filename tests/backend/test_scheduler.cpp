@@ -664,6 +664,12 @@ TEST_F(SchedulerTest, AWholeFullPromptIsAdmittedForTheBlocksItDoesNotShare) {
   // The plan that releases 1 tells the runner so, with 4's admission question.
   ASSERT_FALSE(asked.empty());
   EXPECT_EQ(asked[0], (std::pair<int64_t, std::vector<int64_t>>{40, {1}}));
+  // A prompt that asks every position's logits takes nothing from the cache: all its blocks count.
+  make({32});
+  runner->shared[2] = 16;
+  add(1, 38);
+  add(2, 39)->req.sampling.prompt_logprobs = 0;
+  EXPECT_EQ(prefill_ids(step()), (std::vector<int64_t>{1}));
   // One shard of a sharded job: no answer, so every block counts.
   shared_prefix_blocks = [](std::span<const int64_t>, const std::string&, std::span<const int64_t>) {
     return std::optional<int64_t>();
