@@ -49,7 +49,7 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
                                model_,
                                make_kv_memory(model_->kv_layout(),
                                               {options_.block_size, 0, options_.kv_cache_bytes, options_.enable_prefix_caching,
-                                               options_.prefix_cache_bytes},
+                                               options_.prefix_cache_bytes, options_.kv_layout},
                                               policies,
                                               options_.default_policy),
                                LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager});

@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache_manager/kv_memory_factory.h"
 #include "backend/engine_types.h"
 #include "backend/structured_output_spec.h"
 
@@ -42,6 +43,8 @@ struct EngineOptions {
   // Host-RAM tier of the prefix cache per shard (cache.prefix_cache_bytes; 0 = none): cached
   // blocks the pool reclaims move there and come back on a hit.
   int64_t prefix_cache_bytes = 0;
+  // Block layout of the pool (cache.kv_layout): head-wise when a policy has head_budgets=adaptive.
+  KvLayout kv_layout = KvLayout::kAuto;
   std::string default_policy = "full";
   // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
   std::map<std::string, std::map<std::string, std::string>> policies;

@@ -46,6 +46,9 @@ struct GenerationEvent {
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t kept_kv_tokens = 0;             // KV tokens the policy kept after prefill (all layers)
+  // Tokens kept per (layer, KV head) after prefill: least, mean, most (head-wise budgets spread them).
+  int64_t kept_head_min = 0, kept_head_max = 0;
+  double kept_head_mean = 0.0;
   int64_t full_kv_tokens = 0;             // what full KV would have held
   int64_t cached_tokens = 0;              // prompt tokens served from the prefix cache
 };

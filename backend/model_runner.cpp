@@ -62,6 +62,15 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   auto prompt_k = [&](const PrefillWork& p) {
     return p.sample && !p.chunked() ? samplers_.prompt_logprobs(p.seq_id) : int64_t{-1};
   };
+  // What the policy kept: per layer and per (layer, KV head).
+  auto kept_of = [&](int64_t seq_id, PrefillOutcome& o) {
+    o.kept_tokens = kv_->kept_tokens(seq_id);
+    const auto hk = kv_->head_kept(seq_id);
+    o.kept_head_min = hk.min;
+    o.kept_head_max = hk.max;
+    o.kept_head_sum = hk.sum;
+    o.head_tables = hk.count;
+  };
   // What a first chunk found in the prefix cache (later chunks report nothing).
   auto looked_up = [&](const PrefillWork& p, PrefillOutcome& o) {
     if (p.start != 0) return;
@@ -111,7 +120,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
           if (error.empty()) o.first = firsts[k++];
           else o.error = error;
         }
-        o.kept_tokens = kv_->kept_tokens(plan.prefill[i].seq_id);
+        kept_of(plan.prefill[i].seq_id, o);
         looked_up(plan.prefill[i], o);
         r.prefilled.push_back(std::move(o));
       }
@@ -128,7 +137,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
           o.first = samplers_.sample(p.seq_id, logits[logits.size(0) - 1], p.ban_eos);
           if (k >= 0) o.first->prompt = kvserve::prompt_logprobs(logits, p.tokens, k);
         }
-        o.kept_tokens = kv_->kept_tokens(p.seq_id);
+        kept_of(p.seq_id, o);
         looked_up(p, o);
       } catch (const std::exception& e) {
         o.error = e.what();

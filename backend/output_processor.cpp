@@ -81,6 +81,9 @@ void OutputProcessor::finish(Sequence& s, const std::string& reason, const std::
   ev.completion_tokens = static_cast<int64_t>(s.output.size());
   ev.cached_tokens = s.cached_tokens;
   ev.kept_kv_tokens = s.kept_kv;
+  ev.kept_head_min = s.kept_head_min;
+  ev.kept_head_max = s.kept_head_max;
+  ev.kept_head_mean = s.kept_head_mean;
   ev.full_kv_tokens = s.full_kv;
   s.on_event(ev);
 }

@@ -36,7 +36,9 @@ std::unique_ptr<Sequence> Scheduler::finish(int64_t seq_id, bool completed) {
 
 bool Scheduler::reuses_compressed(const Sequence& s) const {
   const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
-  return !cfg.is_full() && s.req.reuse_compressed.value_or(cfg.reuse_compressed);
+  // A head-adaptive policy's heads hold different lengths, which a resumed turn's chunk cannot
+  // attend to yet: its requests are served by the exact prefix cache instead.
+  return !cfg.is_full() && !cfg.head_adaptive() && s.req.reuse_compressed.value_or(cfg.reuse_compressed);
 }
 
 const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const std::vector<int64_t>& prompt) const {
@@ -330,6 +332,9 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
     PrefillOutcome& o = result.prefilled.at(p);
     if (plan.prefill[p].last_chunk()) {
       s->kept_kv = o.kept_tokens;
+      s->kept_head_min = o.kept_head_min;
+      s->kept_head_max = o.kept_head_max;
+      s->kept_head_mean = o.head_tables ? static_cast<double>(o.kept_head_sum) / static_cast<double>(o.head_tables) : 0.0;
       s->full_kv = plan.prefill[p].total() * layers;
     }
     if (plan.prefill[p].start == 0 && o.error.empty()) {

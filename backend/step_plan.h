@@ -95,6 +95,9 @@ struct ShardUsage {
 struct PrefillOutcome {
   std::optional<SampledToken> first;  // when the plan asked to sample
   int64_t kept_tokens = 0;            // KV tokens kept, summed over layers (each layer counted once)
+  // Tokens kept per (layer, KV head): least, most, and their sum over `head_tables` tables (every
+  // shard's; a replicated KV head counts once per replica, which leaves the mean unchanged).
+  int64_t kept_head_min = 0, kept_head_max = 0, kept_head_sum = 0, head_tables = 0;
   int64_t queried_tokens = 0;         // prompt tokens looked up in the prefix cache (first chunk)
   int64_t cached_tokens = 0;          // of those, taken from it
   std::string error;                  // non-empty: this prefill failed; the others ran

@@ -20,6 +20,11 @@ struct KvPoolOptions {
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
   bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
+  // Head-wise layout (docs/architecture.md, "Head-wise KV lengths"): a block holds one KV head's
+  // block_size tokens, and every (sequence, layer, KV head) owns its own block table and length, so
+  // a head that keeps 40 tokens holds 40 tokens' blocks. PagedKvCache builds its pool with one head
+  // per block then; num_kv_heads stays the model shard's count.
+  bool head_blocks = false;
 };
 
 // Storage [num_blocks, 2, KV, block_size, D]: one block = K then V of all KV heads of one layer for

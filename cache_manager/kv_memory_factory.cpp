@@ -1,8 +1,26 @@
 #include "cache_manager/kv_memory_factory.h"
 
+#include <algorithm>
+
 #include "common/check.h"
 
 namespace kvserve {
+
+KvLayout parse_kv_layout(const std::string& name) {
+  if (name == "auto") return KvLayout::kAuto;
+  if (name == "layer") return KvLayout::kLayer;
+  if (name == "head") return KvLayout::kHead;
+  KV_FAIL("KV layout must be one of auto, layer, head; got '" << name << "'");
+}
+
+std::string to_string(KvLayout layout) {
+  return layout == KvLayout::kAuto ? "auto" : layout == KvLayout::kLayer ? "layer" : "head";
+}
+
+bool uses_head_blocks(KvLayout layout, const std::map<std::string, PolicyConfig>& policies) {
+  if (layout != KvLayout::kAuto) return layout == KvLayout::kHead;
+  return std::any_of(policies.begin(), policies.end(), [](const auto& p) { return p.second.head_adaptive(); });
+}
 
 std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
                                               std::map<std::string, PolicyConfig> policies,
@@ -18,6 +36,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   pool.dtype = layout.dtype;
   pool.device = layout.device;
   pool.rounds = layout.rounds;
+  pool.head_blocks = uses_head_blocks(size.layout, policies);
   shard.first_layer = layout.first_layer;
   shard.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
   auto mem = std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));

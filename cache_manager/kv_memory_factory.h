@@ -25,6 +25,11 @@ struct KvMemoryLayout {
   uint64_t kv_salt = 0;  // names what else makes the K/V (the prefix cache's key salt)
 };
 
+// How a pool lays out its blocks (cache.kv_layout): kLayer, a block holds every KV head of a layer
+// (one length per layer); kHead, one KV head (each head its own length, for head-wise budgets);
+// kAuto, kHead exactly when a configured policy has head_budgets=adaptive.
+enum class KvLayout { kAuto, kLayer, kHead };
+
 // How big the pool is: num_blocks when > 0, else kv_cache_bytes.
 struct KvPoolSize {
   int64_t block_size = 16;
@@ -32,7 +37,14 @@ struct KvPoolSize {
   int64_t kv_cache_bytes = 0;
   bool prefix_caching = false;  // keep full prompt blocks for later requests (cache.enable_prefix_caching)
   int64_t prefix_cache_bytes = 0;  // the prefix cache's host-RAM tier (cache.prefix_cache_bytes), 0 = none
+  KvLayout layout = KvLayout::kAuto;
 };
+
+// "auto" | "layer" | "head" (cache.kv_layout, --kv-layout); throws naming the value otherwise.
+KvLayout parse_kv_layout(const std::string& name);
+std::string to_string(KvLayout layout);
+// Whether a pool for these policies uses head-wise blocks under `layout`.
+bool uses_head_blocks(KvLayout layout, const std::map<std::string, PolicyConfig>& policies);
 
 // `policies`: the named policies sequences may ask for ("full" is always there); `shard`: a sharded
 // job's score exchange (its layer fields are taken from `layout`).

@@ -26,13 +26,23 @@ bool use_cuda_kernels(const KvBlockPool& pool) {
   return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 &&
          (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 || pool.dtype() == torch::kFloat16);
 }
+// The pool's own geometry: one KV head per block in the head-wise layout.
+KvPoolOptions block_options(KvPoolOptions o) {
+  KV_CHECK(o.num_kv_heads >= 1, "KV pool needs at least one KV head, got " << o.num_kv_heads);
+  if (o.head_blocks) o.num_kv_heads = 1;
+  return o;
+}
 }  // namespace
 
 PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
     : num_layers_(num_layers),
-      pool_(options),
+      heads_(options.num_kv_heads),
+      lanes_(options.head_blocks ? options.num_kv_heads : 1),
+      head_split_(options.head_blocks),
+      heads_per_block_(options.head_blocks ? 1 : options.num_kv_heads),
+      pool_(block_options(options)),
       alloc_(pool_.num_blocks()),
-      kv_(options.num_kv_heads),
+      kv_(pool_.num_kv_heads()),
       bs_(options.block_size),
       d_(options.head_dim),
       dev_(num_layers, options.device) {
@@ -45,8 +55,10 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
 
 void PagedKvCache::add_sequence(int64_t seq_id) {
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already in the KV cache");
-  seqs_.emplace(seq_id, SequenceBlockTable(num_layers_));
-  dev_.add(seq_id);
+  KV_CHECK(lanes_ == 1 || (seq_id >= 0 && seq_id <= std::numeric_limits<int64_t>::max() / lanes_ - 1),
+           "sequence id " << seq_id << " out of range for head-wise block tables");
+  seqs_.emplace(seq_id, SequenceBlockTable(num_layers_ * lanes_));
+  for (int64_t lane = 0; lane < lanes_; ++lane) dev_.add(row_key(seq_id, lane));
 }
 
 void PagedKvCache::release(int64_t seq_id) {
@@ -56,7 +68,7 @@ void PagedKvCache::release(int64_t seq_id) {
     t.layer(l).length = 0;
   }
   seqs_.erase(seq_id);
-  dev_.remove(seq_id);
+  for (int64_t lane = 0; lane < lanes_; ++lane) dev_.remove(row_key(seq_id, lane));
   if (step_.active && std::find(step_.seq_ids.begin(), step_.seq_ids.end(), seq_id) != step_.seq_ids.end())
     step_.active = false;
 }
@@ -87,7 +99,27 @@ void PagedKvCache::rename_sequence(int64_t from, int64_t to) {
   KV_CHECK(!node.empty(), "sequence " << from << " not in the KV cache");
   node.key() = to;
   seqs_.insert(std::move(node));
-  dev_.rename(from, to);
+  for (int64_t lane = 0; lane < lanes_; ++lane) dev_.rename(row_key(from, lane), row_key(to, lane));
+}
+
+LayerBlocks& PagedKvCache::lane_of(int64_t seq_id, int64_t layer, int64_t lane) {
+  KV_CHECK(layer >= 0 && layer < num_layers_, "layer " << layer << " out of range [0, " << num_layers_ << ")");
+  KV_CHECK(lane >= 0 && lane < lanes_, "lane " << lane << " out of range [0, " << lanes_ << ")");
+  return table_of(seq_id).layer(slot(layer, lane));
+}
+
+std::vector<int64_t> PagedKvCache::lane_lengths(const char* what, const std::vector<int64_t>& head_lengths,
+                                                int64_t n) const {
+  if (head_lengths.empty()) return std::vector<int64_t>(static_cast<size_t>(lanes_), n);
+  KV_CHECK(static_cast<int64_t>(head_lengths.size()) == heads_,
+           what << ": " << head_lengths.size() << " head lengths for " << heads_ << " KV heads");
+  for (int64_t x : head_lengths) KV_CHECK(x >= 0 && x <= n, what << ": head length " << x << " outside [0, " << n << "]");
+  if (lanes_ == 1) {
+    KV_CHECK(std::all_of(head_lengths.begin(), head_lengths.end(), [n](int64_t x) { return x == n; }),
+             what << ": KV heads keeping different numbers of tokens need the head-wise layout (head_blocks)");
+    return {n};
+  }
+  return head_lengths;
 }
 
 std::vector<int32_t> PagedKvCache::take_blocks(int64_t n, int64_t seq_id, int64_t layer) {
@@ -122,92 +154,115 @@ std::pair<torch::Tensor, torch::Tensor> PagedKvCache::slot_index(const std::vect
 // content
 
 void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
-                         const torch::Tensor& positions) {
+                         const torch::Tensor& positions, const std::vector<int64_t>& head_lengths) {
   SequenceBlockTable& t = table_of(seq_id);
-  LayerBlocks& lb = t.layer(layer);
-  KV_CHECK(k.dim() == 3 && k.size(0) == kv_ && k.size(2) == d_,
-           "write: k must be [KV=" << kv_ << ", n, D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(layer >= 0 && layer < num_layers_, "write: layer " << layer << " out of range [0, " << num_layers_ << ")");
+  KV_CHECK(k.dim() == 3 && k.size(0) == heads_ && k.size(2) == d_,
+           "write: k must be [KV=" << heads_ << ", n, D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "write: v " << v.sizes() << " != k " << k.sizes());
   const int64_t n = k.size(1);
-  KV_CHECK(positions.dim() == 2 && positions.size(0) == kv_ && positions.size(1) == n,
-           "write: positions must be [KV=" << kv_ << ", n=" << n << "], got " << positions.sizes());
+  KV_CHECK(positions.dim() == 2 && positions.size(0) == heads_ && positions.size(1) == n,
+           "write: positions must be [KV=" << heads_ << ", n=" << n << "], got " << positions.sizes());
+  const std::vector<int64_t> lens = lane_lengths("write", head_lengths, n);
   const torch::Tensor pos = positions.to(torch::kCPU, torch::kLong).contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < kv_ * n; ++i) {
-    KV_CHECK(pp[i] >= 0 && pp[i] <= std::numeric_limits<int32_t>::max(), "write: position " << pp[i] << " out of range");
+  for (int64_t h = 0; h < heads_; ++h) {
+    for (int64_t j = 0; j < lens[static_cast<size_t>(h / kv_)]; ++j) {
+      KV_CHECK(pp[h * n + j] >= 0 && pp[h * n + j] <= std::numeric_limits<int32_t>::max(),
+               "write: position " << pp[h * n + j] << " out of range");
+    }
   }
 
   // The layer's own exclusively held blocks come back before the new ones are taken.
-  const int64_t need = blocks_for_tokens(n, bs_);
-  int64_t reclaimable = 0;
-  for (int32_t b : lb.blocks) reclaimable += alloc_.refcount(b) == 1;
+  int64_t need = 0, reclaimable = 0;
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    need += blocks_for_tokens(lens[static_cast<size_t>(lane)], bs_);
+    for (int32_t b : t.layer(slot(layer, lane)).blocks) reclaimable += alloc_.refcount(b) == 1;
+  }
   if (need > alloc_.free_blocks() + reclaimable && prefix_) prefix_->reclaim(need - reclaimable, alloc_);
   if (need > alloc_.free_blocks() + reclaimable) {
     KV_FAIL("KV pool exhausted: need " << need - reclaimable << " blocks, " << alloc_.free_blocks() << " free (sequence "
                                        << seq_id << ", layer " << layer << ")");
   }
-  drop_blocks(lb.blocks);
-  lb.length = 0;
-  lb.blocks = take_blocks(need, seq_id, layer);
-  if (n > 0) {
-    const auto [blk, off] = slot_index(lb.blocks, n);
-    const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
-    pool_.keys().index_put_({blk, Slice(), off}, k.to(opts).transpose(0, 1));
-    pool_.values().index_put_({blk, Slice(), off}, v.to(opts).transpose(0, 1));
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    LayerBlocks& lb = t.layer(slot(layer, lane));
+    drop_blocks(lb.blocks);
+    lb.length = 0;
   }
-  for (int64_t h = 0; h < kv_; ++h) {
-    for (int64_t j = 0; j < n; ++j) {
-      pos_ptr(lb.blocks[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(pp[h * n + j]);
+  const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    LayerBlocks& lb = t.layer(slot(layer, lane));
+    const int64_t m = lens[static_cast<size_t>(lane)];
+    lb.blocks = take_blocks(blocks_for_tokens(m, bs_), seq_id, layer);
+    if (m > 0) {
+      const auto [blk, off] = slot_index(lb.blocks, m);
+      pool_.keys().index_put_({blk, Slice(), off}, lane_rows(k, lane).narrow(1, 0, m).to(opts).transpose(0, 1));
+      pool_.values().index_put_({blk, Slice(), off}, lane_rows(v, lane).narrow(1, 0, m).to(opts).transpose(0, 1));
     }
+    for (int64_t h = 0; h < kv_; ++h) {
+      const int64_t* hp = pp + (lane * kv_ + h) * n;
+      for (int64_t j = 0; j < m; ++j) pos_ptr(lb.blocks[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(hp[j]);
+    }
+    lb.length = m;
+    mirror_layer(seq_id, layer, lane, lb);
   }
-  lb.length = n;
-  mirror_layer(seq_id, layer, lb);
 }
 
 void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
                           const torch::Tensor& positions) {
   SequenceBlockTable& t = table_of(seq_id);
-  LayerBlocks& lb = t.layer(layer);
-  KV_CHECK(k.dim() == 3 && k.size(0) == kv_ && k.size(2) == d_,
-           "extend: k must be [KV=" << kv_ << ", n, D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(layer >= 0 && layer < num_layers_, "extend: layer " << layer << " out of range [0, " << num_layers_ << ")");
+  KV_CHECK(k.dim() == 3 && k.size(0) == heads_ && k.size(2) == d_,
+           "extend: k must be [KV=" << heads_ << ", n, D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "extend: v " << v.sizes() << " != k " << k.sizes());
-  const int64_t n = k.size(1), len = lb.length;
-  KV_CHECK(positions.dim() == 2 && positions.size(0) == kv_ && positions.size(1) == n,
-           "extend: positions must be [KV=" << kv_ << ", n=" << n << "], got " << positions.sizes());
+  const int64_t n = k.size(1);
+  KV_CHECK(positions.dim() == 2 && positions.size(0) == heads_ && positions.size(1) == n,
+           "extend: positions must be [KV=" << heads_ << ", n=" << n << "], got " << positions.sizes());
   const torch::Tensor pos = positions.to(torch::kCPU, torch::kLong).contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < kv_ * n; ++i) {
+  for (int64_t i = 0; i < heads_ * n; ++i) {
     KV_CHECK(pp[i] >= 0 && pp[i] <= std::numeric_limits<int32_t>::max(), "extend: position " << pp[i] << " out of range");
   }
   if (n == 0) return;
   // Blocks are taken (or the exhaustion error thrown) before anything changes.
-  const int64_t more = blocks_for_tokens(len + n, bs_) - static_cast<int64_t>(lb.blocks.size());
-  if (more > 0) {
-    std::vector<int32_t> fresh = take_blocks(more, seq_id, layer);
-    lb.blocks.insert(lb.blocks.end(), fresh.begin(), fresh.end());
+  std::vector<int64_t> more(static_cast<size_t>(lanes_));
+  int64_t need = 0;
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const LayerBlocks& lb = t.layer(slot(layer, lane));
+    more[static_cast<size_t>(lane)] = blocks_for_tokens(lb.length + n, bs_) - static_cast<int64_t>(lb.blocks.size());
+    need += std::max<int64_t>(0, more[static_cast<size_t>(lane)]);
   }
-  auto [blk, off] = slot_index(lb.blocks, len + n);
-  blk = blk.narrow(0, len, n);
-  off = off.narrow(0, len, n);
+  std::vector<int32_t> fresh = need > 0 ? take_blocks(need, seq_id, layer) : std::vector<int32_t>{};
+  size_t next = 0;
   const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
-  pool_.keys().index_put_({blk, Slice(), off}, k.to(opts).transpose(0, 1));
-  pool_.values().index_put_({blk, Slice(), off}, v.to(opts).transpose(0, 1));
-  for (int64_t h = 0; h < kv_; ++h) {
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t slot = len + j;
-      pos_ptr(lb.blocks[static_cast<size_t>(slot / bs_)], h)[slot % bs_] = static_cast<int32_t>(pp[h * n + j]);
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    LayerBlocks& lb = t.layer(slot(layer, lane));
+    const int64_t len = lb.length;
+    for (int64_t i = 0; i < more[static_cast<size_t>(lane)]; ++i) lb.blocks.push_back(fresh[next++]);
+    auto [blk, off] = slot_index(lb.blocks, len + n);
+    blk = blk.narrow(0, len, n);
+    off = off.narrow(0, len, n);
+    pool_.keys().index_put_({blk, Slice(), off}, lane_rows(k, lane).to(opts).transpose(0, 1));
+    pool_.values().index_put_({blk, Slice(), off}, lane_rows(v, lane).to(opts).transpose(0, 1));
+    for (int64_t h = 0; h < kv_; ++h) {
+      const int64_t* hp = pp + (lane * kv_ + h) * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t s = len + j;
+        pos_ptr(lb.blocks[static_cast<size_t>(s / bs_)], h)[s % bs_] = static_cast<int32_t>(hp[j]);
+      }
     }
+    lb.length = len + n;
+    mirror_layer(seq_id, layer, lane, lb);
   }
-  lb.length = len + n;
-  mirror_layer(seq_id, layer, lb);
 }
 
 void PagedKvCache::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn, int64_t host_tier_bytes) {
   KV_CHECK(!prefix_, "prefix cache enabled twice");
   KV_CHECK(host_tier_bytes >= 0, "cache.prefix_cache_bytes must not be negative, got " << host_tier_bytes);
-  prefix_.emplace(num_layers_, bs_, salt, std::move(key_fn));
+  // An entry holds one block per (layer, lane).
+  prefix_.emplace(num_layers_ * lanes_, bs_, salt, std::move(key_fn));
   if (host_tier_bytes > 0) {
-    tier_.emplace(pool_, num_layers_, host_tier_bytes);
+    tier_.emplace(pool_, num_layers_ * lanes_, host_tier_bytes);
     prefix_->attach_tier(&*tier_);
   }
 }
@@ -216,7 +271,7 @@ size_t PagedKvCache::prefix_promote(const std::vector<int32_t>& entries) {
   KV_CHECK(prefix_, "prefix cache not enabled");
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!prefix_->on_host(entries[i])) continue;
-    if (!prefix_->reclaim(num_layers_, alloc_)) return i;  // no room: the caller prefills the rest
+    if (!prefix_->reclaim(num_layers_ * lanes_, alloc_)) return i;  // no room: the caller prefills the rest
     const std::vector<int32_t>& blocks = prefix_->promote(entries[i], alloc_);
     const int64_t first = int64_t{prefix_->depth(entries[i])} * bs_;
     for (int32_t b : blocks)
@@ -227,28 +282,41 @@ size_t PagedKvCache::prefix_promote(const std::vector<int32_t>& entries) {
 }
 
 void PagedKvCache::share(int64_t seq_id, int64_t layer, const std::vector<int32_t>& blocks, int64_t length) {
-  LayerBlocks& lb = table_of(seq_id).layer(layer);
-  KV_CHECK(lb.blocks.empty() && lb.length == 0, "share: sequence " << seq_id << " layer " << layer << " is not empty");
-  KV_CHECK(length == static_cast<int64_t>(blocks.size()) * bs_,
-           "share: " << blocks.size() << " blocks are shared whole, not as " << length << " slots");
+  KV_CHECK(blocks.size() % static_cast<size_t>(lanes_) == 0,
+           "share: " << blocks.size() << " blocks do not split into " << lanes_ << " lanes");
+  const size_t per_lane = blocks.size() / static_cast<size_t>(lanes_);
+  KV_CHECK(length == static_cast<int64_t>(per_lane) * bs_,
+           "share: " << per_lane << " blocks are shared whole, not as " << length << " slots");
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const LayerBlocks& lb = lane_of(seq_id, layer, lane);
+    KV_CHECK(lb.blocks.empty() && lb.length == 0, "share: sequence " << seq_id << " layer " << layer << " is not empty");
+  }
   for (int32_t b : blocks) alloc_.incref(b);
-  lb.blocks = blocks;
-  lb.length = length;
-  mirror_layer(seq_id, layer, lb);
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    LayerBlocks& lb = lane_of(seq_id, layer, lane);
+    const auto first = blocks.begin() + static_cast<std::ptrdiff_t>(per_lane * static_cast<size_t>(lane));
+    lb.blocks.assign(first, first + static_cast<std::ptrdiff_t>(per_lane));
+    lb.length = length;
+    mirror_layer(seq_id, layer, lane, lb);
+  }
 }
 
 std::vector<int32_t> PagedKvCache::store_blocks(const torch::Tensor& k, const torch::Tensor& v, int64_t first) {
-  KV_CHECK(k.dim() == 3 && k.size(0) == kv_ && k.size(2) == d_ && v.sizes() == k.sizes(),
-           "store_blocks: k, v must be [KV=" << kv_ << ", n, D=" << d_ << "], got " << k.sizes() << ", " << v.sizes());
-  const int64_t n = k.size(1);
-  std::vector<int32_t> blocks = take_blocks(blocks_for_tokens(n, bs_), -1, -1);
+  KV_CHECK(k.dim() == 3 && k.size(0) == heads_ && k.size(2) == d_ && v.sizes() == k.sizes(),
+           "store_blocks: k, v must be [KV=" << heads_ << ", n, D=" << d_ << "], got " << k.sizes() << ", " << v.sizes());
+  const int64_t n = k.size(1), per_lane = blocks_for_tokens(n, bs_);
+  std::vector<int32_t> blocks = take_blocks(per_lane * lanes_, -1, -1);
   if (n == 0) return blocks;
-  const auto [blk, off] = slot_index(blocks, n);
   const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
-  pool_.keys().index_put_({blk, Slice(), off}, k.to(opts).transpose(0, 1));
-  pool_.values().index_put_({blk, Slice(), off}, v.to(opts).transpose(0, 1));
-  for (int64_t h = 0; h < kv_; ++h)
-    for (int64_t j = 0; j < n; ++j) pos_ptr(blocks[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(first + j);
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const auto begin = blocks.begin() + lane * per_lane;
+    const std::vector<int32_t> own(begin, begin + per_lane);
+    const auto [blk, off] = slot_index(own, n);
+    pool_.keys().index_put_({blk, Slice(), off}, lane_rows(k, lane).to(opts).transpose(0, 1));
+    pool_.values().index_put_({blk, Slice(), off}, lane_rows(v, lane).to(opts).transpose(0, 1));
+    for (int64_t h = 0; h < kv_; ++h)
+      for (int64_t j = 0; j < n; ++j) pos_ptr(own[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(first + j);
+  }
   return blocks;
 }
 
@@ -260,78 +328,100 @@ int64_t PagedKvCache::private_blocks_of(int64_t seq_id) const {
   return n;
 }
 
-void PagedKvCache::mirror_layer(int64_t seq_id, int64_t layer, const LayerBlocks& lb) {
-  const int32_t row = dev_.row(seq_id);
+void PagedKvCache::mirror_layer(int64_t seq_id, int64_t layer, int64_t lane, const LayerBlocks& lb) {
+  const int32_t row = dev_.row(row_key(seq_id, lane));
   dev_.set_blocks(row, layer, lb.blocks);
   dev_.set_length(row, layer, lb.length);
 }
 
-void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots) {
+void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots,
+                           const std::vector<int64_t>& head_counts) {
   SequenceBlockTable& t = table_of(seq_id);
-  LayerBlocks& lb = t.layer(layer);
-  KV_CHECK(keep_slots.dim() == 2 && keep_slots.size(0) == kv_,
-           "compact: keep_slots must be [KV=" << kv_ << ", m], got " << keep_slots.sizes());
+  KV_CHECK(layer >= 0 && layer < num_layers_, "compact: layer " << layer << " out of range [0, " << num_layers_ << ")");
+  KV_CHECK(keep_slots.dim() == 2 && keep_slots.size(0) == heads_,
+           "compact: keep_slots must be [KV=" << heads_ << ", m], got " << keep_slots.sizes());
   const int64_t m = keep_slots.size(1);
+  const std::vector<int64_t> counts = lane_lengths("compact", head_counts, m);
   const torch::Tensor keep = keep_slots.to(torch::kCPU, torch::kLong).contiguous();
   const int64_t* kp = keep.data_ptr<int64_t>();
-  for (int64_t i = 0; i < kv_ * m; ++i) {
-    KV_CHECK(kp[i] >= 0 && kp[i] < lb.length,
-             "compact: slot " << kp[i] << " out of range [0, " << lb.length << ") (sequence " << seq_id << ", layer "
-                              << layer << ")");
-  }
-  std::vector<int32_t> fresh = take_blocks(blocks_for_tokens(m, bs_), seq_id, layer);
-  if (m > 0) {
-    torch::Tensor src_blk = torch::empty({kv_, m}, torch::kLong), src_off = torch::empty({kv_, m}, torch::kLong);
-    int64_t* sb = src_blk.data_ptr<int64_t>();
-    int64_t* so = src_off.data_ptr<int64_t>();
-    for (int64_t i = 0; i < kv_ * m; ++i) {
-      sb[i] = lb.blocks[static_cast<size_t>(kp[i] / bs_)];
-      so[i] = kp[i] % bs_;
-    }
-    const auto dev = pool_.device();
-    const torch::Tensor head = torch::arange(kv_, torch::TensorOptions().dtype(torch::kLong).device(dev)).view({kv_, 1});
-    auto [dst_blk, dst_off] = slot_index(fresh, m);
-    dst_blk = dst_blk.view({1, m});
-    dst_off = dst_off.view({1, m});
-    src_blk = src_blk.to(dev);
-    src_off = src_off.to(dev);
-    for (torch::Tensor half : {pool_.keys(), pool_.values()}) {
-      const torch::Tensor kept = half.index({src_blk, head, src_off});  // [KV, m, D], a copy
-      half.index_put_({dst_blk, head, dst_off}, kept);
-    }
-    for (int64_t h = 0; h < kv_; ++h) {
-      for (int64_t j = 0; j < m; ++j) {
-        const int64_t s = kp[h * m + j];
-        pos_ptr(fresh[static_cast<size_t>(j / bs_)], h)[j % bs_] =
-            pos_ptr(lb.blocks[static_cast<size_t>(s / bs_)], h)[s % bs_];
+  int64_t need = 0;
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const LayerBlocks& lb = t.layer(slot(layer, lane));
+    const int64_t c = counts[static_cast<size_t>(lane)];
+    need += blocks_for_tokens(c, bs_);
+    for (int64_t h = lane * kv_; h < (lane + 1) * kv_; ++h) {
+      for (int64_t j = 0; j < c; ++j) {
+        KV_CHECK(kp[h * m + j] >= 0 && kp[h * m + j] < lb.length,
+                 "compact: slot " << kp[h * m + j] << " out of range [0, " << lb.length << ") (sequence " << seq_id
+                                  << ", layer " << layer << ")");
       }
     }
   }
-  drop_blocks(lb.blocks);
-  lb.blocks = std::move(fresh);
-  lb.length = m;
-  mirror_layer(seq_id, layer, lb);
+  std::vector<int32_t> all_fresh = take_blocks(need, seq_id, layer);
+  size_t next = 0;
+  const auto dev = pool_.device();
+  const torch::Tensor head = torch::arange(kv_, torch::TensorOptions().dtype(torch::kLong).device(dev)).view({kv_, 1});
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    LayerBlocks& lb = t.layer(slot(layer, lane));
+    const int64_t c = counts[static_cast<size_t>(lane)];
+    const auto first = all_fresh.begin() + static_cast<std::ptrdiff_t>(next);
+    std::vector<int32_t> fresh(first, first + blocks_for_tokens(c, bs_));
+    next += fresh.size();
+    if (c > 0) {
+      torch::Tensor src_blk = torch::empty({kv_, c}, torch::kLong), src_off = torch::empty({kv_, c}, torch::kLong);
+      int64_t* sb = src_blk.data_ptr<int64_t>();
+      int64_t* so = src_off.data_ptr<int64_t>();
+      for (int64_t h = 0; h < kv_; ++h) {
+        const int64_t* hk = kp + (lane * kv_ + h) * m;
+        for (int64_t j = 0; j < c; ++j) {
+          sb[h * c + j] = lb.blocks[static_cast<size_t>(hk[j] / bs_)];
+          so[h * c + j] = hk[j] % bs_;
+        }
+      }
+      auto [dst_blk, dst_off] = slot_index(fresh, c);
+      dst_blk = dst_blk.view({1, c});
+      dst_off = dst_off.view({1, c});
+      src_blk = src_blk.to(dev);
+      src_off = src_off.to(dev);
+      for (torch::Tensor half : {pool_.keys(), pool_.values()}) {
+        const torch::Tensor kept = half.index({src_blk, head, src_off});  // [heads per lane, c, D], a copy
+        half.index_put_({dst_blk, head, dst_off}, kept);
+      }
+      for (int64_t h = 0; h < kv_; ++h) {
+        const int64_t* hk = kp + (lane * kv_ + h) * m;
+        for (int64_t j = 0; j < c; ++j) {
+          const int64_t s = hk[j];
+          pos_ptr(fresh[static_cast<size_t>(j / bs_)], h)[j % bs_] =
+              pos_ptr(lb.blocks[static_cast<size_t>(s / bs_)], h)[s % bs_];
+        }
+      }
+    }
+    drop_blocks(lb.blocks);
+    lb.blocks = std::move(fresh);
+    lb.length = c;
+    mirror_layer(seq_id, layer, lane, lb);
+  }
 }
 
 void PagedKvCache::append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k,
                           const torch::Tensor& v, const std::vector<int64_t>& positions) {
   const int64_t B = static_cast<int64_t>(seq_ids.size());
-  KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == kv_ && k.size(2) == d_,
-           "append: k must be [B=" << B << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(k.dim() == 3 && k.size(0) == B && k.size(1) == heads_ && k.size(2) == d_,
+           "append: k must be [B=" << B << ", KV=" << heads_ << ", D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "append: v " << v.sizes() << " != k " << k.sizes());
   KV_CHECK(layer >= 0 && layer < num_layers_, "append: layer " << layer << " out of range [0, " << num_layers_ << ")");
   const Slots s = take_slots("append", seq_ids, positions, layer, 1);
   step_.active = false;  // the planned step's slots are stale now
-  write_slots(s.block.data(), s.offset.data(), k, v);
+  write_slots(s.block.data(), s.offset.data(), k.reshape({B * lanes_, kv_, d_}), v.reshape({B * lanes_, kv_, d_}));
 }
 
 PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector<int64_t>& seq_ids,
                                              const std::vector<int64_t>& positions, int64_t first, int64_t layers) {
-  const int64_t B = static_cast<int64_t>(seq_ids.size());
+  const int64_t B = static_cast<int64_t>(seq_ids.size()), E = B * lanes_;
   KV_CHECK(static_cast<int64_t>(positions.size()) == B, what << ": " << positions.size() << " positions for " << B
                                                              << " sequences");
   Slots s;
-  s.rows.resize(static_cast<size_t>(B));
+  s.rows.resize(static_cast<size_t>(E));
   std::vector<SequenceBlockTable*> tables(static_cast<size_t>(B));
   std::unordered_set<int64_t> seen;
   for (int64_t b = 0; b < B; ++b) {
@@ -339,18 +429,20 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
     KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
              what << ": position " << positions[b] << " out of range");
     tables[b] = &table_of(seq_ids[b]);
-    s.rows[b] = dev_.row(seq_ids[b]);
+    for (int64_t lane = 0; lane < lanes_; ++lane) s.rows[b * lanes_ + lane] = dev_.row(row_key(seq_ids[b], lane));
   }
   // Every layer's blocks are taken before anything changes: a batch that cannot get them all fails whole.
   int64_t need = 0, first_seq = -1, first_layer = -1;
   for (int64_t l = first; l < first + layers; ++l) {
     for (int64_t b = 0; b < B; ++b) {
-      const LayerBlocks& lb = tables[b]->layer(l);
-      if (lb.length == lb.capacity(bs_)) {
-        if (need++ == 0) first_seq = seq_ids[b], first_layer = l;
-      } else {
-        KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1, what << ": last block of sequence " << seq_ids[b] << " layer " << l
-                                                              << " is shared (copy-on-write not implemented)");
+      for (int64_t lane = 0; lane < lanes_; ++lane) {
+        const LayerBlocks& lb = tables[b]->layer(slot(l, lane));
+        if (lb.length == lb.capacity(bs_)) {
+          if (need++ == 0) first_seq = seq_ids[b], first_layer = l;
+        } else {
+          KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1, what << ": last block of sequence " << seq_ids[b] << " layer "
+                                                                << l << " is shared (copy-on-write not implemented)");
+        }
       }
     }
   }
@@ -359,25 +451,28 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
     KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence " << first_seq
                                        << ", layer " << first_layer << ")");
   }
-  s.block.resize(static_cast<size_t>(layers * B));
-  s.offset.resize(static_cast<size_t>(layers * B));
+  s.block.resize(static_cast<size_t>(layers * E));
+  s.offset.resize(static_cast<size_t>(layers * E));
   s.max_blocks.assign(static_cast<size_t>(layers), 0);
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t l = first + i;
     for (int64_t b = 0; b < B; ++b) {
-      LayerBlocks& lb = tables[b]->layer(l);
-      if (lb.length == lb.capacity(bs_)) {
-        lb.blocks.push_back(alloc_.allocate());
-        dev_.set_block(s.rows[b], l, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
+      for (int64_t lane = 0; lane < lanes_; ++lane) {
+        const int64_t e = b * lanes_ + lane;
+        LayerBlocks& lb = tables[b]->layer(slot(l, lane));
+        if (lb.length == lb.capacity(bs_)) {
+          lb.blocks.push_back(alloc_.allocate());
+          dev_.set_block(s.rows[e], l, static_cast<int64_t>(lb.blocks.size()) - 1, lb.blocks.back());
+        }
+        const int32_t blk = lb.blocks.back();
+        const int64_t off = lb.length % bs_;
+        s.block[i * E + e] = blk;
+        s.offset[i * E + e] = off;
+        for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk, h)[off] = static_cast<int32_t>(positions[b]);
+        lb.length += 1;
+        dev_.set_length(s.rows[e], l, lb.length);
+        s.max_blocks[i] = std::max<int64_t>(s.max_blocks[i], static_cast<int64_t>(lb.blocks.size()));
       }
-      const int32_t blk = lb.blocks.back();
-      const int64_t off = lb.length % bs_;
-      s.block[i * B + b] = blk;
-      s.offset[i * B + b] = off;
-      for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk, h)[off] = static_cast<int32_t>(positions[b]);
-      lb.length += 1;
-      dev_.set_length(s.rows[b], l, lb.length);
-      s.max_blocks[i] = std::max<int64_t>(s.max_blocks[i], static_cast<int64_t>(lb.blocks.size()));
     }
   }
   return s;
@@ -411,19 +506,29 @@ void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const tor
   }
 }
 
-torch::Tensor PagedKvCache::batch_rows(const std::vector<int64_t>& seq_ids) {
-  std::vector<int32_t> rows;
-  rows.reserve(seq_ids.size());
+std::vector<int64_t> PagedKvCache::lane_keys(const std::vector<int64_t>& seq_ids) const {
+  std::vector<int64_t> keys;
+  keys.reserve(seq_ids.size() * static_cast<size_t>(lanes_));
   for (int64_t id : seq_ids) {
     table_of(id);  // unknown ids name the sequence
-    rows.push_back(dev_.row(id));
+    for (int64_t lane = 0; lane < lanes_; ++lane) keys.push_back(row_key(id, lane));
   }
+  return keys;
+}
+
+torch::Tensor PagedKvCache::batch_rows(const std::vector<int64_t>& seq_ids) {
+  std::vector<int32_t> rows;
+  for (int64_t key : lane_keys(seq_ids)) rows.push_back(dev_.row(key));
   return torch::tensor(rows, torch::kInt32).to(pool_.device());
 }
 
 int64_t PagedKvCache::max_blocks(int64_t layer, const std::vector<int64_t>& seq_ids) const {
   int64_t n = 0;
-  for (int64_t id : seq_ids) n = std::max<int64_t>(n, static_cast<int64_t>(table_of(id).layer(layer).blocks.size()));
+  for (int64_t id : seq_ids) {
+    const SequenceBlockTable& t = table_of(id);
+    for (int64_t lane = 0; lane < lanes_; ++lane)
+      n = std::max<int64_t>(n, static_cast<int64_t>(t.layer(slot(layer, lane)).blocks.size()));
+  }
   return n;
 }
 
@@ -439,7 +544,10 @@ DecodeTables PagedKvCache::decode_tables(int64_t layer, const std::vector<int64_
 torch::Tensor PagedKvCache::attend(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& q,
                                    double scale) {
   const DecodeTables t = decode_tables(layer, seq_ids);
-  return paged_attention(q, pool_.storage(), t.block_table, t.lengths, scale);
+  const int64_t B = q.size(0), H = q.size(1);
+  KV_CHECK(H % lanes_ == 0, "attend: " << H << " query heads for " << lanes_ << " KV heads");
+  return paged_attention(q.reshape({B * lanes_, H / lanes_, q.size(2)}), pool_.storage(), t.block_table, t.lengths, scale)
+      .reshape({B, H, q.size(2)});
 }
 
 torch::Tensor PagedKvCache::append_and_attend(int64_t layer, const std::vector<int64_t>& seq_ids,
@@ -457,17 +565,18 @@ void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::
            "decode: a batch of " << B << " sequences cannot be padded to " << padded_rows << " rows");
   const int64_t P = std::max(B, padded_rows);
   step_.slots = take_slots("decode", seq_ids, positions, 0, num_layers_);
+  // One kernel row per (sequence, lane), each at its sequence's position.
+  std::vector<int32_t> rows = step_.slots.rows;
+  std::vector<int64_t> pos;
+  pos.reserve(static_cast<size_t>(P * lanes_));
+  for (int64_t p : positions) pos.insert(pos.end(), static_cast<size_t>(lanes_), p);
   if (P > B) {
-    std::vector<int32_t> rows = step_.slots.rows;
-    std::vector<int64_t> pos = positions;
-    rows.resize(static_cast<size_t>(P), dev_.null_row());
-    pos.resize(static_cast<size_t>(P), 0);
-    dev_.set_batch(rows, pos);
-  } else {
-    dev_.set_batch(step_.slots.rows, positions);
+    rows.resize(static_cast<size_t>(P * lanes_), dev_.null_row());
+    pos.resize(static_cast<size_t>(P * lanes_), 0);
   }
+  dev_.set_batch(rows, pos);
   dev_.flush();
-  step_.rows = dev_.batch_rows(P);
+  step_.rows = dev_.batch_rows(P * lanes_);
   step_.seq_ids = seq_ids;
   step_.padded_rows = static_cast<size_t>(P);
   step_.split_hint = -1;
@@ -503,7 +612,7 @@ bool PagedKvCache::device_kernels() const { return use_cuda_kernels(pool_); }
 
 void PagedKvCache::reserve_decode_rows(int64_t rows) {
   // The null row and the sequences' rows share the capacity.
-  dev_.reserve(rows + 1, dev_.block_capacity());
+  dev_.reserve(rows * lanes_ + 1, dev_.block_capacity());
 }
 
 torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
@@ -511,10 +620,17 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   KV_CHECK(step_.active && layer >= 0 && layer < num_layers_ && !step_.done[static_cast<size_t>(layer)],
            "decode: layer " << layer << " was not planned by begin_decode (or already ran)");
   const int64_t B = static_cast<int64_t>(step_.seq_ids.size()), P = static_cast<int64_t>(step_.padded_rows);
-  KV_CHECK(k.dim() == 3 && k.size(0) == P && k.size(1) == kv_ && k.size(2) == d_,
-           "decode: k must be [B=" << P << ", KV=" << kv_ << ", D=" << d_ << "], got " << k.sizes());
+  KV_CHECK(k.dim() == 3 && k.size(0) == P && k.size(1) == heads_ && k.size(2) == d_,
+           "decode: k must be [B=" << P << ", KV=" << heads_ << ", D=" << d_ << "], got " << k.sizes());
   KV_CHECK(v.sizes() == k.sizes(), "decode: v " << v.sizes() << " != k " << k.sizes());
-  KV_CHECK(q.dim() == 3 && q.size(0) == P, "decode: q must have " << P << " rows, got " << q.sizes());
+  KV_CHECK(q.dim() == 3 && q.size(0) == P && q.size(1) % lanes_ == 0,
+           "decode: q must have " << P << " rows of a multiple of " << lanes_ << " heads, got " << q.sizes());
+  // Head-wise, each (sequence, lane) is one kernel row with its lane's query heads: [P * lanes, H / lanes, D].
+  const int64_t E = B * lanes_, EP = P * lanes_, H = q.size(1);
+  const torch::Tensor qr = lanes_ == 1 ? q : q.reshape({EP, H / lanes_, q.size(2)});
+  const torch::Tensor kr = lanes_ == 1 ? k : k.reshape({EP, kv_, d_});
+  const torch::Tensor vr = lanes_ == 1 ? v : v.reshape({EP, kv_, d_});
+  auto unlane = [&](const torch::Tensor& out) { return lanes_ == 1 ? out : out.reshape({P, H, out.size(2)}); };
   const int64_t max_blocks = step_.slots.max_blocks[static_cast<size_t>(layer)];
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
@@ -522,43 +638,71 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
     // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
-    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), k.to(opts), v.to(opts));
-    return cuda::paged_decode_attention(q, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
-                                        step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale);
+    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts));
+    return unlane(cuda::paged_decode_attention(qr, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
+                                               step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale));
   }
-  const int64_t* off = step_.slots.offset.data() + layer * B;
-  write_slots(step_.slots.block.data() + layer * B, off, k.narrow(0, 0, B), v.narrow(0, 0, B));
+  const int64_t* off = step_.slots.offset.data() + layer * E;
+  write_slots(step_.slots.block.data() + layer * E, off, kr.narrow(0, 0, E), vr.narrow(0, 0, E));
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);
-  return paged_attention(q, pool_.storage(), table, lens, scale);
+  return unlane(paged_attention(qr, pool_.storage(), table, lens, scale));
 }
 
 // ---------------------------------------------------------------------------------------------------
 // inspection and accounting
 
-const LayerBlocks& PagedKvCache::layer_blocks(int64_t seq_id, int64_t layer) const {
-  return table_of(seq_id).layer(layer);
+const LayerBlocks& PagedKvCache::layer_blocks(int64_t seq_id, int64_t layer, int64_t lane) const {
+  return const_cast<PagedKvCache*>(this)->lane_of(seq_id, layer, lane);
 }
 
-int64_t PagedKvCache::length(int64_t seq_id, int64_t layer) const { return layer_blocks(seq_id, layer).length; }
+int64_t PagedKvCache::length(int64_t seq_id, int64_t layer) const {
+  int64_t n = 0;
+  for (int64_t lane = 0; lane < lanes_; ++lane) n = std::max(n, layer_blocks(seq_id, layer, lane).length);
+  return n;
+}
+
+std::vector<int64_t> PagedKvCache::head_lengths(int64_t seq_id, int64_t layer) const {
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(heads_));
+  for (int64_t lane = 0; lane < lanes_; ++lane) out.insert(out.end(), static_cast<size_t>(kv_), layer_blocks(seq_id, layer, lane).length);
+  return out;
+}
+
+bool PagedKvCache::uniform(int64_t seq_id, int64_t layer) const {
+  const int64_t first = layer_blocks(seq_id, layer, 0).length;
+  for (int64_t lane = 1; lane < lanes_; ++lane)
+    if (layer_blocks(seq_id, layer, lane).length != first) return false;
+  return true;
+}
 
 torch::Tensor PagedKvCache::positions(int64_t seq_id, int64_t layer) const {
-  const LayerBlocks& lb = layer_blocks(seq_id, layer);
-  torch::Tensor out = torch::empty({kv_, lb.length}, torch::kLong);
+  const int64_t n = length(seq_id, layer);
+  torch::Tensor out = torch::full({heads_, n}, -1, torch::kLong);
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t h = 0; h < kv_; ++h) {
-    for (int64_t j = 0; j < lb.length; ++j) op[h * lb.length + j] = pos_ptr(lb.blocks[static_cast<size_t>(j / bs_)], h)[j % bs_];
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const LayerBlocks& lb = layer_blocks(seq_id, layer, lane);
+    for (int64_t h = 0; h < kv_; ++h) {
+      int64_t* row = op + (lane * kv_ + h) * n;
+      for (int64_t j = 0; j < lb.length; ++j) row[j] = pos_ptr(lb.blocks[static_cast<size_t>(j / bs_)], h)[j % bs_];
+    }
   }
   return out;
 }
 
 std::pair<torch::Tensor, torch::Tensor> PagedKvCache::gather(int64_t seq_id, int64_t layer) const {
-  const LayerBlocks& lb = layer_blocks(seq_id, layer);
-  const auto [blk, off] = slot_index(lb.blocks, lb.length);
-  torch::Tensor k = pool_.keys().index({blk, Slice(), off}).transpose(0, 1).contiguous();
-  torch::Tensor v = pool_.values().index({blk, Slice(), off}).transpose(0, 1).contiguous();
-  return {k, v};
+  KV_CHECK(uniform(seq_id, layer), "gather: the KV heads of sequence " << seq_id << " layer " << layer
+                                                                       << " hold different numbers of tokens");
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const LayerBlocks& lb = layer_blocks(seq_id, layer, lane);
+    const auto [blk, off] = slot_index(lb.blocks, lb.length);
+    ks.push_back(pool_.keys().index({blk, Slice(), off}).transpose(0, 1));
+    vs.push_back(pool_.values().index({blk, Slice(), off}).transpose(0, 1));
+  }
+  if (lanes_ == 1) return {ks[0].contiguous(), vs[0].contiguous()};
+  return {torch::cat(ks, 0), torch::cat(vs, 0)};
 }
 
 int64_t PagedKvCache::blocks_of(int64_t seq_id) const { return table_of(seq_id).num_blocks(); }
@@ -567,7 +711,7 @@ int64_t PagedKvCache::blocks_needed(const std::vector<int64_t>& tokens_per_layer
   int64_t n = 0;
   for (int64_t t : tokens_per_layer) {
     KV_CHECK(t >= 0, "blocks_needed: negative token count " << t);
-    n += blocks_for_tokens(t, bs_);
+    n += blocks_for_tokens(t, bs_) * lanes_;
   }
   return n;
 }
@@ -605,15 +749,17 @@ void PagedKvCache::check_invariants() const {
     const torch::Tensor tab = dev_.tables(l).to(torch::kCPU).contiguous();
     const torch::Tensor len = dev_.lengths(l).to(torch::kCPU).contiguous();
     for (const auto& [id, t] : seqs_) {
-      const int32_t row = dev_.row(id);
-      const LayerBlocks& lb = t.layer(l);
-      const int32_t dev_len = len.data_ptr<int32_t>()[row];
-      KV_CHECK(dev_len == lb.length, "sequence " << id << " layer " << l << ": device length " << dev_len << " != "
-                                                 << lb.length);
-      const int32_t* tp = tab.data_ptr<int32_t>() + int64_t{row} * tab.size(1);
-      for (size_t i = 0; i < lb.blocks.size(); ++i) {
-        KV_CHECK(tp[i] == lb.blocks[i], "sequence " << id << " layer " << l << ": device table entry " << i << " is "
-                                                    << tp[i] << ", host " << lb.blocks[i]);
+      for (int64_t lane = 0; lane < lanes_; ++lane) {
+        const int32_t row = dev_.row(row_key(id, lane));
+        const LayerBlocks& lb = t.layer(slot(l, lane));
+        const int32_t dev_len = len.data_ptr<int32_t>()[row];
+        KV_CHECK(dev_len == lb.length, "sequence " << id << " layer " << l << " lane " << lane << ": device length "
+                                                   << dev_len << " != " << lb.length);
+        const int32_t* tp = tab.data_ptr<int32_t>() + int64_t{row} * tab.size(1);
+        for (size_t i = 0; i < lb.blocks.size(); ++i) {
+          KV_CHECK(tp[i] == lb.blocks[i], "sequence " << id << " layer " << l << ": device table entry " << i << " is "
+                                                      << tp[i] << ", host " << lb.blocks[i]);
+        }
       }
     }
   }

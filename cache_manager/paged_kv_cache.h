@@ -27,6 +27,11 @@ struct DecodeTables {
 // Owns the pool, the allocator and every sequence's block tables. Layers are numbered 0..num_layers-1
 // locally (a pipeline stage maps its global layers). Token positions are kept per (layer, head, slot)
 // in a host array paged like the K/V blocks, so they are freed and compacted with them.
+// A block table belongs to a (sequence, layer, lane): one lane holding every KV head (the per-layer
+// layout, one length per layer), or with KvPoolOptions::head_blocks one lane per KV head, each with
+// its own blocks and length (head-wise budgets). Every call takes and returns all KV heads of a
+// layer ([KV, ...] tensors); a decode step runs each (sequence, lane) as one row of the kernels, so
+// the kernels are the same for both layouts.
 // Failure contract: an operation that cannot get its blocks throws KvError "KV pool exhausted: ..."
 // before changing anything. Not thread-safe: one engine thread drives it.
 class PagedKvCache {
@@ -42,15 +47,19 @@ class PagedKvCache {
   // --- content -----------------------------------------------------------------------------------
   // Replaces the layer's content: k, v [KV, n, D] (any float dtype/device, converted), positions
   // [KV, n] integer (host or device). n may be 0. Blocks the layer held are reused/freed.
+  // head_lengths (head-wise layout only; empty = n for every head): head h keeps its first
+  // head_lengths[h] <= n rows, the rest of its row is padding and not stored.
   void write(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
-             const torch::Tensor& positions);
+             const torch::Tensor& positions, const std::vector<int64_t>& head_lengths = {});
   // Appends n tokens to the layer after its current content: k, v [KV, n, D], positions [KV, n]
   // (a chunk of a chunked prefill). Takes only the blocks the new tokens need.
   void extend(int64_t seq_id, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
               const torch::Tensor& positions);
   // Keeps, per head, the slots keep_slots [KV, m] (int64, each in [0, length)) in the given order:
   // new slot j of head h = old slot keep_slots[h][j]. Copied into fresh blocks, old ones freed at once.
-  void compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots);
+  // head_counts (head-wise layout only): head h keeps only the first head_counts[h] entries of its row.
+  void compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots,
+               const std::vector<int64_t>& head_counts = {});
   // Decode: one token per sequence (k, v [B, KV, D]) at true positions[b] (same for every head).
   // A block is taken only when a sequence's last block of this layer is full. Duplicate ids are an error.
   void append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k, const torch::Tensor& v,
@@ -121,10 +130,12 @@ class PagedKvCache {
     return prefix_->insert(parent, block_tokens, blocks, alloc_);
   }
   // Makes an empty layer of seq_id hold `blocks` (full, shared: each gets a reference) as its first
-  // `length` slots; their positions are those the blocks were written with.
+  // `length` slots; their positions are those the blocks were written with. Head-wise, `blocks` is
+  // lane-major (lane 0's blocks, then lane 1's, ...) and `length` is every lane's.
   void share(int64_t seq_id, int64_t layer, const std::vector<int32_t>& blocks, int64_t length);
   // Writes k, v [KV, n, D] at positions first, first + 1, ... into fresh blocks that no sequence
   // holds (one reference each, the caller's); throws the exhaustion error when they cannot be had.
+  // Head-wise, the blocks come back lane-major (lanes() runs of ceil(n / block_size)).
   std::vector<int32_t> store_blocks(const torch::Tensor& k, const torch::Tensor& v, int64_t first);
   // Returns blocks from store_blocks (or any reference the caller holds).
   void drop(std::vector<int32_t>& blocks) { drop_blocks(blocks); }
@@ -136,12 +147,23 @@ class PagedKvCache {
   void rename_sequence(int64_t from, int64_t to);
 
   // --- inspection --------------------------------------------------------------------------------
+  // The layer's length: the longest of its heads' (they are all equal in the per-layer layout).
   int64_t length(int64_t seq_id, int64_t layer) const;
-  // Original token positions, int64 [KV, length] on the host.
+  // Every KV head's length in the layer.
+  std::vector<int64_t> head_lengths(int64_t seq_id, int64_t layer) const;
+  // Whether every KV head of the layer holds the same number of tokens.
+  bool uniform(int64_t seq_id, int64_t layer) const;
+  // Original token positions, int64 [KV, length] on the host; a head shorter than the layer's
+  // length is padded with -1.
   torch::Tensor positions(int64_t seq_id, int64_t layer) const;
-  // Contiguous copies k, v [KV, length, D] in the pool's dtype/device (tests, debugging, eviction scoring).
+  // Contiguous copies k, v [KV, length, D] in the pool's dtype/device (tests, debugging, eviction
+  // scoring, a chunk's context). Needs every head at one length (throws otherwise).
   std::pair<torch::Tensor, torch::Tensor> gather(int64_t seq_id, int64_t layer) const;
-  const LayerBlocks& layer_blocks(int64_t seq_id, int64_t layer) const;
+  // One lane's table (lane 0 .. lanes() - 1; the per-layer layout has lane 0 only).
+  const LayerBlocks& layer_blocks(int64_t seq_id, int64_t layer, int64_t lane = 0) const;
+  // Block tables per (sequence, layer): 1, or the KV heads with head-wise blocks.
+  int64_t lanes() const { return lanes_; }
+  bool head_blocks() const { return head_split_; }
 
   // --- accounting --------------------------------------------------------------------------------
   // Free counts cached blocks no request uses: an allocation reclaims them.
@@ -164,7 +186,7 @@ class PagedKvCache {
 
   int64_t num_layers() const { return num_layers_; }
   int64_t block_size() const { return pool_.block_size(); }
-  int64_t num_kv_heads() const { return pool_.num_kv_heads(); }
+  int64_t num_kv_heads() const { return heads_; }
   int64_t head_dim() const { return pool_.head_dim(); }
   const KvBlockPool& pool() const { return pool_; }
   const BlockAllocator& allocator() const { return alloc_; }
@@ -172,6 +194,14 @@ class PagedKvCache {
  private:
   SequenceBlockTable& table_of(int64_t seq_id);
   const SequenceBlockTable& table_of(int64_t seq_id) const;
+  // A (layer, lane)'s index in a SequenceBlockTable, and a (sequence, lane)'s key in the device tables.
+  int64_t slot(int64_t layer, int64_t lane) const { return layer * lanes_ + lane; }
+  int64_t row_key(int64_t seq_id, int64_t lane) const { return lanes_ == 1 ? seq_id : seq_id * lanes_ + lane; }
+  LayerBlocks& lane_of(int64_t seq_id, int64_t layer, int64_t lane);
+  // Checks a per-head length list against n rows; empty means n for every head.
+  std::vector<int64_t> lane_lengths(const char* what, const std::vector<int64_t>& head_lengths, int64_t n) const;
+  // A [KV, ...] tensor's rows of one lane.
+  torch::Tensor lane_rows(const torch::Tensor& t, int64_t lane) const { return t.narrow(0, lane * kv_, kv_); }
   // Takes n blocks or throws the exhaustion error naming the sequence and layer; no change on failure.
   std::vector<int32_t> take_blocks(int64_t n, int64_t seq_id, int64_t layer);
   void drop_blocks(std::vector<int32_t>& blocks);
@@ -182,8 +212,10 @@ class PagedKvCache {
     return pos_.data() + (int64_t{block} * kv_ + head) * bs_;
   }
 
-  // Records a layer's whole table and length for the device.
-  void mirror_layer(int64_t seq_id, int64_t layer, const LayerBlocks& lb);
+  // Records a (layer, lane)'s whole table and length for the device.
+  void mirror_layer(int64_t seq_id, int64_t layer, int64_t lane, const LayerBlocks& lb);
+  // The batch's kernel rows: every (sequence, lane) pair, sequence-major.
+  std::vector<int64_t> lane_keys(const std::vector<int64_t>& seq_ids) const;
   // Table rows of a batch as a device tensor, and the most blocks any of them holds in `layer`.
   torch::Tensor batch_rows(const std::vector<int64_t>& seq_ids);
   int64_t max_blocks(int64_t layer, const std::vector<int64_t>& seq_ids) const;
@@ -215,10 +247,14 @@ class PagedKvCache {
   };
 
   int64_t num_layers_;
+  int64_t heads_;            // the shard's KV heads
+  int64_t lanes_;            // block tables per (sequence, layer)
+  bool head_split_;          // KvPoolOptions::head_blocks
+  int64_t heads_per_block_;  // KV heads one block holds (heads_ / lanes_)
   KvBlockPool pool_;
   BlockAllocator alloc_;
-  int64_t kv_, bs_, d_;
-  std::vector<int32_t> pos_;  // [num_blocks, KV, block_size] original positions
+  int64_t kv_, bs_, d_;      // kv_: heads per block (and per lane)
+  std::vector<int32_t> pos_;  // [num_blocks, heads per block, block_size] original positions
   std::unordered_map<int64_t, SequenceBlockTable> seqs_;
   // Mutable: flushing brings the device mirror up to date without changing what the cache holds.
   mutable DeviceBlockTables dev_;

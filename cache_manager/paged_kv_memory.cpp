@@ -1,6 +1,7 @@
 #include "cache_manager/paged_kv_memory.h"
 
 #include <algorithm>
+#include <limits>
 #include <unordered_map>
 
 #include "common/check.h"
@@ -42,6 +43,8 @@ PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std:
   policies_.emplace("full", make_policy_config("full"));
   KV_CHECK(policies_.count(default_policy_), "default policy '" << default_policy_ << "' is not defined");
   for (const auto& [name, cfg] : policies_) {
+    KV_CHECK(!cfg.head_adaptive() || pool.head_blocks,
+             "policy '" << name << "': head_budgets=adaptive needs a KV pool with head-wise blocks (head_blocks)");
     // H2O's decode-time eviction ranks by attention accumulated over decode steps, which the paged
     // decode kernel does not produce: refuse it here instead of failing in the middle of a generation.
     KV_CHECK(!(cfg.decode_budget > 0 && cfg.scorer == ScorerKind::kAccumulatedAttention),
@@ -58,12 +61,12 @@ const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
 
 PagedKvMemory::Geometry PagedKvMemory::geometry() const {
   return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size(), rounds_kv_,
-          prefix_caching()};
+          prefix_caching(), cache_.head_blocks()};
 }
 
 int64_t PagedKvMemory::prefix_copy_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len) {
   if (!g.prefix_caching || cfg.is_full()) return 0;
-  return prompt_len / g.block_size * g.num_layers;
+  return prompt_len / g.block_size * g.num_layers * g.lanes();
 }
 
 bool PagedKvMemory::chunkable(const PolicyConfig& cfg) { return cfg.scorer != ScorerKind::kAccumulatedAttention; }
@@ -87,8 +90,17 @@ int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g,
     if (chunked) per_layer.assign(per_layer.size(), prompt_len);
   }
   if (cfg.decode_budget > 0) transient = std::max(transient, blocks(std::max<int64_t>(0, cfg.decode_budget - cfg.decode_evict_chunk)));
-  int64_t n = transient;
-  for (int64_t t : per_layer) n += blocks(t + 1);  // room for the first decoded token
+  const int64_t lanes = g.lanes();
+  int64_t n = transient * lanes;
+  for (int64_t t : per_layer) {
+    // Head-adaptive (before chunking's whole prompt), a layer's KV * t tokens spread unevenly: at
+    // most one partly filled block per head on top of the even split.
+    if (lanes > 1 && cfg.head_adaptive() && !chunked) {
+      n += std::min(blocks((t + 1) * lanes) + lanes, lanes * blocks(prompt_len + 1));
+    } else {
+      n += blocks(t + 1) * lanes;  // room for the first decoded token
+    }
+  }
   return n;
 }
 
@@ -106,20 +118,22 @@ int64_t PagedKvMemory::decode_demand(const std::vector<int64_t>& seq_ids) const 
     const bool evicts = it != seqs_.end() && !it->second.evictors.empty();
     int64_t net = 0, peak = 0;
     for (int64_t l = 0; l < num_layers_; ++l) {
-      const LayerBlocks& lb = cache_.layer_blocks(id, l);
-      int64_t len = lb.length, held = static_cast<int64_t>(lb.blocks.size());
-      if (evicts) {
-        const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
-        if (ev.needs_eviction(len + 1)) {
-          len = std::min(len, ev.target_count());
-          const int64_t fresh = blocks_for_tokens(len, bs);
-          peak = std::max(peak, net + fresh);
-          net += fresh - held;
-          held = fresh;
+      for (int64_t lane = 0; lane < cache_.lanes(); ++lane) {
+        const LayerBlocks& lb = cache_.layer_blocks(id, l, lane);
+        int64_t len = lb.length, held = static_cast<int64_t>(lb.blocks.size());
+        if (evicts) {
+          const DecodeEvictor& ev = it->second.evictors[static_cast<size_t>(l)];
+          if (ev.needs_eviction(len + 1)) {
+            len = std::min(len, ev.target_count());
+            const int64_t fresh = blocks_for_tokens(len, bs);
+            peak = std::max(peak, net + fresh);
+            net += fresh - held;
+            held = fresh;
+          }
         }
+        net += len == held * bs;
+        peak = std::max(peak, net);
       }
-      net += len == held * bs;
-      peak = std::max(peak, net);
     }
     demand += peak;
   }
@@ -127,17 +141,37 @@ int64_t PagedKvMemory::decode_demand(const std::vector<int64_t>& seq_ids) const 
 }
 
 int64_t PagedKvMemory::blocks_held(int64_t seq_id) const {
-  if (!cache_.has_sequence(seq_id)) return 0;
-  int64_t n = 0;
-  for (int64_t l = 0; l < num_layers_; ++l) n += static_cast<int64_t>(cache_.layer_blocks(seq_id, l).blocks.size());
-  return n;
+  return cache_.has_sequence(seq_id) ? cache_.blocks_of(seq_id) : 0;
 }
 
 int64_t PagedKvMemory::kept_tokens(int64_t seq_id) const {
   if (!cache_.has_sequence(seq_id)) return 0;
+  // Head-wise, a layer counts its heads' mean (what one length per layer would be).
   int64_t n = 0;
-  for (int64_t l = 0; l < num_layers_; ++l) n += cache_.length(seq_id, l);
-  return n;
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    if (cache_.lanes() == 1) {
+      n += cache_.length(seq_id, l);
+    } else {
+      for (int64_t x : cache_.head_lengths(seq_id, l)) n += x;
+    }
+  }
+  return cache_.lanes() == 1 ? n : n / cache_.num_kv_heads();
+}
+
+PagedKvMemory::HeadKeptStats PagedKvMemory::head_kept(int64_t seq_id) const {
+  HeadKeptStats out;
+  if (!cache_.has_sequence(seq_id)) return out;
+  out.min = std::numeric_limits<int64_t>::max();
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (int64_t x : cache_.head_lengths(seq_id, l)) {
+      out.min = std::min(out.min, x);
+      out.max = std::max(out.max, x);
+      out.sum += x;
+      ++out.count;
+    }
+  }
+  if (out.count == 0) out.min = 0;
+  return out;
 }
 
 void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string& name) {
@@ -218,7 +252,7 @@ int64_t PagedKvMemory::shared_prefix_blocks(std::span<const int64_t> prompt, con
     if (pc->on_host(e) || pc->users(e) - (g == gone.end() ? 0 : g->second) <= 0) break;
     ++shared;
   }
-  return shared * num_layers_;
+  return shared * num_layers_ * cache_.lanes();
 }
 
 int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,
@@ -253,9 +287,13 @@ int64_t PagedKvMemory::prefill_tokens(int64_t seq_id, int64_t start, std::span<c
   s.prefix = hit;
   const int64_t bs = cache_.block_size();
   const int64_t h = static_cast<int64_t>(hit.size()) * bs;
-  std::vector<int32_t> layer_blocks(hit.size());
+  // An entry holds a block per (layer, lane); a layer shares them lane-major.
+  const int64_t lanes = cache_.lanes();
+  std::vector<int32_t> layer_blocks(hit.size() * static_cast<size_t>(lanes));
   for (int64_t l = 0; l < num_layers_; ++l) {
-    for (size_t b = 0; b < hit.size(); ++b) layer_blocks[b] = pc->blocks(hit[b])[static_cast<size_t>(l)];
+    for (int64_t lane = 0; lane < lanes; ++lane)
+      for (size_t b = 0; b < hit.size(); ++b)
+        layer_blocks[static_cast<size_t>(lane) * hit.size() + b] = pc->blocks(hit[b])[static_cast<size_t>(l * lanes + lane)];
     cache_.share(seq_id, l, layer_blocks, h);
   }
   s.hit = h;
@@ -288,16 +326,20 @@ void PagedKvMemory::publish_prefix(int64_t seq_id, bool compressed) {
   // Uncompressed, the sequence's own blocks hold the full-precision prompt and become the cache's
   // (shared: the sequence uses them as one of the entries' users); compressed, its copies do.
   const bool own = !compressed;
+  const int64_t lanes = cache_.lanes();
   const bool have_copies = !s.copies.empty() && std::all_of(s.copies.begin(), s.copies.end(), [&](const auto& c) {
-    return static_cast<int64_t>(c.size()) == end - first;
+    return static_cast<int64_t>(c.size()) == (end - first) * lanes;
   });
   if (pc && told && end > first && (own || have_copies)) {
     int32_t parent = s.prefix.empty() ? -1 : s.prefix.back();
-    std::vector<int32_t> blocks(static_cast<size_t>(num_layers_));
+    std::vector<int32_t> blocks(static_cast<size_t>(num_layers_ * lanes));
     for (int64_t b = first; b < end; ++b) {
       for (int64_t l = 0; l < num_layers_; ++l) {
-        blocks[static_cast<size_t>(l)] = own ? cache_.layer_blocks(seq_id, l).blocks[static_cast<size_t>(b)]
-                                             : s.copies[static_cast<size_t>(l)][static_cast<size_t>(b - first)];
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+          blocks[static_cast<size_t>(l * lanes + lane)] =
+              own ? cache_.layer_blocks(seq_id, l, lane).blocks[static_cast<size_t>(b)]
+                  : s.copies[static_cast<size_t>(l)][static_cast<size_t>(lane * (end - first) + b - first)];
+        }
       }
       const auto tok = std::span<const int64_t>(s.tokens).subspan(static_cast<size_t>(b * bs), static_cast<size_t>(bs));
       const int32_t id = cache_.prefix_insert(parent, tok, blocks);
@@ -331,10 +373,14 @@ void PagedKvMemory::drop_prefix(int64_t seq_id) {
 void PagedKvMemory::apply_updates(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   for (auto& [layer, kept] : s.selector->take_updates()) {
-    // Earlier layers hold their positions in ascending order per head: find the surviving slots.
+    // Earlier layers hold their positions in ascending order per head (a shorter head's padding,
+    // -1, goes last for the search): find the surviving slots; past a head's count they are unused.
     auto held = cache_.positions(seq_id, local(layer)).to(kept.device());
+    held = held.masked_fill(held < 0, std::numeric_limits<int64_t>::max());
     auto slots = torch::searchsorted(held, kept.to(torch::kInt64).contiguous());
-    cache_.compact(seq_id, local(layer), slots.to(torch::kCPU));
+    const std::vector<int64_t> counts = s.selector->head_counts(layer);
+    if (!counts.empty()) slots = slots.clamp_max(std::max<int64_t>(0, held.size(1) - 1));
+    cache_.compact(seq_id, local(layer), slots.to(torch::kCPU), counts);
   }
 }
 
@@ -351,9 +397,16 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   }
   torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, q), k);  // [KV, n] ascending positions
   copy_for_cache(seq_id, ll, k, v);
-  auto idx = kept.to(k.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
-  cache_.write(seq_id, ll, k.gather(1, idx), v.gather(1, idx), kept);
+  write_kept(seq_id, ll, k, v, kept, s.selector->last_head_counts());
+  (void)KV, (void)D;
   apply_updates(seq_id);
+}
+
+void PagedKvMemory::write_kept(int64_t seq_id, int64_t ll, const torch::Tensor& kf, const torch::Tensor& vf,
+                               const torch::Tensor& kept, const std::vector<int64_t>& counts) {
+  const int64_t KV = kf.size(0), D = kf.size(2);
+  auto idx = kept.to(kf.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
+  cache_.write(seq_id, ll, kf.gather(1, idx), vf.gather(1, idx), kept, counts);
 }
 
 torch::Tensor PagedKvMemory::scorer_queries(const PolicyConfig& cfg, const torch::Tensor& q) const {
@@ -418,8 +471,8 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   if (ll == 0 && shard_.first_layer > 0 && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
   torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, qf), kf);  // [KV, n] ascending positions
   copy_for_cache(seq_id, ll, kf, vf);
-  auto idx = kept.to(kf.device()).unsqueeze(-1).expand({KV, kept.size(1), D});
-  cache_.write(seq_id, ll, kf.gather(1, idx), vf.gather(1, idx), kept);
+  write_kept(seq_id, ll, kf, vf, kept, s.selector->last_head_counts());
+  (void)D;
   apply_updates(seq_id);
 }
 
@@ -513,13 +566,20 @@ void PagedKvMemory::finish_dynamic(int64_t seq_id) {
 
 void PagedKvMemory::settle(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
+  s.budgets.clear();
   if (s.selector) {
     apply_updates(seq_id);
+    // Head-adaptive, a layer's heads keep different counts: its budget is the allocator's per-head
+    // share (their mean), the same on every shard whichever heads it holds.
+    if (s.policy->head_adaptive() && s.selector->compresses()) {
+      const auto all = s.selector->budgets();
+      s.budgets.assign(all.begin() + shard_.first_layer, all.begin() + shard_.first_layer + num_layers_);
+    }
     s.selector.reset();
   }
   s.query_tail.clear();
-  s.budgets.clear();
-  for (int64_t l = 0; l < num_layers_; ++l) s.budgets.push_back(cache_.length(seq_id, l));
+  if (s.budgets.empty())
+    for (int64_t l = 0; l < num_layers_; ++l) s.budgets.push_back(cache_.length(seq_id, l));
 }
 
 int64_t PagedKvMemory::local(int64_t layer) const {

@@ -92,6 +92,10 @@ class PagedKvMemory final : public KvMemory {
     // the computed keys, as a whole prefill does).
     bool rounds_kv = false;
     bool prefix_caching = false;  // full prompt blocks go into a prefix cache
+    // Head-wise blocks (KvPoolOptions::head_blocks): a block holds one KV head's tokens, so every
+    // count below is per (layer, KV head) table.
+    bool head_blocks = false;
+    int64_t lanes() const { return head_blocks ? num_kv_heads : 1; }
   };
   Geometry geometry() const;
   // Blocks a prompt occupies at its peak under `cfg` in the shard's layers (DynamicKV: its
@@ -116,6 +120,13 @@ class PagedKvMemory final : public KvMemory {
   int64_t blocks_held(int64_t seq_id) const;
   // Of those, the blocks no other holder (sequence or prefix cache) references.
   int64_t private_blocks(int64_t seq_id) const { return cache_.has_sequence(seq_id) ? cache_.private_blocks_of(seq_id) : 0; }
+  // Kept tokens per (layer, KV head) of this shard's layers: min, mean and max over the tables (what
+  // head-wise budgets save shows in the spread).
+  struct HeadKeptStats {
+    int64_t min = 0, max = 0, sum = 0, count = 0;  // count: (layer, KV head) pairs
+    double mean() const { return count ? static_cast<double>(sum) / static_cast<double>(count) : 0.0; }
+  };
+  HeadKeptStats head_kept(int64_t seq_id) const;
   // Per-layer kept counts decided at prefill (before any decode-time eviction), this shard's layers.
   const std::vector<int64_t>& prefill_budgets(int64_t seq_id) const { return seqs_.at(seq_id).budgets; }
   // Kept positions [local KV heads, n] of a (global) layer.
@@ -141,6 +152,10 @@ class PagedKvMemory final : public KvMemory {
   // [KV, prompt, D]), and at end_prefill the prompt's new full blocks into the cache.
   void copy_for_cache(int64_t seq_id, int64_t ll, const torch::Tensor& kf, const torch::Tensor& vf);
   void publish_prefix(int64_t seq_id, bool compressed);
+  // Writes a selection's K/V (kept [KV, n] positions of kf/vf [KV, T, D], per-head counts when the
+  // heads keep different numbers) into a layer.
+  void write_kept(int64_t seq_id, int64_t ll, const torch::Tensor& kf, const torch::Tensor& vf, const torch::Tensor& kept,
+                  const std::vector<int64_t>& counts);
   void drop_prefix(int64_t seq_id);
   int64_t local(int64_t layer) const;
   bool last_shard() const { return shard_.first_layer + num_layers_ == shard_.total_layers; }

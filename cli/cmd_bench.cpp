@@ -28,7 +28,7 @@ namespace kvserve::cli {
 namespace {
 
 struct BenchDecodeArgs {
-  std::string model, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto";
+  std::string model, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto", kv_layout = "auto";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
@@ -59,9 +59,17 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   // Pool: every sequence's peak per-layer size (DynamicKV: its candidates) plus the decoded tokens.
   std::vector<int64_t> peak(L, context);
   if (!cfg.is_full()) peak = PrefillSelector(cfg, L, KV, context).budgets();
+  const KvLayout layout = parse_kv_layout(a.kv_layout);
+  const bool head_blocks = uses_head_blocks(layout, policies);
   int64_t blocks = 0;
-  for (int64_t n : peak) blocks += (n + a.warmup + a.steps + 1 + a.block_size - 1) / a.block_size + 1;
-  auto memory = make_kv_memory(model.kv_layout(), {a.block_size, blocks * batch + L, 0}, policies, policy_name);
+  for (int64_t n : peak) {
+    const int64_t tokens = n + a.warmup + a.steps + 1;
+    // Head-wise, a layer's KV * tokens spread over its heads: one partial block per head on top.
+    blocks += head_blocks ? (KV * tokens + a.block_size - 1) / a.block_size + 2 * KV
+                          : (tokens + a.block_size - 1) / a.block_size + 1;
+  }
+  auto memory = make_kv_memory(model.kv_layout(), {a.block_size, blocks * batch + L * (head_blocks ? KV : 1), 0, false, 0, layout},
+                               policies, policy_name);
   PagedKvMemory& mem = *memory;
 
   // Fill: random q/k/v (one set reused by every layer and sequence; values do not change decode cost).
@@ -84,6 +92,7 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   const int64_t kept = mem.kept_tokens(1);
   std::vector<int64_t> kept_per_layer;
   for (int64_t l = 0; l < L; ++l) kept_per_layer.push_back(mem.cached_tokens(1, l));
+  const auto hk = mem.head_kept(1);  // after prefill, before decode appends
 
   // On CUDA the steps replay CUDA graphs (captured during the warmup) unless --enforce-eager.
   std::unique_ptr<DecodeGraphs> graphs;
@@ -154,7 +163,9 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
                         {"bandwidth_gbs", a.bandwidth_gbs},
                         {"floor_step_s", floor_s},
                         {"fraction_of_floor", floor_s / median},
-                        {"cuda_graphs", graphs != nullptr}};
+                        {"cuda_graphs", graphs != nullptr},
+                        {"kv_layout", head_blocks ? "head" : "layer"}};
+  out["kv_tokens_per_head"] = {{"min", hk.min}, {"mean", hk.mean()}, {"max", hk.max}};
   if (graphs) {
     const DecodeGraphStats& gs = graphs->stats();
     out["cuda_graph_stats"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager", gs.eager},
@@ -199,6 +210,8 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  cmd->add_option("--kv-layout", a->kv_layout, "KV block layout: auto (head-wise for head_budgets=adaptive), layer, head")
+      ->check(CLI::IsMember({"auto", "layer", "head"}));
   a->policy.add_to(cmd);
   cmd->callback([a] {
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));

@@ -1,4 +1,5 @@
 // `kvserve forward`: runs one prompt through the model and writes every position's logits.
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <iostream>
@@ -34,7 +35,9 @@ nlohmann::json shard_dump(const PagedKvMemory& kv, const ShardLayout& s, int64_t
     nlohmann::json heads = nlohmann::json::array();
     for (int64_t h = 0; h < pos.size(0); ++h) {
       auto row = pos[h];
-      heads.push_back(std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel()));
+      std::vector<int64_t> kept(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+      kept.erase(std::remove(kept.begin(), kept.end(), int64_t{-1}), kept.end());  // a shorter head's padding
+      heads.push_back(std::move(kept));
     }
     layers.push_back({{"layer", l}, {"kept", heads}});
   }
@@ -125,7 +128,10 @@ void add_forward_command(CLI::App& app) {
     size.num_blocks = (layout.num_layers() + 1) * (static_cast<int64_t>(ids.size()) / size.block_size + 2);
     const auto specs = args->policy.specs();
     const std::string policy = PolicyFlags::selected(specs);
-    auto memory = make_kv_memory(model->kv_layout(), size, resolve_policies(specs), policy, job->kv_shard());
+    auto policies = resolve_policies(specs);
+    // Head-wise blocks hold one KV head each: as many more blocks for the same room.
+    if (uses_head_blocks(size.layout, policies)) size.num_blocks *= model->kv_layout().num_kv_heads;
+    auto memory = make_kv_memory(model->kv_layout(), size, std::move(policies), policy, job->kv_shard());
     PagedKvMemory& kv = *memory;
     const int64_t seq = 0;
     torch::Tensor logits;

@@ -38,6 +38,7 @@ struct GenerateArgs {
   bool enable_prefix_caching = EngineOptions{}.enable_prefix_caching;
   std::string prefix_cache = "0";
   std::string kv_cache_dtype = "auto";
+  std::string kv_layout = "auto";
 };
 
 }  // namespace
@@ -65,6 +66,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
   cmd->add_option("--kv-cache", a->kv_cache, "KV cache size, e.g. 512MiB");
+  cmd->add_option("--kv-layout", a->kv_layout, "KV block layout: auto (head-wise for head_budgets=adaptive), layer, head")
+      ->check(CLI::IsMember({"auto", "layer", "head"}));
   cmd->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "prompt tokens prefilled per step")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   cmd->add_flag("--enable-chunked-prefill", a->enable_chunked_prefill,
@@ -106,6 +109,7 @@ void add_generate_command(CLI::App& app) {
     eo.enable_chunked_prefill = a->enable_chunked_prefill;
     eo.enable_prefix_caching = a->enable_prefix_caching;
     eo.enforce_eager = a->enforce_eager;
+    eo.kv_layout = parse_kv_layout(a->kv_layout);
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
       if (rc != 0) throw CLI::RuntimeError(rc);
@@ -137,7 +141,8 @@ void add_generate_command(CLI::App& app) {
     struct Result {
       std::string text, finish_reason, error;
       std::vector<int64_t> ids;
-      int64_t prompt_tokens = 0, kept_kv = 0, full_kv = 0;
+      int64_t prompt_tokens = 0, kept_kv = 0, full_kv = 0, head_min = 0, head_max = 0;
+      double head_mean = 0.0;
       std::optional<std::chrono::steady_clock::time_point> t_first, t_end;
     };
     std::vector<Result> results(prompts.size());
@@ -172,6 +177,9 @@ void add_generate_command(CLI::App& app) {
           r.prompt_tokens = ev.prompt_tokens;
           r.kept_kv = ev.kept_kv_tokens;
           r.full_kv = ev.full_kv_tokens;
+          r.head_min = ev.kept_head_min;
+          r.head_max = ev.kept_head_max;
+          r.head_mean = ev.kept_head_mean;
           r.t_end = std::chrono::steady_clock::now();
           std::lock_guard<std::mutex> lk(mu);
           ++finished;
@@ -199,6 +207,7 @@ void add_generate_command(CLI::App& app) {
                             {"finish_reason", r.finish_reason},
                             {"kv_tokens_kept", r.kept_kv},
                             {"kv_tokens_full", r.full_kv},
+                            {"kv_tokens_per_head", {{"min", r.head_min}, {"mean", r.head_mean}, {"max", r.head_max}}},
                             {"timings",
                              {{"time_to_first_token_s", secs(*r.t_first - t_loaded).count()},
                               {"decode_s", decode_s},

@@ -34,6 +34,7 @@ struct ServeArgs {
   std::optional<std::string> host, model, served_model_name, device, dtype, cpu_gemm, api_key, kv_cache_bytes, prefix_cache_bytes, max_body_bytes,
       default_policy;
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
+  std::string kv_layout;       // empty = the config's cache.kv_layout
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
   std::optional<bool> enable_chunked_prefill, enable_prefix_caching;
@@ -52,6 +53,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.enforce_eager = cfg.model.enforce_eager;
   eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
   eo.prefix_cache_bytes = cfg.cache.prefix_cache_bytes;
+  eo.kv_layout = parse_kv_layout(cfg.cache.kv_layout);
   eo.block_size = cfg.cache.block_size;
   eo.enable_prefix_caching = cfg.cache.enable_prefix_caching;
   eo.default_policy = cfg.default_policy;
@@ -113,6 +115,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   bytes(a.max_body_bytes, c.server.max_body_bytes, "--max-body-bytes");
   if (a.block_size) c.cache.block_size = *a.block_size;
   if (!a.kv_cache_dtype.empty()) c.cache.kv_cache_dtype = a.kv_cache_dtype;
+  if (!a.kv_layout.empty()) c.cache.kv_layout = a.kv_layout;
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
   if (a.enable_chunked_prefill) c.scheduler.enable_chunked_prefill = *a.enable_chunked_prefill;
@@ -289,6 +292,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-cache-bytes", a->kv_cache_bytes, "KV cache pool size, e.g. 2GiB");
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  cmd->add_option("--kv-layout", a->kv_layout, "KV block layout: auto, layer, head (sets cache.kv_layout)")
+      ->check(CLI::IsMember({"auto", "layer", "head"}));
   cmd->add_option("--max-num-seqs", a->max_num_seqs, "sequences decoding at once");
   cmd->add_option("--max-num-batched-tokens", a->max_num_batched_tokens, "prompt tokens prefilled per step");
   // A function, not an optional<bool> target: CLI11 would set that to false when the flag is absent,

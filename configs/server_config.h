@@ -68,6 +68,9 @@ struct CacheSection {
   // there instead of being dropped, and come back on a hit (pinned memory on a GPU), so cached
   // documents do not take the pool memory that compression frees.
   int64_t prefix_cache_bytes = 0;
+  // Block layout: auto (head-wise when a policy has head_budgets: adaptive) | layer | head
+  // (docs/architecture.md, "Head-wise KV lengths").
+  std::string kv_layout = "auto";
 };
 
 struct SchedulerSection {

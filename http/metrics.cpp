@@ -156,7 +156,7 @@ void ServerMetrics::observe_queue_time(double s) {
 }
 
 void ServerMetrics::request_finished(const std::string& reason, const std::string& policy, int64_t kept, int64_t full,
-                                     const std::string& rule) {
+                                     const std::string& rule, HeadKept head_kept) {
   std::lock_guard<std::mutex> lock(mu_);
   ++finished_[reason.empty() ? "unknown" : reason];
   if (!policy.empty()) {
@@ -164,6 +164,7 @@ void ServerMetrics::request_finished(const std::string& reason, const std::strin
     ++p.requests;
     p.kept += static_cast<uint64_t>(std::max<int64_t>(kept, 0));
     p.full += static_cast<uint64_t>(std::max<int64_t>(full, 0));
+    p.head_kept = head_kept;
     if (!rule.empty()) {
       auto& r = rules_[{rule, policy}];
       ++r.requests;
@@ -256,6 +257,14 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   for (const auto& [policy, t] : policies_)
     out += "kvserve:kv_kept_tokens_total{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +
            std::to_string(t.kept) + "\n";
+  header(out, "kvserve:kv_head_kept_tokens", "gauge",
+         "Tokens the policy's latest finished request kept per (layer, KV head): min, mean, max.");
+  for (const auto& [policy, t] : policies_) {
+    const std::string labels = "kvserve:kv_head_kept_tokens{" + model + ",policy=\"" + prometheus_escape(policy) + "\",stat=";
+    out += labels + "\"min\"} " + std::to_string(t.head_kept.min) + "\n";
+    out += labels + "\"mean\"} " + fmt(t.head_kept.mean) + "\n";
+    out += labels + "\"max\"} " + std::to_string(t.head_kept.max) + "\n";
+  }
   header(out, "kvserve:kv_full_tokens_total", "counter", "KV tokens full attention would have kept, per policy.");
   for (const auto& [policy, t] : policies_)
     out += "kvserve:kv_full_tokens_total{" + model + ",policy=\"" + prometheus_escape(policy) + "\"} " +

@@ -28,6 +28,13 @@ class Histogram {
   uint64_t count_ = 0;
 };
 
+// Tokens a request kept per (layer, KV head) after prefill.
+struct HeadKeptTokens {
+  int64_t min = 0;
+  double mean = 0.0;
+  int64_t max = 0;
+};
+
 class ServerMetrics {
  public:
   explicit ServerMetrics(std::string model_name);
@@ -41,8 +48,9 @@ class ServerMetrics {
   void observe_queue_time(double seconds);
   // A finished engine request (one choice): its finish reason and policy's KV accounting.
   // With a rollout rule, also counted per (rule, policy).
+  using HeadKept = HeadKeptTokens;
   void request_finished(const std::string& finish_reason, const std::string& policy, int64_t kept_kv_tokens,
-                        int64_t full_kv_tokens, const std::string& rollout_rule = "");
+                        int64_t full_kv_tokens, const std::string& rollout_rule = "", HeadKept head_kept = {});
   // A config reload attempt (SIGHUP or file change): success or not.
   void config_reload(bool ok);
   void http_response(int status);
@@ -67,6 +75,7 @@ class ServerMetrics {
     uint64_t requests = 0;
     uint64_t kept = 0;
     uint64_t full = 0;
+    HeadKept head_kept;  // the latest finished request's
   };
   std::map<std::string, PolicyTotals> policies_;
   std::map<std::pair<std::string, std::string>, PolicyTotals> rules_;  // (rule, policy)

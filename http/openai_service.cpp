@@ -81,6 +81,8 @@ struct Choice {
   bool request_error = false;  // the engine can never serve this request (too big for its KV pool)
   int64_t kept_kv = 0;
   int64_t full_kv = 0;
+  int64_t kept_head_min = 0, kept_head_max = 0;  // per (layer, KV head)
+  double kept_head_mean = 0.0;
   int64_t cached_tokens = 0;  // prompt tokens from the prefix cache
   std::vector<int64_t> token_ids;  // return_token_ids
   bool prompt_ids_sent = false;    // stream: the first chunk carried prompt_token_ids
@@ -137,7 +139,8 @@ struct Exchange {
   }
 
   json usage() const {
-    int64_t prompt = 0, completion = 0, kept = 0, full = 0;
+    int64_t prompt = 0, completion = 0, kept = 0, full = 0, head_min = 0, head_max = 0, head_n = 0;
+    double head_mean = 0.0;
     for (int64_t p : prompt_tokens) prompt += p;
     // A prompt's n choices share it: its cached tokens are the most any of them found.
     std::vector<int64_t> cached(prompt_tokens.size(), 0);
@@ -145,6 +148,10 @@ struct Exchange {
       completion += c.completion_tokens;
       kept += c.kept_kv;
       full += c.full_kv;
+      head_min = head_n ? std::min(head_min, c.kept_head_min) : c.kept_head_min;
+      head_max = std::max(head_max, c.kept_head_max);
+      head_mean += c.kept_head_mean;
+      ++head_n;
       if (c.prompt_index < cached.size()) cached[c.prompt_index] = std::max(cached[c.prompt_index], c.cached_tokens);
     }
     int64_t cached_total = 0;
@@ -156,7 +163,10 @@ struct Exchange {
             {"kv_policy", policy},
             {"kv_rollout_rule", rollout_rule.empty() ? json(nullptr) : json(rollout_rule)},
             {"kv_kept_tokens", kept},
-            {"kv_full_tokens", full}};
+            {"kv_full_tokens", full},
+            // Tokens kept per (layer, KV head): head-wise budgets (head_budgets: adaptive) spread them.
+            {"kv_kept_tokens_per_head",
+             {{"min", head_min}, {"mean", head_n ? head_mean / static_cast<double>(head_n) : 0.0}, {"max", head_max}}}};
   }
 
   json chunk_base() const {
@@ -243,6 +253,9 @@ struct Exchange {
       stripped.request_error = event.request_error;
       stripped.kept_kv_tokens = event.kept_kv_tokens;
       stripped.full_kv_tokens = event.full_kv_tokens;
+      stripped.kept_head_min = event.kept_head_min;
+      stripped.kept_head_max = event.kept_head_max;
+      stripped.kept_head_mean = event.kept_head_mean;
     }
     const GenerationEvent& ev = echo_only ? stripped : event;
     const auto now = Clock::now();
@@ -281,8 +294,12 @@ struct Exchange {
       c.request_error = ev.request_error;
       c.kept_kv = ev.kept_kv_tokens;
       c.full_kv = ev.full_kv_tokens;
+      c.kept_head_min = ev.kept_head_min;
+      c.kept_head_max = ev.kept_head_max;
+      c.kept_head_mean = ev.kept_head_mean;
       c.cached_tokens = ev.cached_tokens;
-      metrics->request_finished(c.finish_reason, policy, c.kept_kv, c.full_kv, rollout_rule);
+      metrics->request_finished(c.finish_reason, policy, c.kept_kv, c.full_kv, rollout_rule,
+                                {c.kept_head_min, c.kept_head_mean, c.kept_head_max});
     }
     if (done) return;
     if (req.stream) stream_event(index, ev, lp);

@@ -25,6 +25,7 @@ class ShardScoreExchange final : public ScoreExchange {
   bool gathers_queries() const override;
   torch::Tensor gather_queries(const torch::Tensor& q) override;
   torch::Tensor gather_scores(int64_t layer, const torch::Tensor& local) override;
+  int64_t first_kv_head() const override { return layout_.kv_head_begin; }
   LayerScores receive_scores() override;
   void send_scores(const LayerScores& scores) override;
   std::vector<int64_t> agree_final_budgets(const std::vector<int64_t>& own) override;

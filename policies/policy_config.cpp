@@ -62,6 +62,7 @@ std::string to_string(ScoreNorm k) {
   return "?";
 }
 std::string to_string(BudgetPrior k) { return k == BudgetPrior::kNone ? "none" : "pyramid"; }
+std::string to_string(HeadBudgets k) { return k == HeadBudgets::kUniform ? "uniform" : "adaptive"; }
 
 namespace {
 
@@ -226,6 +227,15 @@ const std::map<std::string, Setter>& setters() {
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          c.seed = static_cast<uint64_t>(parse_nonneg(k, v));
        }},
+      {"head_budgets",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.head_budgets = parse_enum<HeadBudgets>(k, v, {{"uniform", HeadBudgets::kUniform}, {"adaptive", HeadBudgets::kAdaptive}});
+       }},
+      {"alpha",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.alpha = parse_double(k, v);
+         KV_CHECK(c.alpha >= 0.0 && c.alpha <= 1.0, "policy parameter '" << k << "': '" << v << "' must be in [0, 1]");
+       }},
       {"prefix_reuse",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          c.reuse_compressed = parse_enum<bool>(k, v, {{"exact", false}, {"compressed", true}});
@@ -341,6 +351,17 @@ void validate_policy_config(const PolicyConfig& c) {
     KV_CHECK(c.scorer != ScorerKind::kSinkRecent,
              "policy '" << c.name << "': sink_recent works with the uniform allocator only");
   }
+  if (c.head_budgets == HeadBudgets::kAdaptive) {
+    KV_CHECK(c.allocator != AllocatorKind::kDynamic || c.dynamic.variant == DynamicVariant::kPaper,
+             "policy '" << c.name << "': head_budgets=adaptive ranks per KV head; DynamicKV's variant=authors "
+                        << "ranks per query head and does not combine with it");
+    KV_CHECK(c.scorer != ScorerKind::kSinkRecent && c.scorer != ScorerKind::kRandom,
+             "policy '" << c.name << "': head_budgets=adaptive needs a scorer that ranks tokens, not " << to_string(c.scorer));
+    KV_CHECK(c.decode_budget == 0, "policy '" << c.name << "': decode_budget (decode-time eviction) is per layer and "
+                                              << "does not combine with head_budgets=adaptive yet");
+    KV_CHECK(!c.reuse_compressed, "policy '" << c.name << "': prefix_reuse: compressed does not combine with "
+                                             << "head_budgets=adaptive yet (a resumed turn attends to one length per layer)");
+  }
   if (c.decode_budget > 0) {
     KV_CHECK(c.scorer == ScorerKind::kKeyNorm || c.scorer == ScorerKind::kSinkRecent ||
                  c.scorer == ScorerKind::kAccumulatedAttention,
@@ -413,6 +434,10 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["decode_evict_chunk"] = c.decode_evict_chunk;
   j["seed"] = c.seed;
   j["prefix_reuse"] = c.reuse_compressed ? "compressed" : "exact";
+  if (c.head_budgets == HeadBudgets::kAdaptive) {
+    j["head_budgets"] = to_string(c.head_budgets);
+    j["alpha"] = c.alpha;
+  }
   return j;
 }
 

@@ -27,6 +27,10 @@ enum class DynamicVariant { kPaper, kAuthors };
 // many tokens and the rest of the total goes to the tokens strongest against their own head's
 // reference (norm_rank 1 gives every layer the same budget: SnapKV's allocation).
 enum class ScoreNorm { kNone, kLayer, kHead, kMax, kKth };
+// How a layer's budget is shared among its KV heads: kUniform, every head keeps the layer's count;
+// kAdaptive, AdaKV (Feng et al., 2024): one top-k over heads x positions of the layer, each head
+// keeping at least alpha of its even share (docs/architecture.md, "Head-wise KV lengths").
+enum class HeadBudgets { kUniform, kAdaptive };
 // DynamicKV: a schedule the dynamic budgets are mixed with (kPyramid: PyramidKV's, beta).
 enum class BudgetPrior { kNone, kPyramid };
 
@@ -71,9 +75,13 @@ struct PolicyConfig {
   // (prefix_reuse: compressed; docs/architecture.md, "Conversation reuse"). Off by default: the
   // earlier turns stay compressed for the question they were asked with.
   bool reuse_compressed = false;
+  HeadBudgets head_budgets = HeadBudgets::kUniform;
+  double alpha = 0.2;  // HeadBudgets::kAdaptive: each head's guaranteed share of its even share (kvpress's default)
 
   // True when the policy never drops anything.
   bool is_full() const { return allocator == AllocatorKind::kFull || scorer == ScorerKind::kNone; }
+  // KV heads of a layer may keep different numbers of tokens (the pool needs head-wise blocks).
+  bool head_adaptive() const { return !is_full() && head_budgets == HeadBudgets::kAdaptive; }
   // Window scores averaged (kvpress, DynamicKV paper eq. 1) instead of summed (PyramidKV/SnapKV authors).
   bool window_mean() const { return semantics == Semantics::kKvpress || allocator == AllocatorKind::kDynamic; }
   // Whether `layer` is exempt from compression.
@@ -103,5 +111,6 @@ std::string to_string(Semantics k);
 std::string to_string(DynamicVariant k);
 std::string to_string(ScoreNorm k);
 std::string to_string(BudgetPrior k);
+std::string to_string(HeadBudgets k);
 
 }  // namespace kvserve

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "common/check.h"
+#include "policies/head_allocation.h"
 #include "policies/pyramid_budget.h"
 #include "policies/token_scorer.h"
 #include "policies/top_select.h"
@@ -43,6 +44,11 @@ PrefillSelector::PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, in
     kept_scored_.assign(num_layers, -1);
     kept_budget_.assign(num_layers, -1);
     held_.resize(num_layers);
+    if (cfg_.head_adaptive()) {
+      ada_scores_.resize(num_layers);
+      ada_held_.resize(num_layers);
+      ada_counts_.resize(num_layers);
+    }
   }
 }
 
@@ -61,6 +67,7 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
            "PrefillSelector: layer " << layer << " keys must be [" << num_kv_heads_ << ", " << prompt_len_
                                      << ", D], got " << (k.defined() ? k.sizes() : at::IntArrayRef{}));
   last_layer_ = layer;
+  last_counts_.clear();
   const auto dev = k.device();
   const LayerBudget& lb = plan_[layer];
   if (lb.full) return position_range(num_kv_heads_, 0, prompt_len_, dev);
@@ -80,16 +87,67 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
   torch::Tensor scores = score_tokens(cfg_, layer, q, k);  // [KV, prompt - window]
 
   if (!dynamic_) {
+    if (cfg_.head_adaptive()) {
+      return adaptive_selection(layer, exchange_->gather_scores(layer, scores), std::min(lb.scored, scored_region_),
+                                lb.window);
+    }
     return with_window(stable_top_positions(scores, std::min(lb.scored, scored_region_)), lb.window, dev);
   }
 
   // DynamicKV: keep the bs best as candidates in score order; budget from every KV head's scores.
-  dynamic_->set_layer_scores(layer, exchange_->gather_scores(layer, scores));
+  const torch::Tensor all = exchange_->gather_scores(layer, scores);
+  dynamic_->set_layer_scores(layer, all);
+  if (cfg_.head_adaptive()) {
+    // Head-adaptive candidates: the layer's bs per head on average, chosen jointly; a later
+    // re-budget chooses again among them (apply_dynamic_budgets).
+    ada_scores_[layer] = all;
+    kept_scored_[layer] = std::min(dynamic_->budgets()[layer], scored_region_);
+    auto kept = adaptive_selection(layer, all, kept_scored_[layer], lb.window);
+    const std::vector<int64_t> counts = last_counts_;  // re-selections of earlier layers overwrite it
+    if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+    last_counts_ = counts;
+    return kept;
+  }
   order_[layer] = stable_rank_order(scores, std::min(dynamic_->budgets()[layer], scored_region_));
   kept_scored_[layer] = order_[layer].size(1);
   auto kept = with_window(std::get<0>(torch::sort(order_[layer], 1)), lb.window, dev);
   if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
   return kept;
+}
+
+int64_t PrefillSelector::guaranteed(int64_t per_head, int64_t window) const {
+  if (cfg_.semantics == Semantics::kKvpress) {
+    // AdaKVPress protects each head's top int(alpha * kept) scores (at least one), the window
+    // (scored above everything else) first: what is left of it guards scored positions.
+    const int64_t kept = window + per_head;
+    int64_t safe = static_cast<int64_t>(static_cast<double>(kept) * cfg_.alpha);
+    if (cfg_.alpha > 0.0 && kept > 0) safe = std::max<int64_t>(1, safe);
+    return std::clamp<int64_t>(safe - window, 0, per_head);
+  }
+  return std::min(per_head, static_cast<int64_t>(static_cast<double>(per_head) * cfg_.alpha));
+}
+
+torch::Tensor PrefillSelector::adaptive_selection(int64_t layer, const torch::Tensor& all, int64_t per_head,
+                                                  int64_t window) {
+  // One top-k over the whole layer: a shard holding some of the heads selects from every head's
+  // scores, exactly as one process, and keeps its own rows.
+  const int64_t first = all.size(0) == num_kv_heads_ ? 0 : exchange_->first_kv_head();
+  KV_CHECK(first >= 0 && first + num_kv_heads_ <= all.size(0),
+           "PrefillSelector: layer " << layer << ": KV heads [" << first << ", " << first + num_kv_heads_
+                                     << ") outside the " << all.size(0) << " gathered");
+  HeadSelection sel = adaptive_head_selection(all, per_head, guaranteed(per_head, window), window);
+  last_counts_.assign(sel.counts.begin() + first, sel.counts.begin() + first + num_kv_heads_);
+  if (dynamic_) {
+    ada_held_[layer] = sel.kept.narrow(1, 0, all.size(1));
+    ada_counts_[layer] = last_counts_;
+  }
+  const int64_t width = *std::max_element(last_counts_.begin(), last_counts_.end());
+  return sel.positions.narrow(0, first, num_kv_heads_).narrow(1, 0, width).contiguous();
+}
+
+std::vector<int64_t> PrefillSelector::head_counts(int64_t layer) const {
+  if (layer < 0 || layer >= static_cast<int64_t>(ada_counts_.size())) return {};
+  return ada_counts_[static_cast<size_t>(layer)];
 }
 
 void PrefillSelector::apply_dynamic_budgets(const std::vector<int64_t>& new_budgets) {
@@ -100,6 +158,16 @@ void PrefillSelector::apply_dynamic_budgets(const std::vector<int64_t>& new_budg
       const auto& hs = head_scores_[i];
       if (!hs.defined() || new_budgets[i] >= kept_budget_[i]) continue;  // not local, or unchanged
       kept = with_window(union_selection(i, new_budgets[i]), plan_[i].window, hs.device());
+    } else if (cfg_.head_adaptive()) {
+      const auto& all = ada_scores_[i];
+      if (!all.defined() || new_budgets[i] >= kept_scored_[i]) continue;  // not local, or unchanged
+      // The same joint choice among what the layer holds: a subset of it, each head's safeguard
+      // recomputed for the smaller share.
+      constexpr float kLow = -std::numeric_limits<float>::infinity();
+      const auto held = ada_held_[i];
+      kept_scored_[i] = new_budgets[i];
+      kept = adaptive_selection(i, all.to(torch::kFloat32).masked_fill(held.logical_not(), kLow), new_budgets[i],
+                                plan_[i].window);
     } else {
       const auto& ord = order_[i];
       if (!ord.defined() || new_budgets[i] >= ord.size(1)) continue;  // not local, or unchanged

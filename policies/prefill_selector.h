@@ -26,6 +26,12 @@ class PrefillSelector {
   // post-RoPE (the last `window` rows are enough for window attention; accumulated attention needs
   // all T rows; other scorers ignore it and accept an undefined tensor), k [KV, T, D] post-RoPE.
   torch::Tensor on_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k);
+  // With head_budgets=adaptive the heads of a layer keep different numbers of positions: what the
+  // last on_layer kept per KV head (its result's first counts[h] entries of row h are real, the rest
+  // padding), empty when every head kept the whole row.
+  const std::vector<int64_t>& last_head_counts() const { return last_counts_; }
+  // The same for a layer take_updates() returned (DynamicKV re-selecting a head-adaptive layer).
+  std::vector<int64_t> head_counts(int64_t layer) const;
 
   // Re-selections of earlier layers since the last call: (layer, kept positions [KV, n] that are a
   // subset of what that layer held), ascending by layer, at most one entry per layer.
@@ -73,8 +79,20 @@ class PrefillSelector {
   // variant=authors: the widest union over every KV head of `layer` for b per query head.
   int64_t union_width(int64_t layer, int64_t b) const;
 
+  // head_budgets=adaptive: a layer's kept positions chosen jointly over every KV head's scores
+  // `all` (gathered across tensor-parallel shards; -inf where a head no longer holds a position),
+  // per_head scored positions per head on average plus the window; this shard's rows returned and
+  // their counts recorded for the layer.
+  torch::Tensor adaptive_selection(int64_t layer, const torch::Tensor& all, int64_t per_head, int64_t window);
+  int64_t guaranteed(int64_t per_head, int64_t window) const;
+
   PolicyConfig cfg_;
   int64_t num_layers_, num_kv_heads_, prompt_len_;
+  std::vector<int64_t> last_counts_;
+  // head_budgets=adaptive with DynamicKV: per layer every KV head's scores and what the layer holds
+  // ([all KV, N]), and each pending update's per-head counts.
+  std::vector<torch::Tensor> ada_scores_, ada_held_;
+  std::vector<std::vector<int64_t>> ada_counts_;
   int64_t scored_region_;  // prompt - window: positions that are ranked
   bool compresses_ = false;
   int64_t last_layer_ = -1;

@@ -31,6 +31,8 @@ class ScoreExchange {
   // [local KV heads, N] -> every KV head's [all KV heads, N] (heads in model order), the same on
   // every shard of the layer.
   virtual torch::Tensor gather_scores(int64_t layer, const torch::Tensor& local) = 0;
+  // Where this shard's KV heads start among gather_scores' rows (model order).
+  virtual int64_t first_kv_head() const { return 0; }
 
   // Layers split across shards (a DynamicKV prefill; every shard makes these calls in this order):
   // a shard after the first, before its first layer: every earlier layer's scores, from the shard

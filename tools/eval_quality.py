@@ -40,9 +40,11 @@ GRIDS = {
     # Sized for about an hour on 2 idle cores from the rate measured on a loaded machine (11 s per
     # 1K prompt with 5 agents sharing 2 cores): not yet timed idle (docs/eval/quality.md).
     "default": dict(tasks=["niah_number", "niah_word", "multikey", "qa"], lengths=[1024], budgets=[128, 256],
-                    ratios=[], policies=["snapkv", "pyramidkv", "dynamickv"], n=50),
+                    ratios=[], policies=["snapkv", "pyramidkv", "dynamickv", "snapkv:head_budgets=adaptive",
+                                         "pyramidkv:head_budgets=adaptive"], n=50),
     "full": dict(tasks=list(rt.TASKS), lengths=[1024, 2048, 4096, 8192], budgets=[64, 128, 256, 512], ratios=[0.1, 0.25],
-                 policies=["snapkv", "pyramidkv", "dynamickv", "dynamickv:variant=paper",
+                 policies=["snapkv", "pyramidkv", "dynamickv", "snapkv:head_budgets=adaptive",
+                           "pyramidkv:head_budgets=adaptive", "dynamickv:variant=paper",
                            "dynamickv:variant=authors", "streamingllm", "h2o", "knorm", "random"], n=50),
 }
 # kvpress side by side: kvserve policy + params (semantics=kvpress) and the press that keeps the same set.
@@ -51,7 +53,29 @@ KVPRESS = {
     "pyramidkv": dict(window=64, kernel=5, pooling="avg", beta=20),
     "streamingllm": dict(sink=4),
     "knorm": dict(skip_layers="none"),
+    # AdaKVPress(SnapKVPress): head-wise budgets around kvpress's SnapKV parameters.
+    "adakv-snapkv": dict(window=64, kernel=5, pooling="avg", head_budgets="adaptive", alpha=0.2),
 }
+# The kvserve policy a kvpress entry runs under (its key, unless named here).
+KVPRESS_POLICY = {"adakv-snapkv": "snapkv"}
+
+
+def spec_of(name: str, params: dict) -> str:
+    """The kvserve policy spec that keeps what kvpress entry `name` keeps."""
+    return f"{KVPRESS_POLICY.get(name, name)}:semantics=kvpress," + ",".join(f"{k}={v}" for k, v in params.items())
+
+
+# kvserve's observation window per policy when a spec does not set one (the authors' defaults).
+DEFAULT_WINDOW = {"snapkv": 8, "pyramidkv": 8, "dynamickv": 8, "h2o": 8}
+
+
+def window_of(spec: str) -> str:
+    """The observation window a policy spec runs with ('-' where the scorer has none)."""
+    name, _, params = spec.partition(":")
+    for kv in params.split(","):
+        if kv.startswith("window="):
+            return kv.split("=", 1)[1]
+    return str(DEFAULT_WINDOW.get(name, "-"))
 
 
 def log(msg: str) -> None:
@@ -158,17 +182,19 @@ def kvpress_side(a, tok, cells: dict, runner: Runner, results: dict) -> dict:
                                                          kernel_size=p["kernel"], beta=p["beta"]),
         "streamingllm": lambda r, p: kvpress.StreamingLLMPress(compression_ratio=1 - r, n_sink=p["sink"]),
         "knorm": lambda r, p: kvpress.KnormPress(compression_ratio=1 - r),
+        "adakv-snapkv": lambda r, p: kvpress.AdaKVPress(
+            press=kvpress.SnapKVPress(compression_ratio=1 - r, window_size=p["window"], kernel_size=p["kernel"]),
+            alpha_safeguard=p["alpha"]),
     }
     out = {}
     chosen = {k: v for k, v in KVPRESS.items() if k in a.kvpress_presses}
-    configs = [(f"{name}:semantics=kvpress," + ",".join(f"{k}={v}" for k, v in params.items()), r)
-               for name, params in chosen.items() for r in a.kvpress_ratios]
+    configs = [(spec_of(name, params), r) for name, params in chosen.items() for r in a.kvpress_ratios]
     run_grid(a, tok, runner, cells, configs, results, "kvserve (semantics=kvpress)")
     t0, done = time.time(), 0
     total = len(chosen) * len(a.kvpress_ratios) * sum(len(v) for v in cells.values())
     for name, params in chosen.items():
         for r in a.kvpress_ratios:
-            spec = f"{name}:semantics=kvpress," + ",".join(f"{k}={v}" for k, v in params.items())
+            spec = spec_of(name, params)
             for key, samples in cells.items():
                 answers = []
                 for s in samples:
@@ -216,7 +242,7 @@ def write_report(a, cells: dict, kept: list, full: dict, results: dict, kvp: dic
                                                 for L in a.lengths) + " |")
     lines += ["", "## Accuracy per policy and budget, averaged over the kept (task, length) cells", "",
               "Mean of the per-cell accuracies; the interval is Wilson's on the pooled samples.", "",
-              "| policy | " + " | ".join(str(b) for b in budgets) + " |", "|---|" + "---:|" * len(budgets)]
+              "| policy | window | " + " | ".join(str(b) for b in budgets) + " |", "|---|---:|" + "---:|" * len(budgets)]
     summary = {}
     for spec in a.policies:
         row = []
@@ -230,7 +256,7 @@ def write_report(a, cells: dict, kept: list, full: dict, results: dict, kvp: dic
             lo, hi = wilson(k, n)
             summary[(spec, b)] = mean
             row.append(f"{100 * mean:.1f} [{100 * lo:.0f}, {100 * hi:.0f}]")
-        lines.append(f"| {spec} | " + " | ".join(row) + " |")
+        lines.append(f"| {spec} | {window_of(spec)} | " + " | ".join(row) + " |")
     lines += ["", "## Per task (all kept lengths pooled)", ""]
     for b in budgets:
         lines += [f"### budget {b}", "", "| policy | " + " | ".join(f"{t}" for t in a.tasks) + " |",
@@ -254,7 +280,7 @@ def write_report(a, cells: dict, kept: list, full: dict, results: dict, kvp: dic
                   "kvpress runs in transformers (fp32, SDPA), kvserve in libtorch.", "",
                   "| press | ratio | task@length | kvpress | kvserve | same |", "|---|---:|---|---:|---:|---:|"]
         for (name, r, task, L), v in kvp.items():
-            spec = f"{name}:semantics=kvpress," + ",".join(f"{k}={x}" for k, x in KVPRESS[name].items())
+            spec = spec_of(name, KVPRESS[name])
             mine = results[(spec, r, task, L)]
             lines.append(f"| {name} | {r} | {task}@{L} | {fmt(*acc(v['kvpress']))} | {fmt(*acc(mine))} | "
                          f"{v['same']}/{len(mine)} |")

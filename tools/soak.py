@@ -49,6 +49,8 @@ POLICIES = {
     "h2o": "{budget: 48}",
     "knorm": "{budget: 48}",
     "random": "{budget: 48}",
+    # Head-wise budgets: the server's pool then uses head-wise blocks for every policy.
+    "snapkv_ada": "{method: snapkv, budget: 48, window: 8, head_budgets: adaptive}",
 }
 WORDS = ("the quick brown fox jumps over lazy dog passkey is remember number city river mountain "
          "apple seven eleven green house window street music paper light answer question").split()

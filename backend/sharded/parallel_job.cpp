@@ -103,7 +103,8 @@ KvShard ParallelJob::kv_shard() const {
 std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& options) const {
   // Every shard caches its own layers and heads; rank 0 makes the lookup decision (ShardedRunner).
   return make_kv_memory(model_->kv_layout(),
-                        {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes},
+                        {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes,
+                         options.kv_layout},
                         resolve_policies(options.policies), options.default_policy, kv_shard());
 }
 

@@ -291,8 +291,9 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 
   const ShardUsage mine = shard_usage(kv, plan);
   const int64_t R = static_cast<int64_t>(mine.held.size());
-  constexpr int64_t kHead = 17;
-  const int64_t slot = kHead + 3 * R;
+  constexpr int64_t kHead = 18;
+  constexpr int64_t kRow = 7;  // per sequence: held, demand, kept, and the head stats (min, max, sum, tables)
+  const int64_t slot = kHead + kRow * R;
   auto all = torch::zeros({world.size() * slot}, torch::kInt64);
   int64_t* d = all.data_ptr<int64_t>() + me * slot;
   const auto& g = mine.geometry;
@@ -300,7 +301,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
                     int64_t{g.prefix_caching}, mine.blocks_total,
                     mine.blocks_used, mine.blocks_high_water, mine.blocks_cached, mine.cached_bytes,
                     mine.block_bytes, mine.host_cached_bytes, mine.host_capacity_bytes, mine.host_stores,
-                    mine.host_loads})
+                    mine.host_loads, int64_t{g.head_blocks}})
     *d++ = v;
   std::vector<int64_t> rows = plan.decode.seq_ids;
   for (const auto& w : plan.prefill) rows.push_back(w.seq_id);
@@ -308,6 +309,8 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     *d++ = mine.held[static_cast<size_t>(r)];
     *d++ = mine.demand[static_cast<size_t>(r)];
     *d++ = local_kept(kv, layout, rows[static_cast<size_t>(r)]);
+    const auto hk = kv.head_kept(rows[static_cast<size_t>(r)]);
+    for (int64_t v : {hk.min, hk.max, hk.sum, hk.count}) *d++ = v;
   }
   world.all_reduce_sum(all);
   if (me != 0) return {};
@@ -315,11 +318,15 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   StepResult result;
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int64_t> kept(static_cast<size_t>(R), 0);
+  struct HeadKept {
+    int64_t min = 0, max = 0, sum = 0, tables = 0;
+  };
+  std::vector<HeadKept> heads(static_cast<size_t>(R));
   for (int rank = 0; rank < world.size(); ++rank, a += slot) {
     ShardUsage u;
     // The whole geometry: the scheduler's admission reads prefix_caching (room for a compressing
     // prompt's cache copy) and rounds_kv from it.
-    u.geometry = {a[0], a[1], a[2], a[3], a[4], a[5] != 0, a[6] != 0};
+    u.geometry = {a[0], a[1], a[2], a[3], a[4], a[5] != 0, a[6] != 0, a[17] != 0};
     u.blocks_total = a[7];
     u.blocks_used = a[8];
     u.blocks_high_water = a[9];
@@ -331,9 +338,18 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     u.host_stores = a[15];
     u.host_loads = a[16];
     for (int64_t r = 0; r < R; ++r) {
-      u.held.push_back(a[kHead + 3 * r]);
-      u.demand.push_back(a[kHead + 3 * r + 1]);
-      kept[static_cast<size_t>(r)] += a[kHead + 3 * r + 2];
+      const int64_t* row = a + kHead + kRow * r;
+      u.held.push_back(row[0]);
+      u.demand.push_back(row[1]);
+      kept[static_cast<size_t>(r)] += row[2];
+      // Every rank reports its own heads' stats: least of the least, most of the most.
+      HeadKept& hk = heads[static_cast<size_t>(r)];
+      if (row[6] > 0) {
+        hk.min = hk.tables ? std::min(hk.min, row[3]) : row[3];
+        hk.max = std::max(hk.max, row[4]);
+        hk.sum += row[5];
+        hk.tables += row[6];
+      }
     }
     result.shards.push_back(std::move(u));
   }
@@ -343,6 +359,11 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     PrefillOutcome o;
     if (plan.prefill[p].sample) o.first = std::move(sampled.at(next++));
     o.kept_tokens = kept[plan.decode.seq_ids.size() + p];
+    const HeadKept& hk = heads[plan.decode.seq_ids.size() + p];
+    o.kept_head_min = hk.min;
+    o.kept_head_max = hk.max;
+    o.kept_head_sum = hk.sum;
+    o.head_tables = hk.tables;
     o.queried_tokens = kv.prefix_queried(plan.prefill[p].seq_id);
     o.cached_tokens = kv.prefix_hit(plan.prefill[p].seq_id);
     result.prefilled.push_back(std::move(o));

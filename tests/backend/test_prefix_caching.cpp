@@ -38,14 +38,31 @@ const Specs& policy_specs() {
   return s;
 }
 
+// Head-adaptive variants (AdaKV), which need a pool of head-wise blocks.
+const Specs& head_policy_specs() {
+  static const Specs s = [] {
+    Specs out = policy_specs();
+    out["snap_ada"] = {{"name", "snapkv"}, {"budget", "64"}, {"window", "8"}, {"kernel", "5"}, {"head_budgets", "adaptive"}};
+    out["pyr_ada"] = {{"name", "pyramidkv"}, {"budget", "64"}, {"window", "8"}, {"beta", "4"}, {"head_budgets", "adaptive"}};
+    out["knorm_ada"] = {{"name", "knorm"}, {"budget", "0.5"}, {"head_budgets", "adaptive"}, {"alpha", "0.5"}};
+    out["dyn_ada"] = {{"name", "dynamickv"}, {"budget", "48"}, {"window", "8"}, {"r_max", "3"}, {"m", "2"},
+                      {"head_budgets", "adaptive"}};
+    return out;
+  }();
+  return s;
+}
+
 std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, bool caching,
-                                           PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0) {
+                                           PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0,
+                                           bool head_blocks = false) {
   const auto& c = m.config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
   pool.head_dim = c.head_dim;
-  pool.num_blocks = blocks;
-  auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(policy_specs()));
+  pool.num_blocks = blocks * (head_blocks ? c.num_key_value_heads : 1);
+  pool.head_blocks = head_blocks;
+  auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool,
+                                            resolve_policies(head_blocks ? head_policy_specs() : policy_specs()));
   if (caching) kv->enable_prefix_cache(m.kv_layout().kv_salt, std::move(key_fn), host_tier_bytes);
   return kv;
 }
@@ -135,6 +152,65 @@ TEST_P(PrefixCachingPolicy, AHitKeepsAndComputesWhatAMissDoes) {
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixCachingPolicy,
                          ::testing::Values("full", "snap", "snap_w", "pyr", "dyn", "stream", "h2o", "knorm", "rand",
                                            "knorm_dec", "stream_dec"));
+
+// The head-wise layout (one KV head per block, a table per (layer, head)): per-layer policies
+// compute what they compute in the per-layer layout, and every policy, head-adaptive ones
+// included, keeps and computes on a prefix hit what it does on a miss.
+class HeadWiseLayout : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(HeadWiseLayout, AHitKeepsAndComputesWhatAMissDoes) {
+  const std::string& policy = GetParam();
+  const bool adaptive = policy.find("_ada") != std::string::npos;
+  for (const std::string name : {"llama-gqa", "llama-kvfew"}) {
+    const std::string dir = fixture(name);
+    if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << name;
+    auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+    const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
+    const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
+    const int64_t T = static_cast<int64_t>(second.size()), blocks = 4 * (T / 16 + 3) * L;
+    auto cached = make_memory(*model, blocks, true, nullptr, 0, true);
+    auto plain = make_memory(*model, blocks, false, nullptr, 0, true);
+    auto per_layer = adaptive ? nullptr : make_memory(*model, blocks, false);
+    model->prefill(1, first, *cached, false, policy);
+    cached->release(1);
+    EXPECT_EQ(cached->blocks_used(), 0);
+    const torch::Tensor got = model->prefill(2, second, *cached, false, policy);
+    const torch::Tensor want = model->prefill(2, second, *plain, false, policy);
+    EXPECT_EQ(cached->prefix_hit(2), kDoc) << name;
+    EXPECT_LE(max_diff(got, want), 1e-4) << name;
+    if (per_layer) EXPECT_LE(max_diff(model->prefill(2, second, *per_layer, false, policy), want), 1e-5) << name;
+    bool ragged = false;
+    for (int64_t l = 0; l < L; ++l) {
+      EXPECT_TRUE(torch::equal(cached->kept_positions(2, l), plain->kept_positions(2, l))) << name << " layer " << l;
+      if (per_layer) EXPECT_TRUE(torch::equal(per_layer->kept_positions(2, l), plain->kept_positions(2, l)));
+      ragged = ragged || !plain->cache().uniform(2, l);
+    }
+    const bool compressed = plain->kept_tokens(2) < T * L;
+    // One KV head (llama-kvfew) has nothing to spread a budget over.
+    EXPECT_EQ(ragged, adaptive && compressed && model->config().num_key_value_heads > 1) << name;
+    // A compressing policy decodes from blocks of its own: it holds what a miss holds.
+    if (compressed) EXPECT_EQ(cached->private_blocks(2), plain->blocks_held(2)) << name;
+    if (per_layer) EXPECT_EQ(per_layer->cache().bytes_of(2), plain->cache().bytes_of(2));
+    float decode_diff = 0;
+    for (int64_t step = 0; step < 20; ++step) {
+      DecodeBatch b{{2}, {T + step}};
+      const std::vector<int64_t> tok{second[static_cast<size_t>(step)]};
+      const auto want_step = model->decode(b, tok, *plain);
+      decode_diff = std::max(decode_diff, max_diff(model->decode(b, tok, *cached), want_step));
+      if (per_layer) decode_diff = std::max(decode_diff, max_diff(model->decode(b, tok, *per_layer), want_step));
+    }
+    EXPECT_LE(decode_diff, 1e-4) << name;
+    cached->cache().check_invariants();
+    plain->cache().check_invariants();
+    cached->release(2);
+    plain->release(2);
+    EXPECT_EQ(cached->blocks_used(), 0);
+    EXPECT_EQ(plain->blocks_used(), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, HeadWiseLayout,
+                         ::testing::Values("full", "snap", "pyr", "knorm", "snap_ada", "pyr_ada", "knorm_ada", "dyn_ada"));
 
 TEST(PrefixCaching, RequestsShareTheCachedBlocksWhileTheyDecode) {
   const std::string dir = fixture("llama-gqa");
@@ -318,7 +394,10 @@ TEST(PrefixCaching, TheRunnerReportsLookupsAndACompressingPolicyCopiesOnlyWhenAl
 class HostTier : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
-  const std::string& policy = GetParam();
+  // "head:<policy>" and the head-adaptive policies run on a pool of head-wise blocks.
+  std::string policy = GetParam();
+  const bool head = policy.rfind("head:", 0) == 0 || policy.find("_ada") != std::string::npos;
+  if (policy.rfind("head:", 0) == 0) policy = policy.substr(5);
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
   auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
@@ -330,8 +409,8 @@ TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
   // One request's prompt with its cache copies and a cached hit's peak, not two cached prompts.
   const int64_t pool = (T / 16 + 12) * L;
   const int64_t entry = KvBlockPool::bytes_per_block(c.num_key_value_heads, 16, c.head_dim, torch::kFloat32) * L;
-  auto kv = make_memory(*model, pool, true, nullptr, 3 * (T / 16) * entry);
-  auto plain = make_memory(*model, pool, false);
+  auto kv = make_memory(*model, pool, true, nullptr, 3 * (T / 16) * entry, head);
+  auto plain = make_memory(*model, pool, false, nullptr, 0, head);
   const HostKvTier* tier = kv->cache().host_tier();
   ASSERT_NE(tier, nullptr);
   model->prefill(1, first, *kv, false, policy);
@@ -344,7 +423,7 @@ TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
   kv->release(2);
   EXPECT_GT(pc->host_entries(), 0) << "the document went to the tier, not away";
   EXPECT_GT(tier->stores(), 0);
-  EXPECT_EQ(kv->cache().cached_blocks(), (pc->num_entries() - pc->host_entries()) * L);
+  EXPECT_EQ(kv->cache().cached_blocks(), (pc->num_entries() - pc->host_entries()) * L * kv->cache().lanes());
   kv->cache().check_invariants();
   const int64_t loads = tier->loads();
   const torch::Tensor got = model->prefill(3, second, *kv, false, policy);
@@ -355,6 +434,7 @@ TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
   EXPECT_EQ(kv->prefill_budgets(3), plain->prefill_budgets(3));
   for (int64_t l = 0; l < L; ++l) {
     EXPECT_TRUE(torch::equal(kv->kept_positions(3, l), plain->kept_positions(3, l))) << "layer " << l;
+    if (!plain->cache().uniform(3, l)) continue;  // ragged heads: their K/V are checked by the decode below
     auto [ka, va] = kv->cache().gather(3, l);
     auto [kb, vb] = plain->cache().gather(3, l);
     EXPECT_LE(std::max(max_diff(ka, kb), max_diff(va, vb)), 1e-4) << "layer " << l;
@@ -372,7 +452,8 @@ TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
   kv->cache().check_invariants();
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, HostTier, ::testing::Values("full", "snap", "pyr", "dyn", "stream", "knorm"));
+INSTANTIATE_TEST_SUITE_P(Policies, HostTier, ::testing::Values("full", "snap", "pyr", "dyn", "stream", "knorm", "head:full",
+                                                                "head:snap", "snap_ada", "knorm_ada"));
 
 TEST(HostTier, ATierTooSmallForOneCachedBlockIsRefused) {
   const std::string dir = fixture("llama-gqa");

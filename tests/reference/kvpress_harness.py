@@ -145,3 +145,39 @@ def decode_with_kept(model, full: FullRun, kept: list[list[list[int]]], first_to
                         cache_position=pos[0], use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+def kvpress_masked_kept(model, press, ids: list[int]) -> PressRun:
+    """Kept positions per (layer, KV head) of a press that masks instead of removing (AdaKVPress:
+    its cache keeps every key and each attention module records the pruned (batch, head, position)
+    triples in `masked_key_indices`, read by kvpress's attention patch at decode). Kept = the rest.
+    The inner scorer's scores are recorded before AdaKV overwrites its safeguard entries."""
+    recorded: dict[int, torch.Tensor] = {}
+    inner = press.press
+    original_score = inner.score
+
+    def recording_score(module, *args, **kwargs):
+        s = original_score(module, *args, **kwargs)
+        recorded[module.layer_idx] = s[0].detach().float().clone()
+        return s
+
+    inner.score = recording_score
+    try:
+        cache = DynamicCache()
+        with torch.no_grad(), press(model):
+            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    finally:
+        del inner.score
+    kept, scores = [], []
+    t = len(ids)
+    for module in _attention_modules(model):
+        kv_heads = cache.layers[module.layer_idx].keys.shape[1]
+        mask = torch.ones(kv_heads, t, dtype=torch.bool)
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            _, heads, positions = masked
+            mask[heads, positions] = False
+        kept.append([torch.nonzero(mask[h]).flatten().tolist() for h in range(kv_heads)])
+        s = recorded.get(module.layer_idx)
+        scores.append(None if s is None else s.tolist())
+    return PressRun(kept=kept, scores=scores, max_match_error=0.0)

@@ -34,7 +34,14 @@ DYNAMIC_VARIANTS = {
     "dynamickv-shaped": [*POLICY_FLAGS["dynamickv"], "--policy-param", "normalize=head", "--policy-param",
                          "min_ratio=0.5", "--policy-param", "prior=pyramid", "--policy-param", "m=2"],
 }
-POLICIES = {**POLICY_FLAGS, **DYNAMIC_VARIANTS}
+# Head-wise budgets (AdaKV): the joint top-k over a layer's KV heads runs on every head's scores,
+# all-gathered across TP ranks, so each shard keeps its own heads' part of one process's selection.
+HEAD_ADAPTIVE = {
+    "pyramidkv-adaptive": [*POLICY_FLAGS["pyramidkv"], "--policy-param", "head_budgets=adaptive"],
+    "dynamickv-adaptive": [*POLICY_FLAGS["dynamickv"], "--policy-param", "head_budgets=adaptive", "--policy-param",
+                           "m=2"],
+}
+POLICIES = {**POLICY_FLAGS, **DYNAMIC_VARIANTS, **HEAD_ADAPTIVE}
 PROMPT = [(7 * i + 3) % 1900 + 5 for i in range(41)]
 
 
@@ -92,6 +99,16 @@ def test_generate_sharded_equals_single_process(policy):
     assert len(ref) == 10
     for tp, pp in LAYOUTS[1:]:
         assert generate(model, POLICIES[policy], tp, pp) == ref, f"{policy} TP={tp} PP={pp}"
+
+
+def test_generate_head_adaptive_sharded_equals_single_process():
+    # llama-gqa: two KV heads, one per TP rank, each keeping its own count.
+    model = str(fixtures_dir() / "llama-gqa")
+    flags = POLICIES["pyramidkv-adaptive"]
+    ref = generate(model, flags, 1, 1)
+    assert len(ref) == 10
+    for tp, pp in LAYOUTS[1:]:
+        assert generate(model, flags, tp, pp) == ref, f"TP={tp} PP={pp}"
 
 
 def test_seeded_sampling_on_the_last_stage_equals_single_process():

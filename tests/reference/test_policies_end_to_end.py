@@ -172,6 +172,38 @@ KVPRESS_CASES = {
 }
 
 
+def _adakv(inner_case, alpha):
+    from kvpress import AdaKVPress
+
+    policy, ratio, params, press = inner_case()
+    return (policy, ratio, dict(params, head_budgets="adaptive", alpha=alpha),
+            AdaKVPress(press=press, alpha_safeguard=alpha))
+
+
+# kvpress's head-wise allocation around the scorers kvserve shares with it (no Expected Attention
+# scorer in kvserve yet): AdaKVPress only masks, kvserve keeps each head's own blocks.
+ADAKV_CASES = {
+    "adakv-snapkv-r0.25-w8-k5-a0.2": lambda: _adakv(lambda: _snap(0.25, 8, 5), 0.2),
+    "adakv-snapkv-r0.3-w16-k5-a0.5": lambda: _adakv(lambda: _snap(0.3, 16, 5), 0.5),
+    "adakv-knorm-r0.23-a0.2": lambda: _adakv(lambda: _knorm(0.23), 0.2),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAKV_CASES))
+def test_head_adaptive_kept_matches_adakvpress(fx, case):
+    policy, ratio, params, press = ADAKV_CASES[case]()
+    dump, _ = fx.forward(policy, str(ratio), **params)
+    want = hx.kvpress_masked_kept(fx.model, press, fx.ids)
+    got = kept_of(dump)
+    compare(got, want.kept, want.scores, f"{fx.name}/{case}/kvpress")
+    ragged = 0
+    for layer, (heads, wheads) in enumerate(zip(got, want.kept)):
+        # The layer keeps kvpress's total, spread over its heads as kvpress spreads it.
+        assert sum(map(len, heads)) == sum(map(len, wheads)), f"{case}: layer {layer}: total kept differs"
+        ragged += len({len(h) for h in heads}) > 1
+    assert ragged > 0, f"{case}: every layer kept one count per head (nothing adaptive happened)"
+
+
 @pytest.mark.parametrize("case", list(KVPRESS_CASES))
 def test_kept_positions_match_kvpress(fx, case):
     policy, ratio, params, press = KVPRESS_CASES[case]()
