@@ -237,6 +237,9 @@ std::vector<int64_t> PrefillSelector::budgets() const {
     for (int64_t l = 0; l < num_layers_; ++l) {
       if (plan_[l].full) continue;
       int64_t scored = dynamic_->budgets()[l];
+      // Head-adaptive: what the layer's heads hold on average (an earlier pipeline stage shrinks
+      // to the last stage's final budgets without updating its own schedule).
+      if (cfg_.head_adaptive() && kept_scored_[l] >= 0) scored = std::min(scored, kept_scored_[l]);
       if (per_query_head()) {
         // The union a layer holds (or would hold, for another shard's layer whose scores are here).
         // Before its scores are known a layer's union is bounded only by the scored region.
