@@ -37,12 +37,25 @@ struct Engine::Impl {
   std::mt19937_64 seed_rng{std::random_device{}()};
 };
 
+EngineOptions options_for_model(EngineOptions o, const ModelConfig& c) {
+  if (c.rope_scaling.length_dependent()) {
+    o.enable_prefix_caching = false;
+    o.prefix_cache_bytes = 0;
+    o.enable_chunked_prefill = false;
+  }
+  return o;
+}
+
 Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
                std::unique_ptr<ModelRunner> runner)
     : model_(std::move(model)), tokenizer_(std::move(tokenizer)), options_(std::move(options)),
       impl_(std::make_unique<Impl>()) {
   const ModelConfig& c = model_->config();
-  impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : c.max_position_embeddings;
+  if (c.rope_scaling.length_dependent() && (options_.enable_prefix_caching || options_.enable_chunked_prefill))
+    KV_LOG("RoPE scaling of " << model_->model_dir() << " depends on the sequence length (dynamic / longrope): "
+                              << "prefix caching and chunked prefill are off, prompts are prefilled whole");
+  options_ = options_for_model(options_, c);
+  impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : context_length(c);
   auto policies = resolve_policies(options_.policies);
   impl_->runner = runner ? std::move(runner)
                          : std::make_unique<LocalRunner>(

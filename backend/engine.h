@@ -15,6 +15,7 @@
 
 #include "cache_manager/kv_memory_factory.h"
 #include "backend/engine_types.h"
+#include "backend/model_config.h"
 #include "backend/structured_output_spec.h"
 
 namespace kvserve {
@@ -33,7 +34,7 @@ struct EngineOptions {
   // a runner that cannot take chunks, the sharded one, prefills whole prompts).
   bool enable_chunked_prefill = false;
   int64_t max_waiting = 256;              // queue bound; submit() beyond it throws EngineOverloaded
-  int64_t max_model_len = 0;              // 0 = the model's max_position_embeddings
+  int64_t max_model_len = 0;              // 0 = context_length(config) (max_position_embeddings, x factor for dynamic / yarn)
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t block_size = 16;
   bool enforce_eager = false;  // no CUDA graphs for decode (model.enforce_eager, --enforce-eager)
@@ -53,6 +54,12 @@ struct EngineOptions {
   // counted again). Must not block. Feeds kvserve:request_queue_time_seconds.
   std::function<void(double seconds)> on_queue_time;
 };
+
+// The options as the model allows them. Dynamic NTK and longrope RoPE rotate a prompt's keys with
+// the frequencies of the prompt's whole length (backend/rope.h), so a prefix cached from another
+// prompt, or the earlier chunks of a chunked prefill, would hold other keys than one forward of the
+// prompt computes: for such models prefix caching (with its host tier) and chunked prefill are off.
+EngineOptions options_for_model(EngineOptions options, const ModelConfig& config);
 
 // A snapshot for /metrics and /health.
 struct EngineStats {

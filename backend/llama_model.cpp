@@ -88,6 +88,10 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
       l.bqkv = torch::cat({load(p + "self_attn.q_proj.bias", {H * D}, q_rows), load(p + "self_attn.k_proj.bias", {KV * D}, kv_rows),
                            load(p + "self_attn.v_proj.bias", {KV * D}, kv_rows)});
     }
+    if (c.qk_norm) {  // per head_dim, so every TP rank holds them whole
+      l.q_norm = load(p + "self_attn.q_norm.weight", {D});
+      l.k_norm = load(p + "self_attn.k_norm.weight", {D});
+    }
     l.wo = load(p + "self_attn.o_proj.weight", {Hd, H * D}, cols(s.q_head_begin * D, s.q_heads * D));
     if (c.o_proj_bias) l.bo = load(p + "self_attn.o_proj.bias", {Hd});
     l.wgate_up = torch::cat({load(p + "mlp.gate_proj.weight", {I, Hd}, mlp_rows), load(p + "mlp.up_proj.weight", {I, Hd}, mlp_rows)});
@@ -142,6 +146,18 @@ torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& 
   auto xf = x.to(torch::kFloat32);
   auto var = xf.pow(2).mean(-1, true);
   return w * (xf * torch::rsqrt(var + config_.rms_norm_eps)).to(x.scalar_type());
+}
+
+std::pair<torch::Tensor, torch::Tensor> LlamaModel::rotated_qk(const Layer& l, const torch::Tensor& qkv,
+                                                                const RopeAngles& angles) const {
+  const int64_t N = qkv.size(0), H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
+  auto q = qkv.narrow(1, 0, H * D).view({N, H, D});
+  auto k = qkv.narrow(1, H * D, KV * D).view({N, KV, D});
+  if (l.q_norm.defined()) {  // Qwen3 normalises each head over head_dim before rotating it
+    q = rms_norm(q, l.q_norm);
+    k = rms_norm(k, l.k_norm);
+  }
+  return {Rope::apply(q, angles), Rope::apply(k, angles)};
 }
 
 torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
@@ -228,7 +244,7 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
            "internal: prefill of " << n << " sequences with " << starts.size() << " starts");
   std::vector<int64_t> offsets;
   std::vector<char> chunk(seq_ids.size());  // goes through store_prefill_chunk
-  int64_t rows = 0, end = 0;
+  int64_t rows = 0;
   for (size_t i = 0; i < lens.size(); ++i) {
     const int64_t T = lens[i];
     KV_CHECK(T > 0, "empty prompt");
@@ -236,7 +252,6 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
     chunk[i] = starts[i] > 0 || (!prompt_lens.empty() && prompt_lens[i] != T);
     offsets.push_back(rows);
     rows += T;
-    end = std::max(end, starts[i] + T);
   }
   KV_CHECK(rows == N, "internal: prompts of " << rows << " tokens in total, hidden states of " << N << " rows");
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
@@ -251,12 +266,11 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
       for (int64_t t = 0; t < lens[i]; ++t) pos.push_back(starts[i] + t);
     positions = torch::tensor(pos, i64).to(device_);
   }
-  const RopeAngles angles = rope_->angles(positions, end, x.scalar_type());
+  const RopeAngles angles = rope_->prefill_angles(positions, starts, lens, x.scalar_type());
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
-    auto q_all = Rope::apply(qkv.narrow(1, 0, H * D).view({N, H, D}), angles);
-    auto k_all = Rope::apply(qkv.narrow(1, H * D, KV * D).view({N, KV, D}), angles);
+    auto [q_all, k_all] = rotated_qk(l, qkv, angles);
     auto v_all = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D});
     // Attention per prompt: a block-diagonal mask over all rows would compute (sum T)^2 scores
     // instead of sum T^2, and the policies want each sequence's own q/k/v anyway.
@@ -319,8 +333,10 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
     const Layer& l = layer(li);
     auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
     auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
-    auto q = StepProfile::time(p, StepProfile::kRope, [&] { return Rope::apply(qkv.narrow(1, 0, H * D).view({B, H, D}), angles).contiguous(); });
-    auto k = StepProfile::time(p, StepProfile::kRope, [&] { return Rope::apply(qkv.narrow(1, H * D, KV * D).view({B, KV, D}), angles).contiguous(); });
+    auto [q, k] = StepProfile::time(p, StepProfile::kRope, [&] {
+      auto [rq, rk] = rotated_qk(l, qkv, angles);
+      return std::pair{rq.contiguous(), rk.contiguous()};
+    });
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();
     auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
     auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });

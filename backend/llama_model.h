@@ -1,5 +1,5 @@
 #pragma once
-// LlamaModel: the Llama-family decoder (Llama 2/3, Mistral, Qwen2 shapes) in libtorch, prefill and batched decode.
+// LlamaModel: the Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 shapes) in libtorch, prefill and batched decode.
 #include <torch/torch.h>
 
 #include <memory>
@@ -131,6 +131,7 @@ class LlamaModel {
   struct Layer {
     torch::Tensor input_norm, post_norm;
     torch::Tensor wqkv, bqkv;  // fused q,k,v projection (bias only for Qwen2-style checkpoints)
+    torch::Tensor q_norm, k_norm;  // Qwen3: [head_dim] RMSNorm weights of every q / k head (else undefined)
     torch::Tensor wo, bo;
     torch::Tensor wgate_up, bgate_up;  // fused gate and up projections
     torch::Tensor wdown, bdown;
@@ -138,6 +139,9 @@ class LlamaModel {
   LlamaModel() = default;
   torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w) const;
   torch::Tensor mlp(const Layer& l, const torch::Tensor& x) const;
+  // The rotated q [rows, H, D] and k [rows, KV, D] of a fused q,k,v projection, with Qwen3's per-head
+  // norms applied first where the layer has them.
+  std::pair<torch::Tensor, torch::Tensor> rotated_qk(const Layer& l, const torch::Tensor& qkv, const RopeAngles& angles) const;
   // Sums a row-parallel layer's partial outputs over the TP group, then adds the bias once.
   torch::Tensor row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
   // A row-parallel layer's partial output: summed over the TP group, then the bias added once.

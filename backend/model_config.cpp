@@ -1,5 +1,6 @@
 #include "backend/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -62,6 +63,21 @@ std::vector<int64_t> id_list(const json& j, const char* key, const std::string& 
   KV_FAIL(where << ": key '" << key << "' must be an integer or a list of integers");
 }
 
+std::vector<double> number_list(const json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) KV_FAIL(where << ": missing required key '" << key << "'");
+  if (!it->is_array()) KV_FAIL(where << ": key '" << key << "' must be a list of numbers");
+  std::vector<double> out;
+  for (const auto& e : *it) {
+    if (!e.is_number()) KV_FAIL(where << ": key '" << key << "' must hold numbers only");
+    out.push_back(e.get<double>());
+  }
+  return out;
+}
+
+// transformers' get_mscale (YaRN's attention temperature): 1 for no extension.
+double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+
 void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
   // transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_scaling.
   const json* rp = nullptr;
@@ -78,7 +94,15 @@ void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
     if (auto theta = get_opt<double>(*rp, "rope_theta", sub)) c.rope_theta = *theta;
     std::string type = get_opt<std::string>(*rp, "rope_type", sub)
                            .value_or(get_opt<std::string>(*rp, "type", sub).value_or("default"));
+    // Every type below rotates the whole head; a partial rotation would silently rotate too much.
+    if (auto partial = get_opt<double>(*rp, "partial_rotary_factor", sub); partial && *partial != 1.0)
+      KV_FAIL(sub << ": partial_rotary_factor " << *partial << " is not supported (only 1.0)");
     auto& s = c.rope_scaling;
+    // transformers fills a missing original_max_position_embeddings with max_position_embeddings
+    // (standardize_rope_params), and derives a missing yarn/longrope factor from the two.
+    auto original_ctx = [&] {
+      return get_opt<int64_t>(*rp, "original_max_position_embeddings", sub).value_or(c.max_position_embeddings);
+    };
     if (type == "default") {
       s.kind = RopeScaling::Kind::kDefault;
     } else if (type == "linear") {
@@ -92,10 +116,63 @@ void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
       s.original_max_position_embeddings = get_req<int64_t>(*rp, "original_max_position_embeddings", sub);
       KV_CHECK(s.high_freq_factor > s.low_freq_factor,
                sub << ": high_freq_factor must exceed low_freq_factor");
+    } else if (type == "dynamic") {
+      // Dynamic NTK stretches the base past max_position_embeddings itself (transformers ignores
+      // original_max_position_embeddings for this type).
+      s.kind = RopeScaling::Kind::kDynamic;
+      s.factor = get_req<double>(*rp, "factor", sub);
+      s.original_max_position_embeddings = c.max_position_embeddings;
+      KV_CHECK(c.head_dim > 2, sub << ": dynamic scaling needs head_dim > 2");
+    } else if (type == "yarn") {
+      s.kind = RopeScaling::Kind::kYarn;
+      s.original_max_position_embeddings = original_ctx();
+      KV_CHECK(s.original_max_position_embeddings > 0, sub << ": original_max_position_embeddings must be positive");
+      s.factor = get_opt<double>(*rp, "factor", sub)
+                     .value_or(static_cast<double>(c.max_position_embeddings) /
+                               static_cast<double>(s.original_max_position_embeddings));
+      // Python truthiness as transformers tests it: 0 counts as absent.
+      const double mscale = get_opt<double>(*rp, "mscale", sub).value_or(0.0);
+      const double mscale_all_dim = get_opt<double>(*rp, "mscale_all_dim", sub).value_or(0.0);
+      if (auto af = get_opt<double>(*rp, "attention_factor", sub)) {
+        s.attention_factor = *af;
+      } else if (mscale != 0.0 && mscale_all_dim != 0.0) {
+        s.attention_factor = yarn_mscale(s.factor, mscale) / yarn_mscale(s.factor, mscale_all_dim);
+      } else {
+        s.attention_factor = yarn_mscale(s.factor, 1.0);
+      }
+      const double bf = get_opt<double>(*rp, "beta_fast", sub).value_or(0.0);
+      const double bs = get_opt<double>(*rp, "beta_slow", sub).value_or(0.0);
+      s.beta_fast = bf != 0.0 ? bf : 32.0;
+      s.beta_slow = bs != 0.0 ? bs : 1.0;
+      KV_CHECK(s.beta_fast > 0 && s.beta_slow > 0, sub << ": beta_fast and beta_slow must be positive");
+      s.truncate = get_opt<bool>(*rp, "truncate", sub).value_or(true);
+    } else if (type == "longrope") {
+      s.kind = RopeScaling::Kind::kLongRope;
+      s.original_max_position_embeddings = original_ctx();
+      KV_CHECK(s.original_max_position_embeddings > 1, sub << ": original_max_position_embeddings must exceed 1");
+      s.factor = get_opt<double>(*rp, "factor", sub)
+                     .value_or(static_cast<double>(c.max_position_embeddings) /
+                               static_cast<double>(s.original_max_position_embeddings));
+      if (auto af = get_opt<double>(*rp, "attention_factor", sub)) {
+        s.attention_factor = *af;
+      } else {
+        s.attention_factor = s.factor <= 1.0 ? 1.0
+                                             : std::sqrt(1 + std::log(s.factor) /
+                                                                 std::log(static_cast<double>(s.original_max_position_embeddings)));
+      }
+      s.short_factor = number_list(*rp, "short_factor", sub);
+      s.long_factor = number_list(*rp, "long_factor", sub);
+      for (auto [key, v] : {std::pair{"short_factor", &s.short_factor}, {"long_factor", &s.long_factor}}) {
+        KV_CHECK(static_cast<int64_t>(v->size()) == c.head_dim / 2,
+                 sub << ": key '" << key << "' has " << v->size() << " entries, head_dim / 2 = " << c.head_dim / 2);
+        for (double f : *v) KV_CHECK(f > 0, sub << ": key '" << key << "' must hold positive numbers");
+      }
     } else {
-      KV_FAIL(sub << ": unsupported rope_type '" << type << "' (supported: default, linear, llama3)");
+      KV_FAIL(sub << ": unsupported rope_type '" << type
+                  << "' (supported: default, linear, llama3, yarn, dynamic, longrope)");
     }
     KV_CHECK(s.factor > 0, sub << ": factor must be positive");
+    KV_CHECK(std::isfinite(s.attention_factor) && s.attention_factor > 0, sub << ": attention_factor must be positive");
   }
   if (auto theta = get_opt<double>(j, "rope_theta", where)) c.rope_theta = *theta;
   KV_CHECK(c.rope_theta > 0, where << ": rope_theta must be positive");
@@ -122,13 +199,15 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
     if (c.model_type == "llama") c.architecture = "LlamaForCausalLM";
     else if (c.model_type == "mistral") c.architecture = "MistralForCausalLM";
     else if (c.model_type == "qwen2") c.architecture = "Qwen2ForCausalLM";
+    else if (c.model_type == "qwen3") c.architecture = "Qwen3ForCausalLM";
   }
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
-      c.architecture != "Qwen2ForCausalLM") {
+      c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM") {
     KV_FAIL(where << ": unknown architecture '" << c.architecture
-                  << "' (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)");
+                  << "' (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)");
   }
   const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
+  const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
 
   c.vocab_size = get_req<int64_t>(j, "vocab_size", where);
   c.hidden_size = get_req<int64_t>(j, "hidden_size", where);
@@ -141,6 +220,12 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   c.tie_word_embeddings = get_opt<bool>(j, "tie_word_embeddings", where).value_or(false);
   if (qwen2) {
     c.attention_bias = true;
+  } else if (qwen3) {
+    // Qwen3's attention_bias covers q/k/v and o_proj as Llama's does; its MLP has no bias; every
+    // layer normalises each q and k head (q_norm / k_norm over head_dim).
+    c.attention_bias = get_opt<bool>(j, "attention_bias", where).value_or(false);
+    c.o_proj_bias = c.attention_bias;
+    c.qk_norm = true;
   } else {
     c.attention_bias = get_opt<bool>(j, "attention_bias", where).value_or(false);
     c.o_proj_bias = c.attention_bias;
@@ -156,7 +241,8 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   KV_CHECK(c.num_attention_heads % c.num_key_value_heads == 0,
            where << ": num_attention_heads (" << c.num_attention_heads
                  << ") must be a multiple of num_key_value_heads (" << c.num_key_value_heads << ")");
-  c.head_dim = get_opt<int64_t>(j, "head_dim", where).value_or(0);
+  // Qwen3Config defaults head_dim to 128 whatever hidden_size / num_attention_heads is.
+  c.head_dim = get_opt<int64_t>(j, "head_dim", where).value_or(qwen3 ? 128 : 0);
   if (c.head_dim == 0) {
     KV_CHECK(c.hidden_size % c.num_attention_heads == 0,
              where << ": hidden_size must be a multiple of num_attention_heads when head_dim is absent");
@@ -165,7 +251,7 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   KV_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, where << ": head_dim must be a positive even number");
   KV_CHECK(c.rms_norm_eps > 0, where << ": rms_norm_eps must be positive");
   parse_rope(j, c, where);
-  const bool sliding = get_opt<bool>(j, "use_sliding_window", where).value_or(!qwen2);
+  const bool sliding = get_opt<bool>(j, "use_sliding_window", where).value_or(!qwen2 && !qwen3);
   if (sliding) c.sliding_window = get_opt<int64_t>(j, "sliding_window", where);
   c.bos_token_ids = id_list(j, "bos_token_id", where);
   c.eos_token_ids = id_list(j, "eos_token_id", where);
@@ -182,6 +268,20 @@ ModelConfig load_model_config(const std::string& model_dir) {
   return parse_model_config(ss.str(), path);
 }
 
+int64_t context_length(const ModelConfig& c) {
+  const auto& s = c.rope_scaling;
+  auto scaled = [&](int64_t len) {
+    const double n = std::floor(static_cast<double>(len) * s.factor);
+    return n >= static_cast<double>(int64_t{1} << 40) ? int64_t{1} << 40 : static_cast<int64_t>(n);
+  };
+  switch (s.kind) {
+    case RopeScaling::Kind::kDynamic: return std::max(c.max_position_embeddings, scaled(c.max_position_embeddings));
+    case RopeScaling::Kind::kYarn:
+      return std::max(c.max_position_embeddings, scaled(s.original_max_position_embeddings));
+    default: return c.max_position_embeddings;
+  }
+}
+
 parallel::ModelShape model_shape(const ModelConfig& c) {
   parallel::ModelShape m;
   m.num_layers = c.num_hidden_layers;
@@ -195,6 +295,7 @@ parallel::ModelShape model_shape(const ModelConfig& c) {
   m.attention_bias = c.attention_bias;
   m.o_proj_bias = c.o_proj_bias;
   m.mlp_bias = c.mlp_bias;
+  m.qk_norm = c.qk_norm;
   return m;
 }
 

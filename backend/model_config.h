@@ -9,18 +9,35 @@
 
 namespace kvserve {
 
-// RoPE frequency scaling as in transformers' rope_scaling / rope_parameters.
+// RoPE frequency scaling as in transformers' rope_scaling / rope_parameters (modeling_rope_utils.py).
 struct RopeScaling {
-  enum class Kind { kDefault, kLinear, kLlama3 };
+  enum class Kind { kDefault, kLinear, kLlama3, kYarn, kDynamic, kLongRope };
   Kind kind = Kind::kDefault;
   double factor = 1.0;
+  // llama3
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
+  // llama3, yarn, longrope: the pretraining context (dynamic uses max_position_embeddings instead,
+  // as transformers does).
   int64_t original_max_position_embeddings = 8192;
+  // yarn, longrope: the factor cos and sin are multiplied by (transformers' attention_factor,
+  // resolved at parse time from factor / mscale / mscale_all_dim when the config leaves it out).
+  double attention_factor = 1.0;
+  // yarn: the rotation counts that bound the interpolation ramp, and whether its ends are rounded
+  // outwards to whole dimensions.
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  bool truncate = true;
+  // longrope: per-frequency divisors ([head_dim / 2] each) for sequences up to / past the original context.
+  std::vector<double> short_factor, long_factor;
+
+  // dynamic and longrope change the frequencies with the sequence length (a forward's last position
+  // + 1), so a position's K depends on how long its prompt was (backend/rope.h).
+  bool length_dependent() const { return kind == Kind::kDynamic || kind == Kind::kLongRope; }
 };
 
 struct ModelConfig {
-  std::string architecture;  // LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM
+  std::string architecture;  // LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM
   std::string model_type;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -37,7 +54,8 @@ struct ModelConfig {
   bool attention_bias = false;  // q/k/v bias (Qwen2 always, Llama when attention_bias is set)
   bool o_proj_bias = false;     // Llama's attention_bias also biases o_proj
   bool mlp_bias = false;
-  std::optional<int64_t> sliding_window;  // Mistral/Qwen2; only honoured as a limit check
+  bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
+  std::optional<int64_t> sliding_window;  // Mistral/Qwen2/Qwen3; only honoured as a limit check
   std::vector<int64_t> bos_token_ids;
   std::vector<int64_t> eos_token_ids;
   std::string torch_dtype;  // dtype on disk as declared, informational
@@ -47,6 +65,12 @@ struct ModelConfig {
 
 // Parses and validates config.json text; `where` names the file in error messages.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& where);
+
+// The longest sequence served when max_model_len is not set, derived as vLLM derives it: RoPE
+// scalings that extend the context at run time count their factor (dynamic NTK:
+// max_position_embeddings x factor; yarn: original_max_position_embeddings x factor, at least
+// max_position_embeddings); the others' configs already state the extended length.
+int64_t context_length(const ModelConfig& c);
 
 // The numbers the tensor/pipeline split needs (parallel/shard_layout.h).
 parallel::ModelShape model_shape(const ModelConfig& c);

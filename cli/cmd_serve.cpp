@@ -222,7 +222,7 @@ int serve(const ServeArgs& a) {
   // The engine (its thread is joined by backend->shutdown below) never outlives the service.
   eo.on_queue_time = [m = &service->metrics()](double seconds) { m->observe_queue_time(seconds); };
   const int64_t max_model_len =
-      cfg.model.max_model_len > 0 ? cfg.model.max_model_len : model->config().max_position_embeddings;
+      cfg.model.max_model_len > 0 ? cfg.model.max_model_len : context_length(model->config());
   auto engine = std::make_unique<Engine>(model, tokenizer, eo, job->make_runner(eo));
   // A rank's process dying fails the job at once (the launcher notices before any timeout).
   job->set_on_failure([e = engine.get()](const std::string& why) { e->mark_unhealthy(why); });

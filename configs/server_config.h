@@ -30,7 +30,7 @@ struct ModelSection {
   std::string served_model_name;           // name in /v1/models; empty = last path component
   std::string device = "cpu";              // cpu | cuda | cuda:<index>
   std::string dtype = "float32";           // float32 | bfloat16 | float16 | auto
-  int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
+  int64_t max_model_len = 0;               // 0 = the model's context (backend context_length)
   std::string cpu_gemm = "mkl";            // mkl | onednn: the library for prefill-sized fp32 CPU products
   bool enforce_eager = false;              // no CUDA graphs for decode (vLLM's name); CUDA only
   // How the model writes tool calls: auto (read from the chat template) | hermes | llama3_json | mistral.

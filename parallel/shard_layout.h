@@ -31,6 +31,7 @@ struct ModelShape {
   bool attention_bias = false;  // q/k/v biases
   bool o_proj_bias = false;
   bool mlp_bias = false;
+  bool qk_norm = false;  // per-head q/k RMSNorm weights ([head_dim] each, replicated on every rank)
 };
 
 // [begin, end) of global layer indices.

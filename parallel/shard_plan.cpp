@@ -30,6 +30,7 @@ int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& l
   if (m.attention_bias) layer += (q_heads + 2 * kv) * d;
   if (m.o_proj_bias) layer += h;       // added once after the all-reduce; every rank holds it
   if (m.mlp_bias) layer += 2 * inter + h;
+  if (m.qk_norm) layer += 2 * d;       // q_norm, k_norm (replicated)
   int64_t p = layer * layers.size();
   const int64_t vocab_rows = r0.vocab_per_rank;
   if (first_stage) p += vocab_rows * h;          // vocab-parallel embedding

@@ -14,6 +14,12 @@ written by transformers itself, so the loader is tested on real checkpoint layou
   llama-sharded  Llama GQA saved in several shards with model.safetensors.index.json
   llama-bf16     Llama GQA stored in bfloat16 on disk
   llama-kvfew    Llama with 1 KV head (fewer KV heads than TP ranks; for parallel tests)
+  qwen3          Qwen3: per-head q/k RMSNorm, head_dim 32 != hidden / heads (16), GQA 2:1, Qwen2 tokenizer
+  llama-yarn     Llama, yarn rope scaling (factor 4 over an original context of 64)
+  llama-dynamic  Llama, dynamic NTK rope scaling (factor 2 past max_position_embeddings 64)
+  llama-longrope Llama, longrope scaling (short/long factors, original context 64, max 256)
+
+The scaled-rope fixtures have a small original context (64) so that prompts past it stay cheap.
 
 Deterministic by seed. Usage: python3 tools/make_fixture_models.py --out .fixtures
 """
@@ -31,7 +37,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from make_fixture_tokenizers import make_tokenizers  # noqa: E402
 
-VERSION = "3"  # bump when the fixtures change so stale folders are remade
+VERSION = "4"  # bump when the fixtures change so stale folders are remade
 
 
 # A Hermes-style tool-calling chat template (the format Qwen2.5 and the SmolLM family write): tools
@@ -84,6 +90,20 @@ def specs() -> dict[str, tuple[str, str, dict, dict]]:
                           dict(max_shard_size="150KB")),
         "llama-bf16": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=2), dict(dtype=torch.bfloat16)),
         "llama-kvfew": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3), {}),
+        "qwen3": ("qwen3", "qwen2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         use_sliding_window=False), {}),
+        "llama-yarn": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                                  rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 64}), {}),
+        "llama-dynamic": ("llama", "bytelevel", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                                     rope_scaling={"rope_type": "dynamic", "factor": 2.0}), {}),
+        # head_dim 16: 8 factors each; factor and attention factor are left for the loaders to derive
+        # (256 / 64 = 4, sqrt(1 + ln 4 / ln 64)).
+        "llama-longrope": ("llama", "bytelevel", dict(
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 64,
+                          "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.1],
+                          "long_factor": [1.0, 1.3, 1.9, 2.8, 4.1, 6.0, 9.5, 14.0]}), {}),
     }
 
 
@@ -104,7 +124,8 @@ def make_model(out: pathlib.Path, arch: str, tok_dir: pathlib.Path, overrides: d
             cfg_kwargs[key + "_id"] = ids[0]
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
     config = cls[0](**cfg_kwargs)
     torch.manual_seed(seed)
     model = cls[1](config).eval()

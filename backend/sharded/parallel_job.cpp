@@ -100,8 +100,9 @@ KvShard ParallelJob::kv_shard() const {
   return shard;
 }
 
-std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& options) const {
+std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& requested) const {
   // Every shard caches its own layers and heads; rank 0 makes the lookup decision (ShardedRunner).
+  const EngineOptions options = options_for_model(requested, model_->config());
   return make_kv_memory(model_->kv_layout(),
                         {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes,
                          options.kv_layout},

@@ -1,5 +1,6 @@
 // LlamaModel::prefill_batch (several prompts in one forward) against prompts prefilled alone: logits
-// and stored K/V on the random fixtures (GQA, MHA, one KV head, Qwen2 biases, llama3 RoPE), the
+// and stored K/V on the random fixtures (GQA, MHA, one KV head, Qwen2 biases, Qwen3 q/k norms, llama3,
+// yarn, dynamic NTK and longrope RoPE), the
 // positions every KV policy keeps, and LocalRunner's one-by-one fallback when a batch fails.
 #include <gtest/gtest.h>
 
@@ -104,6 +105,10 @@ TEST_P(BatchedPrefill, LogitsAndKvMatchPromptsAlone) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, BatchedPrefill,
                          test::fixture_models(), test::fixture_param_name);
+// 1 and 17 tokens stay within their original context of 64, 300 and 700 pass it: in one batch each
+// prompt's rows still take the frequencies of its own length.
+INSTANTIATE_TEST_SUITE_P(LengthDependentRope, BatchedPrefill,
+                         test::length_dependent_rope_models(), test::fixture_param_name);
 
 // Budgets small enough that the 300- and 700-token prompts compress and the short ones do not.
 const Specs& policy_specs() {

@@ -2,6 +2,7 @@
 // Also built as formats_asan_test under AddressSanitizer + UBSan (tests/CMakeLists.txt).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -12,6 +13,7 @@
 #include "common/check.h"
 
 using kvserve::KvError;
+using kvserve::model_shape;
 using kvserve::parse_model_config;
 using kvserve::SafetensorsFile;
 
@@ -95,6 +97,68 @@ TEST(ModelConfig, ParsesLlama3RopeAndGqa) {
   EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 2}));
 }
 
+TEST(ModelConfig, ParsesQwen3) {
+  // Qwen3 writes head_dim apart from hidden_size / heads and normalises q and k per head.
+  auto c = parse_model_config(R"({"architectures":["Qwen3ForCausalLM"],"vocab_size":100,"hidden_size":64,
+    "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+    "use_sliding_window":false,"sliding_window":4096})",
+                              "config.json");
+  EXPECT_EQ(c.head_dim, 32);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_FALSE(c.sliding_window.has_value());
+  EXPECT_TRUE(model_shape(c).qk_norm);
+  // Qwen3Config's default head_dim is 128, not hidden / heads.
+  auto d = parse_model_config(R"({"model_type":"qwen3","vocab_size":100,"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":2,"num_attention_heads":4})",
+                              "config.json");
+  EXPECT_EQ(d.architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(d.head_dim, 128);
+  EXPECT_FALSE(parse_model_config(R"({"model_type":"qwen2","vocab_size":100,"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":2,"num_attention_heads":4})",
+                                  "config.json")
+                   .qk_norm);
+}
+
+TEST(ModelConfig, ParsesYarnDynamicAndLongRope) {
+  const std::string base = R"({"model_type":"llama","vocab_size":100,"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":2,"num_attention_heads":8,"max_position_embeddings":256,)";
+  // yarn: attention factor 0.1 ln(factor) + 1 (transformers' get_mscale), beta 32 / 1 by default.
+  auto y = parse_model_config(base + R"("rope_scaling":{"rope_type":"yarn","factor":4.0,
+    "original_max_position_embeddings":64}})", "config.json");
+  EXPECT_EQ(y.rope_scaling.kind, kvserve::RopeScaling::Kind::kYarn);
+  EXPECT_DOUBLE_EQ(y.rope_scaling.attention_factor, 0.1 * std::log(4.0) + 1.0);
+  EXPECT_EQ(y.rope_scaling.original_max_position_embeddings, 64);
+  EXPECT_DOUBLE_EQ(y.rope_scaling.beta_fast, 32.0);
+  EXPECT_DOUBLE_EQ(y.rope_scaling.beta_slow, 1.0);
+  EXPECT_TRUE(y.rope_scaling.truncate);
+  EXPECT_FALSE(y.rope_scaling.length_dependent());
+  // mscale / mscale_all_dim (DeepSeek style) and a factor derived from the two contexts.
+  auto m = parse_model_config(base + R"("rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":32,
+    "mscale":0.707,"mscale_all_dim":1.0,"beta_fast":16,"truncate":false}})", "config.json");
+  EXPECT_DOUBLE_EQ(m.rope_scaling.factor, 8.0);
+  EXPECT_DOUBLE_EQ(m.rope_scaling.attention_factor, (0.1 * 0.707 * std::log(8.0) + 1) / (0.1 * std::log(8.0) + 1));
+  EXPECT_DOUBLE_EQ(m.rope_scaling.beta_fast, 16.0);
+  EXPECT_FALSE(m.rope_scaling.truncate);
+  // dynamic NTK scales past max_position_embeddings and changes with the length.
+  auto d = parse_model_config(base + R"("rope_scaling":{"type":"dynamic","factor":2.0}})", "config.json");
+  EXPECT_EQ(d.rope_scaling.kind, kvserve::RopeScaling::Kind::kDynamic);
+  EXPECT_EQ(d.rope_scaling.original_max_position_embeddings, 256);
+  EXPECT_TRUE(d.rope_scaling.length_dependent());
+  // longrope: sqrt(1 + ln(factor) / ln(original)) with the factor from the two contexts.
+  auto l = parse_model_config(base + R"("rope_scaling":{"rope_type":"longrope","original_max_position_embeddings":64,
+    "short_factor":[1,1,1,1],"long_factor":[1,2,3,4.5]}})", "config.json");
+  EXPECT_EQ(l.rope_scaling.kind, kvserve::RopeScaling::Kind::kLongRope);
+  EXPECT_DOUBLE_EQ(l.rope_scaling.attention_factor, std::sqrt(1 + std::log(4.0) / std::log(64.0)));
+  EXPECT_EQ(l.rope_scaling.long_factor, (std::vector<double>{1, 2, 3, 4.5}));
+  EXPECT_TRUE(l.rope_scaling.length_dependent());
+  // The default max_model_len counts the run-time extensions as vLLM does.
+  EXPECT_EQ(kvserve::context_length(y), 256);
+  EXPECT_EQ(kvserve::context_length(m), 256);
+  EXPECT_EQ(kvserve::context_length(d), 512);
+  EXPECT_EQ(kvserve::context_length(l), 256);
+}
+
 TEST(ModelConfig, ErrorsNameTheFileAndKey) {
   auto err = [](const std::string& text) {
     try {
@@ -114,8 +178,24 @@ TEST(ModelConfig, ErrorsNameTheFileAndKey) {
             std::string::npos);
   EXPECT_NE(err(R"({"model_type":"llama","vocab_size":"big"})").find("'vocab_size' has the wrong type"),
             std::string::npos);
-  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"rope_scaling":{"rope_type":"yarn","factor":2}})")
-                .find("unsupported rope_type 'yarn'"),
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"rope_scaling":{"rope_type":"mrope","factor":2}})")
+                .find("unsupported rope_type 'mrope'"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"rope_scaling":{"rope_type":"longrope","short_factor":[1,1]}})")
+                .find("missing required key 'long_factor'"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base +
+                R"(,"rope_scaling":{"rope_type":"longrope","short_factor":[1,1],"long_factor":[1,2]}})")
+                .find("key 'short_factor' has 2 entries, head_dim / 2 = 4"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"rope_scaling":{"rope_type":"dynamic"}})")
+                .find("missing required key 'factor'"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"model_type":"llama",)" + base +
+                R"(,"rope_scaling":{"rope_type":"yarn","factor":4,"partial_rotary_factor":0.5}})")
+                .find("partial_rotary_factor 0.5 is not supported"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"architectures":["Qwen3MoeForCausalLM"]})").find("unknown architecture 'Qwen3MoeForCausalLM'"),
             std::string::npos);
   EXPECT_NE(err(R"({"model_type":"llama",)" + base + R"(,"num_hidden_layers":-1})").find("num_hidden_layers"),
             std::string::npos);

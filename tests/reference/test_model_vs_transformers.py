@@ -10,8 +10,11 @@ from safetensors.torch import load_file
 
 from kvserve_testlib import fixtures_dir, random_ids, run_kvserve, write_json
 
+# Scaled RoPE whose original context (64 positions) the longer prompts pass: yarn extends it
+# statically, dynamic NTK and longrope change their frequencies with the sequence length.
+SCALED_ROPE = ["llama-yarn", "llama-dynamic", "llama-longrope"]
 FIXTURES = ["llama-mha", "llama-gqa", "llama3-rope", "llama-tied", "qwen2-bias", "mistral", "llama-sharded",
-            "llama-bf16", "llama-kvfew"]
+            "llama-bf16", "llama-kvfew", "qwen3", *SCALED_ROPE]
 
 
 def hf_model(name: str):
@@ -22,7 +25,8 @@ def hf_model(name: str):
 @pytest.mark.parametrize("name", FIXTURES)
 def test_forward_logits_match(name, tmp_path):
     model = hf_model(name)
-    for n in (1, 17, 640):
+    # Increasing lengths: transformers' dynamic NTK keeps the frequencies of its longest forward so far.
+    for n in (1, 17, 100, 640) if name in SCALED_ROPE else (1, 17, 640):
         ids = random_ids(n, model.config.vocab_size, seed=n)
         out = tmp_path / f"logits-{n}.safetensors"
         run_kvserve("forward", "--model", str(fixtures_dir() / name), "--input-ids",
@@ -35,10 +39,17 @@ def test_forward_logits_match(name, tmp_path):
         assert diff <= 1e-4, f"{name}: prompt of {n} tokens: max abs logit diff {diff}"
 
 
-@pytest.mark.parametrize("name", FIXTURES)
-def test_greedy_generation_matches(name):
+GREEDY_CASES = [(name, 24) for name in FIXTURES if name not in SCALED_ROPE] + \
+    [(name, n) for name in SCALED_ROPE for n in (50, 80)]
+
+
+# The scaled-rope prompts start below the original context and decode past it (50 + 32 > 64), or
+# start past it: transformers' generate rotates each new token with the frequencies of its own
+# length, the cached keys keep theirs, and so does kvserve (backend/rope.h).
+@pytest.mark.parametrize("name,prompt_len", GREEDY_CASES)
+def test_greedy_generation_matches(name, prompt_len):
     model = hf_model(name)
-    ids = random_ids(24, model.config.vocab_size, seed=7)
+    ids = random_ids(prompt_len, model.config.vocab_size, seed=7)
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
                              pad_token_id=0)[0, len(ids):].tolist()

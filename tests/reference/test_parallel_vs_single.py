@@ -43,19 +43,20 @@ HEAD_ADAPTIVE = {
 }
 POLICIES = {**POLICY_FLAGS, **DYNAMIC_VARIANTS, **HEAD_ADAPTIVE}
 PROMPT = [(7 * i + 3) % 1900 + 5 for i in range(41)]
+QWEN3_PROMPT = [(7 * i + 3) % 1500 + 5 for i in range(41)]  # within its Qwen2 tokenizer's 1577 ids
 
 
-def forward(tmp: pathlib.Path, model: str, policy: list[str], tp: int, pp: int):
+def forward(tmp: pathlib.Path, model: str, policy: list[str], tp: int, pp: int, prompt: list[int] = PROMPT):
     tag = f"{tp}x{pp}"
-    ids = write_json(tmp / "ids.json", PROMPT)
+    ids = write_json(tmp / "ids.json", prompt)
     out, dump = tmp / f"logits-{tag}.safetensors", tmp / f"kept-{tag}.json"
     run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--dump-kept", str(dump),
                 "--tp", str(tp), "--pp", str(pp), *policy)
     return load_file(str(out))["logits"], json.loads(dump.read_text())
 
 
-def generate(model: str, policy: list[str], tp: int, pp: int) -> list[int]:
-    proc = run_kvserve("generate", "--model", model, "--prompt-ids", *map(str, PROMPT), "--max-tokens", "10",
+def generate(model: str, policy: list[str], tp: int, pp: int, prompt: list[int] = PROMPT) -> list[int]:
+    proc = run_kvserve("generate", "--model", model, "--prompt-ids", *map(str, prompt), "--max-tokens", "10",
                        "--ignore-eos", "--json", "--tp", str(tp), "--pp", str(pp), *policy)
     return json.loads(proc.stdout)["token_ids"]
 
@@ -89,6 +90,24 @@ def test_forward_sharded_equals_single_process(tmp_path, fixture, policy):
         assert len(kept["shards"]) == tp * pp
     if policy != "full" and fixture == "llama-kvfew":
         assert any(b < len(PROMPT) for b in ref_kept["budgets"]), f"{policy} should compress this prompt"
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv"])
+def test_qwen3_sharded_equals_single_process(tmp_path, policy):
+    """Qwen3's per-head q/k norms are replicated on every TP rank (2 KV heads, one per rank; 2 layers,
+    one per stage): logits, kept positions and greedy tokens equal one process's."""
+    model = str(fixtures_dir() / "qwen3")
+    flags = POLICIES[policy]
+    ref_logits, ref_kept = forward(tmp_path, model, flags, 1, 1, QWEN3_PROMPT)
+    ref_tokens = generate(model, flags, 1, 1, QWEN3_PROMPT)
+    for tp, pp in [(2, 1), (1, 2)]:
+        logits, kept = forward(tmp_path, model, flags, tp, pp, QWEN3_PROMPT)
+        diff = (logits - ref_logits).abs().max().item()
+        assert diff <= 1e-4, f"qwen3 {policy} TP={tp} PP={pp}: logits differ by {diff}"
+        assert kept["budgets"] == ref_kept["budgets"]
+        diffs = kept_differences(ref_kept, kept)
+        assert not diffs, f"qwen3 {policy} TP={tp} PP={pp}: kept positions differ:\n" + "\n".join(diffs)
+        assert generate(model, flags, tp, pp, QWEN3_PROMPT) == ref_tokens, f"qwen3 {policy} TP={tp} PP={pp}"
 
 
 @pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "dynamickv-authors", "knorm-decode",

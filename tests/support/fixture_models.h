@@ -19,11 +19,18 @@ inline std::string fixture(const std::string& name) {
   return std::filesystem::exists(dir + "/config.json") ? dir : "";
 }
 
-// Every architecture variant among the fixtures (not the sharded or bf16 copies).
+// Every architecture variant among the fixtures (not the sharded or bf16 copies) whose RoPE does
+// not depend on the sequence length.
 inline ::testing::internal::ParamGenerator<std::string> fixture_models() {
   return ::testing::Values(std::string("llama-gqa"), std::string("llama-mha"), std::string("llama-kvfew"),
                            std::string("qwen2-bias"), std::string("mistral"), std::string("llama3-rope"),
-                           std::string("llama-tied"));
+                           std::string("llama-tied"), std::string("qwen3"), std::string("llama-yarn"));
+}
+
+// The fixtures whose RoPE frequencies change with the sequence length (dynamic NTK, longrope): a
+// prompt's rows take the frequencies of its own end, so a chunk of a prompt differs from the whole.
+inline ::testing::internal::ParamGenerator<std::string> length_dependent_rope_models() {
+  return ::testing::Values(std::string("llama-dynamic"), std::string("llama-longrope"));
 }
 
 // gtest names allow no '-': llama-gqa -> llama_gqa.
