@@ -387,7 +387,7 @@ void PagedKvMemory::apply_updates(int64_t seq_id) {
 void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v) {
   SeqState& s = seqs_.at(seq_id);
-  const int64_t KV = k.size(0), T = k.size(1), D = k.size(2);
+  const int64_t KV = k.size(0), T = k.size(1);
   const int64_t ll = local(layer);
   if (ll == 0 && shard_.first_layer > 0 && s.selector && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
   if (!s.selector || !s.selector->compresses()) {
@@ -398,7 +398,6 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, q), k);  // [KV, n] ascending positions
   copy_for_cache(seq_id, ll, k, v);
   write_kept(seq_id, ll, k, v, kept, s.selector->last_head_counts());
-  (void)KV, (void)D;
   apply_updates(seq_id);
 }
 
@@ -467,12 +466,10 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
     qf = torch::cat({s.query_tail[static_cast<size_t>(ll)].to(q.scalar_type()), q}, 1);
     s.query_tail[static_cast<size_t>(ll)] = torch::Tensor();
   }
-  const int64_t D = kf.size(2);
   if (ll == 0 && shard_.first_layer > 0 && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
   torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, qf), kf);  // [KV, n] ascending positions
   copy_for_cache(seq_id, ll, kf, vf);
   write_kept(seq_id, ll, kf, vf, kept, s.selector->last_head_counts());
-  (void)D;
   apply_updates(seq_id);
 }
 

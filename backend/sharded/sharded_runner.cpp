@@ -318,10 +318,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   StepResult result;
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int64_t> kept(static_cast<size_t>(R), 0);
-  struct HeadKept {
-    int64_t min = 0, max = 0, sum = 0, tables = 0;
-  };
-  std::vector<HeadKept> heads(static_cast<size_t>(R));
+  std::vector<PagedKvMemory::HeadKeptStats> heads(static_cast<size_t>(R));
   for (int rank = 0; rank < world.size(); ++rank, a += slot) {
     ShardUsage u;
     // The whole geometry: the scheduler's admission reads prefix_caching (room for a compressing
@@ -343,12 +340,12 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
       u.demand.push_back(row[1]);
       kept[static_cast<size_t>(r)] += row[2];
       // Every rank reports its own heads' stats: least of the least, most of the most.
-      HeadKept& hk = heads[static_cast<size_t>(r)];
+      PagedKvMemory::HeadKeptStats& hk = heads[static_cast<size_t>(r)];
       if (row[6] > 0) {
-        hk.min = hk.tables ? std::min(hk.min, row[3]) : row[3];
+        hk.min = hk.count ? std::min(hk.min, row[3]) : row[3];
         hk.max = std::max(hk.max, row[4]);
         hk.sum += row[5];
-        hk.tables += row[6];
+        hk.count += row[6];
       }
     }
     result.shards.push_back(std::move(u));
@@ -359,11 +356,11 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     PrefillOutcome o;
     if (plan.prefill[p].sample) o.first = std::move(sampled.at(next++));
     o.kept_tokens = kept[plan.decode.seq_ids.size() + p];
-    const HeadKept& hk = heads[plan.decode.seq_ids.size() + p];
+    const PagedKvMemory::HeadKeptStats& hk = heads[plan.decode.seq_ids.size() + p];
     o.kept_head_min = hk.min;
     o.kept_head_max = hk.max;
     o.kept_head_sum = hk.sum;
-    o.head_tables = hk.tables;
+    o.head_tables = hk.count;
     o.queried_tokens = kv.prefix_queried(plan.prefill[p].seq_id);
     o.cached_tokens = kv.prefix_hit(plan.prefill[p].seq_id);
     result.prefilled.push_back(std::move(o));
