@@ -18,6 +18,49 @@
 
 namespace kvserve {
 
+#ifdef KVSERVE_HAVE_CUDA_GRAPHS
+namespace {
+
+// Counts the kernel nodes of the graph the stream is capturing (the runtime lets a capture's graph
+// be queried, not changed). Names come from cudaFuncGetName; kernels it cannot name (e.g. ones
+// launched through the driver API) count as "?".
+void count_kernels(cudaStream_t stream, DecodeGraphStats& stats) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph) != cudaSuccess || graph == nullptr) {
+    (void)cudaGetLastError();
+    return;
+  }
+  size_t n = 0;
+  if (cudaGraphGetNodes(graph, nullptr, &n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (n > 0 && cudaGraphGetNodes(graph, nodes.data(), &n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  stats.kernel_nodes = 0;
+  stats.kernels_by_name.clear();
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type{};
+    if (cudaGraphNodeGetType(node, &type) != cudaSuccess || type != cudaGraphNodeTypeKernel) continue;
+    ++stats.kernel_nodes;
+    cudaKernelNodeParams params{};
+    const char* name = nullptr;
+    if (cudaGraphKernelNodeGetParams(node, &params) != cudaSuccess || params.func == nullptr ||
+        cudaFuncGetName(&name, params.func) != cudaSuccess || name == nullptr) {
+      name = "?";
+    }
+    ++stats.kernels_by_name[name];
+  }
+  (void)cudaGetLastError();
+}
+
+}  // namespace
+#endif
+
 std::vector<int64_t> decode_graph_buckets(int64_t max_batch) {
   KV_CHECK(max_batch >= 1, "decode graphs: the largest batch must be >= 1, got " << max_batch);
   std::vector<int64_t> out;
@@ -207,6 +250,7 @@ DecodeGraphs::Graph& DecodeGraphs::capture(const DecodeBatch& batch, int64_t row
     try {
       g->graph.capture_begin(cuda_->pool, cudaStreamCaptureModeThreadLocal);
       logits_.narrow(0, 0, rows).copy_(run_body(batch, rows));
+      count_kernels(cuda_->side.stream(), stats_);
       g->graph.capture_end();
     } catch (...) {
       // A capture that failed part-way leaves the stream capturing: end it before the graph object

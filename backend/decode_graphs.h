@@ -46,6 +46,10 @@ struct DecodeGraphStats {
   int64_t padded_eager = 0; // bucketed steps run eagerly (capture = false)
   int64_t eager = 0;        // steps a graph could not serve (batch above the largest bucket)
   int64_t invalidations = 0;  // times every graph was dropped (device tables or RoPE tables moved)
+  // The most recent capture's graph: kernel nodes in all, and by kernel name ("?" where the runtime
+  // cannot name one). The fixed per-step cost of a decode step grows with this count.
+  int64_t kernel_nodes = 0;
+  std::map<std::string, int64_t> kernels_by_name;
 };
 
 // Serves LocalRunner's decode steps on a CUDA model. Per step, on the host and outside any graph:

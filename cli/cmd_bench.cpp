@@ -169,7 +169,8 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   if (graphs) {
     const DecodeGraphStats& gs = graphs->stats();
     out["cuda_graph_stats"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager", gs.eager},
-                               {"invalidations", gs.invalidations}};
+                               {"invalidations", gs.invalidations},
+                               {"kernel_nodes", gs.kernel_nodes}, {"kernels_by_name", gs.kernels_by_name}};
   }
   if (a.profile) {
     // Mean ms per step of each stage; "other" is the rest of the mean step (argmax, host work).

@@ -7,7 +7,9 @@ and as kvserve on CPU.
   fixtures have random weights, so no two scores tie);
 - greedy generation on the embedded model identical to CPU, and the passkey answered;
 - decode through CUDA graphs (the default on CUDA) generating what --enforce-eager generates, and
-  `bench decode` replaying graphs unless --enforce-eager.
+  `bench decode` replaying graphs unless --enforce-eager;
+- the head-wise layout (a block table and a length per KV head) decoding through the CUDA kernels
+  and graphs as it decodes on CPU, with head-adaptive SnapKV leaving the heads different lengths.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied"]
 # `forward` runs no decode steps, so the decode-eviction variant would repeat knorm.
 POLICIES = {k: v for k, v in POLICY_FLAGS.items() if k != "knorm-decode"}
+POLICIES["snapkv-adaptive"] = [*POLICY_FLAGS["snapkv"], "--policy-param", "head_budgets=adaptive"]
 
 
 def kv_forward(tmp: pathlib.Path, model: str, ids: list[int], *args: str, tag: str = "x"):
@@ -122,3 +125,22 @@ def test_bench_decode_replays_graphs_unless_enforce_eager():
     assert graphs["cuda_graphs"] is True and graphs["cuda_graph_stats"]["replays"] == 8
     assert graphs["cuda_graph_stats"]["eager"] == 0
     assert eager["cuda_graphs"] is False
+
+
+def test_head_layout_decodes_on_cuda_as_on_cpu(tmp_path):
+    model = ROOT / "models" / "tiny-retriever"
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    prompts = [random_ids(n, vocab, seed) for seed, n in enumerate([40, 300, 700, 129, 1000])]
+    path = write_json(tmp_path / "prompts.json", prompts)
+    flags = ["--kv-layout", "head", "--policy", "snapkv", "--budget", "64", "--policy-param", "head_budgets=adaptive",
+             "--max-tokens", "16", "--ignore-eos", "--json", "--dtype", "float32"]
+    outs = {}
+    for mode, extra in (("cpu", ["--device", "cpu"]), ("graphs", ["--device", "cuda"]),
+                        ("eager", ["--device", "cuda", "--enforce-eager"])):
+        got = json.loads(run_kvserve("generate", "--model", str(model), "--prompts-file", str(path), *flags,
+                                     *extra).stdout)
+        outs[mode] = [r["token_ids"] for r in got["results"]]
+        heads = [r["kv_tokens_per_head"] for r in got["results"]]
+        assert any(h["min"] < h["max"] for h in heads), (mode, heads)
+    assert outs["graphs"] == outs["eager"]
+    assert outs["graphs"] == outs["cpu"]
