@@ -10,6 +10,7 @@
 
 #include "backend/checkpoint.h"
 #include "backend/dense.h"
+#include "backend/fused_ops.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
@@ -142,10 +143,7 @@ KvMemoryLayout LlamaModel::kv_layout() const {
 }
 
 torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& w) const {
-  // As transformers: normalise in fp32, cast back, then scale.
-  auto xf = x.to(torch::kFloat32);
-  auto var = xf.pow(2).mean(-1, true);
-  return w * (xf * torch::rsqrt(var + config_.rms_norm_eps)).to(x.scalar_type());
+  return fused::rms_norm(x, w, config_.rms_norm_eps);
 }
 
 std::pair<torch::Tensor, torch::Tensor> LlamaModel::rotated_qk(const Layer& l, const torch::Tensor& qkv,
@@ -179,7 +177,7 @@ torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   // This shard's down projection of some rows (under TP a partial sum, reduced once below).
   auto down = [&](const torch::Tensor& rows) {
     auto gu = dense(rows, l.wgate_up, l.bgate_up, gemm_);
-    auto act = torch::silu(gu.narrow(-1, 0, I)) * gu.narrow(-1, I, I);
+    auto act = fused::silu_mul(gu, I);
     return tp_ ? dense(act, l.wdown, {}, gemm_) : dense(act, l.wdown, l.bdown, gemm_);
   };
   torch::Tensor out;
@@ -329,22 +327,34 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
   const int64_t B = x.size(0);  // the step's entries, padding included
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   StepProfile* p = profile_;
+  const double eps = config_.rms_norm_eps;
+  // Each residual add is done by the norm that follows it (one kernel on CUDA): a layer's MLP output
+  // waits in `pending` for the next layer's input norm; the last one is added after the loop.
+  torch::Tensor pending;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.input_norm); });
-    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
-    auto [q, k] = StepProfile::time(p, StepProfile::kRope, [&] {
-      auto [rq, rk] = rotated_qk(l, qkv, angles);
-      return std::pair{rq.contiguous(), rk.contiguous()};
+    auto h = StepProfile::time(p, StepProfile::kNorm, [&] {
+      if (!pending.defined()) return rms_norm(x, l.input_norm);
+      auto [sum, normed] = fused::add_rms_norm(x, pending, l.input_norm, eps);
+      x = sum;
+      return normed;
     });
-    auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous();
+    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
+    auto [q, k, v] = StepProfile::time(p, StepProfile::kRope, [&] {
+      if (!l.q_norm.defined()) return fused::rope_qkv(qkv, angles, H, KV, D);
+      auto [rq, rk] = rotated_qk(l, qkv, angles);
+      return std::tuple{rq.contiguous(), rk.contiguous(), qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous()};
+    });
     auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
     auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
-    x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + o; });
-    h = StepProfile::time(p, StepProfile::kNorm, [&] { return rms_norm(x, l.post_norm); });
-    auto m = StepProfile::time(p, StepProfile::kMlp, [&] { return mlp(l, h); });
-    x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + m; });
+    h = StepProfile::time(p, StepProfile::kNorm, [&] {
+      auto [sum, normed] = fused::add_rms_norm(x, o, l.post_norm, eps);
+      x = sum;
+      return normed;
+    });
+    pending = StepProfile::time(p, StepProfile::kMlp, [&] { return mlp(l, h); });
   }
+  if (pending.defined()) x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + pending; });
   return x;
 }
 

@@ -120,6 +120,29 @@ prefix)
     --workloads doc,tier --policies full,pyramidkv --questions 5 --miss-questions 2 --tier-questions 2 \
     --pool 12GiB --tier-pool 1650MiB --tier-bytes 4GiB --json "$out/prefix.json" "$@" 2>&1 | tee "$out/prefix.log"
   ;;
+kernels)
+  # The decode step's kernels: the fused ops' gtests, then `bench decode` with the fused kernels on and
+  # off (KVSERVE_FUSED_OPS=0), interleaved, at batch 1 and 8, each reporting the kernel nodes of its
+  # captured step (cuda_graph_stats). KERNELS_MODEL picks the checkpoint (default: models/tiny-llama,
+  # whose step is almost all fixed per-kernel cost). Sized for ~1 minute after the build.
+  shift
+  setup_env
+  [ -f "$BUILD/build.ninja" ] || build_kvserve
+  cmake --build "$BUILD" -j "$(nproc)" --target kvserve backend_test_fused_ops_cuda >> "$out/build.log" 2>&1
+  "$BUILD/tests/backend_test_fused_ops_cuda" > "$out/fused-gtest.log" 2>&1 || rc=1
+  tail -3 "$out/fused-gtest.log"
+  model=${KERNELS_MODEL:-models/tiny-llama}
+  for batch in 1 8; do
+    for fused in 1 0; do
+      KVSERVE_FUSED_OPS=$fused "$BUILD/kvserve" bench decode --model "$model" --device cuda --dtype bfloat16 \
+        --context 1024 --batch $batch --steps 64 --warmup 8 "$@" 2>>"$out/kernels.err" | tail -1 \
+        > "$out/kernels-b$batch-fused$fused.json" || rc=1
+      python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); g=j.get("cuda_graph_stats",{}); print(sys.argv[1].split("/")[-1], "ms/step %.4f" % (j["step_s_median"]*1e3), "kernel nodes", g.get("kernel_nodes"))' \
+        "$out/kernels-b$batch-fused$fused.json" || rc=1
+    done
+  done
+  exit ${rc:-0}
+  ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix [options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels [options]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,182 @@
+#include "backend/fused_ops.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "common/check.h"
+
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "backend/cuda/fused_ops.cuh"
+#endif
+
+namespace kvserve::fused {
+namespace {
+
+bool enabled_by_env() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVSERVE_FUSED_OPS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+bool kernel_dtype(torch::ScalarType t) {
+  return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
+}
+
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+fused_kernels::DType dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kBFloat16: return fused_kernels::DType::kBFloat16;
+    case torch::kFloat16: return fused_kernels::DType::kFloat16;
+    default: return fused_kernels::DType::kFloat32;
+  }
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  KV_CHECK(err == cudaSuccess, "fused " << what << " kernel launch failed: " << cudaGetErrorString(err));
+}
+
+// A 2-D view's rows are addressable with one stride when its last dimension is contiguous.
+bool rows_strided(const torch::Tensor& t) { return t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1); }
+#endif
+
+torch::Tensor rms_norm_chain(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  // As transformers: normalise in fp32, cast back, then scale.
+  auto xf = x.to(torch::kFloat32);
+  auto var = xf.pow(2).mean(-1, true);
+  return w * (xf * torch::rsqrt(var + eps)).to(x.scalar_type());
+}
+
+}  // namespace
+
+bool compiled() {
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool active(const torch::Tensor& x) {
+  return compiled() && x.is_cuda() && kernel_dtype(x.scalar_type()) && enabled_by_env();
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  if (active(x) && w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 1 && x.dim() >= 1 &&
+      x.size(-1) == w.size(0)) {
+    const int64_t cols = x.size(-1);
+    const torch::Tensor x2 = x.reshape({-1, cols});  // a view where possible
+    if (rows_strided(x2)) {
+      const c10::cuda::CUDAGuard guard(x.device());
+      torch::Tensor out = torch::empty({x2.size(0), cols}, x.options());
+      fused_kernels::RmsNormArgs a;
+      a.x = x2.data_ptr();
+      a.out = out.data_ptr();
+      a.w = w.data_ptr();
+      a.rows = x2.size(0);
+      a.cols = cols;
+      a.x_stride = x2.size(0) > 1 ? x2.stride(0) : cols;
+      a.eps = static_cast<float>(eps);
+      a.dtype = dtype_of(x);
+      check_launch(fused_kernels::launch_rms_norm(a, at::cuda::getCurrentCUDAStream(x.device().index())), "rms_norm");
+      return out.view(x.sizes());
+    }
+  }
+#endif
+  return rms_norm_chain(x, w, eps);
+}
+
+std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& delta,
+                                                     const torch::Tensor& w, double eps) {
+  KV_CHECK(x.sizes() == delta.sizes(), "internal: residual add of " << delta.sizes() << " to " << x.sizes());
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  if (active(x) && x.dim() == 2 && delta.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type() &&
+      w.is_contiguous() && w.dim() == 1 && x.size(1) == w.size(0) && rows_strided(x) && rows_strided(delta) &&
+      delta.device() == x.device()) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t rows = x.size(0), cols = x.size(1);
+    torch::Tensor x_out = torch::empty({rows, cols}, x.options());
+    torch::Tensor out = torch::empty({rows, cols}, x.options());
+    fused_kernels::RmsNormArgs a;
+    a.x = x.data_ptr();
+    a.delta = delta.data_ptr();
+    a.x_out = x_out.data_ptr();
+    a.out = out.data_ptr();
+    a.w = w.data_ptr();
+    a.rows = rows;
+    a.cols = cols;
+    a.x_stride = rows > 1 ? x.stride(0) : cols;
+    a.delta_stride = rows > 1 ? delta.stride(0) : cols;
+    a.eps = static_cast<float>(eps);
+    a.dtype = dtype_of(x);
+    check_launch(fused_kernels::launch_rms_norm(a, at::cuda::getCurrentCUDAStream(x.device().index())), "add_rms_norm");
+    return {x_out, out};
+  }
+#endif
+  torch::Tensor sum = x + delta;
+  torch::Tensor normed = rms_norm_chain(sum, w, eps);
+  return {sum, normed};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(const torch::Tensor& qkv, const RopeAngles& angles,
+                                                                 int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  const int64_t N = qkv.size(0), H = q_heads, KV = kv_heads, D = head_dim;
+  KV_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KV) * D,
+           "internal: qkv " << qkv.sizes() << " is not [N, (" << H << " + 2 * " << KV << ") * " << D << "]");
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  if (active(qkv) && rows_strided(qkv) && D % 2 == 0 && angles.cos.scalar_type() == qkv.scalar_type() &&
+      angles.sin.scalar_type() == qkv.scalar_type() && angles.cos.numel() == N * D && angles.sin.numel() == N * D &&
+      angles.cos.is_contiguous() && angles.sin.is_contiguous() && angles.cos.device() == qkv.device()) {
+    const c10::cuda::CUDAGuard guard(qkv.device());
+    torch::Tensor q = torch::empty({N, H, D}, qkv.options());
+    torch::Tensor k = torch::empty({N, KV, D}, qkv.options());
+    torch::Tensor v = torch::empty({N, KV, D}, qkv.options());
+    fused_kernels::RopeQkvArgs a;
+    a.qkv = qkv.data_ptr();
+    a.qkv_stride = N > 1 ? qkv.stride(0) : qkv.size(1);
+    a.cos = angles.cos.data_ptr();
+    a.sin = angles.sin.data_ptr();
+    a.q = q.data_ptr();
+    a.k = k.data_ptr();
+    a.v = v.data_ptr();
+    a.rows = N;
+    a.q_heads = H;
+    a.kv_heads = KV;
+    a.head_dim = D;
+    a.dtype = dtype_of(qkv);
+    check_launch(fused_kernels::launch_rope_qkv(a, at::cuda::getCurrentCUDAStream(qkv.device().index())), "rope_qkv");
+    return {q, k, v};
+  }
+#endif
+  auto q = Rope::apply(qkv.narrow(1, 0, H * D).view({N, H, D}), angles).contiguous();
+  auto k = Rope::apply(qkv.narrow(1, H * D, KV * D).view({N, KV, D}), angles).contiguous();
+  auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D}).contiguous();
+  return {q, k, v};
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gu, int64_t inter) {
+  KV_CHECK(gu.dim() == 2 && gu.size(1) == 2 * inter, "internal: gate/up " << gu.sizes() << " is not [N, 2 * " << inter << "]");
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  if (active(gu) && rows_strided(gu)) {
+    const c10::cuda::CUDAGuard guard(gu.device());
+    torch::Tensor out = torch::empty({gu.size(0), inter}, gu.options());
+    fused_kernels::SiluMulArgs a;
+    a.gu = gu.data_ptr();
+    a.gu_stride = gu.size(0) > 1 ? gu.stride(0) : gu.size(1);
+    a.out = out.data_ptr();
+    a.rows = gu.size(0);
+    a.inter = inter;
+    a.dtype = dtype_of(gu);
+    check_launch(fused_kernels::launch_silu_mul(a, at::cuda::getCurrentCUDAStream(gu.device().index())), "silu_mul");
+    return out;
+  }
+#endif
+  return torch::silu(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter);
+}
+
+}  // namespace kvserve::fused
