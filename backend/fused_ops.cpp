@@ -17,8 +17,9 @@ namespace {
 
 bool enabled_by_env() {
   static const bool on = [] {
+    // Opt-in until the CUDA reference tests pass with the kernels on (see docs/gpu.md).
     const char* v = std::getenv("KVSERVE_FUSED_OPS");
-    return v == nullptr || std::strcmp(v, "0") != 0;
+    return v != nullptr && std::strcmp(v, "1") == 0;
   }();
   return on;
 }

@@ -65,7 +65,7 @@ __global__ void rms_norm_kernel(RmsNormArgs a) {
   for (int64_t i = threadIdx.x; i < a.cols; i += blockDim.x) {
     float v = load(x, i);
     if (delta) {
-      v = rnd<T>(v + load(delta, i));
+      v = rnd<T>(__fadd_rn(v, load(delta, i)));
       x_out[i] = cast<T>(v);
     }
     ss += v * v;
@@ -74,7 +74,7 @@ __global__ void rms_norm_kernel(RmsNormArgs a) {
   for (int64_t i = threadIdx.x; i < a.cols; i += blockDim.x) {
     // Re-read (x_out for the residual case: this thread wrote exactly these elements above).
     const float v = delta ? load(static_cast<const T*>(x_out), i) : load(x, i);
-    out[i] = cast<T>(load(w, i) * rnd<T>(v * inv));
+    out[i] = cast<T>(__fmul_rn(load(w, i), rnd<T>(__fmul_rn(v, inv))));
   }
 }
 
@@ -94,7 +94,8 @@ __global__ void rope_qkv_kernel(RopeQkvArgs a) {
     }
     const float x = load(row, i);
     const float partner = d < half ? -load(row, i + half) : load(row, i - half);
-    const float y = rnd<T>(rnd<T>(x * load(cs, d)) + rnd<T>(partner * load(sn, d)));
+    // _rn intrinsics: no fused multiply-add, so fp32 rounds exactly as the chain's three ops do.
+    const float y = rnd<T>(__fadd_rn(rnd<T>(__fmul_rn(x, load(cs, d))), rnd<T>(__fmul_rn(partner, load(sn, d)))));
     if (head < H) {
       static_cast<T*>(a.q)[(r * H + head) * D + d] = cast<T>(y);
     } else {
@@ -112,7 +113,7 @@ __global__ void silu_mul_kernel(SiluMulArgs a) {
     const T* row = static_cast<const T*>(a.gu) + r * a.gu_stride;
     const float g = load(row, c);
     const float s = rnd<T>(g / (1.0f + expf(-g)));
-    static_cast<T*>(a.out)[i] = cast<T>(s * load(row, a.inter + c));
+    static_cast<T*>(a.out)[i] = cast<T>(__fmul_rn(s, load(row, a.inter + c)));
   }
 }
 

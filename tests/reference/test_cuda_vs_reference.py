@@ -8,6 +8,7 @@ and as kvserve on CPU.
 - greedy generation on the embedded model identical to CPU, and the passkey answered;
 - decode through CUDA graphs (the default on CUDA) generating what --enforce-eager generates, and
   `bench decode` replaying graphs unless --enforce-eager;
+- the fused elementwise kernels (KVSERVE_FUSED_OPS=1) under the same logits, graph and layout tests;
 - the head-wise layout (a block table and a length per KV head) decoding through the CUDA kernels
   and graphs as it decodes on CPU, with head-adaptive SnapKV leaving the heads different lengths.
 """
@@ -46,8 +47,15 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+@pytest.fixture(params=["0", "1"], ids=["torch-ops", "fused-ops"])
+def fused(request, monkeypatch):
+    """Runs a test with the fused elementwise kernels off (torch op chains) and on (KVSERVE_FUSED_OPS=1)."""
+    monkeypatch.setenv("KVSERVE_FUSED_OPS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", FIXTURES)
-def test_fp32_logits_match_transformers_on_cuda(name, tmp_path):
+def test_fp32_logits_match_transformers_on_cuda(name, tmp_path, fused):
     path = fixtures_dir() / name
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     for n in (1, 17, 640):
@@ -60,7 +68,7 @@ def test_fp32_logits_match_transformers_on_cuda(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
-def test_bf16_logits_track_transformers_bf16_on_cuda(name, tmp_path):
+def test_bf16_logits_track_transformers_bf16_on_cuda(name, tmp_path, fused):
     path = fixtures_dir() / name
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     ids = random_ids(300, hf.config.vocab_size, seed=5)
@@ -101,7 +109,7 @@ def test_embedded_model_generates_the_same_on_cuda_and_retrieves():
     assert outs["cuda"]["text"].startswith(answer), (outs["cuda"]["text"], answer)
 
 
-def test_cuda_graphs_generate_what_eager_decode_generates(tmp_path):
+def test_cuda_graphs_generate_what_eager_decode_generates(tmp_path, fused):
     model = ROOT / "models" / "tiny-llama"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     # Five prompts (bucket 8: three padding rows), of lengths that cross block and split boundaries.
@@ -127,7 +135,7 @@ def test_bench_decode_replays_graphs_unless_enforce_eager():
     assert eager["cuda_graphs"] is False
 
 
-def test_head_layout_decodes_on_cuda_as_on_cpu(tmp_path):
+def test_head_layout_decodes_on_cuda_as_on_cpu(tmp_path, fused):
     model = ROOT / "models" / "tiny-retriever"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     prompts = [random_ids(n, vocab, seed) for seed, n in enumerate([40, 300, 700, 129, 1000])]
