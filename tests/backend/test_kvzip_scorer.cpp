@@ -109,6 +109,7 @@ TEST(KvzipPrefill, KeptSetIsAFunctionOfTheContextTokens) {
   auto full = head_memory(*model, T, {});
   model->prefill(2, a, *full);
   auto sa = kvzip_scores(*model, *full, 2, a, cfg);
+  full->release(2);
   model->prefill(3, b, *full);
   auto sb = kvzip_scores(*model, *full, 3, b, cfg);
   ASSERT_EQ(sa.size(), static_cast<size_t>(c.num_hidden_layers));

@@ -55,8 +55,8 @@ TEST(KvzipPlan, ChunksWindowAndBegin) {
   EXPECT_EQ(p.end, 13);
   EXPECT_EQ(p.sink, 4);
   ASSERT_EQ(p.chunks.size(), 3u);
-  EXPECT_EQ(p.chunks[0], std::make_pair<int64_t, int64_t>(3, 7));
-  EXPECT_EQ(p.chunks[2], std::make_pair<int64_t, int64_t>(11, 13));
+  EXPECT_EQ(p.chunks[0], (std::pair<int64_t, int64_t>{3, 7}));
+  EXPECT_EQ(p.chunks[2], (std::pair<int64_t, int64_t>{11, 13}));
   // A begin past the context: nothing to reconstruct.
   EXPECT_TRUE(plan_reconstruction(c, 15, 40).chunks.empty());
   // kvpress's sink keys: none while the chunk starts at 0, then min(n_sink, start).
