@@ -1,11 +1,14 @@
 #include "backend/kvzip_scorer.h"
 
+#include <chrono>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
 
 #include "backend/llama_model.h"
 #include "common/check.h"
+#include "common/log.h"
 #include "policies/kvzip_scores.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -99,7 +102,14 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
   const auto& layout = model.layout();
   const int64_t KV = layout.kv_heads, L = layout.layer_end - layout.layer_begin;
   KvzipScoreBoard board(L, KV, plan.end, torch::TensorOptions().dtype(model.dtype()).device(model.device()));
+  // KVSERVE_KVZIP_TIMING=1 logs where a prompt's scoring time goes (the passes' layers, the scores).
+  static const bool timing = std::getenv("KVSERVE_KVZIP_TIMING") != nullptr;
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  double score_s = 0;
+  int64_t fed = 0;
   for (const KvzipPass& pass : kvzip_passes(prompts, tokens, plan.begin, plan.end, cfg.chunk_size)) {
+    fed += static_cast<int64_t>(pass.ids.size());
     // The layer's context K/V, read once per pass: the hook scores with its keys, then the layer's
     // attention reads both.
     std::pair<torch::Tensor, torch::Tensor> ctx;
@@ -113,9 +123,16 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
         [&](int64_t layer, const torch::Tensor& q, const torch::Tensor& k) {
           ctx = context_of(layer);
           const auto& ck = ctx.first;
+          const auto ts = clock::now();
           auto s = reconstruction_attention_max(q, ck.narrow(1, 0, sink), ck.narrow(1, pass.start, pass.stop - pass.start), k);
           board.record(layer - layout.layer_begin, pass.start, s);
+          if (timing) score_s += std::chrono::duration<double>(clock::now() - ts).count();
         });
+  }
+  if (timing) {
+    const double all = std::chrono::duration<double>(clock::now() - t0).count();
+    KV_LOG("kvzip: " << T << " prompt tokens, " << fed << " fed in " << plan.chunks.size() << " passes: " << all
+                     << " s (scores " << score_s << " s)");
   }
   board.protect_sinks(plan.sink);
   std::vector<torch::Tensor> out;

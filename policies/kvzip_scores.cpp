@@ -47,8 +47,9 @@ torch::Tensor reconstruction_attention_max(const torch::Tensor& q, const torch::
     auto qh = q.narrow(0, h * G, G);                                      // [G, n, D]
     auto w = torch::matmul(qh, keys.t()) / scale;                         // [G, n, s + c + n]
     w.narrow(2, s + c, n).add_(mask);
-    w = torch::softmax(w, -1);
-    out[h].copy_(std::get<0>(w.narrow(2, s, c).amax(1).max(0)));
+    // max_i softmax(w)_ij = exp(max_i (w_ij - lse_i)): the chunk's columns only, no softmax written out.
+    auto lse = torch::logsumexp(w, -1, /*keepdim=*/true);  // [G, n, 1]
+    out[h].copy_(std::get<0>((w.narrow(2, s, c) - lse).amax(1).max(0)).exp_());
   }
   return out;
 }
