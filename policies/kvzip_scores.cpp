@@ -24,6 +24,32 @@ ReconstructionPlan plan_reconstruction(const PolicyConfig& cfg, int64_t prompt_l
 
 int64_t score_sink_keys(int64_t sink, int64_t start) { return std::max<int64_t>(0, std::min(sink, start)); }
 
+namespace {
+
+// w [G, rows, k] row-major holds query rows q0 .. q0 + rows - 1 of a pass (each head of a group),
+// over the keys [sinks and chunk (`visible` columns), own tokens]; query i sees the visible columns
+// and its own tokens up to itself (the causal mask: masked columns add exactly 0 to the sum, as
+// kvpress's finfo.min does). Per row: lse = log(sum(exp(row))), then
+// best[j] = max(best[j], row[first + j] - lse) for j < c. No allocation.
+void row_max_minus_lse(const float* w, int64_t groups, int64_t rows, int64_t k, int64_t visible, int64_t q0,
+                       int64_t first, int64_t c, float* best) {
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* row = w + (g * rows + i) * k;
+      const int64_t len = std::min(k, visible + q0 + i + 1);
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < len; ++j) m = std::max(m, row[j]);
+      double sum = 0.0;
+      for (int64_t j = 0; j < len; ++j) sum += std::exp(row[j] - m);
+      const float lse = static_cast<float>(static_cast<double>(m) + std::log(sum));
+      const float* col = row + first;
+      for (int64_t j = 0; j < c; ++j) best[j] = std::max(best[j], col[j] - lse);
+    }
+  }
+}
+
+}  // namespace
+
 torch::Tensor reconstruction_attention_max(const torch::Tensor& q, const torch::Tensor& sink_k, const torch::Tensor& chunk_k,
                                            const torch::Tensor& own_k) {
   KV_CHECK(q.dim() == 3 && own_k.dim() == 3 && chunk_k.dim() == 3 && sink_k.dim() == 3,
@@ -39,18 +65,35 @@ torch::Tensor reconstruction_attention_max(const torch::Tensor& q, const torch::
   const double low = dt == torch::kFloat64 ? std::numeric_limits<double>::lowest()
                                            : (dt == torch::kFloat32 ? std::numeric_limits<float>::lowest() : -65504.0);
   auto opts = q.options();
-  auto mask = torch::zeros({n, n}, opts).masked_fill_(torch::triu(torch::ones({n, n}, opts), 1).to(torch::kBool), low);
+  // fp32 on CPU: a raw loop that stops each row at its causal end (no mask, no softmax written out).
+  const bool raw = q.device().is_cpu() && dt == torch::kFloat32;
+  torch::Tensor mask;
+  if (!raw) mask = torch::zeros({n, n}, opts).masked_fill_(torch::triu(torch::ones({n, n}, opts), 1).to(torch::kBool), low);
   const double scale = std::sqrt(static_cast<double>(D));
-  auto out = torch::empty({KV, c}, opts);
+  // Queries in tiles, so that a tile's scores [G, rows, s + c + n] stay in cache through the
+  // log-sum-exp and the maximum; each tile's maximum is merged into the running one.
+  constexpr int64_t kTile = 256;
+  auto out = torch::full({KV, c}, -std::numeric_limits<double>::infinity(), opts);
   for (int64_t h = 0; h < KV; ++h) {
-    auto keys = torch::cat({sink_k[h], chunk_k[h], own_k[h]}, 0).to(dt);  // [s + c + n, D]
-    auto qh = q.narrow(0, h * G, G);                                      // [G, n, D]
-    auto w = torch::matmul(qh, keys.t()) / scale;                         // [G, n, s + c + n]
-    w.narrow(2, s + c, n).add_(mask);
-    // max_i softmax(w)_ij = exp(max_i (w_ij - lse_i)): the chunk's columns only, no softmax written out.
-    auto lse = torch::logsumexp(w, -1, /*keepdim=*/true);  // [G, n, 1]
-    out[h].copy_(std::get<0>((w.narrow(2, s, c) - lse).amax(1).max(0)).exp_());
+    auto keys = torch::cat({sink_k[h], chunk_k[h], own_k[h]}, 0).to(dt).t().contiguous();  // [D, s + c + n]
+    auto best = out[h];
+    for (int64_t r0 = 0; r0 < n; r0 += kTile) {
+      const int64_t rows = std::min(kTile, n - r0);
+      auto qh = q.narrow(0, h * G, G).narrow(1, r0, rows);  // [G, rows, D]
+      // max_i softmax(w)_ij = exp(max_i (w_ij - lse_i)): the chunk's columns only, no softmax written out.
+      if (raw) {
+        const int64_t cols = s + c + r0 + rows;  // the tile's last query sees no own token after it
+        auto w = torch::matmul(qh, keys.narrow(1, 0, cols)).div_(scale);  // [G, rows, cols]
+        row_max_minus_lse(w.data_ptr<float>(), G, rows, cols, s + c, r0, s, c, best.data_ptr<float>());
+      } else {
+        auto w = torch::matmul(qh, keys).div_(scale);  // [G, rows, s + c + n]
+        w.narrow(2, s + c, n).add_(mask.narrow(0, r0, rows));
+        auto lse = torch::logsumexp(w, -1, /*keepdim=*/true);  // [G, rows, 1]
+        best.copy_(torch::maximum(best, std::get<0>((w.narrow(2, s, c) - lse).amax(1).max(0))));
+      }
+    }
   }
+  out.exp_();
   return out;
 }
 

@@ -92,6 +92,15 @@ TEST(KvzipAttention, MaxOverGroupAndQueriesMatchesNaive) {
   auto none = torch::empty({KV, 0, D});
   EXPECT_TRUE(torch::allclose(reconstruction_attention_max(q, none, ck, ok).to(torch::kFloat64), naive_max(q, none, ck, ok),
                               1e-5, 1e-6));
+  // The tensor path (other dtypes and devices: the mask added, a log-sum-exp), in fp64 here; and
+  // the fp32 CPU loop over more queries than one tile (300 > 256).
+  auto q64 = q.to(torch::kFloat64);
+  EXPECT_TRUE(torch::allclose(reconstruction_attention_max(q64, sk.to(torch::kFloat64), ck.to(torch::kFloat64),
+                                                           ok.to(torch::kFloat64)),
+                              naive_max(q, sk, ck, ok), 1e-9, 1e-12));
+  auto qb = torch::randn({H, 300, D}), okb = torch::randn({KV, 300, D});
+  EXPECT_TRUE(torch::allclose(reconstruction_attention_max(qb, sk, ck, okb).to(torch::kFloat64), naive_max(qb, sk, ck, okb),
+                              1e-5, 1e-6));
   EXPECT_THROW(reconstruction_attention_max(q.narrow(0, 0, 5), sk, ck, ok), KvError);  // H not a multiple of KV
 }
 
