@@ -119,5 +119,33 @@ TEST(KvzipPrefill, KeptSetIsAFunctionOfTheContextTokens) {
   }
 }
 
+TEST(KvzipPrefill, FitsThePoolAdmissionReserves) {
+  // Admission reserves the whole prompt in every layer (the passes need it all): a pool of exactly
+  // prompt_blocks holds the prefill, and afterwards only the kept entries' blocks stay in use.
+  const std::string dir = fixture("llama3-rope");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama3-rope";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const auto& c = model->config();
+  constexpr int64_t T = 257;
+  const std::map<std::string, std::map<std::string, std::string>> specs = {{"kvzip", {{"chunk_size", "100"}}}};
+  const PagedKvMemory::Geometry g = head_memory(*model, T, specs)->geometry();
+  const PolicyConfig cfg = make_policy_config("kvzip", {{"chunk_size", "100"}});
+  const int64_t need = PagedKvMemory::prompt_blocks(cfg, g, T);
+  EXPECT_GE(need, c.num_hidden_layers * c.num_key_value_heads * ((T + 1 + 15) / 16));
+  KvPoolOptions pool;
+  pool.num_kv_heads = c.num_key_value_heads;
+  pool.head_dim = c.head_dim;
+  pool.head_blocks = true;
+  pool.num_blocks = need;
+  PagedKvMemory kv(c.num_hidden_layers, pool, resolve_policies(specs));
+  const auto prompt = make_prompt(T, 9, c.vocab_size);
+  ASSERT_NO_THROW(model->prefill(1, prompt, kv, false, "kvzip"));
+  EXPECT_LT(kv.blocks_used(), need / 2);
+  EXPECT_EQ(kv.kept_tokens(1) * c.num_key_value_heads,
+            global_kept_total(cfg, c.num_hidden_layers, c.num_key_value_heads, T));
+  kv.release(1);
+  EXPECT_EQ(kv.blocks_used(), 0);
+}
+
 }  // namespace
 }  // namespace kvserve
