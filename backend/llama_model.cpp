@@ -1,6 +1,7 @@
 #include "backend/llama_model.h"
 
 #include "backend/chunk_attention.h"
+#include "backend/kvzip_scorer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -309,6 +310,36 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
   return x;
 }
 
+void LlamaModel::detached_pass(const std::vector<int64_t>& ids, int64_t start, const ContextKv& context,
+                               const LayerQkHook& hook) {
+  torch::NoGradGuard ng;
+  KV_CHECK(layout_.pp_size == 1 && layout_.tp_size == 1, "internal: a detached pass runs on a whole model");
+  const int64_t n = static_cast<int64_t>(ids.size());
+  KV_CHECK(n > 0 && start >= 0, "internal: detached pass of " << n << " tokens at " << start);
+  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
+  torch::Tensor x = embed(ids);
+  const auto positions = torch::arange(start, start + n, torch::TensorOptions().dtype(torch::kInt64).device(device_));
+  const RopeAngles angles = rope_->prefill_angles(positions, {start}, {n}, x.scalar_type());
+  for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
+    const Layer& l = layer(li);
+    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
+    auto [q_all, k_all] = rotated_qk(l, qkv, angles);
+    auto q = q_all.transpose(0, 1).contiguous();  // [H, n, D]
+    auto k = k_all.transpose(0, 1).contiguous();  // [KV, n, D]
+    hook(li, q, k);
+    if (li + 1 == layout_.layer_end) break;
+    auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({n, KV, D}).transpose(0, 1).contiguous();
+    auto [pk, pv] = context(li);
+    torch::Tensor a = pk.size(1) == 0
+                          ? at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
+                                                             /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV)
+                                .squeeze(0)
+                          : chunk_attention(q, pk.to(k.scalar_type()), pv.to(v.scalar_type()), k, v);
+    x = x + row_parallel(a.transpose(0, 1).reshape({n, H * D}), l.wo, l.bo);
+    x = x + mlp(l, rms_norm(x, l.post_norm));
+  }
+}
+
 torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv) {
   torch::NoGradGuard ng;
   const int64_t B = x.size(0);
@@ -412,8 +443,16 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in
     }
     x = embed(tokens);  // [sum T, hidden]
     x = prefill_layers_batch(ids, lens, x, kv, starts, totals);
-    for (size_t i = 0; i < seqs.size(); ++i)
-      if (seqs[i].last_chunk()) kv.end_prefill(ids[i]);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (!seqs[i].last_chunk()) continue;
+      // A reconstruction scorer (kvzip) runs its passes over the whole prompt's K/V, then selects.
+      if (const PolicyConfig* cfg = kv.pending_reconstruction(ids[i])) {
+        KV_CHECK(seqs_in[i].start == 0 && static_cast<int64_t>(seqs_in[i].tokens.size()) == seqs_in[i].total(),
+                 "internal: policy '" << cfg->name << "' scores by reconstruction and needs its prompt prefilled whole");
+        kvzip_score_and_select(*this, kv, ids[i], seqs_in[i].tokens, *cfg);
+      }
+      kv.end_prefill(ids[i]);
+    }
   } catch (...) {
     // A half-written sequence would hold blocks until the engine releases it a step later, and a
     // retry of the same sequence (one by one after a failed batch) needs it gone.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "policies/policy_config.h"
 
 namespace kvserve {
 
@@ -69,6 +70,19 @@ class KvMemory {
                                  bool keep_copy, ResumeFrom resume = {}) {
     (void)seq_id, (void)start, (void)tokens, (void)max_hit, (void)keep_copy, (void)resume;
     return 0;
+  }
+  // Reconstruction scoring (kvzip, backend/kvzip_scorer.h): a sequence whose policy scores by
+  // reconstruction holds its whole prompt in every layer after its prefill's layers ran, until
+  // select_by_scores gets the scores and keeps the policy's selection; end_prefill comes after.
+  // The policy's parameters while that selection is pending (nullptr otherwise).
+  virtual const PolicyConfig* pending_reconstruction(int64_t seq_id) const {
+    (void)seq_id;
+    return nullptr;
+  }
+  // scores: per layer of this memory (ascending), fp32 [KV, prompt - window], higher = keep.
+  virtual void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) {
+    (void)scores;
+    KV_FAIL("this KV memory does not select by reconstruction scores (sequence " << seq_id << ")");
   }
   // Called once per decode step before the first layer: a memory may plan the whole step here
   // (take every layer's blocks, send its tables to the device once). Optional for callers:

@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "common/check.h"
+#include "policies/kvzip_scores.h"
 #include "policies/token_scorer.h"
 
 namespace kvserve {
@@ -69,7 +70,10 @@ int64_t PagedKvMemory::prefix_copy_blocks(const PolicyConfig& cfg, const Geometr
   return prompt_len / g.block_size * g.num_layers * g.lanes();
 }
 
-bool PagedKvMemory::chunkable(const PolicyConfig& cfg) { return cfg.scorer != ScorerKind::kAccumulatedAttention; }
+bool PagedKvMemory::chunkable(const PolicyConfig& cfg) {
+  // Reconstruction scores need the whole prompt's prefill first (its pass runs after the last layer).
+  return cfg.scorer != ScorerKind::kAccumulatedAttention && cfg.scorer != ScorerKind::kReconstruction;
+}
 
 int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len, bool chunked) {
   std::vector<int64_t> per_layer(static_cast<size_t>(g.num_layers), prompt_len);
@@ -87,15 +91,18 @@ int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g,
     // Chunked, every layer holds the whole prompt until the last chunk; the selection then rewrites
     // each layer in place (PagedKvCache::write reuses its blocks), so only DynamicKV's re-budgeting
     // copy comes on top.
-    if (chunked) per_layer.assign(per_layer.size(), prompt_len);
+    // Reconstruction scoring holds every layer's whole prompt until its pass has run, then rewrites
+    // each layer in place, as the last chunk does.
+    if (chunked || cfg.reconstructs()) per_layer.assign(per_layer.size(), prompt_len);
   }
+  const bool whole = chunked || cfg.reconstructs();
   if (cfg.decode_budget > 0) transient = std::max(transient, blocks(std::max<int64_t>(0, cfg.decode_budget - cfg.decode_evict_chunk)));
   const int64_t lanes = g.lanes();
   int64_t n = transient * lanes;
   for (int64_t t : per_layer) {
     // Head-adaptive (before chunking's whole prompt), a layer's KV * t tokens spread unevenly: at
     // most one partly filled block per head on top of the even split.
-    if (lanes > 1 && cfg.head_adaptive() && !chunked) {
+    if (lanes > 1 && cfg.head_adaptive() && !whole) {
       n += std::min(blocks((t + 1) * lanes) + lanes, lanes * blocks(prompt_len + 1));
     } else {
       n += blocks(t + 1) * lanes;  // room for the first decoded token
@@ -390,9 +397,15 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   const int64_t KV = k.size(0), T = k.size(1);
   const int64_t ll = local(layer);
   if (ll == 0 && shard_.first_layer > 0 && s.selector && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
-  if (!s.selector || !s.selector->compresses()) {
+  const bool compresses = s.selector && s.selector->compresses();
+  if (!compresses || s.policy->reconstructs()) {
+    // Reconstruction scoring selects after the whole prompt's pass (select_by_scores).
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.write(seq_id, ll, k, v, pos);
+    if (compresses) {
+      copy_for_cache(seq_id, ll, k, v);
+      s.awaiting_scores = true;
+    }
     return;
   }
   torch::Tensor kept = s.selector->on_layer(layer, scorer_queries(*s.policy, q), k);  // [KV, n] ascending positions
@@ -473,8 +486,50 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   apply_updates(seq_id);
 }
 
+const PolicyConfig* PagedKvMemory::pending_reconstruction(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it != seqs_.end() && it->second.awaiting_scores ? it->second.policy : nullptr;
+}
+
+void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) {
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end() && it->second.awaiting_scores,
+           "select_by_scores: sequence " << seq_id << " has no prefill awaiting reconstruction scores");
+  SeqState& s = it->second;
+  const PolicyConfig& cfg = *s.policy;
+  KV_CHECK(static_cast<int64_t>(scores.size()) == num_layers_,
+           "select_by_scores: " << scores.size() << " layers of scores for " << num_layers_ << " layers");
+  // One top-k over every layer and KV head needs them all in this memory (a sharded job would
+  // gather them first: not done yet).
+  KV_CHECK(cfg.allocator != AllocatorKind::kGlobal || (holds_every_layer() && !shard_.exchange->gathers_queries()),
+           "policy '" << cfg.name << "': the global allocator runs in one process only (not in sharded jobs yet)");
+  const int64_t w = std::min(cfg.window, s.prompt_len);
+  // Each layer holds its whole prompt (store_prefill): it is rewritten in place with its selection.
+  auto rewrite = [&](int64_t ll, const torch::Tensor& kept, const std::vector<int64_t>& counts) {
+    auto [kf, vf] = cache_.gather(seq_id, ll);
+    write_kept(seq_id, ll, kf, vf, kept, counts);
+  };
+  if (cfg.allocator == AllocatorKind::kGlobal) {
+    const int64_t total = global_kept_total(cfg, shard_.total_layers, cache_.num_kv_heads(), s.prompt_len);
+    const auto sels = global_head_selection(scores, total, w);
+    for (int64_t ll = 0; ll < num_layers_; ++ll) {
+      const HeadSelection& sel = sels[static_cast<size_t>(ll)];
+      rewrite(ll, sel.positions, sel.counts);
+    }
+  } else {
+    for (int64_t ll = 0; ll < num_layers_; ++ll) {
+      torch::Tensor kept = s.selector->on_layer_scores(shard_.first_layer + ll, scores[static_cast<size_t>(ll)]);
+      rewrite(ll, kept, s.selector->last_head_counts());
+      apply_updates(seq_id);
+    }
+  }
+  s.awaiting_scores = false;
+}
+
 void PagedKvMemory::end_prefill(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(!s.awaiting_scores, "policy '" << s.policy->name << "': sequence " << seq_id << " ends its prefill without "
+                                          << "the reconstruction pass its scorer needs (not run in sharded jobs yet)");
   const bool compressed = s.selector && s.selector->compresses();
   if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
   settle(seq_id);
@@ -568,7 +623,15 @@ void PagedKvMemory::settle(int64_t seq_id) {
     apply_updates(seq_id);
     // Head-adaptive, a layer's heads keep different counts: its budget is the allocator's per-head
     // share (their mean), the same on every shard whichever heads it holds.
-    if (s.policy->head_adaptive() && s.selector->compresses()) {
+    if (s.policy->allocator == AllocatorKind::kGlobal && s.selector->compresses()) {
+      // One top-k over every layer: a layer's budget is what its heads keep on average.
+      for (int64_t l = 0; l < num_layers_; ++l) {
+        int64_t sum = 0;
+        const auto lens = cache_.head_lengths(seq_id, l);
+        for (int64_t x : lens) sum += x;
+        s.budgets.push_back(sum / std::max<int64_t>(1, static_cast<int64_t>(lens.size())));
+      }
+    } else if (s.policy->head_adaptive() && s.selector->compresses()) {
       const auto all = s.selector->budgets();
       s.budgets.assign(all.begin() + shard_.first_layer, all.begin() + shard_.first_layer + num_layers_);
     }

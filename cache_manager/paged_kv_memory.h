@@ -46,6 +46,8 @@ class PagedKvMemory final : public KvMemory {
   std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) override;
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
+  const PolicyConfig* pending_reconstruction(int64_t seq_id) const override;
+  void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
   void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) override;
   torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
@@ -183,6 +185,8 @@ class PagedKvMemory final : public KvMemory {
     // are what that sequence kept; the rest is appended whole); the sequence is parked.
     bool resumed = false;
     bool parked = false;
+    // Reconstruction scoring: the whole prompt is held until select_by_scores runs.
+    bool awaiting_scores = false;
   };
   // The most prompt positions the sequence may take from the prefix cache: the last position, and
   // a window scorer's last `window` queries, are always computed (H2O's every query), so a hit

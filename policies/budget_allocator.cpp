@@ -53,7 +53,8 @@ std::vector<LayerBudget> allocate_layer_budgets(const PolicyConfig& cfg, int64_t
   switch (cfg.allocator) {
     case AllocatorKind::kFull:
       break;
-    case AllocatorKind::kUniform: {
+    case AllocatorKind::kUniform:
+    case AllocatorKind::kGlobal: {  // global: the per-layer mean; the top-k over layers spreads it
       LayerBudget lb;
       if (kvpress) {
         lb = budget_with_window_inside(kvpress_kept_tokens(cfg, prompt_len), w, prompt_len);

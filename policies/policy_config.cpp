@@ -24,7 +24,8 @@ int64_t PolicyConfig::budget_tokens(int64_t prompt_len) const {
 
 const std::vector<std::string>& policy_names() {
   static const std::vector<std::string> names = {"full",         "snapkv", "pyramidkv", "dynamickv",
-                                                 "streamingllm", "h2o",    "knorm",     "random"};
+                                                 "streamingllm", "h2o",    "knorm",     "random",
+                                                 "kvzip"};
   return names;
 }
 
@@ -34,6 +35,7 @@ std::string to_string(AllocatorKind k) {
     case AllocatorKind::kUniform: return "uniform";
     case AllocatorKind::kPyramid: return "pyramid";
     case AllocatorKind::kDynamic: return "dynamic";
+    case AllocatorKind::kGlobal: return "global";
   }
   return "?";
 }
@@ -45,6 +47,7 @@ std::string to_string(ScorerKind k) {
     case ScorerKind::kSinkRecent: return "sink_recent";
     case ScorerKind::kKeyNorm: return "key_norm";
     case ScorerKind::kRandom: return "random";
+    case ScorerKind::kReconstruction: return "reconstruction";
   }
   return "?";
 }
@@ -126,7 +129,8 @@ const std::map<std::string, Setter>& setters() {
                                                  {{"full", AllocatorKind::kFull},
                                                   {"uniform", AllocatorKind::kUniform},
                                                   {"pyramid", AllocatorKind::kPyramid},
-                                                  {"dynamic", AllocatorKind::kDynamic}});
+                                                  {"dynamic", AllocatorKind::kDynamic},
+                                                  {"global", AllocatorKind::kGlobal}});
        }},
       {"scorer",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
@@ -136,7 +140,8 @@ const std::map<std::string, Setter>& setters() {
                                             {"accumulated_attention", ScorerKind::kAccumulatedAttention},
                                             {"sink_recent", ScorerKind::kSinkRecent},
                                             {"key_norm", ScorerKind::kKeyNorm},
-                                            {"random", ScorerKind::kRandom}});
+                                            {"random", ScorerKind::kRandom},
+                                            {"reconstruction", ScorerKind::kReconstruction}});
        }},
       {"budget",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
@@ -236,6 +241,8 @@ const std::map<std::string, Setter>& setters() {
          c.alpha = parse_double(k, v);
          KV_CHECK(c.alpha >= 0.0 && c.alpha <= 1.0, "policy parameter '" << k << "': '" << v << "' must be in [0, 1]");
        }},
+      {"chunk_size",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) { c.chunk_size = parse_nonneg(k, v, 1); }},
       {"prefix_reuse",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          c.reuse_compressed = parse_enum<bool>(k, v, {{"exact", false}, {"compressed", true}});
@@ -292,6 +299,14 @@ PolicyConfig named_defaults(const std::string& name) {
     c.window = 0;
     c.skip_layers = {0, 1};
     c.budget_ratio = 0.5;
+  } else if (name == "kvzip") {
+    // KVzip: reconstruction scores, one top-k over every (layer, KV head, position), sinks kept.
+    c.allocator = AllocatorKind::kGlobal;
+    c.scorer = ScorerKind::kReconstruction;
+    c.head_budgets = HeadBudgets::kAdaptive;
+    c.window = 0;
+    c.sink = 4;
+    c.budget_ratio = 0.25;
   } else if (name == "random") {
     c.allocator = AllocatorKind::kUniform;
     c.scorer = ScorerKind::kRandom;
@@ -329,7 +344,8 @@ void validate_policy_config(const PolicyConfig& c) {
     KV_CHECK(c.semantics == Semantics::kPaper,
              "policy '" << c.name << "': the dynamic allocator has no kvpress variant (semantics must be paper)");
     KV_CHECK(c.scorer == ScorerKind::kWindowAttention || c.scorer == ScorerKind::kKeyNorm ||
-                 c.scorer == ScorerKind::kAccumulatedAttention || c.scorer == ScorerKind::kRandom,
+                 c.scorer == ScorerKind::kAccumulatedAttention || c.scorer == ScorerKind::kRandom ||
+                 c.scorer == ScorerKind::kReconstruction,
              "policy '" << c.name << "': the dynamic allocator needs a ranking scorer, not " << to_string(c.scorer));
   }
   if (c.allocator != AllocatorKind::kDynamic) {
@@ -362,6 +378,24 @@ void validate_policy_config(const PolicyConfig& c) {
     KV_CHECK(!c.reuse_compressed, "policy '" << c.name << "': prefix_reuse: compressed does not combine with "
                                              << "head_budgets=adaptive yet (a resumed turn attends to one length per layer)");
   }
+  if (c.allocator == AllocatorKind::kGlobal) {
+    KV_CHECK(c.scorer == ScorerKind::kReconstruction,
+             "policy '" << c.name << "': the global allocator selects over every layer's scores at once and needs scorer "
+                        << "reconstruction (kvzip), not " << to_string(c.scorer));
+    KV_CHECK(c.head_budgets == HeadBudgets::kAdaptive,
+             "policy '" << c.name << "': the global allocator keeps a different count per (layer, KV head): it needs "
+                        << "head_budgets=adaptive");
+    KV_CHECK(c.skip_layers.empty(), "policy '" << c.name << "': the global allocator budgets every layer (skip_layers must be empty)");
+  }
+  if (c.scorer == ScorerKind::kReconstruction) {
+    KV_CHECK(c.chunk_size >= 1, "policy parameter 'chunk_size': '" << c.chunk_size << "' must be >= 1");
+    KV_CHECK(c.decode_budget == 0, "policy '" << c.name << "': decode_budget (decode-time eviction) has no reconstruction "
+                                              << "scores to rank new tokens with");
+    KV_CHECK(!c.reuse_compressed, "policy '" << c.name << "': prefix_reuse: compressed does not combine with scorer "
+                                             << "reconstruction yet");
+    KV_CHECK(c.dynamic.variant == DynamicVariant::kPaper,
+             "policy '" << c.name << "': DynamicKV's variant=authors ranks per query head; reconstruction scores are per KV head");
+  }
   if (c.decode_budget > 0) {
     KV_CHECK(c.scorer == ScorerKind::kKeyNorm || c.scorer == ScorerKind::kSinkRecent ||
                  c.scorer == ScorerKind::kAccumulatedAttention,
@@ -381,6 +415,8 @@ PolicyConfig make_policy_config(const std::string& name, const std::map<std::str
     c.skip_layers.clear();
   }
   if (c.allocator == AllocatorKind::kDynamic && params.count("variant")) c.dynamic = DynamicOptions{};
+  // kvzip under kvpress semantics reconstructs 2048 tokens per pass unless chunk_size is given.
+  if (name == "kvzip" && sem != params.end() && sem->second == "kvpress" && !params.count("chunk_size")) c.chunk_size = 2048;
   const auto& table = setters();
   for (const auto& [key, value] : params) {
     auto it = table.find(key);
@@ -434,6 +470,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["decode_evict_chunk"] = c.decode_evict_chunk;
   j["seed"] = c.seed;
   j["prefix_reuse"] = c.reuse_compressed ? "compressed" : "exact";
+  if (c.scorer == ScorerKind::kReconstruction) j["chunk_size"] = c.chunk_size;
   if (c.head_budgets == HeadBudgets::kAdaptive) {
     j["head_budgets"] = to_string(c.head_budgets);
     j["alpha"] = c.alpha;

@@ -10,9 +10,13 @@
 namespace kvserve {
 
 // How per-layer budgets are distributed across layers.
-enum class AllocatorKind { kFull, kUniform, kPyramid, kDynamic };
+// kGlobal: one top-k over every (layer, KV head, position) of the prompt (KVzip's selection, kvpress's
+// KVzipPress with layerwise=False); needs every layer's scores before selecting (scorer reconstruction).
+enum class AllocatorKind { kFull, kUniform, kPyramid, kDynamic, kGlobal };
 // How tokens are ranked inside a layer (higher score = kept first).
-enum class ScorerKind { kNone, kWindowAttention, kAccumulatedAttention, kSinkRecent, kKeyNorm, kRandom };
+// kReconstruction: KVzip (Kim et al., 2025): the most attention an entry receives while the model, given
+// the prompt's cache, is fed a repeat prompt and the prompt again (backend/kvzip_scorer.h); query-agnostic.
+enum class ScorerKind { kNone, kWindowAttention, kAccumulatedAttention, kSinkRecent, kKeyNorm, kRandom, kReconstruction };
 // 1-D pooling of window-attention scores along the sequence.
 enum class PoolingKind { kMax, kAvg };
 // Whose arithmetic to follow where the references differ (docs/architecture.md, "The methods' arithmetic").
@@ -77,11 +81,16 @@ struct PolicyConfig {
   bool reuse_compressed = false;
   HeadBudgets head_budgets = HeadBudgets::kUniform;
   double alpha = 0.2;  // HeadBudgets::kAdaptive: each head's guaranteed share of its even share (kvpress's default)
+  // ScorerKind::kReconstruction: context tokens reconstructed per pass (paper 2000, kvpress 2048).
+  int64_t chunk_size = 2000;
 
   // True when the policy never drops anything.
   bool is_full() const { return allocator == AllocatorKind::kFull || scorer == ScorerKind::kNone; }
   // KV heads of a layer may keep different numbers of tokens (the pool needs head-wise blocks).
   bool head_adaptive() const { return !is_full() && head_budgets == HeadBudgets::kAdaptive; }
+  // The scores come from a reconstruction pass after the whole prompt's prefill (kvzip), not from
+  // each layer's own queries and keys during it.
+  bool reconstructs() const { return !is_full() && scorer == ScorerKind::kReconstruction; }
   // Window scores averaged (kvpress, DynamicKV paper eq. 1) instead of summed (PyramidKV/SnapKV authors).
   bool window_mean() const { return semantics == Semantics::kKvpress || allocator == AllocatorKind::kDynamic; }
   // Whether `layer` is exempt from compression.
@@ -92,7 +101,7 @@ struct PolicyConfig {
 };
 
 // The policy names make_policy_config knows: full, snapkv, pyramidkv, dynamickv, streamingllm, h2o,
-// knorm, random.
+// knorm, random, kvzip.
 const std::vector<std::string>& policy_names();
 
 // A named policy with its authors' defaults, overridden by `params` (key=value strings). Throws

@@ -84,8 +84,26 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
     if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
     return kept;
   }
-  torch::Tensor scores = score_tokens(cfg_, layer, q, k);  // [KV, prompt - window]
+  return select_scored(layer, score_tokens(cfg_, layer, q, k), dev);  // scores [KV, prompt - window]
+}
 
+torch::Tensor PrefillSelector::on_layer_scores(int64_t layer, const torch::Tensor& scores) {
+  KV_CHECK(layer >= 0 && layer < num_layers_, "PrefillSelector: layer " << layer << " outside [0, " << num_layers_ << ")");
+  KV_CHECK(layer > last_layer_, "PrefillSelector: layers must come in ascending order (got " << layer << " after "
+                                                                                             << last_layer_ << ")");
+  KV_CHECK(!per_query_head(), "PrefillSelector: policy '" << cfg_.name << "' ranks per query head; it cannot take KV-head scores");
+  KV_CHECK(scores.defined() && scores.dim() == 2 && scores.size(0) == num_kv_heads_ && scores.size(1) == scored_region_,
+           "PrefillSelector: layer " << layer << " scores must be [" << num_kv_heads_ << ", " << scored_region_ << "], got "
+                                     << (scores.defined() ? scores.sizes() : at::IntArrayRef{}));
+  last_layer_ = layer;
+  last_counts_.clear();
+  const auto dev = scores.device();
+  if (plan_[layer].full) return position_range(num_kv_heads_, 0, prompt_len_, dev);
+  return select_scored(layer, scores.to(torch::kFloat32), dev);
+}
+
+torch::Tensor PrefillSelector::select_scored(int64_t layer, const torch::Tensor& scores, const torch::Device& dev) {
+  const LayerBudget& lb = plan_[layer];
   if (!dynamic_) {
     if (cfg_.head_adaptive()) {
       return adaptive_selection(layer, exchange_->gather_scores(layer, scores), std::min(lb.scored, scored_region_),

@@ -26,6 +26,10 @@ class PrefillSelector {
   // post-RoPE (the last `window` rows are enough for window attention; accumulated attention needs
   // all T rows; other scorers ignore it and accept an undefined tensor), k [KV, T, D] post-RoPE.
   torch::Tensor on_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k);
+  // on_layer with the layer's scores given ([KV, prompt - window] fp32, higher = keep) instead of
+  // computed from q and k: a scorer that runs after the prefill (kvzip's reconstruction) drives the
+  // same allocators (uniform, pyramid, dynamic; head_budgets uniform or adaptive).
+  torch::Tensor on_layer_scores(int64_t layer, const torch::Tensor& scores);
   // With head_budgets=adaptive the heads of a layer keep different numbers of positions: what the
   // last on_layer kept per KV head (its result's first counts[h] entries of row h are real, the rest
   // padding), empty when every head kept the whole row.
@@ -69,6 +73,8 @@ class PrefillSelector {
   const std::vector<LayerBudget>& layer_budgets() const { return plan_; }
 
  private:
+  // The selection of on_layer once the layer's scores are known.
+  torch::Tensor select_scored(int64_t layer, const torch::Tensor& scores, const torch::Device& dev);
   torch::Tensor with_window(const torch::Tensor& scored_positions, int64_t window_kept, const torch::Device& dev) const;
   void apply_dynamic_budgets(const std::vector<int64_t>& new_budgets);
   bool per_query_head() const { return cfg_.dynamic.variant == DynamicVariant::kAuthors; }

@@ -181,3 +181,37 @@ def kvpress_masked_kept(model, press, ids: list[int]) -> PressRun:
         s = recorded.get(module.layer_idx)
         scores.append(None if s is None else s.tolist())
     return PressRun(kept=kept, scores=scores, max_match_error=0.0)
+
+
+def kvpress_kvzip_kept(model, press, ids: list[int]) -> PressRun:
+    """Kept positions per (layer, KV head) of kvpress's KVzipPress: after the prefill it runs its
+    reconstruction passes and records, per attention module, the pruned (batch, head, position)
+    triples in `masked_key_indices` (its cache keeps every key). Its score tensor is recorded after
+    it gave the sinks their top score, as it selects from it."""
+    recorded: dict[str, torch.Tensor] = {}
+    original_post = press.compress_post
+
+    def recording_post(m):
+        original_post(m)
+        recorded["scores"] = press.score_val.detach().float().clone()  # [L, 1, KV, T]
+
+    press.compress_post = recording_post
+    try:
+        cache = DynamicCache()
+        with torch.no_grad(), press(model):
+            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    finally:
+        del press.compress_post
+    kept, scores = [], []
+    t = len(ids)
+    for module in _attention_modules(model):
+        kv_heads = cache.layers[module.layer_idx].keys.shape[1]
+        mask = torch.ones(kv_heads, t, dtype=torch.bool)
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            _, heads, positions = masked
+            mask[heads, positions] = False
+        module.masked_key_indices = None  # what a later forward must not read
+        kept.append([torch.nonzero(mask[h]).flatten().tolist() for h in range(kv_heads)])
+        scores.append(recorded["scores"][module.layer_idx, 0].tolist() if recorded else None)
+    return PressRun(kept=kept, scores=scores, max_match_error=0.0)

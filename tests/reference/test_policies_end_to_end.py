@@ -233,6 +233,76 @@ def test_kvpress_pyramid_budgets_pinned(tmp_path_factory):
     assert dump["budgets"] == [225, 128, 32]
 
 
+# ----------------------------------------------------------------------------- a2. kvzip vs KVzipPress
+
+
+def _kvzip(ratio, chunk=None, sink=4):
+    from kvpress import KVzipPress
+
+    params = dict(semantics="kvpress", sink=sink)
+    kwargs = {}
+    if chunk is not None:
+        params["chunk_size"] = chunk
+        kwargs["chunk_size"] = chunk
+    return ("kvzip", ratio, params, KVzipPress(compression_ratio=1.0 - ratio, n_sink=sink, **kwargs))
+
+
+# kvpress's KVzipPress (layerwise=False: one top-k over every layer, KV head and position) against
+# kvserve's kvzip with semantics=kvpress: the chat template's prefix (8 tokens on these fixtures'
+# Llama-3 template) is not reconstructed, the passes repeat the rest after "Repeat the previous
+# context exactly." and the template's assistant header; chunks of 64 exercise the later chunks'
+# instruction with the previous chunk's last 8 tokens and the sink keys.
+KVZIP_CASES = {
+    "kvzip-r0.25": lambda: _kvzip(0.25),
+    "kvzip-r0.3-c64": lambda: _kvzip(0.3, chunk=64),
+    "kvzip-r0.1-c100-s2": lambda: _kvzip(0.1, chunk=100, sink=2),
+}
+
+
+def compare_global(got, want, scores, what: str) -> int:
+    """Kept sets of a selection over every (layer, head) at once: equal, except entries whose
+    scores tie within TIE_RTOL with the global boundary (the lowest kept score). Returns swaps."""
+    boundary = min(scores[l][h][p] for l, heads in enumerate(want) for h, ps in enumerate(heads) for p in ps)
+    swaps = 0
+    for layer, (g_heads, w_heads) in enumerate(zip(got, want)):
+        for head, (g, w) in enumerate(zip(g_heads, w_heads)):
+            assert g == sorted(g), f"{what}: layer {layer} head {head}: dump not sorted"
+            for p in sorted(set(g) ^ set(w)):
+                s = scores[layer][head][p]
+                assert abs(s - boundary) <= TIE_RTOL * max(abs(boundary), abs(s), 1e-30), (
+                    f"{what}: layer {layer} head {head}: position {p} score {s!r} is not a tie with the boundary "
+                    f"{boundary!r} (only kvserve: {sorted(set(g) - set(w))[:10]}, "
+                    f"only kvpress: {sorted(set(w) - set(g))[:10]})")
+            swaps += len(set(g) - set(w))
+    SWAPS[what] = swaps
+    return swaps
+
+
+@pytest.mark.parametrize("case", list(KVZIP_CASES))
+def test_kvzip_kept_matches_kvzippress(fx, case):
+    policy, ratio, params, press = KVZIP_CASES[case]()
+    dump, _ = fx.forward(policy, str(ratio), **params)
+    want = hx.kvpress_kvzip_kept(fx.model, press, fx.ids)
+    got = kept_of(dump)
+    total = sum(len(h) for heads in got for h in heads)
+    assert total == sum(len(h) for heads in want.kept for h in heads), f"{case}: total kept differs"
+    compare_global(got, want.kept, want.scores, f"{fx.name}/{case}/kvpress")
+    # The sinks stay in every head; layers and heads keep different counts.
+    assert all(h[: params["sink"]] == list(range(params["sink"])) for heads in got for h in heads)
+    counts = {len(h) for heads in got for h in heads}
+    assert len(counts) > 1, f"{case}: every (layer, head) kept the same count"
+
+
+def test_kvzip_ratios_on_many_chunks(tmp_path_factory):
+    """Six chunks of 50 on llama3-rope at two more ratios: the ranking agrees at other boundaries too."""
+    fx = get_fixture("llama3-rope", tmp_path_factory)
+    for ratio in (0.5, 0.75):
+        policy, r, params, press = _kvzip(ratio, chunk=50)
+        dump, _ = fx.forward(policy, str(r), **params)
+        want = hx.kvpress_kvzip_kept(fx.model, press, fx.ids)
+        compare_global(kept_of(dump), want.kept, want.scores, f"{fx.name}/kvzip-r{ratio}-c50/kvpress")
+
+
 # ----------------------------------------------------------------------------- b. paper semantics
 
 
