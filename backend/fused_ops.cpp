@@ -47,6 +47,8 @@ void check_launch(cudaError_t err, const char* what) {
 
 // A 2-D view's rows are addressable with one stride when its last dimension is contiguous.
 bool rows_strided(const torch::Tensor& t) { return t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1); }
+// Elements between consecutive rows of such a view (a one-row view's stride may be anything).
+int64_t row_stride(const torch::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1); }
 #endif
 
 torch::Tensor rms_norm_chain(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -85,7 +87,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
       a.w = w.data_ptr();
       a.rows = x2.size(0);
       a.cols = cols;
-      a.x_stride = x2.size(0) > 1 ? x2.stride(0) : cols;
+      a.x_stride = row_stride(x2);
       a.eps = static_cast<float>(eps);
       a.dtype = dtype_of(x);
       check_launch(fused_kernels::launch_rms_norm(a, at::cuda::getCurrentCUDAStream(x.device().index())), "rms_norm");
@@ -115,8 +117,8 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, con
     a.w = w.data_ptr();
     a.rows = rows;
     a.cols = cols;
-    a.x_stride = rows > 1 ? x.stride(0) : cols;
-    a.delta_stride = rows > 1 ? delta.stride(0) : cols;
+    a.x_stride = row_stride(x);
+    a.delta_stride = row_stride(delta);
     a.eps = static_cast<float>(eps);
     a.dtype = dtype_of(x);
     check_launch(fused_kernels::launch_rms_norm(a, at::cuda::getCurrentCUDAStream(x.device().index())), "add_rms_norm");
@@ -143,7 +145,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(const torch::Te
     torch::Tensor v = torch::empty({N, KV, D}, qkv.options());
     fused_kernels::RopeQkvArgs a;
     a.qkv = qkv.data_ptr();
-    a.qkv_stride = N > 1 ? qkv.stride(0) : qkv.size(1);
+    a.qkv_stride = row_stride(qkv);
     a.cos = angles.cos.data_ptr();
     a.sin = angles.sin.data_ptr();
     a.q = q.data_ptr();
@@ -172,7 +174,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu, int64_t inter) {
     torch::Tensor out = torch::empty({gu.size(0), inter}, gu.options());
     fused_kernels::SiluMulArgs a;
     a.gu = gu.data_ptr();
-    a.gu_stride = gu.size(0) > 1 ? gu.stride(0) : gu.size(1);
+    a.gu_stride = row_stride(gu);
     a.out = out.data_ptr();
     a.rows = gu.size(0);
     a.inter = inter;
