@@ -57,4 +57,22 @@ torch::Tensor chunk_attention(const torch::Tensor& q, const torch::Tensor& pk, c
   return out.to(q.scalar_type());
 }
 
+torch::Tensor chunk_attention(const torch::Tensor& q, const torch::Tensor& pk, const torch::Tensor& pv,
+                              const torch::Tensor& k, const torch::Tensor& v, const std::vector<int64_t>& head_lengths) {
+  if (head_lengths.empty()) return chunk_attention(q, pk, pv, k, v);
+  const int64_t H = q.size(0), KV = k.size(0);
+  KV_CHECK(static_cast<int64_t>(head_lengths.size()) == KV && pk.size(0) == KV && H % KV == 0,
+           "internal: chunk attention over " << head_lengths.size() << " head lengths for " << KV << " KV heads");
+  const int64_t G = H / KV;
+  std::vector<torch::Tensor> out;
+  out.reserve(static_cast<size_t>(KV));
+  for (int64_t h = 0; h < KV; ++h) {
+    const int64_t n = head_lengths[static_cast<size_t>(h)];
+    KV_CHECK(n >= 0 && n <= pk.size(1), "internal: KV head " << h << " holds " << n << " of " << pk.size(1) << " rows");
+    out.push_back(chunk_attention(q.narrow(0, h * G, G), pk.narrow(0, h, 1).narrow(1, 0, n),
+                                  pv.narrow(0, h, 1).narrow(1, 0, n), k.narrow(0, h, 1), v.narrow(0, h, 1)));
+  }
+  return torch::cat(out, 0);
+}
+
 }  // namespace kvserve

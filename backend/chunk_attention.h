@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <vector>
+
 namespace kvserve {
 
 // q [H, T, D] (the chunk's queries), pk/pv [KV, P, D] (every earlier position the chunk sees, all of
@@ -16,6 +18,12 @@ namespace kvserve {
 // Short chunks (a question after a cached document) gain nothing from the split and keep one call.
 torch::Tensor chunk_attention(const torch::Tensor& q, const torch::Tensor& pk, const torch::Tensor& pv,
                               const torch::Tensor& k, const torch::Tensor& v);
+
+// The same when the earlier positions' KV heads hold different numbers of them (head-wise budgets):
+// KV head h's first head_lengths[h] rows of pk/pv are real, the rest padding. Runs chunk_attention
+// per KV head with its query heads, so nothing padded is ever seen.
+torch::Tensor chunk_attention(const torch::Tensor& q, const torch::Tensor& pk, const torch::Tensor& pv,
+                              const torch::Tensor& k, const torch::Tensor& v, const std::vector<int64_t>& head_lengths);
 
 // Whether chunk_attention splits a chunk of `t` queries after `p` earlier positions on `device`.
 bool chunk_attention_splits(int64_t t, int64_t p, const torch::Device& device);

@@ -41,6 +41,7 @@ EngineOptions options_for_model(EngineOptions o, const ModelConfig& c) {
   if (c.rope_scaling.length_dependent()) {
     o.enable_prefix_caching = false;
     o.prefix_cache_bytes = 0;
+    o.enable_context_caching = false;
     o.enable_chunked_prefill = false;
   }
   return o;
@@ -62,7 +63,8 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
                                model_,
                                make_kv_memory(model_->kv_layout(),
                                               {options_.block_size, 0, options_.kv_cache_bytes, options_.enable_prefix_caching,
-                                               options_.prefix_cache_bytes, options_.kv_layout},
+                                               options_.prefix_cache_bytes, options_.kv_layout,
+                                               options_.enable_context_caching},
                                               policies,
                                               options_.default_policy),
                                LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager});
@@ -75,6 +77,10 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
   so.enable_chunked_prefill = options_.enable_chunked_prefill && impl_->runner->chunked_prefill();
   if (options_.enable_chunked_prefill && !so.enable_chunked_prefill)
     KV_LOG("chunked prefill is not supported by the sharded runtime yet; prompts are prefilled whole");
+  so.compressed_contexts = impl_->runner->compressed_contexts();
+  if (so.compressed_contexts)
+    for (const auto& [name, cfg] : policies)
+      if (!cfg.is_full() && cfg.compress_context) context_policies_.insert(name);
   so.policies = std::move(policies);
   so.eos_ids = eos_ids;
   so.on_queue_time = options_.on_queue_time;
@@ -191,6 +197,10 @@ void record_usage(EngineStats& st, const KvUsage& usage) {
   st.prefix_cache_host_capacity_bytes = usage.host_capacity_bytes;
   st.prefix_cache_host_stores_total = usage.host_stores;
   st.prefix_cache_host_loads_total = usage.host_loads;
+  st.compressed_contexts = usage.context_entries;
+  st.kv_blocks_compressed_contexts = usage.context_blocks;
+  st.compressed_context_full_blocks = usage.context_full_blocks;
+  st.compressed_context_bytes = usage.context_bytes;
   st.conversations_parked = usage.conversations_parked;
   st.kv_blocks_parked = usage.blocks_parked;
   st.conversation_cache_bytes = usage.parked_bytes;

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -41,6 +42,9 @@ struct EngineOptions {
   // Automatic prefix caching (cache.enable_prefix_caching): full prompt blocks stay in the pool
   // for later requests that start with the same tokens; on by default, as in vLLM.
   bool enable_prefix_caching = true;
+  // Compressed contexts stay in the pool for the next request with the same context
+  // (cache.enable_context_caching; docs/architecture.md, "Compressed contexts").
+  bool enable_context_caching = true;
   // Host-RAM tier of the prefix cache per shard (cache.prefix_cache_bytes; 0 = none): cached
   // blocks the pool reclaims move there and come back on a hit.
   int64_t prefix_cache_bytes = 0;
@@ -84,6 +88,12 @@ struct EngineStats {
   int64_t prefix_cache_host_capacity_bytes = 0;
   int64_t prefix_cache_host_stores_total = 0;
   int64_t prefix_cache_host_loads_total = 0;
+  // Compressed contexts (cache.enable_context_caching): entries, their blocks and bytes, and the
+  // blocks the same contexts would hold uncompressed.
+  int64_t compressed_contexts = 0;
+  int64_t kv_blocks_compressed_contexts = 0;
+  int64_t compressed_context_bytes = 0;
+  int64_t compressed_context_full_blocks = 0;
   // prefix_reuse: compressed: conversations whose KV is parked, and the blocks and bytes it holds.
   int64_t conversations_parked = 0;
   int64_t kv_blocks_parked = 0;
@@ -130,6 +140,8 @@ class Engine {
   const LlamaModel& model() const { return *model_; }
   std::vector<std::string> policy_names() const;
   bool has_policy(const std::string& name) const;
+  // Whether requests under the policy compress their context alone (compress: context, one process).
+  bool compresses_context(const std::string& name) const { return context_policies_.count(name) != 0; }
 
  private:
   struct Impl;
@@ -137,6 +149,7 @@ class Engine {
   std::shared_ptr<LlamaModel> model_;
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineOptions options_;
+  std::set<std::string> context_policies_;  // compresses_context
   std::unique_ptr<Impl> impl_;
   std::once_flag grammar_once_;
   std::unique_ptr<GrammarCompiler> grammar_;  // made on the first structured-output request

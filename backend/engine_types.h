@@ -20,6 +20,10 @@ struct GenerationRequest {
   // prefix_reuse: true = "compressed" (continue the conversation's parked compressed KV), false =
   // "exact"; unset = the policy's setting.
   std::optional<bool> reuse_compressed;
+  // The prompt's first context_len tokens are its context (a chat's messages before the last user
+  // message, a completion's kv_context): a policy with `compress: context` compresses them alone
+  // and caches the result for the next request with the same context. 0 = none.
+  int64_t context_len = 0;
 };
 
 struct TokenLogprob {

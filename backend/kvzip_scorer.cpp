@@ -114,7 +114,11 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
     // attention reads both.
     std::pair<torch::Tensor, torch::Tensor> ctx;
     auto context_of = [&](int64_t layer) {
-      auto [k, v] = kv.prefill_context(seq_id, layer);
+      const EarlierKv held = kv.prefill_context(seq_id, layer);
+      KV_CHECK(held.head_lengths.empty(), "internal: the reconstruction pass of sequence " << seq_id
+                                                                                          << " finds a compressed prompt");
+      const torch::Tensor& k = held.k;
+      const torch::Tensor& v = held.v;
       return std::make_pair(k.narrow(1, 0, plan.end), v.narrow(1, 0, plan.end));
     };
     const int64_t sink = score_sink_keys(plan.sink, pass.start);

@@ -285,12 +285,13 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
         a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
                                              /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
       } else {
-        auto [pk, pv] = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
-        const int64_t held = pk.size(1);
+        const EarlierKv ctx = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
+        const int64_t held = ctx.k.size(1);
         KV_CHECK(held <= start, "internal: chunk at " << start << " of sequence " << seq_ids[static_cast<size_t>(i)]
                                                       << " finds " << held << " earlier positions in layer " << li);
-        // A resumed conversation holds only the kept positions before the chunk: all visible.
-        a = chunk_attention(q, pk.to(k.scalar_type()), pv.to(v.scalar_type()), k, v).unsqueeze(0);
+        // A resumed conversation or a compressed context holds only the kept positions before the
+        // chunk: all visible.
+        a = chunk_attention(q, ctx.k.to(k.scalar_type()), ctx.v.to(v.scalar_type()), k, v, ctx.head_lengths).unsqueeze(0);
       }
       if (chunk[static_cast<size_t>(i)]) {
         kv.store_prefill_chunk(seq_ids[static_cast<size_t>(i)], li, start, q, k, v);
@@ -419,6 +420,17 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in
     }
     for (size_t i = 0; i < seqs.size(); ++i) {
       PrefillInput& s = seqs[i];
+      if (s.start == 0 && s.context_len > 0) {
+        // The context first, on its own: taken compressed from the memory's cache, or prefilled and
+        // compressed here; the rest of the prompt then runs below as a chunk after it.
+        KV_CHECK(!all_logits, "internal: every position's logits asked of a prompt with a compressed context");
+        owned[i] = 1;
+        const int64_t c = compress_context(s, kv);
+        s.tokens = s.tokens.subspan(static_cast<size_t>(c));
+        s.start = c;
+        if (s.prompt_len == 0) s.prompt_len = static_cast<int64_t>(seqs_in[i].tokens.size());
+        continue;
+      }
       if (s.start == 0) {
         kv.begin_prefill(s.seq_id, s.total(), s.policy);
         owned[i] = 1;
@@ -473,6 +485,26 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in
   int64_t end = 0;
   for (int64_t T : lens) last.push_back((end += T) - 1);
   return logits(x.index_select(0, torch::tensor(last, torch::kInt64).to(device_)));
+}
+
+int64_t LlamaModel::compress_context(const PrefillInput& s, KvMemory& kv) {
+  const int64_t c = s.context_len, n = s.total();
+  KV_CHECK(s.start == 0 && c > 0 && c < n && static_cast<int64_t>(s.tokens.size()) == n,
+           "internal: a context of " << c << " tokens in a prompt of " << n << " runs with the whole prompt");
+  const auto context = s.tokens.first(static_cast<size_t>(c));
+  kv.begin_prefill(s.seq_id, c, s.policy);
+  // The lookup always runs: a hit takes less than the context's prefill, which admission reserved.
+  if (kv.begin_context(s.seq_id, context, n, /*lookup=*/true) == c) return c;
+  // Not cached: the context is prefilled as a prompt of its own, so that it keeps what it would
+  // keep alone (full-precision prefix-cache blocks may still serve part of it).
+  const int64_t hit = kv.prefill_tokens(s.seq_id, 0, context, s.reuse_prefix ? c : KvMemory::kNoLookup, s.keep_copy);
+  const auto rest = context.subspan(static_cast<size_t>(hit));
+  const int64_t T = static_cast<int64_t>(rest.size());
+  prefill_layers_batch({s.seq_id}, {T}, embed(std::vector<int64_t>(rest.begin(), rest.end())), kv, {hit}, {c});
+  if (const PolicyConfig* cfg = kv.pending_reconstruction(s.seq_id)) kvzip_score_and_select(*this, kv, s.seq_id, context, *cfg);
+  kv.end_prefill(s.seq_id);
+  kv.continue_prompt(s.seq_id);
+  return c;
 }
 
 void LlamaModel::plan_decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,

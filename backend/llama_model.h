@@ -37,6 +37,9 @@ struct PrefillInput {
   bool keep_copy = true;
   // prefix_reuse: compressed: the parked sequence whose KV the prompt continues.
   ResumeFrom resume;
+  // Compressed contexts (KvMemory::begin_context): > 0 for a whole prompt whose policy compresses
+  // its first context_len tokens alone; the rest follows them uncompressed.
+  int64_t context_len = 0;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
@@ -92,6 +95,9 @@ class LlamaModel {
   // to its own; RoPE positions are the prompt's; begin_prefill runs at the first chunk, end_prefill
   // after the last.
   torch::Tensor prefill_batch(const std::vector<PrefillInput>& seqs, KvMemory& kv, bool all_logits = false);
+  // A prompt's compressed context (PrefillInput::context_len): from the memory's cache or prefilled
+  // and compressed on its own. Returns the positions the sequence now covers (the context's).
+  int64_t compress_context(const PrefillInput& s, KvMemory& kv);
   // One new token per sequence at batch.positions; returns fp32 logits [B, V]. padded_rows > B runs
   // the step padded to that many rows, as a CUDA graph of that batch bucket does (plan_decode); the
   // padding's logits are dropped.

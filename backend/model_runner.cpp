@@ -55,6 +55,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
     in.keep_copy = p.keep_copy;
     in.reuse_prefix = p.reuse_prefix;
     in.resume = p.resume;
+    in.context_len = p.context_len;
     return in;
   };
   // prompt_logprobs (top-k, or -1): such a prompt runs alone, with the logits of every position. The
@@ -80,7 +81,8 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   for (size_t g = 0; g < plan.prefill.size();) {
     size_t end = g + 1;
     // A prompt that resumes a parked conversation runs alone too: a failed group frees that KV.
-    auto groupable = [&](const PrefillWork& p) { return p.start == 0 && prompt_k(p) < 0 && p.resume.seq_id < 0; };
+    auto groupable = [&](const PrefillWork& p) { return p.start == 0 && prompt_k(p) < 0 && p.resume.seq_id < 0 && p.context_len == 0;
+    };
     for (size_t rows = plan.prefill[g].tokens.size();
          groupable(plan.prefill[g]) && end < plan.prefill.size() && groupable(plan.prefill[end]) &&
          rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows;

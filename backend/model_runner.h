@@ -32,6 +32,8 @@ class ModelRunner {
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
   virtual bool chunked_prefill() const { return false; }
+  // Whether prompts may compress their context alone (PrefillWork::context_len; not sharded yet).
+  virtual bool compressed_contexts() const { return false; }
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
   // runtime's last stage returns the last position's only.
   virtual bool prompt_logprobs() const { return false; }
@@ -60,6 +62,7 @@ class LocalRunner final : public ModelRunner {
   ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
+  bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
   std::optional<int64_t> shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& policy,
                                               std::span<const int64_t> leaving) const override {

@@ -79,6 +79,13 @@ std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string&
   return std::nullopt;
 }
 
+int64_t Scheduler::context_len(const Sequence& s, int64_t n) const {
+  const int64_t c = s.req.context_len;
+  if (!options_.compressed_contexts || c <= 0 || c >= n || s.req.sampling.prompt_logprobs >= 0) return 0;
+  const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
+  return !cfg.is_full() && cfg.compress_context ? c : 0;
+}
+
 bool Scheduler::may_chunk(int64_t n, const std::string& policy) const {
   if (!options_.enable_chunked_prefill) return false;
   const PolicyConfig& cfg = options_.policies.at(policy);
@@ -119,6 +126,7 @@ void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
   // covers them only with the copies' (hit blocks + copied blocks <= the prompt's full blocks).
   // Chunked, its peak counts every position of every layer, the cached ones too.
   w.reuse_prefix = w.chunked() || options_.policies.at(s.req.kv_policy).is_full() || s.keep_copy;
+  w.context_len = context_len(s, s.prefill_len);
   plan.prefill.push_back(std::move(w));
   s.prefill_done = start + n;
 }
@@ -220,7 +228,9 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     const int64_t budget = options_.max_num_batched_tokens - prefilled;
     // prompt_logprobs need every position's logits from one forward: such prompts run whole.
     // A prompt that may continue its conversation runs whole (the parked KV covers a prefix of it).
-    const bool chunk = n > budget && s.req.sampling.prompt_logprobs < 0 && !reuses_compressed(s) &&
+    // A prompt with a compressed context runs whole (the context is compressed on its own first).
+    const int64_t context = context_len(s, n);
+    const bool chunk = n > budget && s.req.sampling.prompt_logprobs < 0 && !reuses_compressed(s) && context == 0 &&
                        may_chunk(n, s.req.kv_policy);
     if (chunk ? budget <= 0 : prefilled > 0 && n > budget) break;
     const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
@@ -231,8 +241,9 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     bool fits = true;
     for (size_t i = 0; i < S; ++i) {
       const auto& g = shards_[i].usage.geometry;
-      need[i] = from ? g.num_layers * (blocks_for_tokens(n - resumed + 1, g.block_size) + 1)
-                     : PagedKvMemory::prompt_blocks(cfg, g, n, chunk);
+      need[i] = from      ? g.num_layers * (blocks_for_tokens(n - resumed + 1, g.block_size) + 1)
+                : context ? PagedKvMemory::context_prompt_blocks(cfg, g, context, n)
+                          : PagedKvMemory::prompt_blocks(cfg, g, n, chunk);
       // Cached blocks in use by others are shared, not taken (whole prompts only: a chunked one's
       // later reservations count its peak in its own blocks; one asking every position's logits
       // takes nothing from the cache).
@@ -249,7 +260,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     // where every shard has room for it besides the prompt's peak.
     bool keep_copy = !from;
     for (size_t i = 0; i < S; ++i) {
-      copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, n);
+      copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, context ? context : n);
       keep_copy = keep_copy && need[i] + copies[i] <= free[i];
     }
     for (size_t i = 0; i < S; ++i) free[i] -= need[i] + (keep_copy ? copies[i] : 0);
@@ -364,6 +375,10 @@ KvUsage Scheduler::usage() const {
     u.host_capacity_bytes += p.usage.host_capacity_bytes;
     u.host_stores += p.usage.host_stores;
     u.host_loads += p.usage.host_loads;
+    u.context_entries += p.usage.context_entries;
+    u.context_blocks += p.usage.context_blocks;
+    u.context_full_blocks += p.usage.context_full_blocks;
+    u.context_bytes += p.usage.context_blocks * p.usage.block_bytes;
     for (int64_t id : parked_.seq_ids()) {
       if (auto h = p.held.find(id); h != p.held.end()) {
         u.blocks_parked += h->second;

@@ -31,6 +31,8 @@ class Scheduler {
     // A prompt longer than what is left of the step's max_num_batched_tokens is prefilled in chunks
     // over several steps while the running sequences keep decoding (policies whose selection needs
     // the whole prompt at once, and prompts whose uncompressed size does not fit a pool, run whole).
+    // Prompts may compress their context alone (GenerationRequest::context_len, `compress: context`).
+    bool compressed_contexts = false;
     bool enable_chunked_prefill = false;
     std::map<std::string, PolicyConfig> policies;  // by name; what a prompt may occupy
     std::vector<int64_t> eos_ids;                  // the model's and the tokenizer's
@@ -99,6 +101,9 @@ class Scheduler {
   // Why a prompt of `n` tokens under `policy` can never fit some shard's whole pool, if it cannot.
   std::optional<std::string> unfit_reason(int64_t n, const std::string& policy) const;
   // Whether a prompt of `n` tokens under `policy` is prefilled in chunks when it exceeds a step's budget.
+  // The context length a prompt of n tokens (s's prompt and what it generated) runs with: its
+  // request's context where its policy compresses contexts alone (compress: context), else 0.
+  int64_t context_len(const Sequence& s, int64_t n) const;
   bool may_chunk(int64_t n, const std::string& policy) const;
   // Blocks a prompt being prefilled in chunks still reserves on shard `i` (its peak less what it holds).
   int64_t reserved(const Sequence& s, size_t i) const;

@@ -17,6 +17,11 @@ ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
     u.host_stores = t->stores();
     u.host_loads = t->loads();
   }
+  if (const CompressedContextCache* c = kv.cache().context_cache()) {
+    u.context_entries = c->num_entries();
+    u.context_blocks = c->cached_blocks();
+    u.context_full_blocks = c->full_blocks();
+  }
   auto add = [&](int64_t id) {
     u.held.push_back(kv.private_blocks(id));
     u.demand.push_back(kv.decode_demand({id}));

@@ -46,6 +46,9 @@ struct PrefillWork {
   // prefix_reuse: compressed: the parked sequence of the same conversation whose KV this prompt
   // (a whole one) continues.
   ResumeFrom resume;
+  // Compressed contexts: the (whole) prompt's first context_len tokens are compressed alone, from
+  // or into the memory's cache (PrefillInput::context_len). 0 = none.
+  int64_t context_len = 0;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
@@ -85,6 +88,11 @@ struct ShardUsage {
   int64_t host_capacity_bytes = 0;
   int64_t host_stores = 0;
   int64_t host_loads = 0;
+  // Compressed contexts (cache.enable_context_caching): entries, the blocks they hold, and what the
+  // same contexts would hold uncompressed.
+  int64_t context_entries = 0;
+  int64_t context_blocks = 0;
+  int64_t context_full_blocks = 0;
   // Per sequence the step touched (decoded rows, then prefills, in plan order): blocks only it
   // holds (what its release frees) and the most its next decode step can take. Empty entries for
   // a failed part.
@@ -121,6 +129,10 @@ struct KvUsage {
   int64_t host_capacity_bytes = 0;
   int64_t host_stores = 0;
   int64_t host_loads = 0;
+  int64_t context_entries = 0;
+  int64_t context_blocks = 0;
+  int64_t context_full_blocks = 0;
+  int64_t context_bytes = 0;
   // Parked conversations (prefix_reuse: compressed): entries, and the blocks and bytes they hold.
   int64_t conversations_parked = 0;
   int64_t blocks_parked = 0;

@@ -26,6 +26,14 @@ struct ResumeFrom {
   int64_t length = 0;
 };
 
+// What a prompt chunk's queries attend to besides themselves (KvMemory::prefill_context): k, v
+// [KV, n, D]; with KV heads of different lengths (head-wise budgets after a compressed context or
+// turn) each head's length, its rows past it being padding.
+struct EarlierKv {
+  torch::Tensor k, v;
+  std::vector<int64_t> head_lengths;  // empty: every head holds all n
+};
+
 class KvMemory {
  public:
   virtual ~KvMemory() = default;
@@ -42,12 +50,12 @@ class KvMemory {
   // Chunked prefill (docs/architecture.md, "Chunked prefill"): the prompt of begin_prefill's
   // `prompt_len` arrives over several forwards, each a run of positions [start, start + T).
   // prefill_context returns the K/V [KV, n, D] the earlier chunks left for `layer` (what the
-  // chunk's queries attend to besides themselves; n = start, or fewer for a resumed conversation,
-  // every one of them before the chunk); store_prefill_chunk takes the chunk's K/V
+  // chunk's queries attend to besides themselves; n = start, or fewer for a resumed conversation or
+  // a compressed context, every one of them before the chunk, heads possibly of different lengths); store_prefill_chunk takes the chunk's K/V
   // ([KV, T, D], after RoPE) and queries ([H, T, D]). The memory keeps every earlier position until
   // the chunk that ends the prompt, where a policy selects over the whole prompt as store_prefill
   // would. A memory that cannot take chunks throws.
-  virtual std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) {
+  virtual EarlierKv prefill_context(int64_t seq_id, int64_t layer) {
     KV_FAIL("this KV memory does not support chunked prefill (sequence " << seq_id << ", layer " << layer << ")");
   }
   virtual void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q,
@@ -70,6 +78,22 @@ class KvMemory {
                                  bool keep_copy, ResumeFrom resume = {}) {
     (void)seq_id, (void)start, (void)tokens, (void)max_hit, (void)keep_copy, (void)resume;
     return 0;
+  }
+  // Compressed contexts (docs/architecture.md, "Compressed contexts"): a prompt whose policy
+  // compresses its context alone runs in two parts. begin_prefill(seq, context_len) starts the
+  // context; begin_context then tells the memory the context's tokens and the whole prompt's
+  // length and, with `lookup`, takes the context's compressed KV from the memory's cache when it
+  // holds it: it returns the context's length and the context needs no prefill. Otherwise (0) the
+  // caller prefills the context as a whole prompt (its selection, reconstruction pass and
+  // end_prefill included; the memory may then cache the compressed KV), and then calls
+  // continue_prompt. Either way the rest of the prompt follows as chunks from the context's end,
+  // attending to the kept entries and appended whole, and a final end_prefill.
+  virtual int64_t begin_context(int64_t seq_id, std::span<const int64_t> context, int64_t prompt_len, bool lookup) {
+    (void)context, (void)prompt_len, (void)lookup;
+    KV_FAIL("this KV memory does not compress contexts (sequence " << seq_id << ")");
+  }
+  virtual void continue_prompt(int64_t seq_id) {
+    KV_FAIL("this KV memory does not compress contexts (sequence " << seq_id << ")");
   }
   // Reconstruction scoring (kvzip, backend/kvzip_scorer.h): a sequence whose policy scores by
   // reconstruction holds its whole prompt in every layer after its prefill's layers ran, until

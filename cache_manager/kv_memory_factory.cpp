@@ -43,6 +43,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   KV_CHECK(size.prefix_cache_bytes == 0 || size.prefix_caching,
            "cache.prefix_cache_bytes (" << size.prefix_cache_bytes << ") needs cache.enable_prefix_caching: true");
   if (size.prefix_caching) mem->enable_prefix_cache(layout.kv_salt, nullptr, size.prefix_cache_bytes);
+  if (size.context_caching) mem->enable_context_cache(layout.kv_salt);
   return mem;
 }
 

@@ -38,6 +38,7 @@ struct KvPoolSize {
   bool prefix_caching = false;  // keep full prompt blocks for later requests (cache.enable_prefix_caching)
   int64_t prefix_cache_bytes = 0;  // the prefix cache's host-RAM tier (cache.prefix_cache_bytes), 0 = none
   KvLayout layout = KvLayout::kAuto;
+  bool context_caching = false;  // keep compressed contexts for later requests (cache.enable_context_caching)
 };
 
 // "auto" | "layer" | "head" (cache.kv_layout, --kv-layout); throws naming the value otherwise.

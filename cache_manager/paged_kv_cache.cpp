@@ -122,8 +122,15 @@ std::vector<int64_t> PagedKvCache::lane_lengths(const char* what, const std::vec
   return head_lengths;
 }
 
+bool PagedKvCache::reclaim(int64_t need) {
+  // Prefix-cache blocks go first: a compressed context stands for its whole compression pass.
+  if (need > alloc_.free_blocks() && prefix_) prefix_->reclaim(need, alloc_);
+  if (need > alloc_.free_blocks() && contexts_) contexts_->reclaim(need, alloc_);
+  return need <= alloc_.free_blocks();
+}
+
 std::vector<int32_t> PagedKvCache::take_blocks(int64_t n, int64_t seq_id, int64_t layer) {
-  if (n > alloc_.free_blocks() && prefix_) prefix_->reclaim(n, alloc_);
+  reclaim(n);
   if (n > alloc_.free_blocks()) {
     KV_FAIL("KV pool exhausted: need " << n << " blocks, " << alloc_.free_blocks() << " free (sequence " << seq_id
                                        << ", layer " << layer << ")");
@@ -179,7 +186,7 @@ void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, 
     need += blocks_for_tokens(lens[static_cast<size_t>(lane)], bs_);
     for (int32_t b : t.layer(slot(layer, lane)).blocks) reclaimable += alloc_.refcount(b) == 1;
   }
-  if (need > alloc_.free_blocks() + reclaimable && prefix_) prefix_->reclaim(need - reclaimable, alloc_);
+  reclaim(need - reclaimable);
   if (need > alloc_.free_blocks() + reclaimable) {
     KV_FAIL("KV pool exhausted: need " << need - reclaimable << " blocks, " << alloc_.free_blocks() << " free (sequence "
                                        << seq_id << ", layer " << layer << ")");
@@ -229,6 +236,8 @@ void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k,
   int64_t need = 0;
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     const LayerBlocks& lb = t.layer(slot(layer, lane));
+    KV_CHECK(lb.length == lb.capacity(bs_) || alloc_.refcount(lb.blocks.back()) == 1,
+             "extend: last block of sequence " << seq_id << " layer " << layer << " is shared");
     more[static_cast<size_t>(lane)] = blocks_for_tokens(lb.length + n, bs_) - static_cast<int64_t>(lb.blocks.size());
     need += std::max<int64_t>(0, more[static_cast<size_t>(lane)]);
   }
@@ -298,6 +307,75 @@ void PagedKvCache::share(int64_t seq_id, int64_t layer, const std::vector<int32_
     lb.blocks.assign(first, first + static_cast<std::ptrdiff_t>(per_lane));
     lb.length = length;
     mirror_layer(seq_id, layer, lane, lb);
+  }
+}
+
+void PagedKvCache::enable_context_cache() {
+  KV_CHECK(!contexts_, "compressed context cache enabled twice");
+  contexts_.emplace(num_layers_ * lanes_);
+}
+
+void PagedKvCache::clone_block(int32_t src, int32_t dst) {
+  pool_.keys().select(0, dst).copy_(pool_.keys().select(0, src));
+  pool_.values().select(0, dst).copy_(pool_.values().select(0, src));
+  for (int64_t h = 0; h < kv_; ++h) std::memcpy(pos_ptr(dst, h), pos_ptr(src, h), sizeof(int32_t) * static_cast<size_t>(bs_));
+}
+
+int64_t PagedKvCache::tail_copies(const std::vector<CompressedContextCache::Table>& tables) const {
+  int64_t n = 0;
+  for (const auto& t : tables) n += t.length % bs_ != 0;
+  return n;
+}
+
+std::vector<CompressedContextCache::Table> PagedKvCache::share_tables(
+    const std::vector<CompressedContextCache::Table>& from, int64_t seq_id) {
+  // Whole blocks are shared; a partly filled last block is copied so that whoever appends to it
+  // (the sequence after its context, another request's question) writes its own.
+  std::vector<int32_t> fresh = take_blocks(tail_copies(from), seq_id, -1);
+  std::vector<CompressedContextCache::Table> out(from.size());
+  size_t next = 0;
+  for (size_t i = 0; i < from.size(); ++i) {
+    const auto& t = from[i];
+    KV_CHECK(static_cast<int64_t>(t.blocks.size()) == blocks_for_tokens(t.length, bs_),
+             "share: " << t.blocks.size() << " blocks for " << t.length << " slots");
+    out[i].length = t.length;
+    out[i].blocks = t.blocks;
+    if (t.length % bs_ != 0) {
+      const int32_t copy = fresh[next++];
+      clone_block(t.blocks.back(), copy);
+      out[i].blocks.back() = copy;
+      for (size_t b = 0; b + 1 < t.blocks.size(); ++b) alloc_.incref(t.blocks[b]);
+    } else {
+      for (int32_t b : t.blocks) alloc_.incref(b);
+    }
+  }
+  return out;
+}
+
+std::vector<CompressedContextCache::Table> PagedKvCache::snapshot(int64_t seq_id) {
+  const SequenceBlockTable& t = table_of(seq_id);
+  std::vector<CompressedContextCache::Table> tables(static_cast<size_t>(num_layers_ * lanes_));
+  for (int64_t i = 0; i < num_layers_ * lanes_; ++i) {
+    tables[static_cast<size_t>(i)].blocks = t.layer(i).blocks;
+    tables[static_cast<size_t>(i)].length = t.layer(i).length;
+  }
+  return share_tables(tables, seq_id);
+}
+
+void PagedKvCache::adopt(int64_t seq_id, const std::vector<CompressedContextCache::Table>& tables) {
+  KV_CHECK(static_cast<int64_t>(tables.size()) == num_layers_ * lanes_,
+           "adopt: " << tables.size() << " block tables for " << num_layers_ << " layers x " << lanes_ << " lanes");
+  SequenceBlockTable& t = table_of(seq_id);
+  for (int64_t i = 0; i < num_layers_ * lanes_; ++i)
+    KV_CHECK(t.layer(i).blocks.empty() && t.layer(i).length == 0, "adopt: sequence " << seq_id << " is not empty");
+  auto own = share_tables(tables, seq_id);
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (int64_t lane = 0; lane < lanes_; ++lane) {
+      LayerBlocks& lb = t.layer(slot(l, lane));
+      lb.blocks = std::move(own[static_cast<size_t>(slot(l, lane))].blocks);
+      lb.length = own[static_cast<size_t>(slot(l, lane))].length;
+      mirror_layer(seq_id, l, lane, lb);
+    }
   }
 }
 
@@ -446,7 +524,7 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
       }
     }
   }
-  if (need > alloc_.free_blocks() && prefix_) prefix_->reclaim(need, alloc_);
+  reclaim(need);
   if (need > alloc_.free_blocks()) {
     KV_FAIL("KV pool exhausted: need " << need << " blocks, " << alloc_.free_blocks() << " free (sequence " << first_seq
                                        << ", layer " << first_layer << ")");
@@ -705,6 +783,30 @@ std::pair<torch::Tensor, torch::Tensor> PagedKvCache::gather(int64_t seq_id, int
   return {torch::cat(ks, 0), torch::cat(vs, 0)};
 }
 
+std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> PagedKvCache::gather_padded(int64_t seq_id,
+                                                                                         int64_t layer) const {
+  if (uniform(seq_id, layer)) {
+    auto [k, v] = gather(seq_id, layer);
+    return {k, v, {}};
+  }
+  const int64_t n = length(seq_id, layer);
+  std::vector<torch::Tensor> ks, vs;
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    const LayerBlocks& lb = layer_blocks(seq_id, layer, lane);
+    const auto [blk, off] = slot_index(lb.blocks, lb.length);
+    auto k = pool_.keys().index({blk, Slice(), off}).transpose(0, 1);  // [kv_, length, D]
+    auto v = pool_.values().index({blk, Slice(), off}).transpose(0, 1);
+    const int64_t pad = n - lb.length;
+    if (pad > 0) {
+      k = torch::cat({k, torch::zeros({kv_, pad, d_}, k.options())}, 1);
+      v = torch::cat({v, torch::zeros({kv_, pad, d_}, v.options())}, 1);
+    }
+    ks.push_back(k);
+    vs.push_back(v);
+  }
+  return {torch::cat(ks, 0), torch::cat(vs, 0), head_lengths(seq_id, layer)};
+}
+
 int64_t PagedKvCache::blocks_of(int64_t seq_id) const { return table_of(seq_id).num_blocks(); }
 
 int64_t PagedKvCache::blocks_needed(const std::vector<int64_t>& tokens_per_layer) const {
@@ -741,6 +843,10 @@ void PagedKvCache::check_invariants() const {
   if (prefix_) {
     prefix_->check_invariants();
     prefix_->count_refs(refs);
+  }
+  if (contexts_) {
+    contexts_->check_invariants();
+    contexts_->count_refs(refs);
   }
   if (tier_) tier_->check_invariants();
   // The device tables say what the host's say.

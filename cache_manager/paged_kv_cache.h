@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <span>
 #include <unordered_map>
 #include <utility>
@@ -11,6 +12,7 @@
 
 #include "cache_manager/block_allocator.h"
 #include "cache_manager/block_table.h"
+#include "cache_manager/compressed_context_cache.h"
 #include "cache_manager/device_block_tables.h"
 #include "cache_manager/host_kv_tier.h"
 #include "cache_manager/kv_block_pool.h"
@@ -137,6 +139,22 @@ class PagedKvCache {
   // holds (one reference each, the caller's); throws the exhaustion error when they cannot be had.
   // Head-wise, the blocks come back lane-major (lanes() runs of ceil(n / block_size)).
   std::vector<int32_t> store_blocks(const torch::Tensor& k, const torch::Tensor& v, int64_t first);
+  // --- compressed contexts (cache_manager/compressed_context_cache.h) ------------------------------
+  // Frees cached blocks no request uses (prefix cache first, then compressed contexts) until `need`
+  // are free; whether they are.
+  bool reclaim(int64_t need);
+  void enable_context_cache();
+  CompressedContextCache* context_cache() { return contexts_ ? &*contexts_ : nullptr; }
+  const CompressedContextCache* context_cache() const { return contexts_ ? &*contexts_ : nullptr; }
+  // A sequence's every (layer, lane) table as an entry would hold it, with references of its own:
+  // whole blocks shared, a partly filled last block copied (the sequence goes on appending to its
+  // own). Throws the exhaustion error, changing nothing, when the copies cannot be had.
+  std::vector<CompressedContextCache::Table> snapshot(int64_t seq_id);
+  // Makes an empty sequence hold an entry's tables (layers x lanes, layer-major) the same way:
+  // whole blocks shared, each partly filled last block copied into a block of its own.
+  void adopt(int64_t seq_id, const std::vector<CompressedContextCache::Table>& tables);
+  // Blocks snapshot/adopt copy for these tables.
+  int64_t tail_copies(const std::vector<CompressedContextCache::Table>& tables) const;
   // Returns blocks from store_blocks (or any reference the caller holds).
   void drop(std::vector<int32_t>& blocks) { drop_blocks(blocks); }
   // Blocks of a sequence's tables that only it references (what its release frees at once).
@@ -159,6 +177,9 @@ class PagedKvCache {
   // Contiguous copies k, v [KV, length, D] in the pool's dtype/device (tests, debugging, eviction
   // scoring, a chunk's context). Needs every head at one length (throws otherwise).
   std::pair<torch::Tensor, torch::Tensor> gather(int64_t seq_id, int64_t layer) const;
+  // The same for heads of any lengths: k, v padded with zeros to the longest head, and every KV
+  // head's length (empty when they are all equal and nothing is padded).
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> gather_padded(int64_t seq_id, int64_t layer) const;
   // One lane's table (lane 0 .. lanes() - 1; the per-layer layout has lane 0 only).
   const LayerBlocks& layer_blocks(int64_t seq_id, int64_t layer, int64_t lane = 0) const;
   // Block tables per (sequence, layer): 1, or the KV heads with head-wise blocks.
@@ -167,7 +188,10 @@ class PagedKvCache {
 
   // --- accounting --------------------------------------------------------------------------------
   // Free counts cached blocks no request uses: an allocation reclaims them.
-  int64_t free_blocks() const { return alloc_.free_blocks() + (prefix_ ? prefix_->reclaimable_blocks() : 0); }
+  int64_t free_blocks() const {
+    return alloc_.free_blocks() + (prefix_ ? prefix_->reclaimable_blocks() : 0) +
+           (contexts_ ? contexts_->reclaimable_blocks() : 0);
+  }
   int64_t used_blocks() const { return total_blocks() - free_blocks(); }
   // Blocks the prefix cache holds (used by requests or not).
   int64_t cached_blocks() const { return prefix_ ? prefix_->cached_blocks() : 0; }
@@ -204,6 +228,10 @@ class PagedKvCache {
   torch::Tensor lane_rows(const torch::Tensor& t, int64_t lane) const { return t.narrow(0, lane * kv_, kv_); }
   // Takes n blocks or throws the exhaustion error naming the sequence and layer; no change on failure.
   std::vector<int32_t> take_blocks(int64_t n, int64_t seq_id, int64_t layer);
+  // Copies a block's K/V and positions into another.
+  void clone_block(int32_t src, int32_t dst);
+  std::vector<CompressedContextCache::Table> share_tables(const std::vector<CompressedContextCache::Table>& from,
+                                                          int64_t seq_id);
   void drop_blocks(std::vector<int32_t>& blocks);
   // Pool slot addressing for a layer's first `count` slots: block ids and offsets as int64 tensors.
   std::pair<torch::Tensor, torch::Tensor> slot_index(const std::vector<int32_t>& blocks, int64_t count) const;
@@ -261,6 +289,7 @@ class PagedKvCache {
   DecodePlan step_;
   std::optional<HostKvTier> tier_;  // before prefix_, which points at it
   std::optional<PrefixCache> prefix_;
+  std::optional<CompressedContextCache> contexts_;
 };
 
 }  // namespace kvserve

@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "common/check.h"
+#include "common/hash_mix.h"
 #include "policies/kvzip_scores.h"
 #include "policies/token_scorer.h"
 
@@ -68,6 +69,12 @@ PagedKvMemory::Geometry PagedKvMemory::geometry() const {
 int64_t PagedKvMemory::prefix_copy_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len) {
   if (!g.prefix_caching || cfg.is_full()) return 0;
   return prompt_len / g.block_size * g.num_layers * g.lanes();
+}
+
+int64_t PagedKvMemory::context_prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t context_len,
+                                             int64_t prompt_len) {
+  return prompt_blocks(cfg, g, context_len) +
+         g.num_layers * g.lanes() * (blocks_for_tokens(prompt_len - context_len + 1, g.block_size) + 2);
 }
 
 bool PagedKvMemory::chunkable(const PolicyConfig& cfg) {
@@ -373,6 +380,8 @@ void PagedKvMemory::drop_prefix(int64_t seq_id) {
   SeqState& s = it->second;
   if (!s.prefix.empty() && cache_.prefix_cache()) cache_.prefix_cache()->release(s.prefix);
   s.prefix.clear();
+  if (s.context_entry >= 0 && cache_.context_cache()) cache_.context_cache()->release(s.context_entry);
+  s.context_entry = -1;
   for (auto& c : s.copies) cache_.drop(c);
   s.copies.clear();
 }
@@ -430,9 +439,99 @@ torch::Tensor PagedKvMemory::scorer_queries(const PolicyConfig& cfg, const torch
   return shard_.exchange->gather_queries(q.narrow(1, T - rows, rows).contiguous());
 }
 
-std::pair<torch::Tensor, torch::Tensor> PagedKvMemory::prefill_context(int64_t seq_id, int64_t layer) {
+EarlierKv PagedKvMemory::prefill_context(int64_t seq_id, int64_t layer) {
   KV_CHECK(seqs_.count(seq_id), "chunked prefill: sequence " << seq_id << " has no KV state");
-  return cache_.gather(seq_id, local(layer));
+  auto [k, v, lengths] = cache_.gather_padded(seq_id, local(layer));
+  return {std::move(k), std::move(v), std::move(lengths)};
+}
+
+// ---------------------------------------------------------------------------------------------------
+// compressed contexts
+
+void PagedKvMemory::enable_context_cache(uint64_t salt) {
+  cache_.enable_context_cache();
+  context_salt_ = salt;
+}
+
+uint64_t PagedKvMemory::context_key(const PolicyConfig& cfg, std::span<const int64_t> context) const {
+  // The policy's every parameter is part of the key: another budget or scorer keeps another set.
+  uint64_t h = mix64(context_salt_ ^ 0x6b767a6970637478ULL);
+  for (unsigned char c : to_json(cfg).dump()) h = mix64(h ^ c);
+  h = mix64(h ^ static_cast<uint64_t>(context.size()));
+  for (int64_t t : context) h = mix64(h ^ static_cast<uint64_t>(t));
+  return h;
+}
+
+int64_t PagedKvMemory::begin_context(int64_t seq_id, std::span<const int64_t> context, int64_t prompt_len, bool lookup) {
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end(), "context: sequence " << seq_id << " has no KV state");
+  SeqState& s = it->second;
+  const int64_t c = static_cast<int64_t>(context.size());
+  KV_CHECK(c > 0 && c == s.prompt_len && c < prompt_len && s.tokens.empty() && s.context_prompt_len == 0,
+           "context: sequence " << seq_id << " began a prefill of " << s.prompt_len << " tokens, not a context of " << c
+                                << " tokens before a prompt of " << prompt_len);
+  s.context.assign(context.begin(), context.end());
+  s.context_prompt_len = prompt_len;
+  CompressedContextCache* cc = cache_.context_cache();
+  if (!lookup || !cc) return 0;
+  s.queried = prompt_len;
+  const int32_t e = cc->find(context_key(*s.policy, context), context);
+  if (e < 0) return 0;
+  cc->acquire(e);
+  try {
+    cache_.adopt(seq_id, cc->tables(e));
+  } catch (...) {
+    cc->release(e);
+    throw;
+  }
+  s.context_entry = e;
+  // The context needs no prefill: the sequence is where its own compression would have left it.
+  s.selector.reset();
+  s.context.clear();
+  s.hit = c;
+  s.budgets.clear();
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    int64_t sum = 0;
+    for (int64_t x : cache_.head_lengths(seq_id, l)) sum += x;
+    s.budgets.push_back(sum / cache_.num_kv_heads());
+  }
+  s.resumed = true;
+  s.prompt_len = prompt_len;
+  return c;
+}
+
+void PagedKvMemory::continue_prompt(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end() && it->second.context_prompt_len > 0 && !it->second.selector && !it->second.awaiting_scores,
+           "context: sequence " << seq_id << " has no compressed context to continue");
+  SeqState& s = it->second;
+  if (s.queried > 0) s.queried = s.context_prompt_len;
+  s.resumed = true;
+  s.prompt_len = s.context_prompt_len;
+}
+
+void PagedKvMemory::publish_context(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  CompressedContextCache* cc = cache_.context_cache();
+  std::vector<int64_t> context = std::move(s.context);
+  s.context.clear();
+  if (!cc || context.empty()) return;
+  const uint64_t key = context_key(*s.policy, context);
+  if (cc->find(key, context) >= 0) return;  // cached meanwhile by another request
+  std::vector<CompressedContextCache::Table> tables;
+  try {
+    tables = cache_.snapshot(seq_id);
+  } catch (const KvError&) {
+    return;  // no room for the copies of its last blocks: this context is simply not cached
+  }
+  const int64_t full = blocks_for_tokens(static_cast<int64_t>(context.size()), cache_.block_size()) * num_layers_ * cache_.lanes();
+  const int32_t e = cc->insert(key, std::move(context), tables, full);
+  if (e < 0) {
+    for (auto& t : tables) cache_.drop(t.blocks);
+    return;
+  }
+  cc->acquire(e);
+  s.context_entry = e;
 }
 
 void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q,
@@ -533,7 +632,13 @@ void PagedKvMemory::end_prefill(int64_t seq_id) {
   const bool compressed = s.selector && s.selector->compresses();
   if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
   settle(seq_id);
-  if (!s.resumed) publish_prefix(seq_id, compressed);
+  if (!s.resumed) {
+    publish_prefix(seq_id, compressed);
+    // A context its policy kept whole (a budget above its length) is the prefix cache's already:
+    // its blocks went there as they are.
+    if (compressed) publish_context(seq_id);
+    s.context.clear();
+  }
 }
 
 void PagedKvMemory::park(int64_t seq_id) {
@@ -618,6 +723,8 @@ void PagedKvMemory::finish_dynamic(int64_t seq_id) {
 
 void PagedKvMemory::settle(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
+  // The rest of a prompt after its compressed context keeps the budgets the context settled.
+  if (s.context_prompt_len > 0 && s.resumed && !s.selector && !s.budgets.empty()) return;
   s.budgets.clear();
   if (s.selector) {
     apply_updates(seq_id);

@@ -43,7 +43,9 @@ class PagedKvMemory final : public KvMemory {
   void end_prefill(int64_t seq_id) override;
   int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,
                          bool keep_copy, ResumeFrom resume = {}) override;
-  std::pair<torch::Tensor, torch::Tensor> prefill_context(int64_t seq_id, int64_t layer) override;
+  EarlierKv prefill_context(int64_t seq_id, int64_t layer) override;
+  int64_t begin_context(int64_t seq_id, std::span<const int64_t> context, int64_t prompt_len, bool lookup) override;
+  void continue_prompt(int64_t seq_id) override;
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
   const PolicyConfig* pending_reconstruction(int64_t seq_id) const override;
@@ -70,6 +72,10 @@ class PagedKvMemory final : public KvMemory {
   // after their request, keyed with `salt` (what else changes the K/V: model, dtypes, RoPE, shard).
   void enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0);
   bool prefix_caching() const { return cache_.prefix_cache() != nullptr; }
+  // Compressed contexts (cache_manager/compressed_context_cache.h): keyed with `salt` as the prefix
+  // cache is, and each policy's parameters.
+  void enable_context_cache(uint64_t salt);
+  bool context_caching() const { return cache_.context_cache() != nullptr; }
   // What the last prefill_tokens lookup of a sequence found: prompt tokens looked up (0: none was
   // made) and positions taken from the cache.
   int64_t prefix_queried(int64_t seq_id) const;
@@ -105,6 +111,12 @@ class PagedKvMemory final : public KvMemory {
   // `chunked`: the prompt is prefilled over several steps, so a compressing policy holds every
   // position of every layer until the last chunk selects (the chunked peak).
   static int64_t prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len, bool chunked = false);
+  // Blocks a prompt of prompt_len tokens whose first context_len are compressed alone takes at its
+  // peak: the context's (prompt_blocks), then the rest appended whole with the first decoded token,
+  // and the copies of each (layer, lane)'s partly filled last block (the sequence's and the cache
+  // entry's).
+  static int64_t context_prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t context_len,
+                                       int64_t prompt_len);
   // Blocks a compressing policy's prefill takes on top of prompt_blocks to copy its full prompt
   // blocks into the prefix cache (0 for policies whose own blocks are cached, or without a cache).
   static int64_t prefix_copy_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len);
@@ -187,7 +199,16 @@ class PagedKvMemory final : public KvMemory {
     bool parked = false;
     // Reconstruction scoring: the whole prompt is held until select_by_scores runs.
     bool awaiting_scores = false;
+    // Compressed contexts: the prefill compresses the context (begin_context's tokens) of a prompt
+    // of context_prompt_len tokens; its KV goes into the cache at end_prefill unless it came from
+    // there; `context_entry` is the cache entry the sequence uses (-1: none).
+    std::vector<int64_t> context;
+    int64_t context_prompt_len = 0;
+    int32_t context_entry = -1;
   };
+  // The cache key of a context under a policy.
+  uint64_t context_key(const PolicyConfig& cfg, std::span<const int64_t> context) const;
+  void publish_context(int64_t seq_id);
   // The most prompt positions the sequence may take from the prefix cache: the last position, and
   // a window scorer's last `window` queries, are always computed (H2O's every query), so a hit
   // never changes what a policy keeps.
@@ -204,6 +225,7 @@ class PagedKvMemory final : public KvMemory {
   std::map<std::string, PolicyConfig> policies_;
   std::string default_policy_;
   bool rounds_kv_ = false;  // Geometry::rounds_kv
+  uint64_t context_salt_ = 0;
   std::unordered_map<int64_t, SeqState> seqs_;
 };
 

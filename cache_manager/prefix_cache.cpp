@@ -4,19 +4,9 @@
 #include <utility>
 
 #include "common/check.h"
+#include "common/hash_mix.h"
 
 namespace kvserve {
-namespace {
-
-// splitmix64's finaliser: every input bit reaches every output bit.
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
 
 PrefixCache::PrefixCache(int64_t num_layers, int64_t block_size, uint64_t salt, KeyFn key_fn)
     : num_layers_(num_layers), block_size_(block_size), salt_(salt), key_fn_(std::move(key_fn)) {
@@ -28,8 +18,8 @@ uint64_t PrefixCache::key(uint64_t parent_key, std::span<const int64_t> block_to
     const uint64_t h = key_fn_(parent_key, block_tokens);
     return h == 0 ? 1 : h;
   }
-  uint64_t h = mix(salt_ ^ mix(parent_key));
-  for (int64_t t : block_tokens) h = mix(h ^ static_cast<uint64_t>(t));
+  uint64_t h = mix64(salt_ ^ mix64(parent_key));
+  for (int64_t t : block_tokens) h = mix64(h ^ static_cast<uint64_t>(t));
   // 0 is the root's key: no entry may have it.
   return h == 0 ? 1 : h;
 }

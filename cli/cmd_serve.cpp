@@ -37,7 +37,7 @@ struct ServeArgs {
   std::string kv_layout;       // empty = the config's cache.kv_layout
   std::optional<int> port, threads;
   std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
-  std::optional<bool> enable_chunked_prefill, enable_prefix_caching;
+  std::optional<bool> enable_chunked_prefill, enable_prefix_caching, enable_context_caching;
   std::vector<std::string> allowed_origins;  // --allowed-origins (replaces server.allowed_origins)
   ParallelFlags parallel;
   bool quiet = false, enforce_eager = false;
@@ -56,6 +56,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.kv_layout = parse_kv_layout(cfg.cache.kv_layout);
   eo.block_size = cfg.cache.block_size;
   eo.enable_prefix_caching = cfg.cache.enable_prefix_caching;
+  eo.enable_context_caching = cfg.cache.enable_context_caching;
   eo.default_policy = cfg.default_policy;
   eo.policies = config::engine_policies(cfg);
   return eo;
@@ -120,6 +121,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
   if (a.enable_chunked_prefill) c.scheduler.enable_chunked_prefill = *a.enable_chunked_prefill;
   if (a.enable_prefix_caching) c.cache.enable_prefix_caching = *a.enable_prefix_caching;
+  if (a.enable_context_caching) c.cache.enable_context_caching = *a.enable_context_caching;
   if (a.max_waiting) c.scheduler.max_waiting = *a.max_waiting;
   if (a.default_policy) c.default_policy = *a.default_policy;
   for (auto& i : config::validate(c)) {
@@ -304,6 +306,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_flag_function(
       "--enable-prefix-caching,!--no-enable-prefix-caching", [a](int64_t n) { a->enable_prefix_caching = n > 0; },
       "keep full prompt blocks for later requests with the same prefix (default on)");
+  cmd->add_flag_function(
+      "--enable-context-caching,!--no-enable-context-caching", [a](int64_t n) { a->enable_context_caching = n > 0; },
+      "keep compressed contexts (compress: context policies, e.g. kvzip) for later requests with the same context "
+      "(default on)");
   cmd->add_option("--prefix-cache-bytes", a->prefix_cache_bytes,
                   "host-RAM tier of the prefix cache per shard, e.g. 8GiB (sets cache.prefix_cache_bytes; 0 = none)");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");

@@ -567,6 +567,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                                              : "must be one of auto, float32, bfloat16, float16; got '" + s + "'";
                                    })},
                                   {"enable_prefix_caching", p.bool_of(c.cache.enable_prefix_caching)},
+                                  {"enable_context_caching", p.bool_of(c.cache.enable_context_caching)},
                                   {"prefix_cache_bytes", p.bytes_of(c.cache.prefix_cache_bytes, 0)},
                                   {"kv_layout", p.string_of(c.cache.kv_layout, [](const std::string& s) {
                                      return s == "auto" || s == "layer" || s == "head"

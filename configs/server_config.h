@@ -6,7 +6,7 @@
 //   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
 //               retry_after_s, threads, drain_timeout_s, allowed_origins}
-//   cache:     {block_size, kv_cache_bytes, kv_cache_dtype, enable_prefix_caching, prefix_cache_bytes}
+//   cache:     {block_size, kv_cache_bytes, kv_cache_dtype, enable_prefix_caching, enable_context_caching, prefix_cache_bytes}
 //   scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting}
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
@@ -64,6 +64,10 @@ struct CacheSection {
   // Automatic prefix caching: full prompt blocks stay in the pool (reclaimable) for later requests
   // that start with the same tokens; exact for every policy (docs/architecture.md, "Prefix caching").
   bool enable_prefix_caching = true;
+  // Compressed contexts (policies with `compress: context`, kvzip's default) stay in the pool
+  // (reclaimable) for the next request with the same context, which then prefills only its question
+  // (docs/architecture.md, "Compressed contexts").
+  bool enable_context_caching = true;
   // The prefix cache's host-RAM tier, per shard (0 = none): cached blocks the pool reclaims move
   // there instead of being dropped, and come back on a hit (pinned memory on a GPU), so cached
   // documents do not take the pool memory that compression frees.

@@ -36,6 +36,7 @@ class EngineBackend : public ServingBackend {
   EngineStats stats() const override { return engine_->stats(); }
   bool healthy() const override { return engine_->healthy(); }
   bool has_policy(const std::string& name) const override { return engine_->has_policy(name); }
+  bool compresses_context(const std::string& name) const override { return engine_->compresses_context(name); }
   std::vector<std::string> policy_names() const override { return engine_->policy_names(); }
   std::string default_policy() const override { return default_policy_; }
   std::vector<int64_t> encode(const std::string& text, bool add_special_tokens) const override {

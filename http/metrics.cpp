@@ -219,6 +219,8 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"pool\"} " + fmt(static_cast<double>(s.prefix_cache_bytes)) + "\n";
   out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"conversation\"} " +
          fmt(static_cast<double>(s.conversation_cache_bytes)) + "\n";
+  out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"context\"} " +
+         fmt(static_cast<double>(s.compressed_context_bytes)) + "\n";
   out += "kvserve:prefix_cache_bytes{" + model + ",tier=\"host\"} " + fmt(static_cast<double>(s.prefix_cache_host_bytes)) +
          "\n";
   gauge("kvserve:prefix_cache_host_capacity_bytes", "Size of the prefix cache's host-RAM tier (cache.prefix_cache_bytes).",
@@ -227,6 +229,13 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
           static_cast<double>(s.prefix_cache_host_stores_total));
   counter("kvserve:prefix_cache_host_loads_total", "Cached blocks (one per layer each) copied back from the host tier on a hit.",
           static_cast<double>(s.prefix_cache_host_loads_total));
+  gauge("kvserve:compressed_contexts", "Compressed contexts kept for later requests (compress: context policies).",
+        static_cast<double>(s.compressed_contexts));
+  gauge("kvserve:kv_cache_blocks_compressed_contexts",
+        "KV-cache blocks the compressed contexts hold (in use by requests or reclaimable).",
+        static_cast<double>(s.kv_blocks_compressed_contexts));
+  gauge("kvserve:compressed_context_full_blocks", "KV-cache blocks the same contexts would hold uncompressed.",
+        static_cast<double>(s.compressed_context_full_blocks));
   gauge("kvserve:conversations_parked", "Finished requests whose compressed KV waits for their conversation's next turn.",
         static_cast<double>(s.conversations_parked));
   gauge("kvserve:kv_cache_blocks_parked", "KV-cache blocks parked conversations hold (counted in use).",

@@ -28,6 +28,45 @@ HttpResponse error_response(const ApiError& error) {
 
 namespace {
 
+
+// The chat's context (ParsedRequest::context_end_message, else every message before the last user
+// message) rendered on its own; when the whole rendering starts with it, the prompt becomes its
+// tokens followed by the rest's and `context` their count. Otherwise nothing changes.
+void split_chat_context(const ServingBackend& backend, const ParsedRequest& req, const std::string& text,
+                        std::vector<int64_t>& prompt, int64_t& context) {
+  size_t end = 0;
+  if (req.context_end_message) {
+    end = *req.context_end_message + 1;
+  } else {
+    for (size_t i = req.messages.size(); i-- > 0;) {
+      if (req.messages[i].value("role", "") == "user") {
+        end = i;
+        break;
+      }
+    }
+  }
+  if (end == 0) return;
+  ParsedRequest head = req;
+  head.messages = nlohmann::json::array();
+  for (size_t i = 0; i < end && i < req.messages.size(); ++i) head.messages.push_back(req.messages[i]);
+  head.add_generation_prompt = false;
+  head.continue_final_message = false;
+  std::string prefix;
+  try {
+    prefix = backend.render_chat(head);
+  } catch (const ApiError&) {
+    return;  // a template that refuses a conversation ending there: the prompt is compressed whole
+  }
+  if (prefix.empty() || prefix.size() >= text.size() || text.compare(0, prefix.size(), prefix) != 0) return;
+  const bool special = req.add_special_tokens.value_or(false);
+  std::vector<int64_t> ids = backend.encode(prefix, special);
+  const auto rest = backend.encode(text.substr(prefix.size()), false);
+  if (ids.empty() || rest.empty()) return;
+  context = static_cast<int64_t>(ids.size());
+  ids.insert(ids.end(), rest.begin(), rest.end());
+  prompt = std::move(ids);
+}
+
 int64_t unix_now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -626,25 +665,46 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
 
   // Tokenize every prompt.
   std::vector<std::vector<int64_t>> prompts;
+  std::vector<int64_t> contexts;  // per prompt: its leading context tokens (kv_context, a chat's history)
   std::vector<std::string> echo;
   const int64_t vocab = backend->vocab_size();
   if (chat) {
     std::string text = backend->render_chat(req);
     prompts.push_back(backend->encode(text, req.add_special_tokens.value_or(false)));
+    contexts.push_back(0);  // split below, once the policy is known
     echo.push_back(text);
   } else {
+    // kv_context goes before every prompt; it takes the special tokens a prompt would start with.
+    std::vector<int64_t> context_ids;
+    std::string context_text;
+    if (req.kv_context) {
+      const PromptInput& c = *req.kv_context;
+      if (c.is_tokens) {
+        for (int64_t t : c.token_ids)
+          if (t >= vocab) throw ApiError(400, "token id " + std::to_string(t) + " in 'kv_context' is outside the vocabulary (" + std::to_string(vocab) + ")", "kv_context");
+        context_ids = c.token_ids;
+        context_text = req.echo ? backend->decode(c.token_ids) : std::string();
+      } else {
+        context_ids = backend->encode(c.text, req.add_special_tokens.value_or(true));
+        context_text = c.text;
+      }
+    }
     for (size_t i = 0; i < req.prompts.size(); ++i) {
       const auto& p = req.prompts[i];
       const std::string param = req.prompts.size() > 1 ? "prompt[" + std::to_string(i) + "]" : "prompt";
+      std::vector<int64_t> ids = context_ids;
       if (p.is_tokens) {
         for (int64_t t : p.token_ids)
           if (t >= vocab) throw ApiError(400, "token id " + std::to_string(t) + " in '" + param + "' is outside the vocabulary (" + std::to_string(vocab) + ")", param);
-        prompts.push_back(p.token_ids);
-        echo.push_back(req.echo ? backend->decode(p.token_ids) : std::string());
+        ids.insert(ids.end(), p.token_ids.begin(), p.token_ids.end());
+        echo.push_back(req.echo ? context_text + backend->decode(p.token_ids) : std::string());
       } else {
-        prompts.push_back(backend->encode(p.text, req.add_special_tokens.value_or(true)));
-        echo.push_back(p.text);
+        const auto more = backend->encode(p.text, req.add_special_tokens.value_or(true) && !req.kv_context);
+        ids.insert(ids.end(), more.begin(), more.end());
+        echo.push_back(context_text + p.text);
       }
+      prompts.push_back(std::move(ids));
+      contexts.push_back(static_cast<int64_t>(context_ids.size()));
     }
   }
   check_logit_edits(req, *backend);
@@ -683,6 +743,11 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
     for (const auto& n : backend->policy_names()) names += (names.empty() ? "" : ", ") + n;
     throw ApiError(400, "unknown kv_policy '" + policy + "' (configured: " + names + ")", "kv_policy");
   }
+
+  // A chat under a policy that compresses contexts alone: the context is the conversation before
+  // the last user message (or up to the last cache_control marker), tokenized on its own so that
+  // every question about it starts with the same tokens.
+  if (chat && backend->compresses_context(policy)) split_chat_context(*backend, req, echo[0], prompts[0], contexts[0]);
 
   // Tools: the format the model writes calls in; a forced call is a grammar.
   ToolCallFormat tool_format = ToolCallFormat::kHermes;
@@ -763,6 +828,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
           g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));
         g.kv_policy = policy;
         g.reuse_compressed = r.reuse_compressed;
+        g.context_len = contexts[p];
         {
           std::lock_guard<std::mutex> lock(ex->mu);
           ex->choices[index].request_id = g.request_id;

@@ -103,6 +103,7 @@ const std::vector<RequestField> kFields = {
     // kvserve's own.
     {"kv_policy", S, S, "", "kvserve: a configured KV policy"},
     {"prefix_reuse", S, S, "", "kvserve: exact, or compressed (continue the conversation's compressed KV)"},
+    {"kv_context", S, U, "", "kvserve: the prompts' shared context, compressed once under compress: context"},
 };
 
 #undef KV_GRAMMAR

@@ -280,6 +280,34 @@ void parse_prompt(const json& body, ParsedRequest& r, const ParserLimits& limits
     bad("n", "'n' times the number of prompts must be at most " + std::to_string(limits.max_prompts));
 }
 
+void parse_kv_context(const json& body, ParsedRequest& r) {
+  const json* c = field(body, "kv_context");
+  if (!c) return;
+  PromptInput in;
+  if (c->is_string()) {
+    if (c->get<std::string>().empty()) bad("kv_context", "'kv_context' must not be empty");
+    in.text = c->get<std::string>();
+  } else if (c->is_array() && !c->empty() && (*c)[0].is_number()) {
+    in.is_tokens = true;
+    in.token_ids = token_list(*c, "kv_context");
+  } else {
+    wrong_type("kv_context", "a non-empty string or array of token ids", *c);
+  }
+  r.kv_context = std::move(in);
+}
+
+// Anthropic-style prompt-caching marker: {"type": "ephemeral"} (a ttl is accepted and ignored: the
+// pool's LRU decides how long a context stays).
+bool cache_marker(const json& holder, const std::string& name) {
+  auto m = holder.find("cache_control");
+  if (m == holder.end() || m->is_null()) return false;
+  if (!m->is_object()) wrong_type(name + ".cache_control", "an object", *m);
+  auto t = m->find("type");
+  if (t == m->end() || !t->is_string() || t->get<std::string>() != "ephemeral")
+    bad(name + ".cache_control.type", "'" + name + ".cache_control.type' must be \"ephemeral\"");
+  return true;
+}
+
 const std::set<std::string> kRoles = {"system", "developer", "user", "assistant", "tool"};
 
 void parse_messages(const json& body, ParsedRequest& r) {
@@ -299,6 +327,8 @@ void parse_messages(const json& body, ParsedRequest& r) {
     if (!kRoles.count(role->get<std::string>()))
       bad(name + ".role", "'" + name + ".role' must be one of system, developer, user, assistant, tool; got '" +
                               role->get<std::string>() + "'");
+    if (cache_marker(msg, name)) r.context_end_message = i;
+    out.erase("cache_control");
     auto content = msg.find("content");
     if (content == msg.end() || content->is_null()) {
       if (role->get<std::string>() != "assistant") bad(name + ".content", "'" + name + ".content' is required");
@@ -316,6 +346,7 @@ void parse_messages(const json& body, ParsedRequest& r) {
           bad(pname + ".type", "content part type '" + type->get<std::string>() + "' is not supported (text only)");
         auto t = part.find("text");
         if (t == part.end() || !t->is_string()) bad(pname + ".text", "'" + pname + ".text' must be a string");
+        if (cache_marker(part, pname)) r.context_end_message = i;
         if (!text.empty()) text += "\n";
         text += t->get<std::string>();
       }
@@ -358,6 +389,7 @@ ParsedRequest parse_completion_json(const json& body, const ParserLimits& limits
   check_request_fields(body, r.endpoint);
   parse_common(body, r, limits);
   parse_prompt(body, r, limits);
+  parse_kv_context(body, r);
   r.echo = get_bool(body, "echo", false);
   if (r.max_tokens == 0 && !r.echo)
     bad("max_tokens", "'max_tokens' must be between 1 and " + std::to_string(limits.max_tokens) + ", got 0 (0 only with 'echo': the prompt alone)");

@@ -32,11 +32,17 @@ struct ParsedRequest {
   // /v1/completions
   std::vector<PromptInput> prompts;
   bool echo = false;
+  // kv_context: text (or token ids) that goes before every prompt as its context: a policy with
+  // `compress: context` (kvzip) compresses it alone and caches it for the next request with it.
+  std::optional<PromptInput> kv_context;
   // /v1/chat/completions: messages as given (validated shape), for the chat template.
   nlohmann::json messages = nlohmann::json::array();
   bool add_generation_prompt = true;
   bool continue_final_message = false;
   nlohmann::json chat_template_kwargs = nlohmann::json::object();
+  // The last message holding a `cache_control` marker (itself or one of its content parts): the
+  // context ends after it. Unset: before the last user message.
+  std::optional<size_t> context_end_message;
   // both
   SamplingParams sampling;
   std::optional<int64_t> max_tokens;  // as given (sampling.max_tokens keeps its default otherwise)

@@ -31,6 +31,11 @@ class ServingBackend {
   virtual bool has_policy(const std::string& name) const = 0;
   virtual std::vector<std::string> policy_names() const = 0;
   virtual std::string default_policy() const = 0;
+  // Whether `policy` compresses a prompt's context alone (`compress: context`, kvzip's default).
+  virtual bool compresses_context(const std::string& policy) const {
+    (void)policy;
+    return false;
+  }
   virtual std::vector<int64_t> encode(const std::string& text, bool add_special_tokens) const = 0;
   virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
   // The vocabulary's strings of `ids` (e.g. "Ġhello"), as /tokenize's return_token_strs shows them.

@@ -247,6 +247,10 @@ const std::map<std::string, Setter>& setters() {
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          c.reuse_compressed = parse_enum<bool>(k, v, {{"exact", false}, {"compressed", true}});
        }},
+      {"compress",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.compress_context = parse_enum<bool>(k, v, {{"prompt", false}, {"context", true}});
+       }},
   };
   return s;
 }
@@ -307,6 +311,7 @@ PolicyConfig named_defaults(const std::string& name) {
     c.window = 0;
     c.sink = 4;
     c.budget_ratio = 0.25;
+    c.compress_context = true;
   } else if (name == "random") {
     c.allocator = AllocatorKind::kUniform;
     c.scorer = ScorerKind::kRandom;
@@ -327,6 +332,12 @@ void validate_policy_config(const PolicyConfig& c) {
            "policy '" << c.name << "': prefix_reuse: compressed needs a compressing policy (full KV is reused exactly "
                       << "by the prefix cache)");
   if (c.is_full()) return;
+  KV_CHECK(!c.compress_context || c.query_agnostic(),
+           "policy '" << c.name << "': compress: context needs a query-agnostic scorer (reconstruction, key_norm, "
+                      << "sink_recent), not " << to_string(c.scorer) << ", whose kept set depends on the question");
+  KV_CHECK(!(c.compress_context && c.reuse_compressed),
+           "policy '" << c.name << "': compress: context and prefix_reuse: compressed do not combine (one continues a "
+                      << "compressed context, the other a compressed conversation)");
   KV_CHECK(c.budget > 0 || c.budget_ratio > 0.0,
            "policy '" << c.name << "': needs a budget (budget=N tokens per layer or budget_ratio=r)");
   KV_CHECK(!(c.budget > 0 && c.budget_ratio > 0.0),
@@ -470,6 +481,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["decode_evict_chunk"] = c.decode_evict_chunk;
   j["seed"] = c.seed;
   j["prefix_reuse"] = c.reuse_compressed ? "compressed" : "exact";
+  if (c.query_agnostic()) j["compress"] = c.compress_context ? "context" : "prompt";
   if (c.scorer == ScorerKind::kReconstruction) j["chunk_size"] = c.chunk_size;
   if (c.head_budgets == HeadBudgets::kAdaptive) {
     j["head_budgets"] = to_string(c.head_budgets);

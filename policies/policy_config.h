@@ -83,6 +83,12 @@ struct PolicyConfig {
   double alpha = 0.2;  // HeadBudgets::kAdaptive: each head's guaranteed share of its even share (kvpress's default)
   // ScorerKind::kReconstruction: context tokens reconstructed per pass (paper 2000, kvpress 2048).
   int64_t chunk_size = 2000;
+  // `compress: context`: a request's context (what comes before its question: a chat's messages
+  // before the last user message, a completion's `kv_context`) is compressed on its own and the rest
+  // of the prompt appended whole, so the compressed context is a pure function of its tokens and is
+  // cached as such (docs/architecture.md, "Compressed contexts"). Only for query-agnostic scorers;
+  // the default for kvzip. `compress: prompt` compresses the whole prompt, question included.
+  bool compress_context = false;
 
   // True when the policy never drops anything.
   bool is_full() const { return allocator == AllocatorKind::kFull || scorer == ScorerKind::kNone; }
@@ -93,6 +99,11 @@ struct PolicyConfig {
   bool reconstructs() const { return !is_full() && scorer == ScorerKind::kReconstruction; }
   // Window scores averaged (kvpress, DynamicKV paper eq. 1) instead of summed (PyramidKV/SnapKV authors).
   bool window_mean() const { return semantics == Semantics::kKvpress || allocator == AllocatorKind::kDynamic; }
+  // The kept set depends on the tokens scored alone, never on a question after them: reconstruction,
+  // key norms, sinks and recent tokens.
+  bool query_agnostic() const {
+    return scorer == ScorerKind::kReconstruction || scorer == ScorerKind::kKeyNorm || scorer == ScorerKind::kSinkRecent;
+  }
   // Whether `layer` is exempt from compression.
   bool skips_layer(int64_t layer) const;
   // The average per-layer budget (window included) for a prompt of `prompt_len` tokens, as the

@@ -105,7 +105,9 @@ std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& req
   const EngineOptions options = options_for_model(requested, model_->config());
   return make_kv_memory(model_->kv_layout(),
                         {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes,
-                         options.kv_layout},
+                         options.kv_layout,
+                         // Compressed contexts: one process only for now (ShardedRunner runs such prompts whole).
+                         options.enable_context_caching && !sharded()},
                         resolve_policies(options.policies), options.default_policy, kv_shard());
 }
 

@@ -1,0 +1,127 @@
+"""Compress once, serve many, through a real server on the default model (SmolLM2-135M-Instruct):
+under kvzip (25 % kept) a ~4K-token document in the system message is asked four questions. The first
+request compresses the document (the conversation before the last user message) and caches it
+compressed; the next three report it as `cached_tokens` and answer with the tokens of a server whose
+context cache is off; `/metrics` shows the entry holding <= 30 % of the document's full blocks. A
+completion's `kv_context` and a chat's `cache_control` marker set the context too; bad values are
+400s naming the field."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from kvserve_server import REPO, Server, raw
+
+MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+sys.path.insert(0, str(REPO / "tools"))
+import context_doc  # noqa: E402
+
+POLICY = """  kvzip:
+    budget: 0.25
+"""
+
+
+@pytest.fixture(scope="module")
+def servers():
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_smollm2.py"), "--out", str(MODEL_DIR)], check=True)
+    on = Server(model=str(MODEL_DIR), extra_yaml=POLICY, kv_cache_bytes="1GiB")
+    off = Server(model=str(MODEL_DIR), extra_yaml=POLICY, kv_cache_bytes="1GiB",
+                 extra_args=("--no-enable-context-caching",))
+    yield on, off
+    for s in (on, off):
+        rc = s.stop()
+        log = s.log()
+        s.tmp.cleanup()
+        assert rc == 0, log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def doc():
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    text, recs = context_doc.document_of_tokens(tok, 4000)
+    return text, recs
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def ask(srv, messages, **kw):
+    return client(srv).chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                               extra_body={"kv_policy": "kvzip", **kw.pop("extra", {})}, **kw)
+
+
+def test_four_questions_on_one_document(servers, doc):
+    on, off = servers
+    text, recs = doc
+    before = on.metrics()
+    cached, answers = [], []
+    for q, _ in context_doc.questions(recs, 4):
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": q}]
+        a, b = ask(on, messages), ask(off, messages)
+        assert a.choices[0].message.content == b.choices[0].message.content, q
+        assert b.usage.prompt_tokens_details.cached_tokens == 0
+        assert a.usage.prompt_tokens == b.usage.prompt_tokens
+        cached.append(a.usage.prompt_tokens_details.cached_tokens)
+        answers.append(a.choices[0].message.content)
+    assert cached[0] == 0
+    # The system message's tokens (the template's rendering of the conversation before the question).
+    assert cached[1] == cached[2] == cached[3] > 3500, cached
+    m = on.metrics()
+    assert m["kvserve:compressed_contexts"] >= 1
+    assert m["kvserve:compressed_contexts"] - before.get("kvserve:compressed_contexts", 0) == 1
+    ratio = m["kvserve:kv_cache_blocks_compressed_contexts"] / m["kvserve:compressed_context_full_blocks"]
+    assert ratio <= 0.30, ratio
+    assert m['kvserve:prefix_cache_bytes{model_name="tiny",tier="context"}'] > 0
+    assert off.metrics()["kvserve:compressed_contexts"] == 0
+    assert m["kvserve:num_requests_running"] == 0
+
+
+def test_completion_kv_context(servers, doc):
+    on, off = servers
+    text, recs = doc
+    short = "\n".join(text.split("\n")[:40])
+    outs = []
+    for q, _ in context_doc.questions(recs[:39], 2, seed=5):
+        prompt = f"\nQuestion: {q}\nAnswer:"
+        a = client(on).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                          extra_body={"kv_policy": "kvzip", "kv_context": short})
+        b = client(off).completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"kv_policy": "kvzip", "kv_context": short})
+        assert a.choices[0].text == b.choices[0].text
+        outs.append(a.usage.prompt_tokens_details.cached_tokens)
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    assert outs == [0, len(tok.encode(short).ids)], outs
+
+
+def test_cache_control_marks_the_end_of_the_context(servers, doc):
+    on, _ = servers
+    text, _ = doc
+    short = "\n".join(text.split("\n")[:30])
+    marked = {"role": "user", "content": [{"type": "text", "text": short, "cache_control": {"type": "ephemeral"}}]}
+    first = ask(on, [marked, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "Record 3?"}])
+    second = ask(on, [marked, {"role": "assistant", "content": "I read it."}, {"role": "user", "content": "Record 4?"}])
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "kv_context": 5}, "kv_context"),
+    ("/v1/completions", {"prompt": "hi", "kv_context": ""}, "kv_context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "kv_context": "x"}, "kv_context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "cache_control": {"type": "forever"}}]},
+     "messages[0].cache_control.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                                           "cache_control": "yes"}]}]},
+     "messages[0].content[0].cache_control"),
+])
+def test_bad_context_fields_are_400(servers, path, body, param):
+    import json
+    on, _ = servers
+    status, _, data = raw(on, "POST", path, json.dumps({"model": "tiny", "max_tokens": 2, **body}))
+    assert status == 400, data
+    assert json.loads(data)["error"]["param"] == param

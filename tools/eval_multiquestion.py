@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Many questions per document (issue 32's multi-question task): each document (a delivery log from
+tools/context_doc.py, `--length` tokens, in the system message) is asked `--questions` questions
+(how many crates a given record lists) in separate chat requests to a real server, under each
+policy. A policy with `compress: context` (kvzip, knorm/streamingllm so configured) compresses the
+document once, at the first question, and every later question reads that same compressed cache
+(the server's context cache); a query-aware policy (snapkv) compresses each prompt with its question
+in it, its best case. Scores exact matches (the first number in the answer) with 95 % Wilson
+intervals and prints a markdown table; `--out` also writes every answer as JSON.
+
+  python3 tools/eval_multiquestion.py --docs 12 --questions 4 --length 1000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import re
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "tools"))
+import context_doc  # noqa: E402
+from kvserve_server import Server  # noqa: E402
+
+# name -> YAML body of the policy (under `policies:`).
+POLICIES = {
+    "full": "{}",
+    "kvzip-0.25": "{method: kvzip, budget: 0.25}",
+    "kvzip-0.125": "{method: kvzip, budget: 0.125}",
+    "snapkv-0.25": "{method: snapkv, budget: 0.25}",
+    "knorm-ctx-0.25": "{method: knorm, budget: 0.25, compress: context}",
+    "streamingllm-ctx-0.25": "{method: streamingllm, budget: 0.25, compress: context}",
+}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def ask(url: str, system: str, question: str, policy: str) -> tuple[str, float, int]:
+    import urllib.request
+    body = json.dumps({"model": "tiny", "messages": [{"role": "system", "content": system},
+                                                      {"role": "user", "content": question}],
+                       "max_tokens": 8, "temperature": 0, "kv_policy": policy}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1200) as r:
+        out = json.loads(r.read())
+    return (out["choices"][0]["message"]["content"], time.perf_counter() - t0,
+            out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--length", type=int, default=1000, help="document tokens")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(pathlib.Path(a.model) / "tokenizer.json"))
+    names = a.policies.split(",")
+    yaml = "".join(f"  {n}: {POLICIES[n]}\n" for n in names if n != "full")
+    srv = Server(model=a.model, extra_yaml=yaml, kv_cache_bytes="2GiB")
+    docs = []
+    for d in range(a.docs):
+        text, recs = context_doc.document_of_tokens(tok, a.length, seed=1000 + d)
+        docs.append(("Answer from the delivery log.\n\n" + text, context_doc.questions(recs, a.questions, seed=d)))
+    results = {}
+    try:
+        for name in names:
+            rows = []
+            for d, (system, qs) in enumerate(docs):
+                for i, (q, answer) in enumerate(qs):
+                    text, secs, cached = ask(srv.url, system, q, name)
+                    got = re.search(r"\d+", text)
+                    rows.append({"doc": d, "question": i, "answer": answer, "text": text, "correct": bool(got and got.group() == answer),
+                                 "seconds": secs, "cached_tokens": cached})
+            results[name] = rows
+            k = sum(r["correct"] for r in rows)
+            print(f"{name}: {k}/{len(rows)}", file=sys.stderr, flush=True)
+    finally:
+        srv.stop()
+    full = sum(r["correct"] for r in results.get("full", [])) or None
+    print(f"| policy | correct ({a.docs} documents x {a.questions} questions, {a.length} tokens) | 95 % interval | "
+          "of full | by question 1..k | median time, question 1 / later |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, rows in results.items():
+        k, n = sum(r["correct"] for r in rows), len(rows)
+        lo, hi = wilson(k, n)
+        per_q = "/".join(str(sum(r["correct"] for r in rows if r["question"] == i)) for i in range(a.questions))
+        first = statistics.median(r["seconds"] for r in rows if r["question"] == 0)
+        later = statistics.median(r["seconds"] for r in rows if r["question"] > 0) if a.questions > 1 else float("nan")
+        rel = f"{k / full:.0%}" if full else "-"
+        print(f"| {name} | {k}/{n} ({k / n:.0%}) | [{lo:.0%}, {hi:.0%}] | {rel} | {per_q} | {first:.2f} s / {later:.2f} s |")
+    if a.out:
+        pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
