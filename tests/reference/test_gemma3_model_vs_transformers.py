@@ -78,5 +78,5 @@ def test_forward_logits_across_the_window(tmp_path):
     with torch.no_grad():
         ref = hf_model()(torch.tensor([ids])).logits[0].float()
     diff = (got - ref).abs().max().item()
-    # Real weights give logits in the tens: the fixtures' 1e-4 is relative to their ~1 scale.
-    assert diff <= 2e-3, f"max abs logit diff {diff}"
+    # Real weights give logits in the tens (4.8e-5 measured at 700 tokens): the fixtures' 1e-4 is for logits near 1.
+    assert diff <= 1e-3, f"max abs logit diff {diff}"
