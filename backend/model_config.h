@@ -1,5 +1,5 @@
 #pragma once
-// ModelConfig: the Llama-family architecture read from a Hugging Face config.json.
+// ModelConfig: the decoder architecture (Llama family, Gemma 3 text) read from a Hugging Face config.json.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -37,7 +37,8 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string architecture;  // LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM
+  // LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | Gemma3ForCausalLM
+  std::string architecture;
   std::string model_type;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -55,12 +56,31 @@ struct ModelConfig {
   bool o_proj_bias = false;     // Llama's attention_bias also biases o_proj
   bool mlp_bias = false;
   bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
-  std::optional<int64_t> sliding_window;  // Mistral/Qwen2/Qwen3; only honoured as a limit check
+  std::optional<int64_t> sliding_window;  // Mistral/Qwen2/Qwen3: only honoured as a limit check; Gemma 3: local layers' window
+  // Gemma 3 (backend/model/gemma3.h): the block variant and its per-layer attention.
+  bool gemma = false;  // (1 + w) RMSNorms, sandwich norms around attention and MLP, GeGLU, scaled embeddings
+  std::string hidden_act = "silu";  // silu | gelu_pytorch_tanh
+  // Attention logits are q.k * query_pre_attn_scalar^-0.5 (0: head_dim, the usual 1/sqrt(D)).
+  double query_pre_attn_scalar = 0.0;
+  // Per layer: 0 = full (global) attention, w > 0 = a local layer that sees the last w positions
+  // (its own included). Empty = every layer global.
+  std::vector<int64_t> layer_windows;
+  // Local layers' RoPE: base and scaling (Gemma 3: rope_local_base_freq, no scaling).
+  double local_rope_theta = 10000.0;
+  RopeScaling local_rope_scaling;
   std::vector<int64_t> bos_token_ids;
   std::vector<int64_t> eos_token_ids;
   std::string torch_dtype;  // dtype on disk as declared, informational
 
   int64_t q_per_kv() const { return num_attention_heads / num_key_value_heads; }
+  // The window of a (global) layer: 0 for a global layer.
+  int64_t layer_window(int64_t layer) const {
+    return layer_windows.empty() ? 0 : layer_windows.at(static_cast<size_t>(layer));
+  }
+  bool has_local_layers() const {
+    for (int64_t w : layer_windows) if (w > 0) return true;
+    return false;
+  }
 };
 
 // Parses and validates config.json text; `where` names the file in error messages.

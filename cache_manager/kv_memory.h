@@ -122,6 +122,12 @@ class KvMemory {
                                          const torch::Tensor& k, const torch::Tensor& v) = 0;
   // Frees everything the sequence holds.
   virtual void release(int64_t seq_id) = 0;
+  // The sliding window a (global) layer's decode attention applies (0: none). The model checks it
+  // against its own layers', so that a memory built without them fails instead of attending too far.
+  virtual int64_t layer_window(int64_t layer) const {
+    (void)layer;
+    return 0;
+  }
   // Tokens held for (sequence, layer); layers may differ once a policy compressed them.
   virtual int64_t cached_tokens(int64_t seq_id, int64_t layer) const = 0;
 

@@ -40,6 +40,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   shard.first_layer = layout.first_layer;
   shard.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
   auto mem = std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));
+  if (!layout.layer_windows.empty()) mem->set_layer_windows(layout.layer_windows);
   KV_CHECK(size.prefix_cache_bytes == 0 || size.prefix_caching,
            "cache.prefix_cache_bytes (" << size.prefix_cache_bytes << ") needs cache.enable_prefix_caching: true");
   if (size.prefix_caching) mem->enable_prefix_cache(layout.kv_salt, nullptr, size.prefix_cache_bytes);

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cache_manager/paged_kv_memory.h"
 
@@ -23,6 +24,9 @@ struct KvMemoryLayout {
   torch::Device device = torch::kCPU;
   bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
   uint64_t kv_salt = 0;  // names what else makes the K/V (the prefix cache's key salt)
+  // Per layer of this shard: 0 = global attention, w > 0 = a sliding-window (local) layer whose
+  // queries see the last w positions. Empty = every layer global.
+  std::vector<int64_t> layer_windows;
 };
 
 // How a pool lays out its blocks (cache.kv_layout): kLayer, a block holds every KV head of a layer

@@ -153,9 +153,12 @@ constexpr int register_chunks(int d, int g) {
 // block is half the bytes, so it looks twice as many blocks ahead to keep as many lines in flight.
 constexpr int64_t kPrefetchDist = 1;
 
+// Slots [lo, len) are visible: lo > 0 for a sliding-window layer, whose older slots stay in its first
+// block until the whole block has left the window.
 template <int kD, int kG, typename E>
 void attend_chunk(const Shapes& s, const float* q, float qscale, const void* pool_raw, const int32_t* table_row,
-                  int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc, float* kbuf) {
+                  int64_t lo, int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc,
+                  float* kbuf) {
   using T = typename E::Elem;
   const T* pool = static_cast<const T*>(pool_raw);
   const int64_t D = kD ? kD : s.D;
@@ -176,6 +179,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
     const T* K = pool + static_cast<int64_t>(table_row[blk]) * block_stride + w.kvh * tile;
     const T* V = K + s.KV * tile;
     const int64_t n = std::min<int64_t>(bs, len - blk * bs);
+    const int64_t skip = lo - blk * bs;  // > 0: this block's first slots are outside the window
     const int64_t ntiles = (n + 7) / 8;
     constexpr int64_t kDist = kPrefetchDist * static_cast<int64_t>(sizeof(float) / sizeof(T));
     if (blk + kDist < w.blk_end) {
@@ -215,6 +219,10 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
         if (t0 + 8 > n) {  // slots past the length hold stale data: mask them out
           const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(n - t0)), _CMP_LT_OQ);
           sv = _mm256_blendv_ps(neg_inf, sv, valid);
+        }
+        if (t0 < skip) {  // slots before the window: real K/V, but not visible to this query
+          const __m256 seen = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(skip - t0)), _CMP_GE_OQ);
+          sv = _mm256_blendv_ps(neg_inf, sv, seen);
         }
         _mm256_storeu_ps(sg + t0, sv);
       }
@@ -283,8 +291,8 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
   }
 }
 
-using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const int32_t*, int64_t, const WorkItem&,
-                         float*, float*, float*, float*, float*, float*);
+using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const int32_t*, int64_t, int64_t,
+                         const WorkItem&, float*, float*, float*, float*, float*, float*);
 
 template <int kD, typename E>
 ChunkFn select_for_d(int64_t G) {
@@ -325,7 +333,8 @@ constexpr int64_t kMinParallelBlocks = 64;
 
 // q of any float dtype is read as fp32 (exact) and the result returned in q's dtype.
 torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch::Tensor& q, const torch::Tensor& pool,
-                                       const torch::Tensor& table_in, const torch::Tensor& lengths_in, double scale) {
+                                       const torch::Tensor& table_in, const torch::Tensor& lengths_in, double scale,
+                                       int64_t window) {
   const torch::Tensor table = table_in.to(torch::kCPU).contiguous();
   const torch::Tensor lengths = lengths_in.to(torch::kCPU).contiguous();
   const torch::Tensor qc = q.to(torch::kFloat32).contiguous();
@@ -342,7 +351,9 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
 
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
   int64_t total_blocks = 0;
-  for (int64_t b = 0; b < s.B; ++b) total_blocks += (lens[b] + s.bs - 1) / s.bs * s.KV;
+  // A windowed row reads only the blocks from its window's first slot on.
+  auto first_slot = [&](int64_t b) -> int64_t { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
+  for (int64_t b = 0; b < s.B; ++b) total_blocks += ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
   const int64_t chunk = std::max<int64_t>(kMinChunkBlocks, (total_blocks + 4 * nthreads - 1) / (4 * nthreads));
 
   std::vector<WorkItem> items;
@@ -351,7 +362,7 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
     const int64_t nb = (lens[b] + s.bs - 1) / s.bs;
     for (int64_t h = 0; h < s.KV; ++h) {
       first_item[b * s.KV + h] = static_cast<int64_t>(items.size());
-      for (int64_t c = 0; c < nb; c += chunk) {
+      for (int64_t c = first_slot(b) / s.bs; c < nb; c += chunk) {
         items.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h), static_cast<int32_t>(c),
                          static_cast<int32_t>(std::min(nb, c + chunk))});
       }
@@ -379,7 +390,7 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const int64_t i = order[k];
       const WorkItem& w = items[i];
-      fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, lens[w.b], w, part_acc.data() + i * G * D,
+      fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, first_slot(w.b), lens[w.b], w, part_acc.data() + i * G * D,
          part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data(), kbuf.data());
     }
   });
@@ -422,22 +433,23 @@ int64_t paged_attention_parallel_width() {
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                              const torch::Tensor& lengths, double scale) {
+                              const torch::Tensor& lengths, double scale, int64_t window) {
   const Shapes s = check_args(q, pool, block_table, lengths);
+  KV_CHECK(window >= 0, "paged attention: window must be >= 0, got " << window);
   scale = resolve_scale(scale, s.D);
 #ifdef KVSERVE_PAGED_AVX2
   if (pool.device().is_cpu() && q.device().is_cpu() && q.is_floating_point() && pool.is_contiguous() &&
       s.D % 8 == 0 && s.bs % 8 == 0) {
     if (const ChunkFn fn = select_kernel(pool.scalar_type(), s.D, s.G)) {
-      return paged_attention_cpu_avx2(s, fn, q, pool, block_table, lengths, scale);
+      return paged_attention_cpu_avx2(s, fn, q, pool, block_table, lengths, scale, window);
     }
   }
 #endif
-  return paged_attention_gather(q, pool, block_table, lengths, scale);
+  return paged_attention_gather(q, pool, block_table, lengths, scale, window);
 }
 
 torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                                     const torch::Tensor& lengths, double scale) {
+                                     const torch::Tensor& lengths, double scale, int64_t window) {
   const Shapes s = check_args(q, pool, block_table, lengths);
   scale = resolve_scale(scale, s.D);
   {
@@ -458,7 +470,9 @@ torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor
   const torch::Tensor qg = q.to(dev, ct).view({s.B, s.KV, s.G, s.D});
   torch::Tensor scores = torch::matmul(qg, k.to(ct).transpose(-1, -2)).to(torch::kFloat32).mul_(scale);  // [B, KV, G, S]
   // Stale slots may hold NaN/inf: replace, don't add, so nothing leaks through the mask.
-  const torch::Tensor invalid = torch::arange(S, lens.options()).view({1, S}) >= lens.view({s.B, 1});
+  const torch::Tensor slot = torch::arange(S, lens.options()).view({1, S});
+  torch::Tensor invalid = slot >= lens.view({s.B, 1});
+  if (window > 0) invalid = invalid | (slot < (lens - window).view({s.B, 1}));
   scores.masked_fill_(invalid.view({s.B, 1, 1, S}), -std::numeric_limits<float>::infinity());
   torch::Tensor probs = torch::softmax(scores, -1).nan_to_num_(0.0);  // empty rows → 0
   const torch::Tensor vz = v.to(ct).masked_fill(invalid.view({s.B, 1, S, 1}), 0);
@@ -468,7 +482,7 @@ torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor
 
 torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Tensor& pool,
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
-                                        double scale) {
+                                        double scale, int64_t window) {
   const Shapes s = check_args(q, pool, block_table, lengths);
   scale = resolve_scale(scale, s.D);
   const torch::Tensor table = block_table.to(torch::kCPU, torch::kLong);
@@ -481,9 +495,10 @@ torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Ten
     const torch::Tensor blocks = pool.index_select(0, table[b].narrow(0, 0, nb).to(pool.device())).to(torch::kFloat64);
     const torch::Tensor k = blocks.select(1, 0).permute({1, 0, 2, 3}).reshape({s.KV, nb * s.bs, s.D}).narrow(1, 0, len);
     const torch::Tensor v = blocks.select(1, 1).permute({1, 0, 2, 3}).reshape({s.KV, nb * s.bs, s.D}).narrow(1, 0, len);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
     const torch::Tensor qb = q[b].to(torch::kFloat64).view({s.KV, s.G, s.D});
-    const torch::Tensor p = torch::softmax(torch::matmul(qb, k.transpose(1, 2)) * scale, -1);
-    out[b].copy_(torch::matmul(p, v).reshape({s.H, s.D}).to(out.device()));
+    const torch::Tensor p = torch::softmax(torch::matmul(qb, k.narrow(1, lo, len - lo).transpose(1, 2)) * scale, -1);
+    out[b].copy_(torch::matmul(p, v.narrow(1, lo, len - lo)).reshape({s.H, s.D}).to(out.device()));
   }
   return out.to(q.scalar_type());
 }

@@ -12,6 +12,8 @@ namespace kvserve {
 //                ceil(lengths[b] / block_size) are ignored (pad with any valid id, e.g. 0)
 //   lengths      int32 [B]: filled slots per sequence (0 gives a zero output row)
 //   scale        softmax scale; <= 0 means 1/sqrt(D)
+//   window       > 0: a sliding-window layer, each row sees only its last `window` slots
+//                [max(0, length - window), length) (its slots are its positions, uncompressed)
 // Returns [B, H, D] in q's dtype. Tables may be on host or on the pool's device.
 
 // Picks the fastest path: the hand-written AVX2 flash-decoding kernel for CPU pools of fp32, bf16 or
@@ -19,18 +21,18 @@ namespace kvserve {
 // registers, fp32 accumulation, split-K over long contexts, parallel over (sequence, KV head,
 // chunk)); libtorch gather + softmax otherwise (CUDA, head_dim or block_size not a multiple of 8).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                              const torch::Tensor& lengths, double scale = -1.0);
+                              const torch::Tensor& lengths, double scale = -1.0, int64_t window = 0);
 
 // The libtorch-ops path on its own (batched block gather, masked fp32 softmax); device-agnostic. The
 // products run in the wider of q's and the pool's dtype.
 torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                                     const torch::Tensor& lengths, double scale = -1.0);
+                                     const torch::Tensor& lengths, double scale = -1.0, int64_t window = 0);
 
 // Slow and obvious: per sequence, rebuild contiguous K/V from its blocks and run plain softmax
 // attention in fp64. For tests only.
 torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Tensor& pool,
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
-                                        double scale = -1.0);
+                                        double scale = -1.0, int64_t window = 0);
 
 // Threads a parallel region of the AVX2 kernel really gets (1 if paged_attention.cpp lost its
 // -fopenmp: at::parallel_for is an inline omp pragma). For the test that guards it.

@@ -412,6 +412,23 @@ void PagedKvCache::mirror_layer(int64_t seq_id, int64_t layer, int64_t lane, con
   dev_.set_length(row, layer, lb.length);
 }
 
+void PagedKvCache::drop_leading_blocks(int64_t seq_id, int64_t layer, int64_t n) {
+  KV_CHECK(layer >= 0 && layer < num_layers_, "drop_leading_blocks: layer " << layer << " out of range [0, " << num_layers_
+                                                                             << ")");
+  if (n <= 0) return;
+  KV_CHECK(!step_.active || std::find(step_.seq_ids.begin(), step_.seq_ids.end(), seq_id) == step_.seq_ids.end(),
+           "drop_leading_blocks: sequence " << seq_id << " is in a planned decode step");
+  for (int64_t lane = 0; lane < lanes_; ++lane) {
+    LayerBlocks& lb = lane_of(seq_id, layer, lane);
+    KV_CHECK(n * bs_ <= lb.length, "drop_leading_blocks: " << n << " blocks of a lane holding " << lb.length << " slots");
+    std::vector<int32_t> gone(lb.blocks.begin(), lb.blocks.begin() + n);
+    lb.blocks.erase(lb.blocks.begin(), lb.blocks.begin() + n);
+    lb.length -= n * bs_;
+    drop_blocks(gone);
+    mirror_layer(seq_id, layer, lane, lb);
+  }
+}
+
 void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots,
                            const std::vector<int64_t>& head_counts) {
   SequenceBlockTable& t = table_of(seq_id);
@@ -694,7 +711,7 @@ void PagedKvCache::reserve_decode_rows(int64_t rows) {
 }
 
 torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
-                                         const torch::Tensor& v, double scale) {
+                                         const torch::Tensor& v, double scale, int64_t window) {
   KV_CHECK(step_.active && layer >= 0 && layer < num_layers_ && !step_.done[static_cast<size_t>(layer)],
            "decode: layer " << layer << " was not planned by begin_decode (or already ran)");
   const int64_t B = static_cast<int64_t>(step_.seq_ids.size()), P = static_cast<int64_t>(step_.padded_rows);
@@ -713,6 +730,9 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
   if (use_cuda_kernels(pool_)) {
+    // The CUDA decode kernel reads every slot of a row; a window would need its first slot.
+    KV_CHECK(window == 0, "decode: sliding-window layers (window " << window
+                                                                    << ") are not supported by the CUDA decode kernel yet");
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
     // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
@@ -725,7 +745,7 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);
-  return unlane(paged_attention(qr, pool_.storage(), table, lens, scale));
+  return unlane(paged_attention(qr, pool_.storage(), table, lens, scale, window));
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -62,6 +62,10 @@ class PagedKvCache {
   // head_counts (head-wise layout only): head h keeps only the first head_counts[h] entries of its row.
   void compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots,
                const std::vector<int64_t>& head_counts = {});
+  // Drops the first n blocks of every lane of a layer (a sliding-window layer whose oldest slots no
+  // query can see any more): the remaining slots move down by n * block_size, their positions with
+  // them. The blocks go back to the pool unless another holder (the prefix cache) references them.
+  void drop_leading_blocks(int64_t seq_id, int64_t layer, int64_t n);
   // Decode: one token per sequence (k, v [B, KV, D]) at true positions[b] (same for every head).
   // A block is taken only when a sequence's last block of this layer is full. Duplicate ids are an error.
   void append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k, const torch::Tensor& v,
@@ -89,9 +93,10 @@ class PagedKvCache {
   bool decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer) const;
   // Writes k, v [P, KV, D] (P = the planned batch entries, padding included) into the slots
   // begin_decode() took and returns paged attention of q [P, H, D] over each entry's tokens of
-  // `layer`, the new one included (zero rows for padding).
+  // `layer`, the new one included (zero rows for padding). window > 0: a sliding-window layer, each
+  // entry attends to its last `window` slots only (paged_attention).
   torch::Tensor decode_layer(int64_t layer, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                             double scale = -1.0);
+                             double scale = -1.0, int64_t window = 0);
   // Batch entries of the planned step (padding included), and the most blocks any real entry holds
   // in any layer after the step's append.
   int64_t planned_rows() const { return step_.active ? static_cast<int64_t>(step_.padded_rows) : 0; }

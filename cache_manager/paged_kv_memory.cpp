@@ -55,6 +55,13 @@ PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std:
   }
 }
 
+void PagedKvMemory::set_layer_windows(std::vector<int64_t> windows) {
+  KV_CHECK(static_cast<int64_t>(windows.size()) == num_layers_,
+           "internal: " << windows.size() << " layer windows for a KV memory of " << num_layers_ << " layers");
+  for (int64_t w : windows) KV_CHECK(w >= 0, "internal: layer window " << w);
+  windows_ = std::move(windows);
+}
+
 const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
   auto it = policies_.find(name.empty() ? default_policy_ : name);
   if (it == policies_.end()) KV_FAIL("unknown kv_policy '" << name << "'");
@@ -191,6 +198,11 @@ PagedKvMemory::HeadKeptStats PagedKvMemory::head_kept(int64_t seq_id) const {
 void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string& name) {
   const PolicyConfig& cfg = policy(name);
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already has KV state");
+  // A local layer's decode reads its last `window` slots as its last positions: a policy that
+  // dropped some would make it see further back than the model does.
+  KV_CHECK(cfg.is_full() || std::all_of(windows_.begin(), windows_.end(), [](int64_t w) { return w == 0; }),
+           "kv_policy '" << cfg.name << "' compresses, which is not supported yet on a model with sliding-window layers "
+                         << "(Gemma 3); use kv_policy full");
   cache_.add_sequence(seq_id);
   SeqState& s = seqs_[seq_id];
   s.policy = &cfg;
@@ -386,6 +398,15 @@ void PagedKvMemory::drop_prefix(int64_t seq_id) {
   s.copies.clear();
 }
 
+void PagedKvMemory::trim_window(int64_t seq_id, int64_t ll) {
+  const int64_t w = windows_.empty() ? 0 : windows_[static_cast<size_t>(ll)];
+  if (w == 0) return;
+  // The next query (at the layer's end position) sees the last w - 1 slots besides its own: whole
+  // blocks before those are dead. Slots are positions here (local layers are never compressed).
+  const int64_t dead = cache_.length(seq_id, ll) - (w - 1);
+  if (dead >= cache_.block_size()) cache_.drop_leading_blocks(seq_id, ll, dead / cache_.block_size());
+}
+
 void PagedKvMemory::apply_updates(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   for (auto& [layer, kept] : s.selector->take_updates()) {
@@ -411,6 +432,8 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
     // Reconstruction scoring selects after the whole prompt's pass (select_by_scores).
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.write(seq_id, ll, k, v, pos);
+    // With a prefix cache the prompt's full blocks are published at end_prefill first.
+    if (!prefix_caching()) trim_window(seq_id, ll);
     if (compresses) {
       copy_for_cache(seq_id, ll, k, v);
       s.awaiting_scores = true;
@@ -541,8 +564,10 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   SeqState& s = it->second;
   const int64_t ll = local(layer), KV = k.size(0), T = k.size(1);
   const int64_t held = cache_.length(seq_id, ll);
-  // A resumed conversation holds only what the earlier turns kept, all before the chunk.
-  KV_CHECK(s.resumed ? held <= start : held == start, "chunked prefill: sequence " << seq_id << ", layer " << layer
+  // A resumed conversation holds only what the earlier turns kept, all before the chunk; a local
+  // layer only its window's blocks.
+  const bool fewer = s.resumed || (!windows_.empty() && windows_[static_cast<size_t>(ll)] > 0);
+  KV_CHECK(fewer ? held <= start : held == start, "chunked prefill: sequence " << seq_id << ", layer " << layer
                                                         << " holds " << held << " positions, the chunk starts at " << start);
   KV_CHECK(start + T <= s.prompt_len, "chunked prefill: chunk [" << start << ", " << start + T << ") past the prompt of "
                                                                    << s.prompt_len << " tokens");
@@ -558,6 +583,7 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
     // Every position stays until the last chunk: as they are for `full`, for the selection otherwise.
     auto pos = torch::arange(start, start + T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.extend(seq_id, ll, k, v, pos);
+    if (!prefix_caching()) trim_window(seq_id, ll);
     if (compresses && scorer_needs_queries(s.policy->scorer)) {
       // The last chunk's window may reach back into this one: keep the latest `window` queries.
       if (s.query_tail.empty()) s.query_tail.resize(static_cast<size_t>(num_layers_));
@@ -639,6 +665,7 @@ void PagedKvMemory::end_prefill(int64_t seq_id) {
     if (compressed) publish_context(seq_id);
     s.context.clear();
   }
+  for (int64_t ll = 0; ll < num_layers_; ++ll) trim_window(seq_id, ll);
 }
 
 void PagedKvMemory::park(int64_t seq_id) {
@@ -771,6 +798,8 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) 
       auto [keys, values] = cache_.gather(id, ll);
       cache_.compact(id, ll, ev.select(cache_.positions(id, ll), keys).to(torch::kCPU));
     }
+    // Local layers drop the block the window left before this step can take a new one.
+    for (int64_t ll = 0; ll < static_cast<int64_t>(windows_.size()); ++ll) trim_window(id, ll);
   }
   cache_.begin_decode(batch.seq_ids, batch.positions, padded_rows);
 }
@@ -779,7 +808,7 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
                                               const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ll = local(layer);
   if (!cache_.decode_planned(batch.seq_ids, ll)) begin_decode(batch);
-  return cache_.decode_layer(ll, q, k, v);
+  return cache_.decode_layer(ll, q, k, v, -1.0, windows_.empty() ? 0 : windows_[static_cast<size_t>(ll)]);
 }
 
 void PagedKvMemory::release(int64_t seq_id) {

@@ -6,6 +6,7 @@
 #include <utility>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "cache_manager/kv_block_pool.h"
 #include "cache_manager/kv_memory.h"
@@ -67,6 +68,18 @@ class PagedKvMemory final : public KvMemory {
   int64_t kept_tokens(int64_t seq_id) const override;
 
   const PolicyConfig& policy(const std::string& name) const;
+
+  // Sliding-window (local) layers: per layer of this shard, 0 = global, w > 0 = its queries see the
+  // last w positions (the decode kernel masks the older slots within a block). A local layer is a
+  // ring of blocks: a block no later query can see goes back to the pool (after each prefill layer
+  // or chunk, or at end_prefill when the prompt's blocks go to the prefix cache first, and before
+  // each decode step), so it holds at most ceil(w / block_size) + 1 blocks per sequence from the end
+  // of its prefill on. Policies that compress are refused on a memory with local layers (their
+  // slots must stay their positions).
+  void set_layer_windows(std::vector<int64_t> windows);
+  int64_t layer_window(int64_t layer) const override {
+    return windows_.empty() ? 0 : windows_[static_cast<size_t>(local(layer))];
+  }
 
   // Automatic prefix caching (cache_manager/prefix_cache.h): full prompt blocks stay in the pool
   // after their request, keyed with `salt` (what else changes the K/V: model, dtypes, RoPE, shard).
@@ -151,6 +164,8 @@ class PagedKvMemory final : public KvMemory {
 
  private:
   void apply_updates(int64_t seq_id);
+  // Frees a local layer's leading blocks that no query at or after the layer's end can see.
+  void trim_window(int64_t seq_id, int64_t ll);
   // DynamicKV with the layers split across shards (docs/parallel.md, "KV policies across shards"):
   // a shard after the first replays the earlier shards' scores before its first layer; after its
   // last layer a shard before the last passes every layer's scores on, and all agree on the final
@@ -227,6 +242,7 @@ class PagedKvMemory final : public KvMemory {
   bool rounds_kv_ = false;  // Geometry::rounds_kv
   uint64_t context_salt_ = 0;
   std::unordered_map<int64_t, SeqState> seqs_;
+  std::vector<int64_t> windows_;  // per local layer, set_layer_windows
 };
 
 }  // namespace kvserve

@@ -85,7 +85,13 @@ void print_text(const parallel::ShardPlan& p) {
     std::cout << "stage " << s.stage << ": layers [" << s.layers.begin << ", " << s.layers.end << ")"
               << (s.has_embedding ? " +embedding" : "") << (s.has_lm_head ? " +norm+lm_head" : "")
               << "  weights/GPU " << gib(s.weight_bytes) << " (" << s.weight_params << " params)"
-              << "  KV heads/GPU " << s.kv_heads << "  KV/token " << s.kv_bytes_per_token << " B"
+              << "  KV heads/GPU " << s.kv_heads << "  KV/token " << s.kv_bytes_per_token << " B";
+    if (s.local_layers > 0) {
+      std::cout << " (" << s.layers.size() - s.local_layers << " global layers; " << s.local_layers
+                << " sliding-window layers hold at most " << s.local_blocks_per_seq << " blocks = "
+                << mib(s.local_blocks_per_seq * s.block_bytes) << " per sequence)";
+    }
+    std::cout
               << "  KV capacity " << gib(s.kv_capacity_bytes);
     if (s.prefix_cache_bytes > 0) std::cout << " (shared prefix cached: " << gib(s.prefix_cache_bytes) << ")";
     std::cout << "\n";
@@ -115,6 +121,7 @@ void run_plan(const PlanArgs& a) {
   if (!a.shared_prefix.empty()) o.shared_prefix = parse_context(a.shared_prefix);
   o.reserve_fraction = a.reserve;
   o.block_size = a.block_size;
+  o.layer_windows = mc.layer_windows;
   o.weight_dtype_bytes = dtype_bytes(a.dtype);
   // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
   o.kv_dtype_bytes = dtype_bytes(a.kv_dtype.empty() || a.kv_dtype == "auto" ? a.dtype : a.kv_dtype);

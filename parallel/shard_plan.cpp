@@ -71,6 +71,10 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
   KV_CHECK(o.context > 0, "context must be positive (got " << o.context << ")");
   KV_CHECK(o.block_size > 0 && o.weight_dtype_bytes > 0 && o.kv_dtype_bytes > 0, "bad block size or dtype size");
 
+  KV_CHECK(o.layer_windows.empty() || static_cast<int64_t>(o.layer_windows.size()) == m.num_layers,
+           o.layer_windows.size() << " layer windows for a model of " << m.num_layers << " layers");
+  auto window_of = [&](int64_t l) { return o.layer_windows.empty() ? int64_t{0} : o.layer_windows[static_cast<size_t>(l)]; };
+  auto ring_blocks = [&](int64_t w) { return ceil_div(w, o.block_size) + 1; };
   ShardPlan plan;
   plan.model = m;
   plan.options = o;
@@ -87,8 +91,14 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     st.weight_bytes = st.weight_params * o.weight_dtype_bytes;
     st.kv_heads = make_shard_layout(m, o.tp, 0, o.pp, s).kv_heads;
     st.kv_bytes_per_token_layer = 2 * st.kv_heads * m.head_dim * o.kv_dtype_bytes;
-    st.kv_bytes_per_token = st.kv_bytes_per_token_layer * st.layers.size();
     st.block_bytes = st.kv_bytes_per_token_layer * o.block_size;
+    for (int64_t l = st.layers.begin; l < st.layers.end; ++l) {
+      if (window_of(l) > 0) {
+        ++st.local_layers;
+        st.local_blocks_per_seq += ring_blocks(window_of(l));
+      }
+    }
+    st.kv_bytes_per_token = st.kv_bytes_per_token_layer * (st.layers.size() - st.local_layers);
     st.kv_capacity_bytes = plan.usable_bytes - st.weight_bytes;
     if (st.kv_capacity_bytes <= 0) plan.weights_fit = false;
     plan.stages.push_back(st);
@@ -98,10 +108,18 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
            "shared prefix of " << o.shared_prefix << " tokens outside the context of " << o.context);
   const int64_t shared_blocks = o.shared_prefix / o.block_size;  // only whole blocks are cached
   for (auto& st : plan.stages) st.prefix_cache_bytes = shared_blocks * (st.layers.end - st.layers.begin) * st.block_bytes;
+  // A local layer's ring: its window's blocks and the one the window is leaving (or the whole
+  // context when that is shorter). Its prompt passes through whole during the prefill (peak).
   for (const auto& cfg : policies) {
     PolicyPlan pp;
     pp.policy = cfg.name;
     std::tie(pp.kept_per_layer, pp.peak_per_layer) = policy_kept_tokens(cfg, o.context, m.num_layers, m.num_kv_heads);
+    for (int64_t l = 0; l < m.num_layers; ++l) {
+      if (window_of(l) > 0) {
+        pp.kept_per_layer[static_cast<size_t>(l)] = std::min(o.context, window_of(l));
+        pp.peak_per_layer[static_cast<size_t>(l)] = o.context;
+      }
+    }
     pp.max_seqs = std::numeric_limits<int64_t>::max();
     pp.max_seqs_peak = std::numeric_limits<int64_t>::max();
     for (const auto& st : plan.stages) {
@@ -109,6 +127,11 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
       // An uncompressed sequence's shared prefix blocks are the cache's, not its own.
       const int64_t shared = cfg.is_full() ? shared_blocks : 0;
       for (int64_t l = st.layers.begin; l < st.layers.end; ++l) {
+        if (window_of(l) > 0) {  // its cached prompt blocks are the cache's after the prefill
+          steady_blocks += std::min(ceil_div(o.context, o.block_size), ring_blocks(window_of(l)));
+          peak_blocks += ceil_div(pp.peak_per_layer[l], o.block_size) - shared;
+          continue;
+        }
         steady_blocks += ceil_div(pp.kept_per_layer[l], o.block_size) - shared;
         peak_blocks += ceil_div(pp.peak_per_layer[l], o.block_size) - shared;
       }
@@ -163,6 +186,8 @@ nlohmann::json to_json(const ShardPlan& p) {
                            {"weight_bytes_per_gpu", s.weight_bytes},
                            {"kv_heads_per_gpu", s.kv_heads},
                            {"kv_bytes_per_token", s.kv_bytes_per_token},
+                           {"local_layers", s.local_layers},
+                           {"local_blocks_per_seq", s.local_blocks_per_seq},
                            {"kv_capacity_bytes", s.kv_capacity_bytes},
                            {"prefix_cache_bytes", s.prefix_cache_bytes}});
   }

@@ -4,6 +4,9 @@
 // shard_layout.h's, the same layouts the sharded runtime loads.
 // - KV bytes: per layer, 2 (K and V) x local KV heads x head_dim x dtype bytes per token; each
 //   layer's kept tokens are rounded up to whole paged blocks (block_size tokens) per sequence.
+// - Sliding-window (local) layers (Gemma 3) hold a ring of at most ceil(window / block_size) + 1
+//   blocks per sequence whatever the context and the policy (their window is their budget): only
+//   the global layers' KV grows per token.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,6 +31,9 @@ struct PlanOptions {
   // caching their whole blocks are held once, in full precision, and uncompressed sequences use
   // them instead of their own (compressing policies keep their own compressed copy).
   int64_t shared_prefix = 0;
+  // Per model layer: 0 = global attention, w > 0 = a local layer with window w (ModelConfig::
+  // layer_windows). Empty = every layer global.
+  std::vector<int64_t> layer_windows;
 };
 
 // Parameters one TP rank of a stage holds (the largest rank where a split is uneven).
@@ -43,7 +49,9 @@ struct StagePlan {
   int64_t weight_bytes = 0;
   int64_t kv_heads = 0;                   // per rank
   int64_t kv_bytes_per_token_layer = 0;   // 2 x kv_heads x head_dim x kv dtype bytes
-  int64_t kv_bytes_per_token = 0;         // the above x this stage's layers (no block rounding)
+  int64_t kv_bytes_per_token = 0;         // the above x this stage's global layers (no block rounding)
+  int64_t local_layers = 0;               // this stage's sliding-window layers
+  int64_t local_blocks_per_seq = 0;       // what they hold at most per sequence once it is past its windows
   int64_t block_bytes = 0;                // one paged block of one layer
   int64_t kv_capacity_bytes = 0;          // gpu_memory x (1 - reserve) - weights (may be negative)
   int64_t prefix_cache_bytes = 0;         // the shared prefix's cached blocks (PlanOptions::shared_prefix)
@@ -52,7 +60,7 @@ struct StagePlan {
 // One policy's KV footprint on every stage at the planned context.
 struct PolicyPlan {
   std::string policy;
-  std::vector<int64_t> kept_per_layer;  // steady state after prefill (DynamicKV: the mean budget)
+  std::vector<int64_t> kept_per_layer;  // steady state after prefill (DynamicKV: the mean budget; local layers: their window)
   std::vector<int64_t> peak_per_layer;  // what admission reserves (DynamicKV: its candidate sets)
   std::vector<int64_t> kv_bytes_per_seq;       // per stage, steady, block-rounded
   std::vector<int64_t> kv_bytes_per_seq_peak;  // per stage, peak, block-rounded

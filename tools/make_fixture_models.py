@@ -18,6 +18,9 @@ written by transformers itself, so the loader is tested on real checkpoint layou
   llama-yarn     Llama, yarn rope scaling (factor 4 over an original context of 64)
   llama-dynamic  Llama, dynamic NTK rope scaling (factor 2 past max_position_embeddings 64)
   llama-longrope Llama, longrope scaling (short/long factors, original context 64, max 256)
+  gemma3         Gemma 3 text: 6 layers, local (sliding window 12) and global layers mixed, GQA 2:1,
+                 head_dim 32, query_pre_attn_scalar 24, linear rope scaling on the global layers only,
+                 tied embeddings, (1 + w) norms with random w
 
 The scaled-rope fixtures have a small original context (64) so that prompts past it stay cheap.
 
@@ -37,7 +40,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from make_fixture_tokenizers import make_tokenizers  # noqa: E402
 
-VERSION = "4"  # bump when the fixtures change so stale folders are remade
+VERSION = "5"  # bump when the fixtures change so stale folders are remade
 
 
 # A Hermes-style tool-calling chat template (the format Qwen2.5 and the SmolLM family write): tools
@@ -104,6 +107,16 @@ def specs() -> dict[str, tuple[str, str, dict, dict]]:
             rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 64,
                           "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.1],
                           "long_factor": [1.0, 1.3, 1.9, 2.8, 4.1, 6.0, 9.5, 14.0]}), {}),
+        # A window of 12 (not a multiple of the tests' 16-token blocks) so that 17- and 640-token
+        # prompts cross it; two global layers, one in the middle and the last (Gemma's pattern puts
+        # one after every five local ones).
+        "gemma3": ("gemma3", "bytelevel", dict(
+            num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+            sliding_window=12, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                         "sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), {}),
     }
 
 
@@ -125,14 +138,19 @@ def make_model(out: pathlib.Path, arch: str, tok_dir: pathlib.Path, overrides: d
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[arch]
+    if arch == "gemma3":
+        cfg_kwargs.pop("rope_theta")  # its rope_parameters name each layer type's base
     config = cls[0](**cfg_kwargs)
     torch.manual_seed(seed)
     model = cls[1](config).eval()
     with torch.no_grad():  # transformers zero-inits biases; random ones test that they are applied
         for name, p in model.named_parameters():
             if name.endswith(".bias") or "norm" in name:
-                p.copy_((torch.randn_like(p) * 0.1) + (1.0 if "norm" in name else 0.0))
+                # Gemma's norms scale by 1 + w (w starts at 0): the offset is already in the norm.
+                offset = 1.0 if "norm" in name and arch != "gemma3" else 0.0
+                p.copy_((torch.randn_like(p) * 0.1) + offset)
     save = dict(save)
     template = save.pop("chat_template", None)  # replaces the tokenizer's chat template
     dtype = save.pop("dtype", None)

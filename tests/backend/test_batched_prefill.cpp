@@ -46,7 +46,9 @@ std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, 
   pool.num_kv_heads = c.num_key_value_heads;
   pool.head_dim = c.head_dim;
   pool.num_blocks = blocks;
-  return std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(specs));
+  auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(specs));
+  if (c.has_local_layers()) kv->set_layer_windows(m.kv_layout().layer_windows);
+  return kv;
 }
 
 // Enough blocks for every prompt at full KV in every layer.
@@ -87,7 +89,8 @@ TEST_P(BatchedPrefill, LogitsAndKvMatchPromptsAlone) {
     per_prompt.push_back(max_diff(all.narrow(0, row, T), want[i]));
     row += T;
     for (int64_t l = 0; l < model->config().num_hidden_layers; ++l) {
-      ASSERT_EQ(batched->cached_tokens(id, l), T);
+      // A sliding-window layer keeps only its window's blocks, batched as alone.
+      ASSERT_EQ(batched->cached_tokens(id, l), model->config().layer_window(l) > 0 ? alone->cached_tokens(id, l) : T);
       auto [ka, va] = alone->cache().gather(id, l);
       auto [kb, vb] = batched->cache().gather(id, l);
       kv_diff = std::max({kv_diff, max_diff(ka, kb), max_diff(va, vb)});

@@ -29,7 +29,9 @@ std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, 
   pool.num_kv_heads = c.num_key_value_heads;
   pool.head_dim = c.head_dim;
   pool.num_blocks = blocks;
-  return std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(specs));
+  auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(specs));
+  if (c.has_local_layers()) kv->set_layer_windows(m.kv_layout().layer_windows);
+  return kv;
 }
 
 float max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<float>(); }
@@ -72,7 +74,9 @@ TEST_P(ChunkedPrefill, LogitsKvAndDecodeMatchWholePrompt) {
     logit_diff = std::max(logit_diff, max_diff(got, want));
     EXPECT_EQ(got.argmax(-1).item<int64_t>(), want.argmax(-1).item<int64_t>());
     for (int64_t l = 0; l < L; ++l) {
-      ASSERT_EQ(kv->cached_tokens(1, l), kLen);
+      // A sliding-window layer keeps only its window's blocks, chunked as whole.
+      ASSERT_EQ(kv->cached_tokens(1, l), model->config().layer_window(l) > 0 ? whole->cached_tokens(1, l) : kLen);
+      if (model->config().layer_window(l) > 0) ASSERT_LT(kv->cached_tokens(1, l) - model->config().layer_window(l), 16);
       EXPECT_TRUE(torch::equal(kv->kept_positions(1, l), whole->kept_positions(1, l)));
       auto [ka, va] = whole->cache().gather(1, l);
       auto [kb, vb] = kv->cache().gather(1, l);

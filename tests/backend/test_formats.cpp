@@ -120,6 +120,70 @@ TEST(ModelConfig, ParsesQwen3) {
                    .qk_norm);
 }
 
+TEST(ModelConfig, ParsesGemma3) {
+  // transformers 5 writes layer_types and one rope parameter object per layer type.
+  auto c = parse_model_config(R"({"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3_text","vocab_size":100,
+    "hidden_size":64,"intermediate_size":128,"num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,
+    "head_dim":32,"query_pre_attn_scalar":24,"sliding_window":12,"final_logit_softcapping":null,
+    "attn_logit_softcapping":null,"hidden_activation":"gelu_pytorch_tanh",
+    "layer_types":["sliding_attention","full_attention","sliding_attention"],
+    "rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
+                       "sliding_attention":{"rope_type":"default","rope_theta":10000.0}}})",
+                              "config.json");
+  EXPECT_TRUE(c.gemma);
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_TRUE(c.tie_word_embeddings) << "Gemma ties by default";
+  EXPECT_EQ(c.layer_windows, (std::vector<int64_t>{12, 0, 12}));
+  EXPECT_TRUE(c.has_local_layers());
+  EXPECT_DOUBLE_EQ(c.query_pre_attn_scalar, 24.0);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rope_scaling.kind, kvserve::RopeScaling::Kind::kLinear);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_DOUBLE_EQ(c.local_rope_theta, 10000.0);
+  EXPECT_EQ(c.local_rope_scaling.kind, kvserve::RopeScaling::Kind::kDefault);
+  // Older configs: sliding_window_pattern, rope_theta + rope_scaling for the global layers,
+  // rope_local_base_freq for the local ones; head_dim defaults to 256.
+  auto o = parse_model_config(R"({"model_type":"gemma3_text","vocab_size":100,"hidden_size":64,"intermediate_size":128,
+    "num_hidden_layers":7,"num_attention_heads":4,"num_key_value_heads":1,"sliding_window":512,
+    "sliding_window_pattern":6,"rope_theta":1000000.0,"rope_local_base_freq":10000.0,
+    "rope_scaling":{"rope_type":"linear","factor":8.0}})",
+                              "config.json");
+  EXPECT_EQ(o.architecture, "Gemma3ForCausalLM");
+  EXPECT_EQ(o.head_dim, 256);
+  EXPECT_EQ(o.layer_windows, (std::vector<int64_t>{512, 512, 512, 512, 512, 0, 512}));
+  EXPECT_EQ(o.rope_scaling.kind, kvserve::RopeScaling::Kind::kLinear);
+  EXPECT_DOUBLE_EQ(o.local_rope_theta, 10000.0);
+  // What kvserve does not compute is refused by name.
+  auto err = [](const std::string& extra) {
+    try {
+      parse_model_config(R"({"model_type":"gemma3_text","vocab_size":100,"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4)" + extra + "}",
+                         "m/config.json");
+    } catch (const KvError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(err(R"(,"final_logit_softcapping":30.0)").find("final_logit_softcapping"), std::string::npos);
+  EXPECT_NE(err(R"(,"attn_logit_softcapping":50.0)").find("attn_logit_softcapping"), std::string::npos);
+  EXPECT_NE(err(R"(,"hidden_activation":"relu")").find("hidden_activation 'relu'"), std::string::npos);
+  EXPECT_NE(err(R"(,"layer_types":["full_attention"])").find("layer_types"), std::string::npos);
+  EXPECT_NE(err(R"(,"layer_types":["full_attention","chunked_attention"])").find("layer_types[1]"), std::string::npos);
+  EXPECT_NE(err(R"(,"use_bidirectional_attention":true)").find("use_bidirectional_attention"), std::string::npos);
+  EXPECT_NE(err(R"(,"sliding_window":0)").find("sliding_window"), std::string::npos);
+  EXPECT_NE(err(R"(,"rope_parameters":{"full_attention":{"rope_type":"mrope"}})").find("unsupported rope_type 'mrope'"),
+            std::string::npos);
+  // The multimodal model's config is not the text model's.
+  try {
+    parse_model_config(R"({"architectures":["Gemma3ForCausalLM"],"model_type":"gemma3","vocab_size":100,
+      "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4})",
+                       "m/config.json");
+    ADD_FAILURE() << "the multimodal config was accepted";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("gemma3_text"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ModelConfig, ParsesYarnDynamicAndLongRope) {
   const std::string base = R"({"model_type":"llama","vocab_size":100,"hidden_size":64,"intermediate_size":128,
     "num_hidden_layers":2,"num_attention_heads":8,"max_position_embeddings":256,)";

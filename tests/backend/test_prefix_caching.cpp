@@ -63,6 +63,7 @@ std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, 
   pool.head_blocks = head_blocks;
   auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool,
                                             resolve_policies(head_blocks ? head_policy_specs() : policy_specs()));
+  if (c.has_local_layers()) kv->set_layer_windows(m.kv_layout().layer_windows);
   if (caching) kv->enable_prefix_cache(m.kv_layout().kv_salt, std::move(key_fn), host_tier_bytes);
   return kv;
 }
@@ -152,6 +153,50 @@ TEST_P(PrefixCachingPolicy, AHitKeepsAndComputesWhatAMissDoes) {
 INSTANTIATE_TEST_SUITE_P(Policies, PrefixCachingPolicy,
                          ::testing::Values("full", "snap", "snap_w", "pyr", "dyn", "stream", "h2o", "knorm", "rand",
                                            "knorm_dec", "stream_dec"));
+
+// Gemma 3's sliding-window layers: the document's blocks of every layer go into the cache before a
+// local layer drops the ones its window left, so a later prompt finds the whole document in every
+// layer and computes what a miss computes; both then hold only their windows' blocks there.
+TEST(PrefixCaching, SlidingWindowLayersShareTheDocumentAndThenKeepTheirWindow) {
+  const std::string dir = fixture("gemma3");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/gemma3";
+  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  const auto& c = model->config();
+  const int64_t V = c.vocab_size, L = c.num_hidden_layers;
+  const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
+  const int64_t T = static_cast<int64_t>(second.size()), blocks = 4 * (T / 16 + 3) * L;
+  auto cached = make_memory(*model, blocks, true);
+  auto plain = make_memory(*model, blocks, false);
+  model->prefill(1, first, *cached);
+  cached->release(1);
+  const torch::Tensor got = model->prefill(2, second, *cached);
+  const torch::Tensor want = model->prefill(2, second, *plain);
+  EXPECT_EQ(cached->prefix_hit(2), kDoc);
+  float decode_diff = 0;
+  const float logit_diff = max_diff(got, want);
+  for (int64_t step = 0; step < 20; ++step) {
+    DecodeBatch b{{2}, {T + step}};
+    const std::vector<int64_t> tok{second[static_cast<size_t>(step)]};
+    decode_diff = std::max(decode_diff, max_diff(model->decode(b, tok, *cached), model->decode(b, tok, *plain)));
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t w = c.layer_window(l);
+      const auto held = static_cast<int64_t>(cached->cache().layer_blocks(2, l).blocks.size());
+      if (w > 0) {
+        EXPECT_LE(held, (w + 15) / 16 + 1) << "layer " << l;
+        EXPECT_TRUE(torch::equal(cached->kept_positions(2, l), plain->kept_positions(2, l))) << "layer " << l;
+      } else {
+        EXPECT_EQ(cached->cached_tokens(2, l), T + step + 1);
+      }
+    }
+  }
+  std::cout << "max |cached - plain|: last logits " << logit_diff << ", decode logits " << decode_diff << "\n";
+  EXPECT_LE(logit_diff, 1e-4);
+  EXPECT_LE(decode_diff, 1e-4);
+  cached->cache().check_invariants();
+  cached->release(2);
+  EXPECT_EQ(cached->blocks_used(), 0);
+  cached->cache().check_invariants();
+}
 
 // The head-wise layout (one KV head per block, a table per (layer, head)): per-layer policies
 // compute what they compute in the per-layer layout, and every policy, head-adaptive ones

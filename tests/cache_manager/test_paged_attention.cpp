@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -18,18 +19,21 @@ struct Case {
   std::vector<int64_t> lens;
   float q_scale = 1.0f;
   torch::ScalarType kv_dtype = torch::kFloat32;  // the pool's; q stays fp32
+  int64_t window = 0;  // > 0: a sliding-window layer sees only its last `window` slots
 };
 
 // Contiguous reference straight from the tensors that were written (never from the pool).
 torch::Tensor contiguous_attention(const torch::Tensor& q, const std::vector<torch::Tensor>& ks,
-                                   const std::vector<torch::Tensor>& vs, int64_t kv) {
+                                   const std::vector<torch::Tensor>& vs, int64_t kv, int64_t window) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = H / kv;
   torch::Tensor out = torch::zeros({B, H, D}, torch::kFloat64);
   for (int64_t b = 0; b < B; ++b) {
     if (ks[b].size(1) == 0) continue;
+    const int64_t n = ks[b].size(1), lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
     auto qb = q[b].to(torch::kFloat64).view({kv, G, D});
-    auto s = torch::matmul(qb, ks[b].to(torch::kFloat64).transpose(1, 2)) / std::sqrt(static_cast<double>(D));
-    out[b] = torch::matmul(torch::softmax(s, -1), vs[b].to(torch::kFloat64)).reshape({H, D});
+    auto s = torch::matmul(qb, ks[b].narrow(1, lo, n - lo).to(torch::kFloat64).transpose(1, 2)) /
+             std::sqrt(static_cast<double>(D));
+    out[b] = torch::matmul(torch::softmax(s, -1), vs[b].narrow(1, lo, n - lo).to(torch::kFloat64)).reshape({H, D});
   }
   return out;
 }
@@ -72,11 +76,11 @@ void run_case(const Case& c, uint64_t seed) {
   const auto& pool = cache.pool().storage();
   for (int64_t l : {1, 0}) {
     SCOPED_TRACE(::testing::Message() << "layer " << l << " kv dtype " << c.kv_dtype);
-    const torch::Tensor want = contiguous_attention(q, ks[l], vs[l], c.kv);
+    const torch::Tensor want = contiguous_attention(q, ks[l], vs[l], c.kv, c.window);
     const DecodeTables t = cache.decode_tables(l, ids);
-    const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths);
-    const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths);
-    const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths);
+    const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths, -1.0, c.window);
+    const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths, -1.0, c.window);
+    const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths, -1.0, c.window);
     EXPECT_EQ(fast.sizes(), q.sizes());
     EXPECT_EQ(fast.scalar_type(), torch::kFloat32);
     EXPECT_EQ(gath.scalar_type(), torch::kFloat32);
@@ -108,6 +112,29 @@ TEST(PagedAttention, GenericHeadDimAndBlockSize) {
   run_case({2, 2, 32, 8, {9, 31, 1}}, 7);   // generic-D kernel
   run_case({3, 2, 24, 5, {9, 31, 1}}, 8);   // block size not a multiple of 8: libtorch path
   run_case({1, 1, 16, 32, {70, 64}}, 9);
+}
+
+// Sliding-window layers: windows shorter than a block, spanning several, longer than the sequence;
+// the slots before the window hold real K/V that must not count.
+TEST(PagedAttention, SlidingWindowSeesOnlyTheLastSlots) {
+  for (int64_t window : {1, 5, 12, 16, 17, 40, 5000}) {
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    Case c{2, 4, 64, 16, {1, 17, 100, 16, 33, 12, 700}};
+    c.window = window;
+    run_case(c, 60 + static_cast<uint64_t>(window));
+    Case generic{2, 3, 32, 8, {9, 31, 1, 90}};  // generic-D kernel
+    generic.window = window;
+    run_case(generic, 70 + static_cast<uint64_t>(window));
+    Case gather{3, 2, 24, 5, {9, 31, 1}};  // libtorch path
+    gather.window = window;
+    run_case(gather, 80 + static_cast<uint64_t>(window));
+    Case split{1, 4, 128, 16, {5001}};  // split-K: the chunks start at the window's block
+    split.window = window;
+    run_case(split, 90 + static_cast<uint64_t>(window));
+    Case half{2, 2, 64, 16, {40, 700}, 1.0f, torch::kBFloat16};
+    half.window = window;
+    run_case(half, 95 + static_cast<uint64_t>(window));
+  }
 }
 
 TEST(PagedAttention, RandomShapes) {
@@ -207,7 +234,7 @@ TEST_P(PagedAttention16, AppendAndAttendMatchesContiguous) {
     const std::vector<int64_t> pos = {20 + step, 27 + step};
     cache.begin_decode(ids, pos);  // the planned step's write_slots path
     auto out = cache.decode_layer(0, q, k, v);
-    ASSERT_LE((out.to(torch::kFloat64) - contiguous_attention(q, ks, vs, KV)).abs().max().item<double>(), 1e-5)
+    ASSERT_LE((out.to(torch::kFloat64) - contiguous_attention(q, ks, vs, KV, 0)).abs().max().item<double>(), 1e-5)
         << "step " << step;
   }
   // Bitwise: what the pool holds is torch's round-to-nearest-even of what was appended.
@@ -283,7 +310,7 @@ TEST(PagedAttention, AppendAndAttendMatchesContiguous) {
         vs[l][b] = torch::cat({vs[l][b], v[b].unsqueeze(1)}, 1);
       }
       auto out = cache.append_and_attend(l, ids, pos, q, k, v);
-      auto want = contiguous_attention(q, ks[l], vs[l], KV);
+      auto want = contiguous_attention(q, ks[l], vs[l], KV, 0);
       ASSERT_LE((out.to(torch::kFloat64) - want).abs().max().item<double>(), 1e-5) << "step " << step;
       ASSERT_EQ(cache.length(ids[0], l), prompt[0] - l + step + 1);
     }

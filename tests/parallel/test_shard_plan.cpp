@@ -245,5 +245,46 @@ TEST(ShardPlan, ASharedPrefixIsHeldOnceAndFullSequencesOwnOnlyTheRest) {
   EXPECT_THROW(make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128")), KvError);
 }
 
+
+// Gemma 3 27B's shape: 62 layers, every sixth global (10), the others local with a 1024-token
+// window. Only the global layers' KV grows with the context; each local layer holds a ring of
+// 1024 / 16 + 1 = 65 blocks per sequence.
+TEST(ShardPlan, Gemma3SlidingWindowLayersCountOnlyTheirRing) {
+  ModelShape m;
+  m.num_layers = 62;
+  m.hidden_size = 5376;
+  m.intermediate_size = 21504;
+  m.num_heads = 32;
+  m.num_kv_heads = 16;
+  m.head_dim = 128;
+  m.vocab_size = 262208;
+  m.tie_word_embeddings = true;
+  m.qk_norm = true;
+  for (int64_t tp : {1, 2}) {
+    PlanOptions o = opts(tp, 2, 32768);
+    for (int64_t l = 0; l < 62; ++l) o.layer_windows.push_back((l + 1) % 6 == 0 ? 0 : 1024);
+    const auto plan = make_shard_plan(m, o, {make_policy_config("full")});
+    ASSERT_EQ(plan.stages.size(), 2u);
+    const int64_t per_layer_token = 2 * (16 / tp) * 128 * 2;  // K and V, bf16
+    for (const auto& st : plan.stages) {
+      EXPECT_EQ(st.local_layers, 26);  // layers [0, 31): globals 5, 11, 17, 23, 29; [31, 62): 35 ... 59
+      EXPECT_EQ(st.kv_bytes_per_token, 5 * per_layer_token);
+      EXPECT_EQ(st.local_blocks_per_seq, 26 * 65);
+    }
+    const auto& full = plan.policies[0];
+    for (size_t s = 0; s < 2; ++s) {
+      EXPECT_EQ(full.kv_bytes_per_seq[s], (5 * 2048 + 26 * 65) * 16 * per_layer_token);
+      EXPECT_EQ(full.kv_bytes_per_seq_peak[s], 31 * 2048 * 16 * per_layer_token) << "the prompt passes whole";
+    }
+    EXPECT_EQ(full.kept_per_layer[0], 1024);
+    EXPECT_EQ(full.kept_per_layer[5], 32768);
+    // A context inside the window: the ring is the context.
+    PlanOptions short_ctx = o;
+    short_ctx.context = 100;
+    const auto small = make_shard_plan(m, short_ctx, {make_policy_config("full")});
+    EXPECT_EQ(small.policies[0].kv_bytes_per_seq[0], 31 * 7 * 16 * per_layer_token);
+  }
+}
+
 }  // namespace
 }  // namespace kvserve::parallel

@@ -45,6 +45,14 @@ def test_fixture_greedy_tokens_equal(policy, tmp_path):
     check_equal(model, vocab, long_len=300, budget=64, policy=policy, tmp_path=tmp_path)
 
 
+def test_gemma3_greedy_tokens_equal(tmp_path):
+    """Sliding-window layers (window 12) under chunks of 64: each chunk attends to the window's
+    blocks the earlier chunks left, and decodes the same tokens as whole prompts."""
+    model = fixtures_dir() / "gemma3"
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    check_equal(model, vocab, long_len=300, budget=64, policy="full", tmp_path=tmp_path)
+
+
 @pytest.mark.parametrize("policy", ["full", "snapkv", "pyramidkv"])
 def test_default_model_greedy_tokens_equal(policy, tmp_path):
     model = default_model_dir()

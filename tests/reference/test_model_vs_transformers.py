@@ -14,7 +14,7 @@ from kvserve_testlib import fixtures_dir, random_ids, run_kvserve, write_json
 # statically, dynamic NTK and longrope change their frequencies with the sequence length.
 SCALED_ROPE = ["llama-yarn", "llama-dynamic", "llama-longrope"]
 FIXTURES = ["llama-mha", "llama-gqa", "llama3-rope", "llama-tied", "qwen2-bias", "mistral", "llama-sharded",
-            "llama-bf16", "llama-kvfew", "qwen3", *SCALED_ROPE]
+            "llama-bf16", "llama-kvfew", "qwen3", "gemma3", *SCALED_ROPE]
 
 
 def hf_model(name: str):

@@ -24,7 +24,8 @@ inline std::string fixture(const std::string& name) {
 inline ::testing::internal::ParamGenerator<std::string> fixture_models() {
   return ::testing::Values(std::string("llama-gqa"), std::string("llama-mha"), std::string("llama-kvfew"),
                            std::string("qwen2-bias"), std::string("mistral"), std::string("llama3-rope"),
-                           std::string("llama-tied"), std::string("qwen3"), std::string("llama-yarn"));
+                           std::string("llama-tied"), std::string("qwen3"), std::string("llama-yarn"),
+                           std::string("gemma3"));
 }
 
 // The fixtures whose RoPE frequencies change with the sequence length (dynamic NTK, longrope): a

@@ -1,0 +1,152 @@
+// Sliding-window (local) layers on a real paged pool: the layer is a ring of blocks, never more
+// than ceil(window / block_size) + 1 per sequence from the end of its prefill on, through a
+// 4K-token generation, while its decode attention equals softmax attention over the last `window`
+// positions; global layers beside it keep everything.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cache_manager/paged_kv_memory.h"
+#include "common/check.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t kKv = 2, kG = 2, kD = 16, kBs = 16;
+
+// Attention of q [H, D] over the last `window` of keys/values [KV, n, D] (window 0: all), fp64.
+torch::Tensor window_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t window) {
+  const int64_t n = k.size(1), lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+  auto qg = q.to(torch::kFloat64).view({kKv, kG, kD});
+  auto kk = k.narrow(1, lo, n - lo).to(torch::kFloat64), vv = v.narrow(1, lo, n - lo).to(torch::kFloat64);
+  auto p = torch::softmax(torch::matmul(qg, kk.transpose(1, 2)) / std::sqrt(static_cast<double>(kD)), -1);
+  return torch::matmul(p, vv).reshape({kKv * kG, kD});
+}
+
+struct Run {
+  std::vector<int64_t> windows;
+  int64_t prompt = 0;
+  int64_t chunk = 0;  // > 0: the prompt arrives in chunks of this size
+  int64_t steps = 0;
+  bool prefix_caching = false;
+};
+
+void run(const Run& r) {
+  const int64_t L = static_cast<int64_t>(r.windows.size());
+  KvPoolOptions pool;
+  pool.num_kv_heads = kKv;
+  pool.head_dim = kD;
+  pool.block_size = kBs;
+  pool.num_blocks = L * ((r.prompt + r.steps) / kBs + 4);
+  PagedKvMemory kv(L, pool, resolve_policies({}));
+  kv.set_layer_windows(r.windows);
+  if (r.prefix_caching) kv.enable_prefix_cache(7);
+  auto bound = [&](int64_t w) { return (w + kBs - 1) / kBs + 1; };
+  torch::manual_seed(5);
+  // Every position's K/V per layer, as written: the reference attends over their last `window`.
+  std::vector<torch::Tensor> keys(static_cast<size_t>(L)), values(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    keys[static_cast<size_t>(l)] = torch::randn({kKv, r.prompt, kD});
+    values[static_cast<size_t>(l)] = torch::randn({kKv, r.prompt, kD});
+  }
+  std::vector<int64_t> tokens(static_cast<size_t>(r.prompt));
+  for (int64_t i = 0; i < r.prompt; ++i) tokens[static_cast<size_t>(i)] = i % 97;
+  kv.begin_prefill(1, r.prompt, "full");
+  const int64_t chunk = r.chunk > 0 ? r.chunk : r.prompt;
+  for (int64_t start = 0; start < r.prompt; start += chunk) {
+    const int64_t n = std::min(chunk, r.prompt - start);
+    kv.prefill_tokens(1, start, std::span<const int64_t>(tokens).subspan(static_cast<size_t>(start), static_cast<size_t>(n)),
+                      KvMemory::kNoLookup, false);
+    for (int64_t l = 0; l < L; ++l) {
+      auto q = torch::randn({kKv * kG, n, kD});
+      auto k = keys[static_cast<size_t>(l)].narrow(1, start, n), v = values[static_cast<size_t>(l)].narrow(1, start, n);
+      if (r.chunk > 0) {
+        if (r.windows[static_cast<size_t>(l)] > 0 && start > 0) {
+          // What a later chunk's queries read: the positions right before it, the window's at least.
+          auto [pk, pv] = kv.prefill_context(1, l);
+          const int64_t held = pk.size(1);
+          ASSERT_GE(held, std::min(start, r.windows[static_cast<size_t>(l)] - 1));
+          EXPECT_TRUE(torch::equal(pk, keys[static_cast<size_t>(l)].narrow(1, start - held, held)));
+        }
+        kv.store_prefill_chunk(1, l, start, q, k, v);
+        if (!r.prefix_caching && r.windows[static_cast<size_t>(l)] > 0) {
+          EXPECT_LE(kv.cache().layer_blocks(1, l).blocks.size(), bound(r.windows[static_cast<size_t>(l)]))
+              << "after the chunk at " << start;
+        }
+      } else {
+        kv.store_prefill(1, l, q, k, v);
+      }
+    }
+  }
+  kv.end_prefill(1);
+  int64_t most = 0;
+  double worst = 0;
+  for (int64_t t = 0; t < r.steps; ++t) {
+    const int64_t pos = r.prompt + t;
+    DecodeBatch b{{1}, {pos}};
+    kv.begin_decode(b);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t w = r.windows[static_cast<size_t>(l)];
+      auto q = torch::randn({1, kKv * kG, kD}), k = torch::randn({1, kKv, kD}), v = torch::randn({1, kKv, kD});
+      auto& ks = keys[static_cast<size_t>(l)];
+      auto& vs = values[static_cast<size_t>(l)];
+      ks = torch::cat({ks, k[0].unsqueeze(1)}, 1);
+      vs = torch::cat({vs, v[0].unsqueeze(1)}, 1);
+      auto out = kv.decode_attention(l, b, q, k, v);
+      if (t % 61 == 0 || t + 1 == r.steps)
+        worst = std::max(worst, (out[0].to(torch::kFloat64) - window_reference(q[0], ks, vs, w)).abs().max().item<double>());
+      const int64_t held = static_cast<int64_t>(kv.cache().layer_blocks(1, l).blocks.size());
+      if (w > 0) {
+        most = std::max(most, held);
+        ASSERT_LE(held, bound(w)) << "layer " << l << " at position " << pos;
+        // Its slots are the latest positions, oldest first.
+        auto p = kv.kept_positions(1, l);
+        ASSERT_EQ(p[0][p.size(1) - 1].item<int64_t>(), pos);
+        ASSERT_GE(p.size(1), std::min(pos + 1, w));
+      } else {
+        ASSERT_EQ(kv.cached_tokens(1, l), pos + 1);
+      }
+    }
+    if (t % 512 == 0) kv.cache().check_invariants();
+  }
+  std::cout << "most blocks in a local layer " << most << ", max |decode - reference| " << worst << "\n";
+  EXPECT_LE(worst, 1e-5);
+  kv.release(1);
+  kv.cache().check_invariants();
+  if (!r.prefix_caching) EXPECT_EQ(kv.blocks_used(), 0);
+}
+
+TEST(SlidingWindowMemory, LocalLayersStayWithinTheirBlocksOverA4KGeneration) {
+  run({{24, 0, 24, 0}, 100, 0, 4096});
+}
+
+TEST(SlidingWindowMemory, WindowsShorterThanLongerThanAndEqualToABlock) {
+  run({{12, 16, 17, 1, 0}, 40, 0, 300});
+}
+
+TEST(SlidingWindowMemory, ChunkedPrefillTrimsAfterEveryChunk) {
+  run({{24, 0, 12}, 333, 50, 200});
+}
+
+TEST(SlidingWindowMemory, WithAPrefixCacheThePromptIsPublishedBeforeItsBlocksGo) {
+  run({{24, 0, 12}, 333, 64, 200, true});
+}
+
+TEST(SlidingWindowMemory, CompressingPoliciesAreRefusedClearly) {
+  KvPoolOptions pool;
+  pool.num_kv_heads = kKv;
+  pool.head_dim = kD;
+  pool.num_blocks = 64;
+  PagedKvMemory kv(2, pool, resolve_policies({{"snap", {{"name", "snapkv"}, {"budget", "16"}}}}));
+  kv.set_layer_windows({12, 0});
+  try {
+    kv.begin_prefill(1, 100, "snap");
+    ADD_FAILURE() << "a compressing policy was accepted on a memory with sliding-window layers";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("sliding-window"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kvserve
