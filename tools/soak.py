@@ -13,6 +13,9 @@ bodies and odd routes are interleaved. Every response must be correct or the int
   - a malformed body answers the 4xx it is designed to provoke, with an OpenAI error object;
   - no 5xx at all, no connection refused or reset the client did not cause.
 
+Requests under kvzip and knorm_ctx often carry one of four documents as their context (a chat's
+system message, a completion's `kv_context`): compressed by the first, taken from the context cache
+by the next (the greedy repeats check that both give the same text).
 A share of clients hold conversations under `prefix_reuse: compressed` (turns that continue the
 previous turn's parked KV). At the end the server must be idle (KV blocks used 0 besides the parked
 conversations', running 0, waiting 0 on /metrics), its RSS
@@ -51,7 +54,12 @@ POLICIES = {
     "random": "{budget: 48}",
     # Head-wise budgets: the server's pool then uses head-wise blocks for every policy.
     "snapkv_ada": "{method: snapkv, budget: 48, window: 8, head_budgets: adaptive}",
+    # Compressed contexts: a share of their requests carry one of a few documents as their context
+    # (a chat's system message, a completion's kv_context), compressed once and then reused.
+    "kvzip": "{budget: 0.25, chunk_size: 128}",
+    "knorm_ctx": "{method: knorm, budget: 48, compress: context}",
 }
+CONTEXT_POLICIES = ("kvzip", "knorm_ctx")
 WORDS = ("the quick brown fox jumps over lazy dog passkey is remember number city river mountain "
          "apple seven eleven green house window street music paper light answer question").split()
 
@@ -223,18 +231,20 @@ class Soak:
         self.costs = word_costs(server.port)
         # Greedy requests repeated throughout: (endpoint, prompt, policy, max_tokens).
         rng = random.Random(args.seed)
+        self.docs = [f"Document {d}. " + sized_prompt(rng, self.costs, rng.randint(60, 180)) for d in range(4)]
         self.canon = []
-        for i in range(24):
+        for i in range(28):
             policy = list(POLICIES)[i % len(POLICIES)]
-            tokens = rng.choice([8, 40, 200, args.max_model_len - 80])
+            doc = self.docs[i % len(self.docs)] if policy in CONTEXT_POLICIES else None
+            tokens = rng.choice([8, 40]) if doc else rng.choice([8, 40, 200, args.max_model_len - 80])
             self.canon.append(("chat" if i % 3 == 0 else "completions",
-                               f"canon {i}: " + sized_prompt(rng, self.costs, tokens), policy, rng.choice([4, 16, 32])))
+                               f"canon {i}: " + sized_prompt(rng, self.costs, tokens), policy, rng.choice([4, 16, 32]), doc))
 
     # ---- request builders -------------------------------------------------------------------
     def generation_body(self, rng: random.Random) -> tuple[str, dict, bool]:
         """A valid generation request: (path, body, greedy-canonical?)."""
         if rng.random() < 0.3:
-            endpoint, prompt, policy, max_tokens = rng.choice(self.canon)
+            endpoint, prompt, policy, max_tokens, doc = rng.choice(self.canon)
             body = {"model": "soak", "max_tokens": max_tokens, "temperature": 0, "kv_policy": policy,
                     "ignore_eos": True}
             canonical = True
@@ -247,6 +257,9 @@ class Soak:
             r = rng.random()
             limit = self.args.max_model_len - max_tokens - (24 if endpoint == "chat" else 2)
             tokens = rng.randint(1, 40) if r < 0.6 else rng.randint(40, limit // 2) if r < 0.9 else rng.randint(limit // 2, limit)
+            doc = rng.choice(self.docs) if policy in CONTEXT_POLICIES and rng.random() < 0.6 else None
+            if doc:
+                tokens = min(tokens, 40)
             prompt = sized_prompt(rng, self.costs, max(tokens, 3)) or "hello"
             body = {"model": "soak", "max_tokens": max_tokens, "kv_policy": policy}
             if rng.random() < 0.5:
@@ -264,9 +277,11 @@ class Soak:
                     body["logprobs"] = 3
             canonical = False
         if endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
+            body["messages"] = ([{"role": "system", "content": doc}] if doc else []) + [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
+            if doc:
+                body["kv_context"] = doc
         body["stream"] = rng.random() < 0.5
         if body["stream"] and rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
@@ -391,7 +406,8 @@ class Soak:
         if any(x not in ("stop", "length") for x in reasons):
             return self.stats.fail(f"{what}: finish reasons {reasons}")
         if canonical and (self.args.check_greedy == "all" or body["kv_policy"] == "full"):
-            key = json.dumps([path, body.get("prompt") or body["messages"], body["kv_policy"], body["max_tokens"]])
+            key = json.dumps([path, body.get("prompt") or body["messages"], body.get("kv_context"), body["kv_policy"],
+                              body["max_tokens"]])
             with self.stats.lock:
                 first = self.stats.greedy.setdefault(key, texts[0])
                 self.stats.greedy_checked += 1
