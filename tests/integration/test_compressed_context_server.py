@@ -60,14 +60,18 @@ def test_four_questions_on_one_document(servers, doc):
     text, recs = doc
     before = on.metrics()
     cached, answers = [], []
-    for q, _ in context_doc.questions(recs, 4):
+    for i, (q, _) in enumerate(context_doc.questions(recs, 4)):
         messages = [{"role": "system", "content": text}, {"role": "user", "content": q}]
-        a, b = ask(on, messages), ask(off, messages)
-        assert a.choices[0].message.content == b.choices[0].message.content, q
-        assert b.usage.prompt_tokens_details.cached_tokens == 0
-        assert a.usage.prompt_tokens == b.usage.prompt_tokens
+        a = ask(on, messages)
         cached.append(a.usage.prompt_tokens_details.cached_tokens)
         answers.append(a.choices[0].message.content)
+        # The server without the context cache compresses the document afresh for every question
+        # (each costs a whole kvzip prefill on CPU): compared on the first and the last.
+        if i in (0, 3):
+            b = ask(off, messages)
+            assert a.choices[0].message.content == b.choices[0].message.content, q
+            assert b.usage.prompt_tokens_details.cached_tokens == 0
+            assert a.usage.prompt_tokens == b.usage.prompt_tokens
     assert cached[0] == 0
     # The system message's tokens (the template's rendering of the conversation before the question).
     assert cached[1] == cached[2] == cached[3] > 3500, cached
