@@ -1,8 +1,9 @@
 """Compress once, serve many, through a real server on the default model (SmolLM2-135M-Instruct):
 under kvzip (25 % kept) a ~4K-token document in the system message is asked four questions. The first
 request compresses the document (the conversation before the last user message) and caches it
-compressed; the next three report it as `cached_tokens` and answer with the tokens of a server whose
-context cache is off; `/metrics` shows the entry holding <= 30 % of the document's full blocks. A
+compressed; the next three report it as `cached_tokens`; the first and the last answer with the
+tokens of a server whose context cache is off (each uncached question costs a whole kvzip prefill);
+`/metrics` shows the entry holding <= 30 % of the document's full blocks. A
 completion's `kv_context` and a chat's `cache_control` marker set the context too; bad values are
 400s naming the field."""
 from __future__ import annotations
