@@ -341,10 +341,12 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
                                              /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
       } else if (window > 0) {
         // A local layer is never compressed: what it holds are the `held` positions right before the chunk.
-        auto [pk, pv] = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
-        const int64_t held = pk.size(1);
+        const EarlierKv ctx = kv.prefill_context(seq_ids[static_cast<size_t>(i)], li);
+        const int64_t held = ctx.k.size(1);
         KV_CHECK(held <= start, "internal: chunk at " << start << " finds " << held << " earlier positions in layer " << li);
-        a = sliding_window_attention(q, torch::cat({pk.to(k.scalar_type()), k}, 1), torch::cat({pv.to(v.scalar_type()), v}, 1),
+        KV_CHECK(ctx.head_lengths.empty(), "internal: a sliding-window layer " << li << " holds heads of different lengths");
+        a = sliding_window_attention(q, torch::cat({ctx.k.to(k.scalar_type()), k}, 1),
+                                     torch::cat({ctx.v.to(v.scalar_type()), v}, 1),
                                      start, start - held, window)
                 .unsqueeze(0);
       } else {
