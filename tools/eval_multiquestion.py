@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Many questions per document (issue 32's multi-question task): each document (a delivery log from
-tools/context_doc.py, `--length` tokens, in the system message) is asked `--questions` questions
-(how many crates a given record lists) in separate chat requests to a real server, under each
-policy. A policy with `compress: context` (kvzip, knorm/streamingllm so configured) compresses the
-document once, at the first question, and every later question reads that same compressed cache
+"""Many questions per document (issue 32's multi-question task): RULER's multi-key haystack
+(tools/ruler_tasks.py: four "special magic number" facts hidden at random depths in `--length` tokens
+of filler) is one document, and each of its four keys is asked in a separate chat request to a real
+server, under each policy: [user: the haystack, assistant: "I have memorized them.", user: the
+question, assistant: the answer prefix] with continue_final_message. The context is the first two
+messages, so a policy with `compress: context` (kvzip; knorm/streamingllm so configured) compresses
+the haystack once, at the first question, and every later question reads that same compressed cache
 (the server's context cache); a query-aware policy (snapkv) compresses each prompt with its question
-in it, its best case. Scores exact matches (the first number in the answer) with 95 % Wilson
-intervals and prints a markdown table; `--out` also writes every answer as JSON.
+in it, its best case. Scores whether the number occurs in the answer, with 95 % Wilson intervals,
+and prints a markdown table; `--out` also writes every answer as JSON.
 
-  python3 tools/eval_multiquestion.py --docs 12 --questions 4 --length 1000
+  python3 tools/eval_multiquestion.py --docs 12 --length 1000
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "tools"))
-import context_doc  # noqa: E402
+import ruler_tasks as rt  # noqa: E402
 from kvserve_server import Server  # noqa: E402
 
 # name -> YAML body of the policy (under `policies:`).
@@ -48,12 +50,25 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
-def ask(url: str, system: str, question: str, policy: str) -> tuple[str, float, int]:
+def haystack(tok, length: int, seed: int) -> tuple[str, list[tuple[str, str]]]:
+    """One multi-key sample's haystack text and its (key, number) facts, in insertion order."""
+    sample = rt.TaskMaker(tok).make("multikey", length, seed)
+    user = sample.prompt.split("<|im_start|>user\n", 1)[1]
+    body = user.split("\n\nWhat is the special magic number", 1)[0]
+    facts = re.findall(r"One of the special magic numbers for (\S+) is: (\d+)\.", body)
+    assert len(facts) == 4, facts
+    return body, facts
+
+
+def ask(url: str, body: str, key: str, policy: str) -> tuple[str, float, int]:
     import urllib.request
-    body = json.dumps({"model": "tiny", "messages": [{"role": "system", "content": system},
-                                                      {"role": "user", "content": question}],
-                       "max_tokens": 8, "temperature": 0, "kv_policy": policy}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    messages = [{"role": "user", "content": body}, {"role": "assistant", "content": "I have memorized them."},
+                {"role": "user", "content": f"What is the special magic number for {key} mentioned in the provided text?"},
+                {"role": "assistant", "content": f"The special magic number for {key} mentioned in the provided text is"}]
+    req_body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0,
+                           "continue_final_message": True, "add_generation_prompt": False,
+                           "kv_policy": policy}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", req_body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=1200) as r:
         out = json.loads(r.read())
@@ -64,7 +79,6 @@ def ask(url: str, system: str, question: str, policy: str) -> tuple[str, float, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=12)
-    ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--length", type=int, default=1000, help="document tokens")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
@@ -75,19 +89,16 @@ def main() -> None:
     names = a.policies.split(",")
     yaml = "".join(f"  {n}: {POLICIES[n]}\n" for n in names if n != "full")
     srv = Server(model=a.model, extra_yaml=yaml, kv_cache_bytes="2GiB")
-    docs = []
-    for d in range(a.docs):
-        text, recs = context_doc.document_of_tokens(tok, a.length, seed=1000 + d)
-        docs.append(("Answer from the delivery log.\n\n" + text, context_doc.questions(recs, a.questions, seed=d)))
+    a.questions = 4
+    docs = [haystack(tok, a.length, 1000 + d) for d in range(a.docs)]
     results = {}
     try:
         for name in names:
             rows = []
-            for d, (system, qs) in enumerate(docs):
-                for i, (q, answer) in enumerate(qs):
-                    text, secs, cached = ask(srv.url, system, q, name)
-                    got = re.search(r"\d+", text)
-                    rows.append({"doc": d, "question": i, "answer": answer, "text": text, "correct": bool(got and got.group() == answer),
+            for d, (body, facts) in enumerate(docs):
+                for i, (key, answer) in enumerate(facts):
+                    text, secs, cached = ask(srv.url, body, key, name)
+                    rows.append({"doc": d, "question": i, "answer": answer, "text": text, "correct": answer in text,
                                  "seconds": secs, "cached_tokens": cached})
             results[name] = rows
             k = sum(r["correct"] for r in rows)
