@@ -124,8 +124,9 @@ void CompressedContextCache::check_invariants() const {
                                                                               << " is not indexed under its key");
     int64_t n = 0;
     for (const Table& t : e.tables) {
-      KV_CHECK(t.length >= 0 && t.length <= static_cast<int64_t>(t.blocks.size()) * 1'000'000,
-               "compressed context cache: entry " << i << " has a bad table length " << t.length);
+      KV_CHECK(t.length >= 0 && (t.length == 0) == t.blocks.empty(),
+               "compressed context cache: entry " << i << " holds " << t.blocks.size() << " blocks for " << t.length
+                                                  << " slots");
       n += static_cast<int64_t>(t.blocks.size());
     }
     KV_CHECK(n == e.blocks, "compressed context cache: entry " << i << " counts " << e.blocks << " blocks, holds " << n);

@@ -10,6 +10,21 @@
 #include "policies/token_scorer.h"
 
 namespace kvserve {
+namespace {
+
+// Per layer, what its KV heads hold on average (the layer's budget when heads keep different counts).
+std::vector<int64_t> mean_head_lengths(const PagedKvCache& cache, int64_t seq_id) {
+  std::vector<int64_t> out;
+  for (int64_t l = 0; l < cache.num_layers(); ++l) {
+    int64_t sum = 0;
+    const auto lens = cache.head_lengths(seq_id, l);
+    for (int64_t x : lens) sum += x;
+    out.push_back(sum / std::max<int64_t>(1, static_cast<int64_t>(lens.size())));
+  }
+  return out;
+}
+
+}  // namespace
 
 std::map<std::string, PolicyConfig> resolve_policies(
     const std::map<std::string, std::map<std::string, std::string>>& specs) {
@@ -512,12 +527,7 @@ int64_t PagedKvMemory::begin_context(int64_t seq_id, std::span<const int64_t> co
   s.selector.reset();
   s.context.clear();
   s.hit = c;
-  s.budgets.clear();
-  for (int64_t l = 0; l < num_layers_; ++l) {
-    int64_t sum = 0;
-    for (int64_t x : cache_.head_lengths(seq_id, l)) sum += x;
-    s.budgets.push_back(sum / cache_.num_kv_heads());
-  }
+  s.budgets = mean_head_lengths(cache_, seq_id);
   s.resumed = true;
   s.prompt_len = prompt_len;
   return c;
@@ -536,8 +546,7 @@ void PagedKvMemory::continue_prompt(int64_t seq_id) {
 void PagedKvMemory::publish_context(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   CompressedContextCache* cc = cache_.context_cache();
-  std::vector<int64_t> context = std::move(s.context);
-  s.context.clear();
+  std::vector<int64_t> context = std::move(s.context);  // end_prefill leaves it empty either way
   if (!cc || context.empty()) return;
   const uint64_t key = context_key(*s.policy, context);
   if (cc->find(key, context) >= 0) return;  // cached meanwhile by another request
@@ -759,12 +768,7 @@ void PagedKvMemory::settle(int64_t seq_id) {
     // share (their mean), the same on every shard whichever heads it holds.
     if (s.policy->allocator == AllocatorKind::kGlobal && s.selector->compresses()) {
       // One top-k over every layer: a layer's budget is what its heads keep on average.
-      for (int64_t l = 0; l < num_layers_; ++l) {
-        int64_t sum = 0;
-        const auto lens = cache_.head_lengths(seq_id, l);
-        for (int64_t x : lens) sum += x;
-        s.budgets.push_back(sum / std::max<int64_t>(1, static_cast<int64_t>(lens.size())));
-      }
+      s.budgets = mean_head_lengths(cache_, seq_id);
     } else if (s.policy->head_adaptive() && s.selector->compresses()) {
       const auto all = s.selector->budgets();
       s.budgets.assign(all.begin() + shard_.first_layer, all.begin() + shard_.first_layer + num_layers_);
