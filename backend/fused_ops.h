@@ -4,8 +4,8 @@
 // Both give transformers' rounding: every op of the chain returns the activations' dtype (fp32
 // inside RMSNorm), and the kernels round where the chain does. The decode step on a GPU is bound by
 // its number of kernels as much as by its bytes (docs/gpu.md), so these cut a layer's launches from
-// ~40 to ~11. They are opt-in for now: KVSERVE_FUSED_OPS=1 in the environment turns them on (the
-// fp32 logits reference test failed with them on in their only GPU run; docs/gpu.md).
+// ~40 to ~13 (8B decode step 1.09-1.21x faster on an H100, docs/gpu.md). KVSERVE_FUSED_OPS=0 in the
+// environment turns them off (the A/B baseline).
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -16,7 +16,13 @@
 
 namespace kvserve::fused {
 
-// True when x is on a CUDA device, the build has the kernels and KVSERVE_FUSED_OPS is 1.
+// Which ops run on a CUDA device: 0 the torch chains, 1 the fused kernels (the default), 2 the fused
+// kernels' vectorized variants (16-byte loads, a row over up to 1024 threads; not yet run on a GPU,
+// so opt-in). KVSERVE_FUSED_OPS sets it at start; set_level changes it (tests, A/B runs).
+int level();
+void set_level(int level);
+
+// True when x is on a CUDA device, the build has the kernels and level() is not 0.
 bool active(const torch::Tensor& x);
 // True when this build has the CUDA kernels.
 bool compiled();

@@ -31,4 +31,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const torch::Tensor& rows,
                   const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v);
 
+// Whether paged_append copies 16-byte vectors (every load before the first store) where D and the
+// pointers allow. Off by default until it has run on a GPU; KVSERVE_FUSED_OPS=2 (the fused ops'
+// vectorized level, backend/fused_ops.h) turns it on at start.
+bool append_vectorized();
+void set_append_vectorized(bool on);
+
 }  // namespace kvserve::cuda

@@ -6,6 +6,8 @@
 #   tools/gpu_check.sh run       # on the GPU machine, from the repo root with .gpudeps/ copied along
 #   tools/gpu_check.sh bench [bench_gpu.py options]   # then, on the same machine: the GPU benchmark
 #   tools/gpu_check.sh prefix [bench_prefix_cache.py options]   # prefix cache and host tier, 8B bf16
+#   tools/gpu_check.sh kernels | profile   # fused-kernel A/B and per-kernel tables of a decode layer
+#   tools/gpu_check.sh all       # all of the above in one call (~9 minutes on an H100; see below)
 #
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
 # target whose name contains "cuda" against that machine's torch, runs those gtests (ctest -R cuda),
@@ -17,14 +19,20 @@
 # image has (no wheels are carried for them). Its default run is sized for ~8 minutes on an H100,
 # so give it its own command (a 10-minute limit), right after `run` while the machine still holds
 # /tmp/kvserve-build (or alone: it then builds kvserve first, ~90 s; pass --budget-s 360).
-# `prefix` (never run yet) measures issue 23's GPU row on the bench's random Llama-3.1-8B-shaped
+# `prefix` measures issue 23's GPU row on the bench's random Llama-3.1-8B-shaped
 # checkpoint (made as `bench` makes it, or reused from its cache): bench/bench_prefix_cache.py with
 # model.device cuda and bfloat16, for full and pyramidkv. The document workload gives the miss and
 # hits from the pool; the tier workload (a pool with room for about 1.6 8K requests, as on CPU, and
 # a 4 GiB host tier) gives hits from host RAM. It prints the tier's copy-in time (tier hit - pool
 # hit) in all and per layer. Sized for a few minutes on an H100; its log and JSON go to $OUT.
 # `run` and `bench` ran as committed on an H100 on 2026-11-26 (docs/gpu.md): `run` 262 s (26 gtests,
-# 18 pytest cases, all passed), `bench` 144 s with --budget-s 220.
+# 18 pytest cases, all passed), `bench` 144 s with --budget-s 220. On 2026-11-27 (session 16) `run`
+# took 340 s (30 gtests, 29 pytest cases), the 8B checkpoint 34 s, `kernels` on it 24 s, `prefix` 39 s.
+#
+# `all` is the one call to make on a lent machine (device time is short and a machine goes back after
+# 30 s idle): run, then the 8B checkpoint, kernels and profile on it, prefix, and bench --quick in
+# what is left of ALL_BUDGET_S (default 540). $out/summary.txt has the headline lines, and
+# $out/logs.tar.gz everything else (the device tool brings back only a few files per call).
 set -euo pipefail
 DEPS=.gpudeps
 DEBS="libboost1.74-dev libyaml-cpp-dev libyaml-cpp0.7 nlohmann-json3-dev libcli11-dev libspdlog-dev libspdlog1.10
@@ -122,10 +130,11 @@ prefix)
     --pool 12GiB --tier-pool 1650MiB --tier-bytes 4GiB --json "$out/prefix.json" "$@" 2>&1 | tee "$out/prefix.log"
   ;;
 kernels)
-  # The decode step's kernels: the fused ops' gtests, then `bench decode` with the fused kernels on and
-  # off (KVSERVE_FUSED_OPS=0), interleaved, at batch 1 and 8, each reporting the kernel nodes of its
-  # captured step (cuda_graph_stats). KERNELS_MODEL picks the checkpoint (default: models/tiny-llama,
-  # whose step is almost all fixed per-kernel cost). Sized for ~1 minute after the build.
+  # The decode step's kernels: the fused ops' gtests, then `bench decode` at each KVSERVE_FUSED_OPS
+  # level (1 the fused kernels, 0 the torch op chains, 2 the vectorized kernels), interleaved, at batch
+  # 1 and 8, each reporting the kernel nodes of its captured step (cuda_graph_stats). KERNELS_MODEL
+  # picks the checkpoint (default: models/tiny-llama, whose step is almost all fixed per-kernel cost;
+  # `all` passes the 8B one). Sized for ~1 minute after the build.
   shift
   setup_env
   [ -f "$BUILD/build.ninja" ] || KVSERVE_CONFIGURE_ONLY=1 build_kvserve
@@ -134,7 +143,7 @@ kernels)
   tail -3 "$out/fused-gtest.log"
   model=${KERNELS_MODEL:-models/tiny-llama}
   for batch in 1 8; do
-    for fused in 1 0; do
+    for fused in 1 0 2; do
       KVSERVE_FUSED_OPS=$fused "$BUILD/kvserve" bench decode --model "$model" --device cuda --dtype bfloat16 \
         --context 1024 --batch $batch --steps 64 --warmup 8 "$@" 2>>"$out/kernels.err" | tail -1 \
         > "$out/kernels-b$batch-fused$fused.json" || rc=1
@@ -144,6 +153,56 @@ kernels)
   done
   exit ${rc:-0}
   ;;
+profile)
+  # Nsight Compute (nsys is not on the lent image) over one eager decode step of PROFILE_MODEL
+  # (default the bench's 8B checkpoint), 1K x 1, at each fused-ops level: every kernel's time in
+  # launch order, and tools/ncu_layer_table.py's per-layer table. The launch-skip counts land in the
+  # timed steps of an 8B run (~1,260 kernels a step with the torch chains, ~420 with fused kernels).
+  shift
+  setup_env
+  [ -x "$BUILD/kvserve" ] || build_kvserve
+  model=${PROFILE_MODEL:-/tmp/kvserve-bench-models/bench-8b}
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  [ -n "$ncu" ] || { echo "no ncu on this machine" | tee "$out/profile.txt"; exit 1; }
+  : > "$out/profile.txt"
+  for level in 0 1 2; do
+    skip=4000; count=45; [ $level = 0 ] && { skip=9000; count=120; }
+    KVSERVE_FUSED_OPS=$level timeout 120 "$ncu" --launch-skip $skip --launch-count $count \
+      --metrics gpu__time_duration.sum --csv --page raw "$BUILD/kvserve" bench decode --model "$model" \
+      --device cuda --dtype bfloat16 --context 1024 --batch 1 --steps 12 --warmup 4 --enforce-eager "$@" \
+      > "$out/ncu-level$level.csv" 2> "$out/ncu-level$level.err" || rc=1
+    echo "## KVSERVE_FUSED_OPS=$level" >> "$out/profile.txt"
+    python3 tools/ncu_layer_table.py "$out/ncu-level$level.csv" >> "$out/profile.txt" 2>&1 || rc=1
+  done
+  cat "$out/profile.txt"
+  exit ${rc:-0}
+  ;;
+all)
+  shift
+  t0=$(date +%s)
+  budget=${ALL_BUDGET_S:-540}
+  sum="$out/summary.txt"; mkdir -p "$out"; : > "$sum"
+  step() { echo "$1 rc=$2 at $(( $(date +%s) - t0 )) s" | tee -a "$sum"; }
+  timeout 380 "$0" run > "$out/run.out" 2>&1; step run $?
+  { tail -3 "$out/ctest.log"; grep -E "passed|failed" "$out/pytest.log" | tail -2;
+    grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20; } >> "$sum" 2>/dev/null
+  model=/tmp/kvserve-bench-models/bench-8b
+  [ -f "$model/STAMP" ] || timeout 150 python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 \
+    > "$out/make8b.log" 2>&1; step make8b $?
+  KERNELS_MODEL=$model timeout 150 "$0" kernels > "$out/kernels.out" 2>&1; step kernels $?
+  grep -E "ms/step|PASSED|FAILED" "$out/kernels.out" >> "$sum"
+  timeout 200 "$0" profile > "$out/profile.out" 2>&1; step profile $?
+  timeout 150 "$0" prefix > "$out/prefix.out" 2>&1; step prefix $?
+  grep -A30 "^| policy" "$out/prefix.log" >> "$sum" 2>/dev/null
+  left=$(( budget - ($(date +%s) - t0) ))
+  if [ $left -gt 70 ]; then
+    timeout $left "$0" bench --quick --budget-s $(( left - 30 )) > "$out/bench.out" 2>&1; step bench $?
+    grep -A8 "^## Acceptance" "$out/benchmarks-gpu.md" >> "$sum" 2>/dev/null
+  fi
+  tar czf /tmp/gpu-logs.tar.gz -C "$out" --exclude summary.txt --exclude benchmarks-gpu.md . && mv /tmp/gpu-logs.tar.gz "$out/logs.tar.gz"
+  find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz ! -name benchmarks-gpu.md ! -name profile.txt -delete
+  cat "$sum"
+  ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels [options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|profile|all [options]" >&2; exit 2 ;;
 esac

@@ -29,6 +29,7 @@ struct RmsNormArgs {
   int64_t x_stride = 0, delta_stride = 0;  // x_out and out are contiguous [rows, cols]
   float eps = 1e-6f;
   DType dtype = DType::kFloat32;
+  bool vectorized = false;  // 16-byte loads held in registers, where cols and the pointers allow
 };
 cudaError_t launch_rms_norm(const RmsNormArgs& a, cudaStream_t stream);
 
@@ -45,6 +46,7 @@ struct RopeQkvArgs {
   void* v = nullptr;
   int64_t rows = 0, q_heads = 0, kv_heads = 0, head_dim = 0;  // head_dim even
   DType dtype = DType::kFloat32;
+  bool vectorized = false;  // one thread per pair of 16-byte vectors (d, d + D/2), where D and the pointers allow
 };
 cudaError_t launch_rope_qkv(const RopeQkvArgs& a, cudaStream_t stream);
 

@@ -1,7 +1,10 @@
 #include "cache_manager/paged_attention_cuda.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "common/check.h"
 
@@ -14,6 +17,14 @@
 
 namespace kvserve::cuda {
 namespace {
+
+std::atomic<bool>& append_vectorized_setting() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("KVSERVE_FUSED_OPS");
+    return v != nullptr && std::strcmp(v, "2") == 0;
+  }()};
+  return on;
+}
 
 bool is_kernel_dtype(torch::ScalarType t) {
   return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
@@ -175,9 +186,13 @@ void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const 
   a.num_blocks = pool.size(0);
   a.block_size = pool.size(3);
   a.dtype = kernel_dtype(pool.scalar_type());
+  a.vectorized = append_vectorized();
   const cudaError_t err = cuda_kernels::launch_paged_append(a, at::cuda::getCurrentCUDAStream(pool.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
 #endif
 }
+
+bool append_vectorized() { return append_vectorized_setting().load(std::memory_order_relaxed); }
+void set_append_vectorized(bool on) { append_vectorized_setting().store(on, std::memory_order_relaxed); }
 
 }  // namespace kvserve::cuda

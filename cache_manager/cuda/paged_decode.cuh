@@ -66,6 +66,7 @@ struct PagedAppendArgs {
   int64_t num_blocks = 0;
   int64_t block_size = 0;
   DType dtype = DType::kFloat32;
+  bool vectorized = false;  // 16-byte copies where head_dim and the pointers allow
 };
 
 // Split-K launch shape, chosen on the host so the grid never depends on device data.

@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache_manager/paged_attention.h"
@@ -214,11 +215,15 @@ TEST(PagedAttentionCuda, UnalignedPoolTakesTheScalarPath) {
 TEST(PagedAttentionCuda, AppendWritesExactlyTheNextSlot) {
   SKIP_WITHOUT_GPU();
   const torch::Device dev(torch::kCUDA);
+  const bool was = cuda::append_vectorized();
+  // Both copies: scalar, and 16-byte vectors (D = 36 is not whole vectors for 2-byte types: scalar).
+  for (bool vec : {false, true}) {
+  cuda::set_append_vectorized(vec);
   for (torch::ScalarType dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
-    for (int64_t bs : {1, 16, 5}) {
+    for (auto [bs, d] : std::vector<std::pair<int64_t, int64_t>>{{1, 32}, {16, 32}, {5, 32}, {16, 128}, {16, 36}}) {
       Spec s;
       s.kv = 3;
-      s.d = 32;
+      s.d = d;
       s.bs = bs;
       s.dtype = dtype;
       s.lens = {1, bs, bs + 1, 2 * bs, 77};  // lengths include the token appended this step
@@ -236,9 +241,11 @@ TEST(PagedAttentionCuda, AppendWritesExactlyTheNextSlot) {
       }
       torch::Tensor pool = before.to(dev);
       cuda::paged_append(pool, p.tables.to(dev), p.rows.to(dev), p.lengths.to(dev), k.to(dev), v.to(dev));
-      EXPECT_TRUE(torch::equal(pool.cpu(), want)) << c10::toString(dtype) << " bs=" << bs;
+      EXPECT_TRUE(torch::equal(pool.cpu(), want)) << c10::toString(dtype) << " bs=" << bs << " d=" << d << " vec=" << vec;
     }
   }
+  }
+  cuda::set_append_vectorized(was);
 }
 
 TEST(PagedAttentionCuda, AppendThenAttendSeesTheNewToken) {

@@ -8,7 +8,7 @@ and as kvserve on CPU.
 - greedy generation on the embedded model identical to CPU, and the passkey answered;
 - decode through CUDA graphs (the default on CUDA) generating what --enforce-eager generates, and
   `bench decode` replaying graphs unless --enforce-eager;
-- the fused elementwise kernels (KVSERVE_FUSED_OPS=1) under the same logits, graph and layout tests;
+- the fused elementwise kernels (on by default; KVSERVE_FUSED_OPS=0 turns them off) under the same logits, graph and layout tests;
 - the head-wise layout (a block table and a length per KV head) decoding through the CUDA kernels
   and graphs as it decodes on CPU, with head-adaptive SnapKV leaving the heads different lengths.
 """
@@ -47,9 +47,10 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.fixture(params=["0", "1"], ids=["torch-ops", "fused-ops"])
+@pytest.fixture(params=["0", "1", "2"], ids=["torch-ops", "fused-ops", "fused-vec"])
 def fused(request, monkeypatch):
-    """Runs a test with the fused elementwise kernels off (torch op chains) and on (KVSERVE_FUSED_OPS=1)."""
+    """Runs a test with the fused elementwise kernels off (torch op chains), on (the default,
+    KVSERVE_FUSED_OPS=1) and in their vectorized variants (2, with the K/V append's)."""
     monkeypatch.setenv("KVSERVE_FUSED_OPS", request.param)
     return request.param
 
