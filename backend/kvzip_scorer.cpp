@@ -92,7 +92,7 @@ std::vector<KvzipPass> kvzip_passes(const KvzipPrompts& prompts, std::span<const
 }
 
 std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
-                                        const PolicyConfig& cfg) {
+                                        const PolicyConfig& cfg, const KvzipStageIo& io) {
   const int64_t T = static_cast<int64_t>(tokens.size());
   const KvzipPrompts& prompts = kvzip_prompts(model.model_dir(), cfg.semantics);
   // kvpress reconstructs what follows the chat template's prefix; the authors keep their system
@@ -122,16 +122,21 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
       return std::make_pair(k.narrow(1, 0, plan.end), v.narrow(1, 0, plan.end));
     };
     const int64_t sink = score_sink_keys(plan.sink, pass.start);
-    model.detached_pass(
-        pass.ids, plan.end, [&](int64_t) { return ctx; },
+    torch::Tensor x = io.input ? io.input(pass.ids) : model.embed(pass.ids);
+    x = model.detached_layers(
+        std::move(x), plan.end, [&](int64_t) { return ctx; },
         [&](int64_t layer, const torch::Tensor& q, const torch::Tensor& k) {
           ctx = context_of(layer);
           const auto& ck = ctx.first;
           const auto ts = clock::now();
-          auto s = reconstruction_attention_max(q, ck.narrow(1, 0, sink), ck.narrow(1, pass.start, pass.stop - pass.start), k);
+          // A KV head's score is the most any query of its group gives: with the group split across
+          // TP ranks, every rank holding the KV head sees the whole group's queries.
+          auto s = reconstruction_attention_max(kv.reconstruction_queries(q), ck.narrow(1, 0, sink),
+                                                ck.narrow(1, pass.start, pass.stop - pass.start), k);
           board.record(layer - layout.layer_begin, pass.start, s);
           if (timing) score_s += std::chrono::duration<double>(clock::now() - ts).count();
         });
+    if (io.output && layout.layer_end < layout.num_layers_total) io.output(x);
   }
   if (timing) {
     const double all = std::chrono::duration<double>(clock::now() - t0).count();
@@ -145,8 +150,8 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
 }
 
 void kvzip_score_and_select(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
-                            const PolicyConfig& cfg) {
-  kv.select_by_scores(seq_id, kvzip_scores(model, kv, seq_id, tokens, cfg));
+                            const PolicyConfig& cfg, const KvzipStageIo& io) {
+  kv.select_by_scores(seq_id, kvzip_scores(model, kv, seq_id, tokens, cfg, io));
 }
 
 }  // namespace kvserve

@@ -6,6 +6,7 @@
 // (policies/kvzip_scores.h keeps the books); then the policy's allocator selects and each layer is
 // rewritten with what it keeps (KvMemory::select_by_scores).
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,14 +42,23 @@ struct KvzipPass {
 std::vector<KvzipPass> kvzip_passes(const KvzipPrompts& prompts, std::span<const int64_t> tokens, int64_t begin,
                                     int64_t end, int64_t chunk_size);
 
+// Where a pass's hidden states come from and go to on a pipeline stage: the first stage embeds the
+// pass's ids, a later one receives the previous stage's; a stage before the last sends its own on.
+// Empty functions: a whole model (embed; nothing to send).
+struct KvzipStageIo {
+  std::function<torch::Tensor(const std::vector<int64_t>& ids)> input;
+  std::function<void(const torch::Tensor& x)> output;
+};
+
 // Scores of every layer of `kv` for the prompt `tokens` (whose prefill wrote its whole K/V):
 // fp32 [KV, prompt - window] per layer. The passes attend to positions [0, prompt - window) only, at
-// positions after them, so the scores are a function of those tokens alone.
+// positions after them, so the scores are a function of those tokens alone. In a sharded job every
+// rank calls it together, each scoring its own layers and KV heads.
 std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
-                                        const PolicyConfig& cfg);
+                                        const PolicyConfig& cfg, const KvzipStageIo& io = {});
 
 // kvzip_scores, then kv.select_by_scores.
 void kvzip_score_and_select(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
-                            const PolicyConfig& cfg);
+                            const PolicyConfig& cfg, const KvzipStageIo& io = {});
 
 }  // namespace kvserve

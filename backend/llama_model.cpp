@@ -376,15 +376,13 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
   return x;
 }
 
-void LlamaModel::detached_pass(const std::vector<int64_t>& ids, int64_t start, const ContextKv& context,
-                               const LayerQkHook& hook) {
+torch::Tensor LlamaModel::detached_layers(torch::Tensor x, int64_t start, const ContextKv& context,
+                                          const LayerQkHook& hook) {
   torch::NoGradGuard ng;
-  KV_CHECK(layout_.pp_size == 1 && layout_.tp_size == 1, "internal: a detached pass runs on a whole model");
   KV_CHECK(!config_.gemma, "reconstruction scoring (kvzip) is not supported on " << config_.architecture << " yet");
-  const int64_t n = static_cast<int64_t>(ids.size());
+  const int64_t n = x.size(0);
   KV_CHECK(n > 0 && start >= 0, "internal: detached pass of " << n << " tokens at " << start);
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
-  torch::Tensor x = embed(ids);
   const auto positions = torch::arange(start, start + n, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   const RopeAngles angles = rope_->prefill_angles(positions, {start}, {n}, x.scalar_type());
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
@@ -394,7 +392,7 @@ void LlamaModel::detached_pass(const std::vector<int64_t>& ids, int64_t start, c
     auto q = q_all.transpose(0, 1).contiguous();  // [H, n, D]
     auto k = k_all.transpose(0, 1).contiguous();  // [KV, n, D]
     hook(li, q, k);
-    if (li + 1 == layout_.layer_end) break;
+    if (li + 1 == layout_.num_layers_total) return {};
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({n, KV, D}).transpose(0, 1).contiguous();
     auto [pk, pv] = context(li);
     torch::Tensor a = pk.size(1) == 0
@@ -405,6 +403,7 @@ void LlamaModel::detached_pass(const std::vector<int64_t>& ids, int64_t start, c
     x = x + row_parallel(a.transpose(0, 1).reshape({n, H * D}), l.wo, l.bo);
     x = x + mlp(l, rms_norm(x, l.post_norm));
   }
+  return x;
 }
 
 torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv) {

@@ -126,14 +126,16 @@ class LlamaModel {
   // This shard's layers over a prompt's hidden states [T, hidden] at positions start..start+T-1 of a
   // prompt of prompt_len (0 = start + T); start > 0: the earlier positions' K/V are in `kv`.
   torch::Tensor prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start = 0, int64_t prompt_len = 0);
-  // A detached pass (kvzip's reconstruction, backend/kvzip_scorer.h): token ids at positions
-  // [start, start + n) run through this shard's layers, attending at each layer to context(layer)'s
-  // K/V ([KV, P, D] after RoPE, every one visible) and causally to themselves; nothing is stored.
-  // hook(layer, q [H, n, D], k [KV, n, D]) sees each layer's post-RoPE queries and keys; the pass
-  // stops after the last layer's hook (no hidden states come out). Whole model only.
+  // A detached pass (kvzip's reconstruction, backend/kvzip_scorer.h): hidden states x [n, hidden] of
+  // token ids at positions start..start+n-1 through this shard's layers, attending to
+  // context(layer)'s K/V ([KV, P, D] of this shard's heads after RoPE, every one visible) and
+  // causally to themselves, writing nothing to any KV memory. hook(layer, q [H, n, D], k [KV, n, D]) sees each layer's post-RoPE
+  // queries and keys. Returns the hidden states for the next stage; after the model's last layer's
+  // hook nothing more is computed (the result is then undefined). Every TP shard of a stage calls it
+  // together.
   using ContextKv = std::function<std::pair<torch::Tensor, torch::Tensor>(int64_t layer)>;
   using LayerQkHook = std::function<void(int64_t layer, const torch::Tensor& q, const torch::Tensor& k)>;
-  void detached_pass(const std::vector<int64_t>& ids, int64_t start, const ContextKv& context, const LayerQkHook& hook);
+  torch::Tensor detached_layers(torch::Tensor x, int64_t start, const ContextKv& context, const LayerQkHook& hook);
   // This shard's layers over one new token per sequence, x [B, hidden].
   torch::Tensor decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv);
   // fp32 logits [rows, V] of hidden states (last stage).

@@ -103,6 +103,9 @@ class KvMemory {
     (void)seq_id;
     return nullptr;
   }
+  // A reconstruction pass's queries of this shard's heads [H_local, n, D] -> every query head of its
+  // KV heads' groups, where tensor parallelism split a group (KV heads replicated across ranks).
+  virtual torch::Tensor reconstruction_queries(const torch::Tensor& q) { return q; }
   // scores: per layer of this memory (ascending), fp32 [KV, prompt - window], higher = keep.
   virtual void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) {
     (void)scores;

@@ -625,6 +625,10 @@ const PolicyConfig* PagedKvMemory::pending_reconstruction(int64_t seq_id) const 
   return it != seqs_.end() && it->second.awaiting_scores ? it->second.policy : nullptr;
 }
 
+torch::Tensor PagedKvMemory::reconstruction_queries(const torch::Tensor& q) {
+  return shard_.exchange->gathers_queries() ? shard_.exchange->gather_queries(q.contiguous()) : q;
+}
+
 void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) {
   auto it = seqs_.find(seq_id);
   KV_CHECK(it != seqs_.end() && it->second.awaiting_scores,
@@ -633,10 +637,6 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
   const PolicyConfig& cfg = *s.policy;
   KV_CHECK(static_cast<int64_t>(scores.size()) == num_layers_,
            "select_by_scores: " << scores.size() << " layers of scores for " << num_layers_ << " layers");
-  // One top-k over every layer and KV head needs them all in this memory (a sharded job would
-  // gather them first: not done yet).
-  KV_CHECK(cfg.allocator != AllocatorKind::kGlobal || (holds_every_layer() && !shard_.exchange->gathers_queries()),
-           "policy '" << cfg.name << "': the global allocator runs in one process only (not in sharded jobs yet)");
   const int64_t w = std::min(cfg.window, s.prompt_len);
   // Each layer holds its whole prompt (store_prefill): it is rewritten in place with its selection.
   auto rewrite = [&](int64_t ll, const torch::Tensor& kept, const std::vector<int64_t>& counts) {
@@ -644,8 +644,15 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
     write_kept(seq_id, ll, kf, vf, kept, counts);
   };
   if (cfg.allocator == AllocatorKind::kGlobal) {
-    const int64_t total = global_kept_total(cfg, shard_.total_layers, cache_.num_kv_heads(), s.prompt_len);
-    const auto sels = global_head_selection(scores, total, w);
+    // One top-k over every layer and KV head of the model: a shard gathers everyone's scores, makes
+    // the one selection every shard makes, and keeps its own layers' and heads' part of it.
+    const std::vector<torch::Tensor> all = shard_.exchange->gather_all_layers(scores);
+    KV_CHECK(static_cast<int64_t>(all.size()) == shard_.total_layers,
+             "internal: " << all.size() << " layers of gathered scores for " << shard_.total_layers);
+    const int64_t model_kv = all[0].size(0);
+    const int64_t total = global_kept_total(cfg, shard_.total_layers, model_kv, s.prompt_len);
+    const auto sels = global_head_selection(all, total, w, shard_.first_layer, num_layers_,
+                                            shard_.exchange->first_kv_head(), cache_.num_kv_heads());
     for (int64_t ll = 0; ll < num_layers_; ++ll) {
       const HeadSelection& sel = sels[static_cast<size_t>(ll)];
       rewrite(ll, sel.positions, sel.counts);
@@ -663,7 +670,7 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
 void PagedKvMemory::end_prefill(int64_t seq_id) {
   SeqState& s = seqs_.at(seq_id);
   KV_CHECK(!s.awaiting_scores, "policy '" << s.policy->name << "': sequence " << seq_id << " ends its prefill without "
-                                          << "the reconstruction pass its scorer needs (not run in sharded jobs yet)");
+                                          << "the reconstruction pass its scorer needs");
   const bool compressed = s.selector && s.selector->compresses();
   if (s.selector && s.selector->is_dynamic()) finish_dynamic(seq_id);
   settle(seq_id);
@@ -767,8 +774,15 @@ void PagedKvMemory::settle(int64_t seq_id) {
     // Head-adaptive, a layer's heads keep different counts: its budget is the allocator's per-head
     // share (their mean), the same on every shard whichever heads it holds.
     if (s.policy->allocator == AllocatorKind::kGlobal && s.selector->compresses()) {
-      // One top-k over every layer: a layer's budget is what its heads keep on average.
-      s.budgets = mean_head_lengths(cache_, seq_id);
+      // One top-k over every layer: a layer's budget is what its heads keep on average, over every
+      // KV head of the model (TP shards gather each other's lengths), the same on every shard.
+      // (One process: gather_scores hands back its own.)
+      for (int64_t ll = 0; ll < num_layers_; ++ll) {
+        const auto lens = cache_.head_lengths(seq_id, ll);
+        auto mine = torch::tensor(lens, torch::kInt64).view({-1, 1}).to(cache_.pool().device());
+        const auto all = shard_.exchange->gather_scores(shard_.first_layer + ll, mine).to(torch::kCPU);
+        s.budgets.push_back(all.sum().item<int64_t>() / all.size(0));
+      }
     } else if (s.policy->head_adaptive() && s.selector->compresses()) {
       const auto all = s.selector->budgets();
       s.budgets.assign(all.begin() + shard_.first_layer, all.begin() + shard_.first_layer + num_layers_);

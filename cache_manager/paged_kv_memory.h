@@ -50,6 +50,7 @@ class PagedKvMemory final : public KvMemory {
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
   const PolicyConfig* pending_reconstruction(int64_t seq_id) const override;
+  torch::Tensor reconstruction_queries(const torch::Tensor& q) override;
   void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
   void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) override;

@@ -62,4 +62,44 @@ std::vector<int64_t> ShardScoreExchange::agree_final_budgets(const std::vector<i
   return std::vector<int64_t>(budgets.data_ptr<int64_t>(), budgets.data_ptr<int64_t>() + budgets.numel());
 }
 
+std::vector<torch::Tensor> ShardScoreExchange::gather_all_layers(const std::vector<torch::Tensor>& local) {
+  KV_CHECK(!local.empty(), "internal: no layers of scores to gather");
+  const int64_t KVl = local[0].size(0), N = local[0].size(1);
+  const int64_t tp = layout_.tp_size, world = layout_.tp_size * layout_.pp_size;
+  // Stages may hold different numbers of layers: every rank says which it holds, and pads its scores
+  // to the most any holds, so that one all-gather over the job carries them all.
+  auto range = torch::tensor({layout_.layer_begin, layout_.layer_end}, torch::kInt64).view({1, 2}).to(device_);
+  const auto ranges = groups_.world->all_gather(range).to(torch::kCPU);  // [world, 2], global rank order
+  KV_CHECK(ranges.size(0) == world, "internal: " << ranges.size(0) << " layer ranges from a job of " << world);
+  const auto r = ranges.accessor<int64_t, 2>();
+  int64_t most = 0;
+  for (int64_t i = 0; i < world; ++i) most = std::max(most, r[i][1] - r[i][0]);
+  auto mine = torch::zeros({most, KVl, N}, local[0].options());
+  for (size_t l = 0; l < local.size(); ++l) {
+    KV_CHECK(local[l].dim() == 2 && local[l].size(0) == KVl && local[l].size(1) == N,
+             "internal: layer scores " << local[l].sizes() << " beside [" << KVl << ", " << N << "]");
+    mine[static_cast<int64_t>(l)].copy_(local[l]);
+  }
+  const auto all = groups_.world->all_gather(mine.contiguous());  // [world * most, KVl, N]
+  std::vector<torch::Tensor> out(static_cast<size_t>(layout_.num_layers_total));
+  for (int64_t stage = 0; stage < layout_.pp_size; ++stage) {
+    const int64_t head = layout_.global_rank(stage, 0);
+    for (int64_t g = r[head][0]; g < r[head][1]; ++g) {
+      std::vector<torch::Tensor> heads;  // the stage's TP ranks hold consecutive KV heads
+      for (int64_t t = 0; t < tp; ++t) {
+        const int64_t rank = layout_.global_rank(stage, t);
+        heads.push_back(all[rank * most + (g - r[rank][0])]);
+      }
+      auto layer = torch::cat(heads, 0);  // [tp * KVl, N]
+      // Replicated KV heads appear once per replica: keep one copy of each.
+      const int64_t replicas = layout_.kv_replicas;
+      if (replicas > 1) layer = layer.view({num_kv_heads_, replicas, N}).select(1, 0);
+      out[static_cast<size_t>(g)] = layer.contiguous();
+    }
+  }
+  for (int64_t g = 0; g < layout_.num_layers_total; ++g)
+    KV_CHECK(out[static_cast<size_t>(g)].defined(), "internal: no shard holds layer " << g << "'s scores");
+  return out;
+}
+
 }  // namespace kvserve::parallel

@@ -29,6 +29,7 @@ class ShardScoreExchange final : public ScoreExchange {
   LayerScores receive_scores() override;
   void send_scores(const LayerScores& scores) override;
   std::vector<int64_t> agree_final_budgets(const std::vector<int64_t>& own) override;
+  std::vector<torch::Tensor> gather_all_layers(const std::vector<torch::Tensor>& local) override;
 
  private:
   ShardLayout layout_;

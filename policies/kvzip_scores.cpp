@@ -144,7 +144,8 @@ int64_t global_kept_total(const PolicyConfig& cfg, int64_t num_layers, int64_t n
   return std::clamp<int64_t>(kept - heads * w, 0, scored_max);
 }
 
-std::vector<HeadSelection> global_head_selection(const std::vector<torch::Tensor>& scores, int64_t total, int64_t window) {
+std::vector<HeadSelection> global_head_selection(const std::vector<torch::Tensor>& scores, int64_t total, int64_t window,
+                                                 int64_t layer_begin, int64_t layers, int64_t head_begin, int64_t heads) {
   KV_CHECK(!scores.empty(), "global_head_selection: no layers");
   const int64_t KV = scores[0].size(0), N = scores[0].size(1), L = static_cast<int64_t>(scores.size());
   for (const auto& s : scores) {
@@ -153,6 +154,11 @@ std::vector<HeadSelection> global_head_selection(const std::vector<torch::Tensor
   }
   KV_CHECK(total >= 0 && total <= L * KV * N, "global_head_selection: " << total << " kept of " << L * KV * N);
   KV_CHECK(window >= 0, "global_head_selection: negative window " << window);
+  if (layers < 0) layers = L - layer_begin;
+  if (heads < 0) heads = KV - head_begin;
+  KV_CHECK(0 <= layer_begin && layer_begin + layers <= L && 0 <= head_begin && head_begin + heads <= KV,
+           "global_head_selection: layers [" << layer_begin << ", +" << layers << ") heads [" << head_begin << ", +"
+                                             << heads << ") of " << L << " x " << KV);
   // Layer-major, then head, then position: ties go to the lower (layer, head, position).
   auto flat = torch::stack(scores).to(torch::kFloat32).reshape({1, L * KV * N});
   auto mask = torch::zeros({L * KV * N}, flat.options().dtype(torch::kBool));
@@ -160,15 +166,15 @@ std::vector<HeadSelection> global_head_selection(const std::vector<torch::Tensor
   mask = mask.view({L, KV, N});
   std::vector<HeadSelection> out;
   const int64_t width_all = N + window;
-  for (int64_t l = 0; l < L; ++l) {
-    auto kept = mask[l];
-    if (window > 0) kept = torch::cat({kept, torch::ones({KV, window}, kept.options())}, 1);
+  for (int64_t l = layer_begin; l < layer_begin + layers; ++l) {
+    auto kept = mask[l].narrow(0, head_begin, heads);
+    if (window > 0) kept = torch::cat({kept, torch::ones({heads, window}, kept.options())}, 1);
     auto counts_t = kept.sum(1).to(torch::kCPU);
     HeadSelection sel;
-    sel.counts.assign(counts_t.data_ptr<int64_t>(), counts_t.data_ptr<int64_t>() + KV);
+    sel.counts.assign(counts_t.data_ptr<int64_t>(), counts_t.data_ptr<int64_t>() + heads);
     const int64_t width = *std::max_element(sel.counts.begin(), sel.counts.end());
     // Kept positions first in ascending order, then the dropped ones (padding that indexes validly).
-    auto idx = torch::arange(width_all, kept.options().dtype(torch::kInt64)).unsqueeze(0).expand({KV, width_all});
+    auto idx = torch::arange(width_all, kept.options().dtype(torch::kInt64)).unsqueeze(0).expand({heads, width_all});
     auto key = torch::where(kept, idx, idx + width_all);
     sel.positions = std::get<0>(torch::sort(key, 1)).narrow(1, 0, width).remainder(width_all).contiguous();
     sel.kept = kept;

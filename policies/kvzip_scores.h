@@ -73,6 +73,10 @@ int64_t global_kept_total(const PolicyConfig& cfg, int64_t num_layers, int64_t n
 // every layer), ties to the lower (layer, head, position); the trailing `window` positions
 // [N, N + window) are kept by every head on top. Per layer, what each KV head keeps (positions
 // ascending, a shorter head padded as adaptive_head_selection pads). 0 <= total <= L x KV x N.
-std::vector<HeadSelection> global_head_selection(const std::vector<torch::Tensor>& scores, int64_t total, int64_t window);
+// A shard takes its own part of the one selection: layers [layer_begin, layer_begin + layers) and
+// KV heads [head_begin, head_begin + heads) (-1: to the end).
+std::vector<HeadSelection> global_head_selection(const std::vector<torch::Tensor>& scores, int64_t total, int64_t window,
+                                                 int64_t layer_begin = 0, int64_t layers = -1, int64_t head_begin = 0,
+                                                 int64_t heads = -1);
 
 }  // namespace kvserve

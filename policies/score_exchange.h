@@ -44,6 +44,11 @@ class ScoreExchange {
   // Every shard, after the whole prompt: the final scored budgets (window excluded, one per model
   // layer) that the shard holding the last layer computed, passed there as `own` (ignored elsewhere).
   virtual std::vector<int64_t> agree_final_budgets(const std::vector<int64_t>& own) = 0;
+
+  // Every shard, after a reconstruction scorer's passes (kvzip's global allocator: one top-k over the
+  // whole model): this shard's scores, one [local KV heads, N] per layer it holds -> every model
+  // layer's [all KV heads, N] (layers and heads in model order), the same on every shard.
+  virtual std::vector<torch::Tensor> gather_all_layers(const std::vector<torch::Tensor>& local) { return local; }
 };
 
 // One process holds every layer and KV head: its scores already are everyone's and nothing travels.

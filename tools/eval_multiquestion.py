@@ -10,7 +10,14 @@ the haystack once, at the first question, and every later question reads that sa
 in it, its best case. Scores whether the number occurs in the answer, with 95 % Wilson intervals,
 and prints a markdown table; `--out` also writes every answer as JSON.
 
+`--kvpress` adds rows from transformers on the same documents, questions and token ids
+(tools/eval_multiquestion_kvpress.py): full KV ("kvpress full", that harness's reference) and
+kvpress's KVzipPress at each `--kvpress-kept` fraction (compression_ratio = 1 - kept), each
+document's context compressed once and its questions answered from that cache the way kvpress's
+pipeline answers `questions`. `--policies ''` runs the kvpress rows alone (no server).
+
   python3 tools/eval_multiquestion.py --docs 12 --length 1000
+  python3 tools/eval_multiquestion.py --docs 12 --length 1000 --policies full,kvzip-0.25,kvzip-0.125 --kvpress
 """
 from __future__ import annotations
 
@@ -60,12 +67,20 @@ def haystack(tok, length: int, seed: int) -> tuple[str, list[tuple[str, str]]]:
     return body, facts
 
 
+MAX_TOKENS = 16
+
+
+def messages_of(body: str, key: str) -> list[dict]:
+    """The chat of one question: the context (haystack, acknowledgement), the question, the answer prefix."""
+    return [{"role": "user", "content": body}, {"role": "assistant", "content": "I have memorized them."},
+            {"role": "user", "content": f"What is the special magic number for {key} mentioned in the provided text?"},
+            {"role": "assistant", "content": f"The special magic number for {key} mentioned in the provided text is"}]
+
+
 def ask(url: str, body: str, key: str, policy: str) -> tuple[str, float, int]:
     import urllib.request
-    messages = [{"role": "user", "content": body}, {"role": "assistant", "content": "I have memorized them."},
-                {"role": "user", "content": f"What is the special magic number for {key} mentioned in the provided text?"},
-                {"role": "assistant", "content": f"The special magic number for {key} mentioned in the provided text is"}]
-    req_body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0,
+    messages = messages_of(body, key)
+    req_body = json.dumps({"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
                            "continue_final_message": True, "add_generation_prompt": False,
                            "kv_policy": policy}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", req_body, {"Content-Type": "application/json"})
@@ -76,22 +91,49 @@ def ask(url: str, body: str, key: str, policy: str) -> tuple[str, float, int]:
             out["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=12)
     ap.add_argument("--length", type=int, default=1000, help="document tokens")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES), help="kvserve policies, comma list ('' for none)")
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
     ap.add_argument("--out", default="")
-    a = ap.parse_args()
+    ap.add_argument("--kvpress", action="store_true",
+                    help="also run transformers full KV and kvpress's KVzipPress on the same prompts")
+    ap.add_argument("--kvpress-kept", default="0.25,0.125",
+                    help="KVzipPress kept fractions, comma list (compression_ratio = 1 - kept)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for the kvpress rows (0: torch's default)")
+    a = ap.parse_args(argv)
+    a.policies = [n for n in a.policies.split(",") if n]
+    for n in a.policies:
+        if n not in POLICIES:
+            ap.error(f"--policies: unknown policy {n!r} (known: {', '.join(POLICIES)})")
+    a.kvpress_kept = [float(x) for x in a.kvpress_kept.split(",") if x]
+    if any(not 0 < r <= 1 for r in a.kvpress_kept):
+        ap.error("--kvpress-kept: fractions must be in (0, 1]")
+    if not a.policies and not a.kvpress:
+        ap.error("nothing to run: no --policies and no --kvpress")
+    return a
+
+
+def main() -> None:
+    a = parse_args()
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(pathlib.Path(a.model) / "tokenizer.json"))
-    names = a.policies.split(",")
-    yaml = "".join(f"  {n}: {POLICIES[n]}\n" for n in names if n != "full")
-    srv = Server(model=a.model, extra_yaml=yaml, kv_cache_bytes="2GiB")
+    names = a.policies
     a.questions = 4
     docs = [haystack(tok, a.length, 1000 + d) for d in range(a.docs)]
     results = {}
+    t_start = time.perf_counter()
+    if a.kvpress:
+        import eval_multiquestion_kvpress as kvp
+        results.update(kvp.run(a.model, docs, messages_of, a.kvpress_kept, MAX_TOKENS, a.threads,
+                               log=lambda m: print(m, file=sys.stderr, flush=True)))
+        print(f"kvpress rows: {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
+    if names:
+        t_srv = time.perf_counter()
+        yaml = "".join(f"  {n}: {POLICIES[n]}\n" for n in names if n != "full")
+        srv = Server(model=a.model, extra_yaml=yaml, kv_cache_bytes="2GiB")
     try:
         for name in names:
             rows = []
@@ -104,19 +146,35 @@ def main() -> None:
             k = sum(r["correct"] for r in rows)
             print(f"{name}: {k}/{len(rows)}", file=sys.stderr, flush=True)
     finally:
-        srv.stop()
-    full = sum(r["correct"] for r in results.get("full", [])) or None
+        if names:
+            srv.stop()
+            print(f"kvserve rows: {time.perf_counter() - t_srv:.0f} s", file=sys.stderr, flush=True)
+    # "of full": against the same harness's full KV (kvserve's "full", transformers' "kvpress full").
+    fulls = {h: sum(r["correct"] for r in results.get(f, [])) or None for h, f in (("", "full"), ("kvpress", "kvpress full"))}
     print(f"| policy | correct ({a.docs} documents x {a.questions} questions, {a.length} tokens) | 95 % interval | "
           "of full | by question 1..k | median time, question 1 / later |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name, rows in results.items():
+    order = [n for n in results if not n.startswith("kvpress")] + [n for n in results if n.startswith("kvpress")]
+    for name in order:
+        rows = results[name]
         k, n = sum(r["correct"] for r in rows), len(rows)
         lo, hi = wilson(k, n)
         per_q = "/".join(str(sum(r["correct"] for r in rows if r["question"] == i)) for i in range(a.questions))
         first = statistics.median(r["seconds"] for r in rows if r["question"] == 0)
         later = statistics.median(r["seconds"] for r in rows if r["question"] > 0) if a.questions > 1 else float("nan")
+        full = fulls["kvpress" if name.startswith("kvpress") else ""]
         rel = f"{k / full:.0%}" if full else "-"
         print(f"| {name} | {k}/{n} ({k / n:.0%}) | [{lo:.0%}, {hi:.0%}] | {rel} | {per_q} | {first:.2f} s / {later:.2f} s |")
+    # Per question, kvserve's row against the kvpress row of the same budget.
+    pairs = [("full", "kvpress full")] + [(f"kvzip-{r:g}", f"kvpress KVzipPress {r:g}") for r in a.kvpress_kept]
+    for mine, theirs in pairs:
+        if mine in results and theirs in results:
+            x, y = results[mine], results[theirs]
+            both = sum(p["correct"] and q["correct"] for p, q in zip(x, y))
+            agree = sum(p["correct"] == q["correct"] for p, q in zip(x, y))
+            same = sum(p["text"].strip() == q["text"].strip() for p, q in zip(x, y))
+            print(f"{mine} vs {theirs}: both correct {both}/{len(x)}, same verdict {agree}/{len(x)}, "
+                  f"identical answer text {same}/{len(x)}")
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(results, indent=1))
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "backend/kvzip_scorer.h"
 #include "backend/llama_model.h"
 #include "common/check.h"
 #include "parallel/communicator.h"
@@ -12,14 +13,17 @@ namespace kvserve {
 namespace {
 // Message tags between stages; decode micro-batch i uses kDecodeHidden + i and kDecodeLogits + i.
 // DynamicKV's scores travel with tags 2 and 3 (parallel::ShardScoreExchange, called by the KV memory).
-constexpr int kPrefillHidden = 1, kPrefillLogits = 4;
+// kvzip's reconstruction passes send their hidden states with kReconHidden.
+constexpr int kPrefillHidden = 1, kPrefillLogits = 4, kReconHidden = 5;
 constexpr int kDecodeHidden = 64, kDecodeLogits = 4096;
 static_assert(parallel::ShardScoreExchange::kScoreLayersTag < kDecodeHidden &&
               parallel::ShardScoreExchange::kScoresTag < kDecodeHidden &&
               parallel::ShardScoreExchange::kScoreLayersTag != kPrefillHidden &&
               parallel::ShardScoreExchange::kScoreLayersTag != kPrefillLogits &&
               parallel::ShardScoreExchange::kScoresTag != kPrefillHidden &&
-              parallel::ShardScoreExchange::kScoresTag != kPrefillLogits,
+              parallel::ShardScoreExchange::kScoresTag != kPrefillLogits &&
+              parallel::ShardScoreExchange::kScoreLayersTag != kReconHidden &&
+              parallel::ShardScoreExchange::kScoresTag != kReconHidden,
               "the score exchange's tags must not collide with the runtime's");
 }  // namespace
 
@@ -70,6 +74,16 @@ torch::Tensor ShardedExecutor::run_prefill(int64_t seq_id, std::span<const int64
                                     : data.recv_tensor(static_cast<int>(prev_rank()), kPrefillHidden, dev);
   x = model_->prefill_layers(seq_id, x, kv_, start, N);
   if (!s.last_stage()) data.send_tensor(x, static_cast<int>(next_rank()), kPrefillHidden);
+  // A reconstruction scorer (kvzip) runs its passes through the stages as the prompt did, then every
+  // shard takes its part of the one selection (KvMemory::select_by_scores gathers the scores).
+  if (const PolicyConfig* cfg = kv_.pending_reconstruction(seq_id)) {
+    KvzipStageIo io;
+    if (!s.first_stage())
+      io.input = [&](const std::vector<int64_t>&) { return data.recv_tensor(static_cast<int>(prev_rank()), kReconHidden, dev); };
+    if (!s.last_stage())
+      io.output = [&](const torch::Tensor& h) { data.send_tensor(h, static_cast<int>(next_rank()), kReconHidden); };
+    kvzip_score_and_select(*model_, kv_, seq_id, prompt, *cfg, io);
+  }
   kv_.end_prefill(seq_id);
   torch::Tensor logits;
   if (s.last_stage()) {

@@ -151,6 +151,29 @@ TEST(KvzipSelection, OneTopKOverLayersAndHeads) {
   EXPECT_THROW(global_head_selection({l0, l1}, 17, 0), KvError);
 }
 
+TEST(KvzipSelection, AShardTakesItsPartOfTheOneSelection) {
+  // 3 layers x 4 KV heads: a shard holding layers [1, 3) and heads [2, 4) keeps exactly those rows
+  // of the whole model's selection, counts and positions alike.
+  torch::manual_seed(7);
+  std::vector<torch::Tensor> scores;
+  for (int l = 0; l < 3; ++l) scores.push_back(torch::rand({4, 10}));
+  const auto whole = global_head_selection(scores, 37, 2);
+  const auto part = global_head_selection(scores, 37, 2, 1, 2, 2, 2);
+  ASSERT_EQ(part.size(), 2u);
+  for (int64_t l = 0; l < 2; ++l) {
+    const auto& w = whole[static_cast<size_t>(l + 1)];
+    const auto& p = part[static_cast<size_t>(l)];
+    EXPECT_EQ(p.counts, (std::vector<int64_t>{w.counts[2], w.counts[3]})) << "layer " << l + 1;
+    EXPECT_TRUE(torch::equal(p.kept, w.kept.narrow(0, 2, 2))) << "layer " << l + 1;
+    for (int64_t h = 0; h < 2; ++h) {
+      EXPECT_TRUE(torch::equal(p.positions[h].narrow(0, 0, p.counts[h]), w.positions[h + 2].narrow(0, 0, p.counts[h])))
+          << "layer " << l + 1 << " head " << h;
+    }
+  }
+  EXPECT_THROW(global_head_selection(scores, 37, 2, 2, 2), KvError);      // layers past the model's
+  EXPECT_THROW(global_head_selection(scores, 37, 2, 0, 3, 3, 2), KvError);  // heads past the model's
+}
+
 TEST(KvzipSelection, ScoresDriveThePerLayerAllocators) {
   // Uniform heads: each head's top budget by the given scores, as stable_top_positions.
   PolicyConfig c = make_policy_config("kvzip", {{"allocator", "uniform"}, {"head_budgets", "uniform"}, {"budget", "3"}});

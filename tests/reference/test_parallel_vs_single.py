@@ -5,6 +5,7 @@ For (TP, PP) in (1,1), (2,1), (1,2), (2,2):
 - `kvserve forward`: logits within 1e-4 of the single-process run; per-layer budgets identical; the
   kept positions of every (layer, KV head), dumped by each shard and merged by rank 0, identical.
 - `kvserve generate` (engine, continuous batching, sampler on rank 0): greedy tokens identical.
+- kvzip's reconstruction passes and its one top-k over the whole model, across stages and shards.
 
 Fixtures: llama-kvfew has 3 layers (PP=2 splits them 2+1, unevenly) and 1 KV head (fewer than the
 2 TP ranks: each rank holds a replica, and the scorers gather the query heads of its group);
@@ -41,7 +42,11 @@ HEAD_ADAPTIVE = {
     "dynamickv-adaptive": [*POLICY_FLAGS["dynamickv"], "--policy-param", "head_budgets=adaptive", "--policy-param",
                            "m=2"],
 }
-POLICIES = {**POLICY_FLAGS, **DYNAMIC_VARIANTS, **HEAD_ADAPTIVE}
+# KVzip (issue 32): the reconstruction passes run through every stage and TP shard as the prompt did
+# (16-token chunks, so a stage sends several), then one top-k over the whole model's scores, gathered
+# from every shard, of which each shard keeps its own layers' and heads' part.
+KVZIP = {"kvzip": ["--policy", "kvzip", "--budget", "16", "--policy-param", "chunk_size=16"]}
+POLICIES = {**POLICY_FLAGS, **DYNAMIC_VARIANTS, **HEAD_ADAPTIVE, **KVZIP}
 PROMPT = [(7 * i + 3) % 1900 + 5 for i in range(41)]
 QWEN3_PROMPT = [(7 * i + 3) % 1500 + 5 for i in range(41)]  # within its Qwen2 tokenizer's 1577 ids
 
@@ -126,7 +131,7 @@ def test_gemma3_sharded_equals_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "dynamickv-authors", "knorm-decode",
-                                    "streamingllm"])
+                                    "streamingllm", "kvzip"])
 def test_generate_sharded_equals_single_process(policy):
     model = str(fixtures_dir() / "llama-kvfew")
     ref = generate(model, POLICIES[policy], 1, 1)
