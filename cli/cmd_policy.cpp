@@ -35,7 +35,7 @@ struct PolicyArgs {
 };
 
 void add_policy_args(CLI::App* cmd, PolicyArgs& a) {
-  cmd->add_option("--policy", a.policy, "policy name (full, snapkv, pyramidkv, dynamickv, streamingllm, h2o, knorm, random)")
+  cmd->add_option("--policy", a.policy, "policy name (full, snapkv, pyramidkv, dynamickv, streamingllm, h2o, knorm, kvzip, random)")
       ->required();
   cmd->add_option("--budget", a.budget, "tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a.params, "policy parameter key=value (repeatable)");
