@@ -7,6 +7,14 @@
 
 namespace kvserve::parallel {
 
+namespace {
+// Rows of a TP all-gather [tp * local KV heads, N] in rank order -> one per model KV head: a KV head
+// replicated across ranks appears once per replica, and the first copy is kept.
+torch::Tensor one_per_replica(const torch::Tensor& rows, int64_t num_kv_heads, int64_t replicas) {
+  return replicas > 1 ? rows.view({num_kv_heads, replicas, rows.size(1)}).select(1, 0).contiguous() : rows;
+}
+}  // namespace
+
 ShardScoreExchange::ShardScoreExchange(const ShardLayout& layout, int64_t num_kv_heads, int64_t num_heads,
                                        ParallelGroups groups, torch::Device device)
     : layout_(layout), num_kv_heads_(num_kv_heads), num_heads_(num_heads), groups_(std::move(groups)),
@@ -25,10 +33,7 @@ torch::Tensor ShardScoreExchange::gather_queries(const torch::Tensor& q) {
 
 torch::Tensor ShardScoreExchange::gather_scores(int64_t, const torch::Tensor& local) {
   if (!groups_.tp) return local;
-  auto all = groups_.tp->all_gather(local.contiguous());  // [tp * local KV heads, N], rank order
-  // Replicated KV heads appear once per replica: keep one copy of each.
-  const int64_t replicas = layout_.kv_replicas;
-  return replicas > 1 ? all.view({num_kv_heads_, replicas, all.size(1)}).select(1, 0).contiguous() : all;
+  return one_per_replica(groups_.tp->all_gather(local.contiguous()), num_kv_heads_, layout_.kv_replicas);
 }
 
 LayerScores ShardScoreExchange::receive_scores() {
@@ -90,11 +95,7 @@ std::vector<torch::Tensor> ShardScoreExchange::gather_all_layers(const std::vect
         const int64_t rank = layout_.global_rank(stage, t);
         heads.push_back(all[rank * most + (g - r[rank][0])]);
       }
-      auto layer = torch::cat(heads, 0);  // [tp * KVl, N]
-      // Replicated KV heads appear once per replica: keep one copy of each.
-      const int64_t replicas = layout_.kv_replicas;
-      if (replicas > 1) layer = layer.view({num_kv_heads_, replicas, N}).select(1, 0);
-      out[static_cast<size_t>(g)] = layer.contiguous();
+      out[static_cast<size_t>(g)] = one_per_replica(torch::cat(heads, 0), num_kv_heads_, layout_.kv_replicas);
     }
   }
   for (int64_t g = 0; g < layout_.num_layers_total; ++g)
