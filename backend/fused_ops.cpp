@@ -17,11 +17,12 @@
 namespace kvserve::fused {
 namespace {
 
-// On unless switched off: the torch op chains stay as the A/B baseline (docs/gpu.md).
+// The vectorized kernels unless set: they passed every CUDA test and ran 1.12-1.14x faster than level 1
+// on an H100 (docs/gpu.md, session 17); the torch op chains stay as the A/B baseline.
 std::atomic<int>& level_setting() {
   static std::atomic<int> level{[] {
     const char* v = std::getenv("KVSERVE_FUSED_OPS");
-    if (v == nullptr || *v == '\0') return 1;
+    if (v == nullptr || *v == '\0') return 2;
     KV_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
              "KVSERVE_FUSED_OPS is '" << v << "': 0 (torch op chains), 1 (fused kernels) or 2 (their vectorized variants)");
     return *v - '0';

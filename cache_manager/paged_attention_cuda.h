@@ -32,8 +32,8 @@ void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const 
                   const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v);
 
 // Whether paged_append copies 16-byte vectors (every load before the first store) where D and the
-// pointers allow. Off by default until it has run on a GPU; KVSERVE_FUSED_OPS=2 (the fused ops'
-// vectorized level, backend/fused_ops.h) turns it on at start.
+// pointers allow. On by default, as the fused ops' vectorized level (backend/fused_ops.h) is;
+// KVSERVE_FUSED_OPS=0 or 1 turns it off at start.
 bool append_vectorized();
 void set_append_vectorized(bool on);
 

@@ -21,7 +21,7 @@ namespace {
 std::atomic<bool>& append_vectorized_setting() {
   static std::atomic<bool> on{[] {
     const char* v = std::getenv("KVSERVE_FUSED_OPS");
-    return v != nullptr && std::strcmp(v, "2") == 0;
+    return v == nullptr || *v == '\0' || std::strcmp(v, "2") == 0;
   }()};
   return on;
 }

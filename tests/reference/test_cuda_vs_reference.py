@@ -49,8 +49,8 @@ def no_tf32():
 
 @pytest.fixture(params=["0", "1", "2"], ids=["torch-ops", "fused-ops", "fused-vec"])
 def fused(request, monkeypatch):
-    """Runs a test with the fused elementwise kernels off (torch op chains), on (the default,
-    KVSERVE_FUSED_OPS=1) and in their vectorized variants (2, with the K/V append's)."""
+    """Runs a test with the fused elementwise kernels off (torch op chains), on (KVSERVE_FUSED_OPS=1)
+    and in their vectorized variants (2, the default, with the K/V append's)."""
     monkeypatch.setenv("KVSERVE_FUSED_OPS", request.param)
     return request.param
 
