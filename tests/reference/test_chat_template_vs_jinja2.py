@@ -154,6 +154,49 @@ CONVERSATIONS = {
         "tools": TOOLS[:1],
         "builtin_tools": ["brave_search", "code_interpreter"],
     },
+    # Reasoning models (Qwen3): reasoning_content kept only for turns after the last real user query,
+    # a multi-step tool exchange after it, and a user turn that merely wraps a tool response.
+    "reasoning_content": {
+        "messages": [
+            SYSTEM,
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "reasoning_content": "Greeting; dropped from history.", "content": "Hello!"},
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {
+                "role": "assistant",
+                "reasoning_content": "\nThe user wants the weather; call get_weather.\n\n",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call00003",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call00003", "name": "get_weather", "content": "22 degrees, sunny"},
+            {"role": "assistant", "content": "Checking once more.", "reasoning_content": ""},
+            {"role": "user", "content": "<tool_response>\n23 degrees\n</tool_response>"},
+            {"role": "assistant", "reasoning_content": "Both agree.", "content": "\n\nIt is 22-23 °C and sunny."},
+        ],
+        "tools": TOOLS,
+    },
+    "think_in_content": {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "<think>\ncounting\n</think>\n\ntwo"},
+            {"role": "user", "content": "three"},
+            {"role": "assistant", "content": "\nno open tag\n</think>\nfour</think>five"},
+            {"role": "assistant", "content": "plain six"},
+            {"role": "assistant", "content": "<think>\n\n</think>\n\nseven"},
+        ]
+    },
+}
+
+# Extra template variables (the server's chat_template_kwargs) rendered on top of every conversation,
+# per template: Qwen3's thinking switch unset, on and off.
+TEMPLATE_KWARGS = {
+    "qwen3": {"": {}, "think": {"enable_thinking": True}, "nothink": {"enable_thinking": False}},
 }
 
 TEMPLATE_FILES = sorted(TEMPLATES.glob("*.jinja"))
@@ -189,8 +232,13 @@ def kvserve_render(template_path, context, tmp_path):
     return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8", "replace")
 
 
-def template_context(template, conv, agp):
+def template_variants(template):
+    return TEMPLATE_KWARGS.get(template.stem, {"": {}})
+
+
+def template_context(template, conv, agp, variant=""):
     context = dict(CONVERSATIONS[conv])
+    context.update(template_variants(template)[variant])
     context.update(add_generation_prompt=agp, bos_token="<s>", eos_token="</s>")
     if template.stem == "llama31_tools" and "date_string" not in context:
         context["date_string"] = "26 Jul 2024"
@@ -209,10 +257,11 @@ def batch_results(tmp_path_factory):
         source = template.read_text(encoding="utf-8")
         for conv in CONVERSATIONS:
             for agp in GEN_PROMPT:
-                keys.append((template.stem, conv, agp))
-                cases.append({"template": source, "context": template_context(template, conv, agp)})
+                for variant in template_variants(template):
+                    keys.append((template.stem, conv, agp, variant))
+                    cases.append({"template": source, "context": template_context(template, conv, agp, variant)})
     for i, source in enumerate(EXPRESSIONS):
-        keys.append(("expr", i, None))
+        keys.append(("expr", i, None, ""))
         cases.append({"template": source, "context": EXPR_CONTEXT})
     path = tmp_path_factory.mktemp("batch") / "cases.json"
     path.write_text(json.dumps(cases, ensure_ascii=False), encoding="utf-8")
@@ -237,13 +286,22 @@ def check(expected_ok, expected, result):
 needs_bin = pytest.mark.skipif(not KVSERVE_BIN, reason="KVSERVE_BIN not set")
 
 
+MATCH_CASES = [
+    pytest.param(template, conv, agp, variant,
+                 id="-".join([template.stem, conv, "gen" if agp else "nogen"] + ([variant] if variant else [])))
+    for template in TEMPLATE_FILES
+    for conv in sorted(CONVERSATIONS)
+    for agp in GEN_PROMPT
+    for variant in template_variants(template)
+]
+
+
 @needs_bin
-@pytest.mark.parametrize("agp", GEN_PROMPT, ids=["nogen", "gen"])
-@pytest.mark.parametrize("conv", sorted(CONVERSATIONS))
-@pytest.mark.parametrize("template", TEMPLATE_FILES, ids=[t.stem for t in TEMPLATE_FILES])
-def test_matches_jinja2(template, conv, agp, batch_results):
-    ok, expected = reference_render(template.read_text(encoding="utf-8"), template_context(template, conv, agp))
-    check(ok, expected, batch_results[(template.stem, conv, agp)])
+@pytest.mark.parametrize("template,conv,agp,variant", MATCH_CASES)
+def test_matches_jinja2(template, conv, agp, variant, batch_results):
+    context = template_context(template, conv, agp, variant)
+    ok, expected = reference_render(template.read_text(encoding="utf-8"), context)
+    check(ok, expected, batch_results[(template.stem, conv, agp, variant)])
 
 
 @needs_bin
@@ -288,6 +346,14 @@ EXPRESSIONS = [
     "line\n    {% if true %}\n    kept\n    {% endif %}\n  {%+ if true %}x{% endif +%}\n{# c #}\n{{- ' end ' -}}\n  tail\n",
     "{% raw %}{{ raw }}{% endraw %}{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}{{ i }}{% endfor %}",
     "{{ '%s=%d' % ('n', 3) }} {{ '{} {x}'.format(1, x=2) }} {{ 'x'|center(7) }}|{{ 'a\nb'|indent(2, true) }}",
+    # Qwen3's constructs: reversed and negative-step slices, strip/split with arguments, `is string`
+    # and `is false`, namespace attributes set inside a loop.
+    "{{ [1, 2, 3, 4][::-1] }} {{ [1, 2, 3, 4][::-2] }} {{ [1, 2, 3, 4][-1:0:-1] }} {{ 'abcdef'[4:1:-1] }} {{ (1, 2)[5::-1] }}",
+    "{{ '\\n\\nx\\n'.lstrip('\\n') }}|{{ 'xa\\n'.rstrip('\\n') }}|{{ 'a</t>b</t>c'.split('</t>')[-1] }}|{{ 'a,b,c'.split(',', 1) }}",
+    "{{ 'a' is string }} {{ none is string }} {{ [] is string }} {{ x is string }} {{ false is false }} {{ 0 is false }}",
+    "{% set ns = namespace(a=true, b=[1, 2]|length - 1) %}{% for m in [1, 2, 3][::-1] %}{% set i = 2 - loop.index0 %}"
+    "{% if ns.a and m == 2 %}{% set ns.a = false %}{% set ns.b = i %}{% endif %}{% endfor %}{{ ns.a }} {{ ns.b }}",
+    "{{ [1, 2, 3][::0] }}",
     "{{ [].append }}",
     "{{ [].append(1) }}",
     "{{ undefined_var.attr }}",
@@ -303,7 +369,7 @@ EXPRESSIONS = [
 @pytest.mark.parametrize("index", range(len(EXPRESSIONS)), ids=[f"expr{i}" for i in range(len(EXPRESSIONS))])
 def test_expression_semantics(index, batch_results):
     ok, expected = reference_render(EXPRESSIONS[index], EXPR_CONTEXT)
-    check(ok, expected, batch_results[("expr", index, None)])
+    check(ok, expected, batch_results[("expr", index, None, "")])
 
 
 @needs_bin
