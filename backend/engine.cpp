@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "backend/grammar_compiler.h"
+#include "cache_manager/kv_memory_factory.h"
 #include "backend/llama_model.h"
 #include "backend/model_runner.h"
 #include "backend/output_processor.h"
@@ -58,6 +59,7 @@ Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenize
   options_ = options_for_model(options_, c);
   impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : context_length(c);
   auto policies = resolve_policies(options_.policies);
+  set_local_layers(policies, model_->kv_layout().local_layers);  // the scheduler's copies too
   impl_->runner = runner ? std::move(runner)
                          : std::make_unique<LocalRunner>(
                                model_,

@@ -151,6 +151,8 @@ KvMemoryLayout LlamaModel::kv_layout() const {
   l.rounds = kv_dtype_ != dtype_;
   if (config_.has_local_layers()) {
     for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) l.layer_windows.push_back(config_.layer_window(li));
+    for (int64_t li = 0; li < config_.num_hidden_layers; ++li)
+      if (config_.layer_window(li) > 0) l.local_layers.push_back(li);
   }
   // Cached prefix blocks are valid only for K/V computed the same way: the weights (the model
   // directory), the arithmetic (dtypes, GEMM backend), RoPE and this shard's slice of the model.

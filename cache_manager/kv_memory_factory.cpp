@@ -22,6 +22,10 @@ bool uses_head_blocks(KvLayout layout, const std::map<std::string, PolicyConfig>
   return std::any_of(policies.begin(), policies.end(), [](const auto& p) { return p.second.head_adaptive(); });
 }
 
+void set_local_layers(std::map<std::string, PolicyConfig>& policies, const std::vector<int64_t>& local_layers) {
+  for (auto& [name, cfg] : policies) cfg.local_layers = local_layers;
+}
+
 std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
                                               std::map<std::string, PolicyConfig> policies,
                                               const std::string& default_policy, KvShard shard) {
@@ -40,7 +44,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   shard.first_layer = layout.first_layer;
   shard.total_layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
   auto mem = std::make_unique<PagedKvMemory>(layout.num_layers, pool, std::move(policies), default_policy, std::move(shard));
-  if (!layout.layer_windows.empty()) mem->set_layer_windows(layout.layer_windows);
+  if (!layout.layer_windows.empty()) mem->set_layer_windows(layout.layer_windows, layout.local_layers);
   KV_CHECK(size.prefix_cache_bytes == 0 || size.prefix_caching,
            "cache.prefix_cache_bytes (" << size.prefix_cache_bytes << ") needs cache.enable_prefix_caching: true");
   if (size.prefix_caching) mem->enable_prefix_cache(layout.kv_salt, nullptr, size.prefix_cache_bytes);

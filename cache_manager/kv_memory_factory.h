@@ -27,7 +27,14 @@ struct KvMemoryLayout {
   // Per layer of this shard: 0 = global attention, w > 0 = a sliding-window (local) layer whose
   // queries see the last w positions. Empty = every layer global.
   std::vector<int64_t> layer_windows;
+  // The whole model's sliding-window layers (global indices, ascending): the policies spread their
+  // budgets over the other layers (PolicyConfig::local_layers).
+  std::vector<int64_t> local_layers;
 };
+
+// Tells every policy the model's sliding-window layers, as make_kv_memory does for its memory's
+// copies: for other holders of the configs (the scheduler's admission arithmetic).
+void set_local_layers(std::map<std::string, PolicyConfig>& policies, const std::vector<int64_t>& local_layers);
 
 // How a pool lays out its blocks (cache.kv_layout): kLayer, a block holds every KV head of a layer
 // (one length per layer); kHead, one KV head (each head its own length, for head-wise budgets);

@@ -70,11 +70,17 @@ PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std:
   }
 }
 
-void PagedKvMemory::set_layer_windows(std::vector<int64_t> windows) {
+void PagedKvMemory::set_layer_windows(std::vector<int64_t> windows, const std::vector<int64_t>& model_local_layers) {
   KV_CHECK(static_cast<int64_t>(windows.size()) == num_layers_,
            "internal: " << windows.size() << " layer windows for a KV memory of " << num_layers_ << " layers");
   for (int64_t w : windows) KV_CHECK(w >= 0, "internal: layer window " << w);
   windows_ = std::move(windows);
+  std::vector<int64_t> locals = model_local_layers;
+  for (int64_t ll = 0; ll < num_layers_; ++ll)
+    if (windowed(ll)) locals.push_back(shard_.first_layer + ll);
+  std::sort(locals.begin(), locals.end());
+  locals.erase(std::unique(locals.begin(), locals.end()), locals.end());
+  for (auto& [name, cfg] : policies_) cfg.local_layers = locals;
 }
 
 const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
@@ -213,11 +219,14 @@ PagedKvMemory::HeadKeptStats PagedKvMemory::head_kept(int64_t seq_id) const {
 void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string& name) {
   const PolicyConfig& cfg = policy(name);
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already has KV state");
-  // A local layer's decode reads its last `window` slots as its last positions: a policy that
-  // dropped some would make it see further back than the model does.
-  KV_CHECK(cfg.is_full() || std::all_of(windows_.begin(), windows_.end(), [](int64_t w) { return w == 0; }),
-           "kv_policy '" << cfg.name << "' compresses, which is not supported yet on a model with sliding-window layers "
-                         << "(Gemma 3); use kv_policy full");
+  // Local layers keep every position (their decode reads the last `window` slots as the last
+  // positions) and the budget goes to the global layers. Allocators that move budget between layers
+  // as they go (DynamicKV, the global top-k) and reconstruction scoring do not know the layer mix yet.
+  KV_CHECK(cfg.is_full() || cfg.local_layers.empty() ||
+               (cfg.allocator != AllocatorKind::kDynamic && cfg.allocator != AllocatorKind::kGlobal && !cfg.reconstructs()),
+           "kv_policy '" << cfg.name << "' (allocator " << to_string(cfg.allocator) << ", scorer " << to_string(cfg.scorer)
+                         << ") is not supported yet on a model with sliding-window layers (Gemma 3); snapkv, pyramidkv, "
+                         << "streamingllm, h2o, knorm and random compress its global layers");
   cache_.add_sequence(seq_id);
   SeqState& s = seqs_[seq_id];
   s.policy = &cfg;
@@ -443,15 +452,16 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   const int64_t ll = local(layer);
   if (ll == 0 && shard_.first_layer > 0 && s.selector && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
   const bool compresses = s.selector && s.selector->compresses();
-  if (!compresses || s.policy->reconstructs()) {
-    // Reconstruction scoring selects after the whole prompt's pass (select_by_scores).
+  if (!compresses || s.policy->reconstructs() || windowed(ll)) {
+    // Reconstruction scoring selects after the whole prompt's pass (select_by_scores); a local layer
+    // keeps every position (its window is its budget).
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.write(seq_id, ll, k, v, pos);
     // With a prefix cache the prompt's full blocks are published at end_prefill first.
     if (!prefix_caching()) trim_window(seq_id, ll);
     if (compresses) {
       copy_for_cache(seq_id, ll, k, v);
-      s.awaiting_scores = true;
+      s.awaiting_scores = s.policy->reconstructs();
     }
     return;
   }
@@ -588,12 +598,19 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
     KV_CHECK(!rounds_kv_, "policy '" << s.policy->name << "' cannot prefill in chunks over a KV cache stored in another "
                                      << "dtype than the model computes (its selection would see rounded keys)");
   }
-  if (!compresses || !last) {
-    // Every position stays until the last chunk: as they are for `full`, for the selection otherwise.
+  if (!compresses || !last || windowed(ll)) {
+    // Every position stays until the last chunk: as they are for `full`, for the selection otherwise
+    // (a local layer's, for good: its window is its budget).
     auto pos = torch::arange(start, start + T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.extend(seq_id, ll, k, v, pos);
+    if (compresses && last && prefix_caching()) {
+      // A compressing prompt's cache entries are copies of every layer's whole prompt; a local
+      // layer still holds all of it here (with a prefix cache its ring is trimmed at end_prefill).
+      auto [pk, pv] = cache_.gather(seq_id, ll);
+      copy_for_cache(seq_id, ll, pk, pv);
+    }
     if (!prefix_caching()) trim_window(seq_id, ll);
-    if (compresses && scorer_needs_queries(s.policy->scorer)) {
+    if (compresses && !windowed(ll) && scorer_needs_queries(s.policy->scorer)) {
       // The last chunk's window may reach back into this one: keep the latest `window` queries.
       if (s.query_tail.empty()) s.query_tail.resize(static_cast<size_t>(num_layers_));
       torch::Tensor& tail = s.query_tail[static_cast<size_t>(ll)];

@@ -75,9 +75,12 @@ class PagedKvMemory final : public KvMemory {
   // ring of blocks: a block no later query can see goes back to the pool (after each prefill layer
   // or chunk, or at end_prefill when the prompt's blocks go to the prefix cache first, and before
   // each decode step), so it holds at most ceil(w / block_size) + 1 blocks per sequence from the end
-  // of its prefill on. Policies that compress are refused on a memory with local layers (their
-  // slots must stay their positions).
-  void set_layer_windows(std::vector<int64_t> windows);
+  // of its prefill on. A compressing policy compresses the global layers only: local layers keep
+  // every position (their slots must stay their positions), and the allocators spread the budget
+  // over the global layers of the model (PolicyConfig::local_layers), `model_local_layers` (global
+  // indices; a pipeline stage holds only some of the model's layers) together with this shard's.
+  // DynamicKV, the global allocator and reconstruction scoring are refused on such a memory.
+  void set_layer_windows(std::vector<int64_t> windows, const std::vector<int64_t>& model_local_layers = {});
   int64_t layer_window(int64_t layer) const override {
     return windows_.empty() ? 0 : windows_[static_cast<size_t>(local(layer))];
   }
@@ -244,6 +247,8 @@ class PagedKvMemory final : public KvMemory {
   uint64_t context_salt_ = 0;
   std::unordered_map<int64_t, SeqState> seqs_;
   std::vector<int64_t> windows_;  // per local layer, set_layer_windows
+  // Whether layer ll (of this shard) is a sliding-window layer.
+  bool windowed(int64_t ll) const { return !windows_.empty() && windows_[static_cast<size_t>(ll)] > 0; }
 };
 
 }  // namespace kvserve

@@ -52,7 +52,8 @@ nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::s
   KV_CHECK(context >= 1 && context + a.warmup + a.steps < c.max_position_embeddings,
            "--context " << context << " plus the steps must stay below max_position_embeddings "
                         << c.max_position_embeddings);
-  const PolicyConfig& cfg = policies.at(policy_name);
+  PolicyConfig cfg = policies.at(policy_name);
+  cfg.local_layers = model.kv_layout().local_layers;  // a sliding-window model's budget goes to its global layers
   const int64_t elem = static_cast<int64_t>(c10::elementSize(model.dtype()));
   const int64_t token_layer_bytes = 2 * KV * D * static_cast<int64_t>(c10::elementSize(model.kv_dtype()));
 

@@ -113,7 +113,12 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
   for (const auto& cfg : policies) {
     PolicyPlan pp;
     pp.policy = cfg.name;
-    std::tie(pp.kept_per_layer, pp.peak_per_layer) = policy_kept_tokens(cfg, o.context, m.num_layers, m.num_kv_heads);
+    // Compressing policies spend their budget on the global layers (PolicyConfig::local_layers).
+    PolicyConfig c = cfg;
+    c.local_layers.clear();
+    for (int64_t l = 0; l < m.num_layers; ++l)
+      if (window_of(l) > 0) c.local_layers.push_back(l);
+    std::tie(pp.kept_per_layer, pp.peak_per_layer) = policy_kept_tokens(c, o.context, m.num_layers, m.num_kv_heads);
     for (int64_t l = 0; l < m.num_layers; ++l) {
       if (window_of(l) > 0) {
         pp.kept_per_layer[static_cast<size_t>(l)] = std::min(o.context, window_of(l));

@@ -47,6 +47,22 @@ std::vector<LayerBudget> allocate_layer_budgets(const PolicyConfig& cfg, int64_t
   KV_CHECK(prompt_len >= 1, "allocate_layer_budgets: prompt_len must be >= 1, got " << prompt_len);
   std::vector<LayerBudget> out(num_layers);  // default: full
   if (cfg.is_full() || prompt_len <= cfg.window) return out;
+  if (!cfg.local_layers.empty()) {
+    // A model with sliding-window layers: those keep their window, so the budgets are the
+    // allocator's over the global layers alone, in their order (a pyramid over the global layers).
+    std::vector<int64_t> global;
+    for (int64_t l = 0; l < num_layers; ++l)
+      if (!cfg.is_local_layer(l)) global.push_back(l);
+    if (global.empty()) return out;
+    PolicyConfig g = cfg;
+    g.local_layers.clear();
+    g.skip_layers.clear();  // layer numbers of the whole model: applied below
+    const auto compact = allocate_layer_budgets(g, prompt_len, static_cast<int64_t>(global.size()));
+    for (size_t i = 0; i < global.size(); ++i) out[static_cast<size_t>(global[i])] = compact[i];
+    for (int64_t l : cfg.skip_layers)
+      if (l >= 0 && l < num_layers) out[static_cast<size_t>(l)] = LayerBudget{};
+    return out;
+  }
   const bool kvpress = cfg.semantics == Semantics::kKvpress;
   const int64_t w = cfg.window;
 

@@ -12,7 +12,11 @@
 namespace kvserve {
 
 bool PolicyConfig::skips_layer(int64_t layer) const {
-  return std::find(skip_layers.begin(), skip_layers.end(), layer) != skip_layers.end();
+  return std::find(skip_layers.begin(), skip_layers.end(), layer) != skip_layers.end() || is_local_layer(layer);
+}
+
+bool PolicyConfig::is_local_layer(int64_t layer) const {
+  return std::binary_search(local_layers.begin(), local_layers.end(), layer);
 }
 
 int64_t PolicyConfig::budget_tokens(int64_t prompt_len) const {
@@ -476,6 +480,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   }
   j["sink"] = c.sink;
   j["skip_layers"] = c.skip_layers;
+  if (!c.local_layers.empty()) j["local_layers"] = c.local_layers;
   j["semantics"] = to_string(c.semantics);
   j["decode_budget"] = c.decode_budget;
   j["decode_evict_chunk"] = c.decode_evict_chunk;

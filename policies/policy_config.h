@@ -71,6 +71,11 @@ struct PolicyConfig {
   DynamicOptions dynamic;       // DynamicKV: variant, score normalisation, per-layer minimum, prior
   int64_t sink = 4;          // StreamingLLM sink tokens
   std::vector<int64_t> skip_layers;  // layers never compressed (key_norm paper default {0,1})
+  // The model's sliding-window (local) layers, ascending: set from the model where the KV memory is
+  // made (make_kv_memory, the engine's scheduler), never from YAML. Their window is their budget:
+  // they keep every position (the ring drops what the window left) and the allocators spread the
+  // budget over the other layers only.
+  std::vector<int64_t> local_layers;
   Semantics semantics = Semantics::kPaper;
   int64_t decode_budget = 0;       // decode-time eviction threshold per (seq, layer); 0 = off
   int64_t decode_evict_chunk = 16;  // tokens evicted at once when decode_budget is exceeded
@@ -104,8 +109,9 @@ struct PolicyConfig {
   bool query_agnostic() const {
     return scorer == ScorerKind::kReconstruction || scorer == ScorerKind::kKeyNorm || scorer == ScorerKind::kSinkRecent;
   }
-  // Whether `layer` is exempt from compression.
+  // Whether `layer` is exempt from compression (skip_layers or a local layer).
   bool skips_layer(int64_t layer) const;
+  bool is_local_layer(int64_t layer) const;
   // The average per-layer budget (window included) for a prompt of `prompt_len` tokens, as the
   // paper semantics count it: `budget`, or max(1, int(ratio * prompt_len)).
   int64_t budget_tokens(int64_t prompt_len) const;

@@ -1,14 +1,16 @@
 // Sliding-window (local) layers on a real paged pool: the layer is a ring of blocks, never more
 // than ceil(window / block_size) + 1 per sequence from the end of its prefill on, through a
 // 4K-token generation, while its decode attention equals softmax attention over the last `window`
-// positions; global layers beside it keep everything.
+// positions; global layers beside it keep everything, or what a compressing policy keeps of them.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "cache_manager/paged_kv_memory.h"
 #include "common/check.h"
+#include "policies/pyramid_budget.h"
 
 namespace kvserve {
 namespace {
@@ -133,18 +135,123 @@ TEST(SlidingWindowMemory, WithAPrefixCacheThePromptIsPublishedBeforeItsBlocksGo)
   run({{24, 0, 12}, 333, 64, 200, true});
 }
 
-TEST(SlidingWindowMemory, CompressingPoliciesAreRefusedClearly) {
+// Attention of q [H, D] over the keys/values [KV, n, D] at per-KV-head positions idx [KV, m], fp64.
+torch::Tensor kept_reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& idx) {
+  auto g = idx.unsqueeze(-1).expand({kKv, idx.size(1), kD});
+  return window_reference(q, k.gather(1, g), v.gather(1, g), 0);
+}
+
+// A compressing policy on a memory with local layers: the global layers keep the policy's budget
+// (PyramidKV's slope over the global layers only), the local ones keep their window's ring, a
+// chunked prefill keeps what a whole one keeps, and decode attends over exactly what is held.
+struct CompressedRun {
+  std::string policy;
+  std::vector<int64_t> global_kept;  // expected per global layer, in order
+};
+
+void run_compressed(const CompressedRun& r, int64_t chunk) {
+  const std::vector<int64_t> windows{12, 0, 12, 0};
+  const int64_t L = 4, T = 100, steps = 40;
+  KvPoolOptions pool;
+  pool.num_kv_heads = kKv;
+  pool.head_dim = kD;
+  pool.block_size = kBs;
+  pool.num_blocks = L * ((T + steps) / kBs + 4);
+  PagedKvMemory kv(L, pool, resolve_policies({{"snap", {{"name", "snapkv"}, {"budget", "16"}, {"window", "4"}, {"kernel", "3"}}},
+                                              {"pyr", {{"name", "pyramidkv"}, {"budget", "32"}, {"window", "4"}, {"beta", "4"}}}}));
+  kv.set_layer_windows(windows);
+  EXPECT_EQ(kv.policy(r.policy).local_layers, (std::vector<int64_t>{0, 2}));
+  torch::manual_seed(9);
+  std::vector<torch::Tensor> keys, values, queries;
+  for (int64_t l = 0; l < L; ++l) {
+    keys.push_back(torch::randn({kKv, T, kD}));
+    values.push_back(torch::randn({kKv, T, kD}));
+    queries.push_back(torch::randn({kKv * kG, T, kD}));
+  }
+  std::vector<int64_t> tokens(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) tokens[static_cast<size_t>(i)] = i % 89;
+  kv.begin_prefill(1, T, r.policy);
+  const int64_t c = chunk > 0 ? chunk : T;
+  for (int64_t start = 0; start < T; start += c) {
+    const int64_t n = std::min(c, T - start);
+    kv.prefill_tokens(1, start, std::span<const int64_t>(tokens).subspan(static_cast<size_t>(start), static_cast<size_t>(n)),
+                      KvMemory::kNoLookup, false);
+    for (int64_t l = 0; l < L; ++l) {
+      auto q = queries[l].narrow(1, start, n), k = keys[l].narrow(1, start, n), v = values[l].narrow(1, start, n);
+      if (chunk > 0) {
+        kv.store_prefill_chunk(1, l, start, q, k, v);
+      } else {
+        kv.store_prefill(1, l, q, k, v);
+      }
+    }
+  }
+  kv.end_prefill(1);
+  size_t g = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    if (windows[static_cast<size_t>(l)] > 0) {
+      EXPECT_LE(static_cast<int64_t>(kv.cache().layer_blocks(1, l).blocks.size()), (12 + kBs - 1) / kBs + 1) << "layer " << l;
+      continue;
+    }
+    EXPECT_EQ(kv.cached_tokens(1, l), r.global_kept[g++]) << r.policy << " layer " << l;
+    auto p = kv.kept_positions(1, l);
+    for (int64_t h = 0; h < kKv; ++h)  // the window is kept
+      EXPECT_EQ(p[h][p.size(1) - 1].item<int64_t>(), T - 1);
+  }
+  // The positions each global layer keeps, then decode: every layer against its reference.
+  std::vector<torch::Tensor> held(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l)
+    if (windows[static_cast<size_t>(l)] == 0) held[static_cast<size_t>(l)] = kv.kept_positions(1, l);
+  double worst = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    DecodeBatch b{{1}, {T + t}};
+    kv.begin_decode(b);
+    for (int64_t l = 0; l < L; ++l) {
+      auto q = torch::randn({1, kKv * kG, kD}), k = torch::randn({1, kKv, kD}), v = torch::randn({1, kKv, kD});
+      keys[l] = torch::cat({keys[l], k[0].unsqueeze(1)}, 1);
+      values[l] = torch::cat({values[l], v[0].unsqueeze(1)}, 1);
+      auto out = kv.decode_attention(l, b, q, k, v)[0].to(torch::kFloat64);
+      torch::Tensor want;
+      if (windows[static_cast<size_t>(l)] > 0) {
+        want = window_reference(q[0], keys[l], values[l], windows[static_cast<size_t>(l)]);
+      } else {
+        auto& h = held[static_cast<size_t>(l)];
+        h = torch::cat({h, torch::full({kKv, 1}, T + t, torch::kInt64)}, 1);
+        want = kept_reference(q[0], keys[l], values[l], h);
+      }
+      worst = std::max(worst, (out - want).abs().max().item<double>());
+    }
+  }
+  EXPECT_LE(worst, 1e-5) << r.policy;
+  kv.release(1);
+  kv.cache().check_invariants();
+  EXPECT_EQ(kv.blocks_used(), 0);
+}
+
+TEST(SlidingWindowMemory, CompressingPoliciesCompressTheGlobalLayersOnly) {
+  const auto pyr = pyramid_budgets_paper(100, 32, 4, 4, 2);  // a pyramid over the two global layers
+  EXPECT_GT(pyr[0], pyr[1]);
+  for (int64_t chunk : {int64_t{0}, int64_t{30}}) {
+    run_compressed({"snap", {16, 16}}, chunk);
+    run_compressed({"pyr", pyr}, chunk);
+  }
+}
+
+TEST(SlidingWindowMemory, PoliciesThatMoveBudgetAcrossLayersAreRefusedClearly) {
   KvPoolOptions pool;
   pool.num_kv_heads = kKv;
   pool.head_dim = kD;
   pool.num_blocks = 64;
-  PagedKvMemory kv(2, pool, resolve_policies({{"snap", {{"name", "snapkv"}, {"budget", "16"}}}}));
+  pool.head_blocks = true;  // kvzip's heads keep different lengths
+  PagedKvMemory kv(2, pool, resolve_policies({{"dyn", {{"name", "dynamickv"}, {"budget", "16"}}},
+                                              {"zip", {{"name", "kvzip"}, {"budget", "16"}}}}));
   kv.set_layer_windows({12, 0});
-  try {
-    kv.begin_prefill(1, 100, "snap");
-    ADD_FAILURE() << "a compressing policy was accepted on a memory with sliding-window layers";
-  } catch (const KvError& e) {
-    EXPECT_NE(std::string(e.what()).find("sliding-window"), std::string::npos) << e.what();
+  for (const std::string name : {"dyn", "zip"}) {
+    try {
+      kv.begin_prefill(1, 100, name);
+      ADD_FAILURE() << name << " was accepted on a memory with sliding-window layers";
+    } catch (const KvError& e) {
+      EXPECT_NE(std::string(e.what()).find("sliding-window"), std::string::npos) << e.what();
+    }
   }
 }
 

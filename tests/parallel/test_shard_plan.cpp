@@ -3,6 +3,7 @@
 
 #include "common/check.h"
 #include "parallel/shard_plan.h"
+#include "policies/pyramid_budget.h"
 #include "policies/policy_config.h"
 
 namespace kvserve::parallel {
@@ -283,6 +284,14 @@ TEST(ShardPlan, Gemma3SlidingWindowLayersCountOnlyTheirRing) {
     short_ctx.context = 100;
     const auto small = make_shard_plan(m, short_ctx, {make_policy_config("full")});
     EXPECT_EQ(small.policies[0].kv_bytes_per_seq[0], 31 * 7 * 16 * per_layer_token);
+    // PyramidKV spends its budget on the 10 global layers, in their order, as one pyramid.
+    const auto pyr = make_shard_plan(m, o, {make_policy_config("pyramidkv", {{"budget", "2048"}})}).policies[0];
+    const auto slope = pyramid_budgets_paper(32768, 2048, 8, 20, 10);
+    for (int64_t g = 0; g < 10; ++g) EXPECT_EQ(pyr.kept_per_layer[static_cast<size_t>(6 * g + 5)], slope[static_cast<size_t>(g)]);
+    EXPECT_EQ(pyr.kept_per_layer[0], 1024);
+    int64_t blocks = 26 * 65;  // stage 0: its ring blocks, then its five global layers' kept blocks
+    for (int64_t g = 0; g < 5; ++g) blocks += (slope[static_cast<size_t>(g)] + 15) / 16;
+    EXPECT_EQ(pyr.kv_bytes_per_seq[0], blocks * 16 * per_layer_token);
   }
 }
 

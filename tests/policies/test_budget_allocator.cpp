@@ -126,6 +126,31 @@ TEST(Allocate, PyramidLayerBudgetsAndFull) {
   for (const auto& lb : allocate_layer_budgets(make_policy_config("full"), 1000, 3)) EXPECT_TRUE(lb.full);
 }
 
+// Gemma 3's mix (five sliding-window layers to one global): local layers keep everything and the
+// pyramid runs over the global layers alone, in their order; skip_layers still name model layers.
+TEST(Allocate, LocalLayersAreOutsideTheBudget) {
+  auto p = make_policy_config("pyramidkv", {{"budget", "128"}});
+  p.local_layers = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16};  // 18 layers, 3 global
+  auto b = allocate_layer_budgets(p, 1000, 18);
+  const auto global = pyramid_budgets_paper(1000, 128, 8, 20, 3);
+  EXPECT_EQ(b[5].kept(1000), global[0]);
+  EXPECT_EQ(b[11].kept(1000), global[1]);
+  EXPECT_EQ(b[17].kept(1000), global[2]);
+  EXPECT_GT(global[0], global[2]);
+  for (int64_t l : p.local_layers) EXPECT_TRUE(b[static_cast<size_t>(l)].full) << l;
+  EXPECT_TRUE(p.skips_layer(3));
+  EXPECT_FALSE(p.skips_layer(5));
+  auto s = make_policy_config("snapkv", {{"budget", "64"}});
+  s.local_layers = {0, 2};
+  s.skip_layers = {3};
+  b = allocate_layer_budgets(s, 500, 5);
+  EXPECT_TRUE(b[0].full && b[2].full && b[3].full);
+  EXPECT_EQ(b[1].kept(500), 64);
+  EXPECT_EQ(b[4].kept(500), 64);
+  s.local_layers = {0, 1};  // no global layer: nothing to compress
+  for (const auto& lb : allocate_layer_budgets(s, 500, 2)) EXPECT_TRUE(lb.full);
+}
+
 TEST(Allocate, DynamicCandidates) {
   auto d = make_policy_config("dynamickv", {{"budget", "64"}});
   auto s = dynamic_sizes(d, 1000);

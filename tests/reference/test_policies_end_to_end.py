@@ -415,6 +415,48 @@ def test_compressed_generation_uses_original_positions(tmp_path_factory, case):
     _DIFFERS_FROM_FULL[case] = got != full_tokens
 
 
+# Gemma 3 (sliding-window layers 0, 1, 3, 4; global 2 and 5): a compressing policy compresses the
+# global layers only, PyramidKV's slope runs over them alone, and the generation equals HF greedy
+# decoding over a cache holding every position of the local layers (whose sliding mask then sees
+# their window) and exactly the dumped kept positions of the global ones.
+GEMMA3_GENERATIONS = {"snapkv": ("snapkv", "24"), "pyramidkv": ("pyramidkv", "40"), "streamingllm": ("streamingllm", "24")}
+
+
+@pytest.mark.parametrize("case", list(GEMMA3_GENERATIONS))
+def test_gemma3_compresses_its_global_layers_only(tmp_path_factory, case):
+    kvserve_bin()
+    if "gemma3" not in _FIXTURES:
+        _FIXTURES["gemma3"] = Fixture("gemma3", 200, tmp_path_factory.mktemp("gemma3"))
+    fx = _FIXTURES["gemma3"]
+    policy, budget = GEMMA3_GENERATIONS[case]
+    window = fx.model.config.sliding_window
+    local = [t == "sliding_attention" for t in fx.model.config.layer_types]
+    steps = 16
+    dump, _ = fx.forward(policy, budget)
+    kept = kept_of(dump)
+    counts = [len(h[0]) for h in kept]
+    for layer, is_local in enumerate(local):
+        if is_local:
+            # Its ring: the latest positions, at least the window's.
+            for head in kept[layer]:
+                assert head == list(range(fx.T - len(head), fx.T)) and len(head) >= window - 1, (case, layer)
+            kept[layer] = [list(range(fx.T))] * len(kept[layer])
+        else:
+            assert counts[layer] < fx.T, f"{case}: global layer {layer} kept {counts[layer]} of {fx.T}"
+    globals_ = [c for c, is_local in zip(counts, local) if not is_local]
+    if policy == "pyramidkv":
+        assert globals_ == ref.pyramid_budgets(fx.T, int(budget), 8, 20, len(globals_)), globals_
+    else:
+        assert globals_ == [int(budget)] * len(globals_), globals_
+    got = fx.generate(policy, budget, max_tokens=steps)
+    first = int(fx.full.logits[-1].argmax())
+    want = hx.decode_with_kept(fx.model, fx.full, kept, first, steps, fx.T)
+    assert got == want, f"{case}: kvserve {got} vs HF over the kept cache {want}"
+    full_tokens = hx.decode_with_kept(fx.model, fx.full, [[list(range(fx.T))] * len(h) for h in kept], first,
+                                      steps, fx.T)
+    _DIFFERS_FROM_FULL[f"gemma3-{case}"] = got != full_tokens
+
+
 def test_zz_report():
     """Summary: swap counts per comparison; and the compressed generations must not all equal full
     (otherwise test d would have no power)."""
