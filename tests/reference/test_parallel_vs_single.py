@@ -115,19 +115,25 @@ def test_qwen3_sharded_equals_single_process(tmp_path, policy):
         assert generate(model, flags, tp, pp, QWEN3_PROMPT) == ref_tokens, f"qwen3 {policy} TP={tp} PP={pp}"
 
 
-def test_gemma3_sharded_equals_single_process(tmp_path):
+@pytest.mark.parametrize("policy", ["full", "pyramidkv"])
+def test_gemma3_sharded_equals_single_process(tmp_path, policy):
     """Gemma 3 (local and global layers, sliding window 12, (1 + w) norms replicated on TP ranks,
     embeddings scaled after the vocab-parallel lookup; 6 layers, 3 per stage): logits, kept positions
-    and greedy tokens equal one process's. The prompt (41) and its generation pass the window."""
+    and greedy tokens equal one process's. The prompt (41) and its generation pass the window.
+    PyramidKV compresses the two global layers (2 and 5, one per stage) as one pyramid."""
     model = str(fixtures_dir() / "gemma3")
-    ref_logits, ref_kept = forward(tmp_path, model, [], 1, 1)
-    ref_tokens = generate(model, [], 1, 1)
+    flags = POLICIES[policy]
+    ref_logits, ref_kept = forward(tmp_path, model, flags, 1, 1)
+    ref_tokens = generate(model, flags, 1, 1)
+    if policy != "full":
+        assert ref_kept["budgets"][2] > ref_kept["budgets"][5] and ref_kept["budgets"][2] < len(PROMPT), ref_kept["budgets"]
     for tp, pp in LAYOUTS[1:]:
-        logits, kept = forward(tmp_path, model, [], tp, pp)
+        logits, kept = forward(tmp_path, model, flags, tp, pp)
         diff = (logits - ref_logits).abs().max().item()
-        assert diff <= 1e-4, f"gemma3 TP={tp} PP={pp}: logits differ by {diff}"
-        assert not kept_differences(ref_kept, kept), f"gemma3 TP={tp} PP={pp}"
-        assert generate(model, [], tp, pp) == ref_tokens, f"gemma3 TP={tp} PP={pp}"
+        assert diff <= 1e-4, f"gemma3 {policy} TP={tp} PP={pp}: logits differ by {diff}"
+        assert kept["budgets"] == ref_kept["budgets"], f"gemma3 {policy} TP={tp} PP={pp}: budgets"
+        assert not kept_differences(ref_kept, kept), f"gemma3 {policy} TP={tp} PP={pp}"
+        assert generate(model, flags, tp, pp) == ref_tokens, f"gemma3 {policy} TP={tp} PP={pp}"
 
 
 @pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "dynamickv-authors", "knorm-decode",
