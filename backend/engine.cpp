@@ -7,11 +7,11 @@
 #include <unordered_set>
 
 #include "backend/grammar_compiler.h"
-#include "cache_manager/kv_memory_factory.h"
 #include "backend/llama_model.h"
 #include "backend/model_runner.h"
 #include "backend/output_processor.h"
 #include "backend/scheduler.h"
+#include "cache_manager/kv_memory_factory.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"

@@ -110,14 +110,15 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
   for (auto& st : plan.stages) st.prefix_cache_bytes = shared_blocks * (st.layers.end - st.layers.begin) * st.block_bytes;
   // A local layer's ring: its window's blocks and the one the window is leaving (or the whole
   // context when that is shorter). Its prompt passes through whole during the prefill (peak).
+  // Compressing policies spend their budget on the global layers (PolicyConfig::local_layers).
+  std::vector<int64_t> local_layers;
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    if (window_of(l) > 0) local_layers.push_back(l);
   for (const auto& cfg : policies) {
     PolicyPlan pp;
     pp.policy = cfg.name;
-    // Compressing policies spend their budget on the global layers (PolicyConfig::local_layers).
     PolicyConfig c = cfg;
-    c.local_layers.clear();
-    for (int64_t l = 0; l < m.num_layers; ++l)
-      if (window_of(l) > 0) c.local_layers.push_back(l);
+    c.local_layers = local_layers;
     std::tie(pp.kept_per_layer, pp.peak_per_layer) = policy_kept_tokens(c, o.context, m.num_layers, m.num_kv_heads);
     for (int64_t l = 0; l < m.num_layers; ++l) {
       if (window_of(l) > 0) {
