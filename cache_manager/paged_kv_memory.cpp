@@ -220,13 +220,13 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
   const PolicyConfig& cfg = policy(name);
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already has KV state");
   // Local layers keep every position (their decode reads the last `window` slots as the last
-  // positions) and the budget goes to the global layers. Allocators that move budget between layers
-  // as they go (DynamicKV, the global top-k) and reconstruction scoring do not know the layer mix yet.
-  KV_CHECK(cfg.is_full() || cfg.local_layers.empty() ||
-               (cfg.allocator != AllocatorKind::kDynamic && cfg.allocator != AllocatorKind::kGlobal && !cfg.reconstructs()),
+  // positions) and the budget goes to the global layers (DynamicKV moves it among those alone).
+  // Reconstruction scoring (and the global top-k it drives) would replay the context through
+  // local layers without their window: not yet.
+  KV_CHECK(cfg.is_full() || cfg.local_layers.empty() || (cfg.allocator != AllocatorKind::kGlobal && !cfg.reconstructs()),
            "kv_policy '" << cfg.name << "' (allocator " << to_string(cfg.allocator) << ", scorer " << to_string(cfg.scorer)
                          << ") is not supported yet on a model with sliding-window layers (Gemma 3); snapkv, pyramidkv, "
-                         << "streamingllm, h2o, knorm and random compress its global layers");
+                         << "dynamickv, streamingllm, h2o, knorm and random compress its global layers");
   cache_.add_sequence(seq_id);
   SeqState& s = seqs_[seq_id];
   s.policy = &cfg;

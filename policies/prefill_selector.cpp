@@ -30,15 +30,25 @@ PrefillSelector::PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, in
   plan_ = allocate_layer_budgets(cfg_, prompt_len, num_layers);
   compresses_ = std::any_of(plan_.begin(), plan_.end(), [](const LayerBudget& b) { return !b.full; });
   if (compresses_ && cfg_.allocator == AllocatorKind::kDynamic) {
+    // DynamicKV re-budgets the layers it scores: on a model with sliding-window layers the global
+    // ones alone, counted among themselves (its update interval, pooling and prior see a model of
+    // the global layers).
+    dyn_index_.assign(num_layers, -1);
+    for (int64_t l = 0; l < num_layers; ++l) {
+      if (cfg_.is_local_layer(l)) continue;
+      dyn_index_[l] = static_cast<int64_t>(dyn_layers_.size());
+      dyn_layers_.push_back(l);
+    }
+    const int64_t scored_layers = static_cast<int64_t>(dyn_layers_.size());
     const auto s = dynamic_sizes(cfg_, prompt_len);
     std::vector<int64_t> prior;
     if (cfg_.dynamic.prior == BudgetPrior::kPyramid) {
       const int64_t w = std::min(cfg_.window, prompt_len);
-      for (int64_t kept : pyramid_budgets_paper(prompt_len, s.base + w, w, cfg_.beta, num_layers)) {
+      for (int64_t kept : pyramid_budgets_paper(prompt_len, s.base + w, w, cfg_.beta, scored_layers)) {
         prior.push_back(std::max<int64_t>(0, kept - w));
       }
     }
-    dynamic_.emplace(num_layers, s.base, s.bs, cfg_.update_interval, scored_region_, cfg_.dynamic, std::move(prior));
+    dynamic_.emplace(scored_layers, s.base, s.bs, cfg_.update_interval, scored_region_, cfg_.dynamic, std::move(prior));
     order_.resize(num_layers);
     head_scores_.resize(num_layers);
     kept_scored_.assign(num_layers, -1);
@@ -78,10 +88,11 @@ torch::Tensor PrefillSelector::on_layer(int64_t layer, const torch::Tensor& q, c
   if (dynamic_ && per_query_head()) {
     // Ranked per query head; a KV head's query heads travel side by side as one row [KV, G * N].
     auto hs = window_attention_head_scores(q, k, cfg_.window, cfg_.kernel, cfg_.pooling, /*mean_over_window=*/false);
-    dynamic_->set_layer_scores(layer, exchange_->gather_scores(layer, hs.reshape({num_kv_heads_, -1})));
+    const int64_t d = dyn(layer);
+    dynamic_->set_layer_scores(d, exchange_->gather_scores(layer, hs.reshape({num_kv_heads_, -1})));
     head_scores_[layer] = hs;
-    auto kept = with_window(union_selection(layer, dynamic_->budgets()[layer]), lb.window, dev);
-    if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+    auto kept = with_window(union_selection(layer, dynamic_->budgets()[d]), lb.window, dev);
+    if (dynamic_->update_due_after(d)) apply_dynamic_budgets(dynamic_->update(d + 1));
     return kept;
   }
   return select_scored(layer, score_tokens(cfg_, layer, q, k), dev);  // scores [KV, prompt - window]
@@ -114,22 +125,23 @@ torch::Tensor PrefillSelector::select_scored(int64_t layer, const torch::Tensor&
 
   // DynamicKV: keep the bs best as candidates in score order; budget from every KV head's scores.
   const torch::Tensor all = exchange_->gather_scores(layer, scores);
-  dynamic_->set_layer_scores(layer, all);
+  const int64_t d = dyn(layer);
+  dynamic_->set_layer_scores(d, all);
   if (cfg_.head_adaptive()) {
     // Head-adaptive candidates: the layer's bs per head on average, chosen jointly; a later
     // re-budget chooses again among them (apply_dynamic_budgets).
     ada_scores_[layer] = all;
-    kept_scored_[layer] = std::min(dynamic_->budgets()[layer], scored_region_);
+    kept_scored_[layer] = std::min(dynamic_->budgets()[d], scored_region_);
     auto kept = adaptive_selection(layer, all, kept_scored_[layer], lb.window);
     const std::vector<int64_t> counts = last_counts_;  // re-selections of earlier layers overwrite it
-    if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+    if (dynamic_->update_due_after(d)) apply_dynamic_budgets(dynamic_->update(d + 1));
     last_counts_ = counts;
     return kept;
   }
-  order_[layer] = stable_rank_order(scores, std::min(dynamic_->budgets()[layer], scored_region_));
+  order_[layer] = stable_rank_order(scores, std::min(dynamic_->budgets()[d], scored_region_));
   kept_scored_[layer] = order_[layer].size(1);
   auto kept = with_window(std::get<0>(torch::sort(order_[layer], 1)), lb.window, dev);
-  if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+  if (dynamic_->update_due_after(d)) apply_dynamic_budgets(dynamic_->update(d + 1));
   return kept;
 }
 
@@ -170,27 +182,28 @@ std::vector<int64_t> PrefillSelector::head_counts(int64_t layer) const {
 
 void PrefillSelector::apply_dynamic_budgets(const std::vector<int64_t>& new_budgets) {
   const int64_t n = static_cast<int64_t>(new_budgets.size());
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t i = dyn_layers_[static_cast<size_t>(j)];  // the model layer of scored layer j
     torch::Tensor kept;
     if (per_query_head()) {
       const auto& hs = head_scores_[i];
-      if (!hs.defined() || new_budgets[i] >= kept_budget_[i]) continue;  // not local, or unchanged
-      kept = with_window(union_selection(i, new_budgets[i]), plan_[i].window, hs.device());
+      if (!hs.defined() || new_budgets[j] >= kept_budget_[i]) continue;  // not local, or unchanged
+      kept = with_window(union_selection(i, new_budgets[j]), plan_[i].window, hs.device());
     } else if (cfg_.head_adaptive()) {
       const auto& all = ada_scores_[i];
-      if (!all.defined() || new_budgets[i] >= kept_scored_[i]) continue;  // not local, or unchanged
+      if (!all.defined() || new_budgets[j] >= kept_scored_[i]) continue;  // not local, or unchanged
       // The same joint choice among what the layer holds: a subset of it, each head's safeguard
       // recomputed for the smaller share.
       constexpr float kLow = -std::numeric_limits<float>::infinity();
       const auto held = ada_held_[i];
-      kept_scored_[i] = new_budgets[i];
-      kept = adaptive_selection(i, all.to(torch::kFloat32).masked_fill(held.logical_not(), kLow), new_budgets[i],
+      kept_scored_[i] = new_budgets[j];
+      kept = adaptive_selection(i, all.to(torch::kFloat32).masked_fill(held.logical_not(), kLow), new_budgets[j],
                                 plan_[i].window);
     } else {
       const auto& ord = order_[i];
-      if (!ord.defined() || new_budgets[i] >= ord.size(1)) continue;  // not local, or unchanged
-      order_[i] = ord.narrow(1, 0, new_budgets[i]);
-      kept_scored_[i] = new_budgets[i];
+      if (!ord.defined() || new_budgets[j] >= ord.size(1)) continue;  // not local, or unchanged
+      order_[i] = ord.narrow(1, 0, new_budgets[j]);
+      kept_scored_[i] = new_budgets[j];
       kept = with_window(std::get<0>(torch::sort(order_[i], 1)), plan_[i].window, ord.device());
     }
     auto it = std::find_if(pending_.begin(), pending_.end(), [i](const auto& p) { return p.first == i; });
@@ -215,7 +228,7 @@ torch::Tensor union_mask(const torch::Tensor& rows, int64_t groups, int64_t b) {
 int64_t PrefillSelector::union_width(int64_t layer, int64_t b) const {
   b = std::min(b, scored_region_);
   if (b <= 0) return 0;
-  const auto& all = dynamic_->layer_scores(layer);  // [every KV head, G * N]
+  const auto& all = dynamic_->layer_scores(dyn(layer));  // [every KV head, G * N]
   const int64_t groups = all.size(1) / scored_region_;
   return union_mask(all.reshape({-1, scored_region_}), groups, b).sum(1).max().item<int64_t>();
 }
@@ -254,7 +267,7 @@ std::vector<int64_t> PrefillSelector::budgets() const {
   if (dynamic_) {
     for (int64_t l = 0; l < num_layers_; ++l) {
       if (plan_[l].full) continue;
-      int64_t scored = dynamic_->budgets()[l];
+      int64_t scored = dynamic_->budgets()[dyn(l)];
       // Head-adaptive: what the layer's heads hold on average (an earlier pipeline stage shrinks
       // to the last stage's final budgets without updating its own schedule).
       if (cfg_.head_adaptive() && kept_scored_[l] >= 0) scored = std::min(scored, kept_scored_[l]);
@@ -263,7 +276,7 @@ std::vector<int64_t> PrefillSelector::budgets() const {
         // Before its scores are known a layer's union is bounded only by the scored region.
         if (kept_scored_[l] >= 0) {
           scored = kept_scored_[l];
-        } else if (dynamic_->has_layer_scores(l)) {
+        } else if (dynamic_->has_layer_scores(dyn(l))) {
           scored = union_width(l, scored);
         } else {
           scored = scored_region_;
@@ -277,7 +290,7 @@ std::vector<int64_t> PrefillSelector::budgets() const {
 
 torch::Tensor PrefillSelector::layer_scores(int64_t layer) const {
   KV_CHECK(dynamic_.has_value(), "PrefillSelector::layer_scores: policy '" << cfg_.name << "' is not DynamicKV");
-  return dynamic_->layer_scores(layer);
+  return dynamic_->layer_scores(dyn(layer));
 }
 
 void PrefillSelector::import_layer_scores(int64_t layer, const torch::Tensor& scores) {
@@ -286,7 +299,7 @@ void PrefillSelector::import_layer_scores(int64_t layer, const torch::Tensor& sc
   KV_CHECK(scores.dim() == 2 && scores.size(1) == rows * scored_region_ && rows >= 1,
            "PrefillSelector::import_layer_scores: scores must be [heads, " << (per_query_head() ? "G * " : "")
                                                                           << scored_region_ << "], got " << scores.sizes());
-  dynamic_->set_layer_scores(layer, scores);
+  dynamic_->set_layer_scores(dyn(layer), scores);
 }
 
 void PrefillSelector::replay_layer(int64_t layer, const torch::Tensor& scores) {
@@ -294,19 +307,31 @@ void PrefillSelector::replay_layer(int64_t layer, const torch::Tensor& scores) {
                                                                                              << last_layer_ << ")");
   import_layer_scores(layer, scores);
   last_layer_ = layer;
-  if (dynamic_->update_due_after(layer)) apply_dynamic_budgets(dynamic_->update(layer + 1));
+  const int64_t d = dyn(layer);
+  if (dynamic_->update_due_after(d)) apply_dynamic_budgets(dynamic_->update(d + 1));
+}
+
+int64_t PrefillSelector::dyn(int64_t layer) const {
+  const int64_t d = layer >= 0 && layer < static_cast<int64_t>(dyn_index_.size()) ? dyn_index_[layer] : -1;
+  KV_CHECK(d >= 0, "PrefillSelector: layer " << layer << " is not one DynamicKV budgets (a sliding-window layer keeps "
+                                             << "its window)");
+  return d;
 }
 
 std::vector<int64_t> PrefillSelector::dynamic_budgets() const {
   KV_CHECK(dynamic_.has_value(), "PrefillSelector::dynamic_budgets: policy '" << cfg_.name << "' is not DynamicKV");
-  return dynamic_->budgets();
+  std::vector<int64_t> out(static_cast<size_t>(num_layers_), -1);
+  for (size_t j = 0; j < dyn_layers_.size(); ++j) out[static_cast<size_t>(dyn_layers_[j])] = dynamic_->budgets()[j];
+  return out;
 }
 
 void PrefillSelector::apply_final_budgets(const std::vector<int64_t>& scored) {
   KV_CHECK(dynamic_.has_value(), "PrefillSelector::apply_final_budgets: policy '" << cfg_.name << "' is not DynamicKV");
   KV_CHECK(static_cast<int64_t>(scored.size()) == num_layers_,
            "PrefillSelector::apply_final_budgets: " << scored.size() << " budgets for " << num_layers_ << " layers");
-  apply_dynamic_budgets(scored);
+  std::vector<int64_t> compact;
+  for (int64_t l : dyn_layers_) compact.push_back(scored[static_cast<size_t>(l)]);
+  apply_dynamic_budgets(compact);
 }
 
 }  // namespace kvserve

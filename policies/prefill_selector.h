@@ -62,7 +62,8 @@ class PrefillSelector {
   // Layers split across shards: an earlier shard's layer, in layer order with on_layer: imports its
   // scores and runs the DynamicKV update due after it, exactly as if the layer had been seen here.
   void replay_layer(int64_t layer, const torch::Tensor& scores);
-  // DynamicKV scored budgets per layer (window excluded) as they stand.
+  // DynamicKV scored budgets per layer (window excluded) as they stand; -1 for a layer it does not
+  // budget (a sliding-window layer, which keeps its window).
   std::vector<int64_t> dynamic_budgets() const;
   // Layers split across shards: the final DynamicKV budgets the shard holding the last layer
   // computed (scored, window excluded; budgets only shrink, so the final ones decide). Layers seen
@@ -104,6 +105,11 @@ class PrefillSelector {
   int64_t last_layer_ = -1;
   std::vector<LayerBudget> plan_;
   std::optional<DynamicBudget> dynamic_;
+  // DynamicKV budgets the layers it scores (all but a model's sliding-window layers) as a model of
+  // those layers alone: dyn_layers_ lists them, dyn_index_ maps a model layer to its place (-1: not
+  // scored), dyn() checks and maps.
+  std::vector<int64_t> dyn_layers_, dyn_index_;
+  int64_t dyn(int64_t layer) const;
   std::vector<torch::Tensor> order_;  // DynamicKV: per layer [KV, budget] positions in score order
   std::vector<torch::Tensor> head_scores_;  // variant=authors: per local layer [local KV * G, N]
   std::vector<int64_t> kept_scored_;        // DynamicKV: scored positions a layer holds now (-1: unknown)

@@ -128,13 +128,22 @@ class Runner:
 
 
 def make_samples(a, tok) -> dict:
-    maker = rt.TaskMaker(tok)
+    style, bos = rt.prompt_style(a.model)
+    if a.prompt_style != "auto":
+        style = a.prompt_style
+    log(f"prompts: {style} style{', BOS first' if bos is not None else ''}")
+    maker = rt.TaskMaker(tok, style)
     cells = {}
     for task in a.tasks:
         for length in a.lengths:
             ss = [maker.make(task, length, a.seed * 100000 + i) for i in range(a.n)]
-            cells[(task, length)] = rt.tokenize(tok, ss)
+            cells[(task, length)] = rt.tokenize(tok, ss, bos)
     return cells
+
+
+def stop_ids(tok) -> set:
+    """The end-of-text ids of SmolLM2 and Gemma 3 that this tokenizer has (dropped from answers)."""
+    return {tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<eos>", "<end_of_turn>")} - {None}
 
 
 def run_grid(a, tok, runner: Runner, cells: dict, configs: list, results: dict, label: str) -> None:
@@ -142,7 +151,7 @@ def run_grid(a, tok, runner: Runner, cells: dict, configs: list, results: dict, 
     jobs = [(spec, b, key) for spec, b in configs for key in cells]
     total = sum(len(cells[k]) for _, _, k in jobs)
     done, t0 = 0, time.time()
-    eos = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    eos = stop_ids(tok)
 
     def one(job):
         spec, b, key = job
@@ -175,7 +184,7 @@ def kvpress_side(a, tok, cells: dict, runner: Runner, results: dict) -> dict:
 
     torch.set_num_threads(max(1, a.threads))
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa").eval()
-    eos = {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    eos = stop_ids(tok)
     presses = {
         "snapkv": lambda r, p: kvpress.SnapKVPress(compression_ratio=1 - r, window_size=p["window"], kernel_size=p["kernel"]),
         "pyramidkv": lambda r, p: kvpress.PyramidKVPress(compression_ratio=1 - r, window_size=p["window"],
@@ -361,6 +370,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kvserve", default=str(REPO / "build" / "kvserve"))
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--prompt-style", choices=["auto", *rt.STYLES], default="auto",
+                    help="auto: ChatML for a model whose chat template is ChatML, else a plain completion (base models)")
     ap.add_argument("--out", default=str(REPO / "docs" / "eval"))
     ap.add_argument("--grid", choices=list(GRIDS), default="default", help="defaults for the options below")
     ap.add_argument("--tasks", help=f"comma list of {','.join(rt.TASKS)}")

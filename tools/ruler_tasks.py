@@ -2,7 +2,8 @@
 
 Each sample is a chat prompt for an instruct model (the context and the question in one user turn,
 then the assistant turn opened with an answer prefix, as RULER does) plus the strings that must
-appear in the model's answer. The haystack is tools/retrieval_tasks.py's "story" filler.
+appear in the model's answer; for a base model (no chat template) the same text as a plain
+completion (STYLES). The haystack is tools/retrieval_tasks.py's "story" filler.
 
 Tasks (RULER's names in brackets):
   niah_number    one "special magic number" needle [niah_single_1/2]
@@ -29,6 +30,11 @@ from retrieval_tasks import ANIMALS, CITIES, COLORS, NAMES, OBJECTS, PLACES, WOR
 
 TASKS = ("niah_number", "niah_word", "niah_uuid", "multikey", "multivalue", "multiquery", "vt", "cwe", "fwe", "qa")
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+# What comes before the context and between the question and the answer prefix: SmolLM2's chat
+# (ChatML), or a plain completion for a base model (RULER's base-model format: the question on its
+# own line, the answer prefix after it).
+STYLES = {"chatml": (SYSTEM + "<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),
+          "completion": ("", "\n")}
 MAX_TOKENS = {"niah_number": 16, "niah_word": 12, "niah_uuid": 28, "multikey": 16, "multivalue": 48,
               "multiquery": 40, "vt": 32, "cwe": 24, "fwe": 24, "qa": 12}
 KEYWORDS = sorted(set(WORDS + COLORS + ANIMALS))
@@ -69,8 +75,9 @@ def _keys(rng: random.Random, n: int) -> list:
 class TaskMaker:
     """Builds samples of a target token length with a `tokenizers.Tokenizer` (counts only)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, style: str = "chatml"):
         self.tok = tokenizer
+        self.open, self.close = STYLES[style]
 
     def count(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False).ids)
@@ -97,13 +104,13 @@ class TaskMaker:
         body, spans, fi = head, {}, 0
         for i in range(len(sents) + 1):
             while fi < len(slots) and slots[fi] == i:
-                start = len(SYSTEM) + len("<|im_start|>user\n") + len(body) + 1
+                start = len(self.open) + len(body) + 1
                 body += " " + facts[order[fi]]
                 spans[order[fi]] = (start, start + len(facts[order[fi]]))
                 fi += 1
             if i < len(sents):
                 body += sents[i]
-        prompt = f"{SYSTEM}<|im_start|>user\n{body}\n\n{question}<|im_end|>\n<|im_start|>assistant\n{prefix}"
+        prompt = f"{self.open}{body}\n\n{question}{self.close}{prefix}"
         asked = range(len(facts)) if asked is None else asked
         return Sample(task, length, prompt, answers, [spans[i] for i in asked], MAX_TOKENS[task])
 
@@ -182,7 +189,7 @@ class TaskMaker:
             head = "Read the following coded text and track the frequency of each coded word."
             q = "What are the three most frequently appeared words in the above coded text?"
             prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
-        prompt = f"{SYSTEM}<|im_start|>user\n{head} {text}\n\n{q}<|im_end|>\n<|im_start|>assistant\n{prefix}"
+        prompt = f"{self.open}{head} {text}\n\n{q}{self.close}{prefix}"
         return Sample(task, length, prompt, answers, [], MAX_TOKENS[task])
 
     def _qa(self, length: int, rng: random.Random) -> Sample:
@@ -205,12 +212,11 @@ class TaskMaker:
         span = (0, 0)
         for i, para in enumerate(paras):
             if i == ask:
-                start = len(SYSTEM) + len("<|im_start|>user\n") + len(head) + len(body) + len(f"Document {i + 1}: ")
+                start = len(self.open) + len(head) + len(body) + len(f"Document {i + 1}: ")
                 span = (start, start + len(para))
             body += f"Document {i + 1}: {para}\n"
         q = f"In which city was {n} born?"
-        prompt = (f"{SYSTEM}<|im_start|>user\n{head}{body}\nQuestion: {q}<|im_end|>\n<|im_start|>assistant\n"
-                  "Answer:")
+        prompt = f"{self.open}{head}{body}\nQuestion: {q}{self.close}Answer:"
         return Sample("qa", length, prompt, [c], [span], MAX_TOKENS["qa"])
 
 
@@ -236,12 +242,28 @@ def _ordered(sample: Sample, facts: list) -> Sample:
     return sample
 
 
-def tokenize(tokenizer, samples: list) -> list:
-    """Fills each sample's ids (the chat prompt's special tokens are in the text; no BOS for SmolLM2)."""
+def tokenize(tokenizer, samples: list, bos: int | None = None) -> list:
+    """Fills each sample's ids (the chat prompt's special tokens are in the text; no BOS for SmolLM2,
+    `bos` first for a model that wants one, as Gemma)."""
     encs = tokenizer.encode_batch([s.prompt for s in samples], add_special_tokens=False)
     for s, e in zip(samples, encs):
-        s.ids = e.ids
+        s.ids = ([bos] if bos is not None else []) + e.ids
     return samples
+
+
+def prompt_style(model_dir) -> tuple[str, int | None]:
+    """(style, BOS id or None) for a converted model: ChatML where its chat template is ChatML, else a
+    plain completion; BOS where its tokenizer adds one."""
+    import json
+    import pathlib
+    from tokenizers import Tokenizer
+    d = pathlib.Path(model_dir)
+    cfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").exists() else {}
+    style = "chatml" if "<|im_start|>" in str(cfg.get("chat_template", "")) else "completion"
+    bos = None
+    if cfg.get("add_bos_token") and isinstance(cfg.get("bos_token"), str):
+        bos = Tokenizer.from_file(str(d / "tokenizer.json")).token_to_id(cfg["bos_token"])
+    return style, bos
 
 
 def needle_token_positions(tokenizer, sample: Sample) -> list:

@@ -10,6 +10,7 @@
 
 #include "cache_manager/paged_kv_memory.h"
 #include "common/check.h"
+#include "policies/prefill_selector.h"
 #include "policies/pyramid_budget.h"
 
 namespace kvserve {
@@ -158,7 +159,9 @@ void run_compressed(const CompressedRun& r, int64_t chunk) {
   pool.block_size = kBs;
   pool.num_blocks = L * ((T + steps) / kBs + 4);
   PagedKvMemory kv(L, pool, resolve_policies({{"snap", {{"name", "snapkv"}, {"budget", "16"}, {"window", "4"}, {"kernel", "3"}}},
-                                              {"pyr", {{"name", "pyramidkv"}, {"budget", "32"}, {"window", "4"}, {"beta", "4"}}}}));
+                                              {"pyr", {{"name", "pyramidkv"}, {"budget", "32"}, {"window", "4"}, {"beta", "4"}}},
+                                              {"dyn", {{"name", "dynamickv"}, {"budget", "24"}, {"window", "4"},
+                                                       {"update_interval", "1"}}}}));
   kv.set_layer_windows(windows);
   EXPECT_EQ(kv.policy(r.policy).local_layers, (std::vector<int64_t>{0, 2}));
   torch::manual_seed(9);
@@ -166,10 +169,23 @@ void run_compressed(const CompressedRun& r, int64_t chunk) {
   for (int64_t l = 0; l < L; ++l) {
     keys.push_back(torch::randn({kKv, T, kD}));
     values.push_back(torch::randn({kKv, T, kD}));
-    queries.push_back(torch::randn({kKv * kG, T, kD}));
+    // The last global layer's attention is sharper, so DynamicKV moves budget between the two.
+    queries.push_back(torch::randn({kKv * kG, T, kD}) * (l == 3 ? 4.0 : 1.0));
   }
   std::vector<int64_t> tokens(static_cast<size_t>(T));
   for (int64_t i = 0; i < T; ++i) tokens[static_cast<size_t>(i)] = i % 89;
+  std::vector<int64_t> global_kept = r.global_kept;
+  if (global_kept.empty()) {
+    // DynamicKV: what it keeps over a model of the two global layers alone.
+    PolicyConfig compact = kv.policy(r.policy);
+    compact.local_layers.clear();
+    PrefillSelector sel(compact, 2, kKv, T);
+    sel.on_layer(0, queries[1], keys[1]);
+    sel.on_layer(1, queries[3], keys[3]);
+    sel.finish();
+    global_kept = sel.budgets();
+    EXPECT_NE(global_kept[0], global_kept[1]) << "the budget did not move between the global layers";
+  }
   kv.begin_prefill(1, T, r.policy);
   const int64_t c = chunk > 0 ? chunk : T;
   for (int64_t start = 0; start < T; start += c) {
@@ -192,7 +208,7 @@ void run_compressed(const CompressedRun& r, int64_t chunk) {
       EXPECT_LE(static_cast<int64_t>(kv.cache().layer_blocks(1, l).blocks.size()), (12 + kBs - 1) / kBs + 1) << "layer " << l;
       continue;
     }
-    EXPECT_EQ(kv.cached_tokens(1, l), r.global_kept[g++]) << r.policy << " layer " << l;
+    EXPECT_EQ(kv.cached_tokens(1, l), global_kept[g++]) << r.policy << " layer " << l;
     auto p = kv.kept_positions(1, l);
     for (int64_t h = 0; h < kKv; ++h)  // the window is kept
       EXPECT_EQ(p[h][p.size(1) - 1].item<int64_t>(), T - 1);
@@ -234,18 +250,19 @@ TEST(SlidingWindowMemory, CompressingPoliciesCompressTheGlobalLayersOnly) {
     run_compressed({"snap", {16, 16}}, chunk);
     run_compressed({"pyr", pyr}, chunk);
   }
+  run_compressed({"dyn", {}}, 0);  // DynamicKV moves the budget between the global layers alone
 }
 
-TEST(SlidingWindowMemory, PoliciesThatMoveBudgetAcrossLayersAreRefusedClearly) {
+TEST(SlidingWindowMemory, ReconstructionScoringIsRefusedClearly) {
   KvPoolOptions pool;
   pool.num_kv_heads = kKv;
   pool.head_dim = kD;
   pool.num_blocks = 64;
   pool.head_blocks = true;  // kvzip's heads keep different lengths
-  PagedKvMemory kv(2, pool, resolve_policies({{"dyn", {{"name", "dynamickv"}, {"budget", "16"}}},
-                                              {"zip", {{"name", "kvzip"}, {"budget", "16"}}}}));
+  PagedKvMemory kv(2, pool, resolve_policies({{"zip", {{"name", "kvzip"}, {"budget", "16"}}},
+                                              {"zip_uniform", {{"name", "kvzip"}, {"budget", "16"}, {"allocator", "uniform"}}}}));
   kv.set_layer_windows({12, 0});
-  for (const std::string name : {"dyn", "zip"}) {
+  for (const std::string name : {"zip", "zip_uniform"}) {
     try {
       kv.begin_prefill(1, 100, name);
       ADD_FAILURE() << name << " was accepted on a memory with sliding-window layers";

@@ -292,3 +292,79 @@ TEST(PrefillSelector, DynamicVariantsStayInsideTheBudget) {
     EXPECT_LE(total, 24 * L + L) << p.begin()->first;  // integer rounding of the mix: at most 1 a layer
   }
 }
+
+// DynamicKV on a model with sliding-window layers budgets its global layers as a model of those
+// alone would: the same kept positions per global layer (and the same re-selections) as a selector
+// over the global layers only, while every local layer keeps its whole prompt. Every variant, the
+// pyramid prior and head-adaptive budgets; update interval 1 and 2 so that re-budgets happen.
+TEST(PrefillSelector, DynamicOnLocalLayersEqualsAModelOfTheGlobalLayers) {
+  const int64_t H = 4, KV = 2, T = 300, D = 8;
+  const std::vector<int64_t> local{0, 1, 3, 4, 5, 7};  // global: 2, 6, 8, 9
+  const int64_t L = 10;
+  for (const auto& params : std::vector<std::map<std::string, std::string>>{
+           {{"update_interval", "1"}}, {{"update_interval", "2"}, {"variant", "authors"}},
+           {{"update_interval", "1"}, {"prior", "pyramid"}, {"prior_weight", "0.5"}},
+           {{"update_interval", "3"}, {"variant", "paper"}, {"head_budgets", "adaptive"}}}) {
+    auto p = params;
+    p["budget"] = "24";
+    p["r_max"] = "4";
+    PolicyConfig whole = make_policy_config("dynamickv", p);
+    whole.local_layers = local;
+    const PolicyConfig compact = make_policy_config("dynamickv", p);
+    PrefillSelector mixed(whole, L, KV, T), globals(compact, L - static_cast<int64_t>(local.size()), KV, T);
+    std::map<int64_t, torch::Tensor> want, got;  // by global layer's place
+    int64_t g = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      auto qk = random_qk(H, KV, T, D, 500 + l);
+      auto kept = mixed.on_layer(l, qk.q, qk.k);
+      if (whole.is_local_layer(l)) {
+        EXPECT_TRUE(torch::equal(kept, position_range(KV, 0, T, kept.device()))) << "local layer " << l;
+        EXPECT_TRUE(mixed.take_updates().empty());
+        continue;
+      }
+      got[g] = kept;
+      want[g] = globals.on_layer(g, qk.q, qk.k);
+      for (auto& [layer, k] : globals.take_updates()) want[layer] = k;
+      for (auto& [layer, k] : mixed.take_updates()) {
+        const auto it = std::find(local.begin(), local.end(), layer);
+        ASSERT_EQ(it, local.end()) << "a local layer was re-selected";
+        got[layer - std::count_if(local.begin(), local.end(), [&](int64_t x) { return x < layer; })] = k;
+      }
+      ++g;
+    }
+    mixed.finish();
+    globals.finish();
+    for (auto& [layer, k] : globals.take_updates()) want[layer] = k;
+    for (auto& [layer, k] : mixed.take_updates())
+      got[layer - std::count_if(local.begin(), local.end(), [&](int64_t x) { return x < layer; })] = k;
+    const std::string what = p.begin()->first + "=" + p.begin()->second + " " + p.rbegin()->first;
+    ASSERT_EQ(got.size(), want.size()) << what;
+    for (const auto& [i, k] : want) EXPECT_TRUE(torch::equal(got[i], k)) << what << " global layer " << i;
+    const auto bm = mixed.budgets(), bg = globals.budgets();
+    const auto dm = mixed.dynamic_budgets(), dg = globals.dynamic_budgets();
+    int64_t i = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      if (whole.is_local_layer(l)) {
+        EXPECT_EQ(bm[l], T) << what << " layer " << l;
+        EXPECT_EQ(dm[l], -1) << what << " layer " << l;
+      } else {
+        EXPECT_EQ(bm[l], bg[i]) << what << " layer " << l;
+        EXPECT_EQ(dm[l], dg[i++]) << what << " layer " << l;
+      }
+    }
+    // An earlier pipeline stage settles to the last stage's final budgets, given per model layer.
+    PrefillSelector stage(whole, L, KV, T);
+    for (int64_t l = 0; l < 3; ++l) {
+      auto qk = random_qk(H, KV, T, D, 500 + l);
+      stage.on_layer(l, qk.q, qk.k);
+    }
+    stage.take_updates();
+    stage.apply_final_budgets(dm);
+    for (auto& [layer, k] : stage.take_updates()) {
+      EXPECT_EQ(layer, 2) << what;
+      if (!whole.head_adaptive()) EXPECT_EQ(k.size(1), bm[2]) << what;
+    }
+    // The budget moved: some global layer ends below the candidates it started with.
+    EXPECT_LT(*std::min_element(bg.begin(), bg.end()), 16 * 4 + 8) << what;
+  }
+}

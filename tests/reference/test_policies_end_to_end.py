@@ -19,6 +19,7 @@ difference fails. The swap counts are collected in SWAPS and printed by the last
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -419,7 +420,12 @@ def test_compressed_generation_uses_original_positions(tmp_path_factory, case):
 # global layers only, PyramidKV's slope runs over them alone, and the generation equals HF greedy
 # decoding over a cache holding every position of the local layers (whose sliding mask then sees
 # their window) and exactly the dumped kept positions of the global ones.
-GEMMA3_GENERATIONS = {"snapkv": ("snapkv", "24"), "pyramidkv": ("pyramidkv", "40"), "streamingllm": ("streamingllm", "24")}
+# DynamicKV moves the budget between the global layers alone: its budgets and kept positions equal
+# the paper reference run over the global layers as a model of their own.
+GEMMA3_GENERATIONS = {"snapkv": ("snapkv", "24", {}), "pyramidkv": ("pyramidkv", "40", {}),
+                      "streamingllm": ("streamingllm", "24", {}),
+                      "dynamickv": ("dynamickv", "40", dict(window=8, kernel=7, pooling="avg", r_max=3, m=1,
+                                                           variant="paper"))}
 
 
 @pytest.mark.parametrize("case", list(GEMMA3_GENERATIONS))
@@ -428,11 +434,11 @@ def test_gemma3_compresses_its_global_layers_only(tmp_path_factory, case):
     if "gemma3" not in _FIXTURES:
         _FIXTURES["gemma3"] = Fixture("gemma3", 200, tmp_path_factory.mktemp("gemma3"))
     fx = _FIXTURES["gemma3"]
-    policy, budget = GEMMA3_GENERATIONS[case]
+    policy, budget, params = GEMMA3_GENERATIONS[case]
     window = fx.model.config.sliding_window
     local = [t == "sliding_attention" for t in fx.model.config.layer_types]
     steps = 16
-    dump, _ = fx.forward(policy, budget)
+    dump, _ = fx.forward(policy, budget, **params)
     kept = kept_of(dump)
     counts = [len(h[0]) for h in kept]
     for layer, is_local in enumerate(local):
@@ -446,9 +452,20 @@ def test_gemma3_compresses_its_global_layers_only(tmp_path_factory, case):
     globals_ = [c for c, is_local in zip(counts, local) if not is_local]
     if policy == "pyramidkv":
         assert globals_ == ref.pyramid_budgets(fx.T, int(budget), 8, 20, len(globals_)), globals_
+    elif policy == "dynamickv":
+        g = [i for i, is_local in enumerate(local) if not is_local]
+        rp = ref.RefPolicy(policy, budget=int(budget), pooling="avg", r_max=3, update_interval=1)
+        # Scored with the attention the model computes: Gemma scales logits by query_pre_attn_scalar^-0.5.
+        c = fx.model.config
+        f = math.sqrt(c.head_dim / c.query_pre_attn_scalar)
+        qs, ks = [fx.full.queries[i] * f for i in g], [fx.full.keys[i] for i in g]
+        budgets, want = ref.select_layers(rp, qs, ks)
+        assert globals_ == budgets and len(set(budgets)) > 1, (globals_, budgets)
+        scores = [padded(ref.window_scores(q, k, rp.window, rp.kernel, rp.pooling, "mean"), fx.T) for q, k in zip(qs, ks)]
+        compare([kept[i] for i in g], want, scores, f"gemma3/{case}/paper")
     else:
         assert globals_ == [int(budget)] * len(globals_), globals_
-    got = fx.generate(policy, budget, max_tokens=steps)
+    got = fx.generate(policy, budget, max_tokens=steps, **params)
     first = int(fx.full.logits[-1].argmax())
     want = hx.decode_with_kept(fx.model, fx.full, kept, first, steps, fx.T)
     assert got == want, f"{case}: kvserve {got} vs HF over the kept cache {want}"
