@@ -127,6 +127,7 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
         std::move(x), plan.end, [&](int64_t) { return ctx; },
         [&](int64_t layer, const torch::Tensor& q, const torch::Tensor& k) {
           ctx = context_of(layer);
+          if (model.config().layer_window(layer) > 0) return;  // a local layer keeps its window, unscored
           const auto& ck = ctx.first;
           const auto ts = clock::now();
           // A KV head's score is the most any query of its group gives: with the group split across

@@ -381,29 +381,41 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
 torch::Tensor LlamaModel::detached_layers(torch::Tensor x, int64_t start, const ContextKv& context,
                                           const LayerQkHook& hook) {
   torch::NoGradGuard ng;
-  KV_CHECK(!config_.gemma, "reconstruction scoring (kvzip) is not supported on " << config_.architecture << " yet");
   const int64_t n = x.size(0);
   KV_CHECK(n > 0 && start >= 0, "internal: detached pass of " << n << " tokens at " << start);
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   const auto positions = torch::arange(start, start + n, torch::TensorOptions().dtype(torch::kInt64).device(device_));
   const RopeAngles angles = rope_->prefill_angles(positions, {start}, {n}, x.scalar_type());
+  const RopeAngles local_angles =
+      local_rope_ ? local_rope_->prefill_angles(positions, {start}, {n}, x.scalar_type()) : RopeAngles{};
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
+    const int64_t window = config_.layer_window(li);
     auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
-    auto [q_all, k_all] = rotated_qk(l, qkv, angles);
+    auto [q_all, k_all] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
     auto q = q_all.transpose(0, 1).contiguous();  // [H, n, D]
     auto k = k_all.transpose(0, 1).contiguous();  // [KV, n, D]
     hook(li, q, k);
     if (li + 1 == layout_.num_layers_total) return {};
     auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({n, KV, D}).transpose(0, 1).contiguous();
     auto [pk, pv] = context(li);
-    torch::Tensor a = pk.size(1) == 0
-                          ? at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
-                                                             /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV)
-                                .squeeze(0)
-                          : chunk_attention(q, pk.to(k.scalar_type()), pv.to(v.scalar_type()), k, v);
-    x = x + row_parallel(a.transpose(0, 1).reshape({n, H * D}), l.wo, l.bo);
-    x = x + mlp(l, rms_norm(x, l.post_norm));
+    torch::Tensor a;
+    if (window > 0) {
+      // A local layer sees the last `window` positions: the context's held positions end right
+      // before `start`, and no query reaches further back than start - window.
+      const int64_t held = std::min<int64_t>(pk.size(1), window);
+      a = sliding_window_attention(q, torch::cat({pk.narrow(1, pk.size(1) - held, held).to(k.scalar_type()), k}, 1),
+                                   torch::cat({pv.narrow(1, pv.size(1) - held, held).to(v.scalar_type()), v}, 1), start,
+                                   start - held, window);
+    } else if (pk.size(1) == 0) {
+      a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
+                                           /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV)
+              .squeeze(0);
+    } else {
+      a = chunk_attention(q, pk.to(k.scalar_type()), pv.to(v.scalar_type()), k, v);
+    }
+    x = x + out_norm(row_parallel(a.transpose(0, 1).reshape({n, H * D}), l.wo, l.bo), l.attn_out_norm);
+    x = x + out_norm(mlp(l, rms_norm(x, l.post_norm)), l.mlp_out_norm);
   }
   return x;
 }

@@ -220,13 +220,8 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
   const PolicyConfig& cfg = policy(name);
   KV_CHECK(!seqs_.count(seq_id), "sequence " << seq_id << " already has KV state");
   // Local layers keep every position (their decode reads the last `window` slots as the last
-  // positions) and the budget goes to the global layers (DynamicKV moves it among those alone).
-  // Reconstruction scoring (and the global top-k it drives) would replay the context through
-  // local layers without their window: not yet.
-  KV_CHECK(cfg.is_full() || cfg.local_layers.empty() || (cfg.allocator != AllocatorKind::kGlobal && !cfg.reconstructs()),
-           "kv_policy '" << cfg.name << "' (allocator " << to_string(cfg.allocator) << ", scorer " << to_string(cfg.scorer)
-                         << ") is not supported yet on a model with sliding-window layers (Gemma 3); snapkv, pyramidkv, "
-                         << "dynamickv, streamingllm, h2o, knorm and random compress its global layers");
+  // positions) and the budget goes to the global layers (DynamicKV moves it among those alone,
+  // kvzip's global top-k runs over theirs).
   cache_.add_sequence(seq_id);
   SeqState& s = seqs_[seq_id];
   s.policy = &cfg;
@@ -457,8 +452,9 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
     // keeps every position (its window is its budget).
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.write(seq_id, ll, k, v, pos);
-    // With a prefix cache the prompt's full blocks are published at end_prefill first.
-    if (!prefix_caching()) trim_window(seq_id, ll);
+    // With a prefix cache the prompt's full blocks are published at end_prefill first; a local layer
+    // of a prompt awaiting reconstruction scores holds its prompt for that pass (trimmed at end_prefill).
+    if (!prefix_caching() && !(compresses && s.policy->reconstructs())) trim_window(seq_id, ll);
     if (compresses) {
       copy_for_cache(seq_id, ll, k, v);
       s.awaiting_scores = s.policy->reconstructs();
@@ -661,27 +657,37 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
     write_kept(seq_id, ll, kf, vf, kept, counts);
   };
   if (cfg.allocator == AllocatorKind::kGlobal) {
-    // One top-k over every layer and KV head of the model: a shard gathers everyone's scores, makes
-    // the one selection every shard makes, and keeps its own layers' and heads' part of it.
+    // One top-k over every global layer and KV head of the model (a sliding-window layer keeps its
+    // window): a shard gathers everyone's scores, makes the one selection every shard makes, and
+    // keeps its own layers' and heads' part of it.
     const std::vector<torch::Tensor> all = shard_.exchange->gather_all_layers(scores);
     KV_CHECK(static_cast<int64_t>(all.size()) == shard_.total_layers,
              "internal: " << all.size() << " layers of gathered scores for " << shard_.total_layers);
+    std::vector<torch::Tensor> global;
+    std::vector<int64_t> place(static_cast<size_t>(shard_.total_layers), -1);  // model layer -> index in global
+    for (int64_t l = 0; l < shard_.total_layers; ++l) {
+      if (cfg.is_local_layer(l)) continue;
+      place[static_cast<size_t>(l)] = static_cast<int64_t>(global.size());
+      global.push_back(all[static_cast<size_t>(l)]);
+    }
     const int64_t model_kv = all[0].size(0);
-    const int64_t total = global_kept_total(cfg, shard_.total_layers, model_kv, s.prompt_len);
-    const auto sels = global_head_selection(all, total, w, shard_.first_layer, num_layers_,
-                                            shard_.exchange->first_kv_head(), cache_.num_kv_heads());
+    const int64_t total = global_kept_total(cfg, static_cast<int64_t>(global.size()), model_kv, s.prompt_len);
+    const auto sels = global_head_selection(global, total, w, 0, -1, shard_.exchange->first_kv_head(), cache_.num_kv_heads());
     for (int64_t ll = 0; ll < num_layers_; ++ll) {
-      const HeadSelection& sel = sels[static_cast<size_t>(ll)];
+      const int64_t g = place[static_cast<size_t>(shard_.first_layer + ll)];
+      if (g < 0) continue;
+      const HeadSelection& sel = sels[static_cast<size_t>(g)];
       rewrite(ll, sel.positions, sel.counts);
     }
   } else {
     for (int64_t ll = 0; ll < num_layers_; ++ll) {
+      if (windowed(ll)) continue;
       torch::Tensor kept = s.selector->on_layer_scores(shard_.first_layer + ll, scores[static_cast<size_t>(ll)]);
       rewrite(ll, kept, s.selector->last_head_counts());
       apply_updates(seq_id);
     }
   }
-  s.awaiting_scores = false;
+  s.awaiting_scores = false;  // the local layers held their prompts for the pass: end_prefill trims them
 }
 
 void PagedKvMemory::end_prefill(int64_t seq_id) {

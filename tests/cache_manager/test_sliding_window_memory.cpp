@@ -253,22 +253,77 @@ TEST(SlidingWindowMemory, CompressingPoliciesCompressTheGlobalLayersOnly) {
   run_compressed({"dyn", {}}, 0);  // DynamicKV moves the budget between the global layers alone
 }
 
-TEST(SlidingWindowMemory, ReconstructionScoringIsRefusedClearly) {
+// kvzip on a memory with local layers: every layer holds its whole prompt until the reconstruction
+// scores arrive; then the global top-k runs over the global layers alone (the local layers' scores
+// do not count, however high) and the local layers keep their rings. Under the uniform allocator
+// each global layer keeps its own top-k.
+TEST(SlidingWindowMemory, ReconstructionScoringSelectsOverTheGlobalLayersOnly) {
+  const std::vector<int64_t> windows{12, 0, 12, 0};
+  const int64_t L = 4, T = 100, B = 16;
   KvPoolOptions pool;
   pool.num_kv_heads = kKv;
   pool.head_dim = kD;
-  pool.num_blocks = 64;
+  pool.block_size = kBs;
+  pool.num_blocks = 4 * L * kKv * (T / kBs + 4);
   pool.head_blocks = true;  // kvzip's heads keep different lengths
-  PagedKvMemory kv(2, pool, resolve_policies({{"zip", {{"name", "kvzip"}, {"budget", "16"}}},
-                                              {"zip_uniform", {{"name", "kvzip"}, {"budget", "16"}, {"allocator", "uniform"}}}}));
-  kv.set_layer_windows({12, 0});
+  PagedKvMemory kv(L, pool, resolve_policies({{"zip", {{"name", "kvzip"}, {"budget", std::to_string(B)}}},
+                                              {"zip_uniform", {{"name", "kvzip"}, {"budget", std::to_string(B)},
+                                                               {"allocator", "uniform"}, {"head_budgets", "uniform"}}}}));
+  kv.set_layer_windows(windows);
   for (const std::string name : {"zip", "zip_uniform"}) {
-    try {
-      kv.begin_prefill(1, 100, name);
-      ADD_FAILURE() << name << " was accepted on a memory with sliding-window layers";
-    } catch (const KvError& e) {
-      EXPECT_NE(std::string(e.what()).find("sliding-window"), std::string::npos) << e.what();
+    torch::manual_seed(13);
+    std::vector<torch::Tensor> keys, values, scores;
+    for (int64_t l = 0; l < L; ++l) {
+      keys.push_back(torch::randn({kKv, T, kD}));
+      values.push_back(torch::randn({kKv, T, kD}));
+      // The local layers score far above the global ones: a top-k that counted them would take them.
+      scores.push_back(torch::rand({kKv, T}) + (windows[static_cast<size_t>(l)] > 0 ? 10.0 : 0.0));
     }
+    kv.begin_prefill(1, T, name);
+    for (int64_t l = 0; l < L; ++l) kv.store_prefill(1, l, torch::randn({kKv * kG, T, kD}), keys[l], values[l]);
+    for (int64_t l = 0; l < L; ++l) EXPECT_EQ(kv.cached_tokens(1, l), T) << name << ": layer " << l << " before the pass";
+    ASSERT_NE(kv.pending_reconstruction(1), nullptr);
+    kv.select_by_scores(1, scores);
+    kv.end_prefill(1);
+    // Expected: the top scores (the scorer gave its sinks theirs) over both global layers at once
+    // ("zip") or per global layer ("zip_uniform").
+    std::vector<std::vector<std::vector<int64_t>>> want(L, std::vector<std::vector<int64_t>>(kKv));
+    if (name == "zip") {
+      auto flat = torch::cat({scores[1].flatten(), scores[3].flatten()});
+      auto idx = std::get<1>(flat.topk(2 * kKv * B)).contiguous();
+      for (int64_t i = 0; i < idx.numel(); ++i) {
+        const int64_t f = idx.data_ptr<int64_t>()[i], layer = f / (kKv * T) == 0 ? 1 : 3;
+        want[layer][(f % (kKv * T)) / T].push_back(f % T);
+      }
+    } else {
+      for (int64_t l : {1, 3}) {
+        auto idx = std::get<1>(scores[l].topk(B, 1)).contiguous();
+        for (int64_t h = 0; h < kKv; ++h)
+          for (int64_t j = 0; j < B; ++j) want[l][h].push_back(idx[h][j].item<int64_t>());
+      }
+    }
+    int64_t held = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      if (windows[static_cast<size_t>(l)] > 0) {
+        for (int64_t h = 0; h < kKv; ++h)
+          EXPECT_LE(static_cast<int64_t>(kv.cache().layer_blocks(1, l, h).blocks.size()), (12 + kBs - 1) / kBs + 1)
+              << name << ": local layer " << l << " head " << h;
+        continue;
+      }
+      const auto lens = kv.cache().head_lengths(1, l);
+      const auto p = kv.kept_positions(1, l);
+      for (int64_t h = 0; h < kKv; ++h) {
+        std::sort(want[l][h].begin(), want[l][h].end());
+        std::vector<int64_t> got;
+        for (int64_t j = 0; j < lens[static_cast<size_t>(h)]; ++j) got.push_back(p[h][j].item<int64_t>());
+        EXPECT_EQ(got, want[l][h]) << name << ": layer " << l << " head " << h;
+        held += lens[static_cast<size_t>(h)];
+      }
+    }
+    EXPECT_EQ(held, 2 * kKv * B) << name;
+    kv.release(1);
+    kv.cache().check_invariants();
+    EXPECT_EQ(kv.blocks_used(), 0);
   }
 }
 

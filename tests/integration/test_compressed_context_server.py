@@ -130,3 +130,42 @@ def test_bad_context_fields_are_400(servers, path, body, param):
     status, _, data = raw(on, "POST", path, json.dumps({"model": "tiny", "max_tokens": 2, **body}))
     assert status == 400, data
     assert json.loads(data)["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def gemma_servers():
+    import os
+    import pathlib
+    model = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures")) / "gemma3"
+    if not (model / "config.json").exists():
+        pytest.skip("no gemma3 fixture (make fixtures)")
+    yaml = "  kvzip:\n    budget: 24\n"
+    on = Server(model=str(model), extra_yaml=yaml, kv_cache_bytes="64MiB")
+    off = Server(model=str(model), extra_yaml=yaml, kv_cache_bytes="64MiB", extra_args=("--no-enable-context-caching",))
+    yield on, off
+    for s in (on, off):
+        rc = s.stop()
+        log = s.log()
+        s.tmp.cleanup()
+        assert rc == 0, log[-4000:]
+
+
+def test_gemma3_context_compressed_once(gemma_servers):
+    """Gemma 3 (local layers of window 12 beside global ones; a random fixture): kvzip compresses a
+    completion's kv_context over its global layers once, the local layers keep their rings in the
+    cached entry, and a later question reuses it with the tokens of a server that compresses afresh."""
+    on, off = gemma_servers
+    context = " ".join(f"Record {i}: the {w} is kept in box {i * 7 % 31}." for i, w in
+                       enumerate(["lamp", "coin", "map", "key", "rope", "ink", "bell", "dice"] * 3))
+    outs = []
+    for q in ("Where is the lamp?", "Where is the bell?", "Where is the coin?"):
+        kw = dict(model="tiny", prompt=f"\nQuestion: {q}\nAnswer:", max_tokens=8, temperature=0,
+                  extra_body={"kv_policy": "kvzip", "kv_context": context})
+        a, b = client(on).completions.create(**kw), client(off).completions.create(**kw)
+        assert a.choices[0].text == b.choices[0].text, q
+        assert b.usage.prompt_tokens_details.cached_tokens == 0
+        outs.append(a.usage.prompt_tokens_details.cached_tokens)
+    assert outs[0] == 0 and outs[1] == outs[2] > 100, outs
+    m = on.metrics()
+    assert m["kvserve:compressed_contexts"] >= 1
+    assert m["kvserve:num_requests_running"] == 0

@@ -147,6 +147,39 @@ def decode_with_kept(model, full: FullRun, kept: list[list[list[int]]], first_to
     return tokens
 
 
+def decode_with_masked(model, full: FullRun, kept: list[list[list[int]]], first_token: int, steps: int,
+                       prompt_len: int) -> list[int]:
+    """decode_with_kept for heads that keep different counts: the cache holds every prompt position
+    and each attention module masks what its heads dropped through kvpress's attention patch
+    (`masked_key_indices`, a fake key whose attention underflows to zero), as AdaKV decodes."""
+    import kvpress  # noqa: F401  (installs the attention patch)
+
+    cache = DynamicCache()
+    for layer in range(len(kept)):
+        cache.update(full.keys[layer].unsqueeze(0).contiguous(), full.values[layer].unsqueeze(0).contiguous(), layer)
+    modules = _attention_modules(model)
+    for module in modules:
+        heads, positions = [], []
+        for h, ps in enumerate(kept[module.layer_idx]):
+            dropped = sorted(set(range(prompt_len)) - set(ps))
+            heads += [h] * len(dropped)
+            positions += dropped
+        module.masked_key_indices = (torch.zeros(len(heads), dtype=torch.long), torch.tensor(heads, dtype=torch.long),
+                                     torch.tensor(positions, dtype=torch.long)) if heads else None
+    tokens = [first_token]
+    try:
+        with torch.no_grad():
+            for t in range(steps - 1):
+                pos = torch.tensor([[prompt_len + t]])
+                out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos,
+                            cache_position=pos[0], use_cache=True)
+                tokens.append(int(out.logits[0, -1].argmax()))
+    finally:
+        for module in modules:
+            module.masked_key_indices = None
+    return tokens
+
+
 def kvpress_masked_kept(model, press, ids: list[int]) -> PressRun:
     """Kept positions per (layer, KV head) of a press that masks instead of removing (AdaKVPress:
     its cache keeps every key and each attention module records the pruned (batch, head, position)

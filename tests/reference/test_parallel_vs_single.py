@@ -115,13 +115,15 @@ def test_qwen3_sharded_equals_single_process(tmp_path, policy):
         assert generate(model, flags, tp, pp, QWEN3_PROMPT) == ref_tokens, f"qwen3 {policy} TP={tp} PP={pp}"
 
 
-@pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv-paper", "dynamickv-authors"])
+@pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv-paper", "dynamickv-authors", "kvzip"])
 def test_gemma3_sharded_equals_single_process(tmp_path, policy):
     """Gemma 3 (local and global layers, sliding window 12, (1 + w) norms replicated on TP ranks,
     embeddings scaled after the vocab-parallel lookup; 6 layers, 3 per stage): logits, kept positions
     and greedy tokens equal one process's. The prompt (41) and its generation pass the window.
     PyramidKV compresses the two global layers (2 and 5, one per stage) as one pyramid; DynamicKV
-    moves budget between them, its update after layer 5 reaching back to the first stage."""
+    moves budget between them, its update after layer 5 reaching back to the first stage; kvzip's
+    reconstruction passes cross both stages through the local windows and its one top-k covers
+    the global layers of both."""
     model = str(fixtures_dir() / "gemma3")
     flags = POLICIES[policy]
     if policy.startswith("dynamickv"):  # a budget at which this prompt's budget moves

@@ -474,6 +474,78 @@ def test_gemma3_compresses_its_global_layers_only(tmp_path_factory, case):
     _DIFFERS_FROM_FULL[f"gemma3-{case}"] = got != full_tokens
 
 
+def gemma3_reconstruction_scores(path: Path, ids: list[int], sink: int) -> list[torch.Tensor]:
+    """kvzip's scores (paper semantics, one pass) as transformers computes the pass: the context's
+    prefill into a cache, then "Repeat the previous context exactly." + the chat template's
+    assistant header + the context after the sinks, with eager attention and output_attentions (the
+    local layers' sliding masks are transformers'). Per layer [KV, T]: the highest attention
+    probability any query of a KV head's group gives each context position; the sinks above all."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    dummy = "dummy context"
+    sep = "\n" + "#" * len(dummy)
+    text = tok.apply_chat_template([{"role": "user", "content": dummy + sep}], add_generation_prompt=True, tokenize=False)
+    suffix = text.split(sep)[1]
+    pass_ids = (tok.encode("\n\nRepeat the previous context exactly.", add_special_tokens=False)
+                + tok.encode(suffix, add_special_tokens=False) + ids[sink:])
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    T = len(ids)
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([pass_ids]), past_key_values=cache, use_cache=True, output_attentions=True)
+    kv = model.config.num_key_value_heads
+    scores = []
+    for a in out.attentions:  # [1, H, n, T + n]
+        s = a[0, :, :, :T].amax(1)  # [H, T]
+        s = s.view(kv, -1, T).amax(1)
+        s[:, :sink] = 2.0  # above any probability
+        scores.append(s)
+    return scores
+
+
+def test_gemma3_kvzip_reconstructs_through_the_local_windows(tmp_path_factory):
+    """kvzip on Gemma 3: the reconstruction pass runs through the local layers with their window,
+    the global top-k runs over the global layers' scores alone and the local layers keep their
+    rings. The global layers' kept sets equal the top-k of the pass's attention as transformers
+    computes it (eager attention over the same cache), and 16 greedy tokens equal HF decoding over
+    a cache holding exactly what kvserve kept."""
+    kvserve_bin()
+    if "gemma3" not in _FIXTURES:
+        _FIXTURES["gemma3"] = Fixture("gemma3", 200, tmp_path_factory.mktemp("gemma3"))
+    fx = _FIXTURES["gemma3"]
+    budget, sink = 30, 4
+    params = dict(sink=sink, chunk_size=1000)  # one pass
+    local = [t == "sliding_attention" for t in fx.model.config.layer_types]
+    g = [i for i, is_local in enumerate(local) if not is_local]
+    dump, _ = fx.forward("kvzip", str(budget), **params)
+    kept = kept_of(dump)
+    scores = gemma3_reconstruction_scores(fx.path, fx.ids, sink)
+    # The paper's total (budget per layer, window 0) over the global layers, ties to the lower
+    # (layer, head, position).
+    flat = torch.cat([scores[i].flatten() for i in g])
+    order = sorted(range(flat.numel()), key=lambda j: (-float(flat[j]), j))[: len(g) * len(kept[g[0]]) * budget]
+    per = fx.T * len(kept[g[0]])
+    want = [[[] for _ in kept[i]] for i in g]
+    for j in sorted(order):
+        want[j // per][(j % per) // fx.T].append(j % fx.T)
+    compare_global([kept[i] for i in g], want, [scores[i].tolist() for i in g], "gemma3/kvzip/transformers")
+    assert len({len(h) for i in g for h in kept[i]}) > 1, "every global (layer, head) kept the same count"
+    window = fx.model.config.sliding_window
+    for layer, is_local in enumerate(local):
+        if is_local:
+            for head in kept[layer]:
+                assert head == list(range(fx.T - len(head), fx.T)) and len(head) >= window - 1, layer
+            kept[layer] = [list(range(fx.T))] * len(kept[layer])
+    steps = 16
+    got = fx.generate("kvzip", str(budget), max_tokens=steps, **params)
+    first = int(fx.full.logits[-1].argmax())
+    assert got == hx.decode_with_masked(fx.model, fx.full, kept, first, steps, fx.T), "kvzip: tokens differ from HF"
+    full_tokens = hx.decode_with_kept(fx.model, fx.full, [[list(range(fx.T))] * len(h) for h in kept], first, steps, fx.T)
+    _DIFFERS_FROM_FULL["gemma3-kvzip"] = got != full_tokens
+
+
 def test_zz_report():
     """Summary: swap counts per comparison; and the compressed generations must not all equal full
     (otherwise test d would have no power)."""
