@@ -128,8 +128,9 @@ class LlamaModel {
   torch::Tensor prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start = 0, int64_t prompt_len = 0);
   // A detached pass (kvzip's reconstruction, backend/kvzip_scorer.h): hidden states x [n, hidden] of
   // token ids at positions start..start+n-1 through this shard's layers, attending to
-  // context(layer)'s K/V ([KV, P, D] of this shard's heads after RoPE, every one visible) and
-  // causally to themselves, writing nothing to any KV memory. hook(layer, q [H, n, D], k [KV, n, D]) sees each layer's post-RoPE
+  // context(layer)'s K/V ([KV, P, D] of this shard's heads after RoPE at positions start-P..start-1,
+  // every one visible; a sliding-window layer sees only its window of them) and causally to
+  // themselves, writing nothing to any KV memory. hook(layer, q [H, n, D], k [KV, n, D]) sees each layer's post-RoPE
   // queries and keys. Returns the hidden states for the next stage; after the model's last layer's
   // hook nothing more is computed (the result is then undefined). Every TP shard of a stage calls it
   // together.

@@ -146,8 +146,9 @@ def stop_ids(tok) -> set:
     return {tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<eos>", "<end_of_turn>")} - {None}
 
 
-def run_grid(a, tok, runner: Runner, cells: dict, configs: list, results: dict, label: str) -> None:
-    """configs: (policy spec, budget or None); fills results[(spec, budget, task, length)]."""
+def run_grid(a, tok, runner: Runner, cells: dict, configs: list, results: dict, label: str, after_cell=None) -> None:
+    """configs: (policy spec, budget or None); fills results[(spec, budget, task, length)];
+    after_cell() runs after each (config, cell) lands."""
     jobs = [(spec, b, key) for spec, b in configs for key in cells]
     total = sum(len(cells[k]) for _, _, k in jobs)
     done, t0 = 0, time.time()
@@ -171,6 +172,8 @@ def run_grid(a, tok, runner: Runner, cells: dict, configs: list, results: dict, 
             k = sum(x["correct"] for x in answers)
             log(f"{label}: {spec} budget {b} {key[0]}@{key[1]}: {k}/{len(answers)}   "
                 f"[{done}/{total} prompts, {el / 60:.1f} min, eta {el / done * (total - done) / 60:.1f} min]")
+            if after_cell:
+                after_cell()
 
 
 def kvpress_side(a, tok, cells: dict, runner: Runner, results: dict) -> dict:
@@ -233,12 +236,16 @@ def fmt(k: int, n: int) -> str:
     return f"{100 * k / n:.0f} [{100 * lo:.0f}, {100 * hi:.0f}]" if n else "-"
 
 
-def write_report(a, cells: dict, kept: list, full: dict, results: dict, kvp: dict, seconds: float) -> None:
+def write_report(a, cells: dict, kept: list, full: dict, results: dict, kvp: dict, seconds: float,
+                 partial: str = "") -> None:
+    """partial: what a run still in progress has not done yet (its report is rewritten after every
+    cell, so a run stopped early keeps what it measured)."""
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     budgets = [b for b in a.budgets] + [r for r in a.ratios]
     lines = [
         "# Long-context quality suite (RULER-style tasks, real model)", "",
+        *([f"**Partial: {partial}.**", ""] if partial else []),
         f"Written by `tools/eval_quality.py` ({' '.join(sys.argv[1:])}); model `{a.model}`, device {a.device}"
         f"{', dtype ' + a.dtype if a.dtype else ''}; seed {a.seed}; {a.n} samples per (task, length); "
         f"{seconds / 60:.0f} min. Accuracy in % with the 95 % Wilson interval in brackets. Greedy; a sample is "
@@ -423,7 +430,15 @@ def main() -> None:
         log(f"kept cells (full >= {a.min_full:.0%}): {kept}")
         kept_cells = {k: cells[k] for k in kept}
         configs = [(p, b) for p in a.policies for b in a.budgets + a.ratios]
-        run_grid(a, tok, runner, kept_cells, configs, results, "policies")
+        todo = len(configs) * len(kept_cells)
+
+        def progress():
+            left = todo - sum(1 for spec, b in configs for key in kept_cells if (spec, b, *key) in results)
+            if left:
+                write_report(a, cells, kept, full, results, {}, time.time() - t0,
+                             partial=f"{left} of {todo} (policy, budget, cell) runs not done when this was written")
+
+        run_grid(a, tok, runner, kept_cells, configs, results, "policies", progress)
         kvp = {}
         if a.kvpress:
             sub = {k: v[: a.kvpress_n or len(v)] for k, v in kept_cells.items()}
