@@ -26,6 +26,14 @@ POLICY = """  kvzip:
 """
 
 
+def stop_all(*servers):
+    for s in servers:
+        rc = s.stop()
+        log = s.log()
+        s.tmp.cleanup()
+        assert rc == 0, log[-4000:]
+
+
 @pytest.fixture(scope="module")
 def servers():
     subprocess.run([sys.executable, str(REPO / "tools" / "make_smollm2.py"), "--out", str(MODEL_DIR)], check=True)
@@ -33,11 +41,7 @@ def servers():
     off = Server(model=str(MODEL_DIR), extra_yaml=POLICY, kv_cache_bytes="1GiB",
                  extra_args=("--no-enable-context-caching",))
     yield on, off
-    for s in (on, off):
-        rc = s.stop()
-        log = s.log()
-        s.tmp.cleanup()
-        assert rc == 0, log[-4000:]
+    stop_all(on, off)
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +147,7 @@ def gemma_servers():
     on = Server(model=str(model), extra_yaml=yaml, kv_cache_bytes="64MiB")
     off = Server(model=str(model), extra_yaml=yaml, kv_cache_bytes="64MiB", extra_args=("--no-enable-context-caching",))
     yield on, off
-    for s in (on, off):
-        rc = s.stop()
-        log = s.log()
-        s.tmp.cleanup()
-        assert rc == 0, log[-4000:]
+    stop_all(on, off)
 
 
 def test_gemma3_context_compressed_once(gemma_servers):

@@ -137,6 +137,11 @@ def decode_with_kept(model, full: FullRun, kept: list[list[list[int]]], first_to
         k = full.keys[layer].gather(1, gidx).unsqueeze(0).contiguous()
         v = full.values[layer].gather(1, gidx).unsqueeze(0).contiguous()
         cache.update(k, v, layer)
+    return _greedy(model, cache, first_token, steps, prompt_len)
+
+
+def _greedy(model, cache, first_token: int, steps: int, prompt_len: int) -> list[int]:
+    """`steps` greedy tokens from `cache`, the first given, the t-th new one at prompt_len + t."""
     tokens = [first_token]
     with torch.no_grad():
         for t in range(steps - 1):
@@ -166,18 +171,11 @@ def decode_with_masked(model, full: FullRun, kept: list[list[list[int]]], first_
             positions += dropped
         module.masked_key_indices = (torch.zeros(len(heads), dtype=torch.long), torch.tensor(heads, dtype=torch.long),
                                      torch.tensor(positions, dtype=torch.long)) if heads else None
-    tokens = [first_token]
     try:
-        with torch.no_grad():
-            for t in range(steps - 1):
-                pos = torch.tensor([[prompt_len + t]])
-                out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=pos,
-                            cache_position=pos[0], use_cache=True)
-                tokens.append(int(out.logits[0, -1].argmax()))
+        return _greedy(model, cache, first_token, steps, prompt_len)
     finally:
         for module in modules:
             module.masked_key_indices = None
-    return tokens
 
 
 def kvpress_masked_kept(model, press, ids: list[int]) -> PressRun:
