@@ -96,8 +96,12 @@ bench-llamacpp: build model
 EVAL_GRID ?= default
 EVAL_KVPRESS ?=
 EVAL_ARGS ?=
+# EVAL_MODEL: another converted model (models/gemma-3-270m from `make model-gemma3`; base models get
+# completion-style prompts) -> docs/eval/<its directory name>/.
+EVAL_MODEL ?= $(MODEL_DIR)
+EVAL_OUT := $(if $(filter $(MODEL_DIR),$(EVAL_MODEL)),docs/eval,docs/eval/$(notdir $(EVAL_MODEL)))
 eval: build model
-	$(PYTHON) tools/eval_quality.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --grid $(EVAL_GRID) \
+	$(PYTHON) tools/eval_quality.py --kvserve $(BUILD_DIR)/kvserve --model $(EVAL_MODEL) --out $(EVAL_OUT) --grid $(EVAL_GRID) \
 	  $(if $(EVAL_KVPRESS),--kvpress) $(EVAL_ARGS)
 
 # The earlier evaluations: retrieval accuracy per policy x budget and perplexity under decode-time
