@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <optional>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "common/check.h"
 #include "common/log.h"
@@ -107,7 +107,7 @@ struct DecodeGraphs::Cuda {
 #endif
 };
 
-std::string DecodeGraphs::unsupported(const LlamaModel& model, const PagedKvMemory& kv) {
+std::string DecodeGraphs::unsupported(const DecoderModel& model, const PagedKvMemory& kv) {
 #ifndef KVSERVE_HAVE_CUDA_GRAPHS
   return "this build has no CUDA graph support (no CUDA kernels)";
 #else
@@ -120,7 +120,7 @@ std::string DecodeGraphs::unsupported(const LlamaModel& model, const PagedKvMemo
 #endif
 }
 
-DecodeGraphs::DecodeGraphs(LlamaModel& model, PagedKvMemory& kv, DecodeGraphOptions options)
+DecodeGraphs::DecodeGraphs(DecoderModel& model, PagedKvMemory& kv, DecodeGraphOptions options)
     : model_(model),
       kv_(kv),
       options_(options),

@@ -14,7 +14,7 @@
 
 namespace kvserve {
 
-class LlamaModel;
+class DecoderModel;
 class PagedKvMemory;
 
 // Batch sizes graphs are captured for, up to max_batch (which is always the last): 1, 2, 4, 8,
@@ -63,16 +63,16 @@ struct DecodeGraphStats {
 class DecodeGraphs {
  public:
   // `model` and `kv` must outlive this.
-  DecodeGraphs(LlamaModel& model, PagedKvMemory& kv, DecodeGraphOptions options);
+  DecodeGraphs(DecoderModel& model, PagedKvMemory& kv, DecodeGraphOptions options);
   ~DecodeGraphs();
   DecodeGraphs(const DecodeGraphs&) = delete;
   DecodeGraphs& operator=(const DecodeGraphs&) = delete;
 
   // Why graphs cannot serve this model and memory ("" = they can): a CPU model, a build without
   // the CUDA kernels or with KVSERVE_PAGED_KERNEL=torch, tensor or pipeline parallelism.
-  static std::string unsupported(const LlamaModel& model, const PagedKvMemory& kv);
+  static std::string unsupported(const DecoderModel& model, const PagedKvMemory& kv);
 
-  // One decode step, as LlamaModel::decode: fp32 logits [B, V] on the model's device. A replayed
+  // One decode step, as DecoderModel::decode: fp32 logits [B, V] on the model's device. A replayed
   // step's logits are a view of a buffer every replay rewrites: valid until the next step.
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens);
 
@@ -94,7 +94,7 @@ class DecodeGraphs {
   Graph& capture(const DecodeBatch& batch, int64_t rows, int64_t hint);
   void drop_graphs();
 
-  LlamaModel& model_;
+  DecoderModel& model_;
   PagedKvMemory& kv_;
   DecodeGraphOptions options_;
   std::vector<int64_t> buckets_;

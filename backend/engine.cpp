@@ -7,7 +7,7 @@
 #include <unordered_set>
 
 #include "backend/grammar_compiler.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "backend/output_processor.h"
 #include "backend/scheduler.h"
@@ -48,7 +48,7 @@ EngineOptions options_for_model(EngineOptions o, const ModelConfig& c) {
   return o;
 }
 
-Engine::Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
+Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
                std::unique_ptr<ModelRunner> runner)
     : model_(std::move(model)), tokenizer_(std::move(tokenizer)), options_(std::move(options)),
       impl_(std::make_unique<Impl>()) {

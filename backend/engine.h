@@ -16,13 +16,13 @@
 
 #include "cache_manager/kv_memory_factory.h"
 #include "backend/engine_types.h"
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
 #include "backend/structured_output_spec.h"
 
 namespace kvserve {
 
 class GrammarCompiler;
-class LlamaModel;
+class DecoderModel;
 struct StructuredGrammar;
 class ModelRunner;
 class Tokenizer;
@@ -109,7 +109,7 @@ class EngineOverloaded : public std::runtime_error {
 class Engine {
  public:
   // `runner` executes the model (a sharded job's ShardedRunner); null = this process, a LocalRunner.
-  Engine(std::shared_ptr<LlamaModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
+  Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokenizer> tokenizer, EngineOptions options,
          std::unique_ptr<ModelRunner> runner = nullptr);
   ~Engine();  // shutdown(false)
   Engine(const Engine&) = delete;
@@ -137,7 +137,7 @@ class Engine {
 
   EngineStats stats() const;
   const Tokenizer& tokenizer() const { return *tokenizer_; }
-  const LlamaModel& model() const { return *model_; }
+  const DecoderModel& model() const { return *model_; }
   std::vector<std::string> policy_names() const;
   bool has_policy(const std::string& name) const;
   // Whether requests under the policy compress their context alone (compress: context, one process).
@@ -146,7 +146,7 @@ class Engine {
  private:
   struct Impl;
   void loop();
-  std::shared_ptr<LlamaModel> model_;
+  std::shared_ptr<DecoderModel> model_;
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineOptions options_;
   std::set<std::string> context_policies_;  // compresses_context

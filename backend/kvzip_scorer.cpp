@@ -6,7 +6,7 @@
 #include <mutex>
 #include <utility>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "policies/kvzip_scores.h"
@@ -91,7 +91,7 @@ std::vector<KvzipPass> kvzip_passes(const KvzipPrompts& prompts, std::span<const
   return out;
 }
 
-std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
+std::vector<torch::Tensor> kvzip_scores(DecoderModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
                                         const PolicyConfig& cfg, const KvzipStageIo& io) {
   const int64_t T = static_cast<int64_t>(tokens.size());
   const KvzipPrompts& prompts = kvzip_prompts(model.model_dir(), cfg.semantics);
@@ -150,7 +150,7 @@ std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t
   return out;
 }
 
-void kvzip_score_and_select(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
+void kvzip_score_and_select(DecoderModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
                             const PolicyConfig& cfg, const KvzipStageIo& io) {
   kv.select_by_scores(seq_id, kvzip_scores(model, kv, seq_id, tokens, cfg, io));
 }

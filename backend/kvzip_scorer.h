@@ -18,7 +18,7 @@
 
 namespace kvserve {
 
-class LlamaModel;
+class DecoderModel;
 
 // The token ids a model's reconstruction passes start with, from its tokenizer and chat template
 // (as kvpress's KVzipPress derives them): the repeat instruction of the first chunk and of the later
@@ -54,11 +54,11 @@ struct KvzipStageIo {
 // fp32 [KV, prompt - window] per layer. The passes attend to positions [0, prompt - window) only, at
 // positions after them, so the scores are a function of those tokens alone. In a sharded job every
 // rank calls it together, each scoring its own layers and KV heads.
-std::vector<torch::Tensor> kvzip_scores(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
+std::vector<torch::Tensor> kvzip_scores(DecoderModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
                                         const PolicyConfig& cfg, const KvzipStageIo& io = {});
 
 // kvzip_scores, then kv.select_by_scores.
-void kvzip_score_and_select(LlamaModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
+void kvzip_score_and_select(DecoderModel& model, KvMemory& kv, int64_t seq_id, std::span<const int64_t> tokens,
                             const PolicyConfig& cfg, const KvzipStageIo& io = {});
 
 }  // namespace kvserve

@@ -1,7 +1,7 @@
 #include "backend/model_runner.h"
 
 #include "backend/decode_graphs.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "common/log.h"
 
 namespace kvserve {
@@ -13,7 +13,7 @@ constexpr size_t kPrefillBatchRows = 8192;
 
 }  // namespace
 
-LocalRunner::LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options)
+LocalRunner::LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options)
     : model_(std::move(model)), kv_(std::move(kv)) {
   if (options.enforce_eager || !model_->device().is_cuda()) return;
   const std::string why = DecodeGraphs::unsupported(*model_, *kv_);

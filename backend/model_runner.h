@@ -13,7 +13,7 @@
 namespace kvserve {
 
 class DecodeGraphs;
-class LlamaModel;
+class DecoderModel;
 
 class ModelRunner {
  public:
@@ -58,7 +58,7 @@ class LocalRunner final : public ModelRunner {
  public:
   // On a CUDA model whose decode step can be captured (DecodeGraphs::unsupported), and unless
   // enforce_eager, decode steps run as CUDA graphs.
-  LocalRunner(std::shared_ptr<LlamaModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options = {});
+  LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options = {});
   ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
@@ -72,7 +72,7 @@ class LocalRunner final : public ModelRunner {
   const DecodeGraphs* decode_graphs() const { return graphs_.get(); }
 
  private:
-  std::shared_ptr<LlamaModel> model_;
+  std::shared_ptr<DecoderModel> model_;
   std::unique_ptr<PagedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   SamplerBank samplers_;

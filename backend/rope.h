@@ -18,7 +18,7 @@
 
 #include <vector>
 
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
 
 namespace kvserve {
 

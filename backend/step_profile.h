@@ -1,5 +1,5 @@
 #pragma once
-// StepProfile: wall time per stage of LlamaModel's decode step, summed over steps, for `kvserve bench
+// StepProfile: wall time per stage of DecoderModel's decode step, summed over steps, for `kvserve bench
 // decode --profile` (docs/benchmarks.md "Where a decode step's time goes").
 #include <array>
 #include <chrono>

@@ -13,7 +13,7 @@ that context (random values: decode cost depends on the kept sizes only) and tim
 steps. One real long-prefill run per policy cross-checks it.
 
 Part "profile" (issue 15): where a decode step's time goes, from `kvserve bench decode --profile`
-(wall time per stage of LlamaModel's decode step) at 16K x 1 and 16K x 8, full and pyramidkv-128.
+(wall time per stage of DecoderModel's decode step) at 16K x 1 and 16K x 8, full and pyramidkv-128.
 
 Part "llamacpp" (issue 15): a current llama.cpp (built from the PyPI source package by
 bench/llamacpp_build.sh) on bench-125m converted to GGUF (F32 weights; f16 and f32 KV, flash
@@ -415,7 +415,7 @@ def render(args, meta: dict, backend: dict | None, policies: dict | None, png: p
                  "memory (`PagedKvMemory`) layer by layer with random q/k/v of *context* tokens, so the policy's "
                  "real selector decides per layer and KV head what is kept and exactly that many entries are "
                  "written into the paged pool; then it times real decode steps of the whole batch through "
-                 "`LlamaModel::decode` at positions context + t (greedy argmax fed back). **The KV contents are "
+                 "`DecoderModel::decode` at positions context + t (greedy argmax fed back). **The KV contents are "
                  "random: decode cost depends only on how many KV entries each (sequence, layer, head) keeps, not "
                  "on their values**, so the step times equal those after a real prefill of that length (see the "
                  "cross-check below); a real prefill of 8 × 16K tokens would take far too long on this machine. "
@@ -474,7 +474,7 @@ def render(args, meta: dict, backend: dict | None, policies: dict | None, png: p
             L.append("")
     if profile:
         L.append("## Where a decode step's time goes\n")
-        L.append("`kvserve bench decode --profile` times each stage of `LlamaModel::decode` with a wall clock (on "
+        L.append("`kvserve bench decode --profile` times each stage of `DecoderModel::decode` with a wall clock (on "
                  "CPU every libtorch op and kernel has finished when it returns, so a stage's wall time is its "
                  "cost); \"other\" is the rest of the mean step (the argmax over the logits, host work). Mean ms "
                  f"per step over {args.steps} steps; context 16384. Load {profile['load_before']} before, "

@@ -4,7 +4,7 @@
 // Each sequence's KV is filled layer by layer through the engine's own PagedKvMemory with random
 // q/k/v of `context` tokens: the policy's real PrefillSelector picks what each layer keeps (its real
 // per-layer budgets) and the kept tokens are written into the paged pool. Then `steps` real decode
-// steps run through LlamaModel::decode for the whole batch at positions context + t (greedy argmax
+// steps run through DecoderModel::decode for the whole batch at positions context + t (greedy argmax
 // fed back); on CUDA through DecodeGraphs (captured in the warmup) unless --enforce-eager. Decode cost depends only on how many KV entries each (sequence, layer, head) holds, not
 // on their values, so this times what a real run with that context would time per decode step.
 #include <algorithm>
@@ -16,7 +16,7 @@
 
 #include "backend/checkpoint.h"
 #include "backend/decode_graphs.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
@@ -44,7 +44,7 @@ int64_t weight_bytes(const ModelConfig& c, int64_t elem) {
   return (c.num_hidden_layers * per_layer + embed + Hd) * elem;
 }
 
-nlohmann::json run_one(LlamaModel& model, const BenchDecodeArgs& a, const std::string& policy_name,
+nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std::string& policy_name,
                        const std::map<std::string, PolicyConfig>& policies, int64_t context, int64_t batch) {
   torch::NoGradGuard ng;
   const ModelConfig& c = model.config();
@@ -220,7 +220,7 @@ void add_bench_commands(CLI::App& app) {
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
     load.kv_cache_dtype = a->kv_cache_dtype;
-    auto model = LlamaModel::load(a->model, load);
+    auto model = DecoderModel::load(a->model, load);
     const auto specs = a->policy.specs();
     const std::string name = PolicyFlags::selected(specs);
     const auto policies = resolve_policies(specs);

@@ -5,7 +5,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/safetensors_writer.h"
 #include "backend/sharded/sharded_executor.h"
 #include "cache_manager/kv_memory_factory.h"

@@ -6,7 +6,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
@@ -74,7 +74,7 @@ void add_perplexity_command(CLI::App& app) {
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
     load.kv_cache_dtype = a->kv_cache_dtype;
-    auto model = LlamaModel::load(a->model, load);
+    auto model = DecoderModel::load(a->model, load);
     const auto& c = model->config();
     KvPoolSize size;
     int64_t blocks = 0;

@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/policy_cli.h"

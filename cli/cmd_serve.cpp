@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "backend/engine.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"

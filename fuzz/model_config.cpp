@@ -6,7 +6,7 @@
 
 #include "fuzz/fuzz_common.h"
 #include "common/check.h"
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -36,7 +36,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   job->rank_ = env.rank;
   job->world_size_ = env.world_size;
   if (env.world_size == 1) {
-    job->model_ = LlamaModel::load(model_dir, load);
+    job->model_ = DecoderModel::load(model_dir, load);
     return job;
   }
   if (must_spawn) job->workers_ = parallel::WorkerGroup::spawn(env);
@@ -70,7 +70,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   load.layout = make_shard_layout(model_shape(cfg), tp, tp_rank, o.pipeline_parallel_size, stage, o.pipeline_layers);
   load.tp_group = job->groups_.tp;
   load.progress = load.progress && env.rank == 0;
-  job->model_ = LlamaModel::load(model_dir, load);
+  job->model_ = DecoderModel::load(model_dir, load);
   KV_LOG("rank " << env.rank << "/" << env.world_size << " ready: " << load.layout.describe());
   return job;
 }

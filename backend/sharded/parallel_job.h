@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "backend/engine.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "backend/sharded/sharded_executor.h"
 
@@ -44,7 +44,7 @@ class ParallelJob {
   bool sharded() const { return world_size_ > 1; }
   bool is_driver() const { return rank_ == 0; }
   int rank() const { return rank_; }
-  std::shared_ptr<LlamaModel> model() const { return model_; }
+  std::shared_ptr<DecoderModel> model() const { return model_; }
   const parallel::ParallelGroups& groups() const { return groups_; }
   const ParallelOptions& options() const { return options_; }
 
@@ -72,7 +72,7 @@ class ParallelJob {
   std::unique_ptr<parallel::WorkerGroup> workers_;
   std::shared_ptr<parallel::Communicator> comm_;
   parallel::ParallelGroups groups_;
-  std::shared_ptr<LlamaModel> model_;
+  std::shared_ptr<DecoderModel> model_;
 };
 
 }  // namespace kvserve

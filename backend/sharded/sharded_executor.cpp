@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "backend/kvzip_scorer.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "common/check.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_score_exchange.h"
@@ -27,7 +27,7 @@ static_assert(parallel::ShardScoreExchange::kScoreLayersTag < kDecodeHidden &&
               "the score exchange's tags must not collide with the runtime's");
 }  // namespace
 
-ShardedExecutor::ShardedExecutor(std::shared_ptr<LlamaModel> model, KvMemory& kv, parallel::ParallelGroups groups,
+ShardedExecutor::ShardedExecutor(std::shared_ptr<DecoderModel> model, KvMemory& kv, parallel::ParallelGroups groups,
                                  int64_t micro_batches)
     : model_(std::move(model)), kv_(kv), g_(std::move(groups)),
       micro_batches_(micro_batches > 0 ? micro_batches : model_->layout().pp_size) {

@@ -15,12 +15,12 @@
 
 namespace kvserve {
 
-class LlamaModel;
+class DecoderModel;
 
 class ShardedExecutor {
  public:
   // micro_batches: decode micro-batches in flight (0 = one per pipeline stage).
-  ShardedExecutor(std::shared_ptr<LlamaModel> model, KvMemory& kv, parallel::ParallelGroups groups, int64_t micro_batches = 0);
+  ShardedExecutor(std::shared_ptr<DecoderModel> model, KvMemory& kv, parallel::ParallelGroups groups, int64_t micro_batches = 0);
 
   // fp32 logits: every position's ([T, V]) when all_logits, else the last one's ([1, V]). With
   // to_rank0 they end on global rank 0 (CPU), else they stay on the last stage's ranks (where the
@@ -46,7 +46,7 @@ class ShardedExecutor {
   int64_t prev_rank() const;  // same TP rank, previous stage (data-group rank)
   int64_t next_rank() const;
   int64_t last_stage_head() const;  // TP rank 0 of the last stage: sends logits to rank 0
-  std::shared_ptr<LlamaModel> model_;
+  std::shared_ptr<DecoderModel> model_;
   KvMemory& kv_;
   parallel::ParallelGroups g_;
   int64_t micro_batches_;

@@ -4,7 +4,7 @@
 #include <bit>
 #include <iostream>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
@@ -370,7 +370,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 
 }  // namespace
 
-ShardedRunner::ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, parallel::ParallelGroups groups,
+ShardedRunner::ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
                              int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure)
     : kv_(std::move(kv)), groups_(groups), exec_(std::move(model), *kv_, groups, micro_batches),
       on_comm_failure_(std::move(on_comm_failure)) {
@@ -433,7 +433,7 @@ void ShardedRunner::idle() {
   });
 }
 
-int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, parallel::ParallelGroups groups,
+int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
                      int64_t micro_batches) {
   ShardedExecutor exec(std::move(model), *kv, groups, micro_batches);
   SamplerBank samplers;  // used on the sampler rank only

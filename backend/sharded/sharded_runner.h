@@ -17,7 +17,7 @@ namespace kvserve {
 class ShardedRunner final : public ModelRunner {
  public:
   // on_comm_failure runs once when the job fails (a transfer failed, or the ranks fell out of step).
-  ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, parallel::ParallelGroups groups,
+  ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
                 int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure);
   ~ShardedRunner() override;  // tells the workers to exit
 
@@ -42,7 +42,7 @@ class ShardedRunner final : public ModelRunner {
 
 // A worker rank's loop: runs the plans rank 0 broadcasts until told to stop. Returns the process
 // exit status (0 = clean stop, 1 = the job failed; the error is printed).
-int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<LlamaModel> model, parallel::ParallelGroups groups,
+int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
                      int64_t micro_batches);
 
 }  // namespace kvserve

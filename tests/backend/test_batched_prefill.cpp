@@ -1,4 +1,4 @@
-// LlamaModel::prefill_batch (several prompts in one forward) against prompts prefilled alone: logits
+// DecoderModel::prefill_batch (several prompts in one forward) against prompts prefilled alone: logits
 // and stored K/V on the random fixtures (GQA, MHA, one KV head, Qwen2 biases, Qwen3 q/k norms, llama3,
 // yarn, dynamic NTK and longrope RoPE), the
 // positions every KV policy keeps, and LocalRunner's one-by-one fallback when a batch fails.
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/fixture_models.h"
@@ -40,7 +40,7 @@ std::vector<PrefillInput> inputs(const std::vector<std::vector<int64_t>>& prompt
   return in;
 }
 
-std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, const Specs& specs = {}) {
+std::unique_ptr<PagedKvMemory> make_memory(const DecoderModel& m, int64_t blocks, const Specs& specs = {}) {
   const auto& c = m.config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
@@ -52,7 +52,7 @@ std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, 
 }
 
 // Enough blocks for every prompt at full KV in every layer.
-int64_t full_blocks(const LlamaModel& m, const std::vector<int64_t>& lens) {
+int64_t full_blocks(const DecoderModel& m, const std::vector<int64_t>& lens) {
   int64_t n = 0;
   for (int64_t T : lens) n += (T + 15) / 16 + 1;
   return n * m.config().num_hidden_layers;
@@ -65,7 +65,7 @@ class BatchedPrefill : public ::testing::TestWithParam<std::string> {};
 TEST_P(BatchedPrefill, LogitsAndKvMatchPromptsAlone) {
   const std::string dir = fixture(GetParam());
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << GetParam();
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto prompts = make_prompts(kLens, model->config().vocab_size);
   const int64_t blocks = full_blocks(*model, kLens);
   auto alone = make_memory(*model, blocks), batched = make_memory(*model, blocks), last_only = make_memory(*model, blocks);
@@ -138,7 +138,7 @@ TEST_P(BatchedPrefillPolicy, KeepsThePositionsOfPromptsAlone) {
   for (const std::string name : {"llama-gqa", "llama-kvfew"}) {
     const std::string dir = fixture(name);
     if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << name;
-    auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+    auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
     const auto prompts = make_prompts(kLens, model->config().vocab_size);
     const int64_t blocks = 2 * full_blocks(*model, kLens);
     auto alone = make_memory(*model, blocks, policy_specs()), batched = make_memory(*model, blocks, policy_specs());
@@ -170,7 +170,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, BatchedPrefillPolicy,
 TEST(BatchedPrefillFailure, FailedBatchLeavesNoKv) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto prompts = make_prompts({17, 300, 40}, model->config().vocab_size);
   // 2 layers: 17 tokens take 4 blocks, 40 take 6, 300 take 38; 20 blocks hold all but the 300.
   auto kv = make_memory(*model, 20);
@@ -192,7 +192,7 @@ TEST(BatchedPrefillFailure, FailedBatchLeavesNoKv) {
 TEST(BatchedPrefillFailure, RunnerFallsBackToOneByOne) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const std::vector<int64_t> lens = {17, 300, 40};
   const auto prompts = make_prompts(lens, model->config().vocab_size);
   LocalRunner runner(model, make_memory(*model, 20));
@@ -236,7 +236,7 @@ TEST(BatchedPrefillFailure, RunnerFallsBackToOneByOne) {
 TEST(BatchedPrefillFailure, RunnerBatchesWhatFits) {
   const std::string dir = fixture("qwen2-bias");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/qwen2-bias";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto prompts = make_prompts(kLens, model->config().vocab_size);
   LocalRunner runner(model, make_memory(*model, full_blocks(*model, kLens)));
   StepPlan plan;
@@ -262,7 +262,7 @@ TEST(BatchedPrefillFailure, RunnerBatchesWhatFits) {
 TEST(BatchedPrefillFailure, BadTokenFailsOnlyItsPrompt) {
   const std::string dir = fixture("llama-mha");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-mha";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   auto prompts = make_prompts({5, 9, 30}, model->config().vocab_size);
   prompts[1][3] = model->config().vocab_size;  // out of range: the batch's embedding throws
   LocalRunner runner(model, make_memory(*model, 64));

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/fixture_models.h"
@@ -23,7 +23,7 @@ using Specs = std::map<std::string, std::map<std::string, std::string>>;
 using test::fixture;
 using test::make_prompt;
 
-std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, const Specs& specs = {}) {
+std::unique_ptr<PagedKvMemory> make_memory(const DecoderModel& m, int64_t blocks, const Specs& specs = {}) {
   const auto& c = m.config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
@@ -38,7 +38,7 @@ float max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).
 
 // Prefills `prompt` as chunks of the given sizes (the last one takes the rest); returns the last
 // chunk's logits [1, V].
-torch::Tensor prefill_chunks(LlamaModel& m, int64_t id, const std::vector<int64_t>& prompt, const std::vector<int64_t>& sizes,
+torch::Tensor prefill_chunks(DecoderModel& m, int64_t id, const std::vector<int64_t>& prompt, const std::vector<int64_t>& sizes,
                              KvMemory& kv, const std::string& policy = "") {
   const int64_t T = static_cast<int64_t>(prompt.size());
   torch::Tensor logits;
@@ -62,7 +62,7 @@ class ChunkedPrefill : public ::testing::TestWithParam<std::string> {};
 TEST_P(ChunkedPrefill, LogitsKvAndDecodeMatchWholePrompt) {
   const std::string dir = fixture(GetParam());
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << GetParam();
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto prompt = make_prompt(kLen, 3, model->config().vocab_size);
   const int64_t L = model->config().num_hidden_layers, blocks = ((kLen + 8) / 16 + 2) * L;
   auto whole = make_memory(*model, blocks);
@@ -129,7 +129,7 @@ TEST_P(ChunkedPrefillPolicy, KeepsThePositionsOfTheWholePrompt) {
   for (const std::string name : {"llama-gqa", "llama-kvfew", "llama-mha"}) {
     const std::string dir = fixture(name);
     if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << name;
-    auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+    auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
     const auto prompt = make_prompt(kLen, 5, model->config().vocab_size);
     const int64_t L = model->config().num_hidden_layers, blocks = 2 * ((kLen + 8) / 16 + 2) * L;
     auto whole = make_memory(*model, blocks, policy_specs());
@@ -167,7 +167,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, ChunkedPrefillPolicy,
 TEST(ChunkedPrefillFailure, H2oRefusesChunksAndLeavesNoKv) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto prompt = make_prompt(kLen, 5, model->config().vocab_size);
   auto kv = make_memory(*model, 400, policy_specs());
   EXPECT_FALSE(PagedKvMemory::chunkable(kv->policy("h2o")));
@@ -184,7 +184,7 @@ TEST(ChunkedPrefillFailure, H2oRefusesChunksAndLeavesNoKv) {
 TEST(ChunkedPrefillFailure, AFailedChunkFreesTheEarlierChunks) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto prompt = make_prompt(300, 2, model->config().vocab_size);
   // 2 layers: the first 100 tokens take 14 blocks, all 300 take 38; 30 blocks fail the second chunk.
   auto kv = make_memory(*model, 30);
@@ -205,7 +205,7 @@ TEST(ChunkedPrefillFailure, AFailedChunkFreesTheEarlierChunks) {
 TEST(ChunkedPrefillRunner, OnlyTheLastChunkSamplesAndAFailedChunkFailsOnlyItsRequest) {
   const std::string dir = fixture("qwen2-bias");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/qwen2-bias";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t L = model->config().num_hidden_layers;
   const auto prompt = make_prompt(300, 4, model->config().vocab_size);
   const auto other = make_prompt(40, 6, model->config().vocab_size);

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "backend/decode_graphs.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "cache_manager/paged_kv_cache.h"
 #include "cache_manager/paged_kv_memory.h"
@@ -48,7 +48,7 @@ TEST(DecodeGraphBuckets, SpacingAndTheLargestBatch) {
 }
 
 TEST(DecodeGraphBuckets, TheLargestBucketIsCapped) {
-  auto model = LlamaModel::load(std::string(KVSERVE_SOURCE_DIR) + "/models/tiny-llama", LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(std::string(KVSERVE_SOURCE_DIR) + "/models/tiny-llama", LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
@@ -184,7 +184,7 @@ const Specs& specs() {
   return s;
 }
 
-std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t block_size = 4) {
+std::unique_ptr<PagedKvMemory> make_memory(const DecoderModel& m, int64_t block_size = 4) {
   const auto& c = m.config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
@@ -228,7 +228,7 @@ struct Trace {
   std::vector<torch::Tensor> logits;
 };
 
-Trace run_schedule(LlamaModel& m, PagedKvMemory& kv, const DecodeFn& decode) {
+Trace run_schedule(DecoderModel& m, PagedKvMemory& kv, const DecodeFn& decode) {
   Trace tr;
   std::vector<int64_t> running;
   std::map<int64_t, int64_t> next, pos;
@@ -270,7 +270,7 @@ Trace run_schedule(LlamaModel& m, PagedKvMemory& kv, const DecodeFn& decode) {
   return tr;
 }
 
-void expect_same_cache(LlamaModel& m, PagedKvMemory& a, PagedKvMemory& b, float tol) {
+void expect_same_cache(DecoderModel& m, PagedKvMemory& a, PagedKvMemory& b, float tol) {
   EXPECT_EQ(a.blocks_used(), b.blocks_used());
   for (int64_t id : a.cache().sequence_ids()) {
     for (int64_t l = 0; l < m.config().num_hidden_layers; ++l) {
@@ -287,7 +287,7 @@ void expect_same_cache(LlamaModel& m, PagedKvMemory& a, PagedKvMemory& b, float 
 // The model's padded step against its plain step, on CPU: same logits for the real rows, the same
 // cache afterwards (lengths, kept positions, K/V, blocks), invariants hold.
 TEST(PaddedDecode, ModelStepPaddedToABucketChangesNothing) {
-  auto model = LlamaModel::load(kTinyModel, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(kTinyModel, LoadOptions{"cpu", "", false});
   auto plain = make_memory(*model), padded = make_memory(*model);
   const Trace want = run_schedule(*model, *plain, [&](const DecodeBatch& b, const std::vector<int64_t>& t) {
     return model->decode(b, t, *plain);
@@ -310,7 +310,7 @@ TEST(PaddedDecode, ModelStepPaddedToABucketChangesNothing) {
 // DecodeGraphs with capture off runs exactly the padded bodies a graph would (static inputs, null
 // rows, fixed split hint); over the schedule its greedy tokens equal the plain eager decode's.
 TEST(DecodeGraphs, PaddedEagerModeMatchesPlainDecodeAsSequencesJoinAndFinish) {
-  auto model = LlamaModel::load(kTinyModel, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(kTinyModel, LoadOptions{"cpu", "", false});
   auto plain = make_memory(*model), mem = make_memory(*model);
   DecodeGraphOptions go;
   go.max_batch = kMaxBatch;
@@ -354,7 +354,7 @@ TEST(DecodeGraphsCuda, NullRowsReadNothingAndWriteNowhere) {
 // captured graphs, and DecodeGraphs running the same padded bodies eagerly.
 TEST(DecodeGraphsCuda, ReplayMatchesEagerAsSequencesJoinAndFinish) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device (or built without the CUDA kernels)";
-  auto model = LlamaModel::load(kTinyModel, LoadOptions{"cuda", "float32", false});
+  auto model = DecoderModel::load(kTinyModel, LoadOptions{"cuda", "float32", false});
   auto plain = make_memory(*model), replayed = make_memory(*model), padded = make_memory(*model);
   ASSERT_EQ(DecodeGraphs::unsupported(*model, *replayed), "");
   DecodeGraphs graphs(*model, *replayed, DecodeGraphOptions{kMaxBatch, true});
@@ -395,7 +395,7 @@ TEST(DecodeGraphsCuda, ReplayMatchesEagerAsSequencesJoinAndFinish) {
 // bf16 (the CUDA default): the replay equals the same padded body run eagerly.
 TEST(DecodeGraphsCuda, Bf16ReplayEqualsThePaddedBody) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device (or built without the CUDA kernels)";
-  auto model = LlamaModel::load(kTinyModel, LoadOptions{"cuda", "bfloat16", false});
+  auto model = DecoderModel::load(kTinyModel, LoadOptions{"cuda", "bfloat16", false});
   auto replayed = make_memory(*model), padded = make_memory(*model);
   DecodeGraphs graphs(*model, *replayed, DecodeGraphOptions{kMaxBatch, true});
   DecodeGraphs eager_padded(*model, *padded, DecodeGraphOptions{kMaxBatch, false});

@@ -16,7 +16,7 @@
 
 #include "backend/engine.h"
 #include "common/check.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "text/tokenizer.h"
 
@@ -61,7 +61,7 @@ struct Result {
 
 // Submits `n` greedy requests (ids 1..n in submission order) and waits for all of them.
 std::vector<Result> run(int n, int64_t poisoned, int after, int* failures, KvUsage* usage_after) {
-  auto model = LlamaModel::load(kModel, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(kModel, LoadOptions{"cpu", "", false});
   auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(kModel));
   EngineOptions eo;
   eo.kv_cache_bytes = 16 << 20;

@@ -5,10 +5,12 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
+#include "backend/model/model_family.h"
 #include "backend/safetensors_file.h"
 #include "common/check.h"
 
@@ -104,7 +106,7 @@ TEST(ModelConfig, ParsesQwen3) {
     "use_sliding_window":false,"sliding_window":4096})",
                               "config.json");
   EXPECT_EQ(c.head_dim, 32);
-  EXPECT_TRUE(c.qk_norm);
+  EXPECT_TRUE(c.block.qk_norm);
   EXPECT_FALSE(c.attention_bias);
   EXPECT_FALSE(c.sliding_window.has_value());
   EXPECT_TRUE(model_shape(c).qk_norm);
@@ -117,7 +119,7 @@ TEST(ModelConfig, ParsesQwen3) {
   EXPECT_FALSE(parse_model_config(R"({"model_type":"qwen2","vocab_size":100,"hidden_size":64,"intermediate_size":128,
     "num_hidden_layers":2,"num_attention_heads":4})",
                                   "config.json")
-                   .qk_norm);
+                   .block.qk_norm);
 }
 
 TEST(ModelConfig, ParsesGemma3) {
@@ -130,8 +132,9 @@ TEST(ModelConfig, ParsesGemma3) {
     "rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
                        "sliding_attention":{"rope_type":"default","rope_theta":10000.0}}})",
                               "config.json");
-  EXPECT_TRUE(c.gemma);
-  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.block.norm, kvserve::BlockSpec::Norm::kRmsOnePlus);
+  EXPECT_EQ(c.block.activation, kvserve::BlockSpec::Activation::kGeluTanh);
+  EXPECT_TRUE(c.block.qk_norm && c.block.sandwich_norms && c.block.scaled_embeddings);
   EXPECT_TRUE(c.tie_word_embeddings) << "Gemma ties by default";
   EXPECT_EQ(c.layer_windows, (std::vector<int64_t>{12, 0, 12}));
   EXPECT_TRUE(c.has_local_layers());
@@ -221,6 +224,33 @@ TEST(ModelConfig, ParsesYarnDynamicAndLongRope) {
   EXPECT_EQ(kvserve::context_length(m), 256);
   EXPECT_EQ(kvserve::context_length(d), 512);
   EXPECT_EQ(kvserve::context_length(l), 256);
+}
+
+// Every family's architectures and model types resolve to that family, no architecture to two, and
+// a refusal lists them all.
+TEST(ModelFamily, EveryArchitectureResolvesToItsFamily) {
+  std::set<std::string> seen;
+  for (const kvserve::ModelFamily* f : kvserve::all_families()) {
+    ASSERT_FALSE(f->architectures.empty());
+    ASSERT_NE(f->parse, nullptr);
+    for (const auto& a : f->architectures) {
+      EXPECT_TRUE(seen.insert(a).second) << a << " is served by two families";
+      EXPECT_EQ(kvserve::family_of_architecture(a), f) << a;
+      EXPECT_NE(kvserve::supported_architectures().find(a), std::string::npos) << a;
+    }
+    for (const auto& t : f->model_types) EXPECT_EQ(kvserve::family_of_architecture(kvserve::architecture_of_model_type(t)), f) << t;
+  }
+  EXPECT_EQ(kvserve::architecture_of_model_type("mistral"), "MistralForCausalLM");
+  EXPECT_EQ(kvserve::family_of_architecture("GPT2LMHeadModel"), nullptr);
+  EXPECT_EQ(kvserve::architecture_of_model_type("gpt2"), "");
+  // The Llama family keeps Llama's block; Mistral is Llama with its window.
+  const std::string sizes = R"("vocab_size":100,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4)";
+  auto m = parse_model_config(R"({"model_type":"mistral",)" + sizes + R"(,"sliding_window":4096})", "config.json");
+  EXPECT_EQ(m.block.norm, kvserve::BlockSpec::Norm::kRms);
+  EXPECT_EQ(m.block.activation, kvserve::BlockSpec::Activation::kSilu);
+  EXPECT_FALSE(m.block.qk_norm || m.block.sandwich_norms || m.block.scaled_embeddings);
+  EXPECT_EQ(m.sliding_window, 4096);
+  EXPECT_TRUE(parse_model_config(R"({"model_type":"qwen2",)" + sizes + "}", "config.json").attention_bias);
 }
 
 TEST(ModelConfig, ErrorsNameTheFileAndKey) {

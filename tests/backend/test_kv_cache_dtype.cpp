@@ -9,7 +9,7 @@
 #include <iostream>
 
 #include "backend/checkpoint.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "common/check.h"
 #include "text/tokenizer.h"
@@ -25,13 +25,13 @@ std::string fixture(const std::string& name) {
 
 const std::string kDefaultModel = std::string(KVSERVE_SOURCE_DIR) + "/models/smollm2-135m-instruct";
 
-std::shared_ptr<LlamaModel> load(const std::string& dir, const std::string& kv_dtype) {
+std::shared_ptr<DecoderModel> load(const std::string& dir, const std::string& kv_dtype) {
   LoadOptions o{"cpu", "", false};
   o.kv_cache_dtype = kv_dtype;
-  return LlamaModel::load(dir, o);
+  return DecoderModel::load(dir, o);
 }
 
-std::unique_ptr<PagedKvMemory> memory(const LlamaModel& m, int64_t bytes, const std::string& policy = "full",
+std::unique_ptr<PagedKvMemory> memory(const DecoderModel& m, int64_t bytes, const std::string& policy = "full",
                                       const std::map<std::string, std::string>& params = {}) {
   std::map<std::string, std::map<std::string, std::string>> specs;
   if (policy != "full") {

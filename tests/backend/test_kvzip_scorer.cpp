@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backend/kvzip_scorer.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "policies/kvzip_scores.h"
 #include "tests/support/fixture_models.h"
@@ -56,7 +56,7 @@ TEST(KvzipPrompts, FromTheFixtureChatTemplate) {
   EXPECT_EQ(paper.first, k.first);
 }
 
-std::unique_ptr<PagedKvMemory> head_memory(const LlamaModel& m, int64_t prompt,
+std::unique_ptr<PagedKvMemory> head_memory(const DecoderModel& m, int64_t prompt,
                                            const std::map<std::string, std::map<std::string, std::string>>& specs) {
   const auto& c = m.config();
   KvPoolOptions pool;
@@ -77,7 +77,7 @@ std::vector<int64_t> head_row(const torch::Tensor& pos, int64_t h) {
 TEST(KvzipPrefill, KeptSetIsAFunctionOfTheContextTokens) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   constexpr int64_t T = 300, W = 20;
   const std::map<std::string, std::map<std::string, std::string>> specs = {
@@ -124,7 +124,7 @@ TEST(KvzipPrefill, FitsThePoolAdmissionReserves) {
   // prompt_blocks holds the prefill, and afterwards only the kept entries' blocks stay in use.
   const std::string dir = fixture("llama3-rope");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama3-rope";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   constexpr int64_t T = 257;
   const std::map<std::string, std::map<std::string, std::string>> specs = {{"kvzip", {{"chunk_size", "100"}}}};

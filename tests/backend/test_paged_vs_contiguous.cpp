@@ -4,7 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/contiguous_kv_cache.h"
 
@@ -14,7 +14,7 @@ TEST(PagedVsContiguous, BatchedDecodeLogitsAgree) {
   const char* env = std::getenv("KVSERVE_FIXTURES");
   const std::string dir = env ? std::string(env) + "/llama-gqa" : "";
   if (dir.empty() || !std::filesystem::exists(dir + "/config.json")) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   ContiguousKvCache contiguous(c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                                torch::TensorOptions().dtype(torch::kFloat32));

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/fixture_models.h"
@@ -52,7 +52,7 @@ const Specs& head_policy_specs() {
   return s;
 }
 
-std::unique_ptr<PagedKvMemory> make_memory(const LlamaModel& m, int64_t blocks, bool caching,
+std::unique_ptr<PagedKvMemory> make_memory(const DecoderModel& m, int64_t blocks, bool caching,
                                            PrefixCache::KeyFn key_fn = nullptr, int64_t host_tier_bytes = 0,
                                            bool head_blocks = false) {
   const auto& c = m.config();
@@ -87,7 +87,7 @@ TEST_P(PrefixCachingPolicy, AHitKeepsAndComputesWhatAMissDoes) {
   for (const std::string name : {"llama-gqa", "llama-kvfew"}) {
     const std::string dir = fixture(name);
     if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << name;
-    auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+    auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
     const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
     const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
     const int64_t T = static_cast<int64_t>(second.size()), blocks = 4 * (T / 16 + 3) * L;
@@ -164,7 +164,7 @@ TEST_P(SlidingWindowPrefix, LayersShareTheDocumentAndThenKeepTheirWindow) {
   const std::string& policy = GetParam();
   const std::string dir = fixture("gemma3");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/gemma3";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   const int64_t V = c.vocab_size, L = c.num_hidden_layers;
   const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
@@ -221,7 +221,7 @@ TEST_P(HeadWiseLayout, AHitKeepsAndComputesWhatAMissDoes) {
   for (const std::string name : {"llama-gqa", "llama-kvfew"}) {
     const std::string dir = fixture(name);
     if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/" << name;
-    auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+    auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
     const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
     const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
     const int64_t T = static_cast<int64_t>(second.size()), blocks = 4 * (T / 16 + 3) * L;
@@ -272,7 +272,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, HeadWiseLayout,
 TEST(PrefixCaching, RequestsShareTheCachedBlocksWhileTheyDecode) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
   auto kv = make_memory(*model, 600, true);
   const auto a = doc_and_question(V, 1), b = doc_and_question(V, 2);
@@ -303,7 +303,7 @@ TEST(PrefixCaching, RequestsShareTheCachedBlocksWhileTheyDecode) {
 TEST(PrefixCaching, AdmissionCountsOnlyTheBlocksAFullPromptAdds) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
   auto kv = make_memory(*model, 600, true);
   const auto a = doc_and_question(V, 1), b = doc_and_question(V, 2), c = doc_and_question(V, 3);
@@ -328,7 +328,7 @@ TEST(PrefixCaching, AdmissionCountsOnlyTheBlocksAFullPromptAdds) {
 TEST(PrefixCaching, CachedBlocksAreReclaimedBeforeAnAllocationFails) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
   const int64_t pool = (kDoc / 16 + kQuestion / 16 + 2) * L;
   auto kv = make_memory(*model, pool, true);
@@ -349,7 +349,7 @@ TEST(PrefixCaching, CachedBlocksAreReclaimedBeforeAnAllocationFails) {
 TEST(PrefixCaching, AFailedPrefillReleasesItsReferences) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
   // Room for the document and a short question, not for a long one.
   auto kv = make_memory(*model, (kDoc / 16 + kQuestion / 16 + 2) * L, true);
@@ -374,7 +374,7 @@ TEST(PrefixCaching, AFailedPrefillReleasesItsReferences) {
 TEST(PrefixCaching, AKeyCollisionRecomputesInsteadOfAliasing) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size;
   // Every block's key depends on its position in the prompt only: two documents collide everywhere.
   auto kv = make_memory(*model, 2000, true, [](uint64_t parent, std::span<const int64_t>) { return parent * 31 + 7; });
@@ -391,7 +391,7 @@ TEST(PrefixCaching, AKeyCollisionRecomputesInsteadOfAliasing) {
 TEST(PrefixCaching, EveryPositionsLogitsMeanNoReuse) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size;
   auto kv = make_memory(*model, 1000, true);
   const auto p = doc_and_question(V, 1);
@@ -405,7 +405,7 @@ TEST(PrefixCaching, EveryPositionsLogitsMeanNoReuse) {
 TEST(PrefixCaching, TheRunnerReportsLookupsAndACompressingPolicyCopiesOnlyWhenAllowed) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size;
   LocalRunner runner(model, make_memory(*model, 2000, true));
   SamplingParams greedy;
@@ -457,7 +457,7 @@ TEST_P(HostTier, ADocumentMovedToTheHostComesBackExact) {
   if (policy.rfind("head:", 0) == 0) policy = policy.substr(5);
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   const int64_t V = c.vocab_size, L = c.num_hidden_layers;
   const auto first = doc_and_question(V, 1), second = doc_and_question(V, 2);
@@ -515,7 +515,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, HostTier, ::testing::Values("full", "snap", "
 TEST(HostTier, ATierTooSmallForOneCachedBlockIsRefused) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   try {
     make_memory(*model, 100, true, nullptr, 100);
     FAIL() << "no error";
@@ -534,7 +534,7 @@ TEST_P(ConversationReuse, TheNextTurnContinuesFromWhatTheFirstKept) {
   const std::string& policy = GetParam();
   const std::string dir = fixture("llama-kvfew");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-kvfew";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size, L = model->config().num_hidden_layers;
   const auto first = doc_and_question(V, 1);
   const auto answer = make_prompt(6, 21, V), turn = make_prompt(40, 22, V);
@@ -588,7 +588,7 @@ INSTANTIATE_TEST_SUITE_P(Policies, ConversationReuse, ::testing::Values("snap", 
 TEST(ConversationReuse, OnlyAFinishedPrefillParksAndOnlyAParkedSequenceResumes) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const int64_t V = model->config().vocab_size;
   auto kv = make_memory(*model, 2000, true);
   const auto p = doc_and_question(V, 1);

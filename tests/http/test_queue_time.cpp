@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "backend/engine.h"
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "text/tokenizer.h"
 
@@ -102,7 +102,7 @@ double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::d
 TEST(QueueTime, SecondRequestWaitsForTheFirstWithOneSequence) {
   const std::string dir = fixture_dir();
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(dir));
   Recorder rec;
   EngineOptions eo;
@@ -134,7 +134,7 @@ TEST(QueueTime, SecondRequestWaitsForTheFirstWithOneSequence) {
 TEST(QueueTime, PreemptedRequestIsNotCountedTwice) {
   const std::string dir = fixture_dir();
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(dir));
   const auto& c = model->config();
   Recorder rec;

@@ -5,7 +5,7 @@
 #include <chrono>
 #include <thread>
 
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
 #include "common/check.h"
 #include "configs/server_config.h"
 #include "parallel/communicator.h"

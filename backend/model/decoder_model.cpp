@@ -1,4 +1,4 @@
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 
 #include "backend/chunk_attention.h"
 #include "backend/kvzip_scorer.h"
@@ -12,7 +12,7 @@
 #include "backend/checkpoint.h"
 #include "backend/dense.h"
 #include "backend/fused_ops.h"
-#include "backend/model/gemma3.h"
+#include "backend/model/block_ops.h"
 #include "backend/sliding_window_attention.h"
 #include "common/check.h"
 #include "common/log.h"
@@ -20,9 +20,9 @@
 
 namespace kvserve {
 
-std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const LoadOptions& opt) {
+std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, const LoadOptions& opt) {
   auto t0 = std::chrono::steady_clock::now();
-  std::shared_ptr<LlamaModel> m(new LlamaModel());
+  std::shared_ptr<DecoderModel> m(new DecoderModel());
   m->model_dir_ = model_dir;
   m->config_ = load_model_config(model_dir);
   const ModelConfig& c = m->config_;
@@ -71,11 +71,7 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   const bool whole_vocab = s.tp_size == 1;
   torch::NoGradGuard ng;
   if (s.first_stage()) m->embed_ = whole_vocab ? load("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight");
-  // Gemma's norms scale by 1 + w in fp32 (backend/model/gemma3.h).
-  auto norm = [&](const std::string& name, int64_t n) {
-    auto w = load(name, {n});
-    return c.gemma ? gemma3::norm_weight(w) : w;
-  };
+  auto norm = [&](const std::string& name, int64_t n) { return block_ops::norm_weight(load(name, {n}), c.block.norm); };
   if (s.last_stage()) {
     m->final_norm_ = norm("model.norm.weight", Hd);
     if (ckpt.contains("lm_head.weight")) {
@@ -92,12 +88,12 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
     const std::string p = "model.layers." + std::to_string(i) + ".";
     Layer l;
     l.input_norm = norm(p + "input_layernorm.weight", Hd);
-    if (c.gemma) {  // its post_attention_layernorm normalises the attention output; the MLP has its own
+    if (c.block.sandwich_norms) {  // post_attention_layernorm then normalises the attention output; the MLP has its own
       l.attn_out_norm = norm(p + "post_attention_layernorm.weight", Hd);
       l.post_norm = norm(p + "pre_feedforward_layernorm.weight", Hd);
       l.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight", Hd);
     } else {
-      l.post_norm = load(p + "post_attention_layernorm.weight", {Hd});
+      l.post_norm = norm(p + "post_attention_layernorm.weight", Hd);
     }
     l.wqkv = torch::cat({load(p + "self_attn.q_proj.weight", {H * D, Hd}, q_rows),
                          load(p + "self_attn.k_proj.weight", {KV * D, Hd}, kv_rows),
@@ -106,7 +102,7 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
       l.bqkv = torch::cat({load(p + "self_attn.q_proj.bias", {H * D}, q_rows), load(p + "self_attn.k_proj.bias", {KV * D}, kv_rows),
                            load(p + "self_attn.v_proj.bias", {KV * D}, kv_rows)});
     }
-    if (c.qk_norm) {  // per head_dim, so every TP rank holds them whole
+    if (c.block.qk_norm) {  // per head_dim, so every TP rank holds them whole
       l.q_norm = norm(p + "self_attn.q_norm.weight", D);
       l.k_norm = norm(p + "self_attn.k_norm.weight", D);
     }
@@ -125,8 +121,8 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
     }
   }
   m->rope_ = std::make_unique<Rope>(c, m->device_);
-  if (c.has_local_layers()) m->local_rope_ = std::make_unique<Rope>(gemma3::local_rope_config(c), m->device_);
-  if (c.gemma) m->q_factor_ = gemma3::query_factor(c);
+  if (c.has_local_layers()) m->local_rope_ = std::make_unique<Rope>(block_ops::local_rope_config(c), m->device_);
+  m->q_factor_ = block_ops::query_factor(c);
   if (opt.progress) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     KV_LOG("loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers << " layers, "
@@ -135,11 +131,11 @@ std::shared_ptr<LlamaModel> LlamaModel::load(const std::string& model_dir, const
   return m;
 }
 
-int64_t LlamaModel::kv_bytes_per_token() const {
+int64_t DecoderModel::kv_bytes_per_token() const {
   return 2 * layout_.num_layers() * layout_.kv_heads * config_.head_dim * static_cast<int64_t>(c10::elementSize(kv_dtype_));
 }
 
-KvMemoryLayout LlamaModel::kv_layout() const {
+KvMemoryLayout DecoderModel::kv_layout() const {
   KvMemoryLayout l;
   l.num_layers = layout_.num_layers();
   l.first_layer = layout_.layer_begin;
@@ -167,28 +163,27 @@ KvMemoryLayout LlamaModel::kv_layout() const {
   return l;
 }
 
-torch::Tensor LlamaModel::rms_norm(const torch::Tensor& x, const torch::Tensor& w) const {
-  if (config_.gemma) return gemma3::rms_norm(x, w, config_.rms_norm_eps);
-  return fused::rms_norm(x, w, config_.rms_norm_eps);
+torch::Tensor DecoderModel::rms_norm(const torch::Tensor& x, const torch::Tensor& w) const {
+  return block_ops::rms_norm(x, w, config_.block.norm, config_.rms_norm_eps);
 }
 
-std::pair<torch::Tensor, torch::Tensor> LlamaModel::rotated_qk(const Layer& l, const torch::Tensor& qkv,
+std::pair<torch::Tensor, torch::Tensor> DecoderModel::rotated_qk(const Layer& l, const torch::Tensor& qkv,
                                                                 const RopeAngles& angles) const {
   const int64_t N = qkv.size(0), H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   auto q = qkv.narrow(1, 0, H * D).view({N, H, D});
   auto k = qkv.narrow(1, H * D, KV * D).view({N, KV, D});
-  if (l.q_norm.defined()) {  // Qwen3 and Gemma 3 normalise each head over head_dim before rotating it
+  if (l.q_norm.defined()) {  // BlockSpec::qk_norm: each head normalised over head_dim before its rotation
     q = rms_norm(q, l.q_norm);
     k = rms_norm(k, l.k_norm);
   }
   auto rq = Rope::apply(q, angles);
-  // The kernels scale by 1/sqrt(head_dim); Gemma's query_pre_attn_scalar goes into q instead, so that
+  // The kernels scale by 1/sqrt(head_dim); a query_pre_attn_scalar goes into q instead, so that
   // every attention path (prefill, chunks, paged decode, the policies' scorers) sees the same logits.
   if (q_factor_ != 1.0) rq = rq * q_factor_;
   return {rq, Rope::apply(k, angles)};
 }
 
-void LlamaModel::check_windows(const KvMemory& kv) const {
+void DecoderModel::check_windows(const KvMemory& kv) const {
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     KV_CHECK(kv.layer_window(li) == config_.layer_window(li),
              "internal: the KV memory applies window " << kv.layer_window(li) << " to layer " << li << ", the model "
@@ -197,21 +192,21 @@ void LlamaModel::check_windows(const KvMemory& kv) const {
   }
 }
 
-torch::Tensor LlamaModel::out_norm(const torch::Tensor& t, const torch::Tensor& w) const {
+torch::Tensor DecoderModel::out_norm(const torch::Tensor& t, const torch::Tensor& w) const {
   return w.defined() ? rms_norm(t, w) : t;
 }
 
-torch::Tensor LlamaModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
+torch::Tensor DecoderModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
   return tp_ ? reduce_partial(dense(x, w, {}, gemm_), b) : dense(x, w, b, gemm_);
 }
 
-torch::Tensor LlamaModel::reduce_partial(torch::Tensor partial, const torch::Tensor& b) const {
+torch::Tensor DecoderModel::reduce_partial(torch::Tensor partial, const torch::Tensor& b) const {
   partial = partial.contiguous();
   tp_->all_reduce_sum(partial);
   return b.defined() ? partial + b : partial;
 }
 
-torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
+torch::Tensor DecoderModel::mlp(const Layer& l, const torch::Tensor& x) const {
   const int64_t I = layout_.inter_len, T = x.size(0);
   // Long prompts run in row chunks: the [rows, 2I] gate/up activations of a whole prompt would be
   // hundreds of MB, past glibc's mmap threshold (fresh pages, zeroed, on every layer) and far past
@@ -220,7 +215,7 @@ torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   // This shard's down projection of some rows (under TP a partial sum, reduced once below).
   auto down = [&](const torch::Tensor& rows) {
     auto gu = dense(rows, l.wgate_up, l.bgate_up, gemm_);
-    auto act = config_.gemma ? gemma3::gelu_tanh_mul(gu, I) : fused::silu_mul(gu, I);
+    auto act = block_ops::gated_activation(gu, I, config_.block.activation);
     return tp_ ? dense(act, l.wdown, {}, gemm_) : dense(act, l.wdown, l.bdown, gemm_);
   };
   torch::Tensor out;
@@ -236,12 +231,12 @@ torch::Tensor LlamaModel::mlp(const Layer& l, const torch::Tensor& x) const {
   return tp_ ? reduce_partial(out, l.bdown) : out;
 }
 
-const LlamaModel::Layer& LlamaModel::layer(int64_t global) const {
+const DecoderModel::Layer& DecoderModel::layer(int64_t global) const {
   KV_CHECK(layout_.owns_layer(global), "internal: layer " << global << " is not on this shard (" << layout_.describe() << ")");
   return layers_[static_cast<size_t>(global - layout_.layer_begin)];
 }
 
-torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
+torch::Tensor DecoderModel::embed(const std::vector<int64_t>& tokens) const {
   KV_CHECK(layout_.first_stage(), "internal: the embedding lives on the first pipeline stage");
   auto ids = torch::tensor(tokens, torch::kInt64);
   KV_CHECK(ids.numel() > 0, "empty token list");
@@ -250,17 +245,13 @@ torch::Tensor LlamaModel::embed(const std::vector<int64_t>& tokens) const {
   return embed_ids(ids.to(device_));
 }
 
-torch::Tensor LlamaModel::embed_ids(const torch::Tensor& ids) const {
-  if (config_.gemma) {
-    // Gemma scales the looked-up rows (after the vocab-parallel sum under TP: the same rows).
-    auto x = tp_ ? embed_ids_parallel(ids) : embed_.index_select(0, ids);
-    return gemma3::scale_embeddings(x, config_.hidden_size);
-  }
-  if (!tp_) return embed_.index_select(0, ids);
-  return embed_ids_parallel(ids);
+torch::Tensor DecoderModel::embed_ids(const torch::Tensor& ids) const {
+  auto x = tp_ ? embed_ids_parallel(ids) : embed_.index_select(0, ids);
+  // Scaled after the vocab-parallel sum under TP: the same rows.
+  return config_.block.scaled_embeddings ? block_ops::scale_embeddings(x, config_.hidden_size) : x;
 }
 
-torch::Tensor LlamaModel::embed_ids_parallel(const torch::Tensor& ids) const {
+torch::Tensor DecoderModel::embed_ids_parallel(const torch::Tensor& ids) const {
   // Vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup.
   auto local = ids - layout_.vocab_begin;
   auto mine = (local >= 0) & (local < layout_.vocab_len);
@@ -270,7 +261,7 @@ torch::Tensor LlamaModel::embed_ids_parallel(const torch::Tensor& ids) const {
   return x;
 }
 
-torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
+torch::Tensor DecoderModel::logits(const torch::Tensor& x) const {
   KV_CHECK(layout_.last_stage(), "internal: the LM head lives on the last pipeline stage");
   auto local = dense(rms_norm(x, final_norm_), lm_head_, {}, gemm_).to(torch::kFloat32);
   if (!tp_) return local;
@@ -278,12 +269,12 @@ torch::Tensor LlamaModel::logits(const torch::Tensor& x) const {
   return all.narrow(0, 0, config_.vocab_size).transpose(0, 1).contiguous();
 }
 
-torch::Tensor LlamaModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start, int64_t prompt_len) {
+torch::Tensor DecoderModel::prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start, int64_t prompt_len) {
   const int64_t T = x.size(0);
   return prefill_layers_batch({seq_id}, {T}, std::move(x), kv, {start}, {prompt_len > 0 ? prompt_len : start + T});
 }
 
-torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens,
+torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& lens,
                                                torch::Tensor x, KvMemory& kv, const std::vector<int64_t>& starts_in,
                                                const std::vector<int64_t>& prompt_lens) {
   torch::NoGradGuard ng;
@@ -378,7 +369,7 @@ torch::Tensor LlamaModel::prefill_layers_batch(const std::vector<int64_t>& seq_i
   return x;
 }
 
-torch::Tensor LlamaModel::detached_layers(torch::Tensor x, int64_t start, const ContextKv& context,
+torch::Tensor DecoderModel::detached_layers(torch::Tensor x, int64_t start, const ContextKv& context,
                                           const LayerQkHook& hook) {
   torch::NoGradGuard ng;
   const int64_t n = x.size(0);
@@ -420,7 +411,7 @@ torch::Tensor LlamaModel::detached_layers(torch::Tensor x, int64_t start, const 
   return x;
 }
 
-torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv) {
+torch::Tensor DecoderModel::decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv) {
   torch::NoGradGuard ng;
   const int64_t B = x.size(0);
   KV_CHECK(B > 0 && static_cast<int64_t>(batch.seq_ids.size()) == B && static_cast<int64_t>(batch.positions.size()) == B,
@@ -436,12 +427,14 @@ torch::Tensor LlamaModel::decode_layers(const DecodeBatch& batch, torch::Tensor 
   return run_decode_layers(batch, std::move(x), angles, local_angles, kv);
 }
 
-torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
+torch::Tensor DecoderModel::run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
                                             const RopeAngles& local_angles, KvMemory& kv) {
   const int64_t B = x.size(0);  // the step's entries, padding included
   const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
   StepProfile* p = profile_;
   const double eps = config_.rms_norm_eps;
+  // fused::add_rms_norm computes Llama's norm; the others add first and norm apart.
+  const bool fused_norms = config_.block.norm == BlockSpec::Norm::kRms;
   // Each residual add is done by the norm that follows it (one kernel on CUDA): a layer's MLP output
   // waits in `pending` for the next layer's input norm; the last one is added after the loop.
   torch::Tensor pending;
@@ -449,7 +442,7 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
     const Layer& l = layer(li);
     auto h = StepProfile::time(p, StepProfile::kNorm, [&] {
       if (!pending.defined()) return rms_norm(x, l.input_norm);
-      if (config_.gemma) {  // (1 + w) norms in fp32: the fused kernel is Llama's
+      if (!fused_norms) {
         x = x + pending;
         return rms_norm(x, l.input_norm);
       }
@@ -466,8 +459,8 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
     auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
     auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
     h = StepProfile::time(p, StepProfile::kNorm, [&] {
-      if (config_.gemma) {
-        x = x + rms_norm(o, l.attn_out_norm);
+      if (!fused_norms || l.attn_out_norm.defined()) {
+        x = x + out_norm(o, l.attn_out_norm);
         return rms_norm(x, l.post_norm);
       }
       auto [sum, normed] = fused::add_rms_norm(x, o, l.post_norm, eps);
@@ -480,14 +473,14 @@ torch::Tensor LlamaModel::run_decode_layers(const DecodeBatch& batch, torch::Ten
   return x;
 }
 
-torch::Tensor LlamaModel::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits,
+torch::Tensor DecoderModel::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits,
                                   const std::string& policy) {
   return prefill_batch({PrefillInput{seq_id, tokens, policy}}, kv, all_logits);
 }
 
-torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in, KvMemory& kv, bool all_logits) {
+torch::Tensor DecoderModel::prefill_batch(const std::vector<PrefillInput>& seqs_in, KvMemory& kv, bool all_logits) {
   torch::NoGradGuard ng;
-  KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::prefill runs a whole pipeline; use the sharded executor");
+  KV_CHECK(layout_.pp_size == 1, "internal: DecoderModel::prefill runs a whole pipeline; use the sharded executor");
   KV_CHECK(!seqs_in.empty(), "internal: empty prefill batch");
   for (const auto& s : seqs_in) {
     KV_CHECK(!s.tokens.empty(), "empty prompt");
@@ -577,7 +570,7 @@ torch::Tensor LlamaModel::prefill_batch(const std::vector<PrefillInput>& seqs_in
   return logits(x.index_select(0, torch::tensor(last, torch::kInt64).to(device_)));
 }
 
-int64_t LlamaModel::compress_context(const PrefillInput& s, KvMemory& kv) {
+int64_t DecoderModel::compress_context(const PrefillInput& s, KvMemory& kv) {
   const int64_t c = s.context_len, n = s.total();
   KV_CHECK(s.start == 0 && c > 0 && c < n && static_cast<int64_t>(s.tokens.size()) == n,
            "internal: a context of " << c << " tokens in a prompt of " << n << " runs with the whole prompt");
@@ -597,9 +590,9 @@ int64_t LlamaModel::compress_context(const PrefillInput& s, KvMemory& kv) {
   return c;
 }
 
-void LlamaModel::plan_decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
+void DecoderModel::plan_decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
                              int64_t padded_rows) {
-  KV_CHECK(layout_.pp_size == 1, "internal: LlamaModel::decode runs a whole pipeline; use the sharded executor");
+  KV_CHECK(layout_.pp_size == 1, "internal: DecoderModel::decode runs a whole pipeline; use the sharded executor");
   const int64_t B = static_cast<int64_t>(tokens.size());
   KV_CHECK(B > 0 && batch.seq_ids.size() == tokens.size() && batch.positions.size() == tokens.size(),
            "decode batch of " << tokens.size() << " tokens does not match its sequence list");
@@ -610,7 +603,7 @@ void LlamaModel::plan_decode(const DecodeBatch& batch, const std::vector<int64_t
   if (local_rope_) local_rope_->reserve(*std::max_element(batch.positions.begin(), batch.positions.end()) + 1);
 }
 
-torch::Tensor LlamaModel::decode_planned(const DecodeBatch& batch, const torch::Tensor& ids, const torch::Tensor& positions,
+torch::Tensor DecoderModel::decode_planned(const DecodeBatch& batch, const torch::Tensor& ids, const torch::Tensor& positions,
                                          KvMemory& kv) {
   torch::NoGradGuard ng;
   KV_CHECK(ids.dim() == 1 && positions.sizes() == ids.sizes() && ids.size(0) >= static_cast<int64_t>(batch.seq_ids.size()),
@@ -625,7 +618,7 @@ torch::Tensor LlamaModel::decode_planned(const DecodeBatch& batch, const torch::
   return out;
 }
 
-torch::Tensor LlamaModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
+torch::Tensor DecoderModel::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, KvMemory& kv,
                                  int64_t padded_rows) {
   torch::NoGradGuard ng;
   plan_decode(batch, tokens, kv, padded_rows);

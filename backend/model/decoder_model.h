@@ -1,6 +1,7 @@
 #pragma once
-// LlamaModel: the Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3 shapes) in libtorch, prefill and batched decode;
-// also Gemma 3's block variant (backend/model/gemma3.h).
+// DecoderModel: the decoder skeleton every family runs (fused QKV, RoPE, paged KV, TP/PP, prefill and
+// batched decode) in libtorch; a family's differences come from its ModelConfig (BlockSpec, biases,
+// RoPE, layer windows), set by its file in backend/model/families/.
 #include <torch/torch.h>
 
 #include <functional>
@@ -11,7 +12,7 @@
 #include <vector>
 
 #include "backend/dense.h"
-#include "backend/model_config.h"
+#include "backend/model/model_config.h"
 #include "backend/rope.h"
 #include "backend/step_profile.h"
 #include "parallel/shard_layout.h"
@@ -63,10 +64,10 @@ struct LoadOptions {
   std::shared_ptr<parallel::ProcessGroup> tp_group;
 };
 
-class LlamaModel {
+class DecoderModel {
  public:
   // Loads config.json + safetensors weights from `model_dir`; errors name the file and tensor.
-  static std::shared_ptr<LlamaModel> load(const std::string& model_dir, const LoadOptions& options);
+  static std::shared_ptr<DecoderModel> load(const std::string& model_dir, const LoadOptions& options);
 
   const ModelConfig& config() const { return config_; }
   const std::string& model_dir() const { return model_dir_; }
@@ -149,23 +150,23 @@ class LlamaModel {
  private:
   struct Layer {
     torch::Tensor input_norm, post_norm;  // before attention, before the MLP
-    torch::Tensor attn_out_norm, mlp_out_norm;  // Gemma 3: after attention, after the MLP (else undefined)
-    torch::Tensor wqkv, bqkv;  // fused q,k,v projection (bias only for Qwen2-style checkpoints)
-    torch::Tensor q_norm, k_norm;  // Qwen3: [head_dim] RMSNorm weights of every q / k head (else undefined)
+    torch::Tensor attn_out_norm, mlp_out_norm;  // BlockSpec::sandwich_norms: after attention, after the MLP (else undefined)
+    torch::Tensor wqkv, bqkv;  // fused q,k,v projection (bias where ModelConfig::attention_bias)
+    torch::Tensor q_norm, k_norm;  // BlockSpec::qk_norm: [head_dim] RMSNorm weights of every q / k head (else undefined)
     torch::Tensor wo, bo;
     torch::Tensor wgate_up, bgate_up;  // fused gate and up projections
     torch::Tensor wdown, bdown;
   };
-  LlamaModel() = default;
+  DecoderModel() = default;
   torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w) const;
   torch::Tensor mlp(const Layer& l, const torch::Tensor& x) const;
-  // Gemma 3 normalises the attention and MLP outputs before their residual adds (w undefined: t as is).
+  // Sandwich norms of the attention and MLP outputs before their residual adds (w undefined: t as is).
   torch::Tensor out_norm(const torch::Tensor& t, const torch::Tensor& w) const;
   // Throws unless `kv` applies this shard's sliding windows (ModelConfig::layer_windows) in decode.
   void check_windows(const KvMemory& kv) const;
-  // The rotated q [rows, H, D] and k [rows, KV, D] of a fused q,k,v projection, with Qwen3's per-head
-  // norms applied first where the layer has them.
-  // Gemma 3's q also carries its query_pre_attn_scalar factor (gemma3::query_factor).
+  // The rotated q [rows, H, D] and k [rows, KV, D] of a fused q,k,v projection, with the per-head
+  // norms applied first where the layer has them; q also carries the query_pre_attn_scalar factor
+  // (block_ops::query_factor).
   std::pair<torch::Tensor, torch::Tensor> rotated_qk(const Layer& l, const torch::Tensor& qkv, const RopeAngles& angles) const;
   // The RoPE angles of layer `li`: the local layers' table for a sliding-window layer.
   const RopeAngles& layer_angles(int64_t li, const RopeAngles& global, const RopeAngles& local) const {
@@ -181,7 +182,7 @@ class LlamaModel {
   // The vocab-parallel lookup: each TP rank's rows, summed over the group.
   torch::Tensor embed_ids_parallel(const torch::Tensor& ids) const;
   // This shard's layers over a planned decode step: x [P, hidden], the rows' RoPE angles.
-  // local_angles: the local layers' (Gemma 3; unused otherwise).
+  // local_angles: the sliding-window layers' (unused without them).
   torch::Tensor run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
                                   const RopeAngles& local_angles, KvMemory& kv);
   // This shard's layers over several prompts' concatenated hidden states x [sum lens, hidden].
@@ -200,8 +201,8 @@ class LlamaModel {
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;
-  std::unique_ptr<Rope> local_rope_;  // Gemma 3's local layers (another base); null otherwise
-  double q_factor_ = 1.0;             // gemma3::query_factor
+  std::unique_ptr<Rope> local_rope_;  // the sliding-window layers' (another base); null without them
+  double q_factor_ = 1.0;             // block_ops::query_factor
   ShardLayout layout_;
   std::shared_ptr<parallel::ProcessGroup> tp_;
   StepProfile* profile_ = nullptr;

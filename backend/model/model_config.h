@@ -1,5 +1,6 @@
 #pragma once
-// ModelConfig: the decoder architecture (Llama family, Gemma 3 text) read from a Hugging Face config.json.
+// ModelConfig: the decoder architecture read from a Hugging Face config.json: the fields every family
+// shares, parsed here, and what its family (backend/model/model_family.h) states about its block.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +37,25 @@ struct RopeScaling {
   bool length_dependent() const { return kind == Kind::kDynamic || kind == Kind::kLongRope; }
 };
 
+// How a family's decoder block computes, as the shared skeleton (backend/model/decoder_model.h) runs it.
+// A family file (backend/model/families/) sets it; the skeleton never asks which family it runs.
+struct BlockSpec {
+  enum class Norm {
+    kRms,         // x * rsqrt(mean(x^2) + eps), cast to the dtype, times w (Llama)
+    kRmsOnePlus,  // the same scaled by (1 + w) in fp32 and cast last (Gemma)
+  };
+  enum class Activation { kSilu, kGeluTanh };  // of the gated MLP's gate
+  Norm norm = Norm::kRms;
+  Activation activation = Activation::kSilu;
+  // RMSNorm over head_dim of every q and k head before RoPE (Qwen3, Gemma 3).
+  bool qk_norm = false;
+  // Norms of the attention and of the MLP outputs before their residual adds; the checkpoint then
+  // names the pre-MLP norm pre_feedforward_layernorm (Gemma 2/3).
+  bool sandwich_norms = false;
+  // Embedding rows times sqrt(hidden_size), that factor rounded to the model's dtype (Gemma).
+  bool scaled_embeddings = false;
+};
+
 struct ModelConfig {
   // LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | Gemma3ForCausalLM
   std::string architecture;
@@ -55,11 +75,8 @@ struct ModelConfig {
   bool attention_bias = false;  // q/k/v bias (Qwen2 always, Llama when attention_bias is set)
   bool o_proj_bias = false;     // Llama's attention_bias also biases o_proj
   bool mlp_bias = false;
-  bool qk_norm = false;         // Qwen3: RMSNorm over head_dim of each q and k head, before RoPE
+  BlockSpec block;
   std::optional<int64_t> sliding_window;  // Mistral/Qwen2/Qwen3: only honoured as a limit check; Gemma 3: local layers' window
-  // Gemma 3 (backend/model/gemma3.h): the block variant and its per-layer attention.
-  bool gemma = false;  // (1 + w) RMSNorms, sandwich norms around attention and MLP, GeGLU, scaled embeddings
-  std::string hidden_act = "silu";  // silu | gelu_pytorch_tanh
   // Attention logits are q.k * query_pre_attn_scalar^-0.5 (0: head_dim, the usual 1/sqrt(D)).
   double query_pre_attn_scalar = 0.0;
   // Per layer: 0 = full (global) attention, w > 0 = a local layer that sees the last w positions

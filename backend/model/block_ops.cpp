@@ -1,18 +1,24 @@
-#include "backend/model/gemma3.h"
+#include "backend/model/block_ops.h"
 
 #include <cmath>
 
-namespace kvserve::gemma3 {
+#include "backend/fused_ops.h"
 
-torch::Tensor norm_weight(const torch::Tensor& w) { return w.to(torch::kFloat32) + 1.0; }
+namespace kvserve::block_ops {
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w1, double eps) {
-  auto xf = x.to(torch::kFloat32);
-  auto var = xf.pow(2).mean(-1, true);
-  return (xf * torch::rsqrt(var + eps) * w1).to(x.scalar_type());
+torch::Tensor norm_weight(const torch::Tensor& w, BlockSpec::Norm norm) {
+  return norm == BlockSpec::Norm::kRmsOnePlus ? w.to(torch::kFloat32) + 1.0 : w;
 }
 
-torch::Tensor gelu_tanh_mul(const torch::Tensor& gu, int64_t inter) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, BlockSpec::Norm norm, double eps) {
+  if (norm == BlockSpec::Norm::kRms) return fused::rms_norm(x, w, eps);
+  auto xf = x.to(torch::kFloat32);
+  auto var = xf.pow(2).mean(-1, true);
+  return (xf * torch::rsqrt(var + eps) * w).to(x.scalar_type());
+}
+
+torch::Tensor gated_activation(const torch::Tensor& gu, int64_t inter, BlockSpec::Activation act) {
+  if (act == BlockSpec::Activation::kSilu) return fused::silu_mul(gu, inter);
   return torch::gelu(gu.narrow(-1, 0, inter), "tanh") * gu.narrow(-1, inter, inter);
 }
 
@@ -35,4 +41,4 @@ ModelConfig local_rope_config(const ModelConfig& c) {
   return l;
 }
 
-}  // namespace kvserve::gemma3
+}  // namespace kvserve::block_ops
