@@ -665,8 +665,7 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
              "internal: " << all.size() << " layers of gathered scores for " << shard_.total_layers);
     std::vector<torch::Tensor> global;
     std::vector<int64_t> place(static_cast<size_t>(shard_.total_layers), -1);  // model layer -> index in global
-    for (int64_t l = 0; l < shard_.total_layers; ++l) {
-      if (cfg.is_local_layer(l)) continue;
+    for (int64_t l : cfg.global_layers(shard_.total_layers)) {
       place[static_cast<size_t>(l)] = static_cast<int64_t>(global.size());
       global.push_back(all[static_cast<size_t>(l)]);
     }

@@ -50,9 +50,7 @@ std::vector<LayerBudget> allocate_layer_budgets(const PolicyConfig& cfg, int64_t
   if (!cfg.local_layers.empty()) {
     // A model with sliding-window layers: those keep their window, so the budgets are the
     // allocator's over the global layers alone, in their order (a pyramid over the global layers).
-    std::vector<int64_t> global;
-    for (int64_t l = 0; l < num_layers; ++l)
-      if (!cfg.is_local_layer(l)) global.push_back(l);
+    const std::vector<int64_t> global = cfg.global_layers(num_layers);
     if (global.empty()) return out;
     PolicyConfig g = cfg;
     g.local_layers.clear();

@@ -19,6 +19,13 @@ bool PolicyConfig::is_local_layer(int64_t layer) const {
   return std::binary_search(local_layers.begin(), local_layers.end(), layer);
 }
 
+std::vector<int64_t> PolicyConfig::global_layers(int64_t num_layers) const {
+  std::vector<int64_t> out;
+  for (int64_t l = 0; l < num_layers; ++l)
+    if (!is_local_layer(l)) out.push_back(l);
+  return out;
+}
+
 int64_t PolicyConfig::budget_tokens(int64_t prompt_len) const {
   if (budget_ratio > 0.0) {
     return std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(prompt_len) * budget_ratio));

@@ -112,6 +112,8 @@ struct PolicyConfig {
   // Whether `layer` is exempt from compression (skip_layers or a local layer).
   bool skips_layer(int64_t layer) const;
   bool is_local_layer(int64_t layer) const;
+  // The layers of a num_layers model that are not local, ascending: those the budgets are spread over.
+  std::vector<int64_t> global_layers(int64_t num_layers) const;
   // The average per-layer budget (window included) for a prompt of `prompt_len` tokens, as the
   // paper semantics count it: `budget`, or max(1, int(ratio * prompt_len)).
   int64_t budget_tokens(int64_t prompt_len) const;

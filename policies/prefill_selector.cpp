@@ -33,12 +33,9 @@ PrefillSelector::PrefillSelector(const PolicyConfig& cfg, int64_t num_layers, in
     // DynamicKV re-budgets the layers it scores: on a model with sliding-window layers the global
     // ones alone, counted among themselves (its update interval, pooling and prior see a model of
     // the global layers).
+    dyn_layers_ = cfg_.global_layers(num_layers);
     dyn_index_.assign(num_layers, -1);
-    for (int64_t l = 0; l < num_layers; ++l) {
-      if (cfg_.is_local_layer(l)) continue;
-      dyn_index_[l] = static_cast<int64_t>(dyn_layers_.size());
-      dyn_layers_.push_back(l);
-    }
+    for (size_t j = 0; j < dyn_layers_.size(); ++j) dyn_index_[static_cast<size_t>(dyn_layers_[j])] = static_cast<int64_t>(j);
     const int64_t scored_layers = static_cast<int64_t>(dyn_layers_.size());
     const auto s = dynamic_sizes(cfg_, prompt_len);
     std::vector<int64_t> prior;
