@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "cache_manager/host_kv_tier.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -62,8 +63,12 @@ void CompressedContextCache::acquire(int32_t entry) {
   check_entry(entry);
   Entry& e = entries_[static_cast<size_t>(entry)];
   if (e.users++ == 0) {
-    lru_.erase({e.last_use, entry});
-    idle_blocks_ -= e.blocks;
+    if (!e.slots.empty()) {
+      host_lru_.erase({e.last_use, entry});
+    } else {
+      lru_.erase({e.last_use, entry});
+      idle_blocks_ -= e.blocks;
+    }
   }
 }
 
@@ -73,8 +78,12 @@ void CompressedContextCache::release(int32_t entry) {
   KV_CHECK(e.users > 0, "compressed context cache: entry " << entry << " released more often than acquired");
   e.last_use = ++clock_;
   if (--e.users == 0) {
-    lru_.insert({e.last_use, entry});
-    idle_blocks_ += e.blocks;
+    if (!e.slots.empty()) {
+      host_lru_.insert({e.last_use, entry});
+    } else {
+      lru_.insert({e.last_use, entry});
+      idle_blocks_ += e.blocks;
+    }
   }
 }
 
@@ -86,12 +95,19 @@ int64_t CompressedContextCache::users(int32_t entry) const {
 void CompressedContextCache::evict(int32_t id, BlockAllocator& alloc) {
   Entry& e = entries_[static_cast<size_t>(id)];
   KV_CHECK(e.live && e.users == 0, "compressed context cache: entry " << id << " is in use");
-  lru_.erase({e.last_use, id});
   index_.erase(e.key);
-  for (Table& t : e.tables)
-    for (int32_t b : t.blocks) alloc.decref(b);
-  blocks_ -= e.blocks;
-  idle_blocks_ -= e.blocks;
+  if (!e.slots.empty()) {
+    host_lru_.erase({e.last_use, id});
+    for (int32_t slot : e.slots) tier_->free(slot);
+    --host_entries_;
+    host_slots_ -= static_cast<int64_t>(e.slots.size());
+  } else {
+    lru_.erase({e.last_use, id});
+    for (Table& t : e.tables)
+      for (int32_t b : t.blocks) alloc.decref(b);
+    blocks_ -= e.blocks;
+    idle_blocks_ -= e.blocks;
+  }
   full_blocks_ -= e.full_blocks;
   e = Entry{};
   free_ids_.push_back(id);
@@ -104,6 +120,76 @@ bool CompressedContextCache::reclaim(int64_t need, BlockAllocator& alloc) {
 
 void CompressedContextCache::clear(BlockAllocator& alloc) {
   while (!lru_.empty()) evict(lru_.begin()->second, alloc);
+  while (!host_lru_.empty()) evict(host_lru_.begin()->second, alloc);
+}
+
+bool CompressedContextCache::on_host(int32_t entry) const {
+  check_entry(entry);
+  return !entries_[static_cast<size_t>(entry)].slots.empty();
+}
+
+void CompressedContextCache::drop(int32_t entry, BlockAllocator& alloc) {
+  check_entry(entry);
+  evict(entry, alloc);
+}
+
+bool CompressedContextCache::make_tier_room(int64_t slots, BlockAllocator& alloc) {
+  if (!tier_) return false;
+  while (tier_->free_slots() < slots && !host_lru_.empty()) evict(host_lru_.begin()->second, alloc);
+  return tier_->free_slots() >= slots;
+}
+
+void CompressedContextCache::moved_to_host(int32_t entry, std::vector<int32_t> slots, std::vector<int32_t> positions,
+                                           BlockAllocator& alloc) {
+  check_entry(entry);
+  Entry& e = entries_[static_cast<size_t>(entry)];
+  KV_CHECK(tier_ && e.users == 0 && e.slots.empty() && !slots.empty(),
+           "compressed context cache: entry " << entry << " cannot move to the host tier");
+  lru_.erase({e.last_use, entry});
+  e.table_blocks.clear();
+  for (Table& t : e.tables) {
+    e.table_blocks.push_back(static_cast<int64_t>(t.blocks.size()));
+    for (int32_t b : t.blocks) alloc.decref(b);
+    t.blocks.clear();
+  }
+  blocks_ -= e.blocks;
+  idle_blocks_ -= e.blocks;
+  host_slots_ += static_cast<int64_t>(slots.size());
+  ++host_entries_;
+  e.slots = std::move(slots);
+  e.positions = std::move(positions);
+  host_lru_.insert({e.last_use, entry});
+}
+
+const std::vector<int32_t>& CompressedContextCache::host_slots(int32_t entry) const {
+  check_entry(entry);
+  return entries_[static_cast<size_t>(entry)].slots;
+}
+
+const std::vector<int32_t>& CompressedContextCache::host_positions(int32_t entry) const {
+  check_entry(entry);
+  return entries_[static_cast<size_t>(entry)].positions;
+}
+
+void CompressedContextCache::moved_to_pool(int32_t entry, const std::vector<int32_t>& blocks) {
+  check_entry(entry);
+  Entry& e = entries_[static_cast<size_t>(entry)];
+  KV_CHECK(!e.slots.empty() && e.users > 0 && static_cast<int64_t>(blocks.size()) == e.blocks,
+           "compressed context cache: entry " << entry << " cannot come back with " << blocks.size() << " blocks");
+  size_t next = 0;
+  for (size_t i = 0; i < e.tables.size(); ++i) {
+    Table& t = e.tables[i];
+    const auto n = static_cast<size_t>(e.table_blocks.at(i));
+    t.blocks.assign(blocks.begin() + static_cast<std::ptrdiff_t>(next), blocks.begin() + static_cast<std::ptrdiff_t>(next + n));
+    next += n;
+  }
+  for (int32_t slot : e.slots) tier_->free(slot);
+  --host_entries_;
+  host_slots_ -= static_cast<int64_t>(e.slots.size());
+  e.slots.clear();
+  e.positions.clear();
+  e.table_blocks.clear();
+  blocks_ += e.blocks;
 }
 
 void CompressedContextCache::count_refs(std::vector<int32_t>& refs) const {
@@ -114,7 +200,7 @@ void CompressedContextCache::count_refs(std::vector<int32_t>& refs) const {
 }
 
 void CompressedContextCache::check_invariants() const {
-  int64_t live = 0, blocks = 0, idle = 0, full = 0, idle_entries = 0;
+  int64_t live = 0, blocks = 0, idle = 0, full = 0, idle_entries = 0, host_entries = 0, host_slots = 0, host_idle = 0;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     if (!e.live) continue;
@@ -122,22 +208,35 @@ void CompressedContextCache::check_invariants() const {
     auto it = index_.find(e.key);
     KV_CHECK(it != index_.end() && it->second == static_cast<int32_t>(i), "compressed context cache: entry " << i
                                                                               << " is not indexed under its key");
+    const bool host = !e.slots.empty();
     int64_t n = 0;
-    for (const Table& t : e.tables) {
-      KV_CHECK(t.length >= 0 && (t.length == 0) == t.blocks.empty(),
-               "compressed context cache: entry " << i << " holds " << t.blocks.size() << " blocks for " << t.length
-                                                  << " slots");
-      n += static_cast<int64_t>(t.blocks.size());
+    for (size_t ti = 0; ti < e.tables.size(); ++ti) {
+      const Table& t = e.tables[ti];
+      const int64_t held = host ? e.table_blocks.at(ti) : static_cast<int64_t>(t.blocks.size());
+      KV_CHECK(t.length >= 0 && (t.length == 0) == (held == 0) && (!host || t.blocks.empty()),
+               "compressed context cache: entry " << i << " holds " << held << " blocks for " << t.length << " slots");
+      n += held;
     }
     KV_CHECK(n == e.blocks, "compressed context cache: entry " << i << " counts " << e.blocks << " blocks, holds " << n);
-    blocks += n;
     full += e.full_blocks;
-    const bool listed = lru_.count({e.last_use, static_cast<int32_t>(i)}) != 0;
+    const Victim v{e.last_use, static_cast<int32_t>(i)};
+    const bool listed = (host ? host_lru_ : lru_).count(v) != 0;
     KV_CHECK(listed == (e.users == 0), "compressed context cache: entry " << i << " with " << e.users
                                                                             << " users is " << (listed ? "" : "not ")
                                                                             << "in the eviction order");
+    KV_CHECK((host ? lru_ : host_lru_).count(v) == 0, "compressed context cache: entry " << i << " listed in the wrong tier");
+    if (host) {
+      ++host_entries, host_slots += static_cast<int64_t>(e.slots.size());
+      host_idle += e.users == 0;
+      KV_CHECK(tier_ && !e.positions.empty(), "compressed context cache: entry " << i << " is in a tier without one");
+      continue;
+    }
+    blocks += n;
     if (e.users == 0) idle += n, ++idle_entries;
   }
+  KV_CHECK(host_entries == host_entries_ && host_slots == host_slots_ && host_idle == static_cast<int64_t>(host_lru_.size()),
+           "compressed context cache: " << host_entries << " tier entries holding " << host_slots << " slots, counted "
+                                        << host_entries_ << " and " << host_slots_);
   KV_CHECK(live == static_cast<int64_t>(index_.size()) && idle_entries == static_cast<int64_t>(lru_.size()),
            "compressed context cache: " << live << " entries, " << index_.size() << " indexed, " << lru_.size()
                                         << " idle listed");

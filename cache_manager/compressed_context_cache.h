@@ -11,6 +11,8 @@
 
 namespace kvserve {
 
+class HostKvTier;
+
 // Compress once, serve many (docs/architecture.md, "Compressed contexts"). A policy whose kept set
 // depends on the context alone (kvzip, or knorm / streamingllm with `compress: context`) makes the
 // compressed KV of a context a pure function of its tokens, the policy and the model: an entry
@@ -20,7 +22,10 @@ namespace kvserve {
 // context it was selected from. A request that uses an entry shares its full blocks and copies its
 // partly filled last blocks (PagedKvCache::adopt), so nothing ever writes an entry's blocks.
 // Entries no request uses are reclaimable, least recently used first, after the prefix cache's.
-// Not thread-safe: one engine thread drives a shard's caches.
+// With the host-RAM tier (cache.prefix_cache_bytes, shared with the prefix cache) a reclaimed entry
+// moves there instead of being dropped (PagedKvCache copies its blocks out and back; the entry keeps
+// its table lengths, its tier slots and its blocks' positions), and only entries the tier cannot
+// hold are dropped, tier entries least recently used first. Not thread-safe: one engine thread drives a shard's caches.
 class CompressedContextCache {
  public:
   // One (layer, lane)'s kept entries: its blocks in slot order and how many slots are filled.
@@ -48,12 +53,35 @@ class CompressedContextCache {
   // Drops entries without users, least recently used first, until `alloc` has `need` free blocks
   // or none is left; returns whether it has them.
   bool reclaim(int64_t need, BlockAllocator& alloc);
-  // Drops every entry without users.
+  // Drops every entry without users (in the pool and in the tier).
   void clear(BlockAllocator& alloc);
 
+  // --- the host tier (PagedKvCache moves the data; the cache keeps the books) -------------------
+  void attach_tier(HostKvTier* tier) { tier_ = tier; }
+  // Whether an entry's blocks are in the tier (its tables then hold lengths only).
+  bool on_host(int32_t entry) const;
+  // The least recently used entry without users in the pool (-1: none).
+  int32_t oldest_idle() const { return lru_.empty() ? -1 : lru_.begin()->second; }
+  // Drops one idle entry (freeing its blocks, or its tier slots).
+  void drop(int32_t entry, BlockAllocator& alloc);
+  // Drops idle tier entries, least recently used first, until the tier has `slots` free; whether it has.
+  bool make_tier_room(int64_t slots, BlockAllocator& alloc);
+  // An idle pool entry whose blocks (in table order) the caller copied into tier `slots`, with
+  // their per-head positions: the entry gives up its pool blocks.
+  void moved_to_host(int32_t entry, std::vector<int32_t> slots, std::vector<int32_t> positions, BlockAllocator& alloc);
+  // A tier entry's slots and positions, for the copy back.
+  const std::vector<int32_t>& host_slots(int32_t entry) const;
+  const std::vector<int32_t>& host_positions(int32_t entry) const;
+  // A tier entry (in use: the caller acquired it) whose data the caller copied into `blocks` (one
+  // reference each, table order): the entry holds them and frees its tier slots.
+  void moved_to_pool(int32_t entry, const std::vector<int32_t>& blocks);
+  // Entries in the tier and the slots they hold.
+  int64_t host_entries() const { return host_entries_; }
+  int64_t host_slots_used() const { return host_slots_; }
+
   int64_t num_entries() const { return static_cast<int64_t>(index_.size()); }
-  // Blocks the entries hold (shared with requests or not), those of entries without users, and
-  // what the same contexts would hold uncompressed.
+  // Pool blocks the entries hold (shared with requests or not), those of entries without users, and
+  // what the same contexts would hold uncompressed (tier entries included).
   int64_t cached_blocks() const { return blocks_; }
   int64_t reclaimable_blocks() const { return idle_blocks_; }
   int64_t full_blocks() const { return full_blocks_; }
@@ -67,7 +95,10 @@ class CompressedContextCache {
     uint64_t key = 0;
     std::vector<int64_t> tokens;
     std::vector<Table> tables;
-    int64_t blocks = 0, full_blocks = 0;
+    int64_t blocks = 0, full_blocks = 0;  // blocks: what its tables hold in the pool (also while in the tier)
+    // In the tier: its slots, its blocks' per-head positions and each table's block count.
+    std::vector<int32_t> slots, positions;
+    std::vector<int64_t> table_blocks;
     int64_t users = 0;
     uint64_t last_use = 0;
   };
@@ -79,8 +110,11 @@ class CompressedContextCache {
   std::vector<Entry> entries_;
   std::vector<int32_t> free_ids_;
   std::unordered_map<uint64_t, int32_t> index_;
-  std::set<Victim> lru_;  // entries without users
+  std::set<Victim> lru_;       // pool entries without users
+  std::set<Victim> host_lru_;  // tier entries without users
+  HostKvTier* tier_ = nullptr;
   int64_t blocks_ = 0, idle_blocks_ = 0, full_blocks_ = 0;
+  int64_t host_entries_ = 0, host_slots_ = 0;
   uint64_t clock_ = 0;
 };
 

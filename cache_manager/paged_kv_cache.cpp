@@ -125,8 +125,61 @@ std::vector<int64_t> PagedKvCache::lane_lengths(const char* what, const std::vec
 bool PagedKvCache::reclaim(int64_t need) {
   // Prefix-cache blocks go first: a compressed context stands for its whole compression pass.
   if (need > alloc_.free_blocks() && prefix_) prefix_->reclaim(need, alloc_);
-  if (need > alloc_.free_blocks() && contexts_) contexts_->reclaim(need, alloc_);
+  // Compressed contexts move to the host tier where it has room for them, else they are dropped.
+  while (need > alloc_.free_blocks() && contexts_) {
+    const int32_t e = contexts_->oldest_idle();
+    if (e < 0) break;
+    if (!context_to_host(e)) contexts_->drop(e, alloc_);
+  }
   return need <= alloc_.free_blocks();
+}
+
+bool PagedKvCache::context_to_host(int32_t e) {
+  if (!tier_) return false;
+  std::vector<int32_t> blocks;
+  for (const auto& t : contexts_->tables(e)) blocks.insert(blocks.end(), t.blocks.begin(), t.blocks.end());
+  if (blocks.empty()) return false;
+  // A slot holds one block per (layer, lane); an entry takes as many slots as its blocks fill, the
+  // last one padded with its first block (copied out and back onto itself).
+  const auto per = static_cast<size_t>(num_layers_ * lanes_);
+  const auto slots_needed = static_cast<int64_t>((blocks.size() + per - 1) / per);
+  if (slots_needed > tier_->num_slots() || !contexts_->make_tier_room(slots_needed, alloc_)) return false;
+  std::vector<int32_t> slots, positions;
+  for (size_t i = 0; i < blocks.size(); i += per) {
+    std::vector<int32_t> group(blocks.begin() + static_cast<std::ptrdiff_t>(i),
+                               blocks.begin() + static_cast<std::ptrdiff_t>(std::min(i + per, blocks.size())));
+    group.resize(per, group.front());
+    slots.push_back(tier_->store(group));
+  }
+  // A kept entry's positions are wherever its policy kept them: they travel with it.
+  for (int32_t b : blocks)
+    for (int64_t h = 0; h < kv_; ++h) positions.insert(positions.end(), pos_ptr(b, h), pos_ptr(b, h) + bs_);
+  contexts_->moved_to_host(e, std::move(slots), std::move(positions), alloc_);
+  return true;
+}
+
+void PagedKvCache::context_to_pool(int32_t e) {
+  KV_CHECK(contexts_ && contexts_->on_host(e) && contexts_->users(e) > 0,
+           "internal: compressed context " << e << " is not a tier entry in use");
+  int64_t n = 0;
+  for (const auto& t : contexts_->tables(e)) n += blocks_for_tokens(t.length, bs_);
+  // The entry is in use, so this allocation's reclaim never drops it from the tier.
+  std::vector<int32_t> blocks = take_blocks(n, -1, -1);
+  const auto per = static_cast<size_t>(num_layers_ * lanes_);
+  const std::vector<int32_t>& slots = contexts_->host_slots(e);
+  for (size_t i = 0, s = 0; i < blocks.size(); i += per, ++s) {
+    std::vector<int32_t> group(blocks.begin() + static_cast<std::ptrdiff_t>(i),
+                               blocks.begin() + static_cast<std::ptrdiff_t>(std::min(i + per, blocks.size())));
+    group.resize(per, group.front());
+    tier_->load(slots.at(s), group);
+  }
+  const std::vector<int32_t>& positions = contexts_->host_positions(e);
+  KV_CHECK(positions.size() == blocks.size() * static_cast<size_t>(kv_ * bs_), "internal: compressed context " << e
+                                                                                 << " positions do not fit its blocks");
+  const int32_t* p = positions.data();
+  for (int32_t b : blocks)
+    for (int64_t h = 0; h < kv_; ++h, p += bs_) std::copy(p, p + bs_, pos_ptr(b, h));
+  contexts_->moved_to_pool(e, blocks);
 }
 
 std::vector<int32_t> PagedKvCache::take_blocks(int64_t n, int64_t seq_id, int64_t layer) {
@@ -273,6 +326,7 @@ void PagedKvCache::enable_prefix_cache(uint64_t salt, PrefixCache::KeyFn key_fn,
   if (host_tier_bytes > 0) {
     tier_.emplace(pool_, num_layers_ * lanes_, host_tier_bytes);
     prefix_->attach_tier(&*tier_);
+    if (contexts_) contexts_->attach_tier(&*tier_);
   }
 }
 
@@ -313,6 +367,7 @@ void PagedKvCache::share(int64_t seq_id, int64_t layer, const std::vector<int32_
 void PagedKvCache::enable_context_cache() {
   KV_CHECK(!contexts_, "compressed context cache enabled twice");
   contexts_.emplace(num_layers_ * lanes_);
+  if (tier_) contexts_->attach_tier(&*tier_);
 }
 
 void PagedKvCache::clone_block(int32_t src, int32_t dst) {
@@ -861,7 +916,7 @@ void PagedKvCache::check_invariants() const {
     }
   }
   if (prefix_) {
-    prefix_->check_invariants();
+    prefix_->check_invariants(contexts_ ? contexts_->host_slots_used() : 0);
     prefix_->count_refs(refs);
   }
   if (contexts_) {

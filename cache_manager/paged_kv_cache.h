@@ -145,9 +145,12 @@ class PagedKvCache {
   // Head-wise, the blocks come back lane-major (lanes() runs of ceil(n / block_size)).
   std::vector<int32_t> store_blocks(const torch::Tensor& k, const torch::Tensor& v, int64_t first);
   // --- compressed contexts (cache_manager/compressed_context_cache.h) ------------------------------
-  // Frees cached blocks no request uses (prefix cache first, then compressed contexts) until `need`
-  // are free; whether they are.
+  // Frees cached blocks no request uses (prefix cache first, then compressed contexts, which move to
+  // the host tier where it has room) until `need` are free; whether they are.
   bool reclaim(int64_t need);
+  // Brings a compressed context in the host tier (in use: acquired) back into pool blocks with the
+  // positions it was kept at; throws the exhaustion error when the pool has no room.
+  void context_to_pool(int32_t entry);
   void enable_context_cache();
   CompressedContextCache* context_cache() { return contexts_ ? &*contexts_ : nullptr; }
   const CompressedContextCache* context_cache() const { return contexts_ ? &*contexts_ : nullptr; }
@@ -240,6 +243,9 @@ class PagedKvCache {
   void drop_blocks(std::vector<int32_t>& blocks);
   // Pool slot addressing for a layer's first `count` slots: block ids and offsets as int64 tensors.
   std::pair<torch::Tensor, torch::Tensor> slot_index(const std::vector<int32_t>& blocks, int64_t count) const;
+  // An idle compressed context's blocks into the host tier (dropping older tier contexts to make
+  // room there); false, changing nothing, when the tier cannot hold it.
+  bool context_to_host(int32_t entry);
   int32_t* pos_ptr(int32_t block, int64_t head) { return pos_.data() + (int64_t{block} * kv_ + head) * bs_; }
   const int32_t* pos_ptr(int32_t block, int64_t head) const {
     return pos_.data() + (int64_t{block} * kv_ + head) * bs_;

@@ -523,6 +523,7 @@ int64_t PagedKvMemory::begin_context(int64_t seq_id, std::span<const int64_t> co
   if (e < 0) return 0;
   cc->acquire(e);
   try {
+    if (cc->on_host(e)) cache_.context_to_pool(e);
     cache_.adopt(seq_id, cc->tables(e));
   } catch (...) {
     cc->release(e);

@@ -228,7 +228,7 @@ void PrefixCache::count_refs(std::vector<int32_t>& refs) const {
       for (int32_t b : e.blocks) ++refs[static_cast<size_t>(b)];
 }
 
-void PrefixCache::check_invariants() const {
+void PrefixCache::check_invariants(int64_t other_tier_slots) const {
   int64_t live = 0, idle = 0, host = 0, leaves = 0, movable_count = 0, host_leaves = 0;
   std::vector<int64_t> children(entries_.size(), 0);
   std::vector<char> slot_seen(tier_ ? static_cast<size_t>(tier_->num_slots()) : 0, 0);
@@ -265,8 +265,9 @@ void PrefixCache::check_invariants() const {
   KV_CHECK(live == num_entries(), "prefix cache: " << live << " live entries, " << num_entries() << " indexed");
   KV_CHECK(idle == idle_, "prefix cache: " << idle << " pool entries without users, counted " << idle_);
   KV_CHECK(host == on_host_, "prefix cache: " << host << " entries on the host, counted " << on_host_);
-  KV_CHECK(!tier_ || tier_->used_slots() == host, "prefix cache: tier holds " << (tier_ ? tier_->used_slots() : 0)
-                                                       << " slots for " << host << " entries");
+  KV_CHECK(!tier_ || tier_->used_slots() == host + other_tier_slots,
+           "prefix cache: tier holds " << (tier_ ? tier_->used_slots() : 0) << " slots for " << host << " entries and "
+                                       << other_tier_slots << " other slots");
   KV_CHECK(leaves == static_cast<int64_t>(lru_.size()) && movable_count == static_cast<int64_t>(movable_.size()) &&
                host_leaves == static_cast<int64_t>(host_lru_.size()),
            "prefix cache: stale eviction order");

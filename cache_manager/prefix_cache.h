@@ -82,7 +82,8 @@ class PrefixCache {
   // References the cache holds on each pool block (for the pool's invariant check).
   void count_refs(std::vector<int32_t>& refs) const;
   // Full consistency check: index, tree links, users and the eviction order agree.
-  void check_invariants() const;
+  // other_tier_slots: tier slots held by others (compressed contexts share the tier).
+  void check_invariants(int64_t other_tier_slots = 0) const;
 
  private:
   struct Entry {

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/llama_model.h"
+#include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/fixture_models.h"
 
@@ -43,7 +43,8 @@ const Specs& layer_specs() {
 
 constexpr int64_t kDoc = 600, kQuestion = 37, kSteps = 6;
 
-std::unique_ptr<PagedKvMemory> memory(const LlamaModel& m, bool head, bool context_cache, int64_t blocks_per_lane = 0) {
+std::unique_ptr<PagedKvMemory> memory(const DecoderModel& m, bool head, bool context_cache, int64_t blocks_per_lane = 0,
+                                      int64_t host_tier_bytes = 0) {
   const auto& c = m.config();
   KvPoolOptions pool;
   pool.num_kv_heads = c.num_key_value_heads;
@@ -52,7 +53,7 @@ std::unique_ptr<PagedKvMemory> memory(const LlamaModel& m, bool head, bool conte
   const int64_t lanes = head ? c.num_key_value_heads : 1;
   pool.num_blocks = (blocks_per_lane > 0 ? blocks_per_lane : 4 * c.num_hidden_layers * (kDoc / 16 + 8)) * lanes;
   auto kv = std::make_unique<PagedKvMemory>(c.num_hidden_layers, pool, resolve_policies(head ? head_specs() : layer_specs()));
-  kv->enable_prefix_cache(m.kv_layout().kv_salt);
+  kv->enable_prefix_cache(m.kv_layout().kv_salt, nullptr, host_tier_bytes);
   if (context_cache) kv->enable_context_cache(m.kv_layout().kv_salt);
   return kv;
 }
@@ -74,7 +75,7 @@ struct Run {
 
 // keep_copy: the scheduler lets a compressing prompt copy its full-precision blocks into the prefix
 // cache only where the pool has room for them.
-Run run(LlamaModel& model, PagedKvMemory& kv, int64_t seq, const std::vector<int64_t>& prompt, const std::string& policy,
+Run run(DecoderModel& model, PagedKvMemory& kv, int64_t seq, const std::vector<int64_t>& prompt, const std::string& policy,
         int64_t context, bool keep_copy = true) {
   PrefillInput in{seq, prompt, policy};
   in.context_len = context;
@@ -107,7 +108,7 @@ void expect_same(const Run& a, const Run& b, const std::string& what) {
 void check_policy(const std::string& policy, bool head) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   const auto q1 = doc_and_question(c.vocab_size, 21), q2 = doc_and_question(c.vocab_size, 22);
 
@@ -174,7 +175,7 @@ TEST(CompressedContext, StreamingLayerwise) { check_policy("stream_ctx", false);
 TEST(CompressedContext, OtherContextOrPolicyMisses) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   auto kv = memory(*model, false, true);
   const auto q1 = doc_and_question(c.vocab_size, 21);
@@ -199,7 +200,7 @@ TEST(CompressedContext, OtherContextOrPolicyMisses) {
 TEST(CompressedContext, AContextKeptWholeIsOnlyInThePrefixCache) {
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   auto kv = memory(*model, false, true);
   const auto q1 = doc_and_question(model->config().vocab_size, 21);
   run(*model, *kv, 1, q1, "stream_whole", kDoc);
@@ -214,7 +215,7 @@ TEST(CompressedContext, SmallPoolReclaimsEntriesBeforeFailing) {
   // A pool that holds one request at a time: every new context reclaims the previous entry.
   const std::string dir = fixture("llama-gqa");
   if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
-  auto model = LlamaModel::load(dir, LoadOptions{"cpu", "", false});
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
   const auto& c = model->config();
   const PagedKvMemory::Geometry g = memory(*model, false, true)->geometry();
   const int64_t need = PagedKvMemory::context_prompt_blocks(make_policy_config("knorm", {{"budget", "0.5"}, {"skip_layers", "none"}}), g, kDoc,
@@ -227,6 +228,42 @@ TEST(CompressedContext, SmallPoolReclaimsEntriesBeforeFailing) {
     kv->cache().check_invariants();
   }
   EXPECT_GE(kv->cache().context_cache()->num_entries(), 1);
+  EXPECT_EQ(kv->blocks_used(), 0);
+}
+
+TEST(CompressedContext, HostTierKeepsTheContextsThePoolCannot) {
+  // A pool that holds one request at a time, with a host tier (cache.prefix_cache_bytes): a second
+  // document's context pushes the first one's entry to the tier instead of dropping it, and the
+  // first document's next question takes it back with the logits, kept positions and greedy tokens
+  // of a run without the cache.
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
+  const auto& c = model->config();
+  const PagedKvMemory::Geometry g = memory(*model, false, true)->geometry();
+  const int64_t need = PagedKvMemory::context_prompt_blocks(make_policy_config("knorm", {{"budget", "0.5"}, {"skip_layers", "none"}}), g, kDoc,
+                                                            kDoc + kQuestion + kSteps);
+  const auto q1 = doc_and_question(c.vocab_size, 21), q2 = doc_and_question(c.vocab_size, 22);
+  auto other = make_prompt(kDoc + kQuestion, 300, c.vocab_size);
+  auto plain = memory(*model, false, false);
+  const auto want1 = run(*model, *plain, 1, q1, "knorm_ctx", kDoc, false);
+  const auto want2 = run(*model, *plain, 2, q2, "knorm_ctx", kDoc, false);
+  auto kv = memory(*model, false, true, need, int64_t{8} << 20);
+  const CompressedContextCache& cc = *kv->cache().context_cache();
+  expect_same(run(*model, *kv, 1, q1, "knorm_ctx", kDoc, false), want1, "first document");
+  kv->release(1);
+  run(*model, *kv, 2, other, "knorm_ctx", kDoc, false);
+  kv->release(2);
+  EXPECT_EQ(cc.num_entries(), 2);
+  EXPECT_EQ(cc.host_entries(), 1) << "the first document's entry went to the tier";
+  kv->cache().check_invariants();
+  const int64_t loads = kv->cache().host_tier()->loads();
+  const auto back = run(*model, *kv, 3, q2, "knorm_ctx", kDoc, false);
+  EXPECT_EQ(back.hit, kDoc);
+  EXPECT_GT(kv->cache().host_tier()->loads(), loads);
+  expect_same(back, want2, "first document, second question, from the tier");
+  kv->release(3);
+  kv->cache().check_invariants();
   EXPECT_EQ(kv->blocks_used(), 0);
 }
 

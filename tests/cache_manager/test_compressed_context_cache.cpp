@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cache_manager/compressed_context_cache.h"
+#include "cache_manager/host_kv_tier.h"
 #include "cache_manager/paged_kv_cache.h"
 #include "common/check.h"
 
@@ -136,6 +137,117 @@ void snapshot_then_adopt(bool head_blocks) {
 
 TEST(PagedKvCacheContexts, SnapshotAndAdoptLayerwise) { snapshot_then_adopt(false); }
 TEST(PagedKvCacheContexts, SnapshotAndAdoptHeadwise) { snapshot_then_adopt(true); }
+
+// What a sequence that adopts entry e sees, layer by layer: K, V, per-head lengths and positions.
+struct Seen {
+  std::vector<torch::Tensor> k, v, pos;
+  std::vector<std::vector<int64_t>> lengths;
+};
+
+Seen adopt_and_read(PagedKvCache& cache, int32_t e, int64_t seq) {
+  CompressedContextCache& cc = *cache.context_cache();
+  cc.acquire(e);
+  if (cc.on_host(e)) cache.context_to_pool(e);
+  cache.add_sequence(seq);
+  cache.adopt(seq, cc.tables(e));
+  Seen out;
+  for (int64_t l = 0; l < 2; ++l) {
+    auto [k, v, n] = cache.gather_padded(seq, l);
+    out.k.push_back(k), out.v.push_back(v), out.lengths.push_back(n);
+    out.pos.push_back(cache.positions(seq, l));
+  }
+  cache.release(seq);
+  cc.release(e);
+  cache.check_invariants();
+  return out;
+}
+
+void expect_same(const Seen& a, const Seen& b) {
+  for (size_t l = 0; l < a.k.size(); ++l) {
+    EXPECT_EQ(a.lengths[l], b.lengths[l]) << l;
+    EXPECT_TRUE(torch::equal(a.k[l], b.k[l])) << l;
+    EXPECT_TRUE(torch::equal(a.v[l], b.v[l])) << l;
+    EXPECT_TRUE(torch::equal(a.pos[l], b.pos[l])) << l;
+  }
+}
+
+// An entry made from a sequence whose layer 0 keeps `head_lengths` and layer 1 `whole` slots.
+int32_t make_entry(PagedKvCache& cache, int64_t seq, uint64_t key, std::vector<int64_t> head_lengths, int64_t whole,
+                   float base) {
+  cache.add_sequence(seq);
+  fill(cache, seq, 0, head_lengths, base);
+  fill(cache, seq, 1, {whole, whole}, base + 100.f);
+  const int32_t e = cache.context_cache()->insert(key, {static_cast<int64_t>(key)}, cache.snapshot(seq), 8);
+  cache.release(seq);
+  return e;
+}
+
+// cache.prefix_cache_bytes: an idle compressed context that the pool needs back moves to the host
+// tier with its kept positions and comes back for the next request as it was; the tier drops its
+// least recently used contexts when a newer one needs the room, and an entry it cannot hold is dropped.
+void contexts_through_the_host_tier(bool head_blocks) {
+  PagedKvCache cache(2, pool_options(head_blocks));
+  const int64_t slot = HostKvTier::slot_bytes(cache.pool(), 2 * cache.lanes());
+  // A slot holds 2 blocks (4 head-wise): entry a takes 3 slots, b 2, c 3; the tier holds 5.
+  cache.enable_prefix_cache(9, nullptr, 5 * slot);
+  cache.enable_context_cache();
+  CompressedContextCache& cc = *cache.context_cache();
+  const std::vector<int64_t> ragged = head_blocks ? std::vector<int64_t>{6, 9} : std::vector<int64_t>{9, 9};
+  const int32_t a = make_entry(cache, 1, 11, ragged, 8, 0.f);
+  const int32_t b = make_entry(cache, 2, 12, {5, 5}, 4, 1000.f);
+  ASSERT_GE(a, 0);
+  ASSERT_GE(b, 0);
+  const Seen want_a = adopt_and_read(cache, a, 10), want_b = adopt_and_read(cache, b, 11);
+  // b was used last: a goes to the tier first, then b.
+  const int64_t pool_blocks = cc.cached_blocks();
+  ASSERT_TRUE(cache.reclaim(cache.total_blocks() - pool_blocks + 1));
+  EXPECT_TRUE(cc.on_host(a));
+  EXPECT_FALSE(cc.on_host(b));
+  ASSERT_TRUE(cache.reclaim(cache.total_blocks()));
+  EXPECT_TRUE(cc.on_host(b));
+  EXPECT_EQ(cc.cached_blocks(), 0);
+  EXPECT_EQ(cc.host_entries(), 2);
+  EXPECT_EQ(cache.allocator().free_blocks(), cache.total_blocks());
+  cache.check_invariants();
+  // Overwrite the pool: the entries' data lives in the tier alone now.
+  cache.pool().storage().fill_(-7.f);
+  expect_same(adopt_and_read(cache, a, 12), want_a);
+  EXPECT_FALSE(cc.on_host(a));
+  EXPECT_EQ(cache.host_tier()->loads(), 3);  // a's slots
+  expect_same(adopt_and_read(cache, b, 13), want_b);
+  // A third entry that needs the room: the least recently used tier entry is dropped for it.
+  ASSERT_TRUE(cache.reclaim(cache.total_blocks()));
+  EXPECT_EQ(cc.host_entries(), 2);
+  const int32_t c = make_entry(cache, 3, 13, {9, 9}, 8, 2000.f);
+  const Seen want_c = adopt_and_read(cache, c, 14);
+  ASSERT_TRUE(cache.reclaim(cache.total_blocks()));
+  EXPECT_TRUE(cc.on_host(c));
+  EXPECT_EQ(cc.find(11, std::vector<int64_t>{11}), -1) << "a was used least recently";
+  EXPECT_EQ(cc.find(12, std::vector<int64_t>{12}), b);
+  expect_same(adopt_and_read(cache, c, 15), want_c);
+  expect_same(adopt_and_read(cache, b, 16), want_b);
+  ASSERT_TRUE(cache.reclaim(cache.total_blocks()));
+  EXPECT_EQ(cache.allocator().free_blocks(), cache.total_blocks());
+  EXPECT_EQ(cc.host_entries(), 2);
+  cache.check_invariants();
+}
+
+TEST(PagedKvCacheContexts, HostTierLayerwise) { contexts_through_the_host_tier(false); }
+TEST(PagedKvCacheContexts, HostTierHeadwise) { contexts_through_the_host_tier(true); }
+
+// Without room in the tier (or without a tier) a reclaimed context is dropped.
+TEST(PagedKvCacheContexts, AContextTheTierCannotHoldIsDropped) {
+  PagedKvCache cache(2, pool_options(false));
+  cache.enable_prefix_cache(9, nullptr, HostKvTier::slot_bytes(cache.pool(), 2));  // one slot of 2 blocks
+  cache.enable_context_cache();
+  CompressedContextCache& cc = *cache.context_cache();
+  const int32_t a = make_entry(cache, 1, 11, {9, 9}, 8, 0.f);  // 5 blocks: 3 slots
+  ASSERT_GE(a, 0);
+  ASSERT_TRUE(cache.reclaim(cache.total_blocks()));
+  EXPECT_EQ(cc.num_entries(), 0);
+  EXPECT_EQ(cache.host_tier()->used_slots(), 0);
+  cache.check_invariants();
+}
 
 }  // namespace
 }  // namespace kvserve
