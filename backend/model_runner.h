@@ -32,7 +32,7 @@ class ModelRunner {
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
   virtual bool chunked_prefill() const { return false; }
-  // Whether prompts may compress their context alone (PrefillWork::context_len; not sharded yet).
+  // Whether prompts may compress their context alone (PrefillWork::context_len).
   virtual bool compressed_contexts() const { return false; }
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
   // runtime's last stage returns the last position's only.

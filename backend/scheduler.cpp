@@ -375,7 +375,8 @@ KvUsage Scheduler::usage() const {
     u.host_capacity_bytes += p.usage.host_capacity_bytes;
     u.host_stores += p.usage.host_stores;
     u.host_loads += p.usage.host_loads;
-    u.context_entries += p.usage.context_entries;
+    // Every shard holds its part of the same contexts: counted once.
+    u.context_entries = std::max(u.context_entries, p.usage.context_entries);
     u.context_blocks += p.usage.context_blocks;
     u.context_full_blocks += p.usage.context_full_blocks;
     u.context_bytes += p.usage.context_blocks * p.usage.block_bytes;

@@ -279,6 +279,12 @@ int64_t PagedKvMemory::prefix_lookup(std::span<const int64_t> prompt, const std:
   return static_cast<int64_t>(prefix_match(cfg, compresses, n, prompt, n).size()) * cache_.block_size();
 }
 
+int64_t PagedKvMemory::context_lookup(std::span<const int64_t> context, const std::string& name) const {
+  const CompressedContextCache* cc = cache_.context_cache();
+  if (!cc || context.empty()) return 0;
+  return cc->find(context_key(policy(name), context), context) >= 0 ? static_cast<int64_t>(context.size()) : 0;
+}
+
 int64_t PagedKvMemory::shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& name,
                                             std::span<const int64_t> leaving) const {
   const PrefixCache* pc = cache_.prefix_cache();

@@ -101,6 +101,9 @@ class PagedKvMemory final : public KvMemory {
   // leading positions it would find in the cache now. A sharded job's rank 0 puts this in the step
   // plan, and the shards agree on the least of theirs before any of them takes its blocks.
   int64_t prefix_lookup(std::span<const int64_t> prompt, const std::string& policy) const;
+  // The same for a compressed context (begin_context's lookup): its length when the context cache
+  // holds it compressed under `policy`, else 0.
+  int64_t context_lookup(std::span<const int64_t> context, const std::string& policy) const;
   // Blocks (all layers) a new `full` prompt would share with running requests instead of taking
   // new ones: its cached leading blocks that are in the pool and used by a sequence that is not
   // `leaving` (released before the prompt runs). Admission counts only the rest; blocks it would

@@ -106,8 +106,7 @@ std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& req
   return make_kv_memory(model_->kv_layout(),
                         {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes,
                          options.kv_layout,
-                         // Compressed contexts: one process only for now (ShardedRunner runs such prompts whole).
-                         options.enable_context_caching && !sharded()},
+                         options.enable_context_caching},
                         resolve_policies(options.policies), options.default_policy, kv_shard());
 }
 

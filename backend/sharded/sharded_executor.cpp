@@ -56,6 +56,29 @@ void ShardedExecutor::begin_prefill(int64_t seq_id, std::span<const int64_t> pro
                                                            << ", this one took " << took);
 }
 
+void ShardedExecutor::begin_context(int64_t seq_id, std::span<const int64_t> prompt, int64_t context_len,
+                                    const std::string& policy, bool cached, bool keep_copy) {
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  KV_CHECK(context_len > 0 && context_len < n, "internal: a context of " << context_len << " tokens in a prompt of " << n);
+  const auto context = prompt.first(static_cast<size_t>(context_len));
+  kv_.begin_prefill(seq_id, context_len, policy);
+  const int64_t took = kv_.begin_context(seq_id, context, n, cached);
+  KV_CHECK(took == (cached ? context_len : 0), "internal: the shards agreed that sequence " << seq_id << "'s context "
+                                                   << (cached ? "is" : "is not") << " cached, this one took " << took);
+  // Not cached: the context starts as a prompt of its own (the full-precision prefix cache is not
+  // consulted: its hits would need the shards' agreement too).
+  if (!cached) kv_.prefill_tokens(seq_id, 0, context, KvMemory::kNoLookup, keep_copy);
+}
+
+torch::Tensor ShardedExecutor::run_context(int64_t seq_id, std::span<const int64_t> prompt, int64_t context_len,
+                                           bool cached, bool to_rank0) {
+  if (!cached) {
+    run_prefill(seq_id, prompt.first(static_cast<size_t>(context_len)), 0, false, /*to_rank0=*/false);
+    kv_.continue_prompt(seq_id);
+  }
+  return run_prefill(seq_id, prompt, context_len, false, to_rank0);
+}
+
 torch::Tensor ShardedExecutor::run_prefill(int64_t seq_id, std::span<const int64_t> prompt, int64_t start,
                                            bool all_logits, bool to_rank0) {
   torch::NoGradGuard ng;

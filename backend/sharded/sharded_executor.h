@@ -37,6 +37,15 @@ class ShardedExecutor {
                      bool keep_copy, ResumeFrom resume = {});
   torch::Tensor run_prefill(int64_t seq_id, std::span<const int64_t> prompt, int64_t start, bool all_logits,
                             bool to_rank0 = true);
+  // A prompt whose first context_len tokens are compressed alone (PrefillWork::context_len), in the
+  // same two halves. begin_context starts the context on this shard and, when `cached` (what every
+  // shard agreed on), takes its compressed KV from the memory's cache; otherwise the context is
+  // prefilled as a prompt of its own by run_context (its stages, reconstruction passes and
+  // selection), after which the rest of the prompt runs as run_prefill from context_len.
+  void begin_context(int64_t seq_id, std::span<const int64_t> prompt, int64_t context_len, const std::string& policy,
+                     bool cached, bool keep_copy);
+  torch::Tensor run_context(int64_t seq_id, std::span<const int64_t> prompt, int64_t context_len, bool cached,
+                            bool to_rank0 = true);
   // [B, V], placed as for prefill.
   torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0 = true);
 

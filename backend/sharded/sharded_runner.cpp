@@ -99,7 +99,8 @@ struct ShardCommand {
     }
     for (const auto& w : p.prefill)
       put(w.seq_id), put(w.policy), put(w.tokens), put(static_cast<int64_t>(w.sample)), put(static_cast<int64_t>(w.ban_eos)),
-          put(static_cast<int64_t>(w.keep_copy)), put(w.cached), put(w.resume.seq_id), put(w.resume.length);
+          put(static_cast<int64_t>(w.keep_copy)), put(w.cached), put(w.resume.seq_id), put(w.resume.length),
+          put(w.context_len);
   }
   StepPlan get_plan() {
     StepPlan p;
@@ -134,6 +135,9 @@ struct ShardCommand {
       w.cached = get();
       w.resume.seq_id = get();
       w.resume.length = get();
+      w.context_len = get();
+      KV_CHECK(w.context_len == 0 || (w.context_len > 0 && w.context_len < static_cast<int64_t>(w.tokens.size())),
+               "malformed command from rank 0");
       p.prefill.push_back(std::move(w));
     }
     return p;
@@ -189,9 +193,17 @@ ShardCommand receive_command(parallel::ProcessGroup& world) {
   return c;
 }
 
-// KV tokens of a sequence counted once per layer: TP ranks of a stage hold the same layers.
+// KV tokens of a sequence as one process counts them (PagedKvMemory::kept_tokens), in parts that
+// rank 0 sums and divides by kept_divisor. Layer-wise, TP rank 0 of each stage counts its layers (the
+// other TP ranks hold the same lengths). Head-wise a layer counts its heads' mean, and TP ranks hold
+// different heads: one replica of each KV head adds its heads' lengths, and the sum is divided by
+// the model's KV heads.
 int64_t local_kept(const PagedKvMemory& kv, const ShardLayout& s, int64_t seq_id) {
-  return s.tp_rank == 0 ? kv.kept_tokens(seq_id) : 0;
+  if (!kv.geometry().head_blocks) return s.tp_rank == 0 ? kv.kept_tokens(seq_id) : 0;
+  return s.tp_rank % s.kv_replicas == 0 ? kv.head_kept(seq_id).sum : 0;
+}
+int64_t kept_divisor(const PagedKvMemory& kv, const ShardLayout& s) {
+  return kv.geometry().head_blocks ? s.kv_heads * s.tp_size / s.kv_replicas : 1;
 }
 
 // The rank that samples: the last stage's first TP rank (every TP rank there has the full logits).
@@ -228,7 +240,8 @@ std::vector<SampledToken> unpack(const torch::Tensor& t, size_t rows) {
 }
 
 // Prefix caching: the positions each of the plan's prompts takes from the prefix cache, the same on
-// every rank. Rank 0's lookup is in the plan; a shard may have reclaimed some of those blocks since
+// every rank (a prompt with a compressed context: its context's length when every shard holds the
+// context compressed, else nothing). Rank 0's lookup is in the plan; a shard may have reclaimed some of those blocks since
 // (pools of different shards run short at different times), so when rank 0 found anything the
 // ranks agree on the least of what each holds now (one all-reduce). Called after the step's decode,
 // which may reclaim, and before any prompt allocates.
@@ -241,7 +254,9 @@ std::vector<int64_t> agree_prefix_hits(const StepPlan& plan, const PagedKvMemory
   int64_t* mine = all.data_ptr<int64_t>() + world.rank() * P;
   for (int64_t i = 0; i < P; ++i) {
     const auto& w = plan.prefill[static_cast<size_t>(i)];
-    mine[i] = w.cached > 0 ? std::min(w.cached, kv.prefix_lookup(w.tokens, w.policy)) : 0;
+    const int64_t holds = w.context_len > 0 ? kv.context_lookup(std::span(w.tokens).first(static_cast<size_t>(w.context_len)), w.policy)
+                                            : kv.prefix_lookup(w.tokens, w.policy);
+    mine[i] = w.cached > 0 ? std::min(w.cached, holds) : 0;
   }
   world.all_reduce_sum(all);
   auto least = std::get<0>(all.min(0));
@@ -270,14 +285,25 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     if (sampler) sampled = samplers.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
   }
   const std::vector<int64_t> hits = agree_prefix_hits(plan, kv, world);
-  for (size_t i = 0; i < plan.prefill.size(); ++i) {
-    const auto& w = plan.prefill[i];
-    exec.begin_prefill(w.seq_id, w.tokens, w.policy, hits[i], w.keep_copy, w.resume);
+  // Every prompt takes its agreed hit before any of them allocates. A compressed context taken from
+  // the cache allocates as it starts (its partly filled blocks' copies, a copy back from the host
+  // tier), so it starts last; rank 0 plans at most one per step (ShardedRunner::execute), so that
+  // its allocation cannot reclaim another prompt's entry.
+  for (const bool late : {false, true}) {
+    for (size_t i = 0; i < plan.prefill.size(); ++i) {
+      const auto& w = plan.prefill[i];
+      if (late != (w.context_len > 0 && hits[i] > 0)) continue;
+      if (w.context_len > 0)
+        exec.begin_context(w.seq_id, w.tokens, w.context_len, w.policy, hits[i] > 0, w.keep_copy);
+      else
+        exec.begin_prefill(w.seq_id, w.tokens, w.policy, hits[i], w.keep_copy, w.resume);
+    }
   }
   for (size_t i = 0; i < plan.prefill.size(); ++i) {
     const auto& w = plan.prefill[i];
     const int64_t from = w.resume.seq_id >= 0 ? w.resume.length : std::max<int64_t>(hits[i], 0);
-    auto logits = exec.run_prefill(w.seq_id, w.tokens, from, false, /*to_rank0=*/false);
+    auto logits = w.context_len > 0 ? exec.run_context(w.seq_id, w.tokens, w.context_len, hits[i] > 0, /*to_rank0=*/false)
+                                    : exec.run_prefill(w.seq_id, w.tokens, from, false, /*to_rank0=*/false);
     if (sampler && w.sample) sampled.push_back(samplers.sample(w.seq_id, logits[0], w.ban_eos));
   }
   if (sampler && me != 0) {
@@ -291,7 +317,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 
   const ShardUsage mine = shard_usage(kv, plan);
   const int64_t R = static_cast<int64_t>(mine.held.size());
-  constexpr int64_t kHead = 18;
+  constexpr int64_t kHead = 21;
   constexpr int64_t kRow = 7;  // per sequence: held, demand, kept, and the head stats (min, max, sum, tables)
   const int64_t slot = kHead + kRow * R;
   auto all = torch::zeros({world.size() * slot}, torch::kInt64);
@@ -301,7 +327,8 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
                     int64_t{g.prefix_caching}, mine.blocks_total,
                     mine.blocks_used, mine.blocks_high_water, mine.blocks_cached, mine.cached_bytes,
                     mine.block_bytes, mine.host_cached_bytes, mine.host_capacity_bytes, mine.host_stores,
-                    mine.host_loads, int64_t{g.head_blocks}})
+                    mine.host_loads, int64_t{g.head_blocks}, mine.context_entries, mine.context_blocks,
+                    mine.context_full_blocks})
     *d++ = v;
   std::vector<int64_t> rows = plan.decode.seq_ids;
   for (const auto& w : plan.prefill) rows.push_back(w.seq_id);
@@ -334,6 +361,9 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     u.host_capacity_bytes = a[14];
     u.host_stores = a[15];
     u.host_loads = a[16];
+    u.context_entries = a[18];
+    u.context_blocks = a[19];
+    u.context_full_blocks = a[20];
     for (int64_t r = 0; r < R; ++r) {
       const int64_t* row = a + kHead + kRow * r;
       u.held.push_back(row[0]);
@@ -355,7 +385,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   for (size_t p = 0; p < plan.prefill.size(); ++p) {
     PrefillOutcome o;
     if (plan.prefill[p].sample) o.first = std::move(sampled.at(next++));
-    o.kept_tokens = kept[plan.decode.seq_ids.size() + p];
+    o.kept_tokens = kept[plan.decode.seq_ids.size() + p] / kept_divisor(kv, layout);
     const PagedKvMemory::HeadKeptStats& hk = heads[plan.decode.seq_ids.size() + p];
     o.kept_head_min = hk.min;
     o.kept_head_max = hk.max;
@@ -415,10 +445,20 @@ StepResult ShardedRunner::execute(const StepPlan& plan) {
     const int64_t before = groups_.world->collectives();
     // The prefix-cache decision is rank 0's, made here and sent with the plan.
     StepPlan sent = plan;
-    for (auto& w : sent.prefill)
+    bool context_hit = false;  // one per step (run_step)
+    for (auto& w : sent.prefill) {
+      if (w.context_len > 0) {
+        KV_CHECK(w.start == 0 && w.resume.seq_id < 0, "internal: a compressed context in a chunk or a resumed prompt");
+        const bool hit =
+            !context_hit && kv_->context_lookup(std::span(w.tokens).first(static_cast<size_t>(w.context_len)), w.policy) > 0;
+        w.cached = hit ? w.context_len : KvMemory::kNoLookup;
+        context_hit = context_hit || hit;
+        continue;
+      }
       w.cached = kv_->prefix_caching() && w.start == 0 && w.resume.seq_id < 0 && w.reuse_prefix
                      ? kv_->prefix_lookup(w.tokens, w.policy)
                      : KvMemory::kNoLookup;
+    }
     send_command(*groups_.world, command(ShardOp::kStep, sent));
     StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world);
     step_collectives_ += groups_.world->collectives() - before;

@@ -26,6 +26,9 @@ class ShardedRunner final : public ModelRunner {
   void stop() override;
   int64_t step_collectives() const override { return step_collectives_; }
   bool samples_in_process() const override;
+  // Every shard compresses its layers and heads of a context; rank 0 decides (with the shards'
+  // agreement) whether the context comes from the memories' caches.
+  bool compressed_contexts() const override { return true; }
 
  private:
   template <typename F>

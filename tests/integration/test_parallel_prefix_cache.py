@@ -150,3 +150,65 @@ def test_sharded_host_tier_equals_one_process_without_a_cache(reference):
         log = s.log()
         s.tmp.cleanup()
     assert rc == 0, log[-4000:]
+
+
+# Compressed contexts (issue 32) under TP / PP: every shard compresses its layers and heads of a
+# completion's kv_context under kvzip and caches them; rank 0 asks whether the context is cached and
+# the shards agree before any of them takes it.
+KVZIP = "  kvzip:\n    budget: 24\n"
+CONTEXT_MODELS = ["llama-kvfew", "gemma3"]
+
+
+def context_requests(model: str) -> list[tuple[list[int], list[int]]]:
+    """(kv_context, prompt) pairs: one context asked three questions, then another context."""
+    seed = CONTEXT_MODELS.index(model)
+    ctx, other = tokens(70 + seed, DOC), tokens(80 + seed, DOC - 17)
+    return [(ctx, tokens(200 + q, 10)) for q in range(3)] + [(other, tokens(300, 9))]
+
+
+def ask_with_context(url: str, context: list[int], prompt: list[int]) -> dict:
+    return completion(url, prompt, "kvzip", kv_context=context)
+
+
+@pytest.fixture(scope="module")
+def context_reference():
+    """One process with the context cache off: each question compresses its context afresh."""
+    out = {}
+    for model in CONTEXT_MODELS:
+        s = Server(model=fixture(model), extra_yaml=KVZIP, extra_args=("--no-enable-context-caching",))
+        try:
+            out[model] = [ask_with_context(s.url, c, p) for c, p in context_requests(model)]
+        finally:
+            rc = s.stop()
+            log = s.log()
+            s.tmp.cleanup()
+        assert rc == 0, log[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("model", CONTEXT_MODELS)
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2"), ("--tp", "2", "--pp", "2")])
+def test_sharded_compressed_context_equals_one_process(layout, model, context_reference):
+    s = Server(model=fixture(model), extra_yaml=KVZIP, extra_args=layout)
+    try:
+        cached = []
+        for i, (c, p) in enumerate(context_requests(model)):
+            got, want = ask_with_context(s.url, c, p), context_reference[model][i]
+            assert got["choices"][0]["text"] == want["choices"][0]["text"], (layout, model, i)
+            assert got["usage"]["kv_kept_tokens"] == want["usage"]["kv_kept_tokens"], (layout, model, i)
+            assert want["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            cached.append(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert cached == [0, DOC, DOC, 0], (layout, model, cached)
+        m = s.metrics()
+        assert m["kvserve:compressed_contexts"] == 2, m
+        assert 0 < m["kvserve:kv_cache_blocks_compressed_contexts"] < m["kvserve:compressed_context_full_blocks"]
+        deadline = time.time() + 10
+        while (m := s.metrics())["kvserve:kv_cache_blocks_used"] != 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert m["kvserve:kv_cache_blocks_used"] == 0, m
+        assert m["kvserve:num_requests_running"] == 0
+    finally:
+        rc = s.stop()
+        log = s.log()
+        s.tmp.cleanup()
+    assert rc == 0, log[-4000:]
