@@ -94,12 +94,12 @@ default_policy: full
 
 class Server:
     def __init__(self, binary: str, model: str, max_model_len: int, workdir: pathlib.Path,
-                 kv_cache_bytes: str = "256MiB"):
+                 kv_cache_bytes: str = "256MiB", extra_args: list[str] | None = None):
         cfg = workdir / "soak.yaml"
         cfg.write_text(config_text(model, max_model_len, kv_cache_bytes))
         self.log_path = workdir / "server.log"
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet"], stdout=self.log,
+        self.proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet", *(extra_args or [])], stdout=self.log,
                                      stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         self.port = 0
@@ -531,12 +531,16 @@ def main() -> int:
                     help="which policies' greedy repeats must match exactly: after a preemption a "
                          "compressing policy selects again over prompt + generated tokens, so use "
                          "'full' with a small pool")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="an extra `kvserve serve` flag, repeatable (e.g. --server-arg=--tp --server-arg=2, "
+                         "--server-arg=--prefix-cache-bytes --server-arg=64MiB)")
     ap.add_argument("--out", help="write the summary as JSON here")
     args = ap.parse_args()
     warmup = args.warmup or max(1, args.requests // 10)
 
     with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as tmp:
-        server = Server(args.kvserve, args.model, args.max_model_len, pathlib.Path(tmp), args.kv_cache_bytes)
+        server = Server(args.kvserve, args.model, args.max_model_len, pathlib.Path(tmp), args.kv_cache_bytes,
+                        args.server_arg)
         stats = Stats()
         soak = Soak(server, args, stats)
         next_i = 0
