@@ -155,6 +155,9 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     const auto id = parked_.oldest();
     if (!id) return false;
     parked_.erase(*id);
+    // One that finished last step is parked by this very plan: it is released instead (the shards
+    // release before they park, so both would leave them parking a sequence that is gone).
+    if (auto p = std::find(plan.park.begin(), plan.park.end(), *id); p != plan.park.end()) plan.park.erase(p);
     plan.release.push_back(*id);
     forget(*id);
     return true;

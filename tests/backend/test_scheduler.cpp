@@ -563,6 +563,25 @@ TEST_F(SchedulerTest, ParkedConversationsGoBeforeAPromptWaitsOrAnythingIsPreempt
   EXPECT_FALSE(runner->overflow);
 }
 
+// Found by the soak (a 4 MiB pool): a conversation that finished in the last step is parked by the
+// next plan, and when that plan evicts it for room it must only release it (the shards release
+// before they park: a plan with both parked a sequence that was gone, and the engine failed).
+TEST_F(SchedulerTest, AConversationEvictedByThePlanThatWouldParkItIsOnlyReleased) {
+  // 14 blocks: the finished conversation holds 6, a 20-token full prompt needs 2 x ceil(21 / 4) = 12.
+  make({14});
+  add(1, 20, 2, "stream8c");
+  while (finished.empty()) step();
+  add(2, 20, 2, "full");
+  StepPlan p = step();
+  EXPECT_TRUE(p.park.empty());
+  EXPECT_EQ(p.release, (std::vector<int64_t>{1}));
+  EXPECT_EQ(prefill_ids(p), (std::vector<int64_t>{2}));
+  EXPECT_FALSE(runner->holds(1));
+  EXPECT_TRUE(runner->parked.empty());
+  EXPECT_EQ(sched->usage().conversations_parked, 0);
+  EXPECT_FALSE(runner->overflow);
+}
+
 TEST_F(SchedulerTest, AtMostMaxParkedConversationsStayParked) {
   runner = std::make_unique<FakeRunner>(std::vector<int64_t>{1000}, std::map<std::string, int64_t>{{"stream8c", 8}});
   Scheduler::Options o;
