@@ -21,10 +21,12 @@ bool compiled();
 //            sizes the split-K launch (a low hint is slower, never wrong; keep it fixed across a
 //            captured graph)
 //   scale    softmax scale; <= 0 means 1/sqrt(D)
+//   window   > 0: a sliding-window layer, each entry sees only its last `window` slots
+//            [max(0, length - window), length) (its slots are its positions); 0: every slot
 // Returns [B, H, D] in q's dtype on q's device, queued on the current stream. D <= 256.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
                                      const torch::Tensor& rows, const torch::Tensor& lengths, int64_t max_blocks_hint,
-                                     double scale = -1.0);
+                                     double scale = -1.0, int64_t window = 0);
 
 // Writes this step's k, v [B, KV, D] (pool's dtype) into slot lengths[rows[b]] - 1 of table row
 // rows[b], for every KV head, on the current stream. Rows must be distinct.

@@ -134,23 +134,33 @@ bool PagedKvCache::reclaim(int64_t need) {
   return need <= alloc_.free_blocks();
 }
 
+namespace {
+
+// A compressed context's blocks in host-tier slots of `per` blocks each, the last padded with its
+// first block (copied out and back onto itself).
+std::vector<std::vector<int32_t>> tier_slot_groups(const std::vector<int32_t>& blocks, size_t per) {
+  std::vector<std::vector<int32_t>> groups;
+  for (size_t i = 0; i < blocks.size(); i += per) {
+    groups.emplace_back(blocks.begin() + static_cast<std::ptrdiff_t>(i),
+                        blocks.begin() + static_cast<std::ptrdiff_t>(std::min(i + per, blocks.size())));
+    groups.back().resize(per, groups.back().front());
+  }
+  return groups;
+}
+
+}  // namespace
+
 bool PagedKvCache::context_to_host(int32_t e) {
   if (!tier_) return false;
   std::vector<int32_t> blocks;
   for (const auto& t : contexts_->tables(e)) blocks.insert(blocks.end(), t.blocks.begin(), t.blocks.end());
   if (blocks.empty()) return false;
-  // A slot holds one block per (layer, lane); an entry takes as many slots as its blocks fill, the
-  // last one padded with its first block (copied out and back onto itself).
+  // A slot holds one block per (layer, lane); an entry takes as many slots as its blocks fill.
   const auto per = static_cast<size_t>(num_layers_ * lanes_);
   const auto slots_needed = static_cast<int64_t>((blocks.size() + per - 1) / per);
   if (slots_needed > tier_->num_slots() || !contexts_->make_tier_room(slots_needed, alloc_)) return false;
   std::vector<int32_t> slots, positions;
-  for (size_t i = 0; i < blocks.size(); i += per) {
-    std::vector<int32_t> group(blocks.begin() + static_cast<std::ptrdiff_t>(i),
-                               blocks.begin() + static_cast<std::ptrdiff_t>(std::min(i + per, blocks.size())));
-    group.resize(per, group.front());
-    slots.push_back(tier_->store(group));
-  }
+  for (const auto& group : tier_slot_groups(blocks, per)) slots.push_back(tier_->store(group));
   // A kept entry's positions are wherever its policy kept them: they travel with it.
   for (int32_t b : blocks)
     for (int64_t h = 0; h < kv_; ++h) positions.insert(positions.end(), pos_ptr(b, h), pos_ptr(b, h) + bs_);
@@ -167,12 +177,8 @@ void PagedKvCache::context_to_pool(int32_t e) {
   std::vector<int32_t> blocks = take_blocks(n, -1, -1);
   const auto per = static_cast<size_t>(num_layers_ * lanes_);
   const std::vector<int32_t>& slots = contexts_->host_slots(e);
-  for (size_t i = 0, s = 0; i < blocks.size(); i += per, ++s) {
-    std::vector<int32_t> group(blocks.begin() + static_cast<std::ptrdiff_t>(i),
-                               blocks.begin() + static_cast<std::ptrdiff_t>(std::min(i + per, blocks.size())));
-    group.resize(per, group.front());
-    tier_->load(slots.at(s), group);
-  }
+  const std::vector<std::vector<int32_t>> groups = tier_slot_groups(blocks, per);
+  for (size_t s = 0; s < groups.size(); ++s) tier_->load(slots.at(s), groups[s]);
   const std::vector<int32_t>& positions = contexts_->host_positions(e);
   KV_CHECK(positions.size() == blocks.size() * static_cast<size_t>(kv_ * bs_), "internal: compressed context " << e
                                                                                  << " positions do not fit its blocks");
@@ -785,15 +791,12 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
   if (use_cuda_kernels(pool_)) {
-    // The CUDA decode kernel reads every slot of a row; a window would need its first slot.
-    KV_CHECK(window == 0, "decode: sliding-window layers (window " << window
-                                                                    << ") are not supported by the CUDA decode kernel yet");
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
     // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
     cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts));
     return unlane(cuda::paged_decode_attention(qr, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
-                                               step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale));
+                                               step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale, window));
   }
   const int64_t* off = step_.slots.offset.data() + layer * E;
   write_slots(step_.slots.block.data() + layer * E, off, kr.narrow(0, 0, E), vr.narrow(0, 0, E));

@@ -12,7 +12,8 @@
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
 # target whose name contains "cuda" against that machine's torch, runs those gtests (ctest -R cuda),
 # makes the fixtures and runs tests/reference/test_cuda_vs_reference.py and
-# tests/integration/test_cuda_serving.py. Logs go to $OUT (or /tmp/gpu-check).
+# tests/integration/test_cuda_serving.py (GPU_PYTEST_K selects cases as pytest's -k, e.g. "not torch-ops
+# and not fused-ops" for the default fused level only). Logs go to $OUT (or /tmp/gpu-check).
 # `bench` runs bench/bench_gpu.py against /tmp/kvserve-build/kvserve (building it first if `run` has
 # not), writing benchmarks-gpu.md (rewritten after each step), its JSON and the log into $OUT, and
 # copies the .md to docs/. It needs transformers, safetensors and tokenizers, which the lent GPU
@@ -107,7 +108,7 @@ run)
   fi
   python3 tools/make_fixture_models.py --out /tmp/kvserve-fixtures > "$out/fixtures.log" 2>&1
   KVSERVE_BIN=$BUILD/kvserve KVSERVE_FIXTURES=/tmp/kvserve-fixtures \
-    python3 -m pytest -q -p no:cacheprovider tests/reference/test_cuda_vs_reference.py \
+    python3 -m pytest -q -p no:cacheprovider ${GPU_PYTEST_K:+-k "$GPU_PYTEST_K"} tests/reference/test_cuda_vs_reference.py \
     tests/integration/test_cuda_serving.py 2>&1 | tee "$out/pytest.log" || rc=1
   exit ${rc:-0}
   ;;

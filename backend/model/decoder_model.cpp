@@ -32,9 +32,6 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     KV_FAIL("invalid device '" << opt.device << "' (use cpu, cuda or cuda:N)");
   }
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
-  KV_CHECK(!m->device_.is_cuda() || !c.has_local_layers(),
-           model_dir << ": " << c.architecture << " has sliding-window layers, which the CUDA decode kernel does not "
-                     << "support yet; use device cpu");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
   m->gemm_ = opt.cpu_gemm;
   m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);

@@ -101,7 +101,7 @@ bool compiled() {
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
                                      const torch::Tensor& rows, const torch::Tensor& lengths, int64_t max_blocks_hint,
-                                     double scale) {
+                                     double scale, int64_t window) {
   constexpr const char* what = "cuda paged decode attention";
   KV_CHECK(q.dim() == 3, what << ": q must be [B, H, D], got " << q.sizes());
   check_pool(what, pool);
@@ -112,6 +112,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
            what << ": q dtype " << q.scalar_type() << " != pool dtype " << pool.scalar_type());
   check_table_args(what, tables, rows, lengths, B);
   KV_CHECK(max_blocks_hint >= 0, what << ": max_blocks_hint must be >= 0, got " << max_blocks_hint);
+  KV_CHECK(window >= 0, what << ": window must be >= 0, got " << window);
 #ifndef KVSERVE_HAVE_CUDA_KERNELS
   no_kernels(what);
 #else
@@ -124,7 +125,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   if (B == 0 || H == 0) return out;
 
   const int sms = at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount;
-  const int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
+  int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
+  // A window of w slots spans at most ceil((w - 1) / bs) + 1 blocks, wherever it starts.
+  if (window > 0) hint = std::min<int64_t>(hint, (window - 1 + pool.size(3) - 1) / pool.size(3) + 1);
   const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms);
   torch::Tensor workspace;
   const size_t ws = cuda_kernels::workspace_floats(B, H, D, plan.num_splits);
@@ -148,6 +151,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   a.num_splits = plan.num_splits;
   a.blocks_per_split = plan.blocks_per_split;
   a.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  a.window = window;
   a.dtype = kernel_dtype(q.scalar_type());
   const cudaError_t err = cuda_kernels::launch_paged_decode(a, at::cuda::getCurrentCUDAStream(q.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));

@@ -23,6 +23,8 @@
 //   merge skips partials whose max is -inf, so neither 0/0 nor -inf - -inf ever happens and stale
 //   workspace is never read. Masked token slots load zeros (never the pool's stale bytes, which
 //   may be NaN) and get probability exactly 0.
+// - A sliding-window layer (window > 0) reads from its window's first block on: the splits cover
+//   [lo / bs, nblocks) and the slots before lo in that first block are masked like slots past len.
 // - Out-of-range table entries (block id outside [0, N)) and rows/lengths that point past the table
 //   are skipped or clamped instead of read: a bad table gives a wrong answer, not a memory fault.
 // - Pool offsets are int64 (N * 2 * KV * bs * D passes 2^31 elements on an 80 GB card); per-row
@@ -76,6 +78,7 @@ struct DecodeParams {
   int num_splits;
   int blocks_per_split;
   float scale_log2;
+  int64_t window;  // 0: every slot
 };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -199,7 +202,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   const int64_t bs = p.block_size;
   len = max(int64_t{0}, min(len, p.table_cols * bs));
   const int64_t nblocks = (len + bs - 1) / bs;
-  const int64_t blk_begin = static_cast<int64_t>(split) * p.blocks_per_split;
+  // A sliding-window entry's splits start at its window's first block; slots before `lo` are masked.
+  const int64_t lo = p.window > 0 ? max(int64_t{0}, len - p.window) : 0;
+  const int64_t blk_begin = lo / bs + static_cast<int64_t>(split) * p.blocks_per_split;
   const int64_t blk_end =
       split == p.num_splits - 1 ? nblocks : min(nblocks, blk_begin + static_cast<int64_t>(p.blocks_per_split));
 
@@ -259,13 +264,14 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
     const T* kbase = pool + id * 2 * half + head_off;
     const T* vbase = kbase + half;
     const int ntok = static_cast<int>(min(bs, len - blk * bs));  // >= 1
-    for (int t0 = 0; t0 < ntok; t0 += kTokensPerPass * kU) {
+    const int skip = static_cast<int>(max(int64_t{0}, lo - blk * bs));  // slots before the window
+    for (int t0 = (skip / (kTokensPerPass * kU)) * (kTokensPerPass * kU); t0 < ntok; t0 += kTokensPerPass * kU) {
       Packet<T, VEC> kp[kU][VPL], vp[kU][VPL];
       bool valid[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int t = t0 + u * kTokensPerPass + grp;
-        valid[u] = t < ntok;
+        valid[u] = t < ntok && t >= skip;
 #pragma unroll
         for (int j = 0; j < VPL; ++j) {
           const int vi = gl + j * TG;
@@ -302,7 +308,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
           for (int g = 0; g < GMAX; ++g) s[u][g] += __shfl_xor_sync(kFullMask, s[u][g], off);
         }
       }
-      if (!valid[0]) continue;  // this group has no token in this step (t grows with u)
+      bool any = false;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) any = any || valid[u];
+      if (!any) continue;  // this group has no visible token in this step
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
         if (g >= gn) break;
@@ -311,7 +320,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
         for (int u = 0; u < kU; ++u) {
           if (valid[u]) mx = fmaxf(mx, s[u][g]);
         }
-        const float alpha = exp2f(m[g] - mx);  // mx is finite: valid[0]; exp2f(-inf) = 0
+        const float alpha = exp2f(m[g] - mx);  // mx is finite: some valid[u]; exp2f(-inf) = 0
         float pr[kU];
         float psum = 0.0f;
 #pragma unroll
@@ -548,7 +557,7 @@ size_t workspace_floats(int64_t batch, int64_t num_heads, int64_t head_dim, int 
 cudaError_t launch_paged_decode(const PagedDecodeArgs& a, cudaStream_t stream) {
   if (a.batch == 0 || a.num_heads == 0) return cudaSuccess;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.head_dim <= 0 || a.head_dim > kMaxHeadDim ||
-      a.block_size <= 0 || a.num_splits < 1 || a.num_splits > 65535 || a.blocks_per_split < 1 ||
+      a.block_size <= 0 || a.window < 0 || a.num_splits < 1 || a.num_splits > 65535 || a.blocks_per_split < 1 ||
       a.batch > 0x7fffffff || a.table_cols < 0 || a.lengths == nullptr ||
       a.rows == nullptr || a.tables == nullptr || a.q == nullptr || a.pool == nullptr || a.out == nullptr ||
       (a.num_splits > 1 && (a.partial_acc == nullptr || a.partial_ml == nullptr))) {
@@ -575,6 +584,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& a, cudaStream_t stream) {
   p.num_splits = a.num_splits;
   p.blocks_per_split = a.blocks_per_split;
   p.scale_log2 = a.scale * kLog2e;
+  p.window = a.window;
   switch (a.dtype) {
     case DType::kFloat32: return launch_typed<float>(a, p, stream);
     case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, p, stream);

@@ -19,7 +19,9 @@ enum class DType { kFloat32, kBFloat16, kFloat16 };
 //   rows     int32 [B]: batch entry b uses table row rows[b] and length lengths[rows[b]]
 //   lengths  int32 [S] on the device: tokens of the row, including this step's (0: zero output)
 //   out      [B, H, D] contiguous
-// Split-K: batch entry b's blocks are cut into num_splits ranges of blocks_per_split blocks (the
+//   window   > 0: a sliding-window layer; entry b sees only its slots [max(0, len - window), len)
+//            (its slots are its positions; the blocks before the window are never read)
+// Split-K: batch entry b's blocks (from its window's first block on) are cut into num_splits ranges of blocks_per_split blocks (the
 // last split also takes any blocks past num_splits * blocks_per_split, so a low hint stays correct,
 // only slower). With num_splits > 1 the caller passes the fp32 workspace
 //   partial_acc [B, H, num_splits, D] and partial_ml [B, H, num_splits, 2] (see workspace_floats).
@@ -44,6 +46,7 @@ struct PagedDecodeArgs {
   int num_splits = 1;
   int blocks_per_split = 1;
   float scale = 0.0f;  // softmax scale (already resolved, > 0)
+  int64_t window = 0;  // 0: every slot; > 0: the last `window` slots of each entry
   DType dtype = DType::kFloat32;
 };
 

@@ -268,6 +268,49 @@ TEST(PagedAttentionCuda, AppendThenAttendSeesTheNewToken) {
   expect_close(got, reference(p), tolerance(s.dtype), "append then attend");
 }
 
+// Sliding-window layers (Gemma 3's local layers): each entry sees only its last `window` slots. The
+// blocks wholly before the window and the slots before it in its first block are NaN, so any read
+// of them shows; every hint (true, one split, too low, the whole row) gives the reference's answer.
+TEST(PagedAttentionCuda, SlidingWindowReadsOnlyTheWindow) {
+  SKIP_WITHOUT_GPU();
+  const torch::Device dev(torch::kCUDA);
+  uint64_t seed = 300;
+  for (torch::ScalarType dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (auto [d, bs] : std::vector<std::pair<int64_t, int64_t>>{{256, 16}, {64, 3}, {32, 16}}) {
+      for (int64_t window : {1, 7, 16, 33, 512}) {
+        Spec s;
+        s.kv = 1 + (d == 64);
+        s.g = d == 256 ? 4 : 2;
+        s.d = d;
+        s.bs = bs;
+        s.dtype = dtype;
+        s.lens = {0, 1, window - 1 > 0 ? window - 1 : 2, window, window + 1, window + bs + 5, 2000};
+        Problem p = make_problem(s, seed++);
+        const int64_t B = p.rows.size(0);
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t row = p.rows[b].item<int64_t>(), len = p.lengths[row].item<int64_t>();
+          const int64_t lo = std::max<int64_t>(0, len - window);
+          for (int64_t c = 0; c * bs < lo; ++c) {
+            const int64_t id = p.tables[row][c].item<int64_t>();
+            p.pool[id].narrow(2, 0, std::min(bs, lo - c * bs)).fill_(std::nanf(""));
+          }
+        }
+        const torch::Tensor tables = p.tables.index_select(0, p.rows.to(torch::kLong));
+        const torch::Tensor lengths = p.lengths.index_select(0, p.rows.to(torch::kLong));
+        const torch::Tensor want = paged_attention_reference(p.q.to(torch::kFloat32), p.pool.to(torch::kFloat32), tables,
+                                                             lengths, -1.0, window);
+        const torch::Tensor q = p.q.to(dev), pool = p.pool.to(dev), tab = p.tables.to(dev), rows = p.rows.to(dev),
+                            lens = p.lengths.to(dev);
+        for (int64_t hint : {p.max_blocks, int64_t{0}, int64_t{1}, p.tables.size(1)}) {
+          const torch::Tensor got = cuda::paged_decode_attention(q, pool, tab, rows, lens, hint, -1.0, window);
+          expect_close(got, want, tolerance(dtype),
+                       name(s) + " window=" + std::to_string(window) + " hint=" + std::to_string(hint));
+        }
+      }
+    }
+  }
+}
+
 // Runs everywhere: without kernels the call says so; with kernels, CPU tensors are refused.
 TEST(PagedAttentionCuda, ReportsMissingKernelsOrDevice) {
   Spec s;
@@ -319,6 +362,8 @@ TEST(PagedAttentionCuda, RejectsBadArguments) {
                "dtype must be");
   expect_error([&] { attend(p.q, p.pool.transpose(3, 4).contiguous().transpose(3, 4), p.tables, p.rows, p.lengths); },
                "contiguous");
+  expect_error([&] { cuda::paged_decode_attention(p.q, p.pool, p.tables, p.rows, p.lengths, 4, -1.0, -3); },
+               "window must be >= 0");
   const torch::Tensor k = torch::zeros({2, 2, 64});
   expect_error([&] { cuda::paged_append(p.pool, p.tables, p.rows, p.lengths, k.narrow(2, 0, 16), k.narrow(2, 0, 16)); },
                "k must be");

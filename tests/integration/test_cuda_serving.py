@@ -1,5 +1,7 @@
 """`kvserve serve` on one CUDA device (skipped without one), over HTTP with the official openai
-client: streamed chat, per-request KV policies, and greedy output identical to a CPU server."""
+client: streamed chat, per-request KV policies, and greedy output identical to a CPU server; a
+completion's `kv_context` compressed once by kvzip on the GPU and reused, with a CPU server's tokens
+(the embedded model, and the Gemma 3 fixture, whose local layers decode through the windowed kernel)."""
 from __future__ import annotations
 
 import pathlib
@@ -47,3 +49,40 @@ def test_cuda_server_matches_cpu_server():
     assert got == want
     assert got["full"].strip().startswith("attic"), got
     assert "attic" in chat, chat
+
+
+CONTEXT = " ".join(f"Record {i}: the {w} is kept in box {i * 7 % 31}." for i, w in
+                   enumerate(["lamp", "coin", "map", "key", "rope", "ink", "bell", "dice"] * 3))
+
+
+def context_answers(url: str) -> list[tuple[str, int]]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    out = []
+    for q in ("Where is the lamp?", "Where is the bell?", "Where is the coin?"):
+        r = c.completions.create(model="tiny", prompt=f"\nQuestion: {q}\nAnswer:", max_tokens=8, temperature=0,
+                                 extra_body={"kv_policy": "kvzip", "kv_context": CONTEXT})
+        out.append((r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens))
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-retriever", "gemma3"])
+def test_cuda_compressed_context_matches_cpu(model):
+    import os
+    if model == "gemma3":
+        path = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", pathlib.Path(MODEL).parents[1] / ".fixtures")) / "gemma3"
+        if not (path / "config.json").exists():
+            pytest.skip("no gemma3 fixture (make fixtures)")
+        yaml = "  kvzip:\n    budget: 24\n"
+    else:
+        path, yaml = pathlib.Path(MODEL), "  kvzip:\n    budget: 0.25\n"
+    got = {}
+    for dev in ("cuda", "cpu"):
+        srv = Server(model=str(path), extra_yaml=yaml, extra_args=("--device", dev, "--dtype", "float32"))
+        try:
+            got[dev] = context_answers(srv.url)
+            assert srv.metrics()["kvserve:compressed_contexts"] >= 1
+        finally:
+            assert srv.stop() == 0, srv.log()[-3000:]
+    assert got["cuda"] == got["cpu"]
+    cached = [c for _, c in got["cuda"]]
+    assert cached[0] == 0 and cached[1] == cached[2] > 100, cached

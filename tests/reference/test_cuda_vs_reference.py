@@ -10,7 +10,11 @@ and as kvserve on CPU.
   `bench decode` replaying graphs unless --enforce-eager;
 - the fused elementwise kernels (on by default; KVSERVE_FUSED_OPS=0 turns them off) under the same logits, graph and layout tests;
 - the head-wise layout (a block table and a length per KV head) decoding through the CUDA kernels
-  and graphs as it decodes on CPU, with head-adaptive SnapKV leaving the heads different lengths.
+  and graphs as it decodes on CPU, with head-adaptive SnapKV leaving the heads different lengths;
+- Gemma 3 (sliding-window layers beside global ones): prefill logits against transformers, and greedy
+  decoding through the windowed CUDA kernel (graphs and eager) as on CPU, uncompressed and with the
+  global layers compressed;
+- kvzip's reconstruction scoring keeping the same positions on CUDA as on CPU.
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ from kvserve_testlib import POLICY_FLAGS, ROOT, fixtures_dir, random_ids, run_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied"]
+FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied", "gemma3"]
 # `forward` runs no decode steps, so the decode-eviction variant would repeat knorm.
 POLICIES = {k: v for k, v in POLICY_FLAGS.items() if k != "knorm-decode"}
 POLICIES["snapkv-adaptive"] = [*POLICY_FLAGS["snapkv"], "--policy-param", "head_budgets=adaptive"]
+POLICIES["kvzip"] = ["--policy", "kvzip", "--budget", "16", "--policy-param", "chunk_size=16"]
 
 
 def kv_forward(tmp: pathlib.Path, model: str, ids: list[int], *args: str, tag: str = "x"):
@@ -151,5 +156,28 @@ def test_head_layout_decodes_on_cuda_as_on_cpu(tmp_path, fused):
         outs[mode] = [r["token_ids"] for r in got["results"]]
         heads = [r["kv_tokens_per_head"] for r in got["results"]]
         assert any(h["min"] < h["max"] for h in heads), (mode, heads)
+    assert outs["graphs"] == outs["eager"]
+    assert outs["graphs"] == outs["cpu"]
+
+
+@pytest.mark.parametrize("policy,prefix", [("full", "on"), ("full", "off"), ("snapkv", "on")])
+def test_gemma3_decodes_on_cuda_as_on_cpu(policy, prefix, tmp_path):
+    """The gemma3 fixture's local layers (window 12, blocks of 16) decode through the windowed CUDA
+    kernel: prompts shorter than, equal to and far past the window, 24 tokens each, so every row's
+    window start moves across block boundaries while it decodes. With prefix caching on, a local
+    layer holds its whole prompt (the kernel starts at the window's block); off, it keeps a ring."""
+    path = fixtures_dir() / "gemma3"
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = [random_ids(n, vocab, seed) for seed, n in enumerate([5, 12, 13, 40, 300])]
+    prompts_file = write_json(tmp_path / "prompts.json", prompts)
+    flags = ["--max-tokens", "24", "--ignore-eos", "--json", "--dtype", "float32", *POLICY_FLAGS[policy]]
+    if prefix == "off":
+        flags.append("--no-enable-prefix-caching")
+    outs = {}
+    for mode, extra in (("cpu", ["--device", "cpu"]), ("graphs", ["--device", "cuda"]),
+                        ("eager", ["--device", "cuda", "--enforce-eager"])):
+        got = json.loads(run_kvserve("generate", "--model", str(path), "--prompts-file", str(prompts_file), *flags,
+                                     *extra).stdout)
+        outs[mode] = [r["token_ids"] for r in got["results"]]
     assert outs["graphs"] == outs["eager"]
     assert outs["graphs"] == outs["cpu"]
