@@ -176,6 +176,20 @@ def run_grid(a, tok, runner: Runner, cells: dict, configs: list, results: dict, 
                 after_cell()
 
 
+def global_layers_only(press):
+    """The press, compressing only the layers whose attention is not sliding (Gemma 3's global ones)."""
+    base = type(press)
+
+    class GlobalLayersOnly(base):
+        def forward_hook(self, module, input, kwargs, output):
+            if getattr(module, "is_sliding", False):
+                return output
+            return super().forward_hook(module, input, kwargs, output)
+
+    press.__class__ = GlobalLayersOnly
+    return press
+
+
 def kvpress_side(a, tok, cells: dict, runner: Runner, results: dict) -> dict:
     """kvpress's presses on the same prompts in transformers; kvserve with semantics=kvpress."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -198,6 +212,15 @@ def kvpress_side(a, tok, cells: dict, runner: Runner, results: dict) -> dict:
             press=kvpress.SnapKVPress(compression_ratio=1 - r, window_size=p["window"], kernel_size=p["kernel"]),
             alpha_safeguard=p["alpha"]),
     }
+    if any(t == "sliding_attention" for t in getattr(model.config, "layer_types", None) or []):
+        # Gemma 3: kvserve compresses the global layers only (a sliding-window layer's window is its
+        # budget), while kvpress's presses on the text-only class compress every layer; each press
+        # here leaves the sliding layers alone, so both keep the same sets. PyramidKV's slope runs
+        # over the global layers in kvserve and over all layers in kvpress: it has no peer here.
+        bad = [p for p in a.kvpress_presses if p == "pyramidkv"]
+        if bad:
+            raise SystemExit("--kvpress-presses: pyramidkv has no kvpress peer on a model with sliding-window layers")
+        presses = {k: (lambda f: lambda r, p: global_layers_only(f(r, p)))(f) for k, f in presses.items()}
     out = {}
     chosen = {k: v for k, v in KVPRESS.items() if k in a.kvpress_presses}
     configs = [(spec_of(name, params), r) for name, params in chosen.items() for r in a.kvpress_ratios]
