@@ -93,6 +93,10 @@ bench-llamacpp: build model
 # The long-context quality suite on the default model (RULER-style tasks, every policy x budget)
 # -> docs/eval/quality.md. EVAL_GRID=full for every length/budget/policy; EVAL_KVPRESS=1 adds
 # kvpress's presses side by side; EVAL_ARGS passes more (--jobs, --device cuda, --dtype bfloat16).
+# On the default (chat) model it then runs the multi-question task (one document, four questions
+# answered from one compressed context: full, kvzip at 25 % and 12.5 %, snapkv at 25 %, knorm and
+# streamingllm compressing the context at 25 %; with
+# EVAL_KVPRESS, kvpress's KVzipPress on the same prompts) -> docs/eval/multiquestion.{md,json}.
 EVAL_GRID ?= default
 EVAL_KVPRESS ?=
 EVAL_ARGS ?=
@@ -103,6 +107,8 @@ EVAL_OUT := $(if $(filter $(MODEL_DIR),$(EVAL_MODEL)),docs/eval,docs/eval/$(notd
 eval: build model
 	$(PYTHON) tools/eval_quality.py --kvserve $(BUILD_DIR)/kvserve --model $(EVAL_MODEL) --out $(EVAL_OUT) --grid $(EVAL_GRID) \
 	  $(if $(EVAL_KVPRESS),--kvpress) $(EVAL_ARGS)
+	$(if $(filter $(MODEL_DIR),$(EVAL_MODEL)),KVSERVE_BIN=$(BUILD_DIR)/kvserve $(PYTHON) tools/eval_multiquestion.py \
+	  --model $(EVAL_MODEL) --out $(EVAL_OUT)/multiquestion.json $(if $(EVAL_KVPRESS),--kvpress) > $(EVAL_OUT)/multiquestion.md)
 
 # The earlier evaluations: retrieval accuracy per policy x budget and perplexity under decode-time
 # eviction on tiny-retriever, then perplexity and pass key retrieval on the default model.

@@ -2,9 +2,14 @@
 #pragma GCC optimize("fp-contract=off")
 #include "policies/kvzip_scores.h"
 
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <vector>
 
 #include "common/check.h"
 #include "policies/top_select.h"
@@ -26,26 +31,72 @@ int64_t score_sink_keys(int64_t sink, int64_t start) { return std::max<int64_t>(
 
 namespace {
 
+// exp of 8 floats (x <= 0 here: a row minus its maximum), Cephes' expf: a degree-6 polynomial on
+// [-ln2/2, ln2/2] times 2^n, within 2 ulp of expf; below -87.3 it gives 0 (std::exp: a denormal),
+// which moves a sum of at least 1 by nothing.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, x), x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// One row's log-sum-exp: the maximum, then the sum of exp(row - max) accumulated in double.
+float row_lse(const float* row, int64_t len) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(row + j));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = *std::max_element(lanes, lanes + 8);
+  for (; j < len; ++j) m = std::max(m, row[j]);
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (j = 0; j + 8 <= len; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), mb));
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  alignas(32) double dl[4];
+  _mm256_store_pd(dl, _mm256_add_pd(s0, s1));
+  double sum = (dl[0] + dl[1]) + (dl[2] + dl[3]);
+  for (; j < len; ++j) sum += std::exp(row[j] - m);
+  return static_cast<float>(static_cast<double>(m) + std::log(sum));
+}
+
 // w [G, rows, k] row-major holds query rows q0 .. q0 + rows - 1 of a pass (each head of a group),
 // over the keys [sinks and chunk (`visible` columns), own tokens]; query i sees the visible columns
 // and its own tokens up to itself (the causal mask: masked columns add exactly 0 to the sum, as
 // kvpress's finfo.min does). Per row: lse = log(sum(exp(row))), then
-// best[j] = max(best[j], row[first + j] - lse) for j < c. No allocation.
+// best[j] = max(best[j], row[first + j] - lse) for j < c. Rows run in parallel, each range of
+// them into its own maximum, merged under a lock (a maximum is the same in any order).
 void row_max_minus_lse(const float* w, int64_t groups, int64_t rows, int64_t k, int64_t visible, int64_t q0,
                        int64_t first, int64_t c, float* best) {
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* row = w + (g * rows + i) * k;
-      const int64_t len = std::min(k, visible + q0 + i + 1);
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < len; ++j) m = std::max(m, row[j]);
-      double sum = 0.0;
-      for (int64_t j = 0; j < len; ++j) sum += std::exp(row[j] - m);
-      const float lse = static_cast<float>(static_cast<double>(m) + std::log(sum));
+  std::mutex merge;
+  at::parallel_for(0, groups * rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> local(static_cast<size_t>(c), -std::numeric_limits<float>::infinity());
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = w + r * k;
+      const int64_t len = std::min(k, visible + q0 + r % rows + 1);
+      const float lse = row_lse(row, len);
       const float* col = row + first;
-      for (int64_t j = 0; j < c; ++j) best[j] = std::max(best[j], col[j] - lse);
+      for (int64_t j = 0; j < c; ++j) local[static_cast<size_t>(j)] = std::max(local[static_cast<size_t>(j)], col[j] - lse);
     }
-  }
+    const std::lock_guard<std::mutex> lock(merge);
+    for (int64_t j = 0; j < c; ++j) best[j] = std::max(best[j], local[static_cast<size_t>(j)]);
+  });
 }
 
 }  // namespace
