@@ -30,7 +30,7 @@ from kvserve_testlib import POLICY_FLAGS, ROOT, fixtures_dir, random_ids, run_kv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied", "gemma3"]
+FIXTURES = ["llama-gqa", "llama3-rope", "qwen2-bias", "mistral", "llama-tied", "gemma3", "qwen3"]
 # `forward` runs no decode steps, so the decode-eviction variant would repeat knorm.
 POLICIES = {k: v for k, v in POLICY_FLAGS.items() if k != "knorm-decode"}
 POLICIES["snapkv-adaptive"] = [*POLICY_FLAGS["snapkv"], "--policy-param", "head_budgets=adaptive"]
