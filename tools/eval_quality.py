@@ -217,8 +217,7 @@ def kvpress_side(a, tok, cells: dict, runner: Runner, results: dict) -> dict:
         # budget), while kvpress's presses on the text-only class compress every layer; each press
         # here leaves the sliding layers alone, so both keep the same sets. PyramidKV's slope runs
         # over the global layers in kvserve and over all layers in kvpress: it has no peer here.
-        bad = [p for p in a.kvpress_presses if p == "pyramidkv"]
-        if bad:
+        if "pyramidkv" in a.kvpress_presses:
             raise SystemExit("--kvpress-presses: pyramidkv has no kvpress peer on a model with sliding-window layers")
         presses = {k: (lambda f: lambda r, p: global_layers_only(f(r, p)))(f) for k, f in presses.items()}
     out = {}

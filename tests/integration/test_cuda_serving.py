@@ -4,6 +4,7 @@ completion's `kv_context` compressed once by kvzip on the GPU and reused, with a
 (the embedded model, and the Gemma 3 fixture, whose local layers decode through the windowed kernel)."""
 from __future__ import annotations
 
+import os
 import pathlib
 
 import openai
@@ -67,7 +68,6 @@ def context_answers(url: str) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("model", ["tiny-retriever", "gemma3"])
 def test_cuda_compressed_context_matches_cpu(model):
-    import os
     if model == "gemma3":
         path = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", pathlib.Path(MODEL).parents[1] / ".fixtures")) / "gemma3"
         if not (path / "config.json").exists():
