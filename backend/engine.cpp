@@ -60,6 +60,10 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : context_length(c);
   auto policies = resolve_policies(options_.policies);
   set_local_layers(policies, model_->kv_layout().local_layers);  // the scheduler's copies too
+  // A kvzap policy's predictor is loaded now, so that a missing or mismatched one fails the start
+  // (naming its directory) instead of every request that uses it.
+  for (const auto& [name, cfg] : policies)
+    if (!cfg.is_full() && cfg.scorer == ScorerKind::kPredicted) model_->kvzap_predictor(cfg);
   impl_->runner = runner ? std::move(runner)
                          : std::make_unique<LocalRunner>(
                                model_,

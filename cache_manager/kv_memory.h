@@ -95,13 +95,29 @@ class KvMemory {
   virtual void continue_prompt(int64_t seq_id) {
     KV_FAIL("this KV memory does not compress contexts (sequence " << seq_id << ")");
   }
-  // Reconstruction scoring (kvzip, backend/kvzip_scorer.h): a sequence whose policy scores by
-  // reconstruction holds its whole prompt in every layer after its prefill's layers ran, until
-  // select_by_scores gets the scores and keeps the policy's selection; end_prefill comes after.
+  // Scores after the prefill (PolicyConfig::scores_after_prefill: kvzip's reconstruction pass,
+  // backend/kvzip_scorer.h; kvzap's predictor, backend/kvzap_predictor.h): such a sequence holds its
+  // whole prompt in every layer after its prefill's layers ran, until select_by_scores gets every
+  // layer's scores and keeps the policy's selection; end_prefill comes after.
   // The policy's parameters while that selection is pending (nullptr otherwise).
-  virtual const PolicyConfig* pending_reconstruction(int64_t seq_id) const {
+  virtual const PolicyConfig* pending_selection(int64_t seq_id) const {
     (void)seq_id;
     return nullptr;
+  }
+  // The policy of a sequence between begin_prefill and end_prefill (nullptr: none, or full KV).
+  virtual const PolicyConfig* prefill_policy(int64_t seq_id) const {
+    (void)seq_id;
+    return nullptr;
+  }
+  // Scores a layer's predictor gave the prompt positions [start, start + n) during the prefill
+  // (kvzap): fp32 [KV, n]; kept until take_scores.
+  virtual void record_scores(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& scores) {
+    (void)layer, (void)start, (void)scores;
+    KV_FAIL("this KV memory does not keep predicted scores (sequence " << seq_id << ")");
+  }
+  // What record_scores got, per layer of this memory (ascending), [KV, positions recorded]; cleared.
+  virtual std::vector<torch::Tensor> take_scores(int64_t seq_id) {
+    KV_FAIL("this KV memory does not keep predicted scores (sequence " << seq_id << ")");
   }
   // A reconstruction pass's queries of this shard's heads [H_local, n, D] -> every query head of its
   // KV heads' groups, where tensor parallelism split a group (KV heads replicated across ranks).
@@ -109,7 +125,7 @@ class KvMemory {
   // scores: per layer of this memory (ascending), fp32 [KV, prompt - window], higher = keep.
   virtual void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) {
     (void)scores;
-    KV_FAIL("this KV memory does not select by reconstruction scores (sequence " << seq_id << ")");
+    KV_FAIL("this KV memory does not select by scores given after the prefill (sequence " << seq_id << ")");
   }
   // Called once per decode step before the first layer: a memory may plan the whole step here
   // (take every layer's blocks, send its tables to the device once). Optional for callers:

@@ -106,8 +106,9 @@ int64_t PagedKvMemory::context_prompt_blocks(const PolicyConfig& cfg, const Geom
 }
 
 bool PagedKvMemory::chunkable(const PolicyConfig& cfg) {
-  // Reconstruction scores need the whole prompt's prefill first (its pass runs after the last layer).
-  return cfg.scorer != ScorerKind::kAccumulatedAttention && cfg.scorer != ScorerKind::kReconstruction;
+  // Reconstruction scores need the whole prompt's prefill first (its pass runs after the last layer);
+  // predicted scores could come chunk by chunk, but their selection is not wired to the last chunk.
+  return cfg.scorer != ScorerKind::kAccumulatedAttention && !cfg.scores_after_prefill();
 }
 
 int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g, int64_t prompt_len, bool chunked) {
@@ -128,9 +129,9 @@ int64_t PagedKvMemory::prompt_blocks(const PolicyConfig& cfg, const Geometry& g,
     // copy comes on top.
     // Reconstruction scoring holds every layer's whole prompt until its pass has run, then rewrites
     // each layer in place, as the last chunk does.
-    if (chunked || cfg.reconstructs()) per_layer.assign(per_layer.size(), prompt_len);
+    if (chunked || cfg.scores_after_prefill()) per_layer.assign(per_layer.size(), prompt_len);
   }
-  const bool whole = chunked || cfg.reconstructs();
+  const bool whole = chunked || cfg.scores_after_prefill();
   if (cfg.decode_budget > 0) transient = std::max(transient, blocks(std::max<int64_t>(0, cfg.decode_budget - cfg.decode_evict_chunk)));
   const int64_t lanes = g.lanes();
   int64_t n = transient * lanes;
@@ -453,17 +454,17 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
   const int64_t ll = local(layer);
   if (ll == 0 && shard_.first_layer > 0 && s.selector && s.selector->is_dynamic()) receive_earlier_scores(seq_id);
   const bool compresses = s.selector && s.selector->compresses();
-  if (!compresses || s.policy->reconstructs() || windowed(ll)) {
+  if (!compresses || s.policy->scores_after_prefill() || windowed(ll)) {
     // Reconstruction scoring selects after the whole prompt's pass (select_by_scores); a local layer
     // keeps every position (its window is its budget).
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kInt64)).unsqueeze(0).expand({KV, T});
     cache_.write(seq_id, ll, k, v, pos);
     // With a prefix cache the prompt's full blocks are published at end_prefill first; a local layer
     // of a prompt awaiting reconstruction scores holds its prompt for that pass (trimmed at end_prefill).
-    if (!prefix_caching() && !(compresses && s.policy->reconstructs())) trim_window(seq_id, ll);
+    if (!prefix_caching() && !(compresses && s.policy->scores_after_prefill())) trim_window(seq_id, ll);
     if (compresses) {
       copy_for_cache(seq_id, ll, k, v);
-      s.awaiting_scores = s.policy->reconstructs();
+      s.awaiting_scores = s.policy->scores_after_prefill();
     }
     return;
   }
@@ -640,9 +641,41 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
   apply_updates(seq_id);
 }
 
-const PolicyConfig* PagedKvMemory::pending_reconstruction(int64_t seq_id) const {
+const PolicyConfig* PagedKvMemory::pending_selection(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   return it != seqs_.end() && it->second.awaiting_scores ? it->second.policy : nullptr;
+}
+
+const PolicyConfig* PagedKvMemory::prefill_policy(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it != seqs_.end() && it->second.selector && it->second.selector->compresses() ? it->second.policy : nullptr;
+}
+
+void PagedKvMemory::record_scores(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& scores) {
+  SeqState& s = seqs_.at(seq_id);
+  const int64_t ll = local(layer);
+  if (s.recorded.empty()) s.recorded.resize(static_cast<size_t>(num_layers_));
+  auto& pieces = s.recorded[static_cast<size_t>(ll)];
+  int64_t have = 0;
+  for (const auto& p : pieces) have += p.size(1);
+  KV_CHECK(start == have && scores.dim() == 2 && scores.size(0) == cache_.num_kv_heads(),
+           "record_scores: sequence " << seq_id << " layer " << layer << ": scores " << scores.sizes() << " at position "
+                                      << start << " after " << have << " recorded, for " << cache_.num_kv_heads()
+                                      << " KV heads");
+  pieces.push_back(scores.to(torch::kFloat32));
+}
+
+std::vector<torch::Tensor> PagedKvMemory::take_scores(int64_t seq_id) {
+  SeqState& s = seqs_.at(seq_id);
+  KV_CHECK(static_cast<int64_t>(s.recorded.size()) == num_layers_,
+           "take_scores: sequence " << seq_id << " has no predicted scores recorded");
+  std::vector<torch::Tensor> out;
+  for (auto& pieces : s.recorded) {
+    KV_CHECK(!pieces.empty(), "take_scores: sequence " << seq_id << " misses a layer's predicted scores");
+    out.push_back(pieces.size() == 1 ? pieces[0] : torch::cat(pieces, 1));
+  }
+  s.recorded.clear();
+  return out;
 }
 
 torch::Tensor PagedKvMemory::reconstruction_queries(const torch::Tensor& q) {

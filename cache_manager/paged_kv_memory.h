@@ -49,7 +49,10 @@ class PagedKvMemory final : public KvMemory {
   void continue_prompt(int64_t seq_id) override;
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
                            const torch::Tensor& v) override;
-  const PolicyConfig* pending_reconstruction(int64_t seq_id) const override;
+  const PolicyConfig* pending_selection(int64_t seq_id) const override;
+  const PolicyConfig* prefill_policy(int64_t seq_id) const override;
+  void record_scores(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& scores) override;
+  std::vector<torch::Tensor> take_scores(int64_t seq_id) override;
   torch::Tensor reconstruction_queries(const torch::Tensor& q) override;
   void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
@@ -219,8 +222,10 @@ class PagedKvMemory final : public KvMemory {
     // are what that sequence kept; the rest is appended whole); the sequence is parked.
     bool resumed = false;
     bool parked = false;
-    // Reconstruction scoring: the whole prompt is held until select_by_scores runs.
+    // Scores after the prefill: the whole prompt is held until select_by_scores runs.
     bool awaiting_scores = false;
+    // kvzap: per local layer the predictor's scores so far ([KV, n] pieces in position order).
+    std::vector<std::vector<torch::Tensor>> recorded;
     // Compressed contexts: the prefill compresses the context (begin_context's tokens) of a prompt
     // of context_prompt_len tokens; its KV goes into the cache at end_prefill unless it came from
     // there; `context_entry` is the cache entry the sequence uses (-1: none).

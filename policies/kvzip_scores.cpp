@@ -166,14 +166,17 @@ void KvzipScoreBoard::record(int64_t layer, int64_t start, const torch::Tensor& 
   dst.copy_(torch::maximum(dst, chunk_scores.to(s.scalar_type())));
 }
 
-void KvzipScoreBoard::protect_sinks(int64_t sink) {
-  const int64_t n = std::min(sink, scored_);
+void protect_sinks(std::vector<torch::Tensor>& scores, int64_t sink) {
+  if (scores.empty()) return;
+  const int64_t n = std::min(sink, scores[0].size(1));
   if (n <= 0) return;
-  auto top = scores_[0].amax();
-  for (const auto& s : scores_) top = torch::maximum(top, s.amax());
+  auto top = scores[0].amax();
+  for (const auto& s : scores) top = torch::maximum(top, s.amax());
   top = top + 1.0;
-  for (auto& s : scores_) s.narrow(1, 0, n).fill_(top);
+  for (auto& s : scores) s.narrow(1, 0, n).fill_(top);
 }
+
+void KvzipScoreBoard::protect_sinks(int64_t sink) { kvserve::protect_sinks(scores_, sink); }
 
 torch::Tensor KvzipScoreBoard::layer_scores(int64_t layer) const {
   KV_CHECK(layer >= 0 && layer < num_layers(), "KvzipScoreBoard: layer " << layer << " outside [0, " << num_layers() << ")");

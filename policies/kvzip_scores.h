@@ -43,6 +43,10 @@ int64_t score_sink_keys(int64_t sink, int64_t start);
 torch::Tensor reconstruction_attention_max(const torch::Tensor& q, const torch::Tensor& sink_k, const torch::Tensor& chunk_k,
                                            const torch::Tensor& own_k);
 
+// Gives positions [0, sink) of every layer's scores ([KV, n] each) the largest score of all of them
+// plus one (kvpress), so that they are kept under every allocator.
+void protect_sinks(std::vector<torch::Tensor>& scores, int64_t sink);
+
 // Per (layer, KV head, position) maximum over every pass, for positions [0, scored) of a prompt.
 class KvzipScoreBoard {
  public:

@@ -36,7 +36,7 @@ int64_t PolicyConfig::budget_tokens(int64_t prompt_len) const {
 const std::vector<std::string>& policy_names() {
   static const std::vector<std::string> names = {"full",         "snapkv", "pyramidkv", "dynamickv",
                                                  "streamingllm", "h2o",    "knorm",     "random",
-                                                 "kvzip"};
+                                                 "kvzip",        "kvzap"};
   return names;
 }
 
@@ -59,6 +59,7 @@ std::string to_string(ScorerKind k) {
     case ScorerKind::kKeyNorm: return "key_norm";
     case ScorerKind::kRandom: return "random";
     case ScorerKind::kReconstruction: return "reconstruction";
+    case ScorerKind::kPredicted: return "predicted";
   }
   return "?";
 }
@@ -152,7 +153,8 @@ const std::map<std::string, Setter>& setters() {
                                             {"sink_recent", ScorerKind::kSinkRecent},
                                             {"key_norm", ScorerKind::kKeyNorm},
                                             {"random", ScorerKind::kRandom},
-                                            {"reconstruction", ScorerKind::kReconstruction}});
+                                            {"reconstruction", ScorerKind::kReconstruction},
+                                            {"predicted", ScorerKind::kPredicted}});
        }},
       {"budget",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
@@ -262,6 +264,11 @@ const std::map<std::string, Setter>& setters() {
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          c.compress_context = parse_enum<bool>(k, v, {{"prompt", false}, {"context", true}});
        }},
+      {"predictor",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         KV_CHECK(!v.empty(), "policy parameter '" << k << "': give the predictor's directory");
+         c.predictor = v;
+       }},
   };
   return s;
 }
@@ -323,6 +330,15 @@ PolicyConfig named_defaults(const std::string& name) {
     c.sink = 4;
     c.budget_ratio = 0.25;
     c.compress_context = true;
+  } else if (name == "kvzap") {
+    // KVzap: kvzip's selection on scores a per-layer model predicts from the hidden states.
+    c.allocator = AllocatorKind::kGlobal;
+    c.scorer = ScorerKind::kPredicted;
+    c.head_budgets = HeadBudgets::kAdaptive;
+    c.window = 0;
+    c.sink = 4;
+    c.budget_ratio = 0.25;
+    c.compress_context = true;
   } else if (name == "random") {
     c.allocator = AllocatorKind::kUniform;
     c.scorer = ScorerKind::kRandom;
@@ -367,7 +383,7 @@ void validate_policy_config(const PolicyConfig& c) {
              "policy '" << c.name << "': the dynamic allocator has no kvpress variant (semantics must be paper)");
     KV_CHECK(c.scorer == ScorerKind::kWindowAttention || c.scorer == ScorerKind::kKeyNorm ||
                  c.scorer == ScorerKind::kAccumulatedAttention || c.scorer == ScorerKind::kRandom ||
-                 c.scorer == ScorerKind::kReconstruction,
+                 c.scorer == ScorerKind::kReconstruction || c.scorer == ScorerKind::kPredicted,
              "policy '" << c.name << "': the dynamic allocator needs a ranking scorer, not " << to_string(c.scorer));
   }
   if (c.allocator != AllocatorKind::kDynamic) {
@@ -401,23 +417,27 @@ void validate_policy_config(const PolicyConfig& c) {
                                              << "head_budgets=adaptive yet (a resumed turn attends to one length per layer)");
   }
   if (c.allocator == AllocatorKind::kGlobal) {
-    KV_CHECK(c.scorer == ScorerKind::kReconstruction,
+    KV_CHECK(c.scores_after_prefill(),
              "policy '" << c.name << "': the global allocator selects over every layer's scores at once and needs scorer "
-                        << "reconstruction (kvzip), not " << to_string(c.scorer));
+                        << "reconstruction (kvzip) or predicted (kvzap), not " << to_string(c.scorer));
     KV_CHECK(c.head_budgets == HeadBudgets::kAdaptive,
              "policy '" << c.name << "': the global allocator keeps a different count per (layer, KV head): it needs "
                         << "head_budgets=adaptive");
     KV_CHECK(c.skip_layers.empty(), "policy '" << c.name << "': the global allocator budgets every layer (skip_layers must be empty)");
   }
-  if (c.scorer == ScorerKind::kReconstruction) {
+  if (c.scores_after_prefill()) {
+    const std::string scorer = to_string(c.scorer);
     KV_CHECK(c.chunk_size >= 1, "policy parameter 'chunk_size': '" << c.chunk_size << "' must be >= 1");
-    KV_CHECK(c.decode_budget == 0, "policy '" << c.name << "': decode_budget (decode-time eviction) has no reconstruction "
-                                              << "scores to rank new tokens with");
+    KV_CHECK(c.decode_budget == 0, "policy '" << c.name << "': decode_budget (decode-time eviction) has no " << scorer
+                                              << " scores to rank new tokens with");
     KV_CHECK(!c.reuse_compressed, "policy '" << c.name << "': prefix_reuse: compressed does not combine with scorer "
-                                             << "reconstruction yet");
+                                             << scorer << " yet");
     KV_CHECK(c.dynamic.variant == DynamicVariant::kPaper,
-             "policy '" << c.name << "': DynamicKV's variant=authors ranks per query head; reconstruction scores are per KV head");
+             "policy '" << c.name << "': DynamicKV's variant=authors ranks per query head; " << scorer
+                        << " scores are per KV head");
   }
+  KV_CHECK(c.predictor.empty() || c.scorer == ScorerKind::kPredicted,
+           "policy '" << c.name << "': 'predictor' is a parameter of scorer predicted (kvzap), not " << to_string(c.scorer));
   if (c.decode_budget > 0) {
     KV_CHECK(c.scorer == ScorerKind::kKeyNorm || c.scorer == ScorerKind::kSinkRecent ||
                  c.scorer == ScorerKind::kAccumulatedAttention,
@@ -495,6 +515,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["prefix_reuse"] = c.reuse_compressed ? "compressed" : "exact";
   if (c.query_agnostic()) j["compress"] = c.compress_context ? "context" : "prompt";
   if (c.scorer == ScorerKind::kReconstruction) j["chunk_size"] = c.chunk_size;
+  if (c.scorer == ScorerKind::kPredicted) j["predictor"] = c.predictor;
   if (c.head_budgets == HeadBudgets::kAdaptive) {
     j["head_budgets"] = to_string(c.head_budgets);
     j["alpha"] = c.alpha;

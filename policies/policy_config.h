@@ -16,7 +16,19 @@ enum class AllocatorKind { kFull, kUniform, kPyramid, kDynamic, kGlobal };
 // How tokens are ranked inside a layer (higher score = kept first).
 // kReconstruction: KVzip (Kim et al., 2025): the most attention an entry receives while the model, given
 // the prompt's cache, is fed a repeat prompt and the prompt again (backend/kvzip_scorer.h); query-agnostic.
-enum class ScorerKind { kNone, kWindowAttention, kAccumulatedAttention, kSinkRecent, kKeyNorm, kRandom, kReconstruction };
+// kPredicted: KVzap (arXiv 2601.07891): a small per-layer model predicts KVzip+'s log scores from
+// the hidden states entering each layer's attention (backend/kvzap_predictor.h); query-agnostic, no
+// extra pass.
+enum class ScorerKind {
+  kNone,
+  kWindowAttention,
+  kAccumulatedAttention,
+  kSinkRecent,
+  kKeyNorm,
+  kRandom,
+  kReconstruction,
+  kPredicted
+};
 // 1-D pooling of window-attention scores along the sequence.
 enum class PoolingKind { kMax, kAvg };
 // Whose arithmetic to follow where the references differ (docs/architecture.md, "The methods' arithmetic").
@@ -94,20 +106,27 @@ struct PolicyConfig {
   // cached as such (docs/architecture.md, "Compressed contexts"). Only for query-agnostic scorers;
   // the default for kvzip. `compress: prompt` compresses the whole prompt, question included.
   bool compress_context = false;
+  // ScorerKind::kPredicted: the predictor's directory (kvpress's KVzapModel format: config.json +
+  // model.safetensors); "" = `<model dir>/kvzap`.
+  std::string predictor;
 
   // True when the policy never drops anything.
   bool is_full() const { return allocator == AllocatorKind::kFull || scorer == ScorerKind::kNone; }
   // KV heads of a layer may keep different numbers of tokens (the pool needs head-wise blocks).
   bool head_adaptive() const { return !is_full() && head_budgets == HeadBudgets::kAdaptive; }
-  // The scores come from a reconstruction pass after the whole prompt's prefill (kvzip), not from
-  // each layer's own queries and keys during it.
-  bool reconstructs() const { return !is_full() && scorer == ScorerKind::kReconstruction; }
+  // The selection waits for every layer's scores, given after the whole prompt's prefill
+  // (KvMemory::select_by_scores): a reconstruction pass's (kvzip) or the predictor's, recorded
+  // layer by layer (kvzap); not chosen from each layer's own queries and keys as it runs.
+  bool scores_after_prefill() const {
+    return !is_full() && (scorer == ScorerKind::kReconstruction || scorer == ScorerKind::kPredicted);
+  }
   // Window scores averaged (kvpress, DynamicKV paper eq. 1) instead of summed (PyramidKV/SnapKV authors).
   bool window_mean() const { return semantics == Semantics::kKvpress || allocator == AllocatorKind::kDynamic; }
   // The kept set depends on the tokens scored alone, never on a question after them: reconstruction,
   // key norms, sinks and recent tokens.
   bool query_agnostic() const {
-    return scorer == ScorerKind::kReconstruction || scorer == ScorerKind::kKeyNorm || scorer == ScorerKind::kSinkRecent;
+    return scorer == ScorerKind::kReconstruction || scorer == ScorerKind::kPredicted || scorer == ScorerKind::kKeyNorm ||
+           scorer == ScorerKind::kSinkRecent;
   }
   // Whether `layer` is exempt from compression (skip_layers or a local layer).
   bool skips_layer(int64_t layer) const;
@@ -120,7 +139,7 @@ struct PolicyConfig {
 };
 
 // The policy names make_policy_config knows: full, snapkv, pyramidkv, dynamickv, streamingllm, h2o,
-// knorm, random, kvzip.
+// knorm, random, kvzip, kvzap.
 const std::vector<std::string>& policy_names();
 
 // A named policy with its authors' defaults, overridden by `params` (key=value strings). Throws

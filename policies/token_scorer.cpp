@@ -134,8 +134,9 @@ torch::Tensor score_tokens(const PolicyConfig& cfg, int64_t layer, const torch::
     case ScorerKind::kRandom:
       return random_scores(kv, n, cfg.seed + static_cast<uint64_t>(layer) * 1000003ULL, k.device());
     case ScorerKind::kReconstruction:
-      KV_FAIL("score_tokens: policy '" << cfg.name << "' scores by reconstruction after the prefill "
-                                       << "(backend/kvzip_scorer.h), not layer by layer");
+    case ScorerKind::kPredicted:
+      KV_FAIL("score_tokens: policy '" << cfg.name << "' gets its scores (" << to_string(cfg.scorer)
+                                       << ") after the prefill, not from the layer's queries and keys");
     case ScorerKind::kNone:
       break;
   }

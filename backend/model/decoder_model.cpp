@@ -1,7 +1,7 @@
 #include "backend/model/decoder_model.h"
 
 #include "backend/chunk_attention.h"
-#include "backend/kvzip_scorer.h"
+#include "backend/after_prefill_selection.h"
 
 #include <algorithm>
 #include <chrono>
@@ -308,10 +308,19 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
   const RopeAngles local_angles =
       local_rope_ ? local_rope_->prefill_angles(positions, starts, lens, x.scalar_type()) : RopeAngles{};
   check_windows(kv);
+  // kvzap: the prompts (run whole here) whose policy predicts its scores from each layer's input.
+  std::vector<const PolicyConfig*> predicted(seq_ids.size(), nullptr);
+  bool predicts = false;
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    const PolicyConfig* p = chunk[i] ? nullptr : kv.prefill_policy(seq_ids[i]);
+    if (p && p->scorer == ScorerKind::kPredicted) predicted[i] = p, predicts = true;
+  }
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     const int64_t window = config_.layer_window(li);
-    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
+    auto h = rms_norm(x, l.input_norm);
+    if (predicts) record_predicted_scores(li, h, predicted, seq_ids, offsets, lens, kv);
+    auto qkv = dense(h, l.wqkv, l.bqkv, gemm_);
     auto [q_all, k_all] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
     auto v_all = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D});
     // Attention per prompt: a block-diagonal mask over all rows would compute (sum T)^2 scores
@@ -470,6 +479,28 @@ torch::Tensor DecoderModel::run_decode_layers(const DecodeBatch& batch, torch::T
   return x;
 }
 
+const KvzapPredictor& DecoderModel::kvzap_predictor(const PolicyConfig& cfg) {
+  const std::string dir = kvzap_predictor_dir(cfg, model_dir_);
+  auto it = kvzap_predictors_.find(dir);
+  if (it == kvzap_predictors_.end()) {
+    const KvzapShape shape{config_.hidden_size, config_.num_key_value_heads, config_.num_hidden_layers};
+    it = kvzap_predictors_.emplace(dir, std::make_unique<KvzapPredictor>(dir, shape, dtype_, device_)).first;
+  }
+  return *it->second;
+}
+
+void DecoderModel::record_predicted_scores(int64_t li, const torch::Tensor& h, const std::vector<const PolicyConfig*>& predicted,
+                                           const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& offsets,
+                                           const std::vector<int64_t>& lens, KvMemory& kv) {
+  for (size_t i = 0; i < seq_ids.size(); ++i) {
+    if (!predicted[i]) continue;
+    // Every KV head of the model is predicted; this shard keeps its own heads' rows.
+    auto s = kvzap_predictor(*predicted[i]).scores(li, h.narrow(0, offsets[i], lens[i]));  // [T, all KV]
+    s = s.narrow(1, layout_.kv_head_begin, layout_.kv_heads).t().contiguous();
+    kv.record_scores(seq_ids[i], li, 0, s);
+  }
+}
+
 torch::Tensor DecoderModel::prefill(int64_t seq_id, const std::vector<int64_t>& tokens, KvMemory& kv, bool all_logits,
                                   const std::string& policy) {
   return prefill_batch({PrefillInput{seq_id, tokens, policy}}, kv, all_logits);
@@ -537,11 +568,12 @@ torch::Tensor DecoderModel::prefill_batch(const std::vector<PrefillInput>& seqs_
     x = prefill_layers_batch(ids, lens, x, kv, starts, totals);
     for (size_t i = 0; i < seqs.size(); ++i) {
       if (!seqs[i].last_chunk()) continue;
-      // A reconstruction scorer (kvzip) runs its passes over the whole prompt's K/V, then selects.
-      if (const PolicyConfig* cfg = kv.pending_reconstruction(ids[i])) {
+      // A reconstruction scorer (kvzip) runs its passes over the whole prompt's K/V, a predicted one
+      // (kvzap) has its scores; then the selection.
+      if (const PolicyConfig* cfg = kv.pending_selection(ids[i])) {
         KV_CHECK(seqs_in[i].start == 0 && static_cast<int64_t>(seqs_in[i].tokens.size()) == seqs_in[i].total(),
                  "internal: policy '" << cfg->name << "' scores by reconstruction and needs its prompt prefilled whole");
-        kvzip_score_and_select(*this, kv, ids[i], seqs_in[i].tokens, *cfg);
+        select_after_prefill(*this, kv, ids[i], seqs_in[i].tokens, *cfg);
       }
       kv.end_prefill(ids[i]);
     }
@@ -581,7 +613,7 @@ int64_t DecoderModel::compress_context(const PrefillInput& s, KvMemory& kv) {
   const auto rest = context.subspan(static_cast<size_t>(hit));
   const int64_t T = static_cast<int64_t>(rest.size());
   prefill_layers_batch({s.seq_id}, {T}, embed(std::vector<int64_t>(rest.begin(), rest.end())), kv, {hit}, {c});
-  if (const PolicyConfig* cfg = kv.pending_reconstruction(s.seq_id)) kvzip_score_and_select(*this, kv, s.seq_id, context, *cfg);
+  if (const PolicyConfig* cfg = kv.pending_selection(s.seq_id)) select_after_prefill(*this, kv, s.seq_id, context, *cfg);
   kv.end_prefill(s.seq_id);
   kv.continue_prompt(s.seq_id);
   return c;

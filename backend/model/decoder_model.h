@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "backend/dense.h"
+#include "backend/kvzap_predictor.h"
 #include "backend/model/model_config.h"
 #include "backend/rope.h"
 #include "backend/step_profile.h"
@@ -140,6 +142,9 @@ class DecoderModel {
   torch::Tensor detached_layers(torch::Tensor x, int64_t start, const ContextKv& context, const LayerQkHook& hook);
   // This shard's layers over one new token per sequence, x [B, hidden].
   torch::Tensor decode_layers(const DecodeBatch& batch, torch::Tensor x, KvMemory& kv);
+  // kvzap: the predictor of a policy (loaded at its first use, then kept per directory;
+  // throws naming the directory when it is missing or does not fit the model).
+  const KvzapPredictor& kvzap_predictor(const PolicyConfig& cfg);
   // fp32 logits [rows, V] of hidden states (last stage).
   torch::Tensor logits(const torch::Tensor& x) const;
 
@@ -177,6 +182,12 @@ class DecoderModel {
   // A row-parallel layer's partial output: summed over the TP group, then the bias added once.
   torch::Tensor reduce_partial(torch::Tensor partial, const torch::Tensor& b) const;
   const Layer& layer(int64_t global) const;
+  // kvzap: records layer li's predicted scores of the prompts in a prefill batch whose policy
+  // predicts them (`whole[i]`: sequence i runs its whole prompt here), h [sum lens, hidden] the
+  // layer's normed input.
+  void record_predicted_scores(int64_t li, const torch::Tensor& h, const std::vector<const PolicyConfig*>& predicted,
+                               const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& offsets,
+                               const std::vector<int64_t>& lens, KvMemory& kv);
   // Hidden states of token ids already on the model's device (int64 [N], in range).
   torch::Tensor embed_ids(const torch::Tensor& ids) const;
   // The vocab-parallel lookup: each TP rank's rows, summed over the group.
@@ -206,6 +217,7 @@ class DecoderModel {
   ShardLayout layout_;
   std::shared_ptr<parallel::ProcessGroup> tp_;
   StepProfile* profile_ = nullptr;
+  std::map<std::string, std::unique_ptr<KvzapPredictor>> kvzap_predictors_;
 };
 
 }  // namespace kvserve

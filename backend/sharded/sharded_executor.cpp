@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "backend/kvzip_scorer.h"
+#include "backend/after_prefill_selection.h"
 #include "backend/model/decoder_model.h"
 #include "common/check.h"
 #include "parallel/communicator.h"
@@ -97,15 +97,16 @@ torch::Tensor ShardedExecutor::run_prefill(int64_t seq_id, std::span<const int64
                                     : data.recv_tensor(static_cast<int>(prev_rank()), kPrefillHidden, dev);
   x = model_->prefill_layers(seq_id, x, kv_, start, N);
   if (!s.last_stage()) data.send_tensor(x, static_cast<int>(next_rank()), kPrefillHidden);
-  // A reconstruction scorer (kvzip) runs its passes through the stages as the prompt did, then every
-  // shard takes its part of the one selection (KvMemory::select_by_scores gathers the scores).
-  if (const PolicyConfig* cfg = kv_.pending_reconstruction(seq_id)) {
+  // A reconstruction scorer (kvzip) runs its passes through the stages as the prompt did (a predicted
+  // one, kvzap, has its scores), then every shard takes its part of the one selection
+  // (KvMemory::select_by_scores gathers the scores).
+  if (const PolicyConfig* cfg = kv_.pending_selection(seq_id)) {
     KvzipStageIo io;
     if (!s.first_stage())
       io.input = [&](const std::vector<int64_t>&) { return data.recv_tensor(static_cast<int>(prev_rank()), kReconHidden, dev); };
     if (!s.last_stage())
       io.output = [&](const torch::Tensor& h) { data.send_tensor(h, static_cast<int>(next_rank()), kReconHidden); };
-    kvzip_score_and_select(*model_, kv_, seq_id, prompt, *cfg, io);
+    select_after_prefill(*model_, kv_, seq_id, prompt, *cfg, io);
   }
   kv_.end_prefill(seq_id);
   torch::Tensor logits;

@@ -13,6 +13,9 @@
 #include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/fixture_models.h"
+#include "tests/support/kvzap_fixture.h"
+
+#include <unistd.h>
 
 namespace kvserve {
 namespace {
@@ -21,11 +24,17 @@ using Specs = std::map<std::string, std::map<std::string, std::string>>;
 using test::fixture;
 using test::make_prompt;
 
-// Head-wise pools: kvzip (one top-k over layers and heads) and head-adaptive key norms; layer-wise
-// pools: key norms and StreamingLLM, each compressing the context only.
+// Where the kvzap spec's predictor lives (written by the test that uses it; one per process).
+std::string zap_dir() {
+  return (std::filesystem::temp_directory_path() / ("kvserve-gtest-kvzap-" + std::to_string(getpid()))).string();
+}
+
+// Head-wise pools: kvzip and kvzap (one top-k over layers and heads) and head-adaptive key norms;
+// layer-wise pools: key norms and StreamingLLM, each compressing the context only.
 const Specs& head_specs() {
   static const Specs s = {
       {"zip", {{"name", "kvzip"}, {"budget", "0.25"}, {"chunk_size", "200"}}},
+      {"zap", {{"name", "kvzap"}, {"budget", "0.25"}, {"predictor", zap_dir()}}},
       {"knorm_ada",
        {{"name", "knorm"}, {"budget", "0.5"}, {"head_budgets", "adaptive"}, {"compress", "context"}, {"skip_layers", "none"}}},
   };
@@ -168,6 +177,13 @@ void check_policy(const std::string& policy, bool head) {
 }
 
 TEST(CompressedContext, KvzipHeadwise) { check_policy("zip", true); }
+TEST(CompressedContext, KvzapHeadwise) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  test::write_kvzap_predictor(zap_dir(), load_model_config(dir), 16, 3);
+  check_policy("zap", true);
+  std::filesystem::remove_all(zap_dir());
+}
 TEST(CompressedContext, KnormHeadAdaptive) { check_policy("knorm_ada", true); }
 TEST(CompressedContext, KnormLayerwise) { check_policy("knorm_ctx", false); }
 TEST(CompressedContext, StreamingLayerwise) { check_policy("stream_ctx", false); }

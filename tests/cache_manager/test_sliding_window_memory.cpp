@@ -282,7 +282,7 @@ TEST(SlidingWindowMemory, ReconstructionScoringSelectsOverTheGlobalLayersOnly) {
     kv.begin_prefill(1, T, name);
     for (int64_t l = 0; l < L; ++l) kv.store_prefill(1, l, torch::randn({kKv * kG, T, kD}), keys[l], values[l]);
     for (int64_t l = 0; l < L; ++l) EXPECT_EQ(kv.cached_tokens(1, l), T) << name << ": layer " << l << " before the pass";
-    ASSERT_NE(kv.pending_reconstruction(1), nullptr);
+    ASSERT_NE(kv.pending_selection(1), nullptr);
     kv.select_by_scores(1, scores);
     kv.end_prefill(1);
     // Expected: the top scores (the scorer gave its sinks theirs) over both global layers at once

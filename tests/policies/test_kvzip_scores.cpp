@@ -23,7 +23,7 @@ TEST(KvzipPolicy, DefaultsAndKvpressChunk) {
   EXPECT_EQ(c.allocator, AllocatorKind::kGlobal);
   EXPECT_EQ(c.scorer, ScorerKind::kReconstruction);
   EXPECT_TRUE(c.head_adaptive());
-  EXPECT_TRUE(c.reconstructs());
+  EXPECT_TRUE(c.scores_after_prefill());
   EXPECT_EQ(c.sink, 4);
   EXPECT_EQ(c.window, 0);
   EXPECT_EQ(c.chunk_size, 2000);
@@ -46,6 +46,33 @@ TEST(KvzipPolicy, Refusals) {
   EXPECT_THROW(make_policy_config("kvzip", {{"prefix_reuse", "compressed"}}), KvError);
   EXPECT_THROW(make_policy_config("kvzip", {{"chunk_size", "0"}}), KvError);
   EXPECT_THROW(make_policy_config("kvzip", {{"skip_layers", "0"}}), KvError);
+}
+
+TEST(KvzapPolicy, DefaultsAndRefusals) {
+  PolicyConfig c = make_policy_config("kvzap");
+  EXPECT_EQ(c.allocator, AllocatorKind::kGlobal);
+  EXPECT_EQ(c.scorer, ScorerKind::kPredicted);
+  EXPECT_TRUE(c.head_adaptive());
+  EXPECT_TRUE(c.scores_after_prefill());
+  EXPECT_TRUE(c.query_agnostic());
+  EXPECT_TRUE(c.compress_context);
+  EXPECT_EQ(c.sink, 4);
+  EXPECT_EQ(c.window, 0);
+  EXPECT_DOUBLE_EQ(c.budget_ratio, 0.25);
+  EXPECT_EQ(c.predictor, "");
+  EXPECT_EQ(to_json(c)["scorer"], "predicted");
+  // The predictor is part of the policy (and so of a compressed context's cache key).
+  PolicyConfig p = make_policy_config("kvzap", {{"predictor", "/models/x/kvzap-mlp"}});
+  EXPECT_EQ(p.predictor, "/models/x/kvzap-mlp");
+  EXPECT_NE(to_json(p).dump(), to_json(c).dump());
+  EXPECT_NO_THROW(make_policy_config("kvzap", {{"allocator", "uniform"}, {"head_budgets", "uniform"}}));
+  EXPECT_NO_THROW(make_policy_config("kvzap", {{"allocator", "dynamic"}, {"budget", "64"}}));
+  EXPECT_NO_THROW(make_policy_config("snapkv", {{"allocator", "uniform"}}));
+  EXPECT_THROW(make_policy_config("kvzap", {{"decode_budget", "256"}}), KvError);
+  EXPECT_THROW(make_policy_config("kvzap", {{"prefix_reuse", "compressed"}}), KvError);
+  EXPECT_THROW(make_policy_config("kvzap", {{"predictor", ""}}), KvError);
+  EXPECT_THROW(make_policy_config("snapkv", {{"predictor", "/tmp/p"}}), KvError);  // not its scorer's parameter
+  EXPECT_THROW(make_policy_config("knorm", {{"allocator", "global"}, {"head_budgets", "adaptive"}}), KvError);
 }
 
 TEST(KvzipPlan, ChunksWindowAndBegin) {

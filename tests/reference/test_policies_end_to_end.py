@@ -304,6 +304,91 @@ def test_kvzip_ratios_on_many_chunks(tmp_path_factory):
         compare_global(kept_of(dump), want.kept, want.scores, f"{fx.name}/kvzip-r{ratio}-c50/kvpress")
 
 
+# ----------------------------------------------------------------------------- a3. kvzap vs KVzapPress
+
+
+def kvzap_predictor(fx: Fixture, hidden_dim: int | None):
+    """A random KVzap predictor for the fixture, made and saved by kvpress's own KVzapModel
+    (save_pretrained), so that kvserve reads kvpress's format. Returns (model, directory)."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    out = fx.workdir / f"kvzap-{hidden_dim or 'linear'}"
+    torch.manual_seed(1234 + (hidden_dim or 0))
+    c = fx.model.config
+    m = KVzapModel(KVzapConfig(input_dim=c.hidden_size, output_dim=c.num_key_value_heads, n_modules=c.num_hidden_layers,
+                               hidden_dim=hidden_dim)).eval()
+    if not (out / "config.json").exists():
+        m.save_pretrained(out)
+    return KVzapModel.from_pretrained(out).eval(), out
+
+
+def kvzap_press(predictor, ratio):
+    """kvpress's KVzapPress scoring with `predictor` (instead of the hub's nvidia/KVzap-* weights)."""
+    from kvpress import KVzapPress
+
+    press = KVzapPress(compression_ratio=1.0 - ratio)
+    press.kvzap_model = predictor
+    press.post_init_from_model = lambda model: None  # keeps the predictor given; no hub download
+    return press
+
+
+@pytest.mark.parametrize("hidden_dim", [None, 16])
+def test_kvzap_per_layer_matches_kvzappress(fx, hidden_dim):
+    """kvpress's KVzapPress as a ScorerPress: each (layer, head) keeps the int(T x ratio) positions its
+    predictor scores highest; kvserve's kvzap with allocator=uniform, semantics=kvpress, no sinks."""
+    predictor, path = kvzap_predictor(fx, hidden_dim)
+    ratio = 0.3
+    params = dict(allocator="uniform", head_budgets="uniform", semantics="kvpress", sink=0, predictor=str(path))
+    dump, _ = fx.forward("kvzap", str(ratio), **params)
+    want = hx.kvpress_kept(fx.model, kvzap_press(predictor, ratio), fx.ids, fx.full)
+    assert want.max_match_error < 1e-4
+    got = kept_of(dump)
+    assert dump["budgets"] == [len(h[0]) for h in want.kept]
+    compare(got, want.kept, want.scores, f"{fx.name}/kvzap-{hidden_dim}-uniform/kvpress")
+    assert all(b < fx.T for b in dump["budgets"]), "nothing was compressed"
+
+
+def test_kvzap_head_adaptive_matches_adakv_kvzappress(fx):
+    """AdaKVPress around KVzapPress: one top-k over each layer's heads x positions, alpha safeguard."""
+    from kvpress import AdaKVPress
+
+    predictor, path = kvzap_predictor(fx, None)
+    ratio = 0.25
+    params = dict(allocator="uniform", head_budgets="adaptive", alpha=0.2, semantics="kvpress", sink=0,
+                  predictor=str(path))
+    dump, _ = fx.forward("kvzap", str(ratio), **params)
+    want = hx.kvpress_masked_kept(fx.model, AdaKVPress(press=kvzap_press(predictor, ratio), alpha_safeguard=0.2), fx.ids)
+    got = kept_of(dump)
+    compare(got, want.kept, want.scores, f"{fx.name}/kvzap-adakv/kvpress")
+    assert any(len({len(h) for h in heads}) > 1 for heads in got), "every layer kept one count per head"
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.1])
+def test_kvzap_global_selection_of_kvzappress_scores(fx, ratio):
+    """kvzap's default (kvzip's selection): one top-k over every (layer, KV head, position) of the
+    scores kvpress's KVzapPress computes, the first 4 positions above all, layers x KV heads x
+    max(1, int(T x ratio)) entries kept."""
+    predictor, path = kvzap_predictor(fx, 16)
+    dump, _ = fx.forward("kvzap", str(ratio), predictor=str(path))
+    # The scores as KVzapPress computes them (its own selection is per layer; only its scores are used).
+    scores = hx.kvpress_kept(fx.model, kvzap_press(predictor, 0.5), fx.ids, fx.full).scores
+    s = torch.tensor(scores, dtype=torch.float32)  # [L, KV, T]
+    L, KV, T = s.shape
+    sink = 4
+    s[:, :, :sink] = s.max() + 1.0
+    total = L * KV * max(1, int(T * ratio))
+    order = torch.sort(-s.flatten(), stable=True).indices[:total]  # ties to the lower (layer, head, position)
+    keep = torch.zeros(L * KV * T, dtype=torch.bool)
+    keep[order] = True
+    keep = keep.view(L, KV, T)
+    want = [[torch.nonzero(keep[l, h]).flatten().tolist() for h in range(KV)] for l in range(L)]
+    got = kept_of(dump)
+    assert sum(len(h) for heads in got for h in heads) == total
+    compare_global(got, want, s.tolist(), f"{fx.name}/kvzap-global-r{ratio}/kvpress-scores")
+    assert all(h[:sink] == list(range(sink)) for heads in got for h in heads)
+    assert len({len(h) for heads in got for h in heads}) > 1
+
+
 # ----------------------------------------------------------------------------- b. paper semantics
 
 
