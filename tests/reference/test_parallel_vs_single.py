@@ -144,6 +144,36 @@ def test_gemma3_sharded_equals_single_process(tmp_path, policy):
         assert generate(model, flags, tp, pp) == ref_tokens, f"gemma3 {policy} TP={tp} PP={pp}"
 
 
+@pytest.mark.parametrize("fixture", ["llama-kvfew", "llama-gqa", "gemma3"])
+def test_kvzap_sharded_equals_single_process(tmp_path, fixture):
+    """kvzap (issue 32): every stage's layers predict their scores from their own inputs (each TP
+    shard keeps its KV heads' rows), then one top-k over the whole model's gathered scores: logits,
+    kept positions and greedy tokens equal one process's. The predictor (an MLP) is kvpress's
+    KVzapModel, random, saved with save_pretrained."""
+    import torch
+    import transformers
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    model = str(fixtures_dir() / fixture)
+    c = transformers.AutoConfig.from_pretrained(model)
+    c = getattr(c, "text_config", c)
+    torch.manual_seed(7)
+    KVzapModel(KVzapConfig(input_dim=c.hidden_size, output_dim=c.num_key_value_heads, n_modules=c.num_hidden_layers,
+                           hidden_dim=8)).save_pretrained(tmp_path / "kvzap")
+    flags = ["--policy", "kvzap", "--budget", "16", "--policy-param", f"predictor={tmp_path / 'kvzap'}"]
+    ref_logits, ref_kept = forward(tmp_path, model, flags, 1, 1)
+    ref_tokens = generate(model, flags, 1, 1)
+    counts = {len(h) for layer in ref_kept["layers"] for h in layer["kept"]}
+    assert len(counts) > 1 and min(counts) < len(PROMPT), counts  # compressed, head-wise
+    for tp, pp in LAYOUTS[1:]:
+        logits, kept = forward(tmp_path, model, flags, tp, pp)
+        diff = (logits - ref_logits).abs().max().item()
+        assert diff <= 1e-4, f"{fixture} kvzap TP={tp} PP={pp}: logits differ by {diff}"
+        diffs = kept_differences(ref_kept, kept)
+        assert not diffs, f"{fixture} kvzap TP={tp} PP={pp}: kept positions differ:\n" + "\n".join(diffs)
+        assert generate(model, flags, tp, pp) == ref_tokens, f"{fixture} kvzap TP={tp} PP={pp}"
+
+
 @pytest.mark.parametrize("policy", ["full", "pyramidkv", "dynamickv", "dynamickv-authors", "knorm-decode",
                                     "streamingllm", "kvzip"])
 def test_generate_sharded_equals_single_process(policy):
