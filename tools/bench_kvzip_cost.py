@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""What kvzip's reconstruction costs (issue 32): time to first token of one passkey prompt with
-kvzip against a plain prefill of the same prompt (policy full), at each length, and the decode
-step after it against SnapKV and full at the same budget. Runs are interleaved per length
-(full, kvzip, full, ...) in fresh `kvserve generate` processes, so load drifts hit both sides;
+"""What kvzip's reconstruction and kvzap's predictor cost (issue 32): time to first token of one
+passkey prompt under each policy against a plain prefill of the same prompt (policy full), at each
+length, and the decode step after it. Runs are interleaved per length (full, kvzip, kvzap, snapkv,
+full) in fresh `kvserve generate` processes, so load drifts hit both sides;
 the ratio is the figure to read on a shared machine.
 
   python3 tools/bench_kvzip_cost.py --lengths 1024 4096 8000 --repeats 1 --threads 1
@@ -55,18 +55,28 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=33, help="tokens generated (the decode step is over the last 32)")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (0: unset)")
     ap.add_argument("--json-out")
+    ap.add_argument("--policies", default="kvzip,kvzap,snapkv",
+                    help="compressing policies measured against full, comma list (kvzip, kvzap, kvzap-linear, snapkv)")
+    ap.add_argument("--kvzap-linear", default=str(REPO / "models" / "kvzap-smollm2-135m-instruct" / "linear"),
+                    help="the predictor of the kvzap-linear row (kvzap's is the model directory's)")
     a = ap.parse_args()
-    policies = {
-        "full": [],
+    known = {
         "kvzip": ["--policy", "kvzip", "--budget", a.budget],
+        "kvzap": ["--policy", "kvzap", "--budget", a.budget],
+        "kvzap-linear": ["--policy", "kvzap", "--budget", a.budget, "--policy-param", f"predictor={a.kvzap_linear}"],
         "snapkv": ["--policy", "snapkv", "--budget", a.budget],
     }
+    names = [n for n in a.policies.split(",") if n]
+    for n in names:
+        if n not in known:
+            ap.error(f"--policies: unknown {n!r} (known: {', '.join(known)})")
+    policies = {"full": [], **{n: known[n] for n in names}}
     rows, raw = [], []
     for n in a.lengths:
         ids = prompt_ids(a.model, n, seed=n)
         got: dict[str, list[dict]] = {k: [] for k in policies}
         for _ in range(a.repeats):
-            for name in ("full", "kvzip", "snapkv", "full"):
+            for name in ["full", *names, "full"]:
                 r = run(a.kvserve, a.model, ids, policies[name], a.new_tokens, a.threads)
                 got[name].append(r)
                 raw.append({"length": len(ids), "policy": name, **{k: r.get(k) for k in (
@@ -80,14 +90,14 @@ def main() -> None:
         def step_ms(name):
             return statistics.median(1e3 * r["decode_s"] / max(1, r["completion_tokens"] - 1) for r in got[name])
 
-        rows.append((len(ids), ttft("full"), ttft("kvzip"), ttft("snapkv"), step_ms("full"), step_ms("kvzip"),
-                     step_ms("snapkv")))
-    print("| prompt tokens | plain prefill (full) | kvzip prefill | ratio | snapkv prefill | decode ms/token: full "
-          "| kvzip | snapkv | kvzip / snapkv |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for n, tf, tk, ts, df, dk, ds in rows:
-        print(f"| {n} | {tf:.2f} s | {tk:.2f} s | **{tk / tf:.2f}x** | {ts:.2f} s | {df:.1f} | {dk:.1f} | {ds:.1f} "
-              f"| {dk / ds:.2f} |")
+        rows.append((len(ids), {k: ttft(k) for k in policies}, {k: step_ms(k) for k in policies}))
+    print("| prompt tokens | plain prefill (full) | " + " | ".join(f"{k} prefill (/ full)" for k in names)
+          + " | decode ms/token: full | " + " | ".join(names) + " |")
+    print("| ---: " * (2 + 2 * len(names) + 1) + "|")
+    for n, tf, dm in rows:
+        cells = [f"{tf[k]:.2f} s (**{tf[k] / tf['full']:.2f}x**)" for k in names]
+        print(f"| {n} | {tf['full']:.2f} s | " + " | ".join(cells) + f" | {dm['full']:.1f} | "
+              + " | ".join(f"{dm[k]:.1f}" for k in names) + " |")
     if a.json_out:
         pathlib.Path(a.json_out).write_text(json.dumps(raw, indent=1))
 

@@ -41,6 +41,12 @@ POLICIES = {
     "full": "{}",
     "kvzip-0.25": "{method: kvzip, budget: 0.25}",
     "kvzip-0.125": "{method: kvzip, budget: 0.125}",
+    # kvzap: the model directory's predictor (<model>/kvzap: the MLP for the default model), and the
+    # linear one beside it.
+    "kvzap-0.25": "{method: kvzap, budget: 0.25}",
+    "kvzap-0.125": "{method: kvzap, budget: 0.125}",
+    "kvzap-linear-0.25": "{method: kvzap, budget: 0.25, predictor: models/kvzap-smollm2-135m-instruct/linear}",
+    "kvzap-linear-0.125": "{method: kvzap, budget: 0.125, predictor: models/kvzap-smollm2-135m-instruct/linear}",
     "snapkv-0.25": "{method: snapkv, budget: 0.25}",
     "knorm-ctx-0.25": "{method: knorm, budget: 0.25, compress: context}",
     "streamingllm-ctx-0.25": "{method: streamingllm, budget: 0.25, compress: context}",

@@ -23,6 +23,8 @@ import context_doc  # noqa: E402
 
 POLICY = """  kvzip:
     budget: 0.25
+  kvzap:
+    budget: 0.25
 """
 
 
@@ -37,6 +39,7 @@ def stop_all(*servers):
 @pytest.fixture(scope="module")
 def servers():
     subprocess.run([sys.executable, str(REPO / "tools" / "make_smollm2.py"), "--out", str(MODEL_DIR)], check=True)
+    assert (MODEL_DIR / "kvzap" / "config.json").is_file(), "kvzap's predictor is not in the model directory: `make model`"
     on = Server(model=str(MODEL_DIR), extra_yaml=POLICY, kv_cache_bytes="1GiB")
     off = Server(model=str(MODEL_DIR), extra_yaml=POLICY, kv_cache_bytes="1GiB",
                  extra_args=("--no-enable-context-caching",))
@@ -55,9 +58,9 @@ def client(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def ask(srv, messages, **kw):
+def ask(srv, messages, policy="kvzip", **kw):
     return client(srv).chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                               extra_body={"kv_policy": "kvzip", **kw.pop("extra", {})}, **kw)
+                                               extra_body={"kv_policy": policy, **kw.pop("extra", {})}, **kw)
 
 
 def test_four_questions_on_one_document(servers, doc):
@@ -87,6 +90,27 @@ def test_four_questions_on_one_document(servers, doc):
     assert ratio <= 0.30, ratio
     assert m['kvserve:prefix_cache_bytes{model_name="tiny",tier="context"}'] > 0
     assert off.metrics()["kvserve:compressed_contexts"] == 0
+    assert m["kvserve:num_requests_running"] == 0
+
+
+def test_kvzap_four_questions_on_one_document(servers, doc):
+    """kvzap (the committed predictor in <model>/kvzap): the same compress-once contract as kvzip,
+    the entry at <= 30 % of the document's blocks, the answers of the server without the cache."""
+    on, off = servers
+    text, recs = doc
+    before = on.metrics()
+    cached = []
+    for i, (q, _) in enumerate(context_doc.questions(recs, 4)):
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": q}]
+        a = ask(on, messages, policy="kvzap")
+        cached.append(a.usage.prompt_tokens_details.cached_tokens)
+        if i in (0, 3):
+            b = ask(off, messages, policy="kvzap")
+            assert a.choices[0].message.content == b.choices[0].message.content, q
+            assert b.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached[0] == 0 and cached[1] == cached[2] == cached[3] > 3500, cached
+    m = on.metrics()
+    assert m["kvserve:compressed_contexts"] - before.get("kvserve:compressed_contexts", 0) == 1
     assert m["kvserve:num_requests_running"] == 0
 
 
