@@ -707,11 +707,8 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
     std::vector<int64_t> place(static_cast<size_t>(shard_.total_layers), -1);  // model layer -> index in global
     for (int64_t l : cfg.global_layers(shard_.total_layers)) {
       place[static_cast<size_t>(l)] = static_cast<int64_t>(global.size());
-      global.push_back(all[static_cast<size_t>(l)].clone());  // raised below, not in place
+      global.push_back(all[static_cast<size_t>(l)]);
     }
-    // The sinks again, over the whole model: a shard raised them above its own layers' scores only,
-    // which another pipeline stage's scores may pass (in one process this changes no order).
-    protect_sinks(global, cfg.sink);
     const int64_t model_kv = all[0].size(0);
     const int64_t total = global_kept_total(cfg, static_cast<int64_t>(global.size()), model_kv, s.prompt_len);
     const auto sels = global_head_selection(global, total, w, 0, -1, shard_.exchange->first_kv_head(), cache_.num_kv_heads());
