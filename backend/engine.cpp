@@ -73,7 +73,23 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
                                                options_.enable_context_caching},
                                               policies,
                                               options_.default_policy),
-                               LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager});
+                               LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager, options_.max_num_batched_tokens});
+  // Before the loop starts, so the first request finds the device started (backend/warmup.h).
+  WarmupOptions wo;
+  wo.tokens = resolve_warmup_tokens(options_.warmup_tokens, model_->device().is_cuda(), options_.max_num_batched_tokens);
+  wo.prompts = std::min<int64_t>(options_.max_num_seqs, 8);
+  wo.vocab_size = c.vocab_size;
+  wo.max_model_len = impl_->max_model_len;
+  if (auto it = policies.find(options_.default_policy); it != policies.end()) {
+    wo.policy = it->first;
+    wo.policy_config = it->second;
+  }
+  warmup_ = warm_up(*impl_->runner, wo);
+  if (warmup_.prompts > 0)
+    KV_LOG("warm-up: " << warmup_.prompts << " prompts of " << warmup_.tokens / warmup_.prompts << " tokens ("
+                       << wo.policy << ") and " << warmup_.decode_steps << " decode steps in " << warmup_.seconds << " s");
+  else if (!warmup_.skipped.empty())
+    KV_LOG("no warm-up: " << warmup_.skipped);
   std::vector<int64_t> eos_ids = c.eos_token_ids;
   if (auto e = tokenizer_->eos_id(); e && std::find(eos_ids.begin(), eos_ids.end(), *e) == eos_ids.end())
     eos_ids.push_back(*e);

@@ -18,6 +18,7 @@
 #include "backend/engine_types.h"
 #include "backend/model/model_config.h"
 #include "backend/structured_output_spec.h"
+#include "backend/warmup.h"
 
 namespace kvserve {
 
@@ -39,6 +40,9 @@ struct EngineOptions {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t block_size = 16;
   bool enforce_eager = false;  // no CUDA graphs for decode (model.enforce_eager, --enforce-eager)
+  // Prompt tokens of the warm-up run before the engine serves (backend/warmup.h; model.warmup_tokens,
+  // --warmup-tokens): -1 = max_num_batched_tokens on a CUDA device and none on a CPU, 0 = none.
+  int64_t warmup_tokens = -1;
   // Automatic prefix caching (cache.enable_prefix_caching): full prompt blocks stay in the pool
   // for later requests that start with the same tokens; on by default, as in vLLM.
   bool enable_prefix_caching = true;
@@ -136,6 +140,8 @@ class Engine {
   void mark_unhealthy(const std::string& reason);
 
   EngineStats stats() const;
+  // What the warm-up ran before the engine started serving (zeros when none ran).
+  const WarmupReport& warmup() const { return warmup_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   const DecoderModel& model() const { return *model_; }
   std::vector<std::string> policy_names() const;
@@ -150,6 +156,7 @@ class Engine {
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineOptions options_;
   std::set<std::string> context_policies_;  // compresses_context
+  WarmupReport warmup_;
   std::unique_ptr<Impl> impl_;
   std::once_flag grammar_once_;
   std::unique_ptr<GrammarCompiler> grammar_;  // made on the first structured-output request

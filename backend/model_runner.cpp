@@ -1,20 +1,16 @@
 #include "backend/model_runner.h"
 
+#include <algorithm>
+
 #include "backend/decode_graphs.h"
 #include "backend/model/decoder_model.h"
 #include "common/log.h"
 
 namespace kvserve {
-namespace {
-
-// Prompt tokens per prefill forward: bounds the activations of a batch (the scheduler's default
-// max_num_batched_tokens, so a default step's prompts run as one). A longer prompt runs alone.
-constexpr size_t kPrefillBatchRows = 8192;
-
-}  // namespace
 
 LocalRunner::LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options)
-    : model_(std::move(model)), kv_(std::move(kv)) {
+    : model_(std::move(model)), kv_(std::move(kv)),
+      prefill_batch_tokens_(static_cast<size_t>(std::max<int64_t>(1, options.prefill_batch_tokens))) {
   if (options.enforce_eager || !model_->device().is_cuda()) return;
   const std::string why = DecodeGraphs::unsupported(*model_, *kv_);
   if (!why.empty()) {
@@ -46,7 +42,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       r.decode_error = e.what();
     }
   }
-  // The prefills run in groups of up to kPrefillBatchRows prompt tokens, one forward each. When a
+  // The prefills run in groups of up to prefill_batch_tokens_ prompt tokens, one forward each. When a
   // group's forward fails (it leaves no KV behind), its prompts run again one by one, so that only
   // the one at fault reports an error, as when every prompt ran alone. A chunk that continues a
   // prompt runs alone: its failure frees the earlier chunks' KV, so it could not be retried.
@@ -85,7 +81,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
     };
     for (size_t rows = plan.prefill[g].tokens.size();
          groupable(plan.prefill[g]) && end < plan.prefill.size() && groupable(plan.prefill[end]) &&
-         rows + plan.prefill[end].tokens.size() <= kPrefillBatchRows;
+         rows + plan.prefill[end].tokens.size() <= prefill_batch_tokens_;
          ++end)
       rows += plan.prefill[end].tokens.size();
     torch::Tensor group_logits;

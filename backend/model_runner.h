@@ -37,6 +37,10 @@ class ModelRunner {
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
   // runtime's last stage returns the last position's only.
   virtual bool prompt_logprobs() const { return false; }
+  // Drops what the prefix cache and compressed contexts hold that no sequence uses, and restarts the
+  // pools' high-water marks (after the engine's warm-up). False: this runner cannot (a sharded job's
+  // shards are in other processes), and nothing changed.
+  virtual bool reset_caches() { return false; }
   // Whether this process samples (a pipeline's last stage samples elsewhere): grammar-constrained
   // requests need the compiled grammar where the sampler runs.
   virtual bool samples_in_process() const { return true; }
@@ -52,6 +56,9 @@ class ModelRunner {
 struct LocalRunnerOptions {
   int64_t max_num_seqs = 32;   // the largest decode batch: the largest CUDA graph bucket
   bool enforce_eager = false;  // never capture CUDA graphs (model.enforce_eager, --enforce-eager)
+  // Prompt tokens per prefill forward: the prompts of a step run as one forward while they fit
+  // (the scheduler's max_num_batched_tokens, so a step's prompts run together); a longer prompt runs alone.
+  int64_t prefill_batch_tokens = 8192;
 };
 
 class LocalRunner final : public ModelRunner {
@@ -64,6 +71,10 @@ class LocalRunner final : public ModelRunner {
   bool chunked_prefill() const override { return true; }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
+  bool reset_caches() override {
+    kv_->reset_caches();
+    return true;
+  }
   std::optional<int64_t> shared_prefix_blocks(std::span<const int64_t> prompt, const std::string& policy,
                                               std::span<const int64_t> leaving) const override {
     return kv_->shared_prefix_blocks(prompt, policy, leaving);
@@ -75,6 +86,7 @@ class LocalRunner final : public ModelRunner {
   std::shared_ptr<DecoderModel> model_;
   std::unique_ptr<PagedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
+  size_t prefill_batch_tokens_ = 8192;
   SamplerBank samplers_;
 };
 

@@ -370,6 +370,11 @@ void PagedKvCache::share(int64_t seq_id, int64_t layer, const std::vector<int32_
   }
 }
 
+void PagedKvCache::drop_cached() {
+  if (prefix_) prefix_->clear(alloc_);
+  if (contexts_) contexts_->clear(alloc_);
+}
+
 void PagedKvCache::enable_context_cache() {
   KV_CHECK(!contexts_, "compressed context cache enabled twice");
   contexts_.emplace(num_layers_ * lanes_);

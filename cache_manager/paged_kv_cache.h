@@ -193,6 +193,9 @@ class PagedKvCache {
   // Block tables per (sequence, layer): 1, or the KV heads with head-wise blocks.
   int64_t lanes() const { return lanes_; }
   bool head_blocks() const { return head_split_; }
+  // Drops every prefix-cache and compressed-context entry no request uses, in the pool and in the
+  // host tier (the engine's warm-up leaves nothing of its throwaway prompts behind).
+  void drop_cached();
 
   // --- accounting --------------------------------------------------------------------------------
   // Free counts cached blocks no request uses: an allocation reclaims them.

@@ -891,6 +891,11 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
   return cache_.decode_layer(ll, q, k, v, -1.0, windows_.empty() ? 0 : windows_[static_cast<size_t>(ll)]);
 }
 
+void PagedKvMemory::reset_caches() {
+  cache_.drop_cached();
+  cache_.reset_high_water();
+}
+
 void PagedKvMemory::release(int64_t seq_id) {
   drop_prefix(seq_id);
   if (cache_.has_sequence(seq_id)) cache_.release(seq_id);

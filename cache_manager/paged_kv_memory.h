@@ -63,6 +63,9 @@ class PagedKvMemory final : public KvMemory {
   // A finished sequence whose conversation may continue from its KV (prefix_reuse: compressed):
   // its KV stays as it is until a later prompt resumes it (prefill_tokens) or it is released.
   void park(int64_t seq_id);
+  // Drops the prefix cache's and compressed contexts' entries that no sequence uses and restarts the
+  // high-water mark from the blocks in use: what the engine's warm-up prompts left behind.
+  void reset_caches();
   bool parked(int64_t seq_id) const;
   int64_t cached_tokens(int64_t seq_id, int64_t layer) const override { return cache_.length(seq_id, local(layer)); }
 

@@ -34,6 +34,7 @@ struct GenerateArgs {
   bool json = false, ignore_eos = false, stream = false, enforce_eager = false;
   std::string kv_cache = "1GiB";
   int64_t max_num_batched_tokens = EngineOptions{}.max_num_batched_tokens;
+  int64_t warmup_tokens = EngineOptions{}.warmup_tokens;
   bool enable_chunked_prefill = false;
   bool enable_prefix_caching = EngineOptions{}.enable_prefix_caching;
   std::string prefix_cache = "0";
@@ -77,6 +78,10 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--prefix-cache", a->prefix_cache, "host-RAM tier of the prefix cache, e.g. 4GiB (0 = none)");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
+  cmd->add_option("--warmup-tokens", a->warmup_tokens,
+                  "prompt tokens of the engine's warm-up before the prompts (-1 = auto: the token budget on CUDA, none "
+                  "on CPU; 0 = off); its time is reported apart from the prompts' (timings.warmup_s)")
+      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 40));
   a->policy.add_to(cmd);
   a->parallel.add_to(cmd);
   cmd->add_flag("--json", a->json, "print one JSON object with text, token_ids, counts and timings");
@@ -109,6 +114,7 @@ void add_generate_command(CLI::App& app) {
     eo.enable_chunked_prefill = a->enable_chunked_prefill;
     eo.enable_prefix_caching = a->enable_prefix_caching;
     eo.enforce_eager = a->enforce_eager;
+    eo.warmup_tokens = a->warmup_tokens;
     eo.kv_layout = parse_kv_layout(a->kv_layout);
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
@@ -192,6 +198,10 @@ void add_generate_command(CLI::App& app) {
       cv.wait(lk, [&] { return finished == prompts.size(); });
     }
     const EngineStats stats = engine.stats();
+    // load_s covers everything before the prompts were submitted, the warm-up (warmup_s) included.
+    const WarmupReport warmup = engine.warmup();
+    const nlohmann::json warmup_json{{"prompts", warmup.prompts}, {"tokens", warmup.tokens},
+                                     {"decode_steps", warmup.decode_steps}, {"skipped", warmup.skipped}};
     engine.shutdown(true);
     job->set_on_failure(nullptr);
     job->join_workers();
@@ -218,9 +228,12 @@ void add_generate_command(CLI::App& app) {
       if (prompts.size() == 1 && a->prompts_file.empty()) {
         out = as_json(results[0]);
         out["timings"]["load_s"] = secs(t_loaded - t0).count();
+        out["timings"]["warmup_s"] = warmup.seconds;
+        out["warmup"] = warmup_json;
       } else {
         out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
-               {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}};
+               {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}, {"warmup_s", warmup.seconds},
+               {"warmup", warmup_json}};
         for (const auto& r : results) out["results"].push_back(as_json(r));
       }
       std::cout << out.dump() << "\n";

@@ -36,7 +36,7 @@ struct ServeArgs {
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
   std::string kv_layout;       // empty = the config's cache.kv_layout
   std::optional<int> port, threads;
-  std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len;
+  std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len, warmup_tokens;
   std::optional<bool> enable_chunked_prefill, enable_prefix_caching, enable_context_caching;
   std::vector<std::string> allowed_origins;  // --allowed-origins (replaces server.allowed_origins)
   ParallelFlags parallel;
@@ -51,6 +51,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.max_waiting = cfg.scheduler.max_waiting;
   eo.max_model_len = cfg.model.max_model_len;
   eo.enforce_eager = cfg.model.enforce_eager;
+  eo.warmup_tokens = cfg.model.warmup_tokens;
   eo.kv_cache_bytes = cfg.cache.kv_cache_bytes;
   eo.prefix_cache_bytes = cfg.cache.prefix_cache_bytes;
   eo.kv_layout = parse_kv_layout(cfg.cache.kv_layout);
@@ -109,6 +110,7 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.cpu_gemm) c.model.cpu_gemm = *a.cpu_gemm;
   if (a.max_model_len) c.model.max_model_len = *a.max_model_len;
   if (a.enforce_eager) c.model.enforce_eager = true;
+  if (a.warmup_tokens) c.model.warmup_tokens = *a.warmup_tokens;
   if (a.api_key) c.server.api_key = *a.api_key;
   if (!a.allowed_origins.empty()) c.server.allowed_origins = a.allowed_origins;
   bytes(a.kv_cache_bytes, c.cache.kv_cache_bytes, "--kv-cache-bytes");
@@ -285,6 +287,10 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD)");
   cmd->add_option("--max-model-len", a->max_model_len, "context length limit (0 = the model's)");
   cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (sets model.enforce_eager)");
+  cmd->add_option("--warmup-tokens", a->warmup_tokens,
+                  "prompt tokens of the warm-up at start (sets model.warmup_tokens; -1 = auto: the token budget on CUDA, "
+                  "none on CPU; 0 = off)")
+      ->check(CLI::Range(int64_t{-1}, int64_t{1} << 40));
   cmd->add_option("--api-key", a->api_key, "require Authorization: Bearer <key> (also $KVSERVE_API_KEY)");
   cmd->add_option("--threads", a->threads, "HTTP I/O threads");
   cmd->add_option("--max-body-bytes", a->max_body_bytes, "request body limit, e.g. 1MiB");

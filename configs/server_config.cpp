@@ -503,6 +503,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                                                                        : "must be one of mkl, onednn; got '" + s + "'";
                                                            })},
                                   {"enforce_eager", p.bool_of(m.enforce_eager)},
+                                  {"warmup_tokens", p.int_of(m.warmup_tokens, -1, int64_t{1} << 40)},
                                   {"tool_call_parser", p.string_of(m.tool_call_parser,
                                                                    [](const std::string& s) {
                                                                      return kToolParsers.count(s) ? std::string()

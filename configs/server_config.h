@@ -2,7 +2,8 @@
 // ServerConfig: the YAML configuration of `kvserve serve`, parsed into plain structs.
 //
 // Layout of a config file (every section and key optional; unknown keys are errors):
-//   model:     {path, served_model_name, device, dtype, max_model_len, enforce_eager, tool_call_parser}
+//   model:     {path, served_model_name, device, dtype, max_model_len, enforce_eager, warmup_tokens,
+//               tool_call_parser}
 //   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
 //               retry_after_s, threads, drain_timeout_s, allowed_origins}
@@ -33,6 +34,9 @@ struct ModelSection {
   int64_t max_model_len = 0;               // 0 = the model's context (backend context_length)
   std::string cpu_gemm = "mkl";            // mkl | onednn: the library for prefill-sized fp32 CPU products
   bool enforce_eager = false;              // no CUDA graphs for decode (vLLM's name); CUDA only
+  // Prompt tokens of the warm-up run at start so the first request pays no device start-up
+  // (backend/warmup.h): -1 = auto (scheduler.max_num_batched_tokens on CUDA, none on CPU), 0 = off.
+  int64_t warmup_tokens = -1;
   // How the model writes tool calls: auto (read from the chat template) | hermes | llama3_json | mistral.
   std::string tool_call_parser = "auto";
 };

@@ -114,7 +114,7 @@ std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& optio
   KV_CHECK(is_driver(), "internal: only rank 0 drives the engine");
   if (!sharded())
     return std::make_unique<LocalRunner>(model_, make_memory(options),
-                                         LocalRunnerOptions{options.max_num_seqs, options.enforce_eager});
+                                         LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
   return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
                                          [this](const std::string&) { stop_workers(); });
 }

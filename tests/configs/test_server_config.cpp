@@ -227,6 +227,8 @@ const BadCase kBadCases[] = {
     {"enforce_eager_number", "model:\n  enforce_eager: 1\n", 2, "model.enforce_eager", "expected true or false"},
     {"enforce_eager_list", "model:\n  enforce_eager: [true]\n", 2, "model.enforce_eager", "expected true or false"},
     {"enforce_eager_typo", "model:\n  enforce_eagre: true\n", 2, "model.enforce_eagre", "enforce_eager"},
+    {"warmup_tokens_negative", "model:\n  warmup_tokens: -2\n", 2, "model.warmup_tokens", "-1"},
+    {"warmup_tokens_text", "model:\n  warmup_tokens: lots\n", 2, "model.warmup_tokens", "integer"},
 };
 
 TEST(ServerConfig, PrefixCacheHostTier) {
@@ -248,6 +250,12 @@ TEST(ServerConfig, EnforceEager) {
   EXPECT_FALSE(parse_server_config("", "empty.yaml").model.enforce_eager);
   EXPECT_TRUE(parse_server_config("model:\n  enforce_eager: true\n", "e.yaml").model.enforce_eager);
   EXPECT_FALSE(parse_server_config("model:\n  enforce_eager: false\n", "e.yaml").model.enforce_eager);
+}
+
+TEST(ServerConfig, WarmupTokens) {
+  EXPECT_EQ(parse_server_config("", "empty.yaml").model.warmup_tokens, -1);
+  EXPECT_EQ(parse_server_config("model:\n  warmup_tokens: 0\n", "w.yaml").model.warmup_tokens, 0);
+  EXPECT_EQ(parse_server_config("model:\n  warmup_tokens: 4096\n", "w.yaml").model.warmup_tokens, 4096);
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kBadCases),
