@@ -70,7 +70,7 @@ WarmupReport warm_up(ModelRunner& runner, const WarmupOptions& o) {
   };
   while (n >= 1 && !fits(n)) n /= 2;
   if (n < 1) {
-    rep.skipped = "the KV pool has no room for a warm-up prompt";
+    rep.skipped = "the KV pool or max_model_len leaves no room for a warm-up prompt";
     return rep;
   }
 
