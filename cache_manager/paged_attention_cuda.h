@@ -24,9 +24,45 @@ bool compiled();
 //   window   > 0: a sliding-window layer, each entry sees only its last `window` slots
 //            [max(0, length - window), length) (its slots are its positions); 0: every slot
 // Returns [B, H, D] in q's dtype on q's device, queued on the current stream. D <= 256.
+// With the folded merge (decode_tuning()), launches on one device share one counter buffer, so they
+// must not run concurrently on two streams; the first launch that needs more counters than any
+// before grows that buffer, which throws if the stream is capturing a CUDA graph (run the step
+// once eagerly first, as DecodeGraphs does).
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
                                      const torch::Tensor& rows, const torch::Tensor& lengths, int64_t max_blocks_hint,
                                      double scale = -1.0, int64_t window = 0);
+
+// Variant of paged_decode_attention's kernel for the GPU bandwidth sweep (issue 34,
+// bench/bench_paged_decode_cuda.cpp); the defaults are the kernel as it was before the sweep.
+struct DecodeTuning {
+  int ctas_per_sm = 2;      // CTAs per SM the split-K plan aims at (KVSERVE_DECODE_CTAS_PER_SM, 1 to 32)
+  int loads = 1;            // token passes loaded before use, x1 or x2 (KVSERVE_DECODE_LOADS=1|2)
+  bool fold_merge = false;  // the decode kernel merges its own splits (KVSERVE_DECODE_MERGE=kernel|fold)
+};
+
+// The tuning paged_decode_attention uses: the environment's, read on first use (a bad value throws
+// a KvError naming the variable and its allowed values), unless set_decode_tuning replaced it.
+// loads = 2 and the folded merge apply to the vector kernels of D >= 64 (16-bit types) or D >= 32
+// (fp32); other head dims and unaligned views keep today's kernel and merge.
+DecodeTuning decode_tuning();
+// Replaces the tuning for every later call (checked like the environment's); for tests and benchmarks.
+void set_decode_tuning(const DecodeTuning& tuning);
+// Parses the three variables' values (nullptr or "": unset, the default).
+DecodeTuning parse_decode_tuning(const char* ctas_per_sm, const char* loads, const char* merge);
+
+// The split-K launch shape paged_decode_attention picks for a batch whose longest entry needs
+// max_blocks blocks on a device with sm_count multiprocessors (host arithmetic; throws in a build
+// without the kernels).
+struct DecodeSplitPlan {
+  int num_splits = 1;
+  int blocks_per_split = 1;
+};
+DecodeSplitPlan decode_split_plan(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks,
+                                  int sm_count, int ctas_per_sm = DecodeTuning{}.ctas_per_sm);
+
+// The folded merge's split counters on `device` (int32, all zero between launches), or an undefined
+// tensor before the first folded launch there; for tests that check that every launch resets them.
+torch::Tensor decode_split_counters(const torch::Device& device);
 
 // Writes this step's k, v [B, KV, D] (pool's dtype) into slot lengths[rows[b]] - 1 of table row
 // rows[b], for every KV head, on the current stream. Rows must be distinct.

@@ -7,7 +7,8 @@
 #   tools/gpu_check.sh bench [bench_gpu.py options]   # then, on the same machine: the GPU benchmark
 #   tools/gpu_check.sh prefix [bench_prefix_cache.py options]   # prefix cache and host tier, 8B bf16
 #   tools/gpu_check.sh kernels | profile   # fused-kernel A/B and per-kernel tables of a decode layer
-#   tools/gpu_check.sh all       # all of the above in one call (~9 minutes on an H100; see below)
+#   tools/gpu_check.sh attention [bench_paged_decode_cuda options]   # the decode attention variants' sweep
+#   tools/gpu_check.sh all       # all of the above in one call (~10 minutes on an H100; see below)
 #
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
 # target whose name contains "cuda" against that machine's torch, runs those gtests (ctest -R cuda),
@@ -26,6 +27,16 @@
 # hits from the pool; the tier workload (a pool with room for about 1.6 8K requests, as on CPU, and
 # a 4 GiB host tier) gives hits from host RAM. It prints the tier's copy-in time (tier hit - pool
 # hit) in all and per layer. Sized for a few minutes on an H100; its log and JSON go to $OUT.
+# `attention` (issue 34) builds bench/bench_paged_decode_cuda.cpp into the same $BUILD and runs it:
+# the CUDA paged decode attention alone in the Llama-3.1-8B shape (bf16, 32/8 heads, D 128, block
+# 16), contexts 1K/8K/32K x batch 1/8/64, every variant (split merge kernel | fold, 1/2/4/8 CTAs per
+# SM, load depth 1/2), timed over 32 launches replayed from a CUDA graph (and eagerly) against a
+# device copy's bandwidth. The tables go to stdout and $out/paged-decode-sweep.md, the JSON to
+# $out/paged-decode-sweep.json. The sweep is sized for <= 55 s on an H100 (--budget-s: it skips the
+# cells it has no time left for, the most expensive last); building the binary takes ~20 s after
+# `run` (a whole build first when there was none, ~2 minutes). ATTENTION_BUDGET_S caps build + sweep.
+# The winner is then picked at run time with KVSERVE_DECODE_MERGE=kernel|fold,
+# KVSERVE_DECODE_CTAS_PER_SM=N and KVSERVE_DECODE_LOADS=1|2 (docs/gpu.md); none of it has run yet.
 # `run` and `bench` ran as committed on an H100 on 2026-11-26 (docs/gpu.md): `run` 262 s (26 gtests,
 # 18 pytest cases, all passed), `bench` 144 s with --budget-s 220. On 2026-11-27 (session 16) `run`
 # took 340 s (30 gtests, 29 pytest cases), the 8B checkpoint 34 s, `kernels` on it 24 s, `prefix` 39 s.
@@ -34,8 +45,8 @@
 #
 # `all` is the one call to make on a lent machine (device time is short and a machine goes back after
 # 30 s idle): run (the default fused level's pytest cases), bench --quick (the acceptance rows), then
-# kernels and the default level's profile on the 8B checkpoint, and prefix, each in what is left of
-# ALL_BUDGET_S (default 570). Its steps' times come from the separate calls of 2026-11-28 (run 324 s,
+# kernels on the 8B checkpoint, attention (<= 60 s), the default level's profile, and prefix, each in
+# what is left of ALL_BUDGET_S (default 570). Its steps' times come from the separate calls of 2026-11-28 (run 324 s,
 # bench --quick 117 s, kernels 31 s, profile at one level 15 s); `all` in this order has not run yet. $out/summary.txt has the headline lines, and
 # $out/logs.tar.gz everything else (the device tool brings back only a few files per call).
 set -euo pipefail
@@ -94,12 +105,13 @@ run)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvserve-site "$DEPS"/whl/*.whl
   export PYTHONPATH=/tmp/kvserve-site${PYTHONPATH:+:$PYTHONPATH}
   build_kvserve
-  # CUDA gtests: test targets named *cuda* (`--target kvserve` builds no tests), plus the sampler's
+  # CUDA gtests: test targets named *cuda* (`--target kvserve` builds no tests; bench_*cuda* are left
+  # to their own steps, so that a benchmark that fails to build cannot stop the tests), plus the sampler's
   # (Sampler.SameTokensOnTheDevice), the device tables' and the decode graphs' (DecodeGraphsCuda.*,
   # with the CPU padding tests of the same file) targets.
   cuda_targets=$(cmake --build "$BUILD" --target help 2>/dev/null | sed -e 's/^\.\.\. //' -e 's/:.*//' \
     | grep -i -e cuda -e '^backend_test_sampler$' -e '^cache_manager_test_device_block_tables$' \
-      -e '^backend_test_decode_graphs$' | grep -v '[/.]' || true)
+      -e '^backend_test_decode_graphs$' | grep -v -e '[/.]' -e '^bench_' || true)
   if [ -n "$cuda_targets" ]; then
     echo "CUDA gtest targets: $cuda_targets"
     cmake --build "$BUILD" -j "$(nproc)" --target $cuda_targets >> "$out/build.log" 2>&1
@@ -158,6 +170,26 @@ kernels)
   done
   exit ${rc:-0}
   ;;
+attention)
+  # The decode attention variants' sweep (see the top of this file).
+  shift
+  t_att=$(date +%s)
+  setup_env
+  [ -f "$BUILD/build.ninja" ] || KVSERVE_CONFIGURE_ONLY=1 build_kvserve
+  cmake --build "$BUILD" -j "$(nproc)" --target bench_paged_decode_cuda >> "$out/build.log" 2>&1 \
+    || { echo "bench_paged_decode_cuda failed to build:"; tail -30 "$out/build.log"; exit 1; }
+  sweep_s=55
+  if [ -n "${ATTENTION_BUDGET_S:-}" ]; then
+    sweep_s=$(( ATTENTION_BUDGET_S - ($(date +%s) - t_att) )); [ $sweep_s -ge 15 ] || sweep_s=15
+  fi
+  echo "built in $(( $(date +%s) - t_att )) s; sweep budget $sweep_s s"
+  # The .md and .json are rewritten after every cell: a run cut short still leaves its cells.
+  "$BUILD/bench/bench_paged_decode_cuda" --out "$out/paged-decode-sweep.md" --json "$out/paged-decode-sweep.json" \
+    --budget-s $sweep_s "$@" > /dev/null 2> "$out/paged-decode-sweep.err" || rc=1
+  cat "$out/paged-decode-sweep.md" 2>/dev/null
+  tail -20 "$out/paged-decode-sweep.err"
+  exit ${rc:-0}
+  ;;
 profile)
   # Nsight Compute (nsys is not on the lent image) over one eager decode step of PROFILE_MODEL
   # (default the bench's 8B checkpoint), 1K x 1, at each fused-ops level: every kernel's time in
@@ -205,15 +237,20 @@ all)
     > "$out/make8b.log" 2>&1; step make8b $?
   [ "$(left)" -gt 40 ] && { KERNELS_MODEL=$model timeout $(( $(left) < 90 ? $(left) : 90 )) "$0" kernels > "$out/kernels.out" 2>&1; step kernels $?; }
   grep -E "ms/step|PASSED|FAILED" "$out/kernels.out" >> "$sum" 2>/dev/null
+  # The decode attention variants' sweep: ~20 s to build its binary, then <= 40 s of sweep.
+  [ "$(left)" -gt 45 ] && { t_att=$(( $(left) < 60 ? $(left) : 60 ))
+    ATTENTION_BUDGET_S=$(( t_att - 5 )) timeout $t_att "$0" attention > "$out/attention.out" 2>&1; step attention $?; }
+  grep -B2 -A12 "^| context | batch | default" "$out/paged-decode-sweep.md" >> "$sum" 2>/dev/null
   # The per-kernel table of the default level (~15 s); PROFILE_LEVELS="0 1 2" for all three.
   [ "$(left)" -gt 30 ] && { PROFILE_LEVELS=${PROFILE_LEVELS:-2} timeout $(( $(left) < 150 ? $(left) : 150 )) "$0" profile \
     > "$out/profile.out" 2>&1; step profile $?; }
   [ "$(left)" -gt 45 ] && { timeout $(( $(left) < 150 ? $(left) : 150 )) "$0" prefix > "$out/prefix.out" 2>&1; step prefix $?; }
   grep -A30 "^| policy" "$out/prefix.log" >> "$sum" 2>/dev/null
   tar czf /tmp/gpu-logs.tar.gz -C "$out" --exclude summary.txt --exclude benchmarks-gpu.md . && mv /tmp/gpu-logs.tar.gz "$out/logs.tar.gz"
-  find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz ! -name benchmarks-gpu.md ! -name profile.txt -delete
+  find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz ! -name benchmarks-gpu.md ! -name profile.txt \
+    ! -name 'paged-decode-sweep.*' -delete
   cat "$sum"
   ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|profile|all [options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|all [options]" >&2; exit 2 ;;
 esac

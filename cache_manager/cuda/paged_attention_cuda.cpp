@@ -2,14 +2,21 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "common/check.h"
 
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cache_manager/cuda/paged_decode.cuh"
@@ -25,6 +32,28 @@ std::atomic<bool>& append_vectorized_setting() {
   }()};
   return on;
 }
+
+constexpr int kMaxCtasPerSm = 32;  // the most resident CTAs an SM takes (sm_80 to sm_90)
+
+void check_tuning(const DecodeTuning& t) {
+  KV_CHECK(t.ctas_per_sm >= 1 && t.ctas_per_sm <= kMaxCtasPerSm,
+           "decode tuning: ctas_per_sm must be 1 to " << kMaxCtasPerSm << ", got " << t.ctas_per_sm);
+  KV_CHECK(t.loads == 1 || t.loads == 2, "decode tuning: loads must be 1 or 2, got " << t.loads);
+}
+
+// The decode tuning in effect; `known` once the environment was read or a caller set it.
+struct TuningState {
+  std::mutex mu;
+  bool known = false;
+  DecodeTuning value;
+};
+
+TuningState& tuning_state() {
+  static TuningState state;
+  return state;
+}
+
+bool unset(const char* v) { return v == nullptr || *v == '\0'; }
 
 bool is_kernel_dtype(torch::ScalarType t) {
   return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
@@ -56,6 +85,45 @@ void check_pool(const char* what, const torch::Tensor& pool) {
 }
 
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
+// The folded merge's split counters of one device. Never freed: a captured CUDA graph keeps the
+// pointer it was captured with, so a buffer that grows keeps its old storage alive (a few KB).
+struct SplitCounters {
+  torch::Tensor current;
+  std::vector<torch::Tensor> retired;
+};
+
+std::mutex& counters_mutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+
+// Leaked on purpose: destroying tensors at exit could run after the CUDA allocator is gone.
+std::unordered_map<int, SplitCounters>& counters_by_device() {
+  static auto* all = new std::unordered_map<int, SplitCounters>;
+  return *all;
+}
+
+// At least `need` zeroed counters on the current device, queued on `stream` (the launch's).
+int32_t* split_counters(const torch::Device& device, int64_t need, cudaStream_t stream) {
+  constexpr int64_t kMinCounters = 1024;  // the 8B shape needs 8 per batch entry
+  const std::lock_guard<std::mutex> lock(counters_mutex());
+  SplitCounters& c = counters_by_device()[device.index()];
+  if (c.current.defined() && c.current.numel() >= need) return c.current.data_ptr<int32_t>();
+  // An allocation inside a capture would belong to the graph's pool and its zero fill to the graph,
+  // and would leave earlier graphs' launches racing with this one: refuse instead.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  KV_CHECK(err == cudaSuccess && status == cudaStreamCaptureStatusNone,
+           "cuda paged decode attention: the folded split merge needs " << need << " counters on " << device
+               << " but has " << (c.current.defined() ? c.current.numel() : 0)
+               << ", and they cannot grow while the stream is capturing a CUDA graph; run the same step "
+                  "once eagerly before capturing it (KVSERVE_DECODE_MERGE=kernel needs no counters)");
+  const int64_t size = std::max({need, kMinCounters, c.current.defined() ? 2 * c.current.numel() : int64_t{0}});
+  if (c.current.defined()) c.retired.push_back(c.current);
+  c.current = torch::zeros({size}, torch::TensorOptions().dtype(torch::kInt32).device(device));
+  return c.current.data_ptr<int32_t>();
+}
+
 void check_device(const char* what, const torch::Tensor& ref, std::initializer_list<const torch::Tensor*> others) {
   KV_CHECK(ref.is_cuda(), what << ": tensors must be on a CUDA device, got " << ref.device());
   for (const torch::Tensor* t : others) {
@@ -124,11 +192,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   torch::Tensor out = torch::empty_like(qc);
   if (B == 0 || H == 0) return out;
 
+  const DecodeTuning tuning = decode_tuning();
   const int sms = at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount;
   int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
   // A window of w slots spans at most ceil((w - 1) / bs) + 1 blocks, wherever it starts.
   if (window > 0) hint = std::min<int64_t>(hint, (window - 1 + pool.size(3) - 1) / pool.size(3) + 1);
-  const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms);
+  const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms, tuning.ctas_per_sm);
   torch::Tensor workspace;
   const size_t ws = cuda_kernels::workspace_floats(B, H, D, plan.num_splits);
   if (ws > 0) workspace = torch::empty({static_cast<int64_t>(ws)}, q.options().dtype(torch::kFloat32));
@@ -153,7 +222,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   a.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)));
   a.window = window;
   a.dtype = kernel_dtype(q.scalar_type());
-  const cudaError_t err = cuda_kernels::launch_paged_decode(a, at::cuda::getCurrentCUDAStream(q.device().index()));
+  a.loads = tuning.loads;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.device().index());
+  a.fold_merge = tuning.fold_merge && plan.num_splits > 1;
+  if (a.fold_merge) a.split_counters = split_counters(q.device(), cuda_kernels::split_counter_count(B, H, KV), stream);
+  const cudaError_t err = cuda_kernels::launch_paged_decode(a, stream);
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
   return out;
 #endif
@@ -193,6 +266,74 @@ void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const 
   a.vectorized = append_vectorized();
   const cudaError_t err = cuda_kernels::launch_paged_append(a, at::cuda::getCurrentCUDAStream(pool.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
+#endif
+}
+
+DecodeTuning parse_decode_tuning(const char* ctas_per_sm, const char* loads, const char* merge) {
+  DecodeTuning t;
+  if (!unset(ctas_per_sm)) {
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(ctas_per_sm, &end, 10);
+    KV_CHECK(std::isdigit(static_cast<unsigned char>(ctas_per_sm[0])) && errno == 0 && *end == '\0' && v >= 1 &&
+                 v <= kMaxCtasPerSm,
+             "KVSERVE_DECODE_CTAS_PER_SM=" << ctas_per_sm << ": allowed values are the integers 1 to " << kMaxCtasPerSm
+                                            << " (default " << t.ctas_per_sm << ")");
+    t.ctas_per_sm = static_cast<int>(v);
+  }
+  if (!unset(loads)) {
+    KV_CHECK(std::strcmp(loads, "1") == 0 || std::strcmp(loads, "2") == 0,
+             "KVSERVE_DECODE_LOADS=" << loads << ": allowed values are 1 (default) and 2");
+    t.loads = loads[0] - '0';
+  }
+  if (!unset(merge)) {
+    KV_CHECK(std::strcmp(merge, "kernel") == 0 || std::strcmp(merge, "fold") == 0,
+             "KVSERVE_DECODE_MERGE=" << merge << ": allowed values are kernel (default) and fold");
+    t.fold_merge = std::strcmp(merge, "fold") == 0;
+  }
+  return t;
+}
+
+DecodeTuning decode_tuning() {
+  TuningState& s = tuning_state();
+  const std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.known) {  // a bad value throws here, and again on the next call
+    s.value = parse_decode_tuning(std::getenv("KVSERVE_DECODE_CTAS_PER_SM"), std::getenv("KVSERVE_DECODE_LOADS"),
+                                  std::getenv("KVSERVE_DECODE_MERGE"));
+    s.known = true;
+  }
+  return s.value;
+}
+
+void set_decode_tuning(const DecodeTuning& tuning) {
+  check_tuning(tuning);
+  TuningState& s = tuning_state();
+  const std::lock_guard<std::mutex> lock(s.mu);
+  s.value = tuning;
+  s.known = true;
+}
+
+DecodeSplitPlan decode_split_plan(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks,
+                                  int sm_count, int ctas_per_sm) {
+  KV_CHECK(ctas_per_sm >= 1 && ctas_per_sm <= kMaxCtasPerSm,
+           "decode split plan: ctas_per_sm must be 1 to " << kMaxCtasPerSm << ", got " << ctas_per_sm);
+#ifndef KVSERVE_HAVE_CUDA_KERNELS
+  no_kernels("decode split plan");
+#else
+  const cuda_kernels::SplitPlan p =
+      cuda_kernels::plan_splits(batch, num_heads, num_kv_heads, max_blocks, sm_count, ctas_per_sm);
+  return DecodeSplitPlan{p.num_splits, p.blocks_per_split};
+#endif
+}
+
+torch::Tensor decode_split_counters(const torch::Device& device) {
+#ifndef KVSERVE_HAVE_CUDA_KERNELS
+  return {};
+#else
+  const std::lock_guard<std::mutex> lock(counters_mutex());
+  auto& all = counters_by_device();
+  const auto it = all.find(device.has_index() ? device.index() : c10::cuda::current_device());
+  return it == all.end() ? torch::Tensor() : it->second.current;
 #endif
 }
 

@@ -10,19 +10,33 @@
 //   coalesced segment), dots them with its slice of the G query rows kept in registers, and the
 //   group finishes the dot products with TG-wide xor shuffles. 32 / TG tokens per pass; U passes
 //   are loaded before any is used (U shrinks as G grows, to bound registers) so each warp keeps
-//   several loads in flight. Each token group keeps its own online-softmax state (m, l, acc) in
-//   registers; groups, then warps (through shared memory), then splits (second kernel) are merged
-//   with the same log-sum-exp rule. Scores live in the log2 domain (q is pre-scaled by
-//   scale * log2 e) so every exponential is one exp2f.
+//   several loads in flight; `loads` = 2 doubles U, for the bandwidth sweep
+//   (bench/bench_paged_decode_cuda.cpp): more bytes in flight per warp against more registers
+//   (bf16, D 128, G 4: 167 registers instead of 126, so at most 3 CTAs per SM instead of 4).
+//   Each token group keeps its own online-softmax state (m, l, acc) in registers; groups, then
+//   warps (through shared memory), then splits are merged with the same log-sum-exp rule. Scores
+//   live in the log2 domain (q is pre-scaled by scale * log2 e) so every exponential is one exp2f.
+// - Split merge: by default a second kernel (one CTA per (b, h)). With fold_merge the last CTA of
+//   each (b, KV head, head chunk) to finish merges instead, which saves a launch (~9 us per layer at
+//   1K x 1 on an H100): every split CTA writes its partial, fences (__threadfence), then one thread
+//   takes a ticket (atomicAdd on that group's counter); the CTA that draws num_splits - 1 fences
+//   again, reads every split's partial through L2 (__ldcg: other SMs wrote them, and L1 is not
+//   coherent), writes out and puts the counter back to 0, so the caller's persistent zeroed
+//   counters stay zero between launches and graph replays. Empty splits take a ticket too. Two
+//   folded launches must not run at once on one counter buffer (the wrapper keeps one per device).
+// - The load depth and the fold are template arguments, so today's kernel (1, no fold) compiles to
+//   the same code as before they existed; only the vector layouts with TG >= 8 (D >= 64 in 16-bit
+//   types, >= 32 in fp32) have the other variants, the rest always run today's kernel and merge.
+//   How many CTAs plan_splits aims at per SM (ctas_per_sm, default 2) is the third knob.
 // - The four warps of a CTA take the split's blocks round-robin; a warp reads the block id from the
 //   table row itself, so no host-built index exists and the launch shape depends only on host
 //   values (num_splits, blocks_per_split): the kernel is CUDA-graph friendly, lengths are read on
 //   the device. The last split also takes any blocks past num_splits * blocks_per_split, so a low
 //   host hint loses speed, never tokens.
 // - Empty work (length 0, or a split past the length) writes m = -inf, l = 0 and no acc; every
-//   merge skips partials whose max is -inf, so neither 0/0 nor -inf - -inf ever happens and stale
-//   workspace is never read. Masked token slots load zeros (never the pool's stale bytes, which
-//   may be NaN) and get probability exactly 0.
+//   merge (the kernel's or the fold's) skips partials whose max is -inf, so neither 0/0 nor
+//   -inf - -inf ever happens and stale workspace is never read. Masked token slots load zeros
+//   (never the pool's stale bytes, which may be NaN) and get probability exactly 0.
 // - A sliding-window layer (window > 0) reads from its window's first block on: the splits cover
 //   [lo / bs, nblocks) and the slots before lo in that first block are masked like slots past len.
 // - Out-of-range table entries (block id outside [0, N)) and rows/lengths that point past the table
@@ -52,7 +66,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kMaxSplits = 64;
+constexpr int kMaxSplits = kMaxFoldSplits;
 constexpr int kMinBlocksPerSplit = 4;  // one block per warp: fewer leaves warps idle for nothing
 
 // Resolved launch parameters shared by the decode kernels (plain values: passed by value).
@@ -79,6 +93,7 @@ struct DecodeParams {
   int blocks_per_split;
   float scale_log2;
   int64_t window;  // 0: every slot
+  int32_t* split_counters;  // FOLD: one zeroed int per (b, blockIdx.y)
 };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -166,12 +181,81 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* a, float 
   m = mx;
 }
 
+// The folded split merge, run by every CTA of a split launch once its partial (acc, m, l) is
+// written: the last CTA of this (b, KV head, head chunk) to arrive merges all num_splits partials
+// into out and resets the counter. Every thread of the CTA must call it (it has barriers).
+template <typename T, int GMAX>
+__device__ __forceinline__ void fold_splits(const DecodeParams& p, int64_t b, int64_t h0, int gn) {
+  __shared__ int last;
+  __shared__ float coef[GMAX][kMaxFoldSplits];  // split s's weight in head g's output
+  int32_t* counter = p.split_counters + b * gridDim.y + blockIdx.y;
+  const int S = p.num_splits;
+  // Release: each thread's partial stores are ordered before the ticket that thread 0 takes after
+  // the barrier (the threadFenceReduction pattern of the CUDA samples).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int ticket = atomicAdd(counter, 1);
+    // Acquire: the other CTAs' partials are read only after the ticket that saw all of them were
+    // published; the barrier passes this on to the other threads.
+    __threadfence();
+    last = ticket == S - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // and every reading thread fences too (once per merge: cheap)
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t H = p.num_heads;
+  for (int g = warp; g < gn; g += kWarps) {
+    const float* ml = p.partial_ml + (b * H + h0 + g) * S * 2;
+    float mx = -INFINITY;
+    for (int s = lane; s < S; s += 32) mx = fmaxf(mx, __ldcg(ml + 2 * s));
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    float lsum = 0.0f;
+    if (mx != -INFINITY) {
+      for (int s = lane; s < S; s += 32) {
+        const float ms = __ldcg(ml + 2 * s);
+        if (ms != -INFINITY) lsum += __ldcg(ml + 2 * s + 1) * exp2f(ms - mx);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) lsum += __shfl_xor_sync(kFullMask, lsum, off);
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+    for (int s = lane; s < S; s += 32) {
+      const float ms = __ldcg(ml + 2 * s);
+      coef[g][s] = ms != -INFINITY ? exp2f(ms - mx) * inv : 0.0f;  // mx finite whenever ms is
+    }
+  }
+  __syncthreads();
+  const int D = p.head_dim;
+  T* out = static_cast<T*>(p.out);
+  for (int i = threadIdx.x; i < gn * D; i += kThreads) {
+    const int g = i / D;
+    const int d = i % D;
+    const int64_t bh = b * H + h0 + g;
+    const float* acc = p.partial_acc + bh * S * D + d;
+    float a = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      const float c = coef[g][s];
+      if (c != 0.0f) a = fmaf(c, __ldcg(acc + static_cast<int64_t>(s) * D), a);  // never reads empty splits
+    }
+    out[bh * D + d] = from_float<T>(a);
+  }
+  // Every other CTA of this group has taken its ticket, so nothing touches the counter until the
+  // next launch, which the stream orders after this store.
+  if (threadIdx.x == 0) *counter = 0;
+}
+
 // T: element type; VEC: elements per lane load; TG: lanes per token (power of two <= 32);
-// VPL: vector loads per lane per row (D <= TG * VPL * VEC); GMAX: query heads per CTA.
-template <typename T, int VEC, int TG, int VPL, int GMAX>
+// VPL: vector loads per lane per row (D <= TG * VPL * VEC); GMAX: query heads per CTA; LOADS:
+// multiplies the token passes loaded before use; FOLD: the last split CTA merges (num_splits > 1).
+// LOADS and FOLD are template arguments so that today's kernel (1, false) compiles to the same code.
+template <typename T, int VEC, int TG, int VPL, int GMAX, int LOADS, bool FOLD>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodeParams p) {
   constexpr int kTokensPerPass = 32 / TG;
-  constexpr int kU = GMAX >= 8 ? 1 : (GMAX >= 4 ? 2 : 4);  // passes loaded before use
+  constexpr int kU = LOADS * (GMAX >= 8 ? 1 : (GMAX >= 4 ? 2 : 4));  // passes loaded before use
   constexpr int kE = VPL * VEC;                             // elements per lane per row
   constexpr int kDcap = TG * VPL * VEC;
   static_assert(TG >= 1 && TG <= 32 && (TG & (TG - 1)) == 0, "TG must be a power of two <= 32");
@@ -212,11 +296,14 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
     if (p.num_splits == 1) {
       T* out = static_cast<T*>(p.out) + (b * H + h0) * D;
       for (int i = threadIdx.x; i < gn * D; i += kThreads) out[i] = from_float<T>(0.0f);
-    } else if (threadIdx.x < gn) {
+      return;
+    }
+    if (threadIdx.x < gn) {
       float* ml = p.partial_ml + ((b * H + h0 + threadIdx.x) * p.num_splits + split) * 2;
       ml[0] = -INFINITY;
       ml[1] = 0.0f;
     }
+    if constexpr (FOLD) fold_splits<T, GMAX>(p, b, h0, gn);  // an empty split still takes its ticket
     return;  // whole CTA: no barrier below is reached by anyone
   }
 
@@ -405,6 +492,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
       }
     }
   }
+  if constexpr (FOLD) {
+    if (p.num_splits > 1) fold_splits<T, GMAX>(p, b, h0, gn);
+  }
 }
 
 // Log-sum-exp merge of the splits: one CTA per (b, h).
@@ -481,29 +571,49 @@ int heads_per_cta(int64_t group) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <typename T, int VEC, int TG, int VPL, int GMAX>
+template <typename T, int VEC, int TG, int VPL, int GMAX, int LOADS, bool FOLD>
 cudaError_t launch(const DecodeParams& p, dim3 grid, cudaStream_t stream) {
-  paged_decode_kernel<T, VEC, TG, VPL, GMAX><<<grid, kThreads, 0, stream>>>(p);
+  paged_decode_kernel<T, VEC, TG, VPL, GMAX, LOADS, FOLD><<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// Picks the lane layout for D: 16-byte vectors when D and the pointers allow, else scalars.
+// The tuned variants (deeper loads, folded merge) of one vector lane layout; `folded` tells the
+// caller whether the splits are already merged.
+template <typename T, int VEC, int TG, int VPL, int GMAX>
+cudaError_t launch_tuned(const DecodeParams& p, int loads, bool fold, dim3 grid, cudaStream_t stream,
+                         bool& folded) {
+  folded = fold;
+  if (loads == 2) {
+    return fold ? launch<T, VEC, TG, VPL, GMAX, 2, true>(p, grid, stream)
+                : launch<T, VEC, TG, VPL, GMAX, 2, false>(p, grid, stream);
+  }
+  return fold ? launch<T, VEC, TG, VPL, GMAX, 1, true>(p, grid, stream)
+              : launch<T, VEC, TG, VPL, GMAX, 1, false>(p, grid, stream);
+}
+
+// Picks the lane layout for D: 16-byte vectors when D and the pointers allow, else scalars. Only
+// the vector layouts with TG >= 8 (D >= 64 in 16-bit types, >= 32 in fp32: every real model's
+// head dim) have the tuned variants; the others (fixture-sized D, the scalar path for odd D or
+// unaligned views) always run today's kernel and merge kernel, which keeps the number of
+// instantiations, and so the build time, in bounds.
 template <typename T, int GMAX>
-cudaError_t launch_layout(const DecodeParams& p, bool vec_ok, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_layout(const DecodeParams& p, bool vec_ok, int loads, bool fold, dim3 grid, cudaStream_t stream,
+                          bool& folded) {
   constexpr int kVec = 16 / sizeof(T);
+  folded = false;
   if (vec_ok) {
     const int nv = p.head_dim / kVec;
-    if (nv <= 2) return launch<T, kVec, 2, 1, GMAX>(p, grid, stream);
-    if (nv <= 4) return launch<T, kVec, 4, 1, GMAX>(p, grid, stream);
-    if (nv <= 8) return launch<T, kVec, 8, 1, GMAX>(p, grid, stream);
-    if (nv <= 16) return launch<T, kVec, 16, 1, GMAX>(p, grid, stream);
-    if (nv <= 32) return launch<T, kVec, 32, 1, GMAX>(p, grid, stream);
+    if (nv <= 2) return launch<T, kVec, 2, 1, GMAX, 1, false>(p, grid, stream);
+    if (nv <= 4) return launch<T, kVec, 4, 1, GMAX, 1, false>(p, grid, stream);
+    if (nv <= 8) return launch_tuned<T, kVec, 8, 1, GMAX>(p, loads, fold, grid, stream, folded);
+    if (nv <= 16) return launch_tuned<T, kVec, 16, 1, GMAX>(p, loads, fold, grid, stream, folded);
+    if (nv <= 32) return launch_tuned<T, kVec, 32, 1, GMAX>(p, loads, fold, grid, stream, folded);
     if constexpr (sizeof(T) == 4) {
-      if (nv <= 64) return launch<T, kVec, 32, 2, GMAX>(p, grid, stream);
+      if (nv <= 64) return launch_tuned<T, kVec, 32, 2, GMAX>(p, loads, fold, grid, stream, folded);
     }
   }
   static_assert(kMaxHeadDim == 32 * 8, "the scalar path covers kMaxHeadDim with 8 elements per lane");
-  return launch<T, 1, 32, 8, GMAX>(p, grid, stream);
+  return launch<T, 1, 32, 8, GMAX, 1, false>(p, grid, stream);
 }
 
 template <typename T>
@@ -515,14 +625,16 @@ cudaError_t launch_typed(const PagedDecodeArgs& a, DecodeParams p, cudaStream_t 
                   static_cast<unsigned>(a.num_splits));
   const bool vec_ok = (a.head_dim * static_cast<int64_t>(sizeof(T))) % 16 == 0 && aligned16(a.q) &&
                       aligned16(a.pool) && aligned16(a.out);
+  const bool fold = a.fold_merge && a.num_splits > 1;
+  bool folded = false;
   cudaError_t err = cudaSuccess;
   switch (gmax) {
-    case 1: err = launch_layout<T, 1>(p, vec_ok, grid, stream); break;
-    case 2: err = launch_layout<T, 2>(p, vec_ok, grid, stream); break;
-    case 4: err = launch_layout<T, 4>(p, vec_ok, grid, stream); break;
-    default: err = launch_layout<T, 8>(p, vec_ok, grid, stream); break;
+    case 1: err = launch_layout<T, 1>(p, vec_ok, a.loads, fold, grid, stream, folded); break;
+    case 2: err = launch_layout<T, 2>(p, vec_ok, a.loads, fold, grid, stream, folded); break;
+    case 4: err = launch_layout<T, 4>(p, vec_ok, a.loads, fold, grid, stream, folded); break;
+    default: err = launch_layout<T, 8>(p, vec_ok, a.loads, fold, grid, stream, folded); break;
   }
-  if (err != cudaSuccess || a.num_splits == 1) return err;
+  if (err != cudaSuccess || a.num_splits == 1 || folded) return err;
   merge_splits_kernel<T><<<static_cast<unsigned>(a.batch * a.num_heads), kThreads, 0, stream>>>(
       a.partial_acc, a.partial_ml, static_cast<T*>(a.out), static_cast<int>(a.head_dim), a.num_splits);
   return cudaGetLastError();
@@ -530,7 +642,8 @@ cudaError_t launch_typed(const PagedDecodeArgs& a, DecodeParams p, cudaStream_t 
 
 }  // namespace
 
-SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, int sm_count) {
+SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, int sm_count,
+                      int ctas_per_sm) {
   SplitPlan plan;
   if (batch <= 0 || num_kv_heads <= 0 || max_blocks <= kMinBlocksPerSplit) {
     plan.blocks_per_split = static_cast<int>(max_blocks > 1 ? max_blocks : 1);
@@ -539,7 +652,7 @@ SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, in
   const int64_t group = std::max<int64_t>(1, num_heads / num_kv_heads);
   const int64_t gmax = heads_per_cta(group);
   const int64_t ctas = batch * num_kv_heads * ((group + gmax - 1) / gmax);
-  const int64_t target = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
+  const int64_t target = std::max(1, ctas_per_sm) * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);
   int64_t splits = (target + ctas - 1) / ctas;
   splits = std::min<int64_t>(splits, (max_blocks + kMinBlocksPerSplit - 1) / kMinBlocksPerSplit);
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, kMaxSplits));
@@ -547,6 +660,13 @@ SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, in
   plan.blocks_per_split = static_cast<int>(per);
   plan.num_splits = static_cast<int>((max_blocks + per - 1) / per);  // no trailing always-empty split
   return plan;
+}
+
+int64_t split_counter_count(int64_t batch, int64_t num_heads, int64_t num_kv_heads) {
+  if (batch <= 0 || num_kv_heads <= 0) return 0;
+  const int64_t group = std::max<int64_t>(1, num_heads / num_kv_heads);
+  const int64_t gmax = heads_per_cta(group);
+  return batch * num_kv_heads * ((group + gmax - 1) / gmax);
 }
 
 size_t workspace_floats(int64_t batch, int64_t num_heads, int64_t head_dim, int num_splits) {
@@ -560,7 +680,8 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& a, cudaStream_t stream) {
       a.block_size <= 0 || a.window < 0 || a.num_splits < 1 || a.num_splits > 65535 || a.blocks_per_split < 1 ||
       a.batch > 0x7fffffff || a.table_cols < 0 || a.lengths == nullptr ||
       a.rows == nullptr || a.tables == nullptr || a.q == nullptr || a.pool == nullptr || a.out == nullptr ||
-      (a.num_splits > 1 && (a.partial_acc == nullptr || a.partial_ml == nullptr))) {
+      (a.num_splits > 1 && (a.partial_acc == nullptr || a.partial_ml == nullptr)) || (a.loads != 1 && a.loads != 2) ||
+      (a.fold_merge && a.num_splits > 1 && (a.split_counters == nullptr || a.num_splits > kMaxFoldSplits))) {
     return cudaErrorInvalidValue;
   }
   DecodeParams p{};
@@ -585,6 +706,7 @@ cudaError_t launch_paged_decode(const PagedDecodeArgs& a, cudaStream_t stream) {
   p.blocks_per_split = a.blocks_per_split;
   p.scale_log2 = a.scale * kLog2e;
   p.window = a.window;
+  p.split_counters = a.split_counters;
   switch (a.dtype) {
     case DType::kFloat32: return launch_typed<float>(a, p, stream);
     case DType::kBFloat16: return launch_typed<__nv_bfloat16>(a, p, stream);

@@ -25,6 +25,10 @@ enum class DType { kFloat32, kBFloat16, kFloat16 };
 // last split also takes any blocks past num_splits * blocks_per_split, so a low hint stays correct,
 // only slower). With num_splits > 1 the caller passes the fp32 workspace
 //   partial_acc [B, H, num_splits, D] and partial_ml [B, H, num_splits, 2] (see workspace_floats).
+// The splits are merged by a second kernel, or with fold_merge by the last CTA of each (b, KV head,
+// head chunk) to finish, which then needs split_counters: split_counter_count(...) int32 on the
+// device, all 0 on entry; the kernel leaves them 0 again (so one buffer serves every launch on a
+// stream, and CUDA graph replays).
 struct PagedDecodeArgs {
   const void* q = nullptr;
   const void* pool = nullptr;
@@ -48,6 +52,11 @@ struct PagedDecodeArgs {
   float scale = 0.0f;  // softmax scale (already resolved, > 0)
   int64_t window = 0;  // 0: every slot; > 0: the last `window` slots of each entry
   DType dtype = DType::kFloat32;
+  // The tuned variants (vector layouts with D >= 64 in 16-bit types or >= 32 in fp32; the other
+  // layouts ignore them and run today's kernel and merge kernel).
+  bool fold_merge = false;            // merge the splits in the decode kernel (num_splits <= kMaxFoldSplits)
+  int32_t* split_counters = nullptr;  // fold_merge with num_splits > 1: split_counter_count(...) zeroed ints
+  int loads = 1;                      // 1: today's token passes loaded before use; 2: twice as many
 };
 
 // The device scatter of this step's K/V: k, v [B, KV, D] contiguous go to slot lengths[rows[b]] - 1
@@ -78,9 +87,20 @@ struct SplitPlan {
   int blocks_per_split = 1;
 };
 
-// Enough CTAs for the GPU (about 2 per SM) without splits of fewer than a few blocks.
+// CTAs per SM plan_splits aims at unless told otherwise (the tuning of 2026-11; see docs/gpu.md).
+constexpr int kDefaultCtasPerSm = 2;
+
+// Enough CTAs for the GPU (about ctas_per_sm per SM) without splits of fewer than a few blocks.
 // max_blocks: the most blocks any batch entry needs; sm_count: the device's multiprocessors.
-SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, int sm_count);
+SplitPlan plan_splits(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks, int sm_count,
+                      int ctas_per_sm = kDefaultCtasPerSm);
+
+// Most splits a folded merge takes (its per-CTA weight table is sized for it); plan_splits never
+// plans more.
+constexpr int kMaxFoldSplits = 64;
+
+// int32 counters a folded launch needs: one per (batch entry, KV head, head chunk).
+int64_t split_counter_count(int64_t batch, int64_t num_heads, int64_t num_kv_heads);
 
 // fp32 elements of the split-K workspace (partial_acc then partial_ml); 0 when num_splits == 1.
 size_t workspace_floats(int64_t batch, int64_t num_heads, int64_t head_dim, int num_splits);
