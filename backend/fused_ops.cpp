@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "backend/fused_ops_cpu.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
 
@@ -17,6 +18,11 @@
 namespace kvserve::fused {
 namespace {
 
+// The CPU's default level: 1 ran decode 1.03-1.06x faster than the chains and keeps their bits (so
+// transformers' logits, bit for bit); 2 was 1.03-1.10x but moves the last fp32 bit (docs/benchmarks.md,
+// "Fused elementwise ops on the CPU").
+constexpr int kCpuDefault = 1;
+
 // The vectorized kernels unless set: they passed every CUDA test and ran 1.12-1.14x faster than level 1
 // on an H100 (docs/gpu.md, session 17); the torch op chains stay as the A/B baseline.
 std::atomic<int>& level_setting() {
@@ -25,6 +31,19 @@ std::atomic<int>& level_setting() {
     if (v == nullptr || *v == '\0') return 2;
     KV_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
              "KVSERVE_FUSED_OPS is '" << v << "': 0 (torch op chains), 1 (fused kernels) or 2 (their vectorized variants)");
+    return *v - '0';
+  }()};
+  return level;
+}
+
+// kCpuDefault unless KVSERVE_FUSED_OPS_CPU says otherwise.
+std::atomic<int>& cpu_level_setting() {
+  static std::atomic<int> level{[] {
+    const char* v = std::getenv("KVSERVE_FUSED_OPS_CPU");
+    if (v == nullptr || *v == '\0') return kCpuDefault;
+    KV_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
+             "KVSERVE_FUSED_OPS_CPU is '" << v << "': 0 (torch op chains), 1 (fused CPU loops with the chains' bits) "
+                                             "or 2 (all fused CPU loops)");
     return *v - '0';
   }()};
   return level;
@@ -50,12 +69,28 @@ void check_launch(cudaError_t err, const char* what) {
   KV_CHECK(err == cudaSuccess || err == cudaErrorNotReady,
            "fused " << what << " kernel launch failed: " << cudaGetErrorString(err));
 }
+#endif
 
 // A 2-D view's rows are addressable with one stride when its last dimension is contiguous.
 bool rows_strided(const torch::Tensor& t) { return t.dim() == 2 && (t.size(1) <= 1 || t.stride(1) == 1); }
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
 // Elements between consecutive rows of such a view (a one-row view's stride may be anything).
 int64_t row_stride(const torch::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1); }
 #endif
+
+// w is a norm weight the fused ops take for activations x: one vector of x's dtype and width.
+bool norm_weight_fits(const torch::Tensor& x, const torch::Tensor& w) {
+  return w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 1 && x.dim() >= 1 &&
+         x.size(-1) == w.size(0) && w.device() == x.device();
+}
+
+// The angles are one row of D per qkv row (no broadcast), contiguous, in qkv's dtype and place.
+bool angles_fit(const torch::Tensor& qkv, const RopeAngles& a, int64_t N, int64_t D) {
+  for (const torch::Tensor* t : {&a.cos, &a.sin})
+    if (t->scalar_type() != qkv.scalar_type() || t->numel() != N * D || !t->is_contiguous() || t->device() != qkv.device())
+      return false;
+  return true;
+}
 
 torch::Tensor rms_norm_chain(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   // As transformers: normalise in fp32, cast back, then scale.
@@ -86,10 +121,18 @@ bool active(const torch::Tensor& x) {
   return compiled() && x.is_cuda() && kernel_dtype(x.scalar_type()) && level() > 0;
 }
 
+int cpu_level() { return cpu_level_setting().load(std::memory_order_relaxed); }
+
+void set_cpu_level(int l) {
+  KV_CHECK(l >= 0 && l <= 2, "fused ops CPU level " << l << " is not 0, 1 or 2");
+  cpu_level_setting().store(l, std::memory_order_relaxed);
+}
+
+bool cpu_active(const torch::Tensor& x) { return cpu::supports(x) && x.numel() > 0 && cpu_level() > 0; }
+
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
-  if (active(x) && w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 1 && x.dim() >= 1 &&
-      x.size(-1) == w.size(0)) {
+  if (active(x) && norm_weight_fits(x, w)) {
     const int64_t cols = x.size(-1);
     const torch::Tensor x2 = x.reshape({-1, cols});  // a view where possible
     if (rows_strided(x2)) {
@@ -110,6 +153,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
     }
   }
 #endif
+  if (cpu_active(x) && norm_weight_fits(x, w)) {
+    const torch::Tensor x2 = x.reshape({-1, x.size(-1)});  // a view where possible
+    if (rows_strided(x2)) return cpu::rms_norm(x2, w, eps, /*exact=*/cpu_level() < 2).view(x.sizes());
+  }
   return rms_norm_chain(x, w, eps);
 }
 
@@ -141,6 +188,9 @@ std::pair<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x, con
     return {x_out, out};
   }
 #endif
+  if (cpu_active(x) && x.dim() == 2 && delta.scalar_type() == x.scalar_type() && delta.device() == x.device() &&
+      norm_weight_fits(x, w) && rows_strided(x) && rows_strided(delta))
+    return cpu::add_rms_norm(x, delta, w, eps, /*exact=*/cpu_level() < 2);
   torch::Tensor sum = x + delta;
   torch::Tensor normed = rms_norm_chain(sum, w, eps);
   return {sum, normed};
@@ -152,9 +202,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(const torch::Te
   KV_CHECK(qkv.dim() == 2 && qkv.size(1) == (H + 2 * KV) * D,
            "internal: qkv " << qkv.sizes() << " is not [N, (" << H << " + 2 * " << KV << ") * " << D << "]");
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
-  if (active(qkv) && rows_strided(qkv) && D % 2 == 0 && angles.cos.scalar_type() == qkv.scalar_type() &&
-      angles.sin.scalar_type() == qkv.scalar_type() && angles.cos.numel() == N * D && angles.sin.numel() == N * D &&
-      angles.cos.is_contiguous() && angles.sin.is_contiguous() && angles.cos.device() == qkv.device()) {
+  if (active(qkv) && rows_strided(qkv) && D % 2 == 0 && angles_fit(qkv, angles, N, D)) {
     const c10::cuda::CUDAGuard guard(qkv.device());
     torch::Tensor q = torch::empty({N, H, D}, qkv.options());
     torch::Tensor k = torch::empty({N, KV, D}, qkv.options());
@@ -177,6 +225,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(const torch::Te
     return {q, k, v};
   }
 #endif
+  if (cpu_active(qkv) && rows_strided(qkv) && D % 2 == 0 && angles_fit(qkv, angles, N, D))
+    return cpu::rope_qkv(qkv, angles.cos, angles.sin, H, KV, D);
   auto q = Rope::apply(qkv.narrow(1, 0, H * D).view({N, H, D}), angles).contiguous();
   auto k = Rope::apply(qkv.narrow(1, H * D, KV * D).view({N, KV, D}), angles).contiguous();
   auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D}).contiguous();
@@ -200,6 +250,7 @@ torch::Tensor silu_mul(const torch::Tensor& gu, int64_t inter) {
     return out;
   }
 #endif
+  if (cpu_active(gu) && cpu_level() >= 2 && rows_strided(gu)) return cpu::silu_mul(gu, inter);
   return torch::silu(gu.narrow(-1, 0, inter)) * gu.narrow(-1, inter, inter);
 }
 

@@ -1,11 +1,18 @@
 #pragma once
 // The model's small elementwise chains (RMSNorm with its residual add, RoPE of q and k with v's
-// copy, SiLU-and-multiply), each one kernel on a CUDA device and the plain torch op chain elsewhere.
-// Both give transformers' rounding: every op of the chain returns the activations' dtype (fp32
+// copy, SiLU-and-multiply), each one kernel on a CUDA device, one pass per row on the CPU
+// (backend/fused_ops_cpu.h), and the plain torch op chain otherwise (other dtypes and layouts).
+// All give transformers' rounding: every op of the chain returns the activations' dtype (fp32
 // inside RMSNorm), and the kernels round where the chain does. The decode step on a GPU is bound by
 // its number of kernels as much as by its bytes (docs/gpu.md), so these cut a layer's launches from
-// ~40 to ~13 (8B decode step 1.28-1.32x faster on an H100, docs/gpu.md). KVSERVE_FUSED_OPS=0 in the
-// environment turns them off (the A/B baseline).
+// ~40 to ~13 (8B decode step 1.28-1.32x faster on an H100, docs/gpu.md); on the CPU they cut the
+// per-op dispatches and temporaries (docs/benchmarks.md, "Fused elementwise ops on the CPU").
+//
+// Two switches, read once at start, so that each path can be A/B'd against the chains in one
+// binary: KVSERVE_FUSED_OPS=0|1|2 for CUDA (level()), KVSERVE_FUSED_OPS_CPU=0|1|2 for the CPU
+// (cpu_level()). They are apart because the CUDA levels mean kernel variants the CPU has no
+// counterpart of (and carry the K/V append's copy), and because each device's default follows its
+// own A/B.
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -26,6 +33,18 @@ void set_level(int level);
 bool active(const torch::Tensor& x);
 // True when this build has the CUDA kernels.
 bool compiled();
+
+// Which ops run on the CPU: 0 the torch chains; 1 (the default) the loops that give the chains' bits
+// (rope_qkv; rms_norm and add_rms_norm with the fp32 mean of the squares left to torch's own
+// reduction; silu_mul stays the chain, whose exp is torch's); 2 every loop (the norms add their squares
+// themselves, silu_mul has its own exp: the last fp32 bit may differ from the chain's). The chains'
+// bits are transformers' bits on a CPU (docs/benchmarks.md), which is why 2 is not the default.
+// KVSERVE_FUSED_OPS_CPU sets it at start; set_cpu_level changes it (tests, A/B runs).
+int cpu_level();
+void set_cpu_level(int level);
+// True when x is a CPU tensor of fp32, bf16 or fp16 with elements and cpu_level() is not 0 (some ops
+// also need level 2).
+bool cpu_active(const torch::Tensor& x);
 
 // w * dtype(fp32(x) * rsqrt(mean(fp32(x)^2, -1) + eps)), over x's last dimension.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);

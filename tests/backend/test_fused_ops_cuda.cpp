@@ -172,7 +172,9 @@ TEST(FusedOps, LevelIsCheckedAndCarriesTheAppendCopy) {
   fused::set_level(was);
 }
 
-TEST(FusedOps, OnCpuEveryOpIsTheTorchChain) {
+// At the default CPU level (1) the CPU loops must give the torch chains' bits (test_fused_ops_cpu.cpp
+// covers every level).
+TEST(FusedOps, OnCpuEveryOpGivesTheTorchChainsBits) {
   torch::manual_seed(5);
   for (auto dt : kDtypes) {
     auto x = torch::randn({4, 64}).to(dt), d = torch::randn({4, 64}).to(dt), w = torch::rand({64}).to(dt);
