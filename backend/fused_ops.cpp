@@ -23,29 +23,29 @@ namespace {
 // "Fused elementwise ops on the CPU").
 constexpr int kCpuDefault = 1;
 
+// A level 0, 1 or 2 from the environment variable `name`, `fallback` when it is unset; `meaning`
+// says what each value selects, for the error.
+int level_from_env(const char* name, int fallback, const char* meaning) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  KV_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
+           name << " is '" << v << "': " << meaning);
+  return *v - '0';
+}
+
 // The vectorized kernels unless set: they passed every CUDA test and ran 1.12-1.14x faster than level 1
 // on an H100 (docs/gpu.md, session 17); the torch op chains stay as the A/B baseline.
 std::atomic<int>& level_setting() {
-  static std::atomic<int> level{[] {
-    const char* v = std::getenv("KVSERVE_FUSED_OPS");
-    if (v == nullptr || *v == '\0') return 2;
-    KV_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
-             "KVSERVE_FUSED_OPS is '" << v << "': 0 (torch op chains), 1 (fused kernels) or 2 (their vectorized variants)");
-    return *v - '0';
-  }()};
+  static std::atomic<int> level{
+      level_from_env("KVSERVE_FUSED_OPS", 2, "0 (torch op chains), 1 (fused kernels) or 2 (their vectorized variants)")};
   return level;
 }
 
 // kCpuDefault unless KVSERVE_FUSED_OPS_CPU says otherwise.
 std::atomic<int>& cpu_level_setting() {
-  static std::atomic<int> level{[] {
-    const char* v = std::getenv("KVSERVE_FUSED_OPS_CPU");
-    if (v == nullptr || *v == '\0') return kCpuDefault;
-    KV_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0 || std::strcmp(v, "2") == 0,
-             "KVSERVE_FUSED_OPS_CPU is '" << v << "': 0 (torch op chains), 1 (fused CPU loops with the chains' bits) "
-                                             "or 2 (all fused CPU loops)");
-    return *v - '0';
-  }()};
+  static std::atomic<int> level{level_from_env(
+      "KVSERVE_FUSED_OPS_CPU", kCpuDefault,
+      "0 (torch op chains), 1 (fused CPU loops with the chains' bits) or 2 (all fused CPU loops)")};
   return level;
 }
 

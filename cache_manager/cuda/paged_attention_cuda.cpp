@@ -315,8 +315,7 @@ void set_decode_tuning(const DecodeTuning& tuning) {
 
 DecodeSplitPlan decode_split_plan(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t max_blocks,
                                   int sm_count, int ctas_per_sm) {
-  KV_CHECK(ctas_per_sm >= 1 && ctas_per_sm <= kMaxCtasPerSm,
-           "decode split plan: ctas_per_sm must be 1 to " << kMaxCtasPerSm << ", got " << ctas_per_sm);
+  check_tuning(DecodeTuning{ctas_per_sm});
 #ifndef KVSERVE_HAVE_CUDA_KERNELS
   no_kernels("decode split plan");
 #else
