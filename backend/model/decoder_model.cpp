@@ -8,6 +8,8 @@
 #include <cmath>
 #include <iostream>
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include "backend/checkpoint.h"
 #include "backend/dense.h"
@@ -180,6 +182,26 @@ std::pair<torch::Tensor, torch::Tensor> DecoderModel::rotated_qk(const Layer& l,
   return {rq, Rope::apply(k, angles)};
 }
 
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecoderModel::rotated_qkv(const Layer& l, const torch::Tensor& qkv,
+                                                                                const RopeAngles& angles) const {
+  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
+  if (!l.q_norm.defined() && q_factor_ == 1.0) return fused::rope_qkv(qkv, angles, H, KV, D);
+  auto [q, k] = rotated_qk(l, qkv, angles);
+  return {q, k, qkv.narrow(1, (H + KV) * D, KV * D).view({qkv.size(0), KV, D})};
+}
+
+torch::Tensor DecoderModel::add_norm(torch::Tensor& x, torch::Tensor& pending, const torch::Tensor& w) const {
+  if (!pending.defined()) return rms_norm(x, w);
+  const torch::Tensor delta = std::exchange(pending, torch::Tensor());
+  if (config_.block.norm != BlockSpec::Norm::kRms) {  // fused::add_rms_norm computes Llama's norm only
+    x = x + delta;
+    return rms_norm(x, w);
+  }
+  auto [sum, normed] = fused::add_rms_norm(x, delta, w, config_.rms_norm_eps);
+  x = sum;
+  return normed;
+}
+
 void DecoderModel::check_windows(const KvMemory& kv) const {
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     KV_CHECK(kv.layer_window(li) == config_.layer_window(li),
@@ -315,14 +337,15 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
     const PolicyConfig* p = chunk[i] ? nullptr : kv.prefill_policy(seq_ids[i]);
     if (p && p->scorer == ScorerKind::kPredicted) predicted[i] = p, predicts = true;
   }
+  // Each residual add waits in `pending` for the norm after it (add_norm).
+  torch::Tensor pending;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     const int64_t window = config_.layer_window(li);
-    auto h = rms_norm(x, l.input_norm);
+    auto h = add_norm(x, pending, l.input_norm);
     if (predicts) record_predicted_scores(li, h, predicted, seq_ids, offsets, lens, kv);
     auto qkv = dense(h, l.wqkv, l.bqkv, gemm_);
-    auto [q_all, k_all] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
-    auto v_all = qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D});
+    auto [q_all, k_all, v_all] = rotated_qkv(l, qkv, layer_angles(li, angles, local_angles));
     // Attention per prompt: a block-diagonal mask over all rows would compute (sum T)^2 scores
     // instead of sum T^2, and the policies want each sequence's own q/k/v anyway.
     torch::Tensor attn = n == 1 ? torch::Tensor() : torch::empty({N, H * D}, x.options());
@@ -369,9 +392,10 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
         attn.narrow(0, s, T).copy_(rows_out);
       }
     }
-    x = x + out_norm(row_parallel(attn, l.wo, l.bo), l.attn_out_norm);
-    x = x + out_norm(mlp(l, rms_norm(x, l.post_norm)), l.mlp_out_norm);
+    pending = out_norm(row_parallel(attn, l.wo, l.bo), l.attn_out_norm);
+    pending = out_norm(mlp(l, add_norm(x, pending, l.post_norm)), l.mlp_out_norm);
   }
+  if (pending.defined()) x = x + pending;
   return x;
 }
 
@@ -385,16 +409,17 @@ torch::Tensor DecoderModel::detached_layers(torch::Tensor x, int64_t start, cons
   const RopeAngles angles = rope_->prefill_angles(positions, {start}, {n}, x.scalar_type());
   const RopeAngles local_angles =
       local_rope_ ? local_rope_->prefill_angles(positions, {start}, {n}, x.scalar_type()) : RopeAngles{};
+  torch::Tensor pending;  // the residual add deferred into the next norm (add_norm)
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     const int64_t window = config_.layer_window(li);
-    auto qkv = dense(rms_norm(x, l.input_norm), l.wqkv, l.bqkv, gemm_);
-    auto [q_all, k_all] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
+    auto qkv = dense(add_norm(x, pending, l.input_norm), l.wqkv, l.bqkv, gemm_);
+    auto [q_all, k_all, v_all] = rotated_qkv(l, qkv, layer_angles(li, angles, local_angles));
     auto q = q_all.transpose(0, 1).contiguous();  // [H, n, D]
     auto k = k_all.transpose(0, 1).contiguous();  // [KV, n, D]
     hook(li, q, k);
     if (li + 1 == layout_.num_layers_total) return {};
-    auto v = qkv.narrow(1, (H + KV) * D, KV * D).view({n, KV, D}).transpose(0, 1).contiguous();
+    auto v = v_all.transpose(0, 1).contiguous();
     auto [pk, pv] = context(li);
     torch::Tensor a;
     if (window > 0) {
@@ -411,9 +436,10 @@ torch::Tensor DecoderModel::detached_layers(torch::Tensor x, int64_t start, cons
     } else {
       a = chunk_attention(q, pk.to(k.scalar_type()), pv.to(v.scalar_type()), k, v);
     }
-    x = x + out_norm(row_parallel(a.transpose(0, 1).reshape({n, H * D}), l.wo, l.bo), l.attn_out_norm);
-    x = x + out_norm(mlp(l, rms_norm(x, l.post_norm)), l.mlp_out_norm);
+    pending = out_norm(row_parallel(a.transpose(0, 1).reshape({n, H * D}), l.wo, l.bo), l.attn_out_norm);
+    pending = out_norm(mlp(l, add_norm(x, pending, l.post_norm)), l.mlp_out_norm);
   }
+  if (pending.defined()) x = x + pending;
   return x;
 }
 
@@ -436,43 +462,22 @@ torch::Tensor DecoderModel::decode_layers(const DecodeBatch& batch, torch::Tenso
 torch::Tensor DecoderModel::run_decode_layers(const DecodeBatch& batch, torch::Tensor x, const RopeAngles& angles,
                                             const RopeAngles& local_angles, KvMemory& kv) {
   const int64_t B = x.size(0);  // the step's entries, padding included
-  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
+  const int64_t H = layout_.q_heads, D = config_.head_dim;
   StepProfile* p = profile_;
-  const double eps = config_.rms_norm_eps;
-  // fused::add_rms_norm computes Llama's norm; the others add first and norm apart.
-  const bool fused_norms = config_.block.norm == BlockSpec::Norm::kRms;
-  // Each residual add is done by the norm that follows it (one kernel on CUDA): a layer's MLP output
-  // waits in `pending` for the next layer's input norm; the last one is added after the loop.
+  // Each residual add waits in `pending` for the norm after it (add_norm); the last one is added
+  // after the loop.
   torch::Tensor pending;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
-    auto h = StepProfile::time(p, StepProfile::kNorm, [&] {
-      if (!pending.defined()) return rms_norm(x, l.input_norm);
-      if (!fused_norms) {
-        x = x + pending;
-        return rms_norm(x, l.input_norm);
-      }
-      auto [sum, normed] = fused::add_rms_norm(x, pending, l.input_norm, eps);
-      x = sum;
-      return normed;
-    });
+    auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return add_norm(x, pending, l.input_norm); });
     auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
     auto [q, k, v] = StepProfile::time(p, StepProfile::kRope, [&] {
-      if (!l.q_norm.defined()) return fused::rope_qkv(qkv, angles, H, KV, D);
-      auto [rq, rk] = rotated_qk(l, qkv, layer_angles(li, angles, local_angles));
-      return std::tuple{rq.contiguous(), rk.contiguous(), qkv.narrow(1, (H + KV) * D, KV * D).view({B, KV, D}).contiguous()};
+      auto [rq, rk, rv] = rotated_qkv(l, qkv, layer_angles(li, angles, local_angles));
+      return std::tuple{rq.contiguous(), rk.contiguous(), rv.contiguous()};
     });
     auto attn = StepProfile::time(p, StepProfile::kAttention, [&] { return kv.decode_attention(li, batch, q, k, v); });  // [B, H, D]
-    auto o = StepProfile::time(p, StepProfile::kOProj, [&] { return row_parallel(attn.reshape({B, H * D}), l.wo, l.bo); });
-    h = StepProfile::time(p, StepProfile::kNorm, [&] {
-      if (!fused_norms || l.attn_out_norm.defined()) {
-        x = x + out_norm(o, l.attn_out_norm);
-        return rms_norm(x, l.post_norm);
-      }
-      auto [sum, normed] = fused::add_rms_norm(x, o, l.post_norm, eps);
-      x = sum;
-      return normed;
-    });
+    pending = StepProfile::time(p, StepProfile::kOProj, [&] { return out_norm(row_parallel(attn.reshape({B, H * D}), l.wo, l.bo), l.attn_out_norm); });
+    h = StepProfile::time(p, StepProfile::kNorm, [&] { return add_norm(x, pending, l.post_norm); });
     pending = StepProfile::time(p, StepProfile::kMlp, [&] { return out_norm(mlp(l, h), l.mlp_out_norm); });
   }
   if (pending.defined()) x = StepProfile::time(p, StepProfile::kResidual, [&] { return x + pending; });

@@ -173,6 +173,15 @@ class DecoderModel {
   // norms applied first where the layer has them; q also carries the query_pre_attn_scalar factor
   // (block_ops::query_factor).
   std::pair<torch::Tensor, torch::Tensor> rotated_qk(const Layer& l, const torch::Tensor& qkv, const RopeAngles& angles) const;
+  // rotated_qk with v [rows, KV, D] beside them: one pass (one kernel on CUDA, fused::rope_qkv) that
+  // also makes q, k and v contiguous where the layer has no per-head norms and no query factor; else
+  // rotated_qk, with v a view of the projection.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotated_qkv(const Layer& l, const torch::Tensor& qkv,
+                                                                      const RopeAngles& angles) const;
+  // The residual stream's next norm, with the add that precedes it deferred into it: x += pending
+  // (when defined; pending is then cleared) and returns rms_norm(x, w), one fused kernel on CUDA
+  // (fused::add_rms_norm) for Llama's norm. Deferring the add saves a pass over the rows per norm.
+  torch::Tensor add_norm(torch::Tensor& x, torch::Tensor& pending, const torch::Tensor& w) const;
   // The RoPE angles of layer `li`: the local layers' table for a sliding-window layer.
   const RopeAngles& layer_angles(int64_t li, const RopeAngles& global, const RopeAngles& local) const {
     return local_rope_ && config_.layer_window(li) > 0 ? local : global;
