@@ -1,6 +1,7 @@
 #include "backend/decode_graphs.h"
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 
 #include "backend/model/decoder_model.h"
@@ -165,6 +166,7 @@ torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<i
   const int64_t B = static_cast<int64_t>(tokens.size());
   KV_CHECK(B > 0 && batch.seq_ids.size() == tokens.size(), "decode batch of " << B << " tokens does not match its sequence list");
   const int64_t rows = broken_ ? 0 : decode_graph_bucket(buckets_, B);
+  stats_.last_plan_s = -1;
   if (rows == 0) {
     ++stats_.eager;
     return model_.decode(batch, tokens, kv_);
@@ -174,6 +176,7 @@ torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<i
   if (model_.device().is_cuda()) guard.emplace(model_.device());
 #endif
   // Host work, outside any graph: evictions, blocks, the tables' one copy (padding -> null row).
+  const auto plan_start = std::chrono::steady_clock::now();
   model_.plan_decode(batch, tokens, kv_, rows);
   PagedKvCache& cache = kv_.cache();
   const int64_t hint = decode_graph_split_hint(cache.planned_max_blocks());
@@ -188,6 +191,7 @@ torch::Tensor DecodeGraphs::decode(const DecodeBatch& batch, const std::vector<i
     hp[cap + b] = batch.positions[static_cast<size_t>(b)];
   }
   inputs_.copy_(host, /*non_blocking=*/true);
+  stats_.last_plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - plan_start).count();
 
   if (!options_.capture) {
     ++stats_.padded_eager;

@@ -50,6 +50,11 @@ struct DecodeGraphStats {
   // cannot name one). The fixed per-step cost of a decode step grows with this count.
   int64_t kernel_nodes = 0;
   std::map<std::string, int64_t> kernels_by_name;
+  // Host wall time of the latest step's planning (plan_decode, the split hint, the inputs' pinned
+  // copy), which runs before the replay while the GPU may idle; -1 when the latest step was not
+  // planned here (it ran whole through DecoderModel::decode: a batch above the largest bucket, or
+  // graphs off after a failed capture).
+  double last_plan_s = -1;
 };
 
 // Serves LocalRunner's decode steps on a CUDA model. Per step, on the host and outside any graph:

@@ -7,6 +7,10 @@
 // steps run through DecoderModel::decode for the whole batch at positions context + t (greedy argmax
 // fed back); on CUDA through DecodeGraphs (captured in the warmup) unless --enforce-eager. Decode cost depends only on how many KV entries each (sequence, layer, head) holds, not
 // on their values, so this times what a real run with that context would time per decode step.
+// host_plan_s_median is the step's host planning (plan_decode; with graphs also the split hint and the
+// inputs' copy): the bench waits on each step's argmax, so the GPU idles for that long every step.
+// --cuda-profiler-steps N brackets the first N timed steps with cudaProfilerStart/Stop, so that
+// `ncu --profile-from-start off` records those steps' kernels and nothing of the fill or warmup.
 #include <algorithm>
 #include <chrono>
 #include <iostream>
@@ -15,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include "backend/checkpoint.h"
+#include "backend/cuda_profiler.h"
 #include "backend/decode_graphs.h"
 #include "backend/model/decoder_model.h"
 #include "cache_manager/kv_memory_factory.h"
@@ -31,7 +36,7 @@ struct BenchDecodeArgs {
   std::string model, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto", kv_layout = "auto";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
-  int64_t steps = 32, warmup = 4, threads = 0, block_size = 16;
+  int64_t steps = 32, warmup = 4, threads = 0, block_size = 16, cuda_profiler_steps = 0;
   uint64_t seed = 0;
   double bandwidth_gbs = 30.0;
   bool profile = false, enforce_eager = false;
@@ -42,6 +47,24 @@ int64_t weight_bytes(const ModelConfig& c, int64_t elem) {
   const int64_t per_layer = Hd * (H + 2 * KV) * D + H * D * Hd + 3 * Hd * c.intermediate_size + 2 * Hd;
   const int64_t embed = c.vocab_size * Hd * (c.tie_word_embeddings ? 1 : 2);
   return (c.num_hidden_layers * per_layer + embed + Hd) * elem;
+}
+
+// One eager step as DecoderModel::decode runs it, in its two halves so that the host planning
+// (plan_decode: evictions, blocks, the device tables' copy, RoPE growth) is timed apart into plan_s.
+torch::Tensor eager_step(DecoderModel& model, const DecodeBatch& db, const std::vector<int64_t>& tokens, KvMemory& mem,
+                         double& plan_s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  model.plan_decode(db, tokens, mem);
+  plan_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto dev = model.device();
+  return model.decode_planned(db, torch::tensor(tokens, torch::kInt64).to(dev),
+                              torch::tensor(db.positions, torch::kInt64).to(dev), mem);
+}
+
+// The median of a non-empty list (the upper middle of an even count, as step_s_median takes it).
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std::string& policy_name,
@@ -107,8 +130,11 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
 
   // Decode: warmup, then timed steps; tokens are the previous step's argmax.
   std::vector<int64_t> tokens(batch, 1);
-  std::vector<double> step_s;
+  std::vector<double> step_s, plan_s;
+  bool plan_timed = true;  // false once a timed step ran whole in DecoderModel::decode (graphs' eager fallback)
   StepProfile profile;
+  // The profiler range: timed steps [warmup, warmup + cuda_profiler_steps).
+  const int64_t range_end = a.warmup + a.cuda_profiler_steps;
   double live_kv_bytes_sum = 0;
   for (int64_t t = 0; t < a.warmup + a.steps; ++t) {
     DecodeBatch db;
@@ -119,13 +145,24 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
       live += mem.kept_tokens(id);
     }
     if (a.profile && t == a.warmup) model.set_profile(&profile);
+    if (t == a.warmup && a.cuda_profiler_steps > 0) cuda_profiler_start(model.device());
     const auto s0 = std::chrono::steady_clock::now();
-    auto logits = graphs ? graphs->decode(db, tokens) : model.decode(db, tokens, mem);
+    double plan = -1;
+    torch::Tensor logits;
+    if (graphs) {
+      logits = graphs->decode(db, tokens);
+      plan = graphs->stats().last_plan_s;
+    } else {
+      logits = eager_step(model, db, tokens, mem, plan);
+    }
     auto next = logits.argmax(-1).to(torch::kCPU);
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    if (t + 1 == range_end && a.cuda_profiler_steps > 0) cuda_profiler_stop(model.device());
     for (int64_t b = 0; b < batch; ++b) tokens[b] = next[b].item<int64_t>();
     if (t >= a.warmup) {
       step_s.push_back(dt);
+      if (plan >= 0) plan_s.push_back(plan);
+      else plan_timed = false;
       live_kv_bytes_sum += static_cast<double>((live + batch * L) * token_layer_bytes);
     }
   }
@@ -167,6 +204,9 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
                         {"cuda_graphs", graphs != nullptr},
                         {"kv_layout", head_blocks ? "head" : "layer"}};
   out["kv_tokens_per_head"] = {{"min", hk.min}, {"mean", hk.mean()}, {"max", hk.max}};
+  // Absent when a timed step's planning could not be timed apart (it ran inside DecoderModel::decode).
+  if (plan_timed) out["host_plan_s_median"] = median_of(plan_s);
+  if (a.cuda_profiler_steps > 0) out["cuda_profiler_steps"] = a.cuda_profiler_steps;
   if (graphs) {
     const DecodeGraphStats& gs = graphs->stats();
     out["cuda_graph_stats"] = {{"captures", gs.captures}, {"replays", gs.replays}, {"eager", gs.eager},
@@ -207,6 +247,10 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--bandwidth-gbs", a->bandwidth_gbs, "memory bandwidth for the floor, GB/s")->check(CLI::Range(0.001, 1e6));
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_flag("--enforce-eager", a->enforce_eager, "CUDA: decode without CUDA graphs (the A/B against them)");
+  cmd->add_option("--cuda-profiler-steps", a->cuda_profiler_steps,
+                  "CUDA: bracket the first N timed steps of each cell with cudaProfilerStart/Stop (for ncu "
+                  "--profile-from-start off, nsys --capture-range=cudaProfilerApi); 0 = off")
+      ->check(CLI::Range(0, 100000));
   cmd->add_flag("--profile", a->profile, "time each stage of the decode step (CPU; adds profile_ms_per_step)");
   cmd->add_option("--dtype", a->dtype, "compute dtype: float32, bfloat16, float16");
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
@@ -216,6 +260,10 @@ void add_bench_commands(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "layer", "head"}));
   a->policy.add_to(cmd);
   cmd->callback([a] {
+    KV_CHECK(a->cuda_profiler_steps == 0 || torch::Device(a->device).is_cuda(),
+             "--cuda-profiler-steps needs a CUDA device (--device cuda), not " << a->device);
+    KV_CHECK(a->cuda_profiler_steps <= a->steps,
+             "--cuda-profiler-steps " << a->cuda_profiler_steps << " is more than the " << a->steps << " timed --steps");
     if (a->threads > 0) at::set_num_threads(static_cast<int>(a->threads));
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);

@@ -6,7 +6,8 @@
 #   tools/gpu_check.sh run       # on the GPU machine, from the repo root with .gpudeps/ copied along
 #   tools/gpu_check.sh bench [bench_gpu.py options]   # then, on the same machine: the GPU benchmark
 #   tools/gpu_check.sh prefix [bench_prefix_cache.py options]   # prefix cache and host tier, 8B bf16
-#   tools/gpu_check.sh kernels | profile   # fused-kernel A/B and per-kernel tables of a decode layer
+#   tools/gpu_check.sh kernels   # fused-kernel A/B of the decode step
+#   tools/gpu_check.sh profile   # per-kernel tables of whole decode steps (Nsight Compute), see below
 #   tools/gpu_check.sh attention [bench_paged_decode_cuda options]   # the decode attention variants' sweep
 #   tools/gpu_check.sh all       # all of the above in one call (~10 minutes on an H100; see below)
 #
@@ -37,6 +38,21 @@
 # `run` (a whole build first when there was none, ~2 minutes). ATTENTION_BUDGET_S caps build + sweep.
 # The winner is then picked at run time with KVSERVE_DECODE_MERGE=kernel|fold,
 # KVSERVE_DECODE_CTAS_PER_SM=N and KVSERVE_DECODE_LOADS=1|2 (docs/gpu.md); none of it has run yet.
+# `profile` (issue 34) makes the bench's 8B checkpoint if it is missing (~35 s; PROFILE_MODEL names
+# another), then for each cell of PROFILE_CELLS (default "1024:1:full 32768:8:full
+# 32768:64:pyramidkv:128", context:batch:policy[:budget], the cheapest first) and each fused level of
+# PROFILE_LEVELS (default 2), runs two bench decode processes, bf16:
+#   - with CUDA graphs and no ncu: the real step_s_median and host_plan_s_median (the host planning the
+#     GPU waits for each step);
+#   - under `ncu --profile-from-start off`, eager, with --cuda-profiler-steps 1: one whole step's
+#     kernels, and nothing of the load, the KV fill or the warmup. This goes to
+#     $out/ncu-<cell>-level<L>.csv. tools/ncu_layer_table.py turns it into the per-layer table and the
+#     step summary (layers x table, and the kernels outside the layers).
+# Both go into a titled section per cell of $out/profile.txt. Each process has PROFILE_CELL_S (120)
+# or what is left of PROFILE_BUDGET_S. The 32K x 8 full fill puts 34 GB of KV on the GPU (a few
+# seconds on an H100). Each cell costs two model loads; a whole `profile` call on a fresh machine
+# (kvserve build, checkpoint, three cells at one level) should fit in one 10-minute call. None of this
+# has run on a GPU yet (before, `profile` was a launch-skip window of a 1K x 1 step, 15 s a level).
 # `run` and `bench` ran as committed on an H100 on 2026-11-26 (docs/gpu.md): `run` 262 s (26 gtests,
 # 18 pytest cases, all passed), `bench` 144 s with --budget-s 220. On 2026-11-27 (session 16) `run`
 # took 340 s (30 gtests, 29 pytest cases), the 8B checkpoint 34 s, `kernels` on it 24 s, `prefix` 39 s.
@@ -45,9 +61,12 @@
 #
 # `all` is the one call to make on a lent machine (device time is short and a machine goes back after
 # 30 s idle): run (the default fused level's pytest cases), bench --quick (the acceptance rows), then
-# kernels on the 8B checkpoint, attention (<= 60 s), the default level's profile, and prefix, each in
-# what is left of ALL_BUDGET_S (default 570). Its steps' times come from the separate calls of 2026-11-28 (run 324 s,
-# bench --quick 117 s, kernels 31 s, profile at one level 15 s); `all` in this order has not run yet. $out/summary.txt has the headline lines, and
+# kernels on the 8B checkpoint, attention (<= 60 s), the default level's profile (<= 240 s, the cells
+# in order until its time is spent), and prefix, each in what is left of ALL_BUDGET_S (default 570).
+# Its steps' times come from the separate calls of 2026-11-28 (run 324 s, bench --quick 117 s,
+# kernels 31 s); `all` in this order has not run yet. By those times `profile` gets ~40 s in `all`,
+# too little for the 32K cells: for their tables, call `profile` on its own. $out/summary.txt has the
+# headline lines, and
 # $out/logs.tar.gz everything else (the device tool brings back only a few files per call).
 set -euo pipefail
 DEPS=.gpudeps
@@ -191,25 +210,49 @@ attention)
   exit ${rc:-0}
   ;;
 profile)
-  # Nsight Compute (nsys is not on the lent image) over one eager decode step of PROFILE_MODEL
-  # (default the bench's 8B checkpoint), 1K x 1, at each fused-ops level: every kernel's time in
-  # launch order, and tools/ncu_layer_table.py's per-layer table. The launch-skip counts land in the
-  # timed steps of an 8B run (~1,260 kernels a step with the torch chains, ~420 with fused kernels).
+  # Per-kernel tables of whole decode steps (issue 34), for each cell of PROFILE_CELLS (see the top of
+  # this file), cheapest first, at each fused level of PROFILE_LEVELS.
   shift
+  t_prof=$(date +%s)
   setup_env
   [ -x "$BUILD/kvserve" ] || build_kvserve
   model=${PROFILE_MODEL:-/tmp/kvserve-bench-models/bench-8b}
+  [ -n "${PROFILE_MODEL:-}" ] || [ -f "$model/STAMP" ] \
+    || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
   [ -n "$ncu" ] || { echo "no ncu on this machine" | tee "$out/profile.txt"; exit 1; }
   : > "$out/profile.txt"
-  for level in ${PROFILE_LEVELS:-0 1 2}; do
-    skip=4000; count=45; [ $level = 0 ] && { skip=9000; count=120; }
-    KVSERVE_FUSED_OPS=$level timeout 120 "$ncu" --launch-skip $skip --launch-count $count \
-      --metrics gpu__time_duration.sum --csv --page raw "$BUILD/kvserve" bench decode --model "$model" \
-      --device cuda --dtype bfloat16 --context 1024 --batch 1 --steps 12 --warmup 4 --enforce-eager "$@" \
-      > "$out/ncu-level$level.csv" 2> "$out/ncu-level$level.err" || rc=1
-    echo "## KVSERVE_FUSED_OPS=$level" >> "$out/profile.txt"
-    python3 tools/ncu_layer_table.py "$out/ncu-level$level.csv" >> "$out/profile.txt" 2>&1 || rc=1
+  # Each process gets PROFILE_CELL_S, or what is left of PROFILE_BUDGET_S when that is less.
+  cell_s() {
+    local s=${PROFILE_CELL_S:-120} l
+    if [ -n "${PROFILE_BUDGET_S:-}" ]; then
+      l=$(( PROFILE_BUDGET_S - ($(date +%s) - t_prof) ))
+      if [ $l -lt $s ]; then s=$l; fi
+    fi
+    echo $s
+  }
+  for cell in ${PROFILE_CELLS:-1024:1:full 32768:8:full 32768:64:pyramidkv:128}; do
+    IFS=: read -r ctx batch policy budget <<< "$cell"
+    name=$ctx-$batch-$policy${budget:+-$budget}
+    pflags=""; [ "$policy" = full ] || pflags="--policy $policy${budget:+ --budget $budget}"
+    bench="$BUILD/kvserve bench decode --model $model --device cuda --dtype bfloat16 --context $ctx --batch $batch $pflags"
+    echo "## $ctx x $batch, $policy${budget:+ budget $budget}" >> "$out/profile.txt"
+    for level in ${PROFILE_LEVELS:-2}; do
+      [ "$(cell_s)" -ge 20 ] || { echo "(no time left for level $level)" >> "$out/profile.txt"; rc=1; continue; }
+      # The real step first (CUDA graphs, no ncu): what the table below should add up to, and the host
+      # planning the GPU waits for every step.
+      KVSERVE_FUSED_OPS=$level timeout "$(cell_s)" $bench --steps 16 --warmup 4 "$@" 2>> "$out/profile.err" | tail -1 \
+        > "$out/graphs-$name-level$level.json" || rc=1
+      python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print("graphs, KVSERVE_FUSED_OPS=%s: step_s_median %.3f ms, host_plan_s_median %.3f ms, fill %.1f s" % (sys.argv[2], j["step_s_median"]*1e3, j.get("host_plan_s_median", float("nan"))*1e3, j["fill_s"]))' \
+        "$out/graphs-$name-level$level.json" "$level" >> "$out/profile.txt" 2>&1 || rc=1
+      [ "$(cell_s)" -ge 20 ] || { echo "(no time left for ncu at level $level)" >> "$out/profile.txt"; rc=1; continue; }
+      # One eager step inside the profiler range: ncu profiles nothing of the load, fill or warmup.
+      KVSERVE_FUSED_OPS=$level timeout "$(cell_s)" "$ncu" --profile-from-start off --metrics gpu__time_duration.sum \
+        --csv --page raw $bench --enforce-eager --steps 2 --warmup 1 --cuda-profiler-steps 1 "$@" \
+        > "$out/ncu-$name-level$level.csv" 2> "$out/ncu-$name-level$level.err" || rc=1
+      echo "### KVSERVE_FUSED_OPS=$level: ncu, eager, one step" >> "$out/profile.txt"
+      python3 tools/ncu_layer_table.py "$out/ncu-$name-level$level.csv" >> "$out/profile.txt" 2>&1 || rc=1
+    done
   done
   cat "$out/profile.txt"
   exit ${rc:-0}
@@ -241,9 +284,12 @@ all)
   [ "$(left)" -gt 45 ] && { t_att=$(( $(left) < 60 ? $(left) : 60 ))
     ATTENTION_BUDGET_S=$(( t_att - 5 )) timeout $t_att "$0" attention > "$out/attention.out" 2>&1; step attention $?; }
   grep -B2 -A12 "^| context | batch | default" "$out/paged-decode-sweep.md" >> "$sum" 2>/dev/null
-  # The per-kernel table of the default level (~15 s); PROFILE_LEVELS="0 1 2" for all three.
-  [ "$(left)" -gt 30 ] && { PROFILE_LEVELS=${PROFILE_LEVELS:-2} timeout $(( $(left) < 150 ? $(left) : 150 )) "$0" profile \
+  # The per-kernel tables of the default level, 1K x 1 first (~15 s), then the two unmet 32K rows
+  # (each cell's processes have at most 120 s); PROFILE_LEVELS="0 1 2" for all three levels.
+  [ "$(left)" -gt 40 ] && { t_prof=$(( $(left) < 240 ? $(left) : 240 ))
+    PROFILE_BUDGET_S=$(( t_prof - 5 )) PROFILE_LEVELS=${PROFILE_LEVELS:-2} timeout $t_prof "$0" profile \
     > "$out/profile.out" 2>&1; step profile $?; }
+  grep -E "^## |^graphs,|kernel time per step|layer table x|outside the layer periods" "$out/profile.txt" >> "$sum" 2>/dev/null
   [ "$(left)" -gt 45 ] && { timeout $(( $(left) < 150 ? $(left) : 150 )) "$0" prefix > "$out/prefix.out" 2>&1; step prefix $?; }
   grep -A30 "^| policy" "$out/prefix.log" >> "$sum" 2>/dev/null
   tar czf /tmp/gpu-logs.tar.gz -C "$out" --exclude summary.txt --exclude benchmarks-gpu.md . && mv /tmp/gpu-logs.tar.gz "$out/logs.tar.gz"

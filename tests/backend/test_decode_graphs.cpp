@@ -323,9 +323,17 @@ TEST(DecodeGraphs, PaddedEagerModeMatchesPlainDecodeAsSequencesJoinAndFinish) {
     return model->decode(b, t, *plain);
   });
   const int64_t gen0 = mem->cache().device_tables().generation();
+  std::vector<double> plan_s;  // stats().last_plan_s after each step
   const Trace got = run_schedule(*model, *mem, [&](const DecodeBatch& b, const std::vector<int64_t>& t) {
-    return graphs.decode(b, t);
+    auto logits = graphs.decode(b, t);
+    plan_s.push_back(graphs.stats().last_plan_s);
+    return logits;
   });
+  // The host planning is timed on every step DecodeGraphs plans itself; the two it hands whole to
+  // DecoderModel::decode (above the largest bucket) say -1.
+  ASSERT_EQ(static_cast<int>(plan_s.size()), kSteps);
+  EXPECT_EQ(std::count(plan_s.begin(), plan_s.end(), -1.0), 2);
+  EXPECT_TRUE(std::all_of(plan_s.begin(), plan_s.end(), [](double v) { return v == -1.0 || v >= 0; }));
   // The schedule outgrows the tables (what makes the CUDA test recapture).
   EXPECT_GT(mem->cache().device_tables().generation(), gen0);
   float worst = 0;

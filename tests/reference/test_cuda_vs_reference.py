@@ -139,6 +139,11 @@ def test_bench_decode_replays_graphs_unless_enforce_eager():
     assert graphs["cuda_graphs"] is True and graphs["cuda_graph_stats"]["replays"] == 8
     assert graphs["cuda_graph_stats"]["eager"] == 0
     assert eager["cuda_graphs"] is False
+    for got in (graphs, eager):  # the host planning, timed apart on both paths
+        assert 0 < got["host_plan_s_median"] <= got["step_s_median"], got
+    # Without a profiler attached the range is a no-op that must not disturb the steps.
+    ranged = json.loads(run_kvserve(*args, "--cuda-profiler-steps", "2").stdout.strip().splitlines()[-1])
+    assert ranged["cuda_profiler_steps"] == 2 and ranged["cuda_graph_stats"]["replays"] == 8
 
 
 def test_head_layout_decodes_on_cuda_as_on_cpu(tmp_path, fused):
