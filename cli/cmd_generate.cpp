@@ -15,6 +15,7 @@
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
+#include "common/fresh_thread.h"
 #include "configs/server_config.h"
 #include "text/tokenizer.h"
 
@@ -122,7 +123,10 @@ void add_generate_command(CLI::App& app) {
       return;
     }
     auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
-    Engine engine(model, tok, eo, job->make_runner(eo));
+    // The engine's start-up (KV pool, warm-up) runs on a thread that ends, as the load does
+    // (common/fresh_thread.h): no idle OpenMP pool outlives it to slow the engine thread's steps.
+    auto engine_ptr = run_on_fresh_thread([&] { return std::make_unique<Engine>(model, tok, eo, job->make_runner(eo)); });
+    Engine& engine = *engine_ptr;
     job->set_on_failure([&engine](const std::string& why) { engine.mark_unhealthy(why); });
     auto t_loaded = std::chrono::steady_clock::now();
 

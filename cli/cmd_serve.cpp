@@ -18,6 +18,7 @@
 #include "cli/serve/config_reloader.h"
 #include "cli/serve/signal_waiter.h"
 #include "common/check.h"
+#include "common/fresh_thread.h"
 #include "common/log.h"
 #include "configs/server_config.h"
 #include "http/openai_service.h"
@@ -227,7 +228,9 @@ int serve(const ServeArgs& a) {
   eo.on_queue_time = [m = &service->metrics()](double seconds) { m->observe_queue_time(seconds); };
   const int64_t max_model_len =
       cfg.model.max_model_len > 0 ? cfg.model.max_model_len : context_length(model->config());
-  auto engine = std::make_unique<Engine>(model, tokenizer, eo, job->make_runner(eo));
+  // The engine's start-up (KV pool, warm-up) runs on a thread that ends, as the load does
+  // (common/fresh_thread.h): no idle OpenMP pool outlives it to slow the engine thread's steps.
+  auto engine = run_on_fresh_thread([&] { return std::make_unique<Engine>(model, tokenizer, eo, job->make_runner(eo)); });
   // A rank's process dying fails the job at once (the launcher notices before any timeout).
   job->set_on_failure([e = engine.get()](const std::string& why) { e->mark_unhealthy(why); });
   service->set_backend(http::make_engine_backend(std::move(engine), tokenizer, max_model_len, cfg.default_policy));

@@ -7,6 +7,7 @@
 
 #include "backend/sharded/sharded_runner.h"
 #include "common/check.h"
+#include "common/fresh_thread.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
 #include "parallel/launcher.h"
@@ -35,8 +36,11 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   const parallel::DistEnv env = parallel::plan_process(spec, &must_spawn);
   job->rank_ = env.rank;
   job->world_size_ = env.world_size;
+  // The loads run on a thread that ends (common/fresh_thread.h): the OpenMP pool their parallel
+  // casts and copies start goes with it, instead of idling beside the engine thread's for the
+  // process's life. Only the load: a rank spawned below dies with the thread that spawned it.
   if (env.world_size == 1) {
-    job->model_ = DecoderModel::load(model_dir, load);
+    job->model_ = run_on_fresh_thread([&] { return DecoderModel::load(model_dir, load); });
     return job;
   }
   if (must_spawn) job->workers_ = parallel::WorkerGroup::spawn(env);
@@ -70,7 +74,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   load.layout = make_shard_layout(model_shape(cfg), tp, tp_rank, o.pipeline_parallel_size, stage, o.pipeline_layers);
   load.tp_group = job->groups_.tp;
   load.progress = load.progress && env.rank == 0;
-  job->model_ = DecoderModel::load(model_dir, load);
+  job->model_ = run_on_fresh_thread([&] { return DecoderModel::load(model_dir, load); });
   KV_LOG("rank " << env.rank << "/" << env.world_size << " ready: " << load.layout.describe());
   return job;
 }
