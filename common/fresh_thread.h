@@ -8,9 +8,9 @@
 // only waits while the engine's own thread decodes, the main thread's idle pool stays counted: with
 // more OpenMP threads than cores, libgomp spins only briefly at a barrier before it sleeps on a futex,
 // so every parallel region of a decode step pays a thread wake-up. On two cores that made CPU decode
-// steps of `kvserve generate` 2-2.5x slower than the same steps in `kvserve bench decode`
-// (docs/benchmarks.md, "One OpenMP pool"). Start-up work done on a thread that ends takes its pool
-// with it.
+// steps of `kvserve generate` and `serve` 1.1-2.5x slower than the same steps in `kvserve bench
+// decode` (docs/benchmarks-engine-ab.md, "One OpenMP pool"). Start-up work done on a thread that ends
+// takes its pool with it.
 #include <future>
 #include <thread>
 #include <type_traits>
