@@ -60,13 +60,13 @@
 # the rest building), so `all` gives it 450 s.
 #
 # `all` is the one call to make on a lent machine (device time is short and a machine goes back after
-# 30 s idle): run (the default fused level's pytest cases), bench --quick (the acceptance rows), then
-# kernels on the 8B checkpoint, attention (<= 60 s), the default level's profile (<= 240 s, the cells
-# in order until its time is spent), and prefix, each in what is left of ALL_BUDGET_S (default 570).
-# Its steps' times come from the separate calls of 2026-11-28 (run 324 s, bench --quick 117 s,
-# kernels 31 s); `all` in this order has not run yet. By those times `profile` gets ~40 s in `all`,
-# too little for the 32K cells: for their tables, call `profile` on its own. $out/summary.txt has the
-# headline lines, and
+# 30 s idle): run (the default fused level's pytest cases), bench --quick (the acceptance rows), the
+# profile of the two unmet 32K rows (<= 240 s, the cells in order until its time is spent), attention
+# (<= 60 s), prefix, then kernels, each in what is left of ALL_BUDGET_S (default 570). By the separate
+# calls of 2026-11-28 (run 324 s, bench --quick 117 s) the profile gets ~120 s, about both cells, and
+# what follows it little or nothing: a second call, `tools/gpu_check.sh attention`
+# (and `prefix`) gets the rest. `all` in this order has not run yet. $out/summary.txt has the headline
+# lines, and
 # $out/logs.tar.gz everything else (the device tool brings back only a few files per call).
 set -euo pipefail
 DEPS=.gpudeps
@@ -278,20 +278,22 @@ all)
   model=/tmp/kvserve-bench-models/bench-8b
   [ -f "$model/STAMP" ] || timeout 150 python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 \
     > "$out/make8b.log" 2>&1; step make8b $?
-  [ "$(left)" -gt 40 ] && { KERNELS_MODEL=$model timeout $(( $(left) < 90 ? $(left) : 90 )) "$0" kernels > "$out/kernels.out" 2>&1; step kernels $?; }
-  grep -E "ms/step|PASSED|FAILED" "$out/kernels.out" >> "$sum" 2>/dev/null
+  # The per-kernel tables of the two unmet 32K rows at the default level, right after the rows
+  # themselves (the 1K x 1 table ran in session 20; PROFILE_CELLS / PROFILE_LEVELS override); each
+  # cell's processes have at most 120 s.
+  [ "$(left)" -gt 40 ] && { t_prof=$(( $(left) < 240 ? $(left) : 240 ))
+    PROFILE_CELLS=${PROFILE_CELLS:-"32768:8:full 32768:64:pyramidkv:128"} PROFILE_BUDGET_S=$(( t_prof - 5 )) \
+    PROFILE_LEVELS=${PROFILE_LEVELS:-2} timeout $t_prof "$0" profile > "$out/profile.out" 2>&1; step profile $?; }
+  grep -E "^## |^graphs,|kernel time per step|layer table x|outside the layer periods" "$out/profile.txt" >> "$sum" 2>/dev/null
   # The decode attention variants' sweep: ~20 s to build its binary, then <= 40 s of sweep.
   [ "$(left)" -gt 45 ] && { t_att=$(( $(left) < 60 ? $(left) : 60 ))
     ATTENTION_BUDGET_S=$(( t_att - 5 )) timeout $t_att "$0" attention > "$out/attention.out" 2>&1; step attention $?; }
   grep -B2 -A12 "^| context | batch | default" "$out/paged-decode-sweep.md" >> "$sum" 2>/dev/null
-  # The per-kernel tables of the default level, 1K x 1 first (~15 s), then the two unmet 32K rows
-  # (each cell's processes have at most 120 s); PROFILE_LEVELS="0 1 2" for all three levels.
-  [ "$(left)" -gt 40 ] && { t_prof=$(( $(left) < 240 ? $(left) : 240 ))
-    PROFILE_BUDGET_S=$(( t_prof - 5 )) PROFILE_LEVELS=${PROFILE_LEVELS:-2} timeout $t_prof "$0" profile \
-    > "$out/profile.out" 2>&1; step profile $?; }
-  grep -E "^## |^graphs,|kernel time per step|layer table x|outside the layer periods" "$out/profile.txt" >> "$sum" 2>/dev/null
   [ "$(left)" -gt 45 ] && { timeout $(( $(left) < 150 ? $(left) : 150 )) "$0" prefix > "$out/prefix.out" 2>&1; step prefix $?; }
   grep -A30 "^| policy" "$out/prefix.log" >> "$sum" 2>/dev/null
+  # The fused-kernel A/B last: it ran in session 20 (level 2 is the default since).
+  [ "$(left)" -gt 40 ] && { KERNELS_MODEL=$model timeout $(( $(left) < 90 ? $(left) : 90 )) "$0" kernels > "$out/kernels.out" 2>&1; step kernels $?; }
+  grep -E "ms/step|PASSED|FAILED" "$out/kernels.out" >> "$sum" 2>/dev/null
   tar czf /tmp/gpu-logs.tar.gz -C "$out" --exclude summary.txt --exclude benchmarks-gpu.md . && mv /tmp/gpu-logs.tar.gz "$out/logs.tar.gz"
   find "$out" -maxdepth 1 -type f ! -name summary.txt ! -name logs.tar.gz ! -name benchmarks-gpu.md ! -name profile.txt \
     ! -name 'paged-decode-sweep.*' -delete
