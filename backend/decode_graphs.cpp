@@ -237,6 +237,7 @@ DecodeGraphs::Graph& DecodeGraphs::capture(const DecodeBatch& batch, int64_t row
   KV_FAIL("internal: decode graphs without CUDA graph support");
 #else
   PagedKvCache& cache = kv_.cache();
+  const auto capture_start = std::chrono::steady_clock::now();
   auto g = std::make_unique<Graph>();
   const c10::DeviceIndex dev = cuda_->side.device_index();
   const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream(dev);
@@ -274,6 +275,7 @@ DecodeGraphs::Graph& DecodeGraphs::capture(const DecodeBatch& batch, int64_t row
   done.record(cuda_->side);
   done.block(main);
   ++stats_.captures;
+  stats_.capture_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - capture_start).count();
   Graph& ref = *g;
   graphs_[{rows, hint}] = std::move(g);
   return ref;

@@ -42,6 +42,7 @@ struct DecodeGraphOptions {
 
 struct DecodeGraphStats {
   int64_t captures = 0;     // graphs captured (a recapture after growth counts again)
+  double capture_s = 0;     // host wall time of those captures (warm-up run + capture), the steps wait for it
   int64_t replays = 0;      // steps served by a graph replay
   int64_t padded_eager = 0; // bucketed steps run eagerly (capture = false)
   int64_t eager = 0;        // steps a graph could not serve (batch above the largest bucket)

@@ -272,6 +272,8 @@ void Engine::loop() {
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
     if (!plan.empty()) ++im.stats.steps_total;
     im.stats.step_collectives_total = runner.step_collectives();
+    im.stats.cuda_graph_captures_total = runner.graph_captures();
+    im.stats.cuda_graph_capture_seconds_total = runner.graph_capture_s();
     return stopping && sched.idle() && !sched.has_pending();
   };
   // A dead job (a rank died or hung): every request gets the error, nothing runs any more.
@@ -287,6 +289,8 @@ void Engine::loop() {
     record_usage(im.stats, usage);  // the pool and tier sizes are in /metrics before any request
     im.stats.steps_total = 1;
     im.stats.step_collectives_total = runner.step_collectives();
+    im.stats.cuda_graph_captures_total = runner.graph_captures();
+    im.stats.cuda_graph_capture_seconds_total = runner.graph_capture_s();
   } catch (const std::exception& e) {
     KV_LOG(e.what());
     mark_unhealthy(e.what());

@@ -82,6 +82,9 @@ struct EngineStats {
   int64_t preemptions_total = 0;
   int64_t steps_total = 0;
   int64_t step_collectives_total = 0;  // control-path collectives of a sharded job's steps
+  // CUDA graph captures of decode steps (the warm-up's included) and their host seconds.
+  int64_t cuda_graph_captures_total = 0;
+  double cuda_graph_capture_seconds_total = 0;
   int64_t prefix_cache_queries_total = 0;  // prompt tokens looked up in the prefix cache
   int64_t prefix_cache_hits_total = 0;     // of those, served from it
   int64_t kv_blocks_cached = 0;            // blocks the prefix cache holds (part of the pool)

@@ -24,6 +24,10 @@ LocalRunner::LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<Pa
 
 LocalRunner::~LocalRunner() = default;
 
+int64_t LocalRunner::graph_captures() const { return graphs_ ? graphs_->stats().captures : 0; }
+
+double LocalRunner::graph_capture_s() const { return graphs_ ? graphs_->stats().capture_s : 0; }
+
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
   for (int64_t id : plan.release) kv_->release(id);

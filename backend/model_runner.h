@@ -28,6 +28,10 @@ class ModelRunner {
   virtual void stop() {}
   // Collectives the steps ran on the control path so far (0 for one process).
   virtual int64_t step_collectives() const { return 0; }
+  // CUDA graph captures of decode steps so far and their host time (a capture holds up its step; a
+  // context that grows past a graph's split hint is captured again). Zero without decode graphs.
+  virtual int64_t graph_captures() const { return 0; }
+  virtual double graph_capture_s() const { return 0; }
   // Whether plans may carry prompt chunks (PrefillWork::chunked). The sharded runtime prefills whole
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
@@ -80,6 +84,8 @@ class LocalRunner final : public ModelRunner {
     return kv_->shared_prefix_blocks(prompt, policy, leaving);
   }
   // Null when decode runs eagerly.
+  int64_t graph_captures() const override;
+  double graph_capture_s() const override;
   const DecodeGraphs* decode_graphs() const { return graphs_.get(); }
 
  private:

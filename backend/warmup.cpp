@@ -158,6 +158,7 @@ WarmupReport warm_up(ModelRunner& runner, const WarmupOptions& o) {
   KV_CHECK(after.shards.front().blocks_used == 0 && after.shards.front().blocks_cached == 0,
            "internal: the warm-up left " << after.shards.front().blocks_used << " blocks in use, "
                                          << after.shards.front().blocks_cached << " cached");
+  rep.graph_captures = runner.graph_captures();
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;
 }

@@ -32,6 +32,7 @@ struct WarmupReport {
   int64_t prompts = 0;
   int64_t tokens = 0;  // prompt tokens prefilled
   int64_t decode_steps = 0;
+  int64_t graph_captures = 0;  // CUDA graphs it captured (ModelRunner::graph_captures)
   std::string skipped;  // why nothing ran, when options asked for a warm-up
 };
 

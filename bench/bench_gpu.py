@@ -86,6 +86,15 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+def graph_note(graphs: dict | None) -> str:
+    """The CUDA graph captures a generate run made after its warm-up: each held up the steps of every
+    running request (a context growing past a graph's split hint is captured again)."""
+    if not graphs:
+        return ""
+    return (f"; {graphs.get('captures_after_warmup', 0)} graph captures after the warm-up "
+            f"({graphs.get('capture_s', 0.0):.2f} s of captures in all)")
+
+
 def fmt_bytes(b: float) -> str:
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if b >= div:
@@ -583,7 +592,7 @@ class Bench:
                      "max_running": j["max_running"], "ttft_first_s": min(ttfts),
                      "ttft_last_s": max(ttfts), "step_s": last["timings"]["decode_s"] / max(1, n - 1),
                      "completion_tokens": n, "kv_tokens_kept": last["kv_tokens_kept"],
-                     "kv_tokens_full": last["kv_tokens_full"]}
+                     "kv_tokens_full": last["kv_tokens_full"], "cuda_graphs": j.get("cuda_graphs")}
                 res["kvserve"][label] = g
                 log(f"  step {g['step_s'] * 1e3:.2f} ms, TTFT first {g['ttft_first_s']:.2f} s / all "
                     f"{g['ttft_last_s']:.2f} s, max_running {g['max_running']}")
@@ -727,7 +736,7 @@ def render(args, meta: dict, b: Bench) -> str:
                 L.append(f"| kvserve generate | {label} | {g['step_s'] * 1e3:.2f} | {e['prompts'] / g['step_s']:.0f} | "
                          f"{g['ttft_first_s']:.2f} | {g['ttft_last_s']:.2f} | {g['kv_tokens_kept']} of {g['kv_tokens_full']} "
                          f"| max_running {g['max_running']}, load {g['load_s']:.1f} s (warm-up "
-                         f"{g.get('warmup_s', 0.0):.2f} s) |")
+                         f"{g.get('warmup_s', 0.0):.2f} s){graph_note(g.get('cuda_graphs'))} |")
             else:
                 L.append(f"| kvserve generate | {label} | — | — | — | — | — | {(g or {}).get('error', 'not run')} |")
             bc = e["bench"].get(label)

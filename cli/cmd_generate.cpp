@@ -205,7 +205,12 @@ void add_generate_command(CLI::App& app) {
     // load_s covers everything before the prompts were submitted, the warm-up (warmup_s) included.
     const WarmupReport warmup = engine.warmup();
     const nlohmann::json warmup_json{{"prompts", warmup.prompts}, {"tokens", warmup.tokens},
-                                     {"decode_steps", warmup.decode_steps}, {"skipped", warmup.skipped}};
+                                     {"decode_steps", warmup.decode_steps}, {"graph_captures", warmup.graph_captures},
+                                     {"skipped", warmup.skipped}};
+    // Captures after the warm-up's happened while requests decoded (their steps waited for them).
+    const nlohmann::json graphs_json{{"captures", stats.cuda_graph_captures_total},
+                                     {"capture_s", stats.cuda_graph_capture_seconds_total},
+                                     {"captures_after_warmup", stats.cuda_graph_captures_total - warmup.graph_captures}};
     engine.shutdown(true);
     job->set_on_failure(nullptr);
     job->join_workers();
@@ -234,10 +239,11 @@ void add_generate_command(CLI::App& app) {
         out["timings"]["load_s"] = secs(t_loaded - t0).count();
         out["timings"]["warmup_s"] = warmup.seconds;
         out["warmup"] = warmup_json;
+        out["cuda_graphs"] = graphs_json;
       } else {
         out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
                {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}, {"warmup_s", warmup.seconds},
-               {"warmup", warmup_json}};
+               {"warmup", warmup_json}, {"cuda_graphs", graphs_json}};
         for (const auto& r : results) out["results"].push_back(as_json(r));
       }
       std::cout << out.dump() << "\n";

@@ -242,6 +242,11 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
         static_cast<double>(s.kv_blocks_parked));
   counter("kvserve:step_collectives_total", "Control-path collectives of a sharded job's steps (0 in one process).",
           static_cast<double>(s.step_collectives_total));
+  counter("kvserve:cuda_graph_captures_total",
+          "CUDA graph captures of decode steps, the start-up warm-up's included (a growing context is captured again).",
+          static_cast<double>(s.cuda_graph_captures_total));
+  counter("kvserve:cuda_graph_capture_seconds_total", "Host seconds the decode steps waited for those captures.",
+          s.cuda_graph_capture_seconds_total);
 
   header(out, "kvserve:request_success_total", "counter", "Finished requests by finish reason.");
   for (const auto& [reason, n] : finished_)

@@ -30,6 +30,9 @@ def test_generate_reports_the_warmup_and_answers_as_without():
     assert warm["warmup"]["prompts"] >= 1 and warm["warmup"]["tokens"] == 96 and warm["warmup"]["decode_steps"] > 0
     assert 0 < warm["timings"]["warmup_s"] <= warm["timings"]["load_s"]
     assert warm["token_ids"] == cold["token_ids"]
+    # No CUDA graphs on the CPU: nothing captured, in the warm-up or after it.
+    assert warm["warmup"]["graph_captures"] == 0
+    assert warm["cuda_graphs"] == {"captures": 0, "capture_s": 0, "captures_after_warmup": 0}
 
 
 def test_generate_many_prompts_reports_the_warmup():
@@ -43,6 +46,7 @@ def test_generate_many_prompts_reports_the_warmup():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["warmup"]["tokens"] == 40 and out["warmup_s"] > 0
+    assert out["cuda_graphs"]["captures_after_warmup"] == 0
     assert "warm-up: " in proc.stderr
 
 

@@ -126,7 +126,14 @@ def test_cuda_graphs_generate_what_eager_decode_generates(tmp_path, fused):
         flags = ["--enforce-eager"] if mode == "eager" else []
         proc = run_kvserve("generate", "--model", str(model), "--prompts-file", str(path), "--max-tokens", "24",
                            "--ignore-eos", "--json", "--device", "cuda", "--dtype", "float32", *flags)
-        outs[mode] = [r["token_ids"] for r in json.loads(proc.stdout)["results"]]
+        out = json.loads(proc.stdout)
+        outs[mode] = [r["token_ids"] for r in out["results"]]
+        graphs = out["cuda_graphs"]
+        if mode == "eager":
+            assert graphs["captures"] == 0
+        else:  # the warm-up's buckets and hints, then whatever the prompts' steps needed
+            assert graphs["captures"] >= 1 and graphs["capture_s"] > 0
+            assert graphs["captures"] == out["warmup"]["graph_captures"] + graphs["captures_after_warmup"]
     assert outs["graphs"] == outs["eager"]
 
 
