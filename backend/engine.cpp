@@ -228,6 +228,13 @@ void record_usage(EngineStats& st, const KvUsage& usage) {
   st.conversation_cache_bytes = usage.parked_bytes;
 }
 
+// The runner's own counters, as the last step left them.
+void record_runner(EngineStats& st, const ModelRunner& runner) {
+  st.step_collectives_total = runner.step_collectives();
+  st.cuda_graph_captures_total = runner.graph_captures();
+  st.cuda_graph_capture_seconds_total = runner.graph_capture_s();
+}
+
 }  // namespace
 
 void Engine::loop() {
@@ -271,9 +278,7 @@ void Engine::loop() {
     im.stats.prefix_cache_queries_total = sched.prefix_queries();
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
     if (!plan.empty()) ++im.stats.steps_total;
-    im.stats.step_collectives_total = runner.step_collectives();
-    im.stats.cuda_graph_captures_total = runner.graph_captures();
-    im.stats.cuda_graph_capture_seconds_total = runner.graph_capture_s();
+    record_runner(im.stats, runner);
     return stopping && sched.idle() && !sched.has_pending();
   };
   // A dead job (a rank died or hung): every request gets the error, nothing runs any more.
@@ -288,9 +293,7 @@ void Engine::loop() {
     std::lock_guard<std::mutex> lk(im.mu);
     record_usage(im.stats, usage);  // the pool and tier sizes are in /metrics before any request
     im.stats.steps_total = 1;
-    im.stats.step_collectives_total = runner.step_collectives();
-    im.stats.cuda_graph_captures_total = runner.graph_captures();
-    im.stats.cuda_graph_capture_seconds_total = runner.graph_capture_s();
+    record_runner(im.stats, runner);
   } catch (const std::exception& e) {
     KV_LOG(e.what());
     mark_unhealthy(e.what());

@@ -83,9 +83,9 @@ class LocalRunner final : public ModelRunner {
                                               std::span<const int64_t> leaving) const override {
     return kv_->shared_prefix_blocks(prompt, policy, leaving);
   }
-  // Null when decode runs eagerly.
   int64_t graph_captures() const override;
   double graph_capture_s() const override;
+  // Null when decode runs eagerly.
   const DecodeGraphs* decode_graphs() const { return graphs_.get(); }
 
  private:

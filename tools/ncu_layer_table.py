@@ -108,10 +108,11 @@ def analyse(rows: list[Row], steps: int | None = None) -> dict:
     ref_names = [r[0] for r in ref]
     # The wrap-around's end-of-capture kernels among the outside ones (they run last in a step).
     k = min(max(len(rows) - marks[-1] - split, 0), len(ref))
-    same = [o for o, _ in (outside_of(g, pattern) for g in gaps) if [r[0] for r in o] == ref_names]
+    gap_outside = [outside_of(g, pattern)[0] for g in gaps]
+    same = [o for o in gap_outside if [r[0] for r in o] == ref_names]
     outside = [(ref[i][0], ref[i][1], statistics.median(o[i][2] for o in same)) for i in range(len(ref))]
     outside = outside[k:] + outside[:k]
-    odd = [o for o, _ in (outside_of(g, pattern) for g in gaps) if [r[0] for r in o] != ref_names]
+    odd = [o for o in gap_outside if [r[0] for r in o] != ref_names]
     return {"steps": steps, "marker": marker, "pattern": pattern, "periods": periods, "marks": len(marks),
             "outside": outside, "outside_gaps": len(same), "odd_gaps": odd,
             "total_us": sum(r[2] for r in rows), "kernels": len(rows)}

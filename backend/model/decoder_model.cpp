@@ -166,9 +166,10 @@ torch::Tensor DecoderModel::rms_norm(const torch::Tensor& x, const torch::Tensor
   return block_ops::rms_norm(x, w, config_.block.norm, config_.rms_norm_eps);
 }
 
-std::pair<torch::Tensor, torch::Tensor> DecoderModel::rotated_qk(const Layer& l, const torch::Tensor& qkv,
-                                                                const RopeAngles& angles) const {
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecoderModel::rotated_qkv(const Layer& l, const torch::Tensor& qkv,
+                                                                                const RopeAngles& angles) const {
   const int64_t N = qkv.size(0), H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
+  if (!l.q_norm.defined() && q_factor_ == 1.0) return fused::rope_qkv(qkv, angles, H, KV, D);
   auto q = qkv.narrow(1, 0, H * D).view({N, H, D});
   auto k = qkv.narrow(1, H * D, KV * D).view({N, KV, D});
   if (l.q_norm.defined()) {  // BlockSpec::qk_norm: each head normalised over head_dim before its rotation
@@ -179,15 +180,7 @@ std::pair<torch::Tensor, torch::Tensor> DecoderModel::rotated_qk(const Layer& l,
   // The kernels scale by 1/sqrt(head_dim); a query_pre_attn_scalar goes into q instead, so that
   // every attention path (prefill, chunks, paged decode, the policies' scorers) sees the same logits.
   if (q_factor_ != 1.0) rq = rq * q_factor_;
-  return {rq, Rope::apply(k, angles)};
-}
-
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> DecoderModel::rotated_qkv(const Layer& l, const torch::Tensor& qkv,
-                                                                                const RopeAngles& angles) const {
-  const int64_t H = layout_.q_heads, KV = layout_.kv_heads, D = config_.head_dim;
-  if (!l.q_norm.defined() && q_factor_ == 1.0) return fused::rope_qkv(qkv, angles, H, KV, D);
-  auto [q, k] = rotated_qk(l, qkv, angles);
-  return {q, k, qkv.narrow(1, (H + KV) * D, KV * D).view({qkv.size(0), KV, D})};
+  return {rq, Rope::apply(k, angles), qkv.narrow(1, (H + KV) * D, KV * D).view({N, KV, D})};
 }
 
 torch::Tensor DecoderModel::add_norm(torch::Tensor& x, torch::Tensor& pending, const torch::Tensor& w) const {

@@ -169,13 +169,10 @@ class DecoderModel {
   torch::Tensor out_norm(const torch::Tensor& t, const torch::Tensor& w) const;
   // Throws unless `kv` applies this shard's sliding windows (ModelConfig::layer_windows) in decode.
   void check_windows(const KvMemory& kv) const;
-  // The rotated q [rows, H, D] and k [rows, KV, D] of a fused q,k,v projection, with the per-head
-  // norms applied first where the layer has them; q also carries the query_pre_attn_scalar factor
-  // (block_ops::query_factor).
-  std::pair<torch::Tensor, torch::Tensor> rotated_qk(const Layer& l, const torch::Tensor& qkv, const RopeAngles& angles) const;
-  // rotated_qk with v [rows, KV, D] beside them: one pass (one kernel on CUDA, fused::rope_qkv) that
-  // also makes q, k and v contiguous where the layer has no per-head norms and no query factor; else
-  // rotated_qk, with v a view of the projection.
+  // The rotated q [rows, H, D] and k [rows, KV, D] of a fused q,k,v projection, with v [rows, KV, D]
+  // beside them. Where the layer has per-head norms they apply first, and q carries the
+  // query_pre_attn_scalar factor (block_ops::query_factor); v is then a view of the projection.
+  // Without either, one pass (one kernel on CUDA, fused::rope_qkv) makes all three contiguous.
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotated_qkv(const Layer& l, const torch::Tensor& qkv,
                                                                       const RopeAngles& angles) const;
   // The residual stream's next norm, with the add that precedes it deferred into it: x += pending
