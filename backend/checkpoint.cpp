@@ -36,8 +36,29 @@ torch::Dtype dtype_from_name(const std::string& n) {
   KV_FAIL("unknown dtype '" << n << "' (use float32, bfloat16 or float16)");
 }
 
+KvQuant kv_cache_quant_from_name(const std::string& n) {
+  if (n == "int8" || n == "q8_0") return KvQuant::q8_0;
+  if (n == "int4" || n == "q4_0") return KvQuant::q4_0;
+  if (n == "q4_1") return KvQuant::q4_1;
+  if (n.rfind("fp8", 0) == 0) {
+    KV_FAIL("KV cache dtype '" << n << "' is not available: kvserve has no fp8 KV cache yet; int8 stores the same "
+                               << "bytes per value (with a scale per 32) on CPU");
+  }
+  return KvQuant::none;
+}
+
+std::string kv_cache_dtype_label(torch::Dtype dtype, KvQuant quant) {
+  switch (quant) {
+    case KvQuant::q8_0: return "int8";
+    case KvQuant::q4_0: return "int4";
+    case KvQuant::q4_1: return "q4_1";
+    case KvQuant::none: break;
+  }
+  return dtype_name(dtype);
+}
+
 torch::Dtype kv_cache_dtype_from_name(const std::string& n, torch::Dtype compute) {
-  if (n.empty() || n == "auto") return compute;
+  if (n.empty() || n == "auto" || kv_cache_quant_from_name(n) != KvQuant::none) return compute;
   try {
     return dtype_from_name(n);
   } catch (const KvError&) {

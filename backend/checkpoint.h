@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/safetensors_file.h"
+#include "cache_manager/kv_quant.h"
 
 namespace kvserve {
 
@@ -42,8 +43,15 @@ class Checkpoint {
 };
 
 torch::Dtype dtype_from_name(const std::string& name);  // "float32"/"fp32"/"bfloat16"/"bf16"/"float16"/"fp16"
-// The KV cache's storage dtype: "" or "auto" = `compute` (the model's dtype), else as dtype_from_name.
+// The KV cache's storage dtype: "" or "auto" = `compute` (the model's dtype), else as dtype_from_name;
+// a quantized cache's name (kv_cache_quant_from_name) gives `compute`, what its rows decode to.
 torch::Dtype kv_cache_dtype_from_name(const std::string& name, torch::Dtype compute);
+// The quantized format a KV cache dtype names: int8 = q8_0, int4 = q4_0 (docs/architecture.md,
+// "Quantized KV"), q8_0, q4_0, q4_1 as llama.cpp spells them; none for the float names. fp8 names
+// are refused (no fp8 cache yet: int8 stores as few bytes).
+KvQuant kv_cache_quant_from_name(const std::string& name);
+// How a KV cache dtype reads back in messages and --json: "float16", "int8 (q8_0)", ...
+std::string kv_cache_dtype_label(torch::Dtype dtype, KvQuant quant);
 std::string dtype_name(torch::Dtype dtype);  // "float32", "bfloat16", "float16" (others: torch's name)
 
 }  // namespace kvserve

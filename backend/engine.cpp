@@ -59,7 +59,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   options_ = options_for_model(options_, c);
   impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : context_length(c);
   auto policies = resolve_policies(options_.policies);
-  set_local_layers(policies, model_->kv_layout().local_layers);  // the scheduler's copies too
+  apply_model_layout(policies, model_->kv_layout());  // the scheduler's copies too (budget_bytes in tokens)
   // A kvzap policy's predictor is loaded now, so that a missing or mismatched one fails the start
   // (naming its directory) instead of every request that uses it.
   for (const auto& [name, cfg] : policies)
@@ -213,6 +213,8 @@ void record_usage(EngineStats& st, const KvUsage& usage) {
   st.kv_blocks_total = usage.blocks_total;
   st.kv_blocks_used = usage.blocks_used;
   st.kv_blocks_high_water = usage.blocks_high_water;
+  st.kv_bytes_total = usage.bytes_total;
+  st.kv_bytes_used = usage.bytes_used;
   st.kv_blocks_cached = usage.blocks_cached;
   st.prefix_cache_bytes = usage.cached_bytes;
   st.prefix_cache_host_bytes = usage.host_cached_bytes;

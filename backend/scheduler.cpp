@@ -371,6 +371,8 @@ KvUsage Scheduler::usage() const {
   for (const Pool& p : shards_) {
     u.blocks_total += p.usage.blocks_total;
     u.blocks_used += p.usage.blocks_used;
+    u.bytes_total += p.usage.blocks_total * p.usage.block_bytes;
+    u.bytes_used += p.usage.blocks_used * p.usage.block_bytes;
     u.blocks_high_water += p.usage.blocks_high_water;
     u.blocks_cached += p.usage.blocks_cached;
     u.cached_bytes += p.usage.cached_bytes;

@@ -122,6 +122,9 @@ struct StepResult {
 struct KvUsage {
   int64_t blocks_total = 0;
   int64_t blocks_used = 0;
+  // The same in bytes (a block's bytes depend on the KV cache dtype: int8 / int4 blocks are smaller).
+  int64_t bytes_total = 0;
+  int64_t bytes_used = 0;
   int64_t blocks_high_water = 0;
   int64_t blocks_cached = 0;
   int64_t cached_bytes = 0;

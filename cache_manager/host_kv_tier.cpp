@@ -15,10 +15,10 @@ HostKvTier::HostKvTier(const KvBlockPool& pool, int64_t num_layers, int64_t byte
                                               << slot_bytes(pool, num_layers) << " bytes)");
         return bytes / slot_bytes(pool, num_layers);
       }()) {
-  auto opts = torch::TensorOptions().dtype(pool.dtype()).device(torch::kCPU);
+  auto opts = torch::TensorOptions().dtype(pool.storage_dtype()).device(torch::kCPU);
   // Pinned memory lets the copies run asynchronously; a CPU pool has no transfer to speed up.
   if (pool.device().is_cuda()) opts = opts.pinned_memory(true);
-  storage_ = torch::empty({num_slots(), num_layers, 2, pool.num_kv_heads(), pool.block_size(), pool.head_dim()}, opts);
+  storage_ = torch::empty({num_slots(), num_layers, 2, pool.num_kv_heads(), pool.block_size(), pool.row_elems()}, opts);
 }
 
 torch::Tensor HostKvTier::index_of(const std::vector<int32_t>& pool_blocks) const {

@@ -13,16 +13,22 @@
 
 namespace kvserve {
 
+int64_t KvBlockPool::row_bytes(int64_t head_dim, torch::ScalarType dtype, KvQuant quant) {
+  return quant != KvQuant::none ? kv_quant_row_bytes(quant, head_dim)
+                                : head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 int64_t KvBlockPool::bytes_per_block(int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
-                                     torch::ScalarType dtype) {
-  return 2 * num_kv_heads * block_size * head_dim * static_cast<int64_t>(c10::elementSize(dtype));
+                                     torch::ScalarType dtype, KvQuant quant) {
+  return 2 * num_kv_heads * block_size * row_bytes(head_dim, dtype, quant);
 }
 
 int64_t KvBlockPool::resolve_num_blocks(const KvPoolOptions& o) {
   KV_CHECK(o.num_kv_heads > 0 && o.head_dim > 0 && o.block_size > 0,
            "KV pool needs positive num_kv_heads, head_dim and block_size (got " << o.num_kv_heads << ", " << o.head_dim
                                                                                 << ", " << o.block_size << ")");
-  const int64_t bb = bytes_per_block(o.num_kv_heads, o.block_size, o.head_dim, o.dtype);
+  check_kv_quant_head_dim(o.quant, o.head_dim, "KV pool");
+  const int64_t bb = bytes_per_block(o.num_kv_heads, o.block_size, o.head_dim, o.dtype, o.quant);
   int64_t n = 0;
   if (o.num_blocks > 0) {
     n = o.num_blocks;
@@ -47,9 +53,10 @@ KvBlockPool::KvBlockPool(const KvPoolOptions& options) : options_(options) {
   KV_CHECK(options.dtype == torch::kFloat32 || options.dtype == torch::kBFloat16 || options.dtype == torch::kFloat16,
            "KV pool dtype must be float32, bfloat16 or float16, got " << options.dtype);
   num_blocks_ = resolve_num_blocks(options);
-  block_bytes_ = bytes_per_block(options.num_kv_heads, options.block_size, options.head_dim, options.dtype);
-  const std::vector<int64_t> shape = {num_blocks_, 2, options.num_kv_heads, options.block_size, options.head_dim};
-  const auto topts = torch::TensorOptions().dtype(options.dtype).device(options.device);
+  block_bytes_ = bytes_per_block(options.num_kv_heads, options.block_size, options.head_dim, options.dtype, options.quant);
+  const int64_t row = options.quant != KvQuant::none ? kv_quant_row_bytes(options.quant, options.head_dim) : options.head_dim;
+  const std::vector<int64_t> shape = {num_blocks_, 2, options.num_kv_heads, options.block_size, row};
+  const auto topts = torch::TensorOptions().dtype(storage_dtype()).device(options.device);
   if (options.device.is_cpu()) {
     storage_ = allocate_host(shape, topts, total_bytes());
   } else {

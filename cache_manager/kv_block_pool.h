@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache_manager/kv_quant.h"
+
 namespace kvserve {
 
 // What the pool stores and how big it is; plain values so configs can fill them.
@@ -20,6 +22,9 @@ struct KvPoolOptions {
   torch::ScalarType dtype = torch::kFloat32;
   torch::Device device = torch::kCPU;
   bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
+  // A quantized pool (cache_manager/kv_quant.h): rows are stored as bytes in this format and `dtype`
+  // is what they are decoded to when read back as tensors (gather).
+  KvQuant quant = KvQuant::none;
   // Head-wise layout (docs/architecture.md, "Head-wise KV lengths"): a block holds one KV head's
   // block_size tokens, and every (sequence, layer, KV head) owns its own block table and length, so
   // a head that keeps 40 tokens holds 40 tokens' blocks. PagedKvCache builds its pool with one head
@@ -27,14 +32,18 @@ struct KvPoolOptions {
   bool head_blocks = false;
 };
 
-// Storage [num_blocks, 2, KV, block_size, D]: one block = K then V of all KV heads of one layer for
-// block_size tokens. Each (block, K|V, head) is a contiguous [block_size, D] tile, so the decode
+// Storage [num_blocks, 2, KV, block_size, R]: one block = K then V of all KV heads of one layer for
+// block_size tokens. Each (block, K|V, head) is a contiguous [block_size, R] tile, so the decode
 // kernel streams a head's keys and values with unit stride and never touches other heads' data.
+// R = head_dim elements of `dtype`, or for a quantized pool the row's bytes (uint8 storage).
 class KvBlockPool {
  public:
   explicit KvBlockPool(const KvPoolOptions& options);
 
-  static int64_t bytes_per_block(int64_t num_kv_heads, int64_t block_size, int64_t head_dim, torch::ScalarType dtype);
+  static int64_t bytes_per_block(int64_t num_kv_heads, int64_t block_size, int64_t head_dim, torch::ScalarType dtype,
+                                 KvQuant quant = KvQuant::none);
+  // Bytes of one (token, KV head) row of K (or V).
+  static int64_t row_bytes(int64_t head_dim, torch::ScalarType dtype, KvQuant quant);
   // How many blocks `options` asks for (resolves bytes / device fraction); throws on a zero pool.
   static int64_t resolve_num_blocks(const KvPoolOptions& options);
 
@@ -49,6 +58,10 @@ class KvBlockPool {
   int64_t block_bytes() const { return block_bytes_; }
   int64_t total_bytes() const { return block_bytes_ * num_blocks_; }
   torch::ScalarType dtype() const { return options_.dtype; }
+  KvQuant quant() const { return options_.quant; }
+  bool quantized() const { return options_.quant != KvQuant::none; }
+  torch::ScalarType storage_dtype() const { return quantized() ? torch::kUInt8 : options_.dtype; }
+  int64_t row_elems() const { return storage_.size(4); }  // R: elements of storage_dtype() per row
   torch::Device device() const { return options_.device; }
 
  private:

@@ -44,6 +44,16 @@ class KvMemory {
   // all of it or a policy's selection. Called for layers in increasing order.
   virtual void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
                              const torch::Tensor& v) = 0;
+  // A prompt chunk's K or V ([KV, T, D], after RoPE) as the sequence's later reads will find them
+  // in this memory. A sequence that keeps its whole prompt in a pool that rounds or quantizes K/V
+  // attends to its own prompt so, as it attends to earlier chunks and to cached prefixes, so that a
+  // chunked or prefix-cached prefill computes what one forward computes (vLLM reads a prompt's K/V
+  // back from its cache likewise). A compressing policy's prompt attends to them as computed and
+  // is scored from them (they are quantized only when stored). Identity by default.
+  virtual torch::Tensor as_stored(int64_t seq_id, const torch::Tensor& x) const {
+    (void)seq_id;
+    return x;
+  }
   // Called after the last layer (policies that rebalance across layers settle here). A chunked
   // prefill calls it once, after its last chunk.
   virtual void end_prefill(int64_t seq_id) = 0;

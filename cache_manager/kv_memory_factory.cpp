@@ -26,11 +26,25 @@ void set_local_layers(std::map<std::string, PolicyConfig>& policies, const std::
   for (auto& [name, cfg] : policies) cfg.local_layers = local_layers;
 }
 
+namespace {
+void resolve_budget_bytes(std::map<std::string, PolicyConfig>& policies, const KvMemoryLayout& layout) {
+  const std::string dtype = layout.quant != KvQuant::none ? kv_quant_name(layout.quant) : c10::toString(layout.dtype);
+  const int64_t layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
+  for (auto& [name, cfg] : policies) cfg.resolve_budget_bytes(layout.model_token_layer_bytes, layers, dtype);
+}
+}  // namespace
+
+void apply_model_layout(std::map<std::string, PolicyConfig>& policies, const KvMemoryLayout& layout) {
+  set_local_layers(policies, layout.local_layers);
+  resolve_budget_bytes(policies, layout);
+}
+
 std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
                                               std::map<std::string, PolicyConfig> policies,
                                               const std::string& default_policy, KvShard shard) {
   KV_CHECK(layout.num_layers > 0 && layout.num_kv_heads > 0 && layout.head_dim > 0,
            "internal: a KV memory needs layers, KV heads and a head size");
+  resolve_budget_bytes(policies, layout);
   KvPoolOptions pool;
   pool.num_kv_heads = layout.num_kv_heads;
   pool.head_dim = layout.head_dim;
@@ -38,6 +52,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
   pool.num_blocks = size.num_blocks;
   pool.kv_cache_bytes = size.kv_cache_bytes;
   pool.dtype = layout.dtype;
+  pool.quant = layout.quant;
   pool.device = layout.device;
   pool.rounds = layout.rounds;
   pool.head_blocks = uses_head_blocks(size.layout, policies);

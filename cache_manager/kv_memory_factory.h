@@ -21,9 +21,13 @@ struct KvMemoryLayout {
   int64_t num_kv_heads = 0;  // KV heads this shard holds
   int64_t head_dim = 0;
   torch::ScalarType dtype = torch::kFloat32;
+  KvQuant quant = KvQuant::none;  // a quantized pool's row format (then dtype is what rows decode to)
   torch::Device device = torch::kCPU;
   bool rounds = false;  // dtype differs from the model's compute dtype: K/V read back are rounded
   uint64_t kv_salt = 0;  // names what else makes the K/V (the prefix cache's key salt)
+  // One token of one layer, K and V of every KV head of the whole model, in the cache's dtype: what
+  // a policy's budget_bytes is divided by (PolicyConfig::resolve_budget_bytes).
+  int64_t model_token_layer_bytes = 0;
   // Per layer of this shard: 0 = global attention, w > 0 = a sliding-window (local) layer whose
   // queries see the last w positions. Empty = every layer global.
   std::vector<int64_t> layer_windows;
@@ -35,6 +39,8 @@ struct KvMemoryLayout {
 // Tells every policy the model's sliding-window layers, as make_kv_memory does for its memory's
 // copies: for other holders of the configs (the scheduler's admission arithmetic).
 void set_local_layers(std::map<std::string, PolicyConfig>& policies, const std::vector<int64_t>& local_layers);
+// The same, and every budget_bytes resolved to tokens per layer in this layout's KV cache dtype.
+void apply_model_layout(std::map<std::string, PolicyConfig>& policies, const KvMemoryLayout& layout);
 
 // How a pool lays out its blocks (cache.kv_layout): kLayer, a block holds every KV head of a layer
 // (one length per layer); kHead, one KV head (each head its own length, for head-wise budgets);

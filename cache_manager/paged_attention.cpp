@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -18,6 +19,8 @@
 #define KVSERVE_PAGED_F16C 1
 #endif
 
+#include <c10/util/Half.h>
+
 #include "common/check.h"
 
 namespace kvserve {
@@ -25,10 +28,11 @@ namespace {
 
 struct Shapes {
   int64_t B, H, KV, G, D, bs, N, max_blocks;
+  int64_t R;  // storage elements per (token, head) row: D, or a quantized row's bytes
 };
 
 Shapes check_args(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& table,
-                  const torch::Tensor& lengths) {
+                  const torch::Tensor& lengths, KvQuant quant) {
   KV_CHECK(q.dim() == 3, "paged attention: q must be [B, H, D], got " << q.sizes());
   KV_CHECK(pool.dim() == 5 && pool.size(1) == 2, "paged attention: pool must be [N, 2, KV, bs, D], got " << pool.sizes());
   Shapes s{};
@@ -38,7 +42,16 @@ Shapes check_args(const torch::Tensor& q, const torch::Tensor& pool, const torch
   s.N = pool.size(0);
   s.KV = pool.size(2);
   s.bs = pool.size(3);
-  KV_CHECK(pool.size(4) == s.D, "paged attention: head_dim of q (" << s.D << ") != pool's (" << pool.size(4) << ")");
+  s.R = pool.size(4);
+  if (quant == KvQuant::none) {
+    KV_CHECK(s.R == s.D, "paged attention: head_dim of q (" << s.D << ") != pool's (" << s.R << ")");
+  } else {
+    check_kv_quant_head_dim(quant, s.D, "paged attention");
+    KV_CHECK(pool.scalar_type() == torch::kUInt8 && s.R == kv_quant_row_bytes(quant, s.D),
+             "paged attention: a " << kv_quant_name(quant) << " pool of head_dim " << s.D << " is uint8 rows of "
+                                   << kv_quant_row_bytes(quant, s.D) << " bytes, got " << pool.scalar_type() << " rows of "
+                                   << s.R);
+  }
   KV_CHECK(s.KV > 0 && s.H % s.KV == 0, "paged attention: " << s.H << " query heads not a multiple of " << s.KV
                                                               << " KV heads");
   s.G = s.H / s.KV;
@@ -134,6 +147,58 @@ struct F16Elems {
 };
 #endif
 
+// Quantized rows (cache_manager/kv_quant.h) are not read 8 at a time: a block's K and V tiles are
+// decoded into fp32 tiles in L1 (every byte read from memory once), and the fp32 code runs on those.
+inline float half_at(const uint8_t* p) {
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+#ifdef KVSERVE_PAGED_F16C
+  return _cvtsh_ss(b);
+#else
+  return static_cast<float>(c10::Half(b, c10::Half::from_bits()));
+#endif
+}
+template <KvQuant kQ>
+struct QuantRows {
+  using Elem = uint8_t;
+  static constexpr bool kQuantized = true;
+  // n rows of R bytes -> n rows of D floats.
+  static void decode(const uint8_t* rows, int64_t n, int64_t D, int64_t R, float* out) {
+    constexpr int64_t kG = kKvQuantGroup;
+    const int64_t data = kQ == KvQuant::q8_0 ? D : D / 2;
+    constexpr int64_t sb = kQ == KvQuant::q4_1 ? 4 : 2;
+    for (int64_t t = 0; t < n; ++t, rows += R, out += D) {
+      for (int64_t g = 0; g < D / kG; ++g) {
+        const uint8_t* sc = rows + data + g * sb;
+        const __m256 d = _mm256_set1_ps(half_at(sc));
+        float* o = out + g * kG;
+        if constexpr (kQ == KvQuant::q8_0) {
+          const uint8_t* qs = rows + g * kG;
+          for (int i = 0; i < 4; ++i) {
+            const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i)));
+            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), d));
+          }
+        } else {
+          const __m256 m = kQ == KvQuant::q4_1 ? _mm256_set1_ps(half_at(sc + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + g * kG / 2));
+          const __m128i mask = _mm_set1_epi8(0x0F);
+          const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+          const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+          for (int i = 0; i < 4; ++i) {
+            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+            _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(x, d, m));
+          }
+        }
+      }
+    }
+  }
+};
+template <typename E>
+constexpr bool quantized_elems() {
+  if constexpr (requires { E::kQuantized; }) return E::kQuantized;
+  return false;
+}
+
 // A slice of one (sequence, KV head)'s blocks; long contexts are split so that all threads stay busy.
 struct WorkItem {
   int32_t b, kvh, blk_begin, blk_end;
@@ -158,12 +223,13 @@ constexpr int64_t kPrefetchDist = 1;
 template <int kD, int kG, typename E>
 void attend_chunk(const Shapes& s, const float* q, float qscale, const void* pool_raw, const int32_t* table_row,
                   int64_t lo, int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc,
-                  float* kbuf) {
+                  float* kbuf, float* vbuf) {
   using T = typename E::Elem;
+  constexpr bool kQuant = quantized_elems<E>();
   const T* pool = static_cast<const T*>(pool_raw);
   const int64_t D = kD ? kD : s.D;
   const int64_t G = kG ? kG : s.G, bs = s.bs;
-  const int64_t tile = bs * D;           // one head's K (or V) in one block
+  const int64_t tile = bs * s.R;         // one head's K (or V) in one block
   const int64_t block_stride = 2 * s.KV * tile;
   const float* qg0 = q + (static_cast<int64_t>(w.b) * s.H + static_cast<int64_t>(w.kvh) * G) * D;
   for (int64_t i = 0; i < G * D; ++i) qs[i] = qg0[i] * qscale;
@@ -181,7 +247,8 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
     const int64_t n = std::min<int64_t>(bs, len - blk * bs);
     const int64_t skip = lo - blk * bs;  // > 0: this block's first slots are outside the window
     const int64_t ntiles = (n + 7) / 8;
-    constexpr int64_t kDist = kPrefetchDist * static_cast<int64_t>(sizeof(float) / sizeof(T));
+    // As many bytes ahead as kPrefetchDist fp32 blocks: smaller rows look more blocks ahead.
+    const int64_t kDist = std::max<int64_t>(1, kPrefetchDist * D * 4 / (s.R * static_cast<int64_t>(sizeof(T))));
     if (blk + kDist < w.blk_end) {
       // The next block lives anywhere in the pool, and each tile is about one page, so hardware
       // prefetchers never ramp up: request all of its K and V lines while this block computes.
@@ -195,9 +262,14 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
       }
     }
 
-    // A 16-bit K tile is widened once into kbuf (L1), not once per query head of the group.
+    // A 16-bit K tile is widened once into kbuf (L1), not once per query head of the group; a
+    // quantized one is decoded there, and its V tile into vbuf.
     const float* Kf;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kQuant) {
+      E::decode(K, n, D, s.R, kbuf);
+      E::decode(V, n, D, s.R, vbuf);
+      Kf = kbuf;
+    } else if constexpr (std::is_same_v<T, float>) {
       Kf = K;
     } else {
       for (int64_t i = 0; i < ntiles * 8 * D; i += 8) _mm256_storeu_ps(kbuf + i, E::load8(K + i));
@@ -253,6 +325,13 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
     }
 
     // acc += p · V, valid rows only (stale rows may hold NaN and 0 * NaN is NaN).
+    auto load_v = [&](int64_t i) {
+      if constexpr (kQuant) {
+        return _mm256_loadu_ps(vbuf + i);
+      } else {
+        return E::load8(V + i);
+      }
+    };
     if constexpr (kG > 0) {
       // Register-blocked: each V row chunk is loaded once for all G heads; acc stays in registers.
       constexpr int kRC = register_chunks(kD, kG);
@@ -264,7 +343,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
           __m256 p[kG];
           for (int g = 0; g < kG; ++g) p[g] = _mm256_broadcast_ss(sc + g * bs + t);
           for (int c = 0; c < kRC; ++c) {
-            const __m256 vv = E::load8(V + t * D + d0 + 8 * c);
+            const __m256 vv = load_v(t * D + d0 + 8 * c);
             for (int g = 0; g < kG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], vv, a[g][c]);
           }
         }
@@ -281,10 +360,10 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
         __m256 a1 = _mm256_setzero_ps();
         int64_t t = 0;
         for (; t + 1 < n; t += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), E::load8(V + t * D + d), a0);
-          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + 1), E::load8(V + (t + 1) * D + d), a1);
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), load_v(t * D + d), a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + 1), load_v((t + 1) * D + d), a1);
         }
-        if (t < n) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), E::load8(V + t * D + d), a0);
+        if (t < n) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), load_v(t * D + d), a0);
         _mm256_storeu_ps(ag, _mm256_add_ps(a0, a1));
       }
     }
@@ -292,7 +371,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
 }
 
 using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const int32_t*, int64_t, int64_t,
-                         const WorkItem&, float*, float*, float*, float*, float*, float*);
+                         const WorkItem&, float*, float*, float*, float*, float*, float*, float*);
 
 template <int kD, typename E>
 ChunkFn select_for_d(int64_t G) {
@@ -315,7 +394,13 @@ ChunkFn select_for_elems(int64_t D, int64_t G) {
 }
 
 // Null when this build has no kernel for the pool's dtype (fp16 without F16C).
-ChunkFn select_kernel(torch::ScalarType pool_dtype, int64_t D, int64_t G) {
+ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
+  switch (quant) {
+    case KvQuant::q8_0: return select_for_elems<QuantRows<KvQuant::q8_0>>(D, G);
+    case KvQuant::q4_0: return select_for_elems<QuantRows<KvQuant::q4_0>>(D, G);
+    case KvQuant::q4_1: return select_for_elems<QuantRows<KvQuant::q4_1>>(D, G);
+    case KvQuant::none: break;
+  }
   switch (pool_dtype) {
     case torch::kFloat32: return select_for_elems<F32Elems>(D, G);
     case torch::kBFloat16: return select_for_elems<Bf16Elems>(D, G);
@@ -386,12 +471,12 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   // Waking the other threads costs tens of microseconds: small caches (a compressed layer) run here.
   const int64_t workers = total_blocks < kMinParallelBlocks ? 1 : std::min(nthreads, std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qs(G * D), sc(G * s.bs), kbuf(s.bs * D);
+    std::vector<float> qs(G * D), sc(G * s.bs), kbuf(s.bs * D), vbuf(s.bs * D);
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const int64_t i = order[k];
       const WorkItem& w = items[i];
       fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, first_slot(w.b), lens[w.b], w, part_acc.data() + i * G * D,
-         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data(), kbuf.data());
+         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data(), kbuf.data(), vbuf.data());
     }
   });
 
@@ -433,24 +518,24 @@ int64_t paged_attention_parallel_width() {
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                              const torch::Tensor& lengths, double scale, int64_t window) {
-  const Shapes s = check_args(q, pool, block_table, lengths);
+                              const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant) {
+  const Shapes s = check_args(q, pool, block_table, lengths, quant);
   KV_CHECK(window >= 0, "paged attention: window must be >= 0, got " << window);
   scale = resolve_scale(scale, s.D);
 #ifdef KVSERVE_PAGED_AVX2
   if (pool.device().is_cpu() && q.device().is_cpu() && q.is_floating_point() && pool.is_contiguous() &&
       s.D % 8 == 0 && s.bs % 8 == 0) {
-    if (const ChunkFn fn = select_kernel(pool.scalar_type(), s.D, s.G)) {
+    if (const ChunkFn fn = select_kernel(pool.scalar_type(), quant, s.D, s.G)) {
       return paged_attention_cpu_avx2(s, fn, q, pool, block_table, lengths, scale, window);
     }
   }
 #endif
-  return paged_attention_gather(q, pool, block_table, lengths, scale, window);
+  return paged_attention_gather(q, pool, block_table, lengths, scale, window, quant);
 }
 
 torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                                     const torch::Tensor& lengths, double scale, int64_t window) {
-  const Shapes s = check_args(q, pool, block_table, lengths);
+                                     const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant) {
+  const Shapes s = check_args(q, pool, block_table, lengths, quant);
   scale = resolve_scale(scale, s.D);
   {
     const torch::Tensor lens_host = lengths.to(torch::kCPU).contiguous();
@@ -462,11 +547,13 @@ torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor
   const torch::Tensor lens = lengths.to(dev, torch::kLong);
   const int64_t S = s.max_blocks * s.bs;
   // [B*maxb, 2, KV, bs, D] → K, V as [B, KV, S, D]
-  const torch::Tensor blocks = pool.index_select(0, idx).view({s.B, s.max_blocks, 2, s.KV, s.bs, s.D});
+  torch::Tensor picked = pool.index_select(0, idx);
+  if (quant != KvQuant::none) picked = kv_quant_decode(picked, quant, s.D);
+  const torch::Tensor blocks = picked.view({s.B, s.max_blocks, 2, s.KV, s.bs, s.D});
   const torch::Tensor k = blocks.select(2, 0).permute({0, 2, 1, 3, 4}).reshape({s.B, s.KV, S, s.D});
   const torch::Tensor v = blocks.select(2, 1).permute({0, 2, 1, 3, 4}).reshape({s.B, s.KV, S, s.D});
   // A 16-bit pool under an fp32 q is widened, never q narrowed: the math runs in the wider dtype.
-  const torch::ScalarType ct = torch::promote_types(q.scalar_type(), pool.scalar_type());
+  const torch::ScalarType ct = torch::promote_types(q.scalar_type(), blocks.scalar_type());
   const torch::Tensor qg = q.to(dev, ct).view({s.B, s.KV, s.G, s.D});
   torch::Tensor scores = torch::matmul(qg, k.to(ct).transpose(-1, -2)).to(torch::kFloat32).mul_(scale);  // [B, KV, G, S]
   // Stale slots may hold NaN/inf: replace, don't add, so nothing leaks through the mask.
@@ -482,8 +569,8 @@ torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor
 
 torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Tensor& pool,
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
-                                        double scale, int64_t window) {
-  const Shapes s = check_args(q, pool, block_table, lengths);
+                                        double scale, int64_t window, KvQuant quant) {
+  const Shapes s = check_args(q, pool, block_table, lengths, quant);
   scale = resolve_scale(scale, s.D);
   const torch::Tensor table = block_table.to(torch::kCPU, torch::kLong);
   const torch::Tensor lens = lengths.to(torch::kCPU, torch::kLong);
@@ -492,7 +579,9 @@ torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Ten
     const int64_t len = lens[b].item<int64_t>();
     if (len == 0) continue;
     const int64_t nb = (len + s.bs - 1) / s.bs;
-    const torch::Tensor blocks = pool.index_select(0, table[b].narrow(0, 0, nb).to(pool.device())).to(torch::kFloat64);
+    torch::Tensor picked = pool.index_select(0, table[b].narrow(0, 0, nb).to(pool.device()));
+    if (quant != KvQuant::none) picked = kv_quant_decode(picked, quant, s.D);
+    const torch::Tensor blocks = picked.to(torch::kFloat64);
     const torch::Tensor k = blocks.select(1, 0).permute({1, 0, 2, 3}).reshape({s.KV, nb * s.bs, s.D}).narrow(1, 0, len);
     const torch::Tensor v = blocks.select(1, 1).permute({1, 0, 2, 3}).reshape({s.KV, nb * s.bs, s.D}).narrow(1, 0, len);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;

@@ -23,7 +23,7 @@ bool use_cuda_kernels(const KvBlockPool& pool) {
     const char* e = std::getenv("KVSERVE_PAGED_KERNEL");
     return e != nullptr && std::string(e) == "torch";
   }();
-  return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 &&
+  return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 && !pool.quantized() &&
          (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 || pool.dtype() == torch::kFloat16);
 }
 // The pool's own geometry: one KV head per block in the head-wise layout.
@@ -45,9 +45,28 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
       kv_(pool_.num_kv_heads()),
       bs_(options.block_size),
       d_(options.head_dim),
-      dev_(num_layers, options.device) {
+      dev_(num_layers, options.device),
+      rotates_(pool_.quantized() && kv_quant_rotation_enabled()) {
   KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
   pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
+}
+
+torch::Tensor PagedKvCache::encode(const torch::Tensor& x) const {
+  if (pool_.quantized()) return kv_quant_encode(rotates_ ? kv_quant_rotate(x) : x, pool_.quant()).to(pool_.device());
+  return x.to(torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device()));
+}
+
+torch::Tensor PagedKvCache::decode(const torch::Tensor& rows) const {
+  if (!pool_.quantized()) return rows;
+  const torch::Tensor x = kv_quant_decode(rows, pool_.quant(), d_, pool_.dtype());
+  return rotates_ ? kv_quant_rotate(x) : x;
+}
+
+torch::Tensor PagedKvCache::stored_attention(const torch::Tensor& q, const torch::Tensor& table,
+                                             const torch::Tensor& lengths, double scale, int64_t window) const {
+  // Rotated rows: the query is rotated alike and the output (a mix of rotated V rows) rotated back.
+  if (!rotates_) return paged_attention(q, pool_.storage(), table, lengths, scale, window, pool_.quant());
+  return kv_quant_rotate(paged_attention(kv_quant_rotate(q), pool_.storage(), table, lengths, scale, window, pool_.quant()));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -255,15 +274,14 @@ void PagedKvCache::write(int64_t seq_id, int64_t layer, const torch::Tensor& k, 
     drop_blocks(lb.blocks);
     lb.length = 0;
   }
-  const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     LayerBlocks& lb = t.layer(slot(layer, lane));
     const int64_t m = lens[static_cast<size_t>(lane)];
     lb.blocks = take_blocks(blocks_for_tokens(m, bs_), seq_id, layer);
     if (m > 0) {
       const auto [blk, off] = slot_index(lb.blocks, m);
-      pool_.keys().index_put_({blk, Slice(), off}, lane_rows(k, lane).narrow(1, 0, m).to(opts).transpose(0, 1));
-      pool_.values().index_put_({blk, Slice(), off}, lane_rows(v, lane).narrow(1, 0, m).to(opts).transpose(0, 1));
+      pool_.keys().index_put_({blk, Slice(), off}, encode(lane_rows(k, lane).narrow(1, 0, m)).transpose(0, 1));
+      pool_.values().index_put_({blk, Slice(), off}, encode(lane_rows(v, lane).narrow(1, 0, m)).transpose(0, 1));
     }
     for (int64_t h = 0; h < kv_; ++h) {
       const int64_t* hp = pp + (lane * kv_ + h) * n;
@@ -302,7 +320,6 @@ void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k,
   }
   std::vector<int32_t> fresh = need > 0 ? take_blocks(need, seq_id, layer) : std::vector<int32_t>{};
   size_t next = 0;
-  const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     LayerBlocks& lb = t.layer(slot(layer, lane));
     const int64_t len = lb.length;
@@ -310,8 +327,8 @@ void PagedKvCache::extend(int64_t seq_id, int64_t layer, const torch::Tensor& k,
     auto [blk, off] = slot_index(lb.blocks, len + n);
     blk = blk.narrow(0, len, n);
     off = off.narrow(0, len, n);
-    pool_.keys().index_put_({blk, Slice(), off}, lane_rows(k, lane).to(opts).transpose(0, 1));
-    pool_.values().index_put_({blk, Slice(), off}, lane_rows(v, lane).to(opts).transpose(0, 1));
+    pool_.keys().index_put_({blk, Slice(), off}, encode(lane_rows(k, lane)).transpose(0, 1));
+    pool_.values().index_put_({blk, Slice(), off}, encode(lane_rows(v, lane)).transpose(0, 1));
     for (int64_t h = 0; h < kv_; ++h) {
       const int64_t* hp = pp + (lane * kv_ + h) * n;
       for (int64_t j = 0; j < n; ++j) {
@@ -451,13 +468,12 @@ std::vector<int32_t> PagedKvCache::store_blocks(const torch::Tensor& k, const to
   const int64_t n = k.size(1), per_lane = blocks_for_tokens(n, bs_);
   std::vector<int32_t> blocks = take_blocks(per_lane * lanes_, -1, -1);
   if (n == 0) return blocks;
-  const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device());
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     const auto begin = blocks.begin() + lane * per_lane;
     const std::vector<int32_t> own(begin, begin + per_lane);
     const auto [blk, off] = slot_index(own, n);
-    pool_.keys().index_put_({blk, Slice(), off}, lane_rows(k, lane).to(opts).transpose(0, 1));
-    pool_.values().index_put_({blk, Slice(), off}, lane_rows(v, lane).to(opts).transpose(0, 1));
+    pool_.keys().index_put_({blk, Slice(), off}, encode(lane_rows(k, lane)).transpose(0, 1));
+    pool_.values().index_put_({blk, Slice(), off}, encode(lane_rows(v, lane)).transpose(0, 1));
     for (int64_t h = 0; h < kv_; ++h)
       for (int64_t j = 0; j < n; ++j) pos_ptr(own[static_cast<size_t>(j / bs_)], h)[j % bs_] = static_cast<int32_t>(first + j);
   }
@@ -643,13 +659,14 @@ void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const tor
   const int64_t B = k.size(0);
   const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu();
   if (fast) {
-    // A 16-bit pool under fp32 activations: .to() rounds to nearest even, as every other write does.
-    const torch::Tensor kc = k.to(pool_.dtype()).contiguous(), vc = v.to(pool_.dtype()).contiguous();
-    const int64_t esz = static_cast<int64_t>(c10::elementSize(pool_.dtype()));
+    // A 16-bit pool under fp32 activations: .to() rounds to nearest even, as every other write does;
+    // a quantized pool gets its encoded rows.
+    const torch::Tensor kc = encode(k).contiguous(), vc = encode(v).contiguous();
+    const int64_t esz = static_cast<int64_t>(c10::elementSize(pool_.storage_dtype()));
     char* base = static_cast<char*>(pool_.storage().data_ptr());
     const char* ks = static_cast<const char*>(kc.data_ptr());
     const char* vs = static_cast<const char*>(vc.data_ptr());
-    const int64_t row = d_ * esz, tile = bs_ * row, block = 2 * kv_ * tile;
+    const int64_t row = pool_.row_elems() * esz, tile = bs_ * row, block = 2 * kv_ * tile;
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < kv_; ++h) {
         char* dst = base + blk[b] * block + h * tile + off[b] * row;
@@ -661,9 +678,8 @@ void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const tor
     const auto dev = pool_.device();
     const torch::Tensor bt = torch::tensor(std::vector<int64_t>(blk, blk + B), torch::kLong).to(dev);
     const torch::Tensor ot = torch::tensor(std::vector<int64_t>(off, off + B), torch::kLong).to(dev);
-    const auto opts = torch::TensorOptions().dtype(pool_.dtype()).device(dev);
-    pool_.keys().index_put_({bt, Slice(), ot}, k.to(opts));
-    pool_.values().index_put_({bt, Slice(), ot}, v.to(opts));
+    pool_.keys().index_put_({bt, Slice(), ot}, encode(k));
+    pool_.values().index_put_({bt, Slice(), ot}, encode(v));
   }
 }
 
@@ -707,7 +723,7 @@ torch::Tensor PagedKvCache::attend(int64_t layer, const std::vector<int64_t>& se
   const DecodeTables t = decode_tables(layer, seq_ids);
   const int64_t B = q.size(0), H = q.size(1);
   KV_CHECK(H % lanes_ == 0, "attend: " << H << " query heads for " << lanes_ << " KV heads");
-  return paged_attention(q.reshape({B * lanes_, H / lanes_, q.size(2)}), pool_.storage(), t.block_table, t.lengths, scale)
+  return stored_attention(q.reshape({B * lanes_, H / lanes_, q.size(2)}), t.block_table, t.lengths, scale, 0)
       .reshape({B, H, q.size(2)});
 }
 
@@ -808,7 +824,7 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);
-  return unlane(paged_attention(qr, pool_.storage(), table, lens, scale, window));
+  return unlane(stored_attention(qr, table, lens, scale, window));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -859,8 +875,8 @@ std::pair<torch::Tensor, torch::Tensor> PagedKvCache::gather(int64_t seq_id, int
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     const LayerBlocks& lb = layer_blocks(seq_id, layer, lane);
     const auto [blk, off] = slot_index(lb.blocks, lb.length);
-    ks.push_back(pool_.keys().index({blk, Slice(), off}).transpose(0, 1));
-    vs.push_back(pool_.values().index({blk, Slice(), off}).transpose(0, 1));
+    ks.push_back(decode(pool_.keys().index({blk, Slice(), off})).transpose(0, 1));
+    vs.push_back(decode(pool_.values().index({blk, Slice(), off})).transpose(0, 1));
   }
   if (lanes_ == 1) return {ks[0].contiguous(), vs[0].contiguous()};
   return {torch::cat(ks, 0), torch::cat(vs, 0)};
@@ -877,8 +893,8 @@ std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> PagedKvCache::gat
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     const LayerBlocks& lb = layer_blocks(seq_id, layer, lane);
     const auto [blk, off] = slot_index(lb.blocks, lb.length);
-    auto k = pool_.keys().index({blk, Slice(), off}).transpose(0, 1);  // [kv_, length, D]
-    auto v = pool_.values().index({blk, Slice(), off}).transpose(0, 1);
+    auto k = decode(pool_.keys().index({blk, Slice(), off})).transpose(0, 1);  // [kv_, length, D]
+    auto v = decode(pool_.values().index({blk, Slice(), off})).transpose(0, 1);
     const int64_t pad = n - lb.length;
     if (pad > 0) {
       k = torch::cat({k, torch::zeros({kv_, pad, d_}, k.options())}, 1);

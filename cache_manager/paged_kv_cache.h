@@ -183,7 +183,8 @@ class PagedKvCache {
   // length is padded with -1.
   torch::Tensor positions(int64_t seq_id, int64_t layer) const;
   // Contiguous copies k, v [KV, length, D] in the pool's dtype/device (tests, debugging, eviction
-  // scoring, a chunk's context). Needs every head at one length (throws otherwise).
+  // scoring, a chunk's context); a quantized pool's rows come back decoded. Needs every head at one
+  // length (throws otherwise).
   std::pair<torch::Tensor, torch::Tensor> gather(int64_t seq_id, int64_t layer) const;
   // The same for heads of any lengths: k, v padded with zeros to the longest head, and every KV
   // head's length (empty when they are all equal and nothing is padded).
@@ -239,6 +240,21 @@ class PagedKvCache {
   torch::Tensor lane_rows(const torch::Tensor& t, int64_t lane) const { return t.narrow(0, lane * kv_, kv_); }
   // Takes n blocks or throws the exhaustion error naming the sequence and layer; no change on failure.
   std::vector<int32_t> take_blocks(int64_t n, int64_t seq_id, int64_t layer);
+  // K or V rows [..., D] in the pool's storage form (its dtype, or quantized rows) on its device,
+  // and stored rows back as values of the pool's dtype.
+  torch::Tensor encode(const torch::Tensor& x) const;
+  torch::Tensor decode(const torch::Tensor& rows) const;
+ public:
+  // Values [..., D] as the pool would give them back after storing them (rounded to its dtype or
+  // quantized and decoded), in x's dtype and device.
+  torch::Tensor round_trip(const torch::Tensor& x) const { return decode(encode(x)).to(x.options()); }
+  // Whether stored rows are rotated (kv_quant_rotate) before a quantized pool encodes them.
+  bool rotates() const { return rotates_; }
+
+ private:
+  // paged_attention() of q [rows, heads, D] over the pool through these tables, in unrotated terms.
+  torch::Tensor stored_attention(const torch::Tensor& q, const torch::Tensor& table, const torch::Tensor& lengths,
+                                 double scale, int64_t window) const;
   // Copies a block's K/V and positions into another.
   void clone_block(int32_t src, int32_t dst);
   std::vector<CompressedContextCache::Table> share_tables(const std::vector<CompressedContextCache::Table>& from,
@@ -301,6 +317,7 @@ class PagedKvCache {
   // Mutable: flushing brings the device mirror up to date without changing what the cache holds.
   mutable DeviceBlockTables dev_;
   DecodePlan step_;
+  bool rotates_ = false;  // stored rows are kv_quant_rotate()d (a quantized pool)
   std::optional<HostKvTier> tier_;  // before prefix_, which points at it
   std::optional<PrefixCache> prefix_;
   std::optional<CompressedContextCache> contexts_;

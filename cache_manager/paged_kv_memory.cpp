@@ -465,6 +465,10 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
     if (compresses) {
       copy_for_cache(seq_id, ll, k, v);
       s.awaiting_scores = s.policy->scores_after_prefill();
+      if (s.awaiting_scores && rounds_kv_) {
+        s.pending_kv.resize(static_cast<size_t>(num_layers_));
+        s.pending_kv[static_cast<size_t>(ll)] = {k.clone(), v.clone()};
+      }
     }
     return;
   }
@@ -490,8 +494,19 @@ torch::Tensor PagedKvMemory::scorer_queries(const PolicyConfig& cfg, const torch
   return shard_.exchange->gather_queries(q.narrow(1, T - rows, rows).contiguous());
 }
 
+torch::Tensor PagedKvMemory::as_stored(int64_t seq_id, const torch::Tensor& x) const {
+  if (!rounds_kv_) return x;
+  auto it = seqs_.find(seq_id);
+  KV_CHECK(it != seqs_.end(), "prefill: sequence " << seq_id << " has no KV state");
+  if (it->second.selector && it->second.selector->compresses()) return x;
+  return cache_.round_trip(x);
+}
+
 EarlierKv PagedKvMemory::prefill_context(int64_t seq_id, int64_t layer) {
   KV_CHECK(seqs_.count(seq_id), "chunked prefill: sequence " << seq_id << " has no KV state");
+  const SeqState& s = seqs_.at(seq_id);
+  const auto ll = static_cast<size_t>(local(layer));
+  if (ll < s.pending_kv.size() && s.pending_kv[ll].first.defined()) return {s.pending_kv[ll].first, s.pending_kv[ll].second, {}};
   auto [k, v, lengths] = cache_.gather_padded(seq_id, local(layer));
   return {std::move(k), std::move(v), std::move(lengths)};
 }
@@ -693,6 +708,13 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
   const int64_t w = std::min(cfg.window, s.prompt_len);
   // Each layer holds its whole prompt (store_prefill): it is rewritten in place with its selection.
   auto rewrite = [&](int64_t ll, const torch::Tensor& kept, const std::vector<int64_t>& counts) {
+    const auto i = static_cast<size_t>(ll);
+    if (i < s.pending_kv.size() && s.pending_kv[i].first.defined()) {
+      const auto held = std::move(s.pending_kv[i]);
+      s.pending_kv[i] = {};
+      write_kept(seq_id, ll, held.first, held.second, kept, counts);
+      return;
+    }
     auto [kf, vf] = cache_.gather(seq_id, ll);
     write_kept(seq_id, ll, kf, vf, kept, counts);
   };
@@ -726,6 +748,7 @@ void PagedKvMemory::select_by_scores(int64_t seq_id, const std::vector<torch::Te
       apply_updates(seq_id);
     }
   }
+  s.pending_kv.clear();
   s.awaiting_scores = false;  // the local layers held their prompts for the pass: end_prefill trims them
 }
 

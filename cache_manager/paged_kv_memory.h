@@ -45,6 +45,7 @@ class PagedKvMemory final : public KvMemory {
   int64_t prefill_tokens(int64_t seq_id, int64_t start, std::span<const int64_t> tokens, int64_t max_hit,
                          bool keep_copy, ResumeFrom resume = {}) override;
   EarlierKv prefill_context(int64_t seq_id, int64_t layer) override;
+  torch::Tensor as_stored(int64_t seq_id, const torch::Tensor& x) const override;
   int64_t begin_context(int64_t seq_id, std::span<const int64_t> context, int64_t prompt_len, bool lookup) override;
   void continue_prompt(int64_t seq_id) override;
   void store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t start, const torch::Tensor& q, const torch::Tensor& k,
@@ -227,6 +228,10 @@ class PagedKvMemory final : public KvMemory {
     bool parked = false;
     // Scores after the prefill: the whole prompt is held until select_by_scores runs.
     bool awaiting_scores = false;
+    // ...and, where the pool rounds or quantizes K/V (Geometry::rounds_kv), per local layer its
+    // prompt K/V as computed: the reconstruction pass attends to them and the selection keeps rows
+    // of them, so that scores and kept rows never see the pool's rounding (quantized once, after).
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> pending_kv;
     // kvzap: per local layer the predictor's scores so far ([KV, n] pieces in position order).
     std::vector<std::vector<torch::Tensor>> recorded;
     // Compressed contexts: the prefill compresses the context (begin_context's tokens) of a prompt

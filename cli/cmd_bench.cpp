@@ -78,7 +78,7 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
   PolicyConfig cfg = policies.at(policy_name);
   cfg.local_layers = model.kv_layout().local_layers;  // a sliding-window model's budget goes to its global layers
   const int64_t elem = static_cast<int64_t>(c10::elementSize(model.dtype()));
-  const int64_t token_layer_bytes = 2 * KV * D * static_cast<int64_t>(c10::elementSize(model.kv_dtype()));
+  const int64_t token_layer_bytes = 2 * KV * KvBlockPool::row_bytes(D, model.kv_dtype(), model.kv_quant());
 
   // Pool: every sequence's peak per-layer size (DynamicKV: its candidates) plus the decoded tokens.
   std::vector<int64_t> peak(L, context);
@@ -182,7 +182,7 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
                         {"steps", a.steps},
                         {"warmup", a.warmup},
                         {"threads", at::get_num_threads()},
-                        {"kv_cache_dtype", dtype_name(model.kv_dtype())},
+                        {"kv_cache_dtype", kv_cache_dtype_label(model.kv_dtype(), model.kv_quant())},
                         {"fill_s", fill_s},
                         {"step_s_median", median},
                         {"step_s_mean", mean},
@@ -271,7 +271,8 @@ void add_bench_commands(CLI::App& app) {
     auto model = DecoderModel::load(a->model, load);
     const auto specs = a->policy.specs();
     const std::string name = PolicyFlags::selected(specs);
-    const auto policies = resolve_policies(specs);
+    auto policies = resolve_policies(specs);
+    apply_model_layout(policies, model->kv_layout());  // budget_bytes in tokens of this cache dtype
     for (int64_t ctx : a->contexts)
       for (int64_t b : a->batches) {
         KV_CHECK(b >= 1, "--batch must be at least 1");

@@ -9,6 +9,8 @@
 
 #include "backend/engine.h"
 #include "backend/model/decoder_model.h"
+#include "backend/checkpoint.h"
+#include "cache_manager/kv_block_pool.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
@@ -202,6 +204,9 @@ void add_generate_command(CLI::App& app) {
       cv.wait(lk, [&] { return finished == prompts.size(); });
     }
     const EngineStats stats = engine.stats();
+    // KV bytes a kept token costs in one layer, all KV heads of the model, in the cache's dtype.
+    const int64_t token_layer_bytes = 2 * model->config().num_key_value_heads *
+                                      KvBlockPool::row_bytes(model->config().head_dim, model->kv_dtype(), model->kv_quant());
     // load_s covers everything before the prompts were submitted, the warm-up (warmup_s) included.
     const WarmupReport warmup = engine.warmup();
     const nlohmann::json warmup_json{{"prompts", warmup.prompts}, {"tokens", warmup.tokens},
@@ -226,6 +231,9 @@ void add_generate_command(CLI::App& app) {
                             {"finish_reason", r.finish_reason},
                             {"kv_tokens_kept", r.kept_kv},
                             {"kv_tokens_full", r.full_kv},
+                            {"kv_bytes_kept", r.kept_kv * token_layer_bytes},
+                            {"kv_bytes_full", r.full_kv * token_layer_bytes},
+                            {"kv_cache_dtype", kv_cache_dtype_label(model->kv_dtype(), model->kv_quant())},
                             {"kv_tokens_per_head", {{"min", r.head_min}, {"mean", r.head_mean}, {"max", r.head_max}}},
                             {"timings",
                              {{"time_to_first_token_s", secs(*r.t_first - t_loaded).count()},

@@ -80,7 +80,12 @@ void print_text(const parallel::ShardPlan& p) {
   std::cout << "plan: TP=" << o.tp << " PP=" << o.pp << " (" << p.gpus << " GPUs), " << gib(o.gpu_memory_bytes)
             << " per GPU, reserve " << o.reserve_fraction << " -> usable " << gib(p.usable_bytes) << "\n"
             << "context " << o.context << " tokens, block " << o.block_size << ", weights " << o.weight_dtype_bytes
-            << " B/param, KV " << o.kv_dtype_bytes << " B/elem\n";
+            << " B/param, KV ";
+  if (o.kv_quant_bits > 0) {
+    std::cout << o.kv_quant_bits << " bits/elem + " << o.kv_quant_scale_bytes << " B scale per 32\n";
+  } else {
+    std::cout << o.kv_dtype_bytes << " B/elem\n";
+  }
   for (const auto& s : p.stages) {
     std::cout << "stage " << s.stage << ": layers [" << s.layers.begin << ", " << s.layers.end << ")"
               << (s.has_embedding ? " +embedding" : "") << (s.has_lm_head ? " +norm+lm_head" : "")
@@ -124,12 +129,29 @@ void run_plan(const PlanArgs& a) {
   o.layer_windows = mc.layer_windows;
   o.weight_dtype_bytes = dtype_bytes(a.dtype);
   // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
-  o.kv_dtype_bytes = dtype_bytes(a.kv_dtype.empty() || a.kv_dtype == "auto" ? a.dtype : a.kv_dtype);
+  const std::string kv = a.kv_dtype.empty() || a.kv_dtype == "auto" ? a.dtype : a.kv_dtype;
+  // The quantized KV caches (cache_manager/kv_quant.h): bits per value, scale bytes per 32 values.
+  if (kv == "int8" || kv == "q8_0") {
+    o.kv_quant_bits = 8, o.kv_quant_scale_bytes = 2;
+  } else if (kv == "int4" || kv == "q4_0") {
+    o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 2;
+  } else if (kv == "q4_1") {
+    o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 4;
+  }
+  o.kv_dtype_bytes = o.kv_quant_bits > 0 ? 1 : dtype_bytes(kv);
 
   std::map<std::string, std::string> params = parse_key_values(a.params, "--param");
   if (!a.budget.empty()) params["budget"] = a.budget;
   std::vector<PolicyConfig> policies{make_policy_config("full")};
   if (a.policy != "full") policies.push_back(make_policy_config(a.policy, params));
+  // budget_bytes: tokens per layer at this KV dtype (a row is one token's K or V of one KV head).
+  const int64_t row = o.kv_quant_bits > 0 ? m.head_dim * o.kv_quant_bits / 8 + (m.head_dim + 31) / 32 * o.kv_quant_scale_bytes
+                                          : m.head_dim * o.kv_dtype_bytes;
+  for (PolicyConfig& p : policies) {
+    for (int64_t l = 0; l < mc.num_hidden_layers; ++l)
+      if (mc.layer_window(l) > 0) p.local_layers.push_back(l);
+    p.resolve_budget_bytes(2 * m.num_kv_heads * row, m.num_layers, kv);
+  }
 
   const auto plan = parallel::make_shard_plan(m, o, policies);
   if (a.json) {
@@ -155,7 +177,8 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
   cmd->add_option("--dtype", a->dtype, "weight dtype (bfloat16, float16, float32, fp8)")->capture_default_str();
-  cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype: auto (= --dtype, the default), bfloat16, float16, float32, fp8");
+  cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype: auto (= --dtype, the default), bfloat16, float16, float32, fp8, int8 (q8_0), "
+                  "int4 (q4_0), q4_1");
   cmd->add_option("--gpu-reserve-fraction", a->reserve, "fraction of GPU memory kept for activations/workspace")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 0.99));

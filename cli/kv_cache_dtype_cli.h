@@ -10,9 +10,10 @@ namespace kvserve::cli {
 inline CLI::Option* add_kv_cache_dtype_option(CLI::App* cmd, std::string& value) {
   return cmd
       ->add_option("--kv-cache-dtype", value,
-                   "KV cache storage dtype: auto (= the compute dtype), float32, bfloat16 or float16 (CPU: a "
-                   "16-bit cache under fp32 compute holds twice the tokens)")
-      ->check(CLI::IsMember({"auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"}));
+                   "KV cache storage dtype: auto (= the compute dtype), float32, bfloat16, float16, or quantized "
+                   "(CPU): int8 (= q8_0, 8.5 bits a value), int4 (= q4_0, 4.5 bits), q4_1 (5 bits)")
+      ->check(CLI::IsMember({"auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "int8", "int4", "q8_0",
+                             "q4_0", "q4_1"}));
 }
 
 }  // namespace kvserve::cli

@@ -106,6 +106,14 @@ std::string effective_api_key(const ServerSection& server) {
 namespace {
 
 const std::set<std::string> kDtypes = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"};
+// cache.kv_cache_dtype: the float dtypes, and the quantized formats (int8 = q8_0, int4 = q4_0; CPU).
+const std::set<std::string> kQuantKvDtypes = {"int8", "int4", "q8_0", "q4_0", "q4_1"};
+const char* const kKvDtypeChoices = "auto, float32, bfloat16, float16, int8, int4, q8_0, q4_0, q4_1";
+std::string check_kv_cache_dtype(const std::string& s) {
+  if (kDtypes.count(s) || kQuantKvDtypes.count(s)) return {};
+  if (s.rfind("fp8", 0) == 0) return "'" + s + "' is not available: kvserve has no fp8 KV cache yet (int8 stores the same bytes per value)";
+  return std::string("must be one of ") + kKvDtypeChoices + "; got '" + s + "'";
+}
 const std::set<std::string> kCpuGemms = {"mkl", "onednn"};
 const std::set<std::string> kToolParsers = {"auto", "hermes", "llama3_json", "mistral"};
 
@@ -404,8 +412,11 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
   if (c.server.host.empty()) add("server.host", "must not be empty");
   if (c.server.port < 0 || c.server.port > 65535) add("server.port", "must be between 0 and 65535");
   if (c.cache.block_size <= 0) add("cache.block_size", "must be positive");
-  if (!kDtypes.count(c.cache.kv_cache_dtype)) {
-    add("cache.kv_cache_dtype", "must be one of auto, float32, bfloat16, float16; got '" + c.cache.kv_cache_dtype + "'");
+  if (const std::string why = check_kv_cache_dtype(c.cache.kv_cache_dtype); !why.empty()) {
+    add("cache.kv_cache_dtype", why);
+  } else if (c.model.device.rfind("cuda", 0) == 0 && kQuantKvDtypes.count(c.cache.kv_cache_dtype)) {
+    add("cache.kv_cache_dtype", "'" + c.cache.kv_cache_dtype + "' on " + c.model.device +
+                                    ": quantized KV caches run on the CPU only so far (use auto)");
   } else if (c.model.device.rfind("cuda", 0) == 0 && c.cache.kv_cache_dtype != "auto" && kDtypes.count(c.model.dtype) &&
              canonical_dtype(c.cache.kv_cache_dtype) != canonical_dtype(c.model.dtype == "auto" ? "bfloat16" : c.model.dtype)) {
     add("cache.kv_cache_dtype", "'" + c.cache.kv_cache_dtype + "' differs from the compute dtype on " + c.model.device +
@@ -563,10 +574,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                      p.parse_map(n, path,
                                  {{"block_size", p.int_of(c.cache.block_size, 1, 4096)},
                                   {"kv_cache_bytes", p.bytes_of(c.cache.kv_cache_bytes, 1)},
-                                  {"kv_cache_dtype", p.string_of(c.cache.kv_cache_dtype, [](const std::string& s) {
-                                     return kDtypes.count(s) ? std::string()
-                                                             : "must be one of auto, float32, bfloat16, float16; got '" + s + "'";
-                                   })},
+                                  {"kv_cache_dtype", p.string_of(c.cache.kv_cache_dtype, check_kv_cache_dtype)},
                                   {"enable_prefix_caching", p.bool_of(c.cache.enable_prefix_caching)},
                                   {"enable_context_caching", p.bool_of(c.cache.enable_context_caching)},
                                   {"prefix_cache_bytes", p.bytes_of(c.cache.prefix_cache_bytes, 0)},

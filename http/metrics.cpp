@@ -205,6 +205,9 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   gauge("kvserve:kv_cache_blocks_total", "KV-cache blocks in the pool.", static_cast<double>(s.kv_blocks_total));
   gauge("kvserve:kv_cache_blocks_high_water", "Most KV-cache blocks ever in use at once.",
         static_cast<double>(s.kv_blocks_high_water));
+  gauge("kvserve:kv_cache_bytes_used", "Bytes of the KV-cache blocks in use (what the KV cache dtype makes of them).",
+        static_cast<double>(s.kv_bytes_used));
+  gauge("kvserve:kv_cache_bytes_total", "Bytes of the KV-cache pool.", static_cast<double>(s.kv_bytes_total));
   counter("kvserve:prompt_tokens_total", "Prefilled prompt tokens.", static_cast<double>(s.prompt_tokens_total));
   counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
   counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));

@@ -90,7 +90,9 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     st.weight_params = stage_weight_params(m, o.tp, st.layers, st.has_embedding, st.has_lm_head);
     st.weight_bytes = st.weight_params * o.weight_dtype_bytes;
     st.kv_heads = make_shard_layout(m, o.tp, 0, o.pp, s).kv_heads;
-    st.kv_bytes_per_token_layer = 2 * st.kv_heads * m.head_dim * o.kv_dtype_bytes;
+    const int64_t row = o.kv_quant_bits > 0 ? m.head_dim * o.kv_quant_bits / 8 + (m.head_dim + 31) / 32 * o.kv_quant_scale_bytes
+                                            : m.head_dim * o.kv_dtype_bytes;
+    st.kv_bytes_per_token_layer = 2 * st.kv_heads * row;
     st.block_bytes = st.kv_bytes_per_token_layer * o.block_size;
     for (int64_t l = st.layers.begin; l < st.layers.end; ++l) {
       if (window_of(l) > 0) {
@@ -180,6 +182,8 @@ nlohmann::json to_json(const ShardPlan& p) {
   j["block_size"] = p.options.block_size;
   j["weight_dtype_bytes"] = p.options.weight_dtype_bytes;
   j["kv_dtype_bytes"] = p.options.kv_dtype_bytes;
+  j["kv_quant_bits"] = p.options.kv_quant_bits;
+  j["kv_quant_scale_bytes"] = p.options.kv_quant_scale_bytes;
   j["shared_prefix"] = p.options.shared_prefix;
   j["weights_fit"] = p.weights_fit;
   j["stages"] = nlohmann::json::array();

@@ -27,6 +27,10 @@ struct PlanOptions {
   int64_t block_size = 16;          // paged KV block, tokens
   int64_t weight_dtype_bytes = 2;   // bfloat16
   int64_t kv_dtype_bytes = 2;       // bfloat16
+  // A quantized KV cache (int8 = 8 bits + a 2-byte scale per 32 values, int4 = 4 + 2, q4_1 = 4 + 4):
+  // bits per value and scale bytes per group of 32 along head_dim; 0 bits = kv_dtype_bytes per value.
+  int64_t kv_quant_bits = 0;
+  int64_t kv_quant_scale_bytes = 0;
   // Leading tokens of `context` every sequence shares (a document, a system prompt): with prefix
   // caching their whole blocks are held once, in full precision, and uncompressed sequences use
   // them instead of their own (compressing policies keep their own compressed copy).
@@ -48,7 +52,7 @@ struct StagePlan {
   int64_t weight_params = 0;
   int64_t weight_bytes = 0;
   int64_t kv_heads = 0;                   // per rank
-  int64_t kv_bytes_per_token_layer = 0;   // 2 x kv_heads x head_dim x kv dtype bytes
+  int64_t kv_bytes_per_token_layer = 0;   // 2 x kv_heads x a row's bytes (head_dim x kv dtype bytes, or quantized)
   int64_t kv_bytes_per_token = 0;         // the above x this stage's global layers (no block rounding)
   int64_t local_layers = 0;               // this stage's sliding-window layers
   int64_t local_blocks_per_seq = 0;       // what they hold at most per sequence once it is past its windows

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <sstream>
 
 #include "common/check.h"
@@ -26,7 +27,21 @@ std::vector<int64_t> PolicyConfig::global_layers(int64_t num_layers) const {
   return out;
 }
 
+void PolicyConfig::resolve_budget_bytes(int64_t token_layer_bytes, int64_t num_layers, const std::string& kv_dtype) {
+  if (is_full() || budget_bytes <= 0) return;
+  KV_CHECK(token_layer_bytes > 0 && num_layers > 0, "internal: budget_bytes resolved without the model's KV geometry");
+  const auto layers = static_cast<int64_t>(global_layers(num_layers).size());
+  budget = budget_bytes / (token_layer_bytes * std::max<int64_t>(1, layers));
+  const int64_t floor = scorer == ScorerKind::kSinkRecent ? sink : window;
+  KV_CHECK(budget > floor, "policy '" << name << "': budget_bytes " << budget_bytes << " holds " << budget
+                                      << " tokens per layer in a " << kv_dtype << " KV cache (" << token_layer_bytes
+                                      << " bytes a token-layer, " << layers << " layers), not more than its "
+                                      << (scorer == ScorerKind::kSinkRecent ? "sink " : "window ") << floor);
+}
+
 int64_t PolicyConfig::budget_tokens(int64_t prompt_len) const {
+  KV_CHECK(budget_bytes <= 0 || budget > 0 || is_full(),
+           "policy '" << name << "': budget_bytes is resolved against a model's KV cache; here there is none");
   if (budget_ratio > 0.0) {
     return std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(prompt_len) * budget_ratio));
   }
@@ -101,6 +116,26 @@ double parse_double(const std::string& key, const std::string& v) {
   return out;
 }
 
+// Bytes: an integer, or a number with K/M/G (x1000) or KiB/MiB/GiB (x1024).
+int64_t parse_bytes(const std::string& key, const std::string& v) {
+  size_t used = 0;
+  double x = 0;
+  try {
+    x = std::stod(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = used > 0 ? v.substr(used) : "";
+  static const std::map<std::string, double> kUnits = {{"", 1},       {"B", 1},       {"K", 1e3},       {"KB", 1e3},
+                                                      {"M", 1e6},     {"MB", 1e6},    {"G", 1e9},       {"GB", 1e9},
+                                                      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}};
+  const auto u = kUnits.find(unit);
+  if (used == 0 || u == kUnits.end() || !(x > 0) || x * u->second >= 9.0e18) {
+    KV_FAIL("policy parameter '" << key << "': '" << v << "' must be a positive byte size (e.g. 4194304, 4MiB, 500MB)");
+  }
+  return static_cast<int64_t>(x * u->second);
+}
+
 int64_t parse_nonneg(const std::string& key, const std::string& v, int64_t min_value = 0) {
   int64_t x = parse_int(key, v);
   if (x < min_value) KV_FAIL("policy parameter '" << key << "': '" << v << "' must be >= " << min_value);
@@ -171,6 +206,13 @@ const std::map<std::string, Setter>& setters() {
            c.budget = parse_nonneg(k, v, 1);
            c.budget_ratio = 0.0;
          }
+         c.budget_bytes = 0;
+       }},
+      {"budget_bytes",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         c.budget_bytes = parse_bytes(k, v);
+         c.budget = 0;
+         c.budget_ratio = 0.0;
        }},
       {"budget_ratio",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
@@ -180,6 +222,7 @@ const std::map<std::string, Setter>& setters() {
          }
          c.budget_ratio = r;
          c.budget = 0;
+         c.budget_bytes = 0;
        }},
       {"window", [](PolicyConfig& c, const std::string& k, const std::string& v) { c.window = parse_nonneg(k, v); }},
       {"kernel",
@@ -365,8 +408,8 @@ void validate_policy_config(const PolicyConfig& c) {
   KV_CHECK(!(c.compress_context && c.reuse_compressed),
            "policy '" << c.name << "': compress: context and prefix_reuse: compressed do not combine (one continues a "
                       << "compressed context, the other a compressed conversation)");
-  KV_CHECK(c.budget > 0 || c.budget_ratio > 0.0,
-           "policy '" << c.name << "': needs a budget (budget=N tokens per layer or budget_ratio=r)");
+  KV_CHECK(c.budget > 0 || c.budget_ratio > 0.0 || c.budget_bytes > 0,
+           "policy '" << c.name << "': needs a budget (budget=N tokens per layer, budget_ratio=r or budget_bytes=B)");
   KV_CHECK(!(c.budget > 0 && c.budget_ratio > 0.0),
            "policy '" << c.name << "': give either budget or budget_ratio, not both");
   KV_CHECK(c.kernel >= 1 && c.kernel % 2 == 1, "policy parameter 'kernel': '" << c.kernel << "' must be odd");
@@ -486,6 +529,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["name"] = c.name;
   j["allocator"] = to_string(c.allocator);
   j["scorer"] = to_string(c.scorer);
+  if (c.budget_bytes > 0) j["budget_bytes"] = c.budget_bytes;
   if (c.budget_ratio > 0.0) {
     j["budget_ratio"] = c.budget_ratio;
   } else {

@@ -74,6 +74,11 @@ struct PolicyConfig {
   int64_t budget = 0;
   // Fraction of the prompt kept, 0 < r < 1 (0 = unset).
   double budget_ratio = 0.0;
+  // KV bytes a sequence may keep, the whole model's (every global layer, K and V, every KV head) in
+  // the KV cache's dtype (0 = unset). Where a KV memory meets the model it becomes `budget` tokens
+  // per layer (resolve_budget_bytes): the same bytes keep ~1.9x the tokens at int8 and ~3.6x at
+  // int4 as at float16, so a deployment trades bits for tokens by its cache.kv_cache_dtype alone.
+  int64_t budget_bytes = 0;
   int64_t window = 8;        // observation window / recent tokens always kept
   int64_t kernel = 7;        // pooling kernel (odd)
   PoolingKind pooling = PoolingKind::kMax;
@@ -133,6 +138,11 @@ struct PolicyConfig {
   bool is_local_layer(int64_t layer) const;
   // The layers of a num_layers model that are not local, ascending: those the budgets are spread over.
   std::vector<int64_t> global_layers(int64_t num_layers) const;
+  // budget_bytes as tokens per layer: token_layer_bytes = one token of one layer, every KV head of
+  // the model, K and V, in the cache's dtype; the bytes are spread over the global layers of a
+  // num_layers model. No-op without budget_bytes; throws naming budget_bytes when the bytes hold
+  // no more than the window.
+  void resolve_budget_bytes(int64_t token_layer_bytes, int64_t num_layers, const std::string& kv_dtype);
   // The average per-layer budget (window included) for a prompt of `prompt_len` tokens, as the
   // paper semantics count it: `budget`, or max(1, int(ratio * prompt_len)).
   int64_t budget_tokens(int64_t prompt_len) const;

@@ -2,6 +2,7 @@
 
 #include "backend/chunk_attention.h"
 #include "backend/after_prefill_selection.h"
+#include "cache_manager/kv_block_pool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -37,6 +38,11 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
   m->gemm_ = opt.cpu_gemm;
   m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
+  m->kv_quant_ = kv_cache_quant_from_name(opt.kv_cache_dtype);
+  KV_CHECK(!m->device_.is_cuda() || m->kv_quant_ == KvQuant::none,
+           "KV cache dtype '" << opt.kv_cache_dtype << "' on " << opt.device << ": quantized KV caches run on the CPU only "
+                              << "so far (the CUDA decode kernels read the compute dtype; use kv_cache_dtype auto)");
+  check_kv_quant_head_dim(m->kv_quant_, c.head_dim, "KV cache dtype '" + opt.kv_cache_dtype + "'");
   // The CUDA decode kernels read K/V in q's dtype; a narrower CUDA cache would need them to widen.
   KV_CHECK(!m->device_.is_cuda() || m->kv_dtype_ == m->dtype_,
            "KV cache dtype " << dtype_name(m->kv_dtype_) << " differs from the compute dtype " << dtype_name(m->dtype_)
@@ -131,7 +137,7 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
 }
 
 int64_t DecoderModel::kv_bytes_per_token() const {
-  return 2 * layout_.num_layers() * layout_.kv_heads * config_.head_dim * static_cast<int64_t>(c10::elementSize(kv_dtype_));
+  return 2 * layout_.num_layers() * layout_.kv_heads * KvBlockPool::row_bytes(config_.head_dim, kv_dtype_, kv_quant_);
 }
 
 KvMemoryLayout DecoderModel::kv_layout() const {
@@ -142,8 +148,10 @@ KvMemoryLayout DecoderModel::kv_layout() const {
   l.num_kv_heads = layout_.kv_heads;
   l.head_dim = config_.head_dim;
   l.dtype = kv_dtype_;
+  l.quant = kv_quant_;
   l.device = device_;
-  l.rounds = kv_dtype_ != dtype_;
+  l.rounds = kv_dtype_ != dtype_ || kv_quant_ != KvQuant::none;
+  l.model_token_layer_bytes = 2 * config_.num_key_value_heads * KvBlockPool::row_bytes(config_.head_dim, kv_dtype_, kv_quant_);
   if (config_.has_local_layers()) {
     for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) l.layer_windows.push_back(config_.layer_window(li));
     for (int64_t li = 0; li < config_.num_hidden_layers; ++li)
@@ -156,7 +164,7 @@ KvMemoryLayout DecoderModel::kv_layout() const {
        << config_.num_key_value_heads << '|' << config_.head_dim << '|' << config_.rope_theta << '|'
        << static_cast<int>(config_.rope_scaling.kind) << '|' << config_.rope_scaling.factor << '|'
        << config_.local_rope_theta << '|' << q_factor_ << '|' << dtype_name(dtype_)
-       << '|' << dtype_name(kv_dtype_) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
+       << '|' << kv_cache_dtype_label(kv_dtype_, kv_quant_) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
        << layout_.describe();
   l.kv_salt = std::hash<std::string>{}(what.str());
   return l;
@@ -348,11 +356,14 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
       auto k = k_all.narrow(0, s, T).transpose(0, 1).contiguous();
       auto v = v_all.narrow(0, s, T).transpose(0, 1).contiguous();
       const int64_t start = starts[static_cast<size_t>(i)];
+      // What later reads of this prompt's K/V will find (KvMemory::as_stored): its own attention reads the same.
+      const torch::Tensor ka = kv.as_stored(seq_ids[static_cast<size_t>(i)], k);
+      const torch::Tensor va = kv.as_stored(seq_ids[static_cast<size_t>(i)], v);
       torch::Tensor a;
       if (window > 0 && start == 0) {
-        a = sliding_window_attention(q, k, v, 0, 0, window).unsqueeze(0);
+        a = sliding_window_attention(q, ka, va, 0, 0, window).unsqueeze(0);
       } else if (start == 0) {
-        a = at::scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), {}, 0.0,
+        a = at::scaled_dot_product_attention(q.unsqueeze(0), ka.unsqueeze(0), va.unsqueeze(0), {}, 0.0,
                                              /*is_causal=*/true, std::nullopt, /*enable_gqa=*/H != KV);
       } else if (window > 0) {
         // A local layer is never compressed: what it holds are the `held` positions right before the chunk.
@@ -360,8 +371,8 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
         const int64_t held = ctx.k.size(1);
         KV_CHECK(held <= start, "internal: chunk at " << start << " finds " << held << " earlier positions in layer " << li);
         KV_CHECK(ctx.head_lengths.empty(), "internal: a sliding-window layer " << li << " holds heads of different lengths");
-        a = sliding_window_attention(q, torch::cat({ctx.k.to(k.scalar_type()), k}, 1),
-                                     torch::cat({ctx.v.to(v.scalar_type()), v}, 1),
+        a = sliding_window_attention(q, torch::cat({ctx.k.to(k.scalar_type()), ka}, 1),
+                                     torch::cat({ctx.v.to(v.scalar_type()), va}, 1),
                                      start, start - held, window)
                 .unsqueeze(0);
       } else {
@@ -371,7 +382,7 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
                                                       << " finds " << held << " earlier positions in layer " << li);
         // A resumed conversation or a compressed context holds only the kept positions before the
         // chunk: all visible.
-        a = chunk_attention(q, ctx.k.to(k.scalar_type()), ctx.v.to(v.scalar_type()), k, v, ctx.head_lengths).unsqueeze(0);
+        a = chunk_attention(q, ctx.k.to(k.scalar_type()), ctx.v.to(v.scalar_type()), ka, va, ctx.head_lengths).unsqueeze(0);
       }
       if (chunk[static_cast<size_t>(i)]) {
         kv.store_prefill_chunk(seq_ids[static_cast<size_t>(i)], li, start, q, k, v);

@@ -75,7 +75,8 @@ class DecoderModel {
   const std::string& model_dir() const { return model_dir_; }
   torch::Device device() const { return device_; }
   torch::Dtype dtype() const { return dtype_; }
-  torch::Dtype kv_dtype() const { return kv_dtype_; }  // the KV cache's storage dtype
+  torch::Dtype kv_dtype() const { return kv_dtype_; }  // the KV cache's storage dtype (decoded, if quantized)
+  KvQuant kv_quant() const { return kv_quant_; }        // the KV cache's quantized row format, or none
   int64_t kv_bytes_per_token() const;  // all layers, K and V, in kv_dtype()
 
   const ShardLayout& layout() const { return layout_; }
@@ -215,6 +216,7 @@ class DecoderModel {
   torch::Dtype dtype_ = torch::kFloat32;
   CpuGemm gemm_ = CpuGemm::kMkl;
   torch::Dtype kv_dtype_ = torch::kFloat32;
+  KvQuant kv_quant_ = KvQuant::none;
   torch::Tensor embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;

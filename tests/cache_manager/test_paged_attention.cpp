@@ -20,6 +20,7 @@ struct Case {
   float q_scale = 1.0f;
   torch::ScalarType kv_dtype = torch::kFloat32;  // the pool's; q stays fp32
   int64_t window = 0;  // > 0: a sliding-window layer sees only its last `window` slots
+  KvQuant quant = KvQuant::none;  // a quantized pool (kv_dtype is then what its rows decode to)
 };
 
 // Contiguous reference straight from the tensors that were written (never from the pool).
@@ -49,8 +50,14 @@ void run_case(const Case& c, uint64_t seed) {
   o.block_size = c.bs;
   o.num_blocks = blocks;
   o.dtype = c.kv_dtype;
+  o.quant = c.quant;
   PagedKvCache cache(2, o);
-  cache.pool().storage().fill_(std::nanf(""));  // stale slots must never leak into results
+  // Stale slots must never leak into results (0xFF bytes decode to NaN scales in a quantized pool).
+  if (c.quant == KvQuant::none) {
+    cache.pool().storage().fill_(std::nanf(""));
+  } else {
+    cache.pool().storage().fill_(255);
+  }
   // Interleave a filler sequence so every sequence's blocks are scattered through the pool. Layer 1
   // holds the whole context, layer 0 a third of it (as a compressing policy leaves it).
   std::vector<int64_t> ids;
@@ -67,7 +74,15 @@ void run_case(const Case& c, uint64_t seed) {
       cache.write(-1, b % 2, torch::randn({c.kv, c.bs, c.d}), torch::randn({c.kv, c.bs, c.d}),
                   torch::zeros({c.kv, c.bs}, torch::kLong));
       cache.write(id, l, ks[l][b], vs[l][b], torch::zeros({c.kv, n}, torch::kLong));
-      // What the pool holds: the values rounded (to nearest even) to its dtype.
+      // What the pool holds: the values rounded (to nearest even) to its dtype, or a quantized
+      // pool's rows (rotated first where the cache rotates) decoded; the kernel reads them as they are.
+      if (c.quant != KvQuant::none) {
+        auto held = [&](const torch::Tensor& x) {
+          return kv_quant_decode(kv_quant_encode(cache.rotates() ? kv_quant_rotate(x) : x, c.quant), c.quant, c.d);
+        };
+        ks[l][b] = held(ks[l][b]);
+        vs[l][b] = held(vs[l][b]);
+      }
       ks[l][b] = ks[l][b].to(c.kv_dtype);
       vs[l][b] = vs[l][b].to(c.kv_dtype);
     }
@@ -78,13 +93,14 @@ void run_case(const Case& c, uint64_t seed) {
     SCOPED_TRACE(::testing::Message() << "layer " << l << " kv dtype " << c.kv_dtype);
     const torch::Tensor want = contiguous_attention(q, ks[l], vs[l], c.kv, c.window);
     const DecodeTables t = cache.decode_tables(l, ids);
-    const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths, -1.0, c.window);
-    const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths, -1.0, c.window);
-    const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths, -1.0, c.window);
+    const torch::Tensor fast = paged_attention(q, pool, t.block_table, t.lengths, -1.0, c.window, c.quant);
+    const torch::Tensor gath = paged_attention_gather(q, pool, t.block_table, t.lengths, -1.0, c.window, c.quant);
+    const torch::Tensor ref = paged_attention_reference(q, pool, t.block_table, t.lengths, -1.0, c.window, c.quant);
     EXPECT_EQ(fast.sizes(), q.sizes());
     EXPECT_EQ(fast.scalar_type(), torch::kFloat32);
     EXPECT_EQ(gath.scalar_type(), torch::kFloat32);
-    // fp32 accumulation over exactly the stored values: as tight for a 16-bit pool as for fp32.
+    // fp32 accumulation over exactly the stored values: as tight for a 16-bit or quantized pool as
+    // for fp32 (against fp64 attention over the decoded rows).
     const double tol = 1e-5;
     EXPECT_LE((fast.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
     EXPECT_LE((gath.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
@@ -320,6 +336,60 @@ TEST(PagedAttention, AppendAndAttendMatchesContiguous) {
   for (int64_t id : ids) cache.release(id);
   cache.check_invariants();
   EXPECT_EQ(cache.free_blocks(), cache.total_blocks());
+}
+
+}  // namespace
+}  // namespace kvserve
+
+namespace kvserve {
+namespace {
+
+// Quantized pools (cache_manager/kv_quant.h): the kernel decodes int8 / 4-bit rows in L1; against
+// fp64 attention over the decoded K/V, the same shapes as the 16-bit pools'.
+class PagedAttentionQuant : public ::testing::TestWithParam<KvQuant> {};
+
+Case quant_case(Case c, KvQuant q) {
+  c.quant = q;
+  return c;
+}
+
+TEST_P(PagedAttentionQuant, OddShapes) {
+  const KvQuant q = GetParam();
+  run_case(quant_case({2, 4, 64, 16, {1, 17, 100, 16, 33}}, q), 41);    // GQA 4:1
+  run_case(quant_case({4, 3, 64, 16, {300, 2, 47}}, q), 42);            // group of 3 (bench-125m's)
+  run_case(quant_case({4, 1, 128, 32, {5, 64, 1, 250}}, q), 43);        // MHA, block 32
+  run_case(quant_case({1, 4, 128, 16, {5001}}, q), 44);                 // split-K over threads
+  run_case(quant_case({2, 2, 64, 16, {40, 700}, 8.0f}, q), 45);         // large scores
+  run_case(quant_case({2, 2, 32, 8, {9, 31, 1}}, q), 46);               // generic D, block 8
+  run_case(quant_case({3, 2, 32, 5, {9, 31, 1}}, q), 47);               // block 5: libtorch path
+  run_case(quant_case({4, 3, 64, 16, {3000, 1, 15, 1, 777, 16, 17, 2}}, q), 48);
+  run_case(quant_case({2, 3, 96, 16, {70, 5}}, q), 49);                 // D 96: generic kernel, 3 groups
+}
+
+TEST_P(PagedAttentionQuant, SlidingWindow) {
+  for (int64_t window : {1, 12, 17, 5000}) {
+    Case c = quant_case({2, 4, 64, 16, {1, 17, 100, 16, 33, 12, 700}}, GetParam());
+    c.window = window;
+    run_case(c, 300 + static_cast<uint64_t>(window));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, PagedAttentionQuant, ::testing::Values(KvQuant::q8_0, KvQuant::q4_0, KvQuant::q4_1),
+                         [](const auto& info) { return std::string(kv_quant_name(info.param)); });
+
+TEST(PagedAttentionQuantArgs, RefusesAMismatchedPool) {
+  KvPoolOptions o;
+  o.num_kv_heads = 1;
+  o.head_dim = 64;
+  o.num_blocks = 2;
+  o.quant = KvQuant::q8_0;
+  PagedKvCache cache(1, o);
+  cache.add_sequence(0);
+  cache.write(0, 0, torch::randn({1, 3, 64}), torch::randn({1, 3, 64}), torch::zeros({1, 3}, torch::kLong));
+  const DecodeTables t = cache.decode_tables(0, {0});
+  const torch::Tensor q = torch::randn({1, 2, 64});
+  EXPECT_THROW(paged_attention(q, cache.pool().storage(), t.block_table, t.lengths, -1.0, 0, KvQuant::q4_0), KvError);
+  EXPECT_THROW(paged_attention(q, cache.pool().storage(), t.block_table, t.lengths), KvError);
 }
 
 }  // namespace

@@ -23,6 +23,8 @@ TEST(Metrics, RendersVllmStyleNames) {
   s.waiting = 1;
   s.kv_blocks_total = 100;
   s.kv_blocks_used = 25;
+  s.kv_bytes_total = 6800;
+  s.kv_bytes_used = 1700;
   s.prompt_tokens_total = 42;
   s.generation_tokens_total = 7;
   std::string t = m.render(s);
@@ -32,6 +34,8 @@ TEST(Metrics, RendersVllmStyleNames) {
   EXPECT_TRUE(has_line(t, "kvserve:kv_cache_usage_perc{" + L + "} 0.25"));
   EXPECT_TRUE(has_line(t, "kvserve:kv_cache_blocks_used{" + L + "} 25"));
   EXPECT_TRUE(has_line(t, "kvserve:kv_cache_blocks_total{" + L + "} 100"));
+  EXPECT_TRUE(has_line(t, "kvserve:kv_cache_bytes_used{" + L + "} 1700"));
+  EXPECT_TRUE(has_line(t, "kvserve:kv_cache_bytes_total{" + L + "} 6800"));
   EXPECT_TRUE(has_line(t, "kvserve:prompt_tokens_total{" + L + "} 42"));
   EXPECT_TRUE(has_line(t, "kvserve:generation_tokens_total{" + L + "} 7"));
   EXPECT_TRUE(has_line(t, "kvserve:request_success_total{" + L + ",finished_reason=\"length\"} 2"));

@@ -55,7 +55,7 @@ def test_unknown_value_names_the_flag(command):
 
 def test_yaml_error_names_the_key(tmp_path):
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("cache:\n  block_size: 16\n  kv_cache_dtype: int8\n")
+    cfg.write_text("cache:\n  block_size: 16\n  kv_cache_dtype: int2\n")
     proc = run_kvserve("config", "check", str(cfg), check=False)
     assert proc.returncode != 0
     assert "bad.yaml:3" in proc.stderr + proc.stdout

@@ -1,0 +1,213 @@
+#include "cache_manager/kv_quant.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/check.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t G = kKvQuantGroup;
+
+uint16_t to_half_bits(float x) { return c10::Half(x).x; }
+float from_half_bits(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+
+void put_half(uint8_t* p, float x) {
+  const uint16_t b = to_half_bits(x);
+  std::memcpy(p, &b, 2);
+}
+float get_half(const uint8_t* p) {
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+  return from_half_bits(b);
+}
+
+// The reference quantizers of ggml (ggml-quants.c, quantize_row_*_ref), one group of 32 values:
+// the scale is computed in fp32 and only stored as fp16, as ggml does.
+void encode_q8_0(const float* x, uint8_t* qs, uint8_t* scale) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < G; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t j = 0; j < G; ++j) qs[j] = static_cast<uint8_t>(static_cast<int8_t>(std::roundf(x[j] * id)));
+  put_half(scale, d);
+}
+
+void encode_q4_0(const float* x, uint8_t* qs, uint8_t* scale) {
+  float amax = 0.0f, max = 0.0f;
+  for (int64_t j = 0; j < G; ++j) {
+    if (amax < std::fabs(x[j])) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t j = 0; j < G / 2; ++j) {
+    const int lo = std::min(15, static_cast<int>(static_cast<int8_t>(x[j] * id + 8.5f)));
+    const int hi = std::min(15, static_cast<int>(static_cast<int8_t>(x[j + G / 2] * id + 8.5f)));
+    qs[j] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+  put_half(scale, d);
+}
+
+void encode_q4_1(const float* x, uint8_t* qs, uint8_t* scale) {
+  float lo = x[0], hi = x[0];
+  for (int64_t j = 1; j < G; ++j) {
+    lo = std::min(lo, x[j]);
+    hi = std::max(hi, x[j]);
+  }
+  const float d = (hi - lo) / 15.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t j = 0; j < G / 2; ++j) {
+    const int a = std::min(15, static_cast<int>(static_cast<int8_t>((x[j] - lo) * id + 0.5f)));
+    const int b = std::min(15, static_cast<int>(static_cast<int8_t>((x[j + G / 2] - lo) * id + 0.5f)));
+    qs[j] = static_cast<uint8_t>(a | (b << 4));
+  }
+  put_half(scale, d);
+  put_half(scale + 2, lo);
+}
+
+int64_t scale_bytes(KvQuant q) { return q == KvQuant::q4_1 ? 4 : 2; }
+int64_t data_bytes(KvQuant q, int64_t head_dim) { return q == KvQuant::q8_0 ? head_dim : head_dim / 2; }
+
+}  // namespace
+
+int64_t kv_quant_row_bytes(KvQuant q, int64_t head_dim) {
+  KV_CHECK(q != KvQuant::none, "kv_quant_row_bytes: not a quantized format");
+  return data_bytes(q, head_dim) + head_dim / G * scale_bytes(q);
+}
+
+const char* kv_quant_name(KvQuant q) {
+  switch (q) {
+    case KvQuant::none: return "none";
+    case KvQuant::q8_0: return "q8_0";
+    case KvQuant::q4_0: return "q4_0";
+    case KvQuant::q4_1: return "q4_1";
+  }
+  return "?";
+}
+
+void check_kv_quant_head_dim(KvQuant q, int64_t head_dim, const std::string& what) {
+  if (q == KvQuant::none) return;
+  KV_CHECK(head_dim > 0 && head_dim % G == 0, what << ": a " << kv_quant_name(q) << " KV cache quantizes head_dim in groups of "
+                                                   << G << ", and this model's head_dim is " << head_dim);
+}
+
+void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* row) {
+  const int64_t groups = head_dim / G, data = data_bytes(q, head_dim), sb = scale_bytes(q);
+  for (int64_t g = 0; g < groups; ++g) {
+    uint8_t* scale = row + data + g * sb;
+    switch (q) {
+      case KvQuant::q8_0: encode_q8_0(x + g * G, row + g * G, scale); break;
+      case KvQuant::q4_0: encode_q4_0(x + g * G, row + g * G / 2, scale); break;
+      case KvQuant::q4_1: encode_q4_1(x + g * G, row + g * G / 2, scale); break;
+      case KvQuant::none: KV_FAIL("kv_quant_encode_row: not a quantized format");
+    }
+  }
+}
+
+void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float* x) {
+  const int64_t groups = head_dim / G, data = data_bytes(q, head_dim), sb = scale_bytes(q);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* scale = row + data + g * sb;
+    const float d = get_half(scale);
+    float* out = x + g * G;
+    switch (q) {
+      case KvQuant::q8_0: {
+        const auto* qs = reinterpret_cast<const int8_t*>(row + g * G);
+        for (int64_t j = 0; j < G; ++j) out[j] = static_cast<float>(qs[j]) * d;
+        break;
+      }
+      case KvQuant::q4_0:
+      case KvQuant::q4_1: {
+        const uint8_t* qs = row + g * G / 2;
+        const float m = q == KvQuant::q4_1 ? get_half(scale + 2) : -8.0f * d;
+        for (int64_t j = 0; j < G / 2; ++j) {
+          out[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
+          out[j + G / 2] = static_cast<float>(qs[j] >> 4) * d + m;
+        }
+        break;
+      }
+      case KvQuant::none: KV_FAIL("kv_quant_decode_row: not a quantized format");
+    }
+  }
+}
+
+namespace {
+// H32 / sqrt(32): Sylvester's construction, entry (i, j) = (-1)^popcount(i & j).
+torch::Tensor hadamard32(torch::Device device) {
+  torch::Tensor h = torch::empty({G, G}, torch::kFloat32);
+  float* p = h.data_ptr<float>();
+  const float s = 1.0f / std::sqrt(static_cast<float>(G));
+  for (int64_t i = 0; i < G; ++i)
+    for (int64_t j = 0; j < G; ++j) p[i * G + j] = (__builtin_popcountll(static_cast<uint64_t>(i & j)) % 2 ? -s : s);
+  return h.to(device);
+}
+}  // namespace
+
+torch::Tensor kv_quant_rotate(const torch::Tensor& x) {
+  const int64_t D = x.size(-1);
+  KV_CHECK(D % G == 0, "kv_quant_rotate: head_dim " << D << " is not a multiple of " << G);
+  static const torch::Tensor h_cpu = hadamard32(torch::kCPU);
+  const torch::Tensor h = x.device().is_cpu() ? h_cpu : h_cpu.to(x.device());
+  std::vector<int64_t> groups(x.sizes().begin(), x.sizes().end());
+  groups.back() = D / G;
+  groups.push_back(G);
+  return torch::matmul(x.to(torch::kFloat32).reshape(groups), h).reshape(x.sizes()).to(x.scalar_type());
+}
+
+bool kv_quant_rotation_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KVSERVE_KV_ROTATE");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
+torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q) {
+  KV_CHECK(x.dim() >= 1 && x.is_floating_point(), "kv_quant_encode: x must be a float tensor [..., D], got " << x.sizes());
+  const int64_t D = x.size(-1);
+  check_kv_quant_head_dim(q, D, "kv_quant_encode");
+  const int64_t rb = kv_quant_row_bytes(q, D);
+  // Rows are few and short (a decode step's tokens, a prompt's kept ones): encoded on the host,
+  // with ggml's scalar rounding so the bytes equal the reference's.
+  const torch::Tensor xc = x.to(torch::kCPU, torch::kFloat32).contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = rb;
+  torch::Tensor out = torch::empty(shape, torch::TensorOptions().dtype(torch::kUInt8));
+  const int64_t rows = D == 0 ? 0 : xc.numel() / D;
+  const float* xp = xc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) kv_quant_encode_row(q, xp + r * D, D, op + r * rb);
+  });
+  return x.device().is_cpu() ? out : out.to(x.device());
+}
+
+torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head_dim, torch::ScalarType out_dtype) {
+  check_kv_quant_head_dim(q, head_dim, "kv_quant_decode");
+  const int64_t rb = kv_quant_row_bytes(q, head_dim);
+  KV_CHECK(rows.dim() >= 1 && rows.size(-1) == rb && rows.scalar_type() == torch::kUInt8,
+           "kv_quant_decode: rows must be uint8 [..., " << rb << "] for " << kv_quant_name(q) << " rows of head_dim "
+                                                        << head_dim << ", got " << rows.scalar_type() << " " << rows.sizes());
+  const torch::Tensor rc = rows.to(torch::kCPU).contiguous();
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = head_dim;
+  torch::Tensor out = torch::empty(shape, torch::TensorOptions().dtype(torch::kFloat32));
+  const int64_t n = rc.numel() / rb;
+  const uint8_t* rp = rc.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) kv_quant_decode_row(q, rp + r * rb, head_dim, op + r * head_dim);
+  });
+  return out.to(rows.device(), out_dtype);
+}
+
+}  // namespace kvserve

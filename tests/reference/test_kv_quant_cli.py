@@ -1,0 +1,128 @@
+"""Quantized KV caches (cache.kv_cache_dtype int8 / int4 / q4_1, cache_manager/kv_quant.h) end to end
+through the CLI:
+- policies score from the prompt's K/V as computed and only the kept rows are quantized: every
+  policy (kvzip's reconstruction pass included) keeps the same positions as a float16 or float32
+  cache, and a compressing policy's prompt logits are the float32 cache's bit for bit;
+- a full-KV prompt attends to its K/V as the pool stores them, so prefix-cached and chunked prefills
+  compute what one forward computes (tests/integration/test_kv_quant_server.py);
+- TP 2 and PP 2 jobs equal one process (logits, kept positions, greedy tokens through the engine);
+- the default model's greedy answer survives int8; the bench and `plan` report the bytes;
+- fp8 and head sizes the format cannot take are refused with errors that name them.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from safetensors.torch import load_file
+
+from kvserve_testlib import POLICY_FLAGS, default_model_dir, fixtures_dir, run_kvserve, write_json
+
+QUANT = ["int8", "int4", "q4_1"]
+KVZIP = ["--policy", "kvzip", "--budget", "16", "--policy-param", "chunk_size=16"]
+POLICIES = {**POLICY_FLAGS, "kvzip": KVZIP,
+            "pyramidkv-adaptive": [*POLICY_FLAGS["pyramidkv"], "--policy-param", "head_budgets=adaptive"]}
+PROMPT = [(7 * i + 3) % 1500 + 5 for i in range(57)]  # within the qwen3 fixture's 1577 ids
+
+
+def forward(tmp: pathlib.Path, model: str, kv: str, flags: list[str], *extra: str, prompt=PROMPT):
+    tag = f"{kv}-{'-'.join(extra) or 'single'}"
+    ids = write_json(tmp / "ids.json", prompt)
+    out, dump = tmp / f"logits-{tag}.safetensors", tmp / f"kept-{tag}.json"
+    run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--dump-kept", str(dump),
+                "--kv-cache-dtype", kv, *flags, *extra)
+    return load_file(str(out))["logits"], json.loads(dump.read_text())
+
+
+def generate(model: str, kv: str, flags: list[str], *extra: str, prompt=PROMPT, n: int = 12) -> list[int]:
+    proc = run_kvserve("generate", "--model", model, "--prompt-ids", *map(str, prompt), "--max-tokens", str(n),
+                       "--ignore-eos", "--json", "--kv-cache-dtype", kv, *flags, *extra)
+    return json.loads(proc.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_kept_positions_do_not_depend_on_the_kv_dtype(tmp_path, policy):
+    model = str(fixtures_dir() / "qwen3")  # head_dim 32: one quantization group per row
+    ref_logits, ref_kept = forward(tmp_path, model, "float32", POLICIES[policy])
+    assert ref_kept["layers"]
+    for kv in ["float16", *QUANT]:
+        logits, kept = forward(tmp_path, model, kv, POLICIES[policy])
+        assert kept["budgets"] == ref_kept["budgets"], (policy, kv)
+        assert kept["layers"] == ref_kept["layers"], (policy, kv)
+        if policy != "full":
+            # A compressing policy's prompt attends to its K/V as computed (the pool is not read yet).
+            assert (logits - ref_logits).abs().max().item() == 0.0, (policy, kv)
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv", "kvzip"])
+def test_default_model_kept_positions_as_float16(tmp_path, policy):
+    flags = {"full": [], "snapkv": ["--policy", "snapkv", "--budget", "64"],
+             "kvzip": ["--policy", "kvzip", "--budget", "0.25"]}[policy]
+    prompt = [(37 * i + 11) % 40000 + 100 for i in range(300)]
+    _, ref = forward(tmp_path, str(default_model_dir()), "float16", flags, prompt=prompt)
+    for kv in QUANT:
+        _, kept = forward(tmp_path, str(default_model_dir()), kv, flags, prompt=prompt)
+        assert kept["layers"] == ref["layers"], (policy, kv)
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+@pytest.mark.parametrize("policy", ["full", "snapkv", "kvzip"])
+def test_sharded_equals_single_process(tmp_path, kv, policy):
+    model = str(fixtures_dir() / "qwen3")
+    flags = POLICIES[policy]
+    ref_logits, ref_kept = forward(tmp_path, model, kv, flags)
+    ref_tokens = generate(model, kv, flags)
+    for tp, pp in [(2, 1), (1, 2)]:
+        layout = ("--tp", str(tp), "--pp", str(pp))
+        logits, kept = forward(tmp_path, model, kv, flags, *layout)
+        assert (logits - ref_logits).abs().max().item() <= 1e-4, (kv, policy, tp, pp)
+        assert kept["layers"] == ref_kept["layers"], (kv, policy, tp, pp)
+        # Decode reads the quantized rows: each shard stores its own heads' rows exactly as one process.
+        assert generate(model, kv, flags, *layout) == ref_tokens, (kv, policy, tp, pp)
+
+
+# Leading greedy tokens that must equal the float32 cache's on the default model (measured 2026-11-28).
+@pytest.mark.parametrize("kv,equal", [("int8", 16), ("int4", 4)])
+def test_default_model_greedy_tokens(kv, equal):
+    def gen(dtype):
+        out = run_kvserve("generate", "--model", str(default_model_dir()), "--prompt",
+                          "The three primary colours are", "--max-tokens", "16", "--json", "--kv-cache-dtype", dtype)
+        return json.loads(out.stdout)["token_ids"]
+    want, got = gen("float32"), gen(kv)
+    assert got[:equal] == want[:equal], (kv, got, want)
+
+
+def test_bench_and_plan_report_the_bytes():
+    model = str(fixtures_dir() / "qwen3")
+    rows = {}
+    for dt in ("float16", "int8", "int4", "q4_1"):
+        out = run_kvserve("bench", "decode", "--model", model, "--context", "100", "--steps", "2", "--warmup", "0",
+                          "--kv-cache-dtype", dt)
+        rows[dt] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert rows[dt]["kv_cache_dtype"] == dt
+    # head_dim 32: float16 64 bytes a row, q8_0 32 + 2, q4_0 16 + 2, q4_1 16 + 4.
+    for dt, row in (("int8", 34), ("int4", 18), ("q4_1", 20)):
+        assert rows[dt]["kv_bytes_per_token_layer"] * 64 == rows["float16"]["kv_bytes_per_token_layer"] * row
+    cfg = str(default_model_dir() / "config.json")
+    plan = {dt: json.loads(run_kvserve("plan", "--model-config", cfg, "--gpu-memory", "2GiB", "--context", "4096",
+                                       "--kv-dtype", dt, "--json").stdout) for dt in ("float16", "int8", "int4")}
+    per_token = {dt: p["stages"][0]["kv_bytes_per_token"] for dt, p in plan.items()}
+    assert per_token["float16"] / per_token["int8"] >= 1.85
+    assert per_token["float16"] / per_token["int4"] >= 3.2
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    proc = run_kvserve("generate", "--model", str(fixtures_dir() / "llama-gqa"), "--prompt", "hi",
+                       "--kv-cache-dtype", "int8", check=False)  # head_dim 16
+    assert proc.returncode != 0
+    assert "head_dim is 16" in proc.stderr and "int8" in proc.stderr, proc.stderr
+    cfg = tmp_path / "fp8.yaml"
+    cfg.write_text("cache:\n  kv_cache_dtype: fp8_e4m3\n")
+    proc = run_kvserve("config", "check", str(cfg), check=False)
+    assert proc.returncode != 0
+    assert "cache.kv_cache_dtype" in proc.stdout + proc.stderr and "fp8" in proc.stdout + proc.stderr
+    cfg.write_text("model:\n  device: cuda\ncache:\n  kv_cache_dtype: int8\n")
+    proc = run_kvserve("config", "check", str(cfg), check=False)
+    assert proc.returncode != 0
+    assert "CPU only" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
