@@ -62,9 +62,9 @@ def test_prefix_cache_and_chunks_change_nothing(servers, policy):
     doc = tokens({"full": 1, "snapkv": 2, "kvzip": 3}[policy], DOC)
     cached = []
     for q in range(3):
-        prompt = doc + tokens(100 + q, 20)
         # kvzip compresses the document alone (kv_context), once, and reuses it from the context cache.
-        extra = {"kv_context": doc, "prompt": tokens(100 + q, 20)} if policy == "kvzip" else {}
+        prompt = tokens(100 + q, 20) if policy == "kvzip" else doc + tokens(100 + q, 20)
+        extra = {"kv_context": doc} if policy == "kvzip" else {}
         a, b = completion(on.url, prompt, policy, **extra), completion(off.url, prompt, policy, **extra)
         assert a["choices"][0]["text"] == b["choices"][0]["text"], (kv, policy, q)
         assert a["usage"]["kv_kept_tokens"] == b["usage"]["kv_kept_tokens"], (kv, policy, q)
@@ -82,11 +82,13 @@ def test_metrics_report_bytes(servers):
     kv, on, _, _ = servers
     m = on.metrics()
     total, blocks = m["kvserve:kv_cache_bytes_total"], m["kvserve:kv_cache_blocks_total"]
-    # tiny-llama: 4 layers, 2 KV heads, head_dim 32; a block = 16 tokens x 2 heads x K, V rows of
-    # 34 (int8) or 18 (int4) bytes: 64 MiB hold 1.88x / 3.56x the blocks of float16's 4096-byte ones.
+    # tiny-llama: 2 KV heads, head_dim 32: K and V rows of 34 (int8) or 18 (int4) bytes, 16 tokens a
+    # block of one KV head (kvzip's per-head lengths make the pool head-wise): 64 MiB hold 1.88x /
+    # 3.56x the blocks of float16's 2048-byte ones.
     row = {"int8": 34, "int4": 18}[kv]
-    assert total == blocks * 16 * 2 * 2 * row
-    assert blocks == (64 << 20) // (16 * 2 * 2 * row)
+    block = 16 * 2 * row
+    assert total == blocks * block
+    assert blocks == (64 << 20) // block
     assert m["kvserve:kv_cache_bytes_used"] <= total
 
 
