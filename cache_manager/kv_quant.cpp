@@ -140,27 +140,32 @@ void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float*
   }
 }
 
-namespace {
-// H32 / sqrt(32): Sylvester's construction, entry (i, j) = (-1)^popcount(i & j).
-torch::Tensor hadamard32(torch::Device device) {
-  torch::Tensor h = torch::empty({G, G}, torch::kFloat32);
-  float* p = h.data_ptr<float>();
+void kv_quant_rotate_row(float* x, int64_t head_dim) {
+  // Butterflies in natural (Sylvester) order: the result is H32 x / sqrt(32), H32(i, j) = (-1)^popcount(i & j).
   const float s = 1.0f / std::sqrt(static_cast<float>(G));
-  for (int64_t i = 0; i < G; ++i)
-    for (int64_t j = 0; j < G; ++j) p[i * G + j] = (__builtin_popcountll(static_cast<uint64_t>(i & j)) % 2 ? -s : s);
-  return h.to(device);
+  for (int64_t g = 0; g < head_dim; g += G) {
+    float* v = x + g;
+    for (int64_t len = 1; len < G; len <<= 1) {
+      for (int64_t i = 0; i < G; i += 2 * len) {
+        for (int64_t j = i; j < i + len; ++j) {
+          const float a = v[j], b = v[j + len];
+          v[j] = a + b;
+          v[j + len] = a - b;
+        }
+      }
+    }
+    for (int64_t j = 0; j < G; ++j) v[j] *= s;
+  }
 }
-}  // namespace
 
 torch::Tensor kv_quant_rotate(const torch::Tensor& x) {
   const int64_t D = x.size(-1);
   KV_CHECK(D % G == 0, "kv_quant_rotate: head_dim " << D << " is not a multiple of " << G);
-  static const torch::Tensor h_cpu = hadamard32(torch::kCPU);
-  const torch::Tensor h = x.device().is_cpu() ? h_cpu : h_cpu.to(x.device());
-  std::vector<int64_t> groups(x.sizes().begin(), x.sizes().end());
-  groups.back() = D / G;
-  groups.push_back(G);
-  return torch::matmul(x.to(torch::kFloat32).reshape(groups), h).reshape(x.sizes()).to(x.scalar_type());
+  torch::Tensor y = x.to(torch::kCPU, torch::kFloat32).contiguous().clone();
+  float* p = y.data_ptr<float>();
+  const int64_t rows = D == 0 ? 0 : y.numel() / D;
+  for (int64_t r = 0; r < rows; ++r) kv_quant_rotate_row(p + r * D, D);
+  return y.to(x.device(), x.scalar_type());
 }
 
 bool kv_quant_rotation_enabled() {
@@ -171,7 +176,7 @@ bool kv_quant_rotation_enabled() {
   return on;
 }
 
-torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q) {
+torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q, bool rotate) {
   KV_CHECK(x.dim() >= 1 && x.is_floating_point(), "kv_quant_encode: x must be a float tensor [..., D], got " << x.sizes());
   const int64_t D = x.size(-1);
   check_kv_quant_head_dim(q, D, "kv_quant_encode");
@@ -186,12 +191,22 @@ torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q) {
   const float* xp = xc.data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) kv_quant_encode_row(q, xp + r * D, D, op + r * rb);
+    std::vector<float> buf(static_cast<size_t>(D));
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* src = xp + r * D;
+      if (rotate) {
+        std::copy(src, src + D, buf.begin());
+        kv_quant_rotate_row(buf.data(), D);
+        src = buf.data();
+      }
+      kv_quant_encode_row(q, src, D, op + r * rb);
+    }
   });
   return x.device().is_cpu() ? out : out.to(x.device());
 }
 
-torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head_dim, torch::ScalarType out_dtype) {
+torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head_dim, torch::ScalarType out_dtype,
+                              bool rotate) {
   check_kv_quant_head_dim(q, head_dim, "kv_quant_decode");
   const int64_t rb = kv_quant_row_bytes(q, head_dim);
   KV_CHECK(rows.dim() >= 1 && rows.size(-1) == rb && rows.scalar_type() == torch::kUInt8,
@@ -205,7 +220,10 @@ torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head
   const uint8_t* rp = rc.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) kv_quant_decode_row(q, rp + r * rb, head_dim, op + r * head_dim);
+    for (int64_t r = r0; r < r1; ++r) {
+      kv_quant_decode_row(q, rp + r * rb, head_dim, op + r * head_dim);
+      if (rotate) kv_quant_rotate_row(op + r * head_dim, head_dim);
+    }
   });
   return out.to(rows.device(), out_dtype);
 }

@@ -28,11 +28,13 @@ const char* kv_quant_name(KvQuant q);
 // Throws naming `what` unless head_dim suits the format (a multiple of 32).
 void check_kv_quant_head_dim(KvQuant q, int64_t head_dim, const std::string& what);
 
-// x [..., D] (any float dtype, CPU or CUDA) -> uint8 [..., row_bytes] on x's device.
-torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q);
-// rows uint8 [..., row_bytes] -> [..., D] in `out` dtype on rows' device.
+// x [..., D] (any float dtype, CPU or CUDA) -> uint8 [..., row_bytes] on x's device; with `rotate`
+// each row is kv_quant_rotate()d before it is quantized.
+torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q, bool rotate = false);
+// rows uint8 [..., row_bytes] -> [..., D] in `out` dtype on rows' device; with `rotate` each decoded
+// row is rotated back.
 torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head_dim,
-                              torch::ScalarType out = torch::kFloat32);
+                              torch::ScalarType out = torch::kFloat32, bool rotate = false);
 
 // The orthonormal Walsh-Hadamard transform of every group of 32 along the last dimension (its own
 // inverse). A pool that quantizes stores rotated rows: an outlier channel's magnitude is spread over
@@ -40,6 +42,8 @@ torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head
 // unchanged (q.k = Rq.Rk), so attention reads rotated K/V with a rotated query and rotates its
 // output back. x: [..., D] float, D a multiple of 32; returns x's dtype and device.
 torch::Tensor kv_quant_rotate(const torch::Tensor& x);
+// The same on one row of D floats, in place (a fast Walsh-Hadamard transform per group).
+void kv_quant_rotate_row(float* x, int64_t head_dim);
 // Whether quantized pools rotate (KVSERVE_KV_ROTATE=0 turns it off, for A/B runs; default on).
 bool kv_quant_rotation_enabled();
 

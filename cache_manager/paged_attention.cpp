@@ -29,6 +29,7 @@ namespace {
 struct Shapes {
   int64_t B, H, KV, G, D, bs, N, max_blocks;
   int64_t R;  // storage elements per (token, head) row: D, or a quantized row's bytes
+  bool rotated = false;  // rows hold kv_quant_rotate()d K/V: q is rotated in, the output back out
 };
 
 Shapes check_args(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& table,
@@ -233,6 +234,8 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
   const int64_t block_stride = 2 * s.KV * tile;
   const float* qg0 = q + (static_cast<int64_t>(w.b) * s.H + static_cast<int64_t>(w.kvh) * G) * D;
   for (int64_t i = 0; i < G * D; ++i) qs[i] = qg0[i] * qscale;
+  if (s.rotated)
+    for (int64_t g = 0; g < G; ++g) kv_quant_rotate_row(qs + g * D, D);
   std::fill(acc, acc + G * D, 0.0f);
   for (int64_t g = 0; g < G; ++g) {
     m[g] = -std::numeric_limits<float>::infinity();
@@ -503,6 +506,7 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
       }
       const float inv = 1.0f / L;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      if (s.rotated) kv_quant_rotate_row(o, D);
     }
   }
   return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
@@ -518,8 +522,9 @@ int64_t paged_attention_parallel_width() {
 }
 
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                              const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant) {
-  const Shapes s = check_args(q, pool, block_table, lengths, quant);
+                              const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant, bool rotated) {
+  Shapes s = check_args(q, pool, block_table, lengths, quant);
+  s.rotated = rotated;
   KV_CHECK(window >= 0, "paged attention: window must be >= 0, got " << window);
   scale = resolve_scale(scale, s.D);
 #ifdef KVSERVE_PAGED_AVX2
@@ -530,11 +535,15 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool,
     }
   }
 #endif
-  return paged_attention_gather(q, pool, block_table, lengths, scale, window, quant);
+  return paged_attention_gather(q, pool, block_table, lengths, scale, window, quant, rotated);
 }
 
 torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
-                                     const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant) {
+                                     const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant,
+                                     bool rotated) {
+  if (rotated) {
+    return kv_quant_rotate(paged_attention_gather(kv_quant_rotate(q), pool, block_table, lengths, scale, window, quant));
+  }
   const Shapes s = check_args(q, pool, block_table, lengths, quant);
   scale = resolve_scale(scale, s.D);
   {
@@ -569,7 +578,11 @@ torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor
 
 torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Tensor& pool,
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
-                                        double scale, int64_t window, KvQuant quant) {
+                                        double scale, int64_t window, KvQuant quant, bool rotated) {
+  if (rotated) {
+    return kv_quant_rotate(
+        paged_attention_reference(kv_quant_rotate(q), pool, block_table, lengths, scale, window, quant));
+  }
   const Shapes s = check_args(q, pool, block_table, lengths, quant);
   scale = resolve_scale(scale, s.D);
   const torch::Tensor table = block_table.to(torch::kCPU, torch::kLong);

@@ -11,7 +11,8 @@ namespace kvserve {
 //   pool         [N, 2, KV, block_size, D] (KvBlockPool::storage()); its dtype (the KV cache dtype)
 //                may differ from q's: a 16-bit pool is widened as it is read, never q narrowed;
 //                with `quant`, uint8 rows [N, 2, KV, block_size, row bytes] of that format, decoded
-//                as they are read
+//                as they are read; `rotated`: the rows are kv_quant_rotate()d K/V (the query is rotated
+//                the same way and the output rotated back: attention over the unrotated values)
 //   block_table  int32 [B, max_blocks]: sequence b's blocks in slot order; entries past
 //                ceil(lengths[b] / block_size) are ignored (pad with any valid id, e.g. 0)
 //   lengths      int32 [B]: filled slots per sequence (0 gives a zero output row)
@@ -26,19 +27,20 @@ namespace kvserve {
 // chunk)); libtorch gather + softmax otherwise (CUDA, head_dim or block_size not a multiple of 8).
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
                               const torch::Tensor& lengths, double scale = -1.0, int64_t window = 0,
-                              KvQuant quant = KvQuant::none);
+                              KvQuant quant = KvQuant::none, bool rotated = false);
 
 // The libtorch-ops path on its own (batched block gather, masked fp32 softmax); device-agnostic. The
 // products run in the wider of q's and the pool's dtype.
 torch::Tensor paged_attention_gather(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
                                      const torch::Tensor& lengths, double scale = -1.0, int64_t window = 0,
-                              KvQuant quant = KvQuant::none);
+                              KvQuant quant = KvQuant::none, bool rotated = false);
 
 // Slow and obvious: per sequence, rebuild contiguous K/V from its blocks and run plain softmax
 // attention in fp64. For tests only.
 torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Tensor& pool,
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
-                                        double scale = -1.0, int64_t window = 0, KvQuant quant = KvQuant::none);
+                                        double scale = -1.0, int64_t window = 0, KvQuant quant = KvQuant::none,
+                                        bool rotated = false);
 
 // Threads a parallel region of the AVX2 kernel really gets (1 if paged_attention.cpp lost its
 // -fopenmp: at::parallel_for is an inline omp pragma). For the test that guards it.

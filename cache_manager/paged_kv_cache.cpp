@@ -52,21 +52,18 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
 }
 
 torch::Tensor PagedKvCache::encode(const torch::Tensor& x) const {
-  if (pool_.quantized()) return kv_quant_encode(rotates_ ? kv_quant_rotate(x) : x, pool_.quant()).to(pool_.device());
+  if (pool_.quantized()) return kv_quant_encode(x, pool_.quant(), rotates_).to(pool_.device());
   return x.to(torch::TensorOptions().dtype(pool_.dtype()).device(pool_.device()));
 }
 
 torch::Tensor PagedKvCache::decode(const torch::Tensor& rows) const {
   if (!pool_.quantized()) return rows;
-  const torch::Tensor x = kv_quant_decode(rows, pool_.quant(), d_, pool_.dtype());
-  return rotates_ ? kv_quant_rotate(x) : x;
+  return kv_quant_decode(rows, pool_.quant(), d_, pool_.dtype(), rotates_);
 }
 
 torch::Tensor PagedKvCache::stored_attention(const torch::Tensor& q, const torch::Tensor& table,
                                              const torch::Tensor& lengths, double scale, int64_t window) const {
-  // Rotated rows: the query is rotated alike and the output (a mix of rotated V rows) rotated back.
-  if (!rotates_) return paged_attention(q, pool_.storage(), table, lengths, scale, window, pool_.quant());
-  return kv_quant_rotate(paged_attention(kv_quant_rotate(q), pool_.storage(), table, lengths, scale, window, pool_.quant()));
+  return paged_attention(q, pool_.storage(), table, lengths, scale, window, pool_.quant(), rotates_);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -658,7 +655,27 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
 void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t B = k.size(0);
   const bool fast = pool_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu();
-  if (fast) {
+  if (fast && pool_.quantized()) {
+    // Each row rotated (a copy) and encoded straight into its slot: no tensors on a decode step's path.
+    const torch::Tensor kc = k.to(torch::kFloat32).contiguous(), vc = v.to(torch::kFloat32).contiguous();
+    uint8_t* base = pool_.storage().data_ptr<uint8_t>();
+    const int64_t row = pool_.row_elems(), tile = bs_ * row, block = 2 * kv_ * tile;
+    std::vector<float> buf(static_cast<size_t>(d_));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < kv_; ++h) {
+        uint8_t* dst = base + blk[b] * block + h * tile + off[b] * row;
+        for (int half = 0; half < 2; ++half) {
+          const float* src = (half == 0 ? kc : vc).data_ptr<float>() + (b * kv_ + h) * d_;
+          if (rotates_) {
+            std::copy(src, src + d_, buf.begin());
+            kv_quant_rotate_row(buf.data(), d_);
+            src = buf.data();
+          }
+          kv_quant_encode_row(pool_.quant(), src, d_, dst + half * kv_ * tile);
+        }
+      }
+    }
+  } else if (fast) {
     // A 16-bit pool under fp32 activations: .to() rounds to nearest even, as every other write does;
     // a quantized pool gets its encoded rows.
     const torch::Tensor kc = encode(k).contiguous(), vc = encode(v).contiguous();

@@ -106,6 +106,21 @@ void run_case(const Case& c, uint64_t seed) {
     EXPECT_LE((gath.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
     EXPECT_LE((ref.to(torch::kFloat64) - want).abs().max().item<double>(), tol);
     EXPECT_LE((fast - gath).abs().max().item<float>(), tol);
+    if (c.quant != KvQuant::none && cache.rotates()) {
+      // Rotated rows read as what they stand for: the rotated query in, the output rotated back.
+      std::vector<torch::Tensor> kr, vr;
+      for (int64_t b = 0; b < B; ++b) {
+        kr.push_back(kv_quant_rotate(ks[l][b]));
+        vr.push_back(kv_quant_rotate(vs[l][b]));
+      }
+      const torch::Tensor want_r = contiguous_attention(q, kr, vr, c.kv, c.window);
+      for (const torch::Tensor& got : {paged_attention(q, pool, t.block_table, t.lengths, -1.0, c.window, c.quant, true),
+                                       paged_attention_gather(q, pool, t.block_table, t.lengths, -1.0, c.window, c.quant, true),
+                                       paged_attention_reference(q, pool, t.block_table, t.lengths, -1.0, c.window, c.quant, true)}) {
+        EXPECT_LE((got.to(torch::kFloat64) - want_r).abs().max().item<double>(), tol);
+      }
+      if (c.window == 0) EXPECT_LE((cache.attend(l, ids, q).to(torch::kFloat64) - want_r).abs().max().item<double>(), tol);
+    }
   }
   EXPECT_EQ(cache.attend(1, ids, q).sizes(), q.sizes());
 }
