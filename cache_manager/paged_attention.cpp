@@ -194,35 +194,6 @@ struct QuantRows {
     }
   }
 };
-// One row's values [d, d + 8) as unscaled integers in fp32 lanes (d a multiple of 8), and the scale
-// and offset of group `grp` (x = q * scale + offset): the V loop hoists those per (token, group).
-template <KvQuant kQ>
-inline __m256 quant_ints8(const uint8_t* row, int64_t d) {
-  if constexpr (kQ == KvQuant::q8_0) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d))));
-  } else {
-    const int64_t j = d % kKvQuantGroup;
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + (d - j) / 2 + (j & 15)));
-    const __m128i nib = _mm_and_si128(j < 16 ? b : _mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
-  }
-}
-template <KvQuant kQ>
-inline void quant_scale(const uint8_t* row, int64_t D, int64_t grp, float& scale, float& offset) {
-  constexpr int64_t sb = kQ == KvQuant::q4_1 ? 4 : 2;
-  const uint8_t* sc = row + (kQ == KvQuant::q8_0 ? D : D / 2) + grp * sb;
-  scale = half_at(sc);
-  offset = kQ == KvQuant::q8_0 ? 0.0f : kQ == KvQuant::q4_0 ? -8.0f * scale : half_at(sc + 2);
-}
-template <typename E>
-struct QuantFormat {
-  static constexpr KvQuant value = KvQuant::none;
-};
-template <KvQuant kQ>
-struct QuantFormat<QuantRows<kQ>> {
-  static constexpr KvQuant value = kQ;
-};
-
 template <typename E>
 constexpr bool quantized_elems() {
   if constexpr (requires { E::kQuantized; }) return E::kQuantized;
@@ -299,7 +270,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
     const float* Kf;
     if constexpr (kQuant) {
       E::decode(K, n, D, s.R, kbuf);
-      if constexpr (kG == 0) E::decode(V, n, D, s.R, vbuf);  // the register-blocked loop decodes V itself
+      E::decode(V, n, D, s.R, vbuf);
       Kf = kbuf;
     } else if constexpr (std::is_same_v<T, float>) {
       Kf = K;
@@ -364,39 +335,7 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
         return E::load8(V + i);
       }
     };
-    if constexpr (kG > 0 && kQuant) {
-      // Quantized V, register-blocked as below: each chunk of a row is decoded in registers (its
-      // group's scale and offset loaded once per token), once for all G heads.
-      constexpr KvQuant kQ = QuantFormat<E>::value;
-      constexpr int kRC = register_chunks(kD, kG);
-      constexpr int64_t kSpan = 8 * kRC, kGroups = (kSpan + kKvQuantGroup - 1) / kKvQuantGroup;
-      for (int64_t d0 = 0; d0 < D; d0 += kSpan) {
-        __m256 a[kG][kRC];
-        for (int g = 0; g < kG; ++g)
-          for (int c = 0; c < kRC; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
-        for (int64_t t = 0; t < n; ++t) {
-          const uint8_t* row = V + t * s.R;
-          __m256 scale[kGroups], offset[kGroups];
-          for (int64_t i = 0; i < kGroups; ++i) {
-            float sv, ov;
-            quant_scale<kQ>(row, D, d0 / kKvQuantGroup + i, sv, ov);
-            scale[i] = _mm256_set1_ps(sv);
-            offset[i] = _mm256_set1_ps(ov);
-          }
-          __m256 p[kG];
-          for (int g = 0; g < kG; ++g) p[g] = _mm256_broadcast_ss(sc + g * bs + t);
-          for (int c = 0; c < kRC; ++c) {
-            const int64_t i = (8 * c) / kKvQuantGroup;
-            const __m256 x = quant_ints8<kQ>(row, d0 + 8 * c);
-            const __m256 vv = kQ == KvQuant::q8_0 ? _mm256_mul_ps(x, scale[i]) : _mm256_fmadd_ps(x, scale[i], offset[i]);
-            for (int g = 0; g < kG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], vv, a[g][c]);
-          }
-        }
-        for (int g = 0; g < kG; ++g)
-          for (int c = 0; c < kRC; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
-      }
-      continue;
-    } else if constexpr (kG > 0) {
+    if constexpr (kG > 0) {
       // Register-blocked: each V row chunk is loaded once for all G heads; acc stays in registers.
       constexpr int kRC = register_chunks(kD, kG);
       for (int64_t d0 = 0; d0 < D; d0 += 8 * kRC) {
