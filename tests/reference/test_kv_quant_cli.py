@@ -128,3 +128,20 @@ def test_errors_name_what_is_wrong(tmp_path):
     proc = run_kvserve("config", "check", str(cfg), check=False)
     assert proc.returncode != 0
     assert "CPU only" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_budget_bytes_keeps_more_tokens_in_fewer_bits():
+    # 1 MiB of KV per sequence: the same bytes hold 1.88x the tokens at int8 (snapkv, 400-token prompt).
+    prompt = [str((37 * i + 11) % 40000 + 100) for i in range(400)]
+    got = {}
+    for kv in ("float16", "int8"):
+        out = run_kvserve("generate", "--model", str(default_model_dir()), "--prompt-ids", *prompt, "--max-tokens",
+                          "2", "--json", "--kv-cache-dtype", kv, "--policy", "snapkv", "--policy-param",
+                          "budget_bytes=1MiB")
+        got[kv] = json.loads(out.stdout)
+        assert got[kv]["kv_bytes_kept"] <= (1 << 20), got[kv]
+        assert got[kv]["kv_bytes_kept"] > 0.95 * (1 << 20), got[kv]  # 30 layers x the window's rounding
+    assert got["int8"]["kv_tokens_kept"] >= 1.85 * got["float16"]["kv_tokens_kept"]
+    proc = run_kvserve("generate", "--model", str(default_model_dir()), "--prompt", "hi", "--kv-cache-dtype", "int4",
+                       "--policy", "snapkv", "--policy-param", "budget_bytes=10KB", check=False)
+    assert proc.returncode != 0 and "budget_bytes" in proc.stderr and "window" in proc.stderr, proc.stderr
