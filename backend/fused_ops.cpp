@@ -34,7 +34,7 @@ int level_from_env(const char* name, int fallback, const char* meaning) {
 }
 
 // The vectorized kernels unless set: they passed every CUDA test and ran 1.12-1.14x faster than level 1
-// on an H100 (docs/gpu.md, session 17); the torch op chains stay as the A/B baseline.
+// on an H100 (docs/gpu.md, 2026-11-27, commit aad57f2); the torch op chains stay as the A/B baseline.
 std::atomic<int>& level_setting() {
   static std::atomic<int> level{
       level_from_env("KVSERVE_FUSED_OPS", 2, "0 (torch op chains), 1 (fused kernels) or 2 (their vectorized variants)")};

@@ -54,9 +54,9 @@
 # (kvserve build, checkpoint, three cells at one level) should fit in one 10-minute call. None of this
 # has run on a GPU yet (before, `profile` was a launch-skip window of a 1K x 1 step, 15 s a level).
 # `run` and `bench` ran as committed on an H100 on 2026-11-26 (docs/gpu.md): `run` 262 s (26 gtests,
-# 18 pytest cases, all passed), `bench` 144 s with --budget-s 220. On 2026-11-27 (session 16) `run`
+# 18 pytest cases, all passed), `bench` 144 s with --budget-s 220. On 2026-11-27 (commit 5acc854) `run`
 # took 340 s (30 gtests, 29 pytest cases), the 8B checkpoint 34 s, `kernels` on it 24 s, `prefix` 39 s.
-# In session 17 (same day) `run` needed more than 380 s (30 gtests in 36 s, 38 pytest cases in 134 s,
+# On 2026-11-27 (commit aad57f2) `run` needed more than 380 s (30 gtests in 36 s, 38 pytest cases in 134 s,
 # the rest building), so `all` gives it 450 s.
 #
 # `all` is the one call to make on a lent machine (device time is short and a machine goes back after
@@ -279,7 +279,7 @@ all)
   [ -f "$model/STAMP" ] || timeout 150 python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 \
     > "$out/make8b.log" 2>&1; step make8b $?
   # The per-kernel tables of the two unmet 32K rows at the default level, right after the rows
-  # themselves (the 1K x 1 table ran in session 20; PROFILE_CELLS / PROFILE_LEVELS override); each
+  # themselves (the 1K x 1 table ran on 2026-11-28 (commit 5834135); PROFILE_CELLS / PROFILE_LEVELS override); each
   # cell's processes have at most 120 s.
   [ "$(left)" -gt 40 ] && { t_prof=$(( $(left) < 240 ? $(left) : 240 ))
     PROFILE_CELLS=${PROFILE_CELLS:-"32768:8:full 32768:64:pyramidkv:128"} PROFILE_BUDGET_S=$(( t_prof - 5 )) \
@@ -291,7 +291,7 @@ all)
   grep -B2 -A12 "^| context | batch | default" "$out/paged-decode-sweep.md" >> "$sum" 2>/dev/null
   [ "$(left)" -gt 45 ] && { timeout $(( $(left) < 150 ? $(left) : 150 )) "$0" prefix > "$out/prefix.out" 2>&1; step prefix $?; }
   grep -A30 "^| policy" "$out/prefix.log" >> "$sum" 2>/dev/null
-  # The fused-kernel A/B last: it ran in session 20 (level 2 is the default since).
+  # The fused-kernel A/B last: it ran on 2026-11-28 (commit 5834135) (level 2 is the default since).
   [ "$(left)" -gt 40 ] && { KERNELS_MODEL=$model timeout $(( $(left) < 90 ? $(left) : 90 )) "$0" kernels > "$out/kernels.out" 2>&1; step kernels $?; }
   grep -E "ms/step|PASSED|FAILED" "$out/kernels.out" >> "$sum" 2>/dev/null
   tar czf /tmp/gpu-logs.tar.gz -C "$out" --exclude summary.txt --exclude benchmarks-gpu.md . && mv /tmp/gpu-logs.tar.gz "$out/logs.tar.gz"
