@@ -47,16 +47,6 @@ KvQuant kv_cache_quant_from_name(const std::string& n) {
   return KvQuant::none;
 }
 
-std::string kv_cache_dtype_label(torch::Dtype dtype, KvQuant quant) {
-  switch (quant) {
-    case KvQuant::q8_0: return "int8";
-    case KvQuant::q4_0: return "int4";
-    case KvQuant::q4_1: return "q4_1";
-    case KvQuant::none: break;
-  }
-  return dtype_name(dtype);
-}
-
 torch::Dtype kv_cache_dtype_from_name(const std::string& n, torch::Dtype compute) {
   if (n.empty() || n == "auto" || kv_cache_quant_from_name(n) != KvQuant::none) return compute;
   try {

@@ -50,8 +50,6 @@ torch::Dtype kv_cache_dtype_from_name(const std::string& name, torch::Dtype comp
 // "Quantized KV"), q8_0, q4_0, q4_1 as llama.cpp spells them; none for the float names. fp8 names
 // are refused (no fp8 cache yet: int8 stores as few bytes).
 KvQuant kv_cache_quant_from_name(const std::string& name);
-// How a KV cache dtype reads back in messages and --json: "float16", "int8 (q8_0)", ...
-std::string kv_cache_dtype_label(torch::Dtype dtype, KvQuant quant);
 std::string dtype_name(torch::Dtype dtype);  // "float32", "bfloat16", "float16" (others: torch's name)
 
 }  // namespace kvserve

@@ -28,7 +28,7 @@ void set_local_layers(std::map<std::string, PolicyConfig>& policies, const std::
 
 namespace {
 void resolve_budget_bytes(std::map<std::string, PolicyConfig>& policies, const KvMemoryLayout& layout) {
-  const std::string dtype = layout.quant != KvQuant::none ? kv_quant_name(layout.quant) : c10::toString(layout.dtype);
+  const std::string dtype = kv_cache_dtype_label(layout.dtype, layout.quant);
   const int64_t layers = layout.total_layers > 0 ? layout.total_layers : layout.first_layer + layout.num_layers;
   for (auto& [name, cfg] : policies) cfg.resolve_budget_bytes(layout.model_token_layer_bytes, layers, dtype);
 }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "common/check.h"
 
@@ -84,6 +85,21 @@ int64_t kv_quant_row_bytes(KvQuant q, int64_t head_dim) {
   return data_bytes(q, head_dim) + head_dim / G * scale_bytes(q);
 }
 
+std::string kv_cache_dtype_label(torch::ScalarType dtype, KvQuant quant) {
+  switch (quant) {
+    case KvQuant::q8_0: return "int8";
+    case KvQuant::q4_0: return "int4";
+    case KvQuant::q4_1: return "q4_1";
+    case KvQuant::none: break;
+  }
+  switch (dtype) {
+    case torch::kFloat32: return "float32";
+    case torch::kBFloat16: return "bfloat16";
+    case torch::kFloat16: return "float16";
+    default: return c10::toString(dtype);
+  }
+}
+
 const char* kv_quant_name(KvQuant q) {
   switch (q) {
     case KvQuant::none: return "none";
@@ -100,7 +116,13 @@ void check_kv_quant_head_dim(KvQuant q, int64_t head_dim, const std::string& wha
                                                    << G << ", and this model's head_dim is " << head_dim);
 }
 
-void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* row) {
+void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* row, bool rotate) {
+  thread_local std::vector<float> rotated;  // reused: this runs per row of every decode step
+  if (rotate) {
+    rotated.assign(x, x + head_dim);
+    kv_quant_rotate_row(rotated.data(), head_dim);
+    x = rotated.data();
+  }
   const int64_t groups = head_dim / G, data = data_bytes(q, head_dim), sb = scale_bytes(q);
   for (int64_t g = 0; g < groups; ++g) {
     uint8_t* scale = row + data + g * sb;
@@ -191,16 +213,7 @@ torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q, bool rotate) {
   const float* xp = xc.data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(static_cast<size_t>(D));
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* src = xp + r * D;
-      if (rotate) {
-        std::copy(src, src + D, buf.begin());
-        kv_quant_rotate_row(buf.data(), D);
-        src = buf.data();
-      }
-      kv_quant_encode_row(q, src, D, op + r * rb);
-    }
+    for (int64_t r = r0; r < r1; ++r) kv_quant_encode_row(q, xp + r * D, D, op + r * rb, rotate);
   });
   return x.device().is_cpu() ? out : out.to(x.device());
 }

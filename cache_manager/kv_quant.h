@@ -25,6 +25,8 @@ constexpr int64_t kKvQuantGroup = 32;  // values per scale group along head_dim
 // Bytes of one quantized row of head_dim values (head_dim a multiple of 32).
 int64_t kv_quant_row_bytes(KvQuant q, int64_t head_dim);
 const char* kv_quant_name(KvQuant q);
+// How a KV cache dtype reads back in messages and --json: "float16", "int8", "int4", "q4_1", ...
+std::string kv_cache_dtype_label(torch::ScalarType dtype, KvQuant quant);
 // Throws naming `what` unless head_dim suits the format (a multiple of 32).
 void check_kv_quant_head_dim(KvQuant q, int64_t head_dim, const std::string& what);
 
@@ -48,7 +50,8 @@ void kv_quant_rotate_row(float* x, int64_t head_dim);
 bool kv_quant_rotation_enabled();
 
 // One row, on the host (the kernels and the encoder share these).
-void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* row);
+// rotate: the row is kv_quant_rotate_row()d (on a copy; x is left alone) before it is encoded.
+void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* row, bool rotate = false);
 void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float* x);
 
 }  // namespace kvserve

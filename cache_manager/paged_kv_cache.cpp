@@ -660,18 +660,12 @@ void PagedKvCache::write_slots(const int32_t* blk, const int64_t* off, const tor
     const torch::Tensor kc = k.to(torch::kFloat32).contiguous(), vc = v.to(torch::kFloat32).contiguous();
     uint8_t* base = pool_.storage().data_ptr<uint8_t>();
     const int64_t row = pool_.row_elems(), tile = bs_ * row, block = 2 * kv_ * tile;
-    std::vector<float> buf(static_cast<size_t>(d_));
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < kv_; ++h) {
         uint8_t* dst = base + blk[b] * block + h * tile + off[b] * row;
         for (int half = 0; half < 2; ++half) {
           const float* src = (half == 0 ? kc : vc).data_ptr<float>() + (b * kv_ + h) * d_;
-          if (rotates_) {
-            std::copy(src, src + d_, buf.begin());
-            kv_quant_rotate_row(buf.data(), d_);
-            src = buf.data();
-          }
-          kv_quant_encode_row(pool_.quant(), src, d_, dst + half * kv_ * tile);
+          kv_quant_encode_row(pool_.quant(), src, d_, dst + half * kv_ * tile, rotates_);
         }
       }
     }

@@ -145,12 +145,10 @@ void run_plan(const PlanArgs& a) {
   std::vector<PolicyConfig> policies{make_policy_config("full")};
   if (a.policy != "full") policies.push_back(make_policy_config(a.policy, params));
   // budget_bytes: tokens per layer at this KV dtype (a row is one token's K or V of one KV head).
-  const int64_t row = o.kv_quant_bits > 0 ? m.head_dim * o.kv_quant_bits / 8 + (m.head_dim + 31) / 32 * o.kv_quant_scale_bytes
-                                          : m.head_dim * o.kv_dtype_bytes;
   for (PolicyConfig& p : policies) {
     for (int64_t l = 0; l < mc.num_hidden_layers; ++l)
       if (mc.layer_window(l) > 0) p.local_layers.push_back(l);
-    p.resolve_budget_bytes(2 * m.num_kv_heads * row, m.num_layers, kv);
+    p.resolve_budget_bytes(2 * m.num_kv_heads * parallel::kv_row_bytes(o, m.head_dim), m.num_layers, kv);
   }
 
   const auto plan = parallel::make_shard_plan(m, o, policies);

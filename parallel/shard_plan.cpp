@@ -15,6 +15,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
+int64_t kv_row_bytes(const PlanOptions& o, int64_t head_dim) {
+  return o.kv_quant_bits > 0 ? head_dim * o.kv_quant_bits / 8 + (head_dim + 31) / 32 * o.kv_quant_scale_bytes
+                             : head_dim * o.kv_dtype_bytes;
+}
+
 int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& layers, bool first_stage,
                             bool last_stage) {
   const int64_t h = m.hidden_size, d = m.head_dim;
@@ -90,9 +95,7 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     st.weight_params = stage_weight_params(m, o.tp, st.layers, st.has_embedding, st.has_lm_head);
     st.weight_bytes = st.weight_params * o.weight_dtype_bytes;
     st.kv_heads = make_shard_layout(m, o.tp, 0, o.pp, s).kv_heads;
-    const int64_t row = o.kv_quant_bits > 0 ? m.head_dim * o.kv_quant_bits / 8 + (m.head_dim + 31) / 32 * o.kv_quant_scale_bytes
-                                            : m.head_dim * o.kv_dtype_bytes;
-    st.kv_bytes_per_token_layer = 2 * st.kv_heads * row;
+    st.kv_bytes_per_token_layer = 2 * st.kv_heads * kv_row_bytes(o, m.head_dim);
     st.block_bytes = st.kv_bytes_per_token_layer * o.block_size;
     for (int64_t l = st.layers.begin; l < st.layers.end; ++l) {
       if (window_of(l) > 0) {

@@ -40,6 +40,9 @@ struct PlanOptions {
   std::vector<int64_t> layer_windows;
 };
 
+// Bytes of one (token, KV head) row of K or V in the planned KV dtype (quantized or not).
+int64_t kv_row_bytes(const PlanOptions& o, int64_t head_dim);
+
 // Parameters one TP rank of a stage holds (the largest rank where a split is uneven).
 int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& layers, bool first_stage, bool last_stage);
 
