@@ -95,6 +95,29 @@ bench: build
 bench-llamacpp: build model
 	$(PYTHON) bench/bench_llamacpp.py --kvserve $(BUILD_DIR)/kvserve --out docs/benchmarks-llamacpp.md
 
+# Serving under load with GuideLLM (bench/bench_load.py): constant arrival rates against `kvserve serve`,
+# full vs a compressing policy, chunked prefill on and off -> the section "Serving under load (GuideLLM)"
+# of docs/benchmarks.md. GuideLLM, pinned, gets its own venv (build-guidellm/venv); it reuses the system
+# torch through --system-site-packages (~100 MB; without a system torch pip pulls torch + CUDA, ~6 GB).
+# LOADTEST_ARGS passes more: --rates 0.5 1 2, --rows full-chunked,llamacpp, --llamacpp, --seconds 40.
+GUIDELLM_VERSION := 0.8.1
+GUIDELLM_VENV := build-guidellm/venv
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.guidellm-$(GUIDELLM_VERSION)
+LOADTEST_ARGS ?=
+.PHONY: loadtest
+loadtest: build model $(GUIDELLM_STAMP)
+	nice -n 10 $(PYTHON) bench/bench_load.py --kvserve $(BUILD_DIR)/kvserve --guidellm $(GUIDELLM_VENV)/bin/guidellm \
+	  --out docs/benchmarks.md $(LOADTEST_ARGS)
+$(GUIDELLM_STAMP):
+	@need=$$($(PYTHON) -c 'import torch' 2>/dev/null && echo 1 || echo 8); \
+	avail=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	if [ "$$avail" -lt "$$need" ]; then \
+	  echo "loadtest: guidellm's venv needs ~$$need GB free here, $$avail GB left" >&2; exit 1; fi
+	$(PYTHON) -m venv --system-site-packages $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q --disable-pip-version-check guidellm==$(GUIDELLM_VERSION)
+	$(GUIDELLM_VENV)/bin/guidellm --version
+	@touch $@
+
 # The long-context quality suite on the default model (RULER-style tasks, every policy x budget)
 # -> docs/eval/quality.md. EVAL_GRID=full for every length/budget/policy; EVAL_KVPRESS=1 adds
 # kvpress's presses side by side; EVAL_ARGS passes more (--jobs, --device cuda, --dtype bfloat16).
