@@ -29,7 +29,7 @@ FUZZ_TARGETS := request_body safetensors_header model_config tokenizer_load toke
 # The soak (tools/soak.py): requests against a real server.
 SOAK_REQUESTS ?= 10000
 
-.PHONY: deps build model model-gemma3 test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy train-model train-tool-model train-kvzap clean fuzz fuzz-build soak
+.PHONY: deps build model model-gemma3 test test-cpp test-py serve fixtures bench bench-llamacpp eval eval-legacy eval-lmeval train-model train-tool-model train-kvzap clean fuzz fuzz-build soak
 
 # Idempotent: the stamp records the package lists and requirements it was made from.
 deps: $(DEPS_STAMP)
@@ -144,6 +144,21 @@ eval-legacy: build model
 	$(PYTHON) tools/eval_retrieval.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval --n 4 --workers 8
 	$(PYTHON) tools/eval_perplexity.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
 	$(PYTHON) tools/eval_real_model.py --kvserve $(BUILD_DIR)/kvserve --out docs/eval
+
+# lm-evaluation-harness against a real server (tools/eval_lmeval.py; not part of test/deps/CI): its own
+# venv build-lmeval/venv (--system-site-packages: the system's torch and transformers are reused) with
+# lm-eval[api] and its dependencies pinned in tools/lmeval-requirements.txt; kvserve's local tasks
+# (tools/lmeval_tasks/, offline) under full, kvzip, kvzap and snapkv at 25 % -> docs/eval/lmeval.{md,json}.
+# LMEVAL_ARGS passes more (--limit 10, --mc-policies full,kvzip-0.25, --tokenizer-backend remote).
+LMEVAL_VENV := build-lmeval/venv
+LMEVAL_ARGS ?=
+$(LMEVAL_VENV)/.stamp: tools/lmeval-requirements.txt
+	$(PYTHON) -m venv --system-site-packages $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/python -m pip install -q --disable-pip-version-check -r tools/lmeval-requirements.txt
+	@touch $@
+eval-lmeval: build model $(LMEVAL_VENV)/.stamp
+	nice -n 10 $(PYTHON) tools/eval_lmeval.py --kvserve $(BUILD_DIR)/kvserve --lm-eval $(LMEVAL_VENV)/bin/lm_eval \
+	  --out docs/eval/lmeval.md $(LMEVAL_ARGS)
 
 # Retrains models/tiny-retriever from scratch: on a CUDA GPU when there is one (5 min on an H100),
 # else on the CPU (hours; see the model card for the measured rate).
