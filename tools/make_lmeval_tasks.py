@@ -4,7 +4,8 @@ tools/eval_lmeval.py and `make eval-lmeval`; no hub download, everything offline
 
   retrieval.jsonl   --n documents of about --doc-tokens tokens of tools/retrieval_tasks.py's "story"
                     filler, each hiding one secret code ("The secret code of the amber falcon vault
-                    is 4821930.") at an evenly spread depth, and the question asking for it.
+                    is 4821930.") at a depth of its own (evenly spread, also over any first
+                    k documents), and the question asking for it.
   mc.jsonl          --mc-n short delivery logs (tools/context_doc.py's records) with a four-way
                     multiple-choice question about one record (which city, which goods).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import random
 import sys
@@ -39,8 +41,17 @@ HEAD = "Read the following document carefully. A secret code is hidden somewhere
 QUESTION = "What is the secret code of the {key} vault mentioned in the document? Answer with the code only."
 
 
+def depth_slot(i: int, n: int) -> int:
+    """Document i's depth slot: a stride coprime with n walks every slot once, so that any first k
+    documents (lm-eval's --limit k) have needles spread over the whole depth range."""
+    k = max(1, n // 4)
+    while math.gcd(k, n) != 1:
+        k += 1
+    return (i * k) % n
+
+
 def retrieval_doc(tok, i: int, n: int, doc_tokens: int, seed: int) -> dict:
-    """Document i of n: filler up to doc_tokens, one needle at depth (i + 0.5) / n of the filler."""
+    """Document i of n: filler up to doc_tokens, one needle at depth (depth_slot(i, n) + 0.5) / n."""
     rng = random.Random(f"lmeval-retrieval/{seed}/{i}")
     key = f"{rng.choice(ADJS)} {rng.choice(COLORS + ANIMALS + WORDS)}"
     code = str(rng.randint(1, 9)) + "".join(str(rng.randrange(10)) for _ in range(6))
@@ -52,7 +63,7 @@ def retrieval_doc(tok, i: int, n: int, doc_tokens: int, seed: int) -> dict:
         sents.append(s)
         total += len(tok.encode(s).ids)
     sents.pop()  # stay at or under doc_tokens
-    depth = (i + 0.5) / n
+    depth = (depth_slot(i, n) + 0.5) / n
     at = round(depth * len(sents))
     document = HEAD + "".join(sents[:at]) + " " + needle + "".join(sents[at:])
     return {"id": i, "document": document, "question": QUESTION.format(key=key), "answer": code,
