@@ -149,7 +149,8 @@ eval-legacy: build model
 # venv build-lmeval/venv (--system-site-packages: the system's torch and transformers are reused) with
 # lm-eval[api] and its dependencies pinned in tools/lmeval-requirements.txt; kvserve's local tasks
 # (tools/lmeval_tasks/, offline) under full, kvzip, kvzap and snapkv at 25 % -> docs/eval/lmeval.{md,json}.
-# LMEVAL_ARGS passes more (--limit 10, --mc-policies full,kvzip-0.25, --tokenizer-backend remote).
+# The server and lm_eval run under nice 10. LMEVAL_ARGS passes more (--limit 10, --mc-policies
+# full,kvzip-0.25, --tokenizer-backend remote).
 LMEVAL_VENV := build-lmeval/venv
 LMEVAL_ARGS ?=
 $(LMEVAL_VENV)/.stamp: tools/lmeval-requirements.txt
@@ -157,7 +158,7 @@ $(LMEVAL_VENV)/.stamp: tools/lmeval-requirements.txt
 	$(LMEVAL_VENV)/bin/python -m pip install -q --disable-pip-version-check -r tools/lmeval-requirements.txt
 	@touch $@
 eval-lmeval: build model $(LMEVAL_VENV)/.stamp
-	nice -n 10 $(PYTHON) tools/eval_lmeval.py --kvserve $(BUILD_DIR)/kvserve --lm-eval $(LMEVAL_VENV)/bin/lm_eval \
+	$(PYTHON) tools/eval_lmeval.py --kvserve $(BUILD_DIR)/kvserve --lm-eval $(LMEVAL_VENV)/bin/lm_eval \
 	  --out docs/eval/lmeval.md $(LMEVAL_ARGS)
 
 # Retrains models/tiny-retriever from scratch: on a CUDA GPU when there is one (5 min on an H100),

@@ -84,7 +84,7 @@ policies:
 {pol}default_policy: {default_policy}
 """)
         self.log_path = workdir / f"kvserve-{default_policy}.log"
-        self.args = (["nice", "-n", str(nice)] if nice else []) + [kvserve, "serve", "--config", str(self.config)]
+        self.args = nice_prefix(nice) + [kvserve, "serve", "--config", str(self.config)]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         self.port = self._wait_port()
@@ -148,6 +148,13 @@ policies:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def nice_prefix(level: int) -> list[str]:
+    """`nice -n K` that brings a child to niceness `level` (absolute: a driver already run under nice
+    does not push its children further down), or nothing."""
+    k = level - os.nice(0)
+    return ["nice", "-n", str(k)] if k > 0 else []
 
 
 def delta(after: dict, before: dict, policy: str) -> dict:
@@ -286,9 +293,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-backend", choices=("huggingface", "remote"), default="huggingface",
                     help="lm-eval's tokenizer for the loglikelihood task: huggingface (the model directory's "
                          "tokenizer) or remote (the server's /tokenizer_info, /tokenize, /detokenize)")
-    ap.add_argument("--limit", type=int, default=0, help="documents per run (0 = all)")
+    ap.add_argument("--limit", type=int, default=0, help="documents per retrieval run (0 = all)")
+    ap.add_argument("--mc-limit", type=int, default=-1, help="items per loglikelihood run (0 = all; default: --limit)")
     ap.add_argument("--kv-cache-bytes", default="3GiB")
-    ap.add_argument("--nice", type=int, default=10, help="niceness of the server and of lm_eval")
+    ap.add_argument("--nice", type=int, default=10, help="niceness (absolute) of the server and of lm_eval")
     ap.add_argument("--timeout", type=int, default=1800, help="lm-eval's per-request timeout, seconds")
     ap.add_argument("--work", default="build-lmeval/runs", help="lm-eval outputs and server logs")
     ap.add_argument("--out", default="docs/eval/lmeval.md", help="markdown report (the JSON goes beside it)")
@@ -308,11 +316,13 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **OFFLINE_ENV, HF_DATASETS_CACHE=str(REPO / "build-lmeval" / "hf-datasets-cache"))
     env.pop("OPENAI_API_KEY", None)
-    nice = ["nice", "-n", str(a.nice)] if a.nice else []
+    nice = nice_prefix(a.nice)
     limit = ["--limit", str(a.limit)] if a.limit else []
+    mc_limit_n = a.limit if a.mc_limit < 0 else a.mc_limit
+    mc_limit = ["--limit", str(mc_limit_n)] if mc_limit_n else []
     report = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
               "lm_eval_version": lm_eval_version(a.lm_eval), "model": a.model, "policies": [],
-              "limit": a.limit or None, "runs": [], "notes": [], "server_commands": [], "server_configs": {}}
+              "limit": a.limit or None, "mc_limit": mc_limit_n or None, "runs": [], "notes": [], "server_commands": [], "server_configs": {}}
     report["policies"] = list(dict.fromkeys(["full", *policies, *mc_policies]))
     t_all = time.perf_counter()
 
@@ -379,13 +389,16 @@ def main(argv=None) -> int:
                           f"num_concurrent=1,max_retries=1,timeout={a.timeout}",
                           "--tasks", MC_TASK, "--include_path", a.tasks_dir,
                           "--output_path", str((work / tag).relative_to(REPO)),
-                          "--log_samples", *limit]
+                          "--log_samples", *mc_limit]
             run(srv, "loglikelihood", MC_TASK, f"completion ({a.tokenizer_backend} tokenizer)", policy, tag, cmd)
         finally:
             srv.stop()
 
     report["seconds"] = time.perf_counter() - t_all
-    report["note"] = f"; `--limit {a.limit}` (a reduced grid: the first {a.limit} documents of each task)" if a.limit else ""
+    report["note"] = ""
+    if a.limit or mc_limit_n:
+        report["note"] = (f"; a reduced grid: `--limit {a.limit or 'all'}` retrieval documents per run, "
+                          f"`--mc-limit {mc_limit_n or 'all'}` multiple-choice items")
     report["notes"] += [
         "Loglikelihood scores come from `/v1/completions` with `echo` and `logprobs` (docs/api.md): the prompt's "
         "logprobs are computed by one forward over the whole prompt before any KV compression, so they are the "
