@@ -64,10 +64,10 @@ def log(msg: str) -> None:
 class Server:
     """`kvserve serve` (under `nice`) on a free port with a generated config."""
 
-    def __init__(self, kvserve: str, model: str, policies: list[str], workdir: pathlib.Path, kv_cache_bytes: str,
-                 default_policy: str = "full", nice: int = 10):
+    def __init__(self, name: str, kvserve: str, model: str, policies: list[str], workdir: pathlib.Path,
+                 kv_cache_bytes: str, default_policy: str = "full", nice: int = 10):
         workdir.mkdir(parents=True, exist_ok=True)
-        self.config = workdir / f"kvserve-{default_policy}.yaml"
+        self.config = workdir / f"{name}.yaml"
         pol = "".join(f"  {n}: {POLICIES[n]}\n" for n in dict.fromkeys(["full", *policies]))
         self.config.write_text(f"""model:
   path: {model}
@@ -83,8 +83,9 @@ cache:
 policies:
 {pol}default_policy: {default_policy}
 """)
-        self.log_path = workdir / f"kvserve-{default_policy}.log"
-        self.args = nice_prefix(nice) + [kvserve, "serve", "--config", str(self.config)]
+        self.log_path = workdir / f"{name}.log"
+        cfg = self.config.relative_to(REPO) if self.config.is_relative_to(REPO) else self.config
+        self.args = nice_prefix(nice) + [kvserve, "serve", "--config", str(cfg)]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO)
         self.port = self._wait_port()
@@ -284,8 +285,11 @@ def write_report(out_md: pathlib.Path, report: dict) -> None:
                  f"{fmt(srv.get('kept_fraction'))} | {int(srv.get('requests', 0))} | {r['seconds']:.0f} |")
     L += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     L += ["", "## Commands", "",
-          "The server (a free port, `$PORT` below; the config is the one printed in the JSON beside this file):", "",
-          "```sh"] + report["server_commands"] + ["```", "",
+          "The server (on a free port, `$PORT` below):", "",
+          "```sh"] + report["server_commands"] + ["```", ""]
+    for name, text in report.get("server_configs", {}).items():
+        L += [f"`{name}`:", "", "```yaml", text.rstrip(), "```", ""]
+    L += [
           "Each lm-eval run, exactly as it ran (environment: " +
           " ".join(f"{k}={v}" for k, v in OFFLINE_ENV.items()) + "):", "", "```sh"]
     L += [r["command"] for r in rows]
@@ -312,7 +316,12 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=1800, help="lm-eval's per-request timeout, seconds")
     ap.add_argument("--work", default="build-lmeval/runs", help="lm-eval outputs and server logs")
     ap.add_argument("--out", default="docs/eval/lmeval.md", help="markdown report (the JSON goes beside it)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite --out from the JSON beside it; run nothing")
     a = ap.parse_args(argv)
+    if a.report_only:
+        out_md = REPO / a.out
+        write_report(out_md, json.loads(out_md.with_suffix(".json").read_text()))
+        return 0
     policies = [p for p in a.policies.split(",") if p]
     layouts = [x for x in a.layouts.split(",") if x]
     mc_policies = [p for p in a.mc_policies.split(",") if p]
@@ -385,7 +394,7 @@ def main(argv=None) -> int:
 
     # Generation: one server, every policy x layout, kv_policy per request.
     if policies and layouts:
-        srv = Server(a.kvserve, a.model, policies, work, a.kv_cache_bytes, nice=a.nice)
+        srv = Server("kvserve-generate", a.kvserve, a.model, policies, work, a.kv_cache_bytes, nice=a.nice)
         report["server_commands"].append(" ".join(shlex.quote(x) for x in srv.args) + "   # listens on $PORT")
         report["server_configs"][str(srv.config.name)] = srv.config.read_text()
         report.setdefault("server_version", srv.get("/version")[1].strip())
@@ -406,7 +415,8 @@ def main(argv=None) -> int:
 
     # Loglikelihood: a server per policy (--default-policy), since lm-eval sends no kv_policy with it.
     for policy in mc_policies:
-        srv = Server(a.kvserve, a.model, [policy], work, a.kv_cache_bytes, default_policy=policy, nice=a.nice)
+        srv = Server(f"kvserve-mc-{policy}", a.kvserve, a.model, [policy], work, a.kv_cache_bytes,
+                     default_policy=policy, nice=a.nice)
         report["server_commands"].append(" ".join(shlex.quote(x) for x in srv.args) + "   # listens on $PORT")
         report["server_configs"][str(srv.config.name)] = srv.config.read_text()
         try:
