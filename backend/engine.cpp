@@ -4,6 +4,7 @@
 #include <chrono>
 #include <iostream>
 #include <random>
+#include <sstream>
 #include <unordered_set>
 
 #include "backend/grammar_compiler.h"
@@ -32,6 +33,10 @@ struct Engine::Impl {
   std::unordered_set<std::string> cancels;         // guarded by mu
   bool stopping = false, drain = false;            // guarded by mu
   EngineStats stats;                               // guarded by mu
+  // Admission on queue time (guarded by mu): prompt tokens queued in the scheduler as of the last
+  // step and submitted since, and the prefill rate measured over steps that prefilled (tokens/s).
+  int64_t queued_tokens = 0, incoming_tokens = 0;
+  double prefill_rate = 0.0;
 
   // Loop thread only.
   int64_t next_id = 1;
@@ -97,6 +102,8 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   so.max_num_seqs = options_.max_num_seqs;
   so.max_num_batched_tokens = options_.max_num_batched_tokens;
   so.enable_chunked_prefill = options_.enable_chunked_prefill && impl_->runner->chunked_prefill();
+  so.long_prefill_token_threshold =
+      resolve_long_prefill_token_threshold(options_.long_prefill_token_threshold, model_->device().is_cuda());
   if (options_.enable_chunked_prefill && !so.enable_chunked_prefill)
     KV_LOG("chunked prefill is not supported by the sharded runtime yet; prompts are prefilled whole");
   so.compressed_contexts = impl_->runner->compressed_contexts();
@@ -178,6 +185,16 @@ void Engine::submit(GenerationRequest req, EventCallback on_event) {
     if (impl_->stats.waiting + static_cast<int64_t>(impl_->incoming.size()) >= options_.max_waiting) {
       throw EngineOverloaded("too many requests waiting (" + std::to_string(options_.max_waiting) + "); retry later");
     }
+    if (options_.max_queue_time_s > 0 && impl_->prefill_rate > 0) {
+      const double ahead = static_cast<double>(impl_->queued_tokens + impl_->incoming_tokens) / impl_->prefill_rate;
+      if (ahead > options_.max_queue_time_s) {
+        std::ostringstream why;
+        why << "the server is over capacity: the prompts queued ahead take ~" << static_cast<int64_t>(ahead + 0.5)
+            << " s to prefill, more than scheduler.max_queue_time_s (" << options_.max_queue_time_s << " s); retry later";
+        throw EngineOverloaded(why.str(), /*over_capacity=*/true);
+      }
+    }
+    impl_->incoming_tokens += n;
     impl_->incoming.push_back(std::move(seq));
   }
   impl_->cv.notify_all();
@@ -251,11 +268,24 @@ void Engine::loop() {
     // Cancellations (and a non-draining shutdown) free their blocks in the next plan.
     for (auto& s : sched.take_if([&](const Sequence& s) { return cancels.count(s.req.request_id) || (stopping && !drain); }))
       out.finish(*s, "abort");
+    // Requests that waited past max_queue_time_s without being admitted: over capacity (503).
+    if (options_.max_queue_time_s > 0) {
+      const auto now = std::chrono::steady_clock::now();
+      for (auto& s : sched.take_if([&](const Sequence& s) {
+             return !s.scheduled && std::chrono::duration<double>(now - s.arrival).count() > options_.max_queue_time_s;
+           }))
+        out.finish(*s, "error",
+                   "the server is over capacity: the request waited more than scheduler.max_queue_time_s (" +
+                       std::to_string(static_cast<int64_t>(options_.max_queue_time_s)) + " s) to start; retry later",
+                   /*request_error=*/false, /*unavailable=*/true);
+    }
     std::vector<Scheduler::Rejected> rejected;
     StepPlan plan = sched.schedule(&rejected);
     for (auto& [s, why] : rejected) out.finish(*s, "error", why, /*request_error=*/true);
     std::vector<Scheduler::Output> outputs;
+    const auto started = std::chrono::steady_clock::now();
     if (!plan.empty()) outputs = sched.update(plan, runner.execute(plan));
+    const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     int64_t generated = 0;
     for (auto& o : outputs) {
       if (!o.error.empty()) {
@@ -269,7 +299,12 @@ void Engine::loop() {
     int64_t prefilled = 0;
     for (const auto& p : plan.prefill) prefilled += static_cast<int64_t>(p.tokens.size());
     const KvUsage usage = sched.usage();
+    const int64_t queued = sched.queued_prompt_tokens();
     std::lock_guard<std::mutex> lk(im.mu);
+    im.queued_tokens = queued;
+    if (prefilled > 0 && step_s > 0)  // a moving average: the rate follows load and prompt lengths
+      im.prefill_rate = im.prefill_rate > 0 ? 0.8 * im.prefill_rate + 0.2 * (static_cast<double>(prefilled) / step_s)
+                                            : static_cast<double>(prefilled) / step_s;
     im.stats.running = sched.num_running();
     im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
     im.stats.waiting = sched.num_waiting();
@@ -286,7 +321,8 @@ void Engine::loop() {
   // A dead job (a rank died or hung): every request gets the error, nothing runs any more.
   auto fail_all = [&] {
     const std::string why = "the engine is unhealthy: " + unhealthy_reason();
-    for (auto& s : sched.take_if([](const Sequence&) { return true; })) out.finish(*s, "error", why);
+    for (auto& s : sched.take_if([](const Sequence&) { return true; }))
+      out.finish(*s, "error", why, /*request_error=*/false, /*unavailable=*/true);
   };
 
   try {
@@ -325,6 +361,8 @@ void Engine::loop() {
         fresh.push_back(std::move(im.incoming.front()));
         im.incoming.pop_front();
       }
+      im.queued_tokens += im.incoming_tokens;  // in the scheduler from now on
+      im.incoming_tokens = 0;
       cancels.swap(im.cancels);
       stopping = im.stopping;
       drain = im.drain;
@@ -345,6 +383,12 @@ void Engine::loop() {
     try {
       if (step(cancels, stopping, drain)) break;
     } catch (const std::exception& e) {  // the runner failed for good (a rank died or hung)
+      // A dead rank fails the step with its transport's message (Gloo's) before the job's monitor
+      // names the rank; the requests failed next (fail_all) should get that name.
+      {
+        std::unique_lock<std::mutex> lk(im.mu);
+        im.cv.wait_for(lk, std::chrono::milliseconds(500), [&] { return !im.unhealthy_reason.empty(); });
+      }
       KV_LOG(e.what());
       mark_unhealthy(e.what());
     }

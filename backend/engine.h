@@ -35,7 +35,14 @@ struct EngineOptions {
   // Longer prompts are prefilled over several steps while the others decode (Scheduler::Options;
   // a runner that cannot take chunks, the sharded one, prefills whole prompts).
   bool enable_chunked_prefill = false;
+  // While requests decode, the most prompt tokens a step prefills (Scheduler::Options): -1 = auto
+  // (kAutoLongPrefillTokensCpu on a CPU, no cap on CUDA), 0 = no cap.
+  int64_t long_prefill_token_threshold = -1;
   int64_t max_waiting = 256;              // queue bound; submit() beyond it throws EngineOverloaded
+  // Admission on queue time (0 = off): submit() refuses (EngineOverloaded, over capacity) a prompt
+  // that would wait longer than this behind the prompt tokens queued ahead of it at the prefill rate
+  // the engine measures, and a request still waiting after this long fails as over capacity.
+  double max_queue_time_s = 0.0;
   int64_t max_model_len = 0;              // 0 = context_length(config) (max_position_embeddings, x factor for dynamic / yarn)
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t block_size = 16;
@@ -109,10 +116,16 @@ struct EngineStats {
   int64_t conversation_cache_bytes = 0;
 };
 
-// Thrown by submit() when the queue is full (HTTP maps it to 429/503).
+// Thrown by submit() when the queue is full (HTTP 429) or the engine is over capacity, its queue
+// holding more than max_queue_time_s of prefill (HTTP 503).
 class EngineOverloaded : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit EngineOverloaded(const std::string& what, bool over_capacity = false)
+      : std::runtime_error(what), over_capacity_(over_capacity) {}
+  bool over_capacity() const { return over_capacity_; }
+
+ private:
+  bool over_capacity_;
 };
 
 class Engine {

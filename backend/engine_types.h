@@ -47,6 +47,7 @@ struct GenerationEvent {
   std::string finish_reason;              // "stop" | "length" | "abort" | "error" | "grammar_dead_end"
   std::string error;                      // when finish_reason == "error"
   bool request_error = false;             // the request itself can never be served here (HTTP 400, not 500)
+  bool unavailable = false;               // the engine failed for good (a rank died): HTTP 503, not 500
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
   int64_t kept_kv_tokens = 0;             // KV tokens the policy kept after prefill (all layers)

@@ -69,12 +69,14 @@ std::optional<std::string> OutputProcessor::on_token(Sequence& s, const SampledT
   return reason;
 }
 
-void OutputProcessor::finish(Sequence& s, const std::string& reason, const std::string& error, bool request_error) const {
+void OutputProcessor::finish(Sequence& s, const std::string& reason, const std::string& error, bool request_error,
+                             bool unavailable) const {
   GenerationEvent ev;
   ev.finished = true;
   ev.finish_reason = reason;
   ev.error = error;
   ev.request_error = request_error;
+  ev.unavailable = unavailable;
   if (reason != "stop" && s.detok) ev.text_delta = s.held + s.detok->flush();
   s.held.clear();
   ev.prompt_tokens = static_cast<int64_t>(s.req.prompt_ids.size());

@@ -22,7 +22,8 @@ class OutputProcessor {
   // sequence is done; then call finish() with it.
   std::optional<std::string> on_token(Sequence& s, const SampledToken& t) const;
   // Emits the final event (reason "stop" | "length" | "abort" | "error").
-  void finish(Sequence& s, const std::string& reason, const std::string& error = "", bool request_error = false) const;
+  void finish(Sequence& s, const std::string& reason, const std::string& error = "", bool request_error = false,
+              bool unavailable = false) const;
 
  private:
   const Tokenizer& tokenizer_;

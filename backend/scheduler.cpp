@@ -68,6 +68,11 @@ void Scheduler::drop_later(Sequence& s, bool park) {
   s.sampler_added = false;
 }
 
+int64_t resolve_long_prefill_token_threshold(int64_t configured, bool cuda) {
+  if (configured >= 0) return configured;
+  return cuda ? 0 : kAutoLongPrefillTokensCpu;
+}
+
 std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string& policy) const {
   const PolicyConfig& cfg = options_.policies.at(policy);
   for (const Pool& p : shards_) {
@@ -129,6 +134,14 @@ void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
   w.context_len = context_len(s, s.prefill_len);
   plan.prefill.push_back(std::move(w));
   s.prefill_done = start + n;
+}
+
+int64_t Scheduler::queued_prompt_tokens() const {
+  int64_t n = 0;
+  for (const auto& s : waiting_) n += s->prefill_len > 0 ? s->prefill_len : static_cast<int64_t>(s->prefill_tokens().size());
+  for (const auto& s : running_)
+    if (s->prefilling()) n += s->prefill_len - s->prefill_done;
+  return n;
 }
 
 StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
@@ -206,12 +219,16 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     plan.decode_ban_eos.push_back(s->ban_eos());
   }
 
-  // Prompts being prefilled in chunks go on first, in admission order, within the step's budget.
+  // Prompts being prefilled in chunks go on first, in admission order, within the step's budget:
+  // while sequences decode, the smaller of the two (decodes come first and stay cheap).
+  const int64_t step_budget = !plan.decode.seq_ids.empty() && options_.long_prefill_token_threshold > 0
+                                  ? std::min(options_.max_num_batched_tokens, options_.long_prefill_token_threshold)
+                                  : options_.max_num_batched_tokens;
   int64_t prefilled = 0;
   for (const auto& s : running_) {
-    if (!s->prefilling() || prefilled >= options_.max_num_batched_tokens) continue;
+    if (!s->prefilling() || prefilled >= step_budget) continue;
     const int64_t before = s->prefill_done;
-    plan_chunk(*s, options_.max_num_batched_tokens - prefilled, plan);
+    plan_chunk(*s, step_budget - prefilled, plan);
     prefilled += s->prefill_done - before;
   }
 
@@ -228,7 +245,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       waiting_.pop_front();
       continue;
     }
-    const int64_t budget = options_.max_num_batched_tokens - prefilled;
+    const int64_t budget = step_budget - prefilled;
     // prompt_logprobs need every position's logits from one forward: such prompts run whole.
     // A prompt that may continue its conversation runs whole (the parked KV covers a prefix of it).
     // A prompt with a compressed context runs whole (the context is compressed on its own first).

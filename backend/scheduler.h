@@ -23,6 +23,14 @@
 
 namespace kvserve {
 
+// long_prefill_token_threshold's automatic value (-1) on a CPU: a step that carries this many prompt
+// tokens costs a few plain decode steps of the default model on 2 cores (docs/benchmarks.md, "Decode
+// while prompts arrive"). On CUDA a decode step is bound by reading the weights and a 2048-token
+// chunk costs about as much, so no cap applies there.
+inline constexpr int64_t kAutoLongPrefillTokensCpu = 64;
+// The threshold a scheduler runs with: `configured` (-1 = auto: the CPU value, or no cap on CUDA).
+int64_t resolve_long_prefill_token_threshold(int64_t configured, bool cuda);
+
 class Scheduler {
  public:
   struct Options {
@@ -34,6 +42,10 @@ class Scheduler {
     // Prompts may compress their context alone (GenerationRequest::context_len, `compress: context`).
     bool compressed_contexts = false;
     bool enable_chunked_prefill = false;
+    // While any sequence decodes, a step prefills at most this many prompt tokens (0 = no cap but
+    // max_num_batched_tokens): the running streams then wait one decode plus this many prompt
+    // tokens per token, never a whole prompt. An idle engine prefills at the full budget.
+    int64_t long_prefill_token_threshold = 0;
     std::map<std::string, PolicyConfig> policies;  // by name; what a prompt may occupy
     std::vector<int64_t> eos_ids;                  // the model's and the tokenizer's
     // Parked conversations kept at most (prefix_reuse: compressed): the oldest goes beyond this,
@@ -80,6 +92,8 @@ class Scheduler {
   bool knows_pools() const { return !shards_.empty(); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  // Prompt tokens still to prefill: the waiting prompts' and the rest of those begun in chunks.
+  int64_t queued_prompt_tokens() const;
   int64_t preemptions() const { return preemptions_; }
   // Prefix cache lookups so far, in prompt tokens: looked up, and found (vLLM's queries and hits).
   int64_t prefix_queries() const { return prefix_queries_; }

@@ -11,7 +11,13 @@ token (the window a prefill can stall them); TTFT is the long request's. The sho
 cancelled a second after that. Configurations are run
 interleaved, `--rounds` times each, so that both see the same machine load.
 
+With `--config FILE` the server runs that file as it is (e.g. configs/default.yaml: the default
+scheduler) and only chunked prefill is switched on or off by flag; `--longs N` sends N long prompts at
+once. Each row then also reports the running streams' worst gap against their median gap over the
+whole measurement (from before the long prompts arrive until a second after they all started).
+
 Usage: python3 bench/bench_chunked_prefill.py --kvserve build/kvserve [--long 8000] [--budget 512]
+       python3 bench/bench_chunked_prefill.py --config configs/default.yaml --short 2 --longs 2 --long 3000
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def start_server(binary: str, model: str, budget: int, chunked: bool) -> tuple[subprocess.Popen, str, str]:
+def start_server(binary: str, model: str, budget: int, chunked: bool,
+                 config: str | None = None) -> tuple[subprocess.Popen, str, str]:
     tmp = tempfile.mkdtemp(prefix="kvserve-chunked-")
     cfg = pathlib.Path(tmp) / "config.yaml"
     cfg.write_text(f"model: {{path: {model}, served_model_name: bench}}\n"
@@ -42,7 +49,11 @@ def start_server(binary: str, model: str, budget: int, chunked: bool) -> tuple[s
                    f"enable_chunked_prefill: {'true' if chunked else 'false'}}}\n")
     log_path = pathlib.Path(tmp) / "server.log"
     log = open(log_path, "w+")
-    proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet"], stderr=log, stdout=log)
+    args = [binary, "serve", "--config", str(cfg), "--quiet"]
+    if config:  # the file as it is, on a free port, with chunked prefill set by flag
+        args = [binary, "serve", "--config", config, "--port", "0", "--served-model-name", "bench", "--quiet",
+                "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"]
+    proc = subprocess.Popen(args, stderr=log, stdout=log, cwd=REPO)
     deadline = time.time() + 180
     while time.time() < deadline:
         log.seek(0)
@@ -90,11 +101,11 @@ def pct(values: list[float], p: float) -> float:
 
 
 def run_once(binary: str, model: str, vocab: int, args, chunked: bool) -> dict:
-    proc, url, log = start_server(binary, model, args.budget, chunked)
+    proc, url, log = start_server(binary, model, args.budget, chunked, args.config)
     try:
         rng = random.Random(7)
         shorts = [[rng.randrange(vocab) for _ in range(args.short_prompt)] for _ in range(args.short)]
-        long_prompt = [rng.randrange(vocab) for _ in range(args.long)]
+        longs = [[rng.randrange(vocab) for _ in range(args.long)] for _ in range(args.longs)]
         times: list[list[float]] = [[] for _ in shorts]
         ready = [threading.Event() for _ in shorts]
         stop = threading.Event()
@@ -104,22 +115,29 @@ def run_once(binary: str, model: str, vocab: int, args, chunked: bool) -> dict:
             t.start()
         for e in ready:
             e.wait(120)
-        long_times: list[float] = []
+        time.sleep(1.0)  # the streams' plain decode steps before the long prompts
+        long_times: list[list[float]] = [[] for _ in longs]
         t_submit = time.perf_counter()
-        stream(url, long_prompt, 1, long_times)
-        t_first = long_times[0]
+        senders = [threading.Thread(target=stream, args=(url, p, 1, long_times[i])) for i, p in enumerate(longs)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        t_first = max(ts[0] for ts in long_times)
         time.sleep(1.0)  # a few decode steps after the prefill
         stop.set()
         for t in threads:
             t.join()
         gaps = []
         for ts in times:
-            # Gaps that overlap the long request's wait: from its submission to its first token.
+            # Gaps that overlap the long requests' wait: from their submission to the last first token.
             gaps += [b - a for a, b in zip(ts, ts[1:]) if b > t_submit and a < t_first]
         before = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b < t_submit]
-        return {"ttft": t_first - t_submit, "itl_max": max(gaps), "itl_p50": statistics.median(gaps),
+        whole = [b - a for ts in times for a, b in zip(ts[2:], ts[3:])]  # every gap after the third token
+        return {"ttft": t_first - t_submit, "ttfts": [ts[0] - t_submit for ts in long_times],
+                "itl_max": max(gaps), "itl_p50": statistics.median(gaps),
                 "itl_before_p50": statistics.median(before) if before else float("nan"), "gaps": len(gaps),
-                "load": os.getloadavg()}
+                "worst_over_median": max(whole) / statistics.median(whole), "load": os.getloadavg()}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -134,6 +152,8 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=4)
     ap.add_argument("--short-prompt", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--longs", type=int, default=1, help="long prompts sent at once")
+    ap.add_argument("--config", help="serve this config file as it is (chunked prefill set by flag)")
     args = ap.parse_args()
     vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
     results: dict[bool, list[dict]] = {False: [], True: []}
@@ -141,17 +161,20 @@ def main() -> None:
         for chunked in (False, True) if r % 2 == 0 else (True, False):
             res = run_once(args.kvserve, args.model, vocab, args, chunked)
             results[chunked].append(res)
-            print(f"round {r} chunked={chunked}: TTFT {res['ttft']:.2f} s, ITL max {res['itl_max'] * 1e3:.0f} ms, "
+            print(f"round {r} chunked={chunked}: TTFT {res['ttft']:.2f} s "
+                  f"({', '.join(f'{t:.2f}' for t in res['ttfts'])}), ITL max {res['itl_max'] * 1e3:.0f} ms, "
                   f"p50 {res['itl_p50'] * 1e3:.1f} ms (before the long prompt {res['itl_before_p50'] * 1e3:.1f} ms), "
+                  f"worst/median {res['worst_over_median']:.1f}, "
                   f"{res['gaps']} gaps, load {' '.join(f'{x:.2f}' for x in res['load'])}", flush=True)
     print()
-    print("| chunked prefill | long prompt TTFT s | decode ITL max ms | decode ITL p50 ms | ITL p50 before ms | load (1/5/15 min) |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print("| chunked prefill | long prompts' TTFT s | decode ITL max ms | decode ITL p50 ms | ITL p50 before ms | "
+          "worst gap / median gap | load (1/5/15 min) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for chunked in (False, True):
         for res in results[chunked]:
-            print(f"| {'on' if chunked else 'off'} | {res['ttft']:.2f} | {res['itl_max'] * 1e3:.0f} | "
-                  f"{res['itl_p50'] * 1e3:.1f} | {res['itl_before_p50'] * 1e3:.1f} | "
-                  f"{' '.join(f'{x:.2f}' for x in res['load'])} |")
+            print(f"| {'on' if chunked else 'off'} | {', '.join(f'{t:.2f}' for t in res['ttfts'])} | "
+                  f"{res['itl_max'] * 1e3:.0f} | {res['itl_p50'] * 1e3:.1f} | {res['itl_before_p50'] * 1e3:.1f} | "
+                  f"{res['worst_over_median']:.1f} | {' '.join(f'{x:.2f}' for x in res['load'])} |")
 
 
 if __name__ == "__main__":

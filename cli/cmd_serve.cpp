@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "backend/engine.h"
+#include "backend/scheduler.h"
 #include "backend/model/decoder_model.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
@@ -37,7 +38,9 @@ struct ServeArgs {
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
   std::string kv_layout;       // empty = the config's cache.kv_layout
   std::optional<int> port, threads;
-  std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, max_waiting, max_model_len, warmup_tokens;
+  std::optional<double> max_queue_time_s;
+  std::optional<int64_t> block_size, max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, max_waiting,
+      max_model_len, warmup_tokens;
   std::optional<bool> enable_chunked_prefill, enable_prefix_caching, enable_context_caching;
   std::vector<std::string> allowed_origins;  // --allowed-origins (replaces server.allowed_origins)
   ParallelFlags parallel;
@@ -49,7 +52,9 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.max_num_seqs = cfg.scheduler.max_num_seqs;
   eo.max_num_batched_tokens = cfg.scheduler.max_num_batched_tokens;
   eo.enable_chunked_prefill = cfg.scheduler.enable_chunked_prefill;
+  eo.long_prefill_token_threshold = cfg.scheduler.long_prefill_token_threshold;
   eo.max_waiting = cfg.scheduler.max_waiting;
+  eo.max_queue_time_s = cfg.scheduler.max_queue_time_s;
   eo.max_model_len = cfg.model.max_model_len;
   eo.enforce_eager = cfg.model.enforce_eager;
   eo.warmup_tokens = cfg.model.warmup_tokens;
@@ -123,9 +128,11 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
   if (a.enable_chunked_prefill) c.scheduler.enable_chunked_prefill = *a.enable_chunked_prefill;
+  if (a.long_prefill_token_threshold) c.scheduler.long_prefill_token_threshold = *a.long_prefill_token_threshold;
   if (a.enable_prefix_caching) c.cache.enable_prefix_caching = *a.enable_prefix_caching;
   if (a.enable_context_caching) c.cache.enable_context_caching = *a.enable_context_caching;
   if (a.max_waiting) c.scheduler.max_waiting = *a.max_waiting;
+  if (a.max_queue_time_s) c.scheduler.max_queue_time_s = *a.max_queue_time_s;
   if (a.default_policy) c.default_policy = *a.default_policy;
   for (auto& i : config::validate(c)) {
     i.file = "command line / " + c.source;
@@ -165,6 +172,8 @@ int serve(const ServeArgs& a) {
   so.api_keys = cfg.server.api_keys;
   so.log_requests = !a.quiet;
   so.retry_after_s = static_cast<int>(cfg.server.retry_after_s);
+  so.limits.strict_fields = cfg.server.strict_fields;
+  so.protect_last_tokens = cfg.server.protect_last_tokens;
   so.tool_call_parser = cfg.model.tool_call_parser;
   so.rollout_resolver = [reloader, model_name, keys = cfg.server.api_keys](
                             const http::HttpRequest& http_req, const http::ParsedRequest& req, int64_t prompt_tokens,
@@ -311,7 +320,10 @@ void add_serve_command(CLI::App& app) {
   // overriding the YAML.
   cmd->add_flag_function(
       "--enable-chunked-prefill,!--no-enable-chunked-prefill", [a](int64_t n) { a->enable_chunked_prefill = n > 0; },
-      "prefill prompts longer than --max-num-batched-tokens over several steps while others decode");
+      "prefill prompts over several steps while others decode (default on)");
+  cmd->add_option("--long-prefill-token-threshold", a->long_prefill_token_threshold,
+                  "while requests decode, prompt tokens prefilled per step at most (-1 = auto: " +
+                      std::to_string(kAutoLongPrefillTokensCpu) + " on CPU, no cap on CUDA; 0 = no cap)");
   cmd->add_flag_function(
       "--enable-prefix-caching,!--no-enable-prefix-caching", [a](int64_t n) { a->enable_prefix_caching = n > 0; },
       "keep full prompt blocks for later requests with the same prefix (default on)");
@@ -322,6 +334,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--prefix-cache-bytes", a->prefix_cache_bytes,
                   "host-RAM tier of the prefix cache per shard, e.g. 8GiB (sets cache.prefix_cache_bytes; 0 = none)");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
+  cmd->add_option("--max-queue-time-s", a->max_queue_time_s,
+                  "seconds of queued prefill before new requests get 503 (and a queued request fails); 0 = off");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");
   a->parallel.add_to(cmd);

@@ -554,6 +554,8 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"retry_after_s", p.int_of(s.retry_after_s, 0, 86400)},
                                   {"threads", p.int_of(s.threads, 1, 256)},
                                   {"drain_timeout_s", p.number_of(s.drain_timeout_s, 0.0, 1e7)},
+                                  {"strict_fields", p.bool_of(s.strict_fields)},
+                                  {"protect_last_tokens", p.int_of(s.protect_last_tokens, 0, int64_t{1} << 30)},
                                   {"allowed_origins", [&](const YAML::Node& v, const std::string& vp) {
                                      if (v.IsNull()) return;
                                      if (!v.IsSequence()) {
@@ -590,7 +592,9 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                  {{"max_num_seqs", p.int_of(s.max_num_seqs, 1, 1 << 20)},
                                   {"max_num_batched_tokens", p.int_of(s.max_num_batched_tokens, 1, int64_t{1} << 40)},
                                   {"enable_chunked_prefill", p.bool_of(s.enable_chunked_prefill)},
-                                  {"max_waiting", p.int_of(s.max_waiting, 0, int64_t{1} << 30)}});
+                                  {"long_prefill_token_threshold", p.int_of(s.long_prefill_token_threshold, -1, int64_t{1} << 40)},
+                                  {"max_waiting", p.int_of(s.max_waiting, 0, int64_t{1} << 30)},
+                                  {"max_queue_time_s", p.number_of(s.max_queue_time_s, 0.0, 1e7)}});
                    })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.parallel;

@@ -6,9 +6,11 @@
 //               tool_call_parser}
 //   server:    {host, port, api_key, api_key_env, api_keys, max_body_bytes, request_timeout_s,
 //               idle_timeout_s, header_timeout_s, write_timeout_s, max_concurrent_connections,
-//               retry_after_s, threads, drain_timeout_s, allowed_origins}
+//               retry_after_s, threads, drain_timeout_s, allowed_origins, strict_fields,
+//               protect_last_tokens}
 //   cache:     {block_size, kv_cache_bytes, kv_cache_dtype, enable_prefix_caching, enable_context_caching, prefix_cache_bytes}
-//   scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, max_waiting}
+//   scheduler: {max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, long_prefill_token_threshold,
+//               max_waiting, max_queue_time_s}
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
@@ -57,6 +59,10 @@ struct ServerSection {
   int threads = 2;                   // I/O threads
   double drain_timeout_s = 30.0;     // SIGTERM: how long in-flight requests may still run
   std::vector<std::string> allowed_origins;  // CORS: browser origins allowed ("*" = any); empty = off
+  bool strict_fields = false;  // true: request fields kvserve does not know are a 400 (default: ignored, as vLLM)
+  // A prompt with no context boundary under a `compress: context` policy keeps its question (at
+  // least this many last tokens) whole; 0 = such prompts are compressed whole.
+  int64_t protect_last_tokens = 64;
 };
 
 struct CacheSection {
@@ -84,11 +90,17 @@ struct CacheSection {
 struct SchedulerSection {
   int64_t max_num_seqs = 32;
   int64_t max_num_batched_tokens = 8192;
-  // Prompts longer than a step's max_num_batched_tokens are prefilled over several steps while the
-  // running requests decode. Off by default: chunked logits differ from whole-prompt ones in the
-  // last bits (fp32 summation order), so greedy outputs may differ on near ties.
-  bool enable_chunked_prefill = false;
+  // Prompts longer than what a step has left are prefilled over several steps while the running
+  // requests decode (as vLLM V1). Chunked logits differ from whole-prompt ones in the last bits
+  // (fp32 summation order), so greedy outputs may differ on near ties: false restores whole prompts.
+  bool enable_chunked_prefill = true;
+  // While requests decode, the most prompt tokens a step prefills: -1 = auto (CPU: a measured small
+  // chunk, CUDA: no cap), 0 = no cap but max_num_batched_tokens.
+  int64_t long_prefill_token_threshold = -1;
   int64_t max_waiting = 256;
+  // Admission on queue time: a request that would wait longer than this behind the queued prompts
+  // (at the measured prefill rate), or that has, gets 503 + Retry-After; 0 = off.
+  double max_queue_time_s = 60.0;
 };
 
 // Tensor x pipeline parallelism and the multi-process launch (one process per shard: tensor x pipeline).

@@ -52,6 +52,7 @@ class EngineBackend : public ServingBackend {
   int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
   void shutdown(bool drain) override { engine_->shutdown(drain); }
   std::string chat_template() const override { return tokenizer_->chat_template(); }
+  std::string tokenizer_config() const override { return tokenizer_->config_json(); }
   std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec) override {
     return engine_->compile_grammar(spec);
   }

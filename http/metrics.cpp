@@ -184,6 +184,11 @@ void ServerMetrics::connection_closed(const std::string& reason) {
   ++connections_closed_[reason];
 }
 
+void ServerMetrics::context_boundary(const std::string& kind) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++context_boundaries_[kind];
+}
+
 std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string model = "model_name=\"" + prometheus_escape(model_name_) + "\"";
@@ -324,6 +329,12 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
          "Connections the server closed or refused on its own, by reason (timeouts, over capacity).");
   for (const auto& [reason, n] : connections_closed_)
     out += "kvserve:http_connections_closed_total{" + model + ",reason=\"" + prometheus_escape(reason) + "\"} " +
+           std::to_string(n) + "\n";
+  header(out, "kvserve:kv_context_boundary_total", "counter",
+         "Prompts under compress: context policies by where their context ended (messages, cache_control, "
+         "kv_context, protected_question, none).");
+  for (const auto& [kind, n] : context_boundaries_)
+    out += "kvserve:kv_context_boundary_total{" + model + ",kind=\"" + prometheus_escape(kind) + "\"} " +
            std::to_string(n) + "\n";
   return out + vllm_aliases(out);
 }

@@ -57,6 +57,10 @@ class ServerMetrics {
   // A connection the transport closed or refused on its own: over_capacity, idle_timeout,
   // header_timeout, body_timeout, write_timeout, request_timeout, accept_error.
   void connection_closed(const std::string& reason);
+  // A prompt under a `compress: context` policy, by where its context ended: messages (the turns
+  // before the last user message), cache_control, kv_context, protected_question (a one-message
+  // prompt: all but its question), none (compressed whole).
+  void context_boundary(const std::string& kind);
   // Counts tokens the HTTP layer saw (used when the engine's stats are not available).
   void set_model_name(std::string name);
 
@@ -84,6 +88,7 @@ class ServerMetrics {
   bool last_reload_ok_ = true;
   std::map<int, uint64_t> http_status_;
   std::map<std::string, uint64_t> connections_closed_;
+  std::map<std::string, uint64_t> context_boundaries_;
 };
 
 // kvserve series that vLLM exports too, as (kvserve name, vLLM name): /metrics repeats each under

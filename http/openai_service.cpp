@@ -32,7 +32,7 @@ namespace {
 // The chat's context (ParsedRequest::context_end_message, else every message before the last user
 // message) rendered on its own; when the whole rendering starts with it, the prompt becomes its
 // tokens followed by the rest's and `context` their count. Otherwise nothing changes.
-void split_chat_context(const ServingBackend& backend, const ParsedRequest& req, const std::string& text,
+bool split_chat_context(const ServingBackend& backend, const ParsedRequest& req, const std::string& text,
                         std::vector<int64_t>& prompt, int64_t& context) {
   size_t end = 0;
   if (req.context_end_message) {
@@ -45,7 +45,7 @@ void split_chat_context(const ServingBackend& backend, const ParsedRequest& req,
       }
     }
   }
-  if (end == 0) return;
+  if (end == 0) return false;
   ParsedRequest head = req;
   head.messages = nlohmann::json::array();
   for (size_t i = 0; i < end && i < req.messages.size(); ++i) head.messages.push_back(req.messages[i]);
@@ -55,16 +55,66 @@ void split_chat_context(const ServingBackend& backend, const ParsedRequest& req,
   try {
     prefix = backend.render_chat(head);
   } catch (const ApiError&) {
-    return;  // a template that refuses a conversation ending there: the prompt is compressed whole
+    return false;  // a template that refuses a conversation ending there: see protect_question
   }
-  if (prefix.empty() || prefix.size() >= text.size() || text.compare(0, prefix.size(), prefix) != 0) return;
+  if (prefix.empty() || prefix.size() >= text.size() || text.compare(0, prefix.size(), prefix) != 0) return false;
   const bool special = req.add_special_tokens.value_or(false);
   std::vector<int64_t> ids = backend.encode(prefix, special);
   const auto rest = backend.encode(text.substr(prefix.size()), false);
-  if (ids.empty() || rest.empty()) return;
+  if (ids.empty() || rest.empty()) return false;
   context = static_cast<int64_t>(ids.size());
   ids.insert(ids.end(), rest.begin(), rest.end());
   prompt = std::move(ids);
+  return true;
+}
+
+// The text of the last user message (its string, or its last text part): a one-message prompt.
+std::string last_user_text(const ParsedRequest& req) {
+  for (size_t i = req.messages.size(); i-- > 0;) {
+    const auto& m = req.messages[i];
+    if (m.value("role", "") != "user") continue;
+    const auto c = m.find("content");
+    if (c == m.end()) return "";
+    if (c->is_string()) return c->get<std::string>();
+    if (c->is_array())
+      for (size_t k = c->size(); k-- > 0;)
+        if ((*c)[k].value("type", "") == "text" && (*c)[k].contains("text") && (*c)[k]["text"].is_string())
+          return (*c)[k]["text"].get<std::string>();
+    return "";
+  }
+  return "";
+}
+
+// A prompt with no context boundary (one user message, a completion without kv_context) under a
+// `compress: context` policy: everything before its question is the context, so the question stays
+// whole instead of being compressed with the document. The question is the last paragraph of
+// `turn` (the last user message or the completion's prompt text, after its last blank line) when
+// that is at least `window` tokens, else the prompt's last `window` tokens. Split on the text, the
+// context is tokenized alone, as a chat's is, so later questions about the same text find it
+// cached. Returns false (nothing protected) for prompts under 2 x window tokens.
+bool protect_question(const ServingBackend& backend, const std::string& text, const std::string& turn, bool special,
+                      int64_t window, std::vector<int64_t>& prompt, int64_t& context) {
+  const int64_t n = static_cast<int64_t>(prompt.size());
+  if (window <= 0 || n < 2 * window) return false;
+  const size_t last = turn.find_last_not_of(" \t\r\n");
+  const size_t blank = last == std::string::npos ? std::string::npos : turn.rfind("\n\n", last);
+  if (!text.empty() && blank != std::string::npos) {
+    const std::string question = turn.substr(blank + 2, last + 1 - (blank + 2));
+    const size_t at = question.empty() ? std::string::npos : text.rfind(question);
+    if (at != std::string::npos && at > 0) {
+      std::vector<int64_t> ids = backend.encode(text.substr(0, at), special);
+      const auto rest = backend.encode(text.substr(at), false);
+      const auto c = static_cast<int64_t>(ids.size());
+      if (static_cast<int64_t>(rest.size()) >= window && c >= window) {
+        ids.insert(ids.end(), rest.begin(), rest.end());
+        prompt = std::move(ids);
+        context = c;
+        return true;
+      }
+    }
+  }
+  context = n - window;
+  return true;
 }
 
 int64_t unix_now() {
@@ -118,6 +168,7 @@ struct Choice {
   std::string finish_reason;
   std::string error;
   bool request_error = false;  // the engine can never serve this request (too big for its KV pool)
+  bool unavailable = false;    // the engine failed for good (a rank died): 503, retry elsewhere
   int64_t kept_kv = 0;
   int64_t full_kv = 0;
   int64_t kept_head_min = 0, kept_head_max = 0;  // per (layer, KV head)
@@ -150,6 +201,8 @@ struct Exchange {
   std::string model;
   std::string policy;
   std::string rollout_rule;  // "" = no rollout rules configured
+  std::string context_boundary;  // "" = the policy does not compress contexts alone
+  int retry_after_s = 1;         // Retry-After of a 503 (ServiceOptions::retry_after_s)
   int64_t created = 0;
   Clock::time_point arrival;
   std::vector<Choice> choices;
@@ -195,17 +248,32 @@ struct Exchange {
     }
     int64_t cached_total = 0;
     for (int64_t n : cached) cached_total += n;
-    return {{"prompt_tokens", prompt},
-            {"completion_tokens", completion},
-            {"total_tokens", prompt + completion},
-            {"prompt_tokens_details", {{"cached_tokens", cached_total}}},
-            {"kv_policy", policy},
-            {"kv_rollout_rule", rollout_rule.empty() ? json(nullptr) : json(rollout_rule)},
-            {"kv_kept_tokens", kept},
-            {"kv_full_tokens", full},
-            // Tokens kept per (layer, KV head): head-wise budgets (head_budgets: adaptive) spread them.
-            {"kv_kept_tokens_per_head",
-             {{"min", head_min}, {"mean", head_n ? head_mean / static_cast<double>(head_n) : 0.0}, {"max", head_max}}}};
+    json out = {{"prompt_tokens", prompt},
+                {"completion_tokens", completion},
+                {"total_tokens", prompt + completion},
+                {"prompt_tokens_details", {{"cached_tokens", cached_total}}},
+                {"kv_policy", policy},
+                {"kv_kept_tokens", kept},
+                {"kv_full_tokens", full},
+                // Tokens kept per (layer, KV head): head-wise budgets (head_budgets: adaptive) spread them.
+                {"kv_kept_tokens_per_head",
+                 {{"min", head_min}, {"mean", head_n ? head_mean / static_cast<double>(head_n) : 0.0}, {"max", head_max}}}};
+    if (!rollout_rule.empty()) out["kv_rollout_rule"] = rollout_rule;  // absent without rollout rules
+    if (!context_boundary.empty()) out["kv_context_boundary"] = context_boundary;
+    return out;
+  }
+
+  // A streamed chunk's usage: the counts so far with continuous_usage_stats (vLLM's), null when only
+  // the last chunk carries it (include_usage, OpenAI's shape), else none.
+  void add_chunk_usage(json& chunk) const {
+    if (req.continuous_usage) {
+      int64_t prompt = 0, completion = 0;
+      for (int64_t p : prompt_tokens) prompt += p;
+      for (const auto& c : choices) completion += c.completion_tokens;
+      chunk["usage"] = {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+    } else if (req.include_usage) {
+      chunk["usage"] = nullptr;
+    }
   }
 
   json chunk_base() const {
@@ -331,6 +399,7 @@ struct Exchange {
       c.finish_reason = ev.finish_reason.empty() ? "stop" : ev.finish_reason;
       c.error = ev.error;
       c.request_error = ev.request_error;
+      c.unavailable = ev.unavailable;
       c.kept_kv = ev.kept_kv_tokens;
       c.full_kv = ev.full_kv_tokens;
       c.kept_head_min = ev.kept_head_min;
@@ -353,7 +422,7 @@ struct Exchange {
                      {"logprobs", req.want_logprobs ? c.echo_logprobs : json(nullptr)}};
       json chunk = chunk_base();
       chunk["choices"] = json::array({choice});
-      if (req.include_usage) chunk["usage"] = nullptr;
+      add_chunk_usage(chunk);
       emit(sse(chunk));
     }
     const std::string text = c.tool_stream ? c.tool_stream->feed(ev.text_delta) : ev.text_delta;
@@ -371,7 +440,7 @@ struct Exchange {
       }
       json chunk = chunk_base();
       chunk["choices"] = json::array({choice});
-      if (req.include_usage) chunk["usage"] = nullptr;
+      add_chunk_usage(chunk);
       emit(sse(chunk));
     }
     if (ev.finished) {
@@ -391,7 +460,7 @@ struct Exchange {
         if (!delta.empty()) {
           json chunk = chunk_base();
           chunk["choices"] = json::array({{{"index", index}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
-          if (req.include_usage) chunk["usage"] = nullptr;
+          add_chunk_usage(chunk);
           emit(sse(chunk));
         }
       }
@@ -400,7 +469,7 @@ struct Exchange {
       else choice["text"] = "";
       json chunk = chunk_base();
       chunk["choices"] = json::array({choice});
-      if (req.include_usage) chunk["usage"] = nullptr;
+      add_chunk_usage(chunk);
       emit(sse(chunk));
     }
   }
@@ -409,6 +478,7 @@ struct Exchange {
   // with 400); anything else that fails a generation is the server's.
   static ApiError failure(const Choice& c) {
     if (c.request_error) return ApiError(400, c.error, "", "invalid_request_error");
+    if (c.unavailable) return ApiError(503, c.error, "", "server_error");
     return ApiError(500, "generation failed: " + c.error, "", "server_error");
   }
 
@@ -437,6 +507,8 @@ struct Exchange {
       if (c.finish_reason == "error") {
         HttpResponse r = error_response(failure(c));
         r.headers = headers;
+        if (r.status == 503) r.headers.push_back({"Retry-After", std::to_string(retry_after_s)});
+        metrics->http_response(r.status);
         channel->respond(std::move(r));
         return;
       }
@@ -486,6 +558,7 @@ struct Exchange {
     if (chat && req.return_token_ids) body["prompt_token_ids"] = prompt_ids.front();
     HttpResponse r = json_response(200, body);
     r.headers = headers;
+    metrics->http_response(200);
     channel->respond(std::move(r));
   }
 
@@ -605,6 +678,13 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
       return error_response(ApiError(404, "the model '" + id + "' does not exist", "model", "", "model_not_found"));
     return json_response(200, model);
   }
+  if (path == "/tokenizer_info") {
+    if (auto r = method_must_be("GET")) return *r;
+    if (!authorized(req)) return error_response(unauthorized());
+    auto b = backend();
+    if (!b) return error_response(ApiError(503, "the model is loading; retry shortly"));
+    return tokenizer_info_route(*b);
+  }
   if (path == "/tokenize" || path == "/detokenize") {
     if (auto r = method_must_be("POST")) return *r;
     if (!authorized(req)) return error_response(unauthorized());
@@ -636,11 +716,13 @@ void OpenAIService::handle(HttpRequest req, std::shared_ptr<ResponseChannel> cha
   } catch (const ApiError& e) {
     send(error_response(e));
   } catch (const EngineOverloaded& e) {
-    // The engine refuses for a full queue (429) but also when it stops or fails between the checks
-    // in generate() and its submit(): those are 503.
+    // The engine refuses for a full queue (429) but also when it is over capacity (its queue holds
+    // more than max_queue_time_s of prefill), stops or fails between the checks in generate() and
+    // its submit(): those are 503.
     auto b = backend();
     const bool unavailable = shutting_down_ || !b || !b->healthy();
-    send(error_response(ApiError(unavailable ? 503 : 429, e.what(), "", "", unavailable ? "" : "engine_overloaded")));
+    const int status = unavailable || e.over_capacity() ? 503 : 429;
+    send(error_response(ApiError(status, e.what(), "", "", unavailable ? "" : "engine_overloaded")));
   } catch (const KvError& e) {
     send(error_response(ApiError(400, e.what())));
   } catch (const std::exception& e) {
@@ -744,10 +826,26 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
     throw ApiError(400, "unknown kv_policy '" + policy + "' (configured: " + names + ")", "kv_policy");
   }
 
-  // A chat under a policy that compresses contexts alone: the context is the conversation before
-  // the last user message (or up to the last cache_control marker), tokenized on its own so that
-  // every question about it starts with the same tokens.
-  if (chat && backend->compresses_context(policy)) split_chat_context(*backend, req, echo[0], prompts[0], contexts[0]);
+  // A prompt under a policy that compresses contexts alone: the context is a chat's conversation
+  // before the last user message (or up to the last cache_control marker), tokenized on its own so
+  // that every question about it starts with the same tokens, or a completion's kv_context; without
+  // either, everything before the prompt's question (protect_question).
+  std::string boundary;
+  if (backend->compresses_context(policy)) {
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      std::string kind = "none";
+      if (chat && split_chat_context(*backend, req, echo[0], prompts[0], contexts[0]))
+        kind = req.context_end_message ? "cache_control" : "messages";
+      else if (!chat && contexts[p] > 0)
+        kind = "kv_context";
+      else if (protect_question(*backend, chat ? echo[0] : req.prompts[p].is_tokens ? "" : req.prompts[p].text,
+                                chat ? last_user_text(req) : req.prompts[p].text,
+                                req.add_special_tokens.value_or(!chat), options_.protect_last_tokens, prompts[p], contexts[p]))
+        kind = "protected_question";
+      metrics_->context_boundary(kind);
+      if (p == 0) boundary = kind;
+    }
+  }
 
   // Tools: the format the model writes calls in; a forced call is a grammar.
   ToolCallFormat tool_format = ToolCallFormat::kHermes;
@@ -785,6 +883,8 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   ex->model = options_.model_name;
   ex->policy = policy;
   ex->rollout_rule = rollout_rule;
+  ex->context_boundary = boundary;
+  ex->retry_after_s = options_.retry_after_s;
   ex->created = unix_now();
   ex->arrival = Clock::now();
   ex->echo_text = echo;
@@ -794,6 +894,9 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   ex->tool_format = tool_format;
   ex->headers = {{"X-KV-Policy", policy}, {"X-Request-Id", http_req.header("x-request-id").empty() ? ex->id : http_req.header("x-request-id")}};
   if (!rollout_rule.empty()) ex->headers.push_back({"X-KV-Rollout-Rule", rollout_rule});
+  std::string ignored;
+  for (const auto& f : req.ignored_fields) ignored += (ignored.empty() ? "" : ", ") + f;
+  if (!ignored.empty()) ex->headers.push_back({"X-KV-Ignored-Fields", ignored});
   for (const auto& p : prompts) ex->prompt_tokens.push_back(static_cast<int64_t>(p.size()));
   if (req.return_token_ids) ex->prompt_ids = prompts;
   const size_t total = prompts.size() * static_cast<size_t>(req.n);
@@ -807,7 +910,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
     std::cerr << "kvserve: " << ex->id << " " << http_req.path() << " prompts=" << prompts.size() << " n=" << r.n
               << " prompt_tokens=" << prompts[0].size() << " max_tokens=" << r.sampling.max_tokens << " policy=" << policy
               << (rollout_rule.empty() ? "" : " rule=" + rollout_rule)
-              << (r.stream ? " stream" : "") << "\n";
+              << (r.stream ? " stream" : "") << (ignored.empty() ? "" : " ignored_fields=" + ignored) << "\n";
   }
 
   // Submit every choice. Events may arrive before all are submitted; they are buffered (stream)
@@ -849,7 +952,8 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
     for (const auto& id : cancel) backend->cancel(id);
     throw;
   }
-  metrics_->http_response(200);
+  // A stream's status is sent now; a JSON response's when it is complete (it may still fail).
+  if (r.stream) metrics_->http_response(200);
 
   std::weak_ptr<Exchange> weak = ex;
   channel->on_abort([weak] {
@@ -865,7 +969,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
       for (size_t i = 0; i < total; ++i) {
         json chunk = ex->chunk_base();
         chunk["choices"] = json::array({{{"index", i}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
-        if (r.include_usage) chunk["usage"] = nullptr;
+        ex->add_chunk_usage(chunk);
         channel->stream(sse(chunk));
       }
     }

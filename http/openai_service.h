@@ -40,6 +40,9 @@ struct ServiceOptions {
   int retry_after_s = 1;
   // How the model writes tool calls: "auto" (read from the chat template), hermes, llama3_json, mistral.
   std::string tool_call_parser = "auto";
+  // A prompt with no context boundary under a `compress: context` policy keeps at least this many
+  // last tokens (its question) whole and compresses the rest as its context; 0 = compress it whole.
+  int64_t protect_last_tokens = 64;
 };
 
 // The Bearer token of a request ("" = none).

@@ -33,7 +33,7 @@ const std::vector<RequestField> kFields = {
     {"seed", S, S, "", ""},
     {"stop", S, S, "", ""},
     {"stream", S, S, "", ""},
-    {"stream_options", S, S, "", "include_usage"},
+    {"stream_options", S, S, "", "include_usage; continuous_usage_stats (usage in every chunk)"},
     {"suffix", R, U, "", "no fill-in-the-middle"},
     {"temperature", S, S, "", ""},
     {"top_p", S, S, "", ""},
@@ -133,8 +133,9 @@ std::string status_text(FieldSupport s, const char* no_ops) {
 
 const std::vector<RequestField>& request_fields() { return kFields; }
 
-void check_request_fields(const nlohmann::json& body, Endpoint endpoint) {
+std::vector<std::string> check_request_fields(nlohmann::json& body, Endpoint endpoint, bool strict) {
   const char* route = endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions";
+  std::vector<std::string> ignored;
   for (const auto& [key, value] : body.items()) {
     if (value.is_null()) continue;
     auto it = by_name().find(key);
@@ -142,8 +143,12 @@ void check_request_fields(const nlohmann::json& body, Endpoint endpoint) {
                            : endpoint == Endpoint::kChatCompletions ? it->second->chat
                                                                     : it->second->completions;
     if (s == FieldSupport::kSupported) continue;
-    if (s == FieldSupport::kUnknown)
-      throw ApiError(400, "unknown field '" + key + "' for " + route + " (kvserve refuses fields it does not know instead of ignoring them)", key);
+    if (s == FieldSupport::kUnknown) {
+      if (strict)
+        throw ApiError(400, "unknown field '" + key + "' for " + route + " (server.strict_fields: true refuses fields kvserve does not know)", key);
+      ignored.push_back(key);
+      continue;
+    }
     const RequestField& f = *it->second;
     if (*f.no_ops) {
       const auto no_ops = nlohmann::json::parse(f.no_ops);
@@ -151,6 +156,8 @@ void check_request_fields(const nlohmann::json& body, Endpoint endpoint) {
     }
     throw ApiError(400, "'" + key + "' is not supported by kvserve" + (*f.note ? std::string(": ") + f.note : std::string()), key);
   }
+  for (const auto& key : ignored) body.erase(key);
+  return ignored;
 }
 
 std::string request_fields_markdown() {

@@ -15,7 +15,7 @@ namespace kvserve::http {
 enum class FieldSupport {
   kSupported,
   kRefused,  // a 400 naming it, unless its value is null or one of the field's no-op values
-  kUnknown,  // not a field of this endpoint: a 400 like any unknown field
+  kUnknown,  // not a field of this endpoint: ignored like any unknown field (a 400 when strict)
 };
 
 // One request field.
@@ -29,9 +29,10 @@ struct RequestField {
 
 const std::vector<RequestField>& request_fields();
 
-// Throws ApiError(400), param = the field, for the first field of `body` (in key order) the
-// endpoint does not know or refuses. Null values always pass.
-void check_request_fields(const nlohmann::json& body, Endpoint endpoint);
+// Throws ApiError(400), param = the field, for the first field of `body` (in key order) the endpoint
+// refuses, or, when `strict`, does not know. Otherwise (vLLM's default) the unknown fields are
+// erased from `body` and returned, so that nothing downstream reads them. Null values always pass.
+std::vector<std::string> check_request_fields(nlohmann::json& body, Endpoint endpoint, bool strict);
 
 // The table as the markdown rows of docs/api.md ("| `name` | completions | chat | note |").
 std::string request_fields_markdown();

@@ -156,10 +156,19 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
   if (const json* so = field(body, "stream_options")) {
     if (!so->is_object()) wrong_type("stream_options", "an object", *so);
     if (!r.stream) bad("stream_options", "'stream_options' is only allowed when 'stream' is true");
-    if (auto it = so->find("include_usage"); it != so->end() && !it->is_null()) {
-      if (!it->is_boolean()) wrong_type("stream_options.include_usage", "a boolean", *it);
-      r.include_usage = it->get<bool>();
+    for (const auto& [key, value] : so->items()) {
+      const std::string name = "stream_options." + key;
+      if (key != "include_usage" && key != "continuous_usage_stats")
+        bad(name, "unknown field '" + name + "' (stream_options takes include_usage and continuous_usage_stats)");
+      if (value.is_null()) continue;
+      if (!value.is_boolean()) wrong_type(name, "a boolean", value);
+      (key == "include_usage" ? r.include_usage : r.continuous_usage) = value.get<bool>();
     }
+    // continuous_usage_stats alone implies include_usage (vLLM's stream_options default it to true);
+    // an explicit include_usage: false turns both off, as in vLLM.
+    const auto iu = so->find("include_usage");
+    if (iu == so->end() || iu->is_null()) r.include_usage = r.continuous_usage;
+    r.continuous_usage = r.continuous_usage && r.include_usage;
   }
   auto& s = r.sampling;
   if (auto n = get_int(body, "n", 1, limits.max_n)) r.n = *n;
@@ -383,10 +392,10 @@ json parse_json_body(std::string_view body) {
   return j;
 }
 
-ParsedRequest parse_completion_json(const json& body, const ParserLimits& limits) {
+ParsedRequest parse_completion_json(json body, const ParserLimits& limits) {
   ParsedRequest r;
   r.endpoint = Endpoint::kCompletions;
-  check_request_fields(body, r.endpoint);
+  r.ignored_fields = check_request_fields(body, r.endpoint, limits.strict_fields);
   parse_common(body, r, limits);
   parse_prompt(body, r, limits);
   parse_kv_context(body, r);
@@ -403,10 +412,10 @@ ParsedRequest parse_completion_json(const json& body, const ParserLimits& limits
   return r;
 }
 
-ParsedRequest parse_chat_json(const json& body, const ParserLimits& limits) {
+ParsedRequest parse_chat_json(json body, const ParserLimits& limits) {
   ParsedRequest r;
   r.endpoint = Endpoint::kChatCompletions;
-  check_request_fields(body, r.endpoint);
+  r.ignored_fields = check_request_fields(body, r.endpoint, limits.strict_fields);
   parse_common(body, r, limits);
   if (r.max_tokens == 0) bad("max_tokens", "'max_tokens' must be between 1 and " + std::to_string(limits.max_tokens) + ", got 0");
   parse_messages(body, r);

@@ -48,7 +48,9 @@ struct ParsedRequest {
   std::optional<int64_t> max_tokens;  // as given (sampling.max_tokens keeps its default otherwise)
   int64_t n = 1;
   bool stream = false;
-  bool include_usage = false;  // stream_options.include_usage
+  bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
+  // stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far.
+  bool continuous_usage = false;
   // Logprobs: chat uses logprobs (bool) + top_logprobs; completions use logprobs (int).
   bool want_logprobs = false;
   int64_t top_logprobs = 0;
@@ -62,6 +64,8 @@ struct ParsedRequest {
   StructuredOutputSpec structured;
   // /v1/chat/completions: tools, tool_choice, parallel_tool_calls (http/tool_calls.h).
   ToolsRequest tools;
+  // Fields the endpoint does not know, ignored as vLLM ignores them (named in X-KV-Ignored-Fields).
+  std::vector<std::string> ignored_fields;
 };
 
 // Limits the parser enforces (beyond types).
@@ -73,6 +77,8 @@ struct ParserLimits {
   int64_t max_prompts = 64;
   int64_t max_bad_words = 128;     // vLLM's per-request limit
   int64_t max_logit_bias = 1024;
+  // server.strict_fields: refuse unknown fields with a 400 instead of ignoring them.
+  bool strict_fields = false;
 };
 
 // Parses JSON text, reporting syntax errors, invalid UTF-8 and number overflow as ApiError(400)
@@ -82,7 +88,7 @@ nlohmann::json parse_json_body(std::string_view body);
 ParsedRequest parse_completion_request(std::string_view body, const ParserLimits& limits = {});
 ParsedRequest parse_chat_request(std::string_view body, const ParserLimits& limits = {});
 // Same, from an already parsed object.
-ParsedRequest parse_completion_json(const nlohmann::json& body, const ParserLimits& limits = {});
-ParsedRequest parse_chat_json(const nlohmann::json& body, const ParserLimits& limits = {});
+ParsedRequest parse_completion_json(nlohmann::json body, const ParserLimits& limits = {});
+ParsedRequest parse_chat_json(nlohmann::json body, const ParserLimits& limits = {});
 
 }  // namespace kvserve::http

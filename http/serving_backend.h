@@ -44,6 +44,8 @@ class ServingBackend {
   virtual std::string render_chat(const ParsedRequest& request) const = 0;
   // The chat template's text ("" when none): where the tool-call format is detected.
   virtual std::string chat_template() const { return ""; }
+  // The tokenizer's tokenizer_config.json text ("{}" when it has none), for GET /tokenizer_info.
+  virtual std::string tokenizer_config() const { return "{}"; }
   virtual int64_t max_model_len() const = 0;
   virtual int64_t vocab_size() const = 0;
   // Compiles a request's structured-output spec (response_format, guided_*, tool_choice) on the

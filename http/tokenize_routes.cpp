@@ -75,4 +75,18 @@ HttpResponse detokenize_route(const HttpRequest& req, const ServingBackend& back
   return json_ok({{"prompt", backend.decode(ids)}});
 }
 
+HttpResponse tokenizer_info_route(const ServingBackend& backend) {
+  json info = json::parse(backend.tokenizer_config(), nullptr, /*allow_exceptions=*/false);
+  if (!info.is_object()) info = json::object();
+  info.erase("added_tokens_decoder");  // vLLM drops it too: every added token, large and unused
+  // Special tokens may be written as AddedToken objects; clients read them as strings.
+  for (auto it = info.begin(); it != info.end(); ++it)
+    if (it.value().is_object() && it.value().contains("content") && it.value()["content"].is_string())
+      it.value() = it.value()["content"];
+  if (!info.contains("tokenizer_class") || !info["tokenizer_class"].is_string()) info["tokenizer_class"] = "PreTrainedTokenizerFast";
+  if (const std::string t = backend.chat_template(); !t.empty()) info["chat_template"] = t;
+  info["max_model_len"] = backend.max_model_len();
+  return json_ok(info);
+}
+
 }  // namespace kvserve::http

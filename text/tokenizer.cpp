@@ -1010,6 +1010,7 @@ struct Tokenizer::Impl {
   std::unique_ptr<Regex> word_start, word_end;
 
   std::string bos_token, eos_token, chat_template;
+  std::string config_json = "{}";
   std::optional<int64_t> bos_id, eos_id;
   bool add_bos = false, add_eos = false;
   int64_t model_max_length = 0;
@@ -1185,6 +1186,7 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
     KV_FAIL(cfg_where << ": malformed JSON: " << e.what());
   }
   if (!c.is_object()) KV_FAIL(cfg_where << ": top level must be an object");
+  impl->config_json = c.dump();
   const Node cfg{c, "", cfg_where};
   impl->bos_token = config_token(cfg, "bos_token");
   impl->eos_token = config_token(cfg, "eos_token");
@@ -1307,5 +1309,6 @@ const std::string& Tokenizer::eos_token() const { return impl_->eos_token; }
 bool Tokenizer::add_bos_token() const { return impl_->add_bos; }
 const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }
 int64_t Tokenizer::model_max_length() const { return impl_->model_max_length; }
+const std::string& Tokenizer::config_json() const { return impl_->config_json; }
 
 }  // namespace kvserve

@@ -46,6 +46,8 @@ class Tokenizer {
   // The Jinja chat template from the config ("" when absent).
   const std::string& chat_template() const;
   int64_t model_max_length() const;  // 0 when the config gives none
+  // tokenizer_config.json as loaded, "{}" when there is none (GET /tokenizer_info serves it).
+  const std::string& config_json() const;
 
   struct Impl;
 

@@ -22,7 +22,8 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
       a.server.idle_timeout_s != b.server.idle_timeout_s || a.server.drain_timeout_s != b.server.drain_timeout_s ||
       a.server.max_concurrent_connections != b.server.max_concurrent_connections ||
       a.server.header_timeout_s != b.server.header_timeout_s || a.server.write_timeout_s != b.server.write_timeout_s ||
-      a.server.retry_after_s != b.server.retry_after_s || a.server.allowed_origins != b.server.allowed_origins)
+      a.server.retry_after_s != b.server.retry_after_s || a.server.allowed_origins != b.server.allowed_origins ||
+      a.server.strict_fields != b.server.strict_fields || a.server.protect_last_tokens != b.server.protect_last_tokens)
     out.push_back("server");
   if (a.cache.block_size != b.cache.block_size || a.cache.kv_cache_bytes != b.cache.kv_cache_bytes ||
       a.cache.kv_cache_dtype != b.cache.kv_cache_dtype)
@@ -30,7 +31,8 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
   if (a.scheduler.max_num_seqs != b.scheduler.max_num_seqs ||
       a.scheduler.max_num_batched_tokens != b.scheduler.max_num_batched_tokens ||
       a.scheduler.enable_chunked_prefill != b.scheduler.enable_chunked_prefill ||
-      a.scheduler.max_waiting != b.scheduler.max_waiting)
+      a.scheduler.long_prefill_token_threshold != b.scheduler.long_prefill_token_threshold ||
+      a.scheduler.max_waiting != b.scheduler.max_waiting || a.scheduler.max_queue_time_s != b.scheduler.max_queue_time_s)
     out.push_back("scheduler");
   if (config::engine_policies(a) != config::engine_policies(b)) out.push_back("policies");
   return out;

@@ -138,12 +138,14 @@ std::map<std::string, PolicyConfig> policies() {
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void make(std::vector<int64_t> shard_blocks, int64_t max_seqs = 8, int64_t max_tokens = 8192, bool chunked = false) {
+  void make(std::vector<int64_t> shard_blocks, int64_t max_seqs = 8, int64_t max_tokens = 8192, bool chunked = false,
+            int64_t long_prefill_threshold = 0) {
     runner = std::make_unique<FakeRunner>(std::move(shard_blocks), std::map<std::string, int64_t>{{"stream8", 8}, {"stream8c", 8}, {"h2o8", 8}});
     Scheduler::Options o;
     o.max_num_seqs = max_seqs;
     o.max_num_batched_tokens = max_tokens;
     o.enable_chunked_prefill = chunked;
+    o.long_prefill_token_threshold = long_prefill_threshold;
     o.policies = policies();
     o.shared_prefix_blocks = shared_prefix_blocks;
     sched = std::make_unique<Scheduler>(std::move(o));
@@ -380,6 +382,32 @@ TEST_F(SchedulerTest, ChunksShareTheStepBudgetInAdmissionOrder) {
   p = step();
   EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1, 2}));
   EXPECT_EQ(chunks(p), (Chunks{{3, 2, 1, true}}));
+}
+
+TEST_F(SchedulerTest, WhileSequencesDecodeAStepPrefillsAtMostTheLongPrefillThreshold) {
+  make({1000}, 8, /*max_tokens=*/10, /*chunked=*/true, /*long_prefill_threshold=*/3);
+  // Nothing decodes yet: the whole budget, and a prompt within it runs whole.
+  add(1, 8);
+  EXPECT_EQ(chunks(step()), (Chunks{{1, 0, 8, true}}));
+  // 1 decodes from now on: a step carries at most 3 prompt tokens, shared in admission order.
+  add(2, 7), add(3, 2);
+  StepPlan p = step();
+  EXPECT_EQ(p.decode.seq_ids, (std::vector<int64_t>{1}));
+  EXPECT_EQ(chunks(p), (Chunks{{2, 0, 3, false}}));
+  EXPECT_EQ(chunks(step()), (Chunks{{2, 3, 3, false}}));
+  EXPECT_EQ(chunks(step()), (Chunks{{2, 6, 1, true}, {3, 0, 2, true}}));
+  EXPECT_EQ(sched->queued_prompt_tokens(), 0);
+  add(4, 5);
+  EXPECT_EQ(sched->queued_prompt_tokens(), 5);
+  EXPECT_EQ(chunks(step()), (Chunks{{4, 0, 3, false}}));
+  EXPECT_EQ(sched->queued_prompt_tokens(), 2);
+}
+
+TEST(SchedulerOptions, LongPrefillThresholdAutoIsACpuValueAndNoCapOnCuda) {
+  EXPECT_EQ(resolve_long_prefill_token_threshold(-1, /*cuda=*/false), kAutoLongPrefillTokensCpu);
+  EXPECT_EQ(resolve_long_prefill_token_threshold(-1, /*cuda=*/true), 0);
+  EXPECT_EQ(resolve_long_prefill_token_threshold(0, false), 0);
+  EXPECT_EQ(resolve_long_prefill_token_threshold(512, true), 512);
 }
 
 TEST_F(SchedulerTest, WithoutChunkingALongPromptRunsWholeInOneStep) {

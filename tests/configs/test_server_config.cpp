@@ -263,10 +263,31 @@ TEST(ServerConfig, WarmupTokens) {
 INSTANTIATE_TEST_SUITE_P(Table, MalformedConfig, ::testing::ValuesIn(kBadCases),
                          [](const ::testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
 
-TEST(ServerConfig, ChunkedPrefillIsOffUnlessEnabled) {
-  EXPECT_FALSE(parse_server_config("model:\n  path: m\n", "a.yaml").scheduler.enable_chunked_prefill);
-  EXPECT_TRUE(parse_server_config("model:\n  path: m\nscheduler:\n  enable_chunked_prefill: true\n", "b.yaml")
-                  .scheduler.enable_chunked_prefill);
+TEST(ServerConfig, ChunkedPrefillIsOnUnlessDisabled) {
+  const auto d = parse_server_config("model:\n  path: m\n", "a.yaml");
+  EXPECT_TRUE(d.scheduler.enable_chunked_prefill);
+  EXPECT_EQ(d.scheduler.long_prefill_token_threshold, -1);  // auto
+  EXPECT_DOUBLE_EQ(d.scheduler.max_queue_time_s, 60.0);
+  EXPECT_FALSE(d.server.strict_fields);
+  EXPECT_EQ(d.server.protect_last_tokens, 64);
+  const auto c = parse_server_config(
+      "model:\n  path: m\nscheduler:\n  enable_chunked_prefill: false\n  long_prefill_token_threshold: 0\n"
+      "  max_queue_time_s: 0\nserver:\n  strict_fields: true\n  protect_last_tokens: 0\n",
+      "b.yaml");
+  EXPECT_FALSE(c.scheduler.enable_chunked_prefill);
+  EXPECT_EQ(c.scheduler.long_prefill_token_threshold, 0);
+  EXPECT_DOUBLE_EQ(c.scheduler.max_queue_time_s, 0.0);
+  EXPECT_TRUE(c.server.strict_fields);
+  EXPECT_EQ(c.server.protect_last_tokens, 0);
+  for (const char* bad : {"scheduler:\n  long_prefill_token_threshold: -2\n", "scheduler:\n  max_queue_time_s: -1\n",
+                          "server:\n  strict_fields: maybe\n", "server:\n  protect_last_tokens: -1\n"}) {
+    try {
+      parse_server_config(std::string("model:\n  path: m\n") + bad, "c.yaml");
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("c.yaml"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(ServerConfig, ReportsEveryProblem) {

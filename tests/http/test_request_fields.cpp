@@ -17,13 +17,15 @@ json base(Endpoint e) {
                                          : json{{"prompt", "hi"}};
 }
 
-ParsedRequest parse(Endpoint e, const json& body) {
-  return e == Endpoint::kChatCompletions ? parse_chat_json(body) : parse_completion_json(body);
+ParsedRequest parse(Endpoint e, const json& body, bool strict = false) {
+  ParserLimits limits;
+  limits.strict_fields = strict;
+  return e == Endpoint::kChatCompletions ? parse_chat_json(body, limits) : parse_completion_json(body, limits);
 }
 
-ApiError error_of(Endpoint e, const json& body) {
+ApiError error_of(Endpoint e, const json& body, bool strict = false) {
   try {
-    parse(e, body);
+    parse(e, body, strict);
   } catch (const ApiError& err) {
     return err;
   }
@@ -41,7 +43,7 @@ TEST(RequestFields, EveryRefusedOrUnknownFieldIs400NamingIt) {
       if (s == FieldSupport::kSupported) continue;
       json body = base(e);
       body[f.name] = json{{"kvserve_test", true}};  // no field's no-op value
-      ApiError err = error_of(e, body);
+      ApiError err = error_of(e, body, /*strict=*/true);
       EXPECT_EQ(err.status(), 400) << f.name;
       EXPECT_EQ(err.param(), f.name) << err.what();
       EXPECT_NE(std::string(err.what()).find(f.name), std::string::npos) << err.what();
@@ -50,9 +52,52 @@ TEST(RequestFields, EveryRefusedOrUnknownFieldIs400NamingIt) {
     }
   }
   EXPECT_GT(refused, 40);
-  ApiError unknown = error_of(Endpoint::kCompletions, {{"prompt", "hi"}, {"temprature", 0.5}});
+  ApiError unknown = error_of(Endpoint::kCompletions, {{"prompt", "hi"}, {"temprature", 0.5}}, /*strict=*/true);
   EXPECT_EQ(unknown.param(), "temprature");
   EXPECT_NE(std::string(unknown.what()).find("unknown field 'temprature'"), std::string::npos);
+}
+
+TEST(RequestFields, UnknownFieldsAreIgnoredAndNamedUnlessStrict) {
+  // As vLLM: Hugging Face generation keys and the other endpoint's fields are ignored, refused
+  // ones still fail, and nothing ignored reaches the parse (best_of on chat is not checked).
+  json chat = base(Endpoint::kChatCompletions);
+  chat["max_new_tokens"] = 64;
+  chat["num_beams"] = 4;
+  chat["best_of"] = 3;
+  chat["temperature"] = 0.5;
+  const ParsedRequest r = parse(Endpoint::kChatCompletions, chat);
+  EXPECT_EQ(r.ignored_fields, (std::vector<std::string>{"best_of", "max_new_tokens", "num_beams"}));
+  EXPECT_DOUBLE_EQ(r.sampling.temperature, 0.5);
+  EXPECT_EQ(error_of(Endpoint::kChatCompletions, chat, /*strict=*/true).param(), "best_of");
+  chat["use_beam_search"] = true;  // known and not honoured: a 400 either way
+  EXPECT_EQ(error_of(Endpoint::kChatCompletions, chat).param(), "use_beam_search");
+  json completion = base(Endpoint::kCompletions);
+  completion["messages"] = json::array();
+  completion["do_sample"] = false;
+  EXPECT_EQ(parse(Endpoint::kCompletions, completion).ignored_fields, (std::vector<std::string>{"do_sample", "messages"}));
+  EXPECT_TRUE(parse(Endpoint::kCompletions, base(Endpoint::kCompletions)).ignored_fields.empty());
+}
+
+TEST(RequestFields, StreamOptions) {
+  auto so = [](const json& options) {
+    json body = base(Endpoint::kChatCompletions);
+    body["stream"] = true;
+    body["stream_options"] = options;
+    return body;
+  };
+  ParsedRequest r = parse(Endpoint::kChatCompletions, so({{"include_usage", true}, {"continuous_usage_stats", true}}));
+  EXPECT_TRUE(r.include_usage && r.continuous_usage);
+  r = parse(Endpoint::kChatCompletions, so({{"continuous_usage_stats", true}}));  // include_usage defaults on (vLLM)
+  EXPECT_TRUE(r.include_usage && r.continuous_usage);
+  r = parse(Endpoint::kChatCompletions, so({{"include_usage", false}, {"continuous_usage_stats", true}}));
+  EXPECT_FALSE(r.include_usage || r.continuous_usage);
+  r = parse(Endpoint::kChatCompletions, so(json::object()));
+  EXPECT_FALSE(r.include_usage || r.continuous_usage);
+  // Unknown keys inside stream_options are a 400 even when unknown top-level fields are ignored.
+  ApiError e = error_of(Endpoint::kChatCompletions, so({{"bogus_key", 1}}));
+  EXPECT_EQ(e.param(), "stream_options.bogus_key");
+  EXPECT_EQ(error_of(Endpoint::kChatCompletions, so({{"continuous_usage_stats", 1}})).param(),
+            "stream_options.continuous_usage_stats");
 }
 
 TEST(RequestFields, NoOpValuesAndNullsPass) {

@@ -58,8 +58,8 @@ def client(srv) -> openai.OpenAI:
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def ask(srv, messages, policy="kvzip", **kw):
-    return client(srv).chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+def ask(srv, messages, policy="kvzip", max_tokens=12, **kw):
+    return client(srv).chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0,
                                                extra_body={"kv_policy": policy, **kw.pop("extra", {})}, **kw)
 
 
@@ -140,6 +140,34 @@ def test_cache_control_marks_the_end_of_the_context(servers, doc):
     second = ask(on, [marked, {"role": "assistant", "content": "I read it."}, {"role": "user", "content": "Record 4?"}])
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_one_message_prompt_keeps_its_question(servers, doc):
+    """lm-eval's layout: the document and the question in one user message, no other boundary. Under
+    kvzip the context is everything before the message's last paragraph (the question), which stays
+    whole; the context is tokenized alone, so the next question about the same text finds it cached.
+    usage.kv_context_boundary and /metrics name the boundary; a query-aware policy has none."""
+    on, _ = servers
+    text, recs = doc
+    short = "\n".join(text.split("\n")[:30])
+    key = 'kvserve:kv_context_boundary_total{model_name="tiny",kind="protected_question"}'
+    before = on.metrics().get(key, 0)
+    usages = []
+    for q, _ in context_doc.questions(recs[:29], 2, seed=9):
+        usages.append(ask(on, [{"role": "user", "content": f"{short}\n\n{q}"}]).usage)
+    assert [u.kv_context_boundary for u in usages] == ["protected_question"] * 2
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    # The second question reuses the compressed document; its own tokens (> 10) were prefilled whole.
+    assert 500 < usages[1].prompt_tokens_details.cached_tokens < usages[1].prompt_tokens - 10, usages[1]
+    assert on.metrics()[key] - before == 2
+    # A completion without kv_context: the same split on its text.
+    q, _ = context_doc.questions(recs[:29], 1, seed=11)[0]
+    c = client(on).completions.create(model="tiny", prompt=f"{short}\n\nQuestion: {q}\nAnswer:", max_tokens=4,
+                                      temperature=0, extra_body={"kv_policy": "kvzip"})
+    assert c.usage.kv_context_boundary == "protected_question"
+    # A query-aware policy compresses the whole prompt as before: no context, no boundary.
+    snap = ask(on, [{"role": "user", "content": f"{short}\n\n{q}"}], policy="snapkv", max_tokens=1)
+    assert getattr(snap.usage, "kv_context_boundary", None) is None
 
 
 @pytest.mark.parametrize("path,body,param", [

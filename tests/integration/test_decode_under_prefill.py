@@ -1,0 +1,102 @@
+"""Running streams keep decoding while a long prompt arrives (issue 50), against a real server with its
+default scheduler: chunked prefill is on and, on a CPU, a step that decodes prefills at most
+`long_prefill_token_threshold` prompt tokens, so a stream gets a token every step while a 3,000-token
+prompt is prefilled over dozens of steps; with `--no-enable-chunked-prefill` the same prompt runs in
+one step and the stream gets no token meanwhile. Counted in tokens (steps), not seconds. A client
+that disconnects in the middle of a long prefill leaves `num_requests_running` promptly and its
+blocks are freed."""
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from kvserve_server import Server
+
+LONG = 3000
+THRESHOLD = 64  # kAutoLongPrefillTokensCpu (backend/scheduler.h)
+
+
+def stream(port: int, prompt: list[int], max_tokens: int, times: list[float], ready: threading.Event | None = None,
+           stop: threading.Event | None = None) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                        "temperature": 0, "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+            times.append(time.perf_counter())
+            if ready is not None and len(times) == 3:
+                ready.set()
+        if stop is not None and stop.is_set():
+            break
+    conn.close()
+
+
+def tokens_during_long_prefill(srv) -> int:
+    """Tokens a running stream got while a long prompt waited for its first token."""
+    rng = random.Random(5)
+    short = [rng.randrange(3, 2000) for _ in range(16)]
+    long = [rng.randrange(3, 2000) for _ in range(LONG)]
+    times: list[float] = []
+    ready, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=stream, args=(srv.port, short, 3000, times, ready, stop))
+    t.start()
+    assert ready.wait(60)
+    first: list[float] = []
+    submitted = time.perf_counter()
+    stream(srv.port, long, 1, first)
+    stop.set()
+    t.join(60)
+    return sum(1 for x in times if submitted < x < first[0])
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_running_stream_decodes_while_a_long_prompt_prefills(chunked):
+    srv = Server(extra_args=() if chunked else ("--no-enable-chunked-prefill",), kv_cache_bytes="256MiB")
+    try:
+        got = tokens_during_long_prefill(srv)
+        if chunked:
+            # One token per step, and the prompt needs LONG / THRESHOLD steps.
+            assert got >= LONG // THRESHOLD - 2, got
+        else:
+            assert got <= 1, got
+        deadline = time.time() + 10  # the stream's client left: cancelled within a step or two
+        while srv.metrics()["kvserve:num_requests_running"] > 0:
+            assert time.time() < deadline
+            time.sleep(0.01)
+    finally:
+        srv.close()
+
+
+def test_disconnect_in_a_long_prefill_frees_the_request():
+    srv = Server(kv_cache_bytes="256MiB")
+    try:
+        rng = random.Random(6)
+        prompt = [rng.randrange(3, 2000) for _ in range(LONG)]
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True})
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        deadline = time.time() + 30
+        while srv.metrics()["kvserve:num_requests_running"] < 1:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        sock.close()
+        closed = time.time()
+        while srv.metrics()["kvserve:num_requests_running"] > 0:
+            assert time.time() - closed < 10, "the cancelled request is still running"
+            time.sleep(0.01)
+        m = srv.metrics()
+        assert m['kvserve:request_success_total{model_name="tiny",finished_reason="abort"}'] == 1
+        assert m["kvserve:kv_cache_blocks_used"] == 0  # cached prompt blocks count as free
+    finally:
+        srv.close()
