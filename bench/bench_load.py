@@ -36,6 +36,7 @@ import math
 import os
 import pathlib
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -100,8 +101,20 @@ class KvserveServer:
         self.cmd = [str(pathlib.Path(args.kvserve).resolve()), "serve", "--config", str(cfg), "--model", str(args.model),
                     "--port", "0", "--default-policy", policy,
                     "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill",
-                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                    "--max-num-batched-tokens", str(args.max_num_batched_tokens)] + list(args.serve_arg or [])
         self.env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OMP_WAIT_POLICY="passive")
+
+    def binary(self) -> dict:
+        """Which build/kvserve this row ran: its mtime and /version (a binary relinked during the run
+        shows up as rows with different mtimes)."""
+        b = pathlib.Path(self.cmd[0])
+        info = {"mtime": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(b.stat().st_mtime))}
+        try:
+            with urllib.request.urlopen(self.url + "/version", timeout=5) as r:
+                info["version"] = json.loads(r.read()).get("version")
+        except Exception:  # noqa: BLE001
+            pass
+        return info
 
     def start(self) -> str:
         for attempt in range(3):  # the binary may be relinked under us: retry a failed start
@@ -180,6 +193,9 @@ class LlamacppServer:
     def statuses_since(self, offset: int) -> dict[str, int]:
         return {}
 
+    def binary(self) -> dict:
+        return {}
+
     def notes_since(self, offset: int) -> list[str]:
         return []
 
@@ -204,6 +220,24 @@ def warm_up(server, output_tokens: int) -> None:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         r.read()
+
+
+def probe_fields(url: str, request_args: str) -> dict:
+    """Sends one of GuideLLM's completed requests again, alone, and returns the fields it carries, the
+    status and what the server says it ignored (kvserve names unknown fields in X-KV-Ignored-Fields)."""
+    body = (json.loads(request_args).get("body") or {})
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out = {"fields": sorted(body), "stream_options": body.get("stream_options")}
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+            out.update(status=r.status, ignored=r.headers.get("X-KV-Ignored-Fields"))
+    except urllib.error.HTTPError as e:
+        out.update(status=e.code, ignored=e.headers.get("X-KV-Ignored-Fields"), body=e.read(2000).decode(errors="replace"))
+    except Exception as e:  # noqa: BLE001
+        out.update(status=None, body=repr(e)[:300])
+    return out
 
 
 def replay(url: str, request_args: str) -> dict:
@@ -275,7 +309,14 @@ def summarize(path: pathlib.Path) -> dict:
             "completed_tokens": sum(r.get("output_tokens") or 0 for r in ok),
             "duration_s": b["duration"], "concurrency_mean": m["request_concurrency"]["successful"]["mean"],
             "guidellm_version": d["metadata"]["guidellm_version"],
+            "_ok_args": next((r.get("request_args") for r in ok if r.get("request_args")), None),
             "_errored_args": [(status_of((r.get("info") or {}).get("error")), r.get("request_args")) for r in bad]}
+
+
+def cpu_since(ru0) -> float:
+    """CPU seconds (user + system) of the children reaped since ru0: here, GuideLLM and its worker."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (ru.ru_utime - ru0.ru_utime) + (ru.ru_stime - ru0.ru_stime)
 
 
 def run_point(args, server, rate: float, runs: pathlib.Path) -> dict:
@@ -286,6 +327,7 @@ def run_point(args, server, rate: float, runs: pathlib.Path) -> dict:
     offset = server.log_offset()
     before = load_avg()
     t0 = time.time()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(runs / f"{server.name}-rate{rate:g}.log", "w") as logf:
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=runs, start_new_session=True)
         try:
@@ -296,6 +338,7 @@ def run_point(args, server, rate: float, runs: pathlib.Path) -> dict:
     row = {"row": server.name, "rate": rate, "requests_sent": max(1, math.ceil(rate * args.seconds)),
            "load_before": before, "load_after": load_avg(),
            "busy_before": busy, "waited_s": waited, "wall_s": time.time() - t0, "guidellm_rc": rc,
+           "guidellm_cpu_s": cpu_since(ru0),
            "command": shlex.join(cmd)}
     if not out.exists():
         tail = (runs / f"{server.name}-rate{rate:g}.log").read_text(errors="replace")[-2000:]
@@ -306,6 +349,11 @@ def run_point(args, server, rate: float, runs: pathlib.Path) -> dict:
     row["server_statuses"] = server.statuses_since(offset)
     row["server_notes"] = server.notes_since(offset)
     errored_args = row.pop("_errored_args")
+    ok_args = row.pop("_ok_args")
+    if ok_args and server.kind == "kvserve" and not getattr(server, "probed", None):
+        server.wait_idle()
+        server.probed = probe_fields(server.url, ok_args)
+        row["probe"] = server.probed
     # A 4xx other than 429 is the server refusing what GuideLLM sent: record what it answered.
     refused = [(s, a) for s, a in errored_args if s.startswith("4") and s != "429" and a]
     if refused:
@@ -364,6 +412,38 @@ def sustainable(points: list[dict], bound_ms: float) -> str:
     return f"{best:g} req/s" + (f" (but not at {', '.join(f'{r:g}' for r in lower_bad)})" if lower_bad else "")
 
 
+def sched_defaults(kvserve: str) -> str:
+    """The scheduler flags of this binary that the rows leave at their defaults: `serve --help`'s words and
+    the value configs/default.yaml documents."""
+    try:
+        text = subprocess.run([kvserve, "serve", "--help"], capture_output=True, text=True, timeout=60).stdout
+    except Exception:  # noqa: BLE001
+        return ""
+    try:
+        import yaml
+        sched = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()).get("scheduler") or {}
+    except Exception:  # noqa: BLE001
+        sched = {}
+    lines, found = text.splitlines(), []
+    for flag in ("--long-prefill-token-threshold", "--max-queue-time-s", "--max-waiting", "--max-num-seqs"):
+        for i, line in enumerate(lines):
+            m = re.match(r"\s*" + re.escape(flag) + r"(?:\s+[A-Z]+\S*)?\s*(.*)$", line)
+            if m:
+                desc = m.group(1).strip() or (lines[i + 1].strip() if i + 1 < len(lines) else "")
+                key = flag[2:].replace("-", "_")
+                found.append(f"`{flag}`" + (f" = {sched[key]}" if key in sched else "") + f" ({desc})")
+                break
+    return ", ".join(found)
+
+
+def dirty_files() -> list[str]:
+    """Tracked C++/CMake files with uncommitted changes (the binary may be built from them, not the commit)."""
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                         cwd=ROOT).stdout
+    files = [l[3:] for l in out.splitlines() if l.strip()]
+    return [f for f in files if f.endswith((".cpp", ".h", ".cu", ".cuh", ".hpp", "CMakeLists.txt"))]
+
+
 def machine() -> str:
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     mem = next((int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal")), 0) / 2**20
@@ -378,7 +458,21 @@ def render(meta: dict, points: list[dict]) -> str:
          f"1-min load average {meta['load_before']} before, {meta['load_after']} after "
          f"(1/5/15 min: {meta['load_before_all']} before, {meta['load_after_all']} after); "
          f"the whole run took {meta['wall_min']:.1f} min.", "",
-         "```sh", meta["command"], "```", "",
+         "```sh", meta["command"], "```", ""]
+    bins = meta.get("binaries", {})
+    if bins:
+        by = collections.defaultdict(list)
+        for r, b in bins.items():
+            if b:
+                by[(b.get("mtime"), b.get("version"))].append(r)
+        dirty = [f for f in meta.get("dirty", []) if f.endswith((".cpp", ".h", ".cu", ".cuh", ".hpp", "CMakeLists.txt"))]
+        L += [f"`build/kvserve` as each row found it"
+              + (f" (built from the work tree, which had {len(dirty)} C++/CMake files changed against the commit: "
+                 "another change was in progress)" if dirty else "") + ": "
+              + "; ".join(f"{', '.join(rs)}: version {v or '?'}, linked {m}" for (m, v), rs in by.items())
+              + (". **The binary was relinked during the run, so the rows did not all run the same server.**"
+                 if len(by) > 1 else "."), ""]
+    L += [
          f"GuideLLM runs offline on this machine beside the server (HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, "
          f"HF_DATASETS_OFFLINE=1, one worker process): `synthetic_text` prompts of {a['prompt_tokens']} tokens "
          f"(counted by the model's own tokenizer; the server counts ~30 more for the chat template) and "
@@ -390,14 +484,18 @@ def render(meta: dict, points: list[dict]) -> str:
          f"`--no-enable-chunked-prefill`, `--max-num-batched-tokens {a['max_num_batched_tokens']}` (a prompt longer "
          f"than that is prefilled in chunks with chunked prefill on, whole in one step with it off), "
          f"{a['threads']} threads, OMP_WAIT_POLICY=passive, prefix caching at its default (on; the synthetic prompts "
-         f"share only the chat template's first tokens). TTFT and ITL: p50/p99 over the completed requests "
-         f"(ITL over their tokens); output tokens/s: GuideLLM's server throughput over the point's duration; "
+         f"share only the chat template's first tokens)"
+         + (f"; left at this binary's defaults: {meta['sched_defaults']}" if meta.get("sched_defaults") else "")
+         + f". TTFT and ITL: p50/p99 over the completed requests "
+         f"(ITL over their tokens; where requests are incomplete these are the survivors' figures and "
+         f"flatter the point); output tokens/s: GuideLLM's server throughput over the point's duration; "
          f"error codes: from GuideLLM's error text (`HTTPStatusError ... '429 ...'`), and in brackets the statuses "
          f"in kvserve's own request log; others' CPU before: the share of both cores busy during the 3 s before the "
          f"point with our server idle (other jobs on this shared machine; the script waits up to "
          f"{a['quiet_wait']:g} s for it to drop below {a['quiet_below']:g} %). **Sustainable rate**: the highest rate with no errored and no incomplete "
-         f"request and TTFT p99 < {a['ttft_p99_ms']:g} ms. GuideLLM and the server share the 2 cores (GuideLLM's "
-         f"client costs ~0.3-0.5 core under load), so these rates are the machine's, not the engine's alone.", "",
+         f"request and TTFT p99 < {a['ttft_p99_ms']:g} ms. GuideLLM and the server share the 2 cores: GuideLLM "
+         f"(its start included) used {guidellm_cpu(points)} per point, so these rates are the machine's, "
+         f"not the engine's alone.", "",
          "| row | rate (req/s) | sent | completed | errored | incomplete | error codes | TTFT p50 (ms) | TTFT p99 (ms) "
          "| ITL p50 (ms) | ITL p99 (ms) | output tok/s | load (1 min) | others' CPU before |",
          "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
@@ -417,6 +515,11 @@ def render(meta: dict, points: list[dict]) -> str:
                      f"{fmt(p['ttft_p99'])} | {fmt(p['itl_p50'], 1)} | {fmt(p['itl_p99'], 1)} | "
                      f"{p['out_tok_s']:.1f} | {p['load_before'].split()[0]} → {p['load_after'].split()[0]} | "
                      f"{p.get('busy_before', float('nan')):.0f} % |")
+    busy = sorted(p["busy_before"] for p in points if p.get("busy_before") is not None)
+    if busy and busy[len(busy) // 2] >= 50:
+        L += ["", f"**Other jobs kept the cores busy: before the median point they used {busy[len(busy) // 2]:.0f} % "
+                  f"of both cores with our server idle. These figures are those of a contended machine, not "
+                  f"kvserve's capacity; rerun on a quiet one.**"]
     L += ["", f"Sustainable rate (no errors, nothing incomplete, TTFT p99 < {a['ttft_p99_ms']:g} ms):", ""]
     for r in rows:
         L.append(f"- {describe_row(r, argparse.Namespace(**a))}: "
@@ -425,6 +528,13 @@ def render(meta: dict, points: list[dict]) -> str:
     if notes:
         L += ["", "kvserve's log lines during the points other than requests (first 10):", ""]
         L += [f"- `{n[:300]}`" for n in notes[:10]]
+    probes = [(p["row"], p["probe"]) for p in points if p.get("probe")]
+    if probes:
+        r, x = probes[0]
+        L += ["", f"What GuideLLM sends: `{'`, `'.join(x['fields'])}` with `stream_options` "
+                  f"`{json.dumps(x['stream_options'])}`; one of its requests sent again alone ({r}) got {x['status']}, "
+                  + (f"and kvserve named as ignored: `{x['ignored']}`." if x.get("ignored")
+                     else "and no `X-KV-Ignored-Fields` header: kvserve used every field.")]
     refused = [(p["row"], p["rate"], x) for p in points for x in p.get("refused", [])]
     if refused:
         L += ["", "Requests the server refused (4xx other than 429), sent again alone after the point:", ""]
@@ -443,6 +553,17 @@ def render(meta: dict, points: list[dict]) -> str:
     L += ["", "One rate point's GuideLLM command, as run (the target's port changes per run):", "", "```sh",
           meta["example_guidellm"], "```", ""]
     return "\n".join(L)
+
+
+def guidellm_cpu(points: list[dict]) -> str:
+    xs = [(p["guidellm_cpu_s"], p["wall_s"]) for p in points if p.get("guidellm_cpu_s") is not None]
+    if not xs:
+        return "an unmeasured share"
+    c, w = [x[0] for x in xs], [x[1] for x in xs]
+
+    def span(v: list[float]) -> str:
+        return f"{min(v):.0f}" if round(min(v)) == round(max(v)) else f"{min(v):.0f}-{max(v):.0f}"
+    return f"{span(c)} CPU-seconds ({span(w)} s of wall time each)"
 
 
 def write_section(doc: pathlib.Path, text: str) -> None:
@@ -477,6 +598,8 @@ def main() -> None:
                                                             "are cancelled (incomplete)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--serve-arg", action="append", metavar="ARG",
+                    help="one more argument for every `kvserve serve`, e.g. --serve-arg=--long-prefill-token-threshold=0")
     ap.add_argument("--ttft-p99-ms", type=float, default=2000, help="TTFT p99 bound of the sustainable rate")
     ap.add_argument("--quiet-below", type=float, default=40,
                     help="before each rate point, wait until other jobs use less than this %% of the cores")
@@ -517,7 +640,7 @@ def main() -> None:
             "load_before": f"{load1():.2f}", "load_before_all": load_avg(),
             "command": shlex.join(["python3", "bench/bench_load.py"] + sys.argv[1:]),
             "args": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "runs_dir": str(runs)}
+            "runs_dir": str(runs), "dirty": dirty_files(), "sched_defaults": sched_defaults(args.kvserve)}
     log(f"bench_load: rows {rows}, rates {args.rates}, guidellm {meta['guidellm_version']}, output in {runs}, "
         f"load {load_avg()}")
     t0 = time.time()
@@ -531,6 +654,7 @@ def main() -> None:
                 raise SystemExit(f"unknown row {row!r}")
             server = KvserveServer(args, row, runs, cfg, policy, mode == "chunked")
         server.start()
+        meta.setdefault("binaries", {})[row] = server.binary()
         try:
             warm_up(server, args.output_tokens)
             for rate in args.rates:
