@@ -87,6 +87,9 @@ std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string&
 int64_t Scheduler::context_len(const Sequence& s, int64_t n) const {
   const int64_t c = s.req.context_len;
   if (!options_.compressed_contexts || c <= 0 || c >= n || s.req.sampling.prompt_logprobs >= 0) return 0;
+  // A conversation turn (prefix_reuse: compressed) continues its parked KV, which already covers
+  // any context; a context entry pinned beside it would be held past the conversation's end.
+  if (reuses_compressed(s)) return 0;
   const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
   return !cfg.is_full() && cfg.compress_context ? c : 0;
 }

@@ -28,8 +28,8 @@ def completion(url: str, prompt: list[int], policy: str, max_tokens: int = 8) ->
 @pytest.fixture(scope="module")
 def servers():
     yaml = f"scheduler:\n  max_num_batched_tokens: {BUDGET}\n"
-    whole = Server(extra_yaml=yaml)
-    chunked = Server(extra_yaml=yaml + "  enable_chunked_prefill: true\n")
+    whole = Server(extra_yaml=yaml + "  enable_chunked_prefill: false\n")
+    chunked = Server(extra_yaml=yaml)  # on by default
     yield whole, chunked
     for s in (whole, chunked):
         rc = s.stop()
