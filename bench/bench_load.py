@@ -528,6 +528,9 @@ def render(meta: dict, points: list[dict]) -> str:
     if notes:
         L += ["", "kvserve's log lines during the points other than requests (first 10):", ""]
         L += [f"- `{n[:300]}`" for n in notes[:10]]
+    if "llamacpp" not in rows:
+        L += ["", "llama.cpp's server (llama-cpp-python's `llama_cpp.server` on the F32 GGUF, built by "
+                  "`bench/llamacpp_build.sh`) is an opt-in row (`--llamacpp`), not in this run."]
     probes = [(p["row"], p["probe"]) for p in points if p.get("probe")]
     if probes:
         r, x = probes[0]
