@@ -33,10 +33,9 @@ struct Engine::Impl {
   std::unordered_set<std::string> cancels;         // guarded by mu
   bool stopping = false, drain = false;            // guarded by mu
   EngineStats stats;                               // guarded by mu
-  // Admission on queue time (guarded by mu): prompt tokens queued in the scheduler as of the last
-  // step and submitted since, and the prefill rate measured over steps that prefilled (tokens/s).
-  int64_t queued_tokens = 0, incoming_tokens = 0;
-  double prefill_rate = 0.0;
+  // Admission on queue time (guarded by mu): when the oldest request still waiting to start
+  // arrived, as of the last step (none: nothing waits).
+  std::optional<std::chrono::steady_clock::time_point> oldest_waiting;
 
   // Loop thread only.
   int64_t next_id = 1;
@@ -185,16 +184,17 @@ void Engine::submit(GenerationRequest req, EventCallback on_event) {
     if (impl_->stats.waiting + static_cast<int64_t>(impl_->incoming.size()) >= options_.max_waiting) {
       throw EngineOverloaded("too many requests waiting (" + std::to_string(options_.max_waiting) + "); retry later");
     }
-    if (options_.max_queue_time_s > 0 && impl_->prefill_rate > 0) {
-      const double ahead = static_cast<double>(impl_->queued_tokens + impl_->incoming_tokens) / impl_->prefill_rate;
-      if (ahead > options_.max_queue_time_s) {
+    // The queue is already slow: its oldest request has waited half the limit without starting, so
+    // one arriving now would likely wait past it. Refused now (503) rather than failed later.
+    if (options_.max_queue_time_s > 0 && impl_->oldest_waiting) {
+      const double waited = std::chrono::duration<double>(seq->arrival - *impl_->oldest_waiting).count();
+      if (waited > options_.max_queue_time_s / 2) {
         std::ostringstream why;
-        why << "the server is over capacity: the prompts queued ahead take ~" << static_cast<int64_t>(ahead + 0.5)
-            << " s to prefill, more than scheduler.max_queue_time_s (" << options_.max_queue_time_s << " s); retry later";
+        why << "the server is over capacity: the oldest queued request has waited " << static_cast<int64_t>(waited + 0.5)
+            << " s to start, and scheduler.max_queue_time_s is " << options_.max_queue_time_s << " s; retry later";
         throw EngineOverloaded(why.str(), /*over_capacity=*/true);
       }
     }
-    impl_->incoming_tokens += n;
     impl_->incoming.push_back(std::move(seq));
   }
   impl_->cv.notify_all();
@@ -283,9 +283,7 @@ void Engine::loop() {
     StepPlan plan = sched.schedule(&rejected);
     for (auto& [s, why] : rejected) out.finish(*s, "error", why, /*request_error=*/true);
     std::vector<Scheduler::Output> outputs;
-    const auto started = std::chrono::steady_clock::now();
     if (!plan.empty()) outputs = sched.update(plan, runner.execute(plan));
-    const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     int64_t generated = 0;
     for (auto& o : outputs) {
       if (!o.error.empty()) {
@@ -299,12 +297,9 @@ void Engine::loop() {
     int64_t prefilled = 0;
     for (const auto& p : plan.prefill) prefilled += static_cast<int64_t>(p.tokens.size());
     const KvUsage usage = sched.usage();
-    const int64_t queued = sched.queued_prompt_tokens();
+    const auto oldest = sched.oldest_waiting_arrival();
     std::lock_guard<std::mutex> lk(im.mu);
-    im.queued_tokens = queued;
-    if (prefilled > 0 && step_s > 0)  // a moving average: the rate follows load and prompt lengths
-      im.prefill_rate = im.prefill_rate > 0 ? 0.8 * im.prefill_rate + 0.2 * (static_cast<double>(prefilled) / step_s)
-                                            : static_cast<double>(prefilled) / step_s;
+    im.oldest_waiting = oldest;
     im.stats.running = sched.num_running();
     im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
     im.stats.waiting = sched.num_waiting();
@@ -361,8 +356,6 @@ void Engine::loop() {
         fresh.push_back(std::move(im.incoming.front()));
         im.incoming.pop_front();
       }
-      im.queued_tokens += im.incoming_tokens;  // in the scheduler from now on
-      im.incoming_tokens = 0;
       cancels.swap(im.cancels);
       stopping = im.stopping;
       drain = im.drain;

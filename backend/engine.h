@@ -39,9 +39,10 @@ struct EngineOptions {
   // (kAutoLongPrefillTokensCpu on a CPU, no cap on CUDA), 0 = no cap.
   int64_t long_prefill_token_threshold = -1;
   int64_t max_waiting = 256;              // queue bound; submit() beyond it throws EngineOverloaded
-  // Admission on queue time (0 = off): submit() refuses (EngineOverloaded, over capacity) a prompt
-  // that would wait longer than this behind the prompt tokens queued ahead of it at the prefill rate
-  // the engine measures, and a request still waiting after this long fails as over capacity.
+  // Admission on queue time (0 = off): while the oldest request not yet started has waited more than
+  // half of this, submit() refuses new ones (EngineOverloaded, over capacity), and a request still
+  // waiting to start after this long fails as over capacity. A rate estimate was tried first: the
+  // first cold step and decode-heavy steps made it refuse work a server had minutes of room for.
   double max_queue_time_s = 0.0;
   int64_t max_model_len = 0;              // 0 = context_length(config) (max_position_embeddings, x factor for dynamic / yarn)
   int64_t kv_cache_bytes = int64_t{1} << 30;

@@ -139,12 +139,11 @@ void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
   s.prefill_done = start + n;
 }
 
-int64_t Scheduler::queued_prompt_tokens() const {
-  int64_t n = 0;
-  for (const auto& s : waiting_) n += s->prefill_len > 0 ? s->prefill_len : static_cast<int64_t>(s->prefill_tokens().size());
-  for (const auto& s : running_)
-    if (s->prefilling()) n += s->prefill_len - s->prefill_done;
-  return n;
+std::optional<std::chrono::steady_clock::time_point> Scheduler::oldest_waiting_arrival() const {
+  std::optional<std::chrono::steady_clock::time_point> oldest;
+  for (const auto& s : waiting_)
+    if (!s->scheduled && (!oldest || s->arrival < *oldest)) oldest = s->arrival;
+  return oldest;
 }
 
 StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {

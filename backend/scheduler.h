@@ -4,6 +4,7 @@
 // what it knows of the KV pools comes from the runners' StepResults (every shard's occupancy and
 // each sequence's blocks), so a sharded step needs no admission questions, and tests drive it with
 // a fake runner.
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -23,10 +24,12 @@
 
 namespace kvserve {
 
-// long_prefill_token_threshold's automatic value (-1) on a CPU: a step that carries this many prompt
-// tokens costs a few plain decode steps of the default model on 2 cores (docs/benchmarks.md, "Decode
-// while prompts arrive"). On CUDA a decode step is bound by reading the weights and a 2048-token
-// chunk costs about as much, so no cap applies there.
+// long_prefill_token_threshold's automatic value (-1) on a CPU, measured on the default model and 2
+// cores (docs/benchmarks.md, "Decode while prompts arrive"): while two 3K prompts prefill, two
+// running streams get a token every ~0.38 s (worst 0.55 s; 128: 0.6 s, worst 1.1 s; whole prompts:
+// none for 9.6 s), and the prompts' first tokens come 1.7-1.8x later than whole (128: 1.5-1.6x). On
+// CUDA no cap applies: a decode step is bound by reading the weights, and a 2048-token chunk costs
+// about as much.
 inline constexpr int64_t kAutoLongPrefillTokensCpu = 64;
 // The threshold a scheduler runs with: `configured` (-1 = auto: the CPU value, or no cap on CUDA).
 int64_t resolve_long_prefill_token_threshold(int64_t configured, bool cuda);
@@ -92,8 +95,8 @@ class Scheduler {
   bool knows_pools() const { return !shards_.empty(); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
-  // Prompt tokens still to prefill: the waiting prompts' and the rest of those begun in chunks.
-  int64_t queued_prompt_tokens() const;
+  // When the longest-waiting request that has not started yet arrived (none: nothing waits).
+  std::optional<std::chrono::steady_clock::time_point> oldest_waiting_arrival() const;
   int64_t preemptions() const { return preemptions_; }
   // Prefix cache lookups so far, in prompt tokens: looked up, and found (vLLM's queries and hits).
   int64_t prefix_queries() const { return prefix_queries_; }

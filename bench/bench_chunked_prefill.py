@@ -38,8 +38,8 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def start_server(binary: str, model: str, budget: int, chunked: bool,
-                 config: str | None = None) -> tuple[subprocess.Popen, str, str]:
+def start_server(binary: str, model: str, budget: int, chunked: bool, config: str | None = None,
+                 server_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
     tmp = tempfile.mkdtemp(prefix="kvserve-chunked-")
     cfg = pathlib.Path(tmp) / "config.yaml"
     cfg.write_text(f"model: {{path: {model}, served_model_name: bench}}\n"
@@ -52,7 +52,7 @@ def start_server(binary: str, model: str, budget: int, chunked: bool,
     args = [binary, "serve", "--config", str(cfg), "--quiet"]
     if config:  # the file as it is, on a free port, with chunked prefill set by flag
         args = [binary, "serve", "--config", config, "--port", "0", "--served-model-name", "bench", "--quiet",
-                "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"]
+                "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill", *server_args]
     proc = subprocess.Popen(args, stderr=log, stdout=log, cwd=REPO)
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -101,7 +101,7 @@ def pct(values: list[float], p: float) -> float:
 
 
 def run_once(binary: str, model: str, vocab: int, args, chunked: bool) -> dict:
-    proc, url, log = start_server(binary, model, args.budget, chunked, args.config)
+    proc, url, log = start_server(binary, model, args.budget, chunked, args.config, tuple(args.server_arg))
     try:
         rng = random.Random(7)
         shorts = [[rng.randrange(vocab) for _ in range(args.short_prompt)] for _ in range(args.short)]
@@ -154,11 +154,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--longs", type=int, default=1, help="long prompts sent at once")
     ap.add_argument("--config", help="serve this config file as it is (chunked prefill set by flag)")
+    ap.add_argument("--server-arg", action="append", default=[], help="more `serve` flags (with --config)")
+    ap.add_argument("--only", choices=["on", "off"], help="one configuration only")
     args = ap.parse_args()
     vocab = json.loads((pathlib.Path(args.model) / "config.json").read_text())["vocab_size"]
     results: dict[bool, list[dict]] = {False: [], True: []}
     for r in range(args.rounds):
-        for chunked in (False, True) if r % 2 == 0 else (True, False):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for chunked in [c for c in order if args.only is None or c == (args.only == "on")]:
             res = run_once(args.kvserve, args.model, vocab, args, chunked)
             results[chunked].append(res)
             print(f"round {r} chunked={chunked}: TTFT {res['ttft']:.2f} s "

@@ -335,7 +335,7 @@ void add_serve_command(CLI::App& app) {
                   "host-RAM tier of the prefix cache per shard, e.g. 8GiB (sets cache.prefix_cache_bytes; 0 = none)");
   cmd->add_option("--max-waiting", a->max_waiting, "queued requests before 429");
   cmd->add_option("--max-queue-time-s", a->max_queue_time_s,
-                  "seconds of queued prefill before new requests get 503 (and a queued request fails); 0 = off");
+                  "a request waiting this long to start gets 503, new ones once the oldest waited half; 0 = off");
   cmd->add_option("--default-policy", a->default_policy, "KV policy for requests that name none");
   cmd->add_flag("--quiet,-q", a->quiet, "no per-request log lines");
   a->parallel.add_to(cmd);

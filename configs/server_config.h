@@ -98,8 +98,8 @@ struct SchedulerSection {
   // chunk, CUDA: no cap), 0 = no cap but max_num_batched_tokens.
   int64_t long_prefill_token_threshold = -1;
   int64_t max_waiting = 256;
-  // Admission on queue time: a request that would wait longer than this behind the queued prompts
-  // (at the measured prefill rate), or that has, gets 503 + Retry-After; 0 = off.
+  // Admission on queue time: a request that waited this long without starting gets 503 +
+  // Retry-After, and new ones get it at once while the oldest waiting one has waited half of it.
   double max_queue_time_s = 60.0;
 };
 

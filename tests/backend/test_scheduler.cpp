@@ -396,11 +396,13 @@ TEST_F(SchedulerTest, WhileSequencesDecodeAStepPrefillsAtMostTheLongPrefillThres
   EXPECT_EQ(chunks(p), (Chunks{{2, 0, 3, false}}));
   EXPECT_EQ(chunks(step()), (Chunks{{2, 3, 3, false}}));
   EXPECT_EQ(chunks(step()), (Chunks{{2, 6, 1, true}, {3, 0, 2, true}}));
-  EXPECT_EQ(sched->queued_prompt_tokens(), 0);
-  add(4, 5);
-  EXPECT_EQ(sched->queued_prompt_tokens(), 5);
-  EXPECT_EQ(chunks(step()), (Chunks{{4, 0, 3, false}}));
-  EXPECT_EQ(sched->queued_prompt_tokens(), 2);
+  EXPECT_FALSE(sched->oldest_waiting_arrival());
+  Sequence* s4 = add(4, 5);
+  add(5, 5);
+  s4->arrival -= std::chrono::seconds(3);
+  EXPECT_EQ(sched->oldest_waiting_arrival(), s4->arrival);
+  EXPECT_EQ(chunks(step()), (Chunks{{4, 0, 3, false}}));  // 4 started: 5 is the oldest waiting now
+  EXPECT_GT(*sched->oldest_waiting_arrival(), s4->arrival);
 }
 
 TEST(SchedulerOptions, LongPrefillThresholdAutoIsACpuValueAndNoCapOnCuda) {
