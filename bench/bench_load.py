@@ -165,14 +165,19 @@ class KvserveServer:
     def stop(self) -> None:
         if getattr(self, "proc", None) is None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.logf.close()
+        stop_process(self.proc, self.logf)
         self.proc = None
+
+
+def stop_process(proc: subprocess.Popen, logf) -> None:
+    """SIGTERM, a minute to exit, then SIGKILL; closes the server's log."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    logf.close()
 
 
 class LlamacppServer:
@@ -203,13 +208,7 @@ class LlamacppServer:
         time.sleep(2)  # one request at a time; a cancelled client's request ends with its connection
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.logf.close()
+        stop_process(self.proc, self.logf)
 
 
 def warm_up(server, output_tokens: int) -> None:
