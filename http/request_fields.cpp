@@ -143,12 +143,14 @@ std::vector<std::string> check_request_fields(nlohmann::json& body, Endpoint end
                            : endpoint == Endpoint::kChatCompletions ? it->second->chat
                                                                     : it->second->completions;
     if (s == FieldSupport::kSupported) continue;
-    if (s == FieldSupport::kUnknown) {
+    if (it == by_name().end()) {
       if (strict)
         throw ApiError(400, "unknown field '" + key + "' for " + route + " (server.strict_fields: true refuses fields kvserve does not know)", key);
       ignored.push_back(key);
       continue;
     }
+    if (s == FieldSupport::kUnknown)
+      throw ApiError(400, "'" + key + "' is not a field of " + route + " (it belongs to the other endpoint)", key);
     const RequestField& f = *it->second;
     if (*f.no_ops) {
       const auto no_ops = nlohmann::json::parse(f.no_ops);

@@ -15,7 +15,7 @@ namespace kvserve::http {
 enum class FieldSupport {
   kSupported,
   kRefused,  // a 400 naming it, unless its value is null or one of the field's no-op values
-  kUnknown,  // not a field of this endpoint: ignored like any unknown field (a 400 when strict)
+  kUnknown,  // a field of the other endpoint only: a 400 naming it (known, and meaningless here)
 };
 
 // One request field.
@@ -30,8 +30,9 @@ struct RequestField {
 const std::vector<RequestField>& request_fields();
 
 // Throws ApiError(400), param = the field, for the first field of `body` (in key order) the endpoint
-// refuses, or, when `strict`, does not know. Otherwise (vLLM's default) the unknown fields are
-// erased from `body` and returned, so that nothing downstream reads them. Null values always pass.
+// refuses or that belongs to the other endpoint, or, when `strict`, that is in no table at all.
+// Otherwise (vLLM's default) fields in no table are erased from `body` and returned, so that nothing
+// downstream reads them. Null values always pass.
 std::vector<std::string> check_request_fields(nlohmann::json& body, Endpoint endpoint, bool strict);
 
 // The table as the markdown rows of docs/api.md ("| `name` | completions | chat | note |").

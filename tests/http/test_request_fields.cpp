@@ -43,7 +43,7 @@ TEST(RequestFields, EveryRefusedOrUnknownFieldIs400NamingIt) {
       if (s == FieldSupport::kSupported) continue;
       json body = base(e);
       body[f.name] = json{{"kvserve_test", true}};  // no field's no-op value
-      ApiError err = error_of(e, body, /*strict=*/true);
+      ApiError err = error_of(e, body);
       EXPECT_EQ(err.status(), 400) << f.name;
       EXPECT_EQ(err.param(), f.name) << err.what();
       EXPECT_NE(std::string(err.what()).find(f.name), std::string::npos) << err.what();
@@ -58,23 +58,26 @@ TEST(RequestFields, EveryRefusedOrUnknownFieldIs400NamingIt) {
 }
 
 TEST(RequestFields, UnknownFieldsAreIgnoredAndNamedUnlessStrict) {
-  // As vLLM: Hugging Face generation keys and the other endpoint's fields are ignored, refused
-  // ones still fail, and nothing ignored reaches the parse (best_of on chat is not checked).
+  // As vLLM: Hugging Face generation keys are ignored; refused fields and the other endpoint's
+  // fields (kvserve knows them, and they mean nothing here) still fail.
   json chat = base(Endpoint::kChatCompletions);
   chat["max_new_tokens"] = 64;
   chat["num_beams"] = 4;
-  chat["best_of"] = 3;
   chat["temperature"] = 0.5;
   const ParsedRequest r = parse(Endpoint::kChatCompletions, chat);
-  EXPECT_EQ(r.ignored_fields, (std::vector<std::string>{"best_of", "max_new_tokens", "num_beams"}));
+  EXPECT_EQ(r.ignored_fields, (std::vector<std::string>{"max_new_tokens", "num_beams"}));
   EXPECT_DOUBLE_EQ(r.sampling.temperature, 0.5);
-  EXPECT_EQ(error_of(Endpoint::kChatCompletions, chat, /*strict=*/true).param(), "best_of");
+  EXPECT_EQ(error_of(Endpoint::kChatCompletions, chat, /*strict=*/true).param(), "max_new_tokens");
+  json other = chat;
+  other["kv_context"] = "a document";
+  EXPECT_EQ(error_of(Endpoint::kChatCompletions, other).param(), "kv_context");
   chat["use_beam_search"] = true;  // known and not honoured: a 400 either way
   EXPECT_EQ(error_of(Endpoint::kChatCompletions, chat).param(), "use_beam_search");
   json completion = base(Endpoint::kCompletions);
-  completion["messages"] = json::array();
   completion["do_sample"] = false;
-  EXPECT_EQ(parse(Endpoint::kCompletions, completion).ignored_fields, (std::vector<std::string>{"do_sample", "messages"}));
+  EXPECT_EQ(parse(Endpoint::kCompletions, completion).ignored_fields, (std::vector<std::string>{"do_sample"}));
+  completion["messages"] = json::array();
+  EXPECT_EQ(error_of(Endpoint::kCompletions, completion).param(), "messages");
   EXPECT_TRUE(parse(Endpoint::kCompletions, base(Endpoint::kCompletions)).ignored_fields.empty());
 }
 
