@@ -52,6 +52,17 @@ def load_avg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def stop_process(proc: subprocess.Popen, logf) -> None:
+    """SIGTERM, a minute to exit, then SIGKILL; closes the server's log."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    logf.close()
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -135,13 +146,7 @@ class Bench:
                         f"ITL p50 {r['itl50'] * 1e3:.1f} ms, {r['requests']} requests, load {r['load']}")
                     rows.append(r)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                logf.close()
+                stop_process(proc, logf)
         return rows
 
     def start_kvserve(self, policy: str):

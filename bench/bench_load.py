@@ -165,19 +165,8 @@ class KvserveServer:
     def stop(self) -> None:
         if getattr(self, "proc", None) is None:
             return
-        stop_process(self.proc, self.logf)
+        bench_llamacpp.stop_process(self.proc, self.logf)
         self.proc = None
-
-
-def stop_process(proc: subprocess.Popen, logf) -> None:
-    """SIGTERM, a minute to exit, then SIGKILL; closes the server's log."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    logf.close()
 
 
 class LlamacppServer:
@@ -208,7 +197,7 @@ class LlamacppServer:
         time.sleep(2)  # one request at a time; a cancelled client's request ends with its connection
 
     def stop(self) -> None:
-        stop_process(self.proc, self.logf)
+        bench_llamacpp.stop_process(self.proc, self.logf)
 
 
 def warm_up(server, output_tokens: int) -> None:
