@@ -26,8 +26,8 @@ namespace kvserve {
 
 // long_prefill_token_threshold's automatic value (-1) on a CPU, measured on the default model and 2
 // cores (docs/benchmarks.md, "Decode while prompts arrive"): while two 3K prompts prefill, two
-// running streams get a token every ~0.38 s (worst 0.55 s; 128: 0.6 s, worst 1.1 s; whole prompts:
-// none for 9.6 s), and the prompts' first tokens come 1.7-1.8x later than whole (128: 1.5-1.6x). On
+// running streams get a token every ~0.4 s (worst 0.55-0.78 s; 128: 0.6 s, worst 1.1 s; whole
+// prompts: none for ~10 s), and the prompts' first tokens come 2.0-2.2x later than whole. On
 // CUDA no cap applies: a decode step is bound by reading the weights, and a 2048-token chunk costs
 // about as much.
 inline constexpr int64_t kAutoLongPrefillTokensCpu = 64;

@@ -5,7 +5,10 @@
 #include <cstdio>
 #include <iostream>
 #include <random>
+#include <optional>
 #include <set>
+#include <tuple>
+#include <utility>
 
 #include "backend/logits_processors.h"
 #include "backend/grammar_compiler.h"
@@ -28,6 +31,21 @@ HttpResponse error_response(const ApiError& error) {
 
 namespace {
 
+
+// `text` tokenized as two pieces split at character `at`, the first with the special tokens a prompt
+// starts with: a context tokenized alone, so that every prompt starting with it gets the same
+// tokens. `min_each`: the least tokens either piece may have, else nullopt. Returns the tokens and
+// the first piece's count.
+std::optional<std::pair<std::vector<int64_t>, int64_t>> tokenize_split(const ServingBackend& backend,
+                                                                      const std::string& text, size_t at, bool special,
+                                                                      int64_t min_each) {
+  std::vector<int64_t> ids = backend.encode(text.substr(0, at), special);
+  const auto rest = backend.encode(text.substr(at), false);
+  const auto context = static_cast<int64_t>(ids.size());
+  if (context < min_each || static_cast<int64_t>(rest.size()) < min_each) return std::nullopt;
+  ids.insert(ids.end(), rest.begin(), rest.end());
+  return std::make_pair(std::move(ids), context);
+}
 
 // The chat's context (ParsedRequest::context_end_message, else every message before the last user
 // message) rendered on its own; when the whole rendering starts with it, the prompt becomes its
@@ -58,13 +76,9 @@ bool split_chat_context(const ServingBackend& backend, const ParsedRequest& req,
     return false;  // a template that refuses a conversation ending there: see protect_question
   }
   if (prefix.empty() || prefix.size() >= text.size() || text.compare(0, prefix.size(), prefix) != 0) return false;
-  const bool special = req.add_special_tokens.value_or(false);
-  std::vector<int64_t> ids = backend.encode(prefix, special);
-  const auto rest = backend.encode(text.substr(prefix.size()), false);
-  if (ids.empty() || rest.empty()) return false;
-  context = static_cast<int64_t>(ids.size());
-  ids.insert(ids.end(), rest.begin(), rest.end());
-  prompt = std::move(ids);
+  auto split = tokenize_split(backend, text, prefix.size(), req.add_special_tokens.value_or(false), 1);
+  if (!split) return false;
+  std::tie(prompt, context) = std::move(*split);
   return true;
 }
 
@@ -102,13 +116,8 @@ bool protect_question(const ServingBackend& backend, const std::string& text, co
     const std::string question = turn.substr(blank + 2, last + 1 - (blank + 2));
     const size_t at = question.empty() ? std::string::npos : text.rfind(question);
     if (at != std::string::npos && at > 0) {
-      std::vector<int64_t> ids = backend.encode(text.substr(0, at), special);
-      const auto rest = backend.encode(text.substr(at), false);
-      const auto c = static_cast<int64_t>(ids.size());
-      if (static_cast<int64_t>(rest.size()) >= window && c >= window) {
-        ids.insert(ids.end(), rest.begin(), rest.end());
-        prompt = std::move(ids);
-        context = c;
+      if (auto split = tokenize_split(backend, text, at, special, window)) {
+        std::tie(prompt, context) = std::move(*split);
         return true;
       }
     }
@@ -230,14 +239,21 @@ struct Exchange {
     }
   }
 
-  json usage() const {
-    int64_t prompt = 0, completion = 0, kept = 0, full = 0, head_min = 0, head_max = 0, head_n = 0;
-    double head_mean = 0.0;
+  // Prompt and completion tokens so far, over every prompt and choice.
+  std::pair<int64_t, int64_t> token_counts() const {
+    int64_t prompt = 0, completion = 0;
     for (int64_t p : prompt_tokens) prompt += p;
+    for (const auto& c : choices) completion += c.completion_tokens;
+    return {prompt, completion};
+  }
+
+  json usage() const {
+    const auto [prompt, completion] = token_counts();
+    int64_t kept = 0, full = 0, head_min = 0, head_max = 0, head_n = 0;
+    double head_mean = 0.0;
     // A prompt's n choices share it: its cached tokens are the most any of them found.
     std::vector<int64_t> cached(prompt_tokens.size(), 0);
     for (const auto& c : choices) {
-      completion += c.completion_tokens;
       kept += c.kept_kv;
       full += c.full_kv;
       head_min = head_n ? std::min(head_min, c.kept_head_min) : c.kept_head_min;
@@ -267,9 +283,7 @@ struct Exchange {
   // the last chunk carries it (include_usage, OpenAI's shape), else none.
   void add_chunk_usage(json& chunk) const {
     if (req.continuous_usage) {
-      int64_t prompt = 0, completion = 0;
-      for (int64_t p : prompt_tokens) prompt += p;
-      for (const auto& c : choices) completion += c.completion_tokens;
+      const auto [prompt, completion] = token_counts();
       chunk["usage"] = {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
     } else if (req.include_usage) {
       chunk["usage"] = nullptr;
