@@ -1,5 +1,7 @@
 #include "backend/kvzap_predictor.h"
 
+#include "common/model_path.h"
+
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -77,7 +79,7 @@ torch::Tensor KvzapPredictor::scores(int64_t layer, const torch::Tensor& h) cons
 }
 
 std::string kvzap_predictor_dir(const PolicyConfig& cfg, const std::string& model_dir) {
-  return cfg.predictor.empty() ? (fs::path(model_dir) / "kvzap").string() : cfg.predictor;
+  return cfg.predictor.empty() ? (fs::path(model_side_dir(model_dir)) / "kvzap").string() : cfg.predictor;
 }
 
 void kvzap_select(KvMemory& kv, int64_t seq_id, int64_t prompt_len, const PolicyConfig& cfg) {

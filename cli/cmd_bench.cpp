@@ -25,6 +25,7 @@
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
+#include "cli/quantization_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
 
@@ -33,7 +34,7 @@ namespace kvserve::cli {
 namespace {
 
 struct BenchDecodeArgs {
-  std::string model, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto", kv_layout = "auto";
+  std::string model, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto", quantization = "none", kv_layout = "auto";
   PolicyFlags policy;
   std::vector<int64_t> contexts{4096}, batches{1};
   int64_t steps = 32, warmup = 4, threads = 0, block_size = 16, cuda_profiler_steps = 0;
@@ -256,6 +257,7 @@ void add_bench_commands(CLI::App& app) {
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  add_quantization_option(cmd, a->quantization);
   cmd->add_option("--kv-layout", a->kv_layout, "KV block layout: auto (head-wise for head_budgets=adaptive), layer, head")
       ->check(CLI::IsMember({"auto", "layer", "head"}));
   a->policy.add_to(cmd);
@@ -268,6 +270,7 @@ void add_bench_commands(CLI::App& app) {
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
     load.kv_cache_dtype = a->kv_cache_dtype;
+    load.quantization = a->quantization;
     auto model = DecoderModel::load(a->model, load);
     const auto specs = a->policy.specs();
     const std::string name = PolicyFlags::selected(specs);

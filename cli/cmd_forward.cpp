@@ -12,6 +12,7 @@
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
+#include "cli/quantization_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -22,7 +23,7 @@ namespace kvserve::cli {
 namespace {
 struct ForwardArgs {
   std::string model, input_ids, output, device = "cpu", dtype, dump_kept, cpu_gemm = "mkl";
-  std::string kv_cache_dtype = "auto";
+  std::string kv_cache_dtype = "auto", quantization = "none";
   PolicyFlags policy;
   ParallelFlags parallel;
 };
@@ -107,6 +108,7 @@ void add_forward_command(CLI::App& app) {
   cmd->add_option("--cpu-gemm", args->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
   add_kv_cache_dtype_option(cmd, args->kv_cache_dtype);
+  add_quantization_option(cmd, args->quantization);
   args->policy.add_to(cmd);
   cmd->add_option("--dump-kept", args->dump_kept,
                   "write the per-layer budgets and kept positions per KV head as JSON to this file");
@@ -118,6 +120,7 @@ void add_forward_command(CLI::App& app) {
     load.dtype = args->dtype;
     load.cpu_gemm = cpu_gemm_from_name(args->cpu_gemm);
     load.kv_cache_dtype = args->kv_cache_dtype;
+    load.quantization = args->quantization;
     // Every rank of a sharded job runs this same command on the same prompt (SPMD).
     auto job = ParallelJob::start(args->parallel.apply(), args->model, load);
     auto model = job->model();

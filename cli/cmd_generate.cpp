@@ -14,6 +14,7 @@
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
+#include "cli/quantization_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -41,7 +42,7 @@ struct GenerateArgs {
   bool enable_chunked_prefill = false;
   bool enable_prefix_caching = EngineOptions{}.enable_prefix_caching;
   std::string prefix_cache = "0";
-  std::string kv_cache_dtype = "auto";
+  std::string kv_cache_dtype = "auto", quantization = "none", tokenizer;
   std::string kv_layout = "auto";
 };
 
@@ -50,7 +51,8 @@ struct GenerateArgs {
 void add_generate_command(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
   auto* cmd = app.add_subcommand("generate", "Generate a completion for one prompt");
-  cmd->add_option("--model", a->model, "Hugging Face model directory")->required();
+  cmd->add_option("--model", a->model, "Hugging Face model directory or .gguf file")->required();
+  cmd->add_option("--tokenizer", a->tokenizer, "directory with tokenizer.json (default: the model directory, or the .gguf file's)");
   auto* p = cmd->add_option("--prompt", a->prompt, "prompt text (tokenized with the model's tokenizer)");
   auto* pi = cmd->add_option("--prompt-ids", a->prompt_ids, "prompt as token ids (instead of --prompt)");
   p->excludes(pi);
@@ -80,6 +82,7 @@ void add_generate_command(CLI::App& app) {
                 "reuse the cached blocks of earlier prompts with the same prefix (default on)");
   cmd->add_option("--prefix-cache", a->prefix_cache, "host-RAM tier of the prefix cache, e.g. 4GiB (0 = none)");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  add_quantization_option(cmd, a->quantization);
   cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
   cmd->add_option("--warmup-tokens", a->warmup_tokens,
                   "prompt tokens of the engine's warm-up before the prompts (-1 = auto: the token budget on CUDA, none "
@@ -97,6 +100,7 @@ void add_generate_command(CLI::App& app) {
     load.dtype = a->dtype;
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
     load.kv_cache_dtype = a->kv_cache_dtype;
+    load.quantization = a->quantization;
     load.progress = !a->json;
     auto job = ParallelJob::start(a->parallel.apply(), a->model, load);
     auto model = job->model();
@@ -124,7 +128,7 @@ void add_generate_command(CLI::App& app) {
       if (rc != 0) throw CLI::RuntimeError(rc);
       return;
     }
-    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->model));
+    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->tokenizer.empty() ? a->model : a->tokenizer));
     // The engine's start-up (KV pool, warm-up) runs on a thread that ends, as the load does
     // (common/fresh_thread.h): no idle OpenMP pool outlives it to slow the engine thread's steps.
     auto engine_ptr = run_on_fresh_thread([&] { return std::make_unique<Engine>(model, tok, eo, job->make_runner(eo)); });

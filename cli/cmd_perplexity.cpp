@@ -11,6 +11,7 @@
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
+#include "cli/quantization_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
 
@@ -18,7 +19,7 @@ namespace kvserve::cli {
 
 namespace {
 struct PerplexityArgs {
-  std::string model, input_ids, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto";
+  std::string model, input_ids, device = "cpu", dtype, cpu_gemm = "mkl", kv_cache_dtype = "auto", quantization = "none";
   PolicyFlags policy;
   int64_t prefill = 1;
   bool per_token = false;
@@ -67,6 +68,7 @@ void add_perplexity_command(CLI::App& app) {
   cmd->add_option("--cpu-gemm", a->cpu_gemm, "mkl (default; logits equal transformers') or onednn (faster prefill on AMD CPUs)")
       ->check(CLI::IsMember({"mkl", "onednn"}));
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  add_quantization_option(cmd, a->quantization);
   cmd->add_flag("--per-token", a->per_token, "also print every scored token's NLL per document");
   a->policy.add_to(cmd);
   cmd->callback([a] {
@@ -74,6 +76,7 @@ void add_perplexity_command(CLI::App& app) {
     LoadOptions load{a->device, a->dtype, false};
     load.cpu_gemm = cpu_gemm_from_name(a->cpu_gemm);
     load.kv_cache_dtype = a->kv_cache_dtype;
+    load.quantization = a->quantization;
     auto model = DecoderModel::load(a->model, load);
     const auto& c = model->config();
     KvPoolSize size;

@@ -15,6 +15,7 @@
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
+#include "cli/quantization_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/serve/config_reloader.h"
 #include "cli/serve/signal_waiter.h"
@@ -36,6 +37,8 @@ struct ServeArgs {
   std::optional<std::string> host, model, served_model_name, device, dtype, cpu_gemm, api_key, kv_cache_bytes, prefix_cache_bytes, max_body_bytes,
       default_policy;
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
+  std::string quantization;    // empty = the config's model.quantization
+  std::optional<std::string> tokenizer;
   std::string kv_layout;       // empty = the config's cache.kv_layout
   std::optional<int> port, threads;
   std::optional<double> max_queue_time_s;
@@ -79,6 +82,7 @@ LoadOptions load_options(const config::ServerConfig& cfg) {
   load.dtype = dtype;
   load.cpu_gemm = cpu_gemm_from_name(cfg.model.cpu_gemm);
   load.kv_cache_dtype = cfg.cache.kv_cache_dtype;
+  load.quantization = cfg.model.quantization;
   return load;
 }
 
@@ -124,6 +128,8 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   bytes(a.max_body_bytes, c.server.max_body_bytes, "--max-body-bytes");
   if (a.block_size) c.cache.block_size = *a.block_size;
   if (!a.kv_cache_dtype.empty()) c.cache.kv_cache_dtype = a.kv_cache_dtype;
+  if (!a.quantization.empty()) c.model.quantization = a.quantization;
+  if (a.tokenizer) c.model.tokenizer = *a.tokenizer;
   if (!a.kv_layout.empty()) c.cache.kv_layout = a.kv_layout;
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
   if (a.max_num_batched_tokens) c.scheduler.max_num_batched_tokens = *a.max_num_batched_tokens;
@@ -231,7 +237,7 @@ int serve(const ServeArgs& a) {
   std::cerr << std::endl;
   auto job = ParallelJob::start(po, cfg.model.path, load_options(cfg));
   auto model = job->model();
-  auto tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_dir(cfg.model.path));
+  auto tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_dir(cfg.model.tokenizer.empty() ? cfg.model.path : cfg.model.tokenizer));
   EngineOptions eo = engine_options(cfg);
   // The engine (its thread is joined by backend->shutdown below) never outlives the service.
   eo.on_queue_time = [m = &service->metrics()](double seconds) { m->observe_queue_time(seconds); };
@@ -292,7 +298,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--config,-c", a->config, "YAML config file (configs/default.yaml is a starting point)");
   cmd->add_option("--host", a->host, "listen address (default 127.0.0.1)");
   cmd->add_option("--port", a->port, "listen port (0 = any free port)");
-  cmd->add_option("--model", a->model, "model directory (overrides model.path)");
+  cmd->add_option("--model", a->model, "model directory or .gguf file (overrides model.path)");
+  cmd->add_option("--tokenizer", a->tokenizer, "directory with tokenizer.json (default: the model directory, or the .gguf file's)");
   cmd->add_option("--served-model-name", a->served_model_name, "name clients use as `model`");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "float32, bfloat16, float16 or auto");
@@ -312,6 +319,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--kv-cache-bytes", a->kv_cache_bytes, "KV cache pool size, e.g. 2GiB");
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
+  add_quantization_option(cmd, a->quantization);
   cmd->add_option("--kv-layout", a->kv_layout, "KV block layout: auto, layer, head (sets cache.kv_layout)")
       ->check(CLI::IsMember({"auto", "layer", "head"}));
   cmd->add_option("--max-num-seqs", a->max_num_seqs, "sequences decoding at once");

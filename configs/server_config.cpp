@@ -115,6 +115,7 @@ std::string check_kv_cache_dtype(const std::string& s) {
   return std::string("must be one of ") + kKvDtypeChoices + "; got '" + s + "'";
 }
 const std::set<std::string> kCpuGemms = {"mkl", "onednn"};
+const std::set<std::string> kQuantizations = {"none", "int8", "int4", "fp8"};
 const std::set<std::string> kToolParsers = {"auto", "hermes", "llama3_json", "mistral"};
 
 // One spelling per dtype of kDtypes (aliases folded), to compare two names.
@@ -408,6 +409,13 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
     add("model.device", e.what());
   }
   if (!kDtypes.count(c.model.dtype)) add("model.dtype", "must be one of float32, bfloat16, float16, auto; got '" + c.model.dtype + "'");
+  if (!kQuantizations.count(c.model.quantization)) {
+    add("model.quantization", "must be one of none, int8, int4, fp8; got '" + c.model.quantization + "'");
+  } else if (c.model.quantization == "fp8" && c.model.device.rfind("cuda", 0) != 0) {
+    add("model.quantization", "fp8 weights need a CUDA device (on the CPU use int8 or int4)");
+  } else if (c.model.quantization != "none" && c.model.device.rfind("cuda", 0) == 0) {
+    add("model.quantization", "'" + c.model.quantization + "' on " + c.model.device + ": quantized weights run on the CPU only so far");
+  }
   if (!kCpuGemms.count(c.model.cpu_gemm)) add("model.cpu_gemm", "must be one of mkl, onednn; got '" + c.model.cpu_gemm + "'");
   if (c.server.host.empty()) add("server.host", "must not be empty");
   if (c.server.port < 0 || c.server.port > 65535) add("server.port", "must be between 0 and 65535");
@@ -492,6 +500,12 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                      auto& m = c.model;
                      p.parse_map(n, path,
                                  {{"path", p.string_of(m.path)},
+                                  {"tokenizer", p.string_of(m.tokenizer)},
+                                  {"quantization", p.string_of(m.quantization,
+                                                               [](const std::string& s) {
+                                                                 return kQuantizations.count(s) ? std::string()
+                                                                                                : "must be one of none, int8, int4, fp8; got '" + s + "'";
+                                                               })},
                                   {"served_model_name", p.string_of(m.served_model_name)},
                                   {"device", p.string_of(m.device,
                                                          [](const std::string& s) {

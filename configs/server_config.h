@@ -29,7 +29,12 @@
 namespace kvserve::config {
 
 struct ModelSection {
-  std::string path = "models/smollm2-135m-instruct";  // Hugging Face model directory (`make model` makes it)
+  std::string path = "models/smollm2-135m-instruct";  // Hugging Face model directory (`make model` makes it), or a .gguf file
+  // A directory with tokenizer.json (+ tokenizer_config.json); empty = the model directory, or the
+  // directory a .gguf file sits in.
+  std::string tokenizer;
+  // Weight quantization at load: none | int8 | int4 (CPU; a GGUF file's blocks are served as they are).
+  std::string quantization = "none";
   std::string served_model_name;           // name in /v1/models; empty = last path component
   std::string device = "cpu";              // cpu | cuda | cuda:<index>
   std::string dtype = "float32";           // float32 | bfloat16 | float16 | auto

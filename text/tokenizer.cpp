@@ -1,5 +1,7 @@
 #include "text/tokenizer.h"
 
+#include "common/model_path.h"
+
 #include <algorithm>
 #include <array>
 #include <filesystem>
@@ -1097,7 +1099,7 @@ bool Tokenizer::holds_byte_run(int64_t last_id) const {
 
 Tokenizer Tokenizer::from_dir(const std::string& dir) {
   namespace fs = std::filesystem;
-  const fs::path d(dir);
+  const fs::path d(model_side_dir(dir));
   const fs::path tj = d / "tokenizer.json";
   KV_CHECK(fs::exists(tj), tj.string() << ": not found (kvserve needs a Hugging Face tokenizer.json)");
   const fs::path tc = d / "tokenizer_config.json";

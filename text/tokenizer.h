@@ -22,7 +22,8 @@ namespace kvserve {
 class Tokenizer {
  public:
   // Loads <dir>/tokenizer.json and, when present, <dir>/tokenizer_config.json (and
-  // <dir>/chat_template.jinja, which newer transformers write instead of the config key).
+  // <dir>/chat_template.jinja, which newer transformers write instead of the config key). A .gguf
+  // file path reads them from the directory the file sits in (common/model_path.h).
   static Tokenizer from_dir(const std::string& dir);
   // From the files' text; `where` names the source in error messages.
   static Tokenizer from_json(const std::string& tokenizer_json, const std::string& tokenizer_config_json,

@@ -13,6 +13,9 @@
 #include <utility>
 
 #include "backend/checkpoint.h"
+#include "backend/model/weight_source.h"
+#include "backend/quantization/weight_quantization.h"
+#include "ggml.h"
 #include "backend/dense.h"
 #include "backend/fused_ops.h"
 #include "backend/model/block_ops.h"
@@ -58,33 +61,62 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     m->tp_ = opt.tp_group;
   }
 
-  Checkpoint ckpt(model_dir);
+  const auto source = WeightSource::open(model_dir, c);
+  const WeightQuantization quant = weight_quantization_from_name(opt.quantization);
+  KV_CHECK(quant == WeightQuantization::kNone || source->format() == "safetensors",
+           "quantization " << opt.quantization << ": " << model_dir << " is a GGUF file, served in the blocks it ships; "
+                           << "quantization applies to float checkpoints");
+  KV_CHECK(quant == WeightQuantization::kNone || m->device_.is_cpu(),
+           "quantization " << opt.quantization << " on " << opt.device << ": quantized weights run on the CPU only so far");
+  const int quant_type = weight_quantization_ggml_type(quant);
+  KV_CHECK(quant_type < 0 || m->dtype_ == torch::kFloat32,
+           "quantization " << opt.quantization << " needs the float32 compute dtype on the CPU, got " << dtype_name(m->dtype_));
   const int64_t Hd = c.hidden_size, D = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads,
                 I = c.intermediate_size, V = c.vocab_size;
   // Each rank reads only its rows (column-parallel, vocab-parallel) or columns (row-parallel).
   auto load = [&](const std::string& name, std::vector<int64_t> shape, std::optional<TensorSlice> slice = std::nullopt) {
-    return ckpt.load(name, shape, m->dtype_, m->device_, slice);
+    return source->load(name, shape, m->dtype_, m->device_, slice);
+  };
+  // A linear layer's weight; quantized at load when asked (the fused projections are quantized
+  // after they are stacked: rows are quantized independently).
+  auto quantized = [&](LinearWeight w, const std::string& what) {
+    if (quant_type < 0 || w.quantized()) return w;
+    return LinearWeight(QuantizedWeight::quantize(w.dense, quant_type, what));
+  };
+  auto linear_w = [&](const std::string& name, std::vector<int64_t> shape, std::optional<TensorSlice> slice = std::nullopt) {
+    return source->load_linear(name, shape, m->dtype_, m->device_, slice);
   };
   auto rows = [](int64_t start, int64_t len) { return TensorSlice{0, start, len}; };
   auto cols = [](int64_t start, int64_t len) { return TensorSlice{1, start, len}; };
   auto vocab_rows = [&](const std::string& name) {
-    auto w = load(name, {V, Hd}, rows(s.vocab_begin, s.vocab_len));
-    if (s.vocab_len < s.vocab_per_rank)  // the last rank's padding rows produce logits that are dropped
-      w = torch::cat({w, torch::zeros({s.vocab_per_rank - s.vocab_len, Hd}, w.options())});
+    LinearWeight w = linear_w(name, {V, Hd}, rows(s.vocab_begin, s.vocab_len));
+    if (s.vocab_len < s.vocab_per_rank) {  // the last rank's padding rows produce logits that are dropped
+      const auto pad = torch::zeros({s.vocab_per_rank - s.vocab_len, Hd}, torch::TensorOptions().dtype(m->dtype_).device(m->device_));
+      w = w.quantized() ? LinearWeight(QuantizedWeight::stack({*w.quant, QuantizedWeight::quantize(pad, GGML_TYPE_Q8_0, name)}))
+                        : LinearWeight::stack({w, LinearWeight(pad)});
+    }
     return w;
   };
   const bool whole_vocab = s.tp_size == 1;
   torch::NoGradGuard ng;
-  if (s.first_stage()) m->embed_ = whole_vocab ? load("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight");
+  // The embedding stays as the file stores it (a lookup reads a few rows); the LM head, a linear
+  // layer, is quantized with the others (Q8_0 for int4 too: its logits matter most).
+  const int lm_head_type = quant_type == GGML_TYPE_Q4_0 ? GGML_TYPE_Q8_0 : quant_type;
+  auto lm_head_quantized = [&](LinearWeight w) {
+    if (lm_head_type < 0 || w.quantized()) return w;
+    return LinearWeight(QuantizedWeight::quantize(w.dense, lm_head_type, "lm_head"));
+  };
+  if (s.first_stage()) m->embed_ = whole_vocab ? linear_w("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight");
   auto norm = [&](const std::string& name, int64_t n) { return block_ops::norm_weight(load(name, {n}), c.block.norm); };
   if (s.last_stage()) {
     m->final_norm_ = norm("model.norm.weight", Hd);
-    if (ckpt.contains("lm_head.weight")) {
-      m->lm_head_ = whole_vocab ? load("lm_head.weight", {V, Hd}) : vocab_rows("lm_head.weight");
+    if (source->contains("lm_head.weight")) {
+      m->lm_head_ = lm_head_quantized(whole_vocab ? linear_w("lm_head.weight", {V, Hd}) : vocab_rows("lm_head.weight"));
     } else {
       KV_CHECK(c.tie_word_embeddings, model_dir << ": tensor 'lm_head.weight' is missing and tie_word_embeddings is false");
-      m->lm_head_ = m->embed_.defined() ? m->embed_
-                                        : (whole_vocab ? load("model.embed_tokens.weight", {V, Hd}) : vocab_rows("model.embed_tokens.weight"));
+      m->lm_head_ = lm_head_quantized(m->embed_.defined() ? m->embed_
+                                                          : (whole_vocab ? linear_w("model.embed_tokens.weight", {V, Hd})
+                                                                         : vocab_rows("model.embed_tokens.weight")));
     }
   }
   const auto q_rows = rows(s.q_head_begin * D, s.q_heads * D), kv_rows = rows(s.kv_head_begin * D, s.kv_heads * D);
@@ -100,9 +132,10 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     } else {
       l.post_norm = norm(p + "post_attention_layernorm.weight", Hd);
     }
-    l.wqkv = torch::cat({load(p + "self_attn.q_proj.weight", {H * D, Hd}, q_rows),
-                         load(p + "self_attn.k_proj.weight", {KV * D, Hd}, kv_rows),
-                         load(p + "self_attn.v_proj.weight", {KV * D, Hd}, kv_rows)});
+    l.wqkv = quantized(LinearWeight::stack({linear_w(p + "self_attn.q_proj.weight", {H * D, Hd}, q_rows),
+                                            linear_w(p + "self_attn.k_proj.weight", {KV * D, Hd}, kv_rows),
+                                            linear_w(p + "self_attn.v_proj.weight", {KV * D, Hd}, kv_rows)}),
+                       p + "qkv");
     if (c.attention_bias) {
       l.bqkv = torch::cat({load(p + "self_attn.q_proj.bias", {H * D}, q_rows), load(p + "self_attn.k_proj.bias", {KV * D}, kv_rows),
                            load(p + "self_attn.v_proj.bias", {KV * D}, kv_rows)});
@@ -111,10 +144,13 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
       l.q_norm = norm(p + "self_attn.q_norm.weight", D);
       l.k_norm = norm(p + "self_attn.k_norm.weight", D);
     }
-    l.wo = load(p + "self_attn.o_proj.weight", {Hd, H * D}, cols(s.q_head_begin * D, s.q_heads * D));
+    l.wo = quantized(linear_w(p + "self_attn.o_proj.weight", {Hd, H * D}, cols(s.q_head_begin * D, s.q_heads * D)),
+                     p + "self_attn.o_proj.weight");
     if (c.o_proj_bias) l.bo = load(p + "self_attn.o_proj.bias", {Hd});
-    l.wgate_up = torch::cat({load(p + "mlp.gate_proj.weight", {I, Hd}, mlp_rows), load(p + "mlp.up_proj.weight", {I, Hd}, mlp_rows)});
-    l.wdown = load(p + "mlp.down_proj.weight", {Hd, I}, cols(s.inter_begin, s.inter_len));
+    l.wgate_up = quantized(LinearWeight::stack({linear_w(p + "mlp.gate_proj.weight", {I, Hd}, mlp_rows),
+                                                linear_w(p + "mlp.up_proj.weight", {I, Hd}, mlp_rows)}),
+                           p + "gate_up");
+    l.wdown = quantized(linear_w(p + "mlp.down_proj.weight", {Hd, I}, cols(s.inter_begin, s.inter_len)), p + "mlp.down_proj.weight");
     if (c.mlp_bias) {
       l.bgate_up = torch::cat({load(p + "mlp.gate_proj.bias", {I}, mlp_rows), load(p + "mlp.up_proj.bias", {I}, mlp_rows)});
       l.bdown = load(p + "mlp.down_proj.bias", {Hd});
@@ -125,15 +161,32 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
       KV_LOG("loading " << model_dir << ": " << done << "/" << L << " layers");
     }
   }
+  m->weight_format_ = m->layers_.empty() ? m->lm_head_.format() : m->layers_.front().wgate_up.format();
   m->rope_ = std::make_unique<Rope>(c, m->device_);
   if (c.has_local_layers()) m->local_rope_ = std::make_unique<Rope>(block_ops::local_rope_config(c), m->device_);
   m->q_factor_ = block_ops::query_factor(c);
   if (opt.progress) {
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     KV_LOG("loaded " << model_dir << " (" << c.architecture << ", " << c.num_hidden_layers << " layers, "
-              << ckpt.num_tensors() << " tensors" << (s.whole() ? "" : "; " + s.describe()) << ") in " << secs << " s");
+              << source->num_tensors() << " tensors, weights " << m->weight_format_
+              << (s.whole() ? "" : "; " + s.describe()) << ") in " << secs << " s");
   }
   return m;
+}
+
+int64_t DecoderModel::weight_bytes() const {
+  int64_t n = final_norm_.defined() ? static_cast<int64_t>(final_norm_.nbytes()) : 0;
+  if (embed_.defined()) n += embed_.bytes();
+  if (lm_head_.defined() && !(lm_head_.quant && lm_head_.quant == embed_.quant) &&
+      !(lm_head_.dense.defined() && embed_.dense.defined() && lm_head_.dense.is_same(embed_.dense)))
+    n += lm_head_.bytes();
+  for (const Layer& l : layers_) {
+    n += l.wqkv.bytes() + l.wo.bytes() + l.wgate_up.bytes() + l.wdown.bytes();
+    for (const torch::Tensor* t : {&l.input_norm, &l.post_norm, &l.attn_out_norm, &l.mlp_out_norm, &l.bqkv, &l.q_norm, &l.k_norm,
+                                   &l.bo, &l.bgate_up, &l.bdown})
+      if (t->defined()) n += static_cast<int64_t>(t->nbytes());
+  }
+  return n;
 }
 
 int64_t DecoderModel::kv_bytes_per_token() const {
@@ -165,6 +218,7 @@ KvMemoryLayout DecoderModel::kv_layout() const {
        << static_cast<int>(config_.rope_scaling.kind) << '|' << config_.rope_scaling.factor << '|'
        << config_.local_rope_theta << '|' << q_factor_ << '|' << dtype_name(dtype_)
        << '|' << kv_cache_dtype_label(kv_dtype_, kv_quant_) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
+       << weight_format_ << '|'
        << layout_.describe();
   l.kv_salt = std::hash<std::string>{}(what.str());
   return l;
@@ -216,8 +270,8 @@ torch::Tensor DecoderModel::out_norm(const torch::Tensor& t, const torch::Tensor
   return w.defined() ? rms_norm(t, w) : t;
 }
 
-torch::Tensor DecoderModel::row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
-  return tp_ ? reduce_partial(dense(x, w, {}, gemm_), b) : dense(x, w, b, gemm_);
+torch::Tensor DecoderModel::row_parallel(const torch::Tensor& x, const LinearWeight& w, const torch::Tensor& b) const {
+  return tp_ ? reduce_partial(linear(x, w, {}, gemm_), b) : linear(x, w, b, gemm_);
 }
 
 torch::Tensor DecoderModel::reduce_partial(torch::Tensor partial, const torch::Tensor& b) const {
@@ -234,15 +288,15 @@ torch::Tensor DecoderModel::mlp(const Layer& l, const torch::Tensor& x) const {
   constexpr int64_t kRowChunk = 512;
   // This shard's down projection of some rows (under TP a partial sum, reduced once below).
   auto down = [&](const torch::Tensor& rows) {
-    auto gu = dense(rows, l.wgate_up, l.bgate_up, gemm_);
+    auto gu = linear(rows, l.wgate_up, l.bgate_up, gemm_);
     auto act = block_ops::gated_activation(gu, I, config_.block.activation);
-    return tp_ ? dense(act, l.wdown, {}, gemm_) : dense(act, l.wdown, l.bdown, gemm_);
+    return tp_ ? linear(act, l.wdown, {}, gemm_) : linear(act, l.wdown, l.bdown, gemm_);
   };
   torch::Tensor out;
   if (T <= kRowChunk) {
     out = down(x);
   } else {
-    out = torch::empty({T, l.wdown.size(0)}, x.options());
+    out = torch::empty({T, l.wdown.rows()}, x.options());
     for (int64_t s = 0; s < T; s += kRowChunk) {
       const int64_t n = std::min(kRowChunk, T - s);
       out.narrow(0, s, n).copy_(down(x.narrow(0, s, n)));
@@ -266,7 +320,7 @@ torch::Tensor DecoderModel::embed(const std::vector<int64_t>& tokens) const {
 }
 
 torch::Tensor DecoderModel::embed_ids(const torch::Tensor& ids) const {
-  auto x = tp_ ? embed_ids_parallel(ids) : embed_.index_select(0, ids);
+  auto x = tp_ ? embed_ids_parallel(ids) : embed_.lookup(ids, dtype_);
   // Scaled after the vocab-parallel sum under TP: the same rows.
   return config_.block.scaled_embeddings ? block_ops::scale_embeddings(x, config_.hidden_size) : x;
 }
@@ -275,7 +329,7 @@ torch::Tensor DecoderModel::embed_ids_parallel(const torch::Tensor& ids) const {
   // Vocab-parallel: each rank looks up the ids in its rows, zeros elsewhere; the sum is the lookup.
   auto local = ids - layout_.vocab_begin;
   auto mine = (local >= 0) & (local < layout_.vocab_len);
-  auto x = embed_.index_select(0, local.clamp(0, layout_.vocab_per_rank - 1)) * mine.unsqueeze(1).to(embed_.scalar_type());
+  auto x = embed_.lookup(local.clamp(0, layout_.vocab_per_rank - 1), dtype_) * mine.unsqueeze(1).to(dtype_);
   x = x.contiguous();
   tp_->all_reduce_sum(x);
   return x;
@@ -283,7 +337,7 @@ torch::Tensor DecoderModel::embed_ids_parallel(const torch::Tensor& ids) const {
 
 torch::Tensor DecoderModel::logits(const torch::Tensor& x) const {
   KV_CHECK(layout_.last_stage(), "internal: the LM head lives on the last pipeline stage");
-  auto local = dense(rms_norm(x, final_norm_), lm_head_, {}, gemm_).to(torch::kFloat32);
+  auto local = linear(rms_norm(x, final_norm_), lm_head_, {}, gemm_).to(torch::kFloat32);
   if (!tp_) return local;
   auto all = tp_->all_gather(local.transpose(0, 1).contiguous());  // [tp * vocab_per_rank, rows]
   return all.narrow(0, 0, config_.vocab_size).transpose(0, 1).contiguous();
@@ -345,7 +399,7 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
     const int64_t window = config_.layer_window(li);
     auto h = add_norm(x, pending, l.input_norm);
     if (predicts) record_predicted_scores(li, h, predicted, seq_ids, offsets, lens, kv);
-    auto qkv = dense(h, l.wqkv, l.bqkv, gemm_);
+    auto qkv = linear(h, l.wqkv, l.bqkv, gemm_);
     auto [q_all, k_all, v_all] = rotated_qkv(l, qkv, layer_angles(li, angles, local_angles));
     // Attention per prompt: a block-diagonal mask over all rows would compute (sum T)^2 scores
     // instead of sum T^2, and the policies want each sequence's own q/k/v anyway.
@@ -417,7 +471,7 @@ torch::Tensor DecoderModel::detached_layers(torch::Tensor x, int64_t start, cons
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     const int64_t window = config_.layer_window(li);
-    auto qkv = dense(add_norm(x, pending, l.input_norm), l.wqkv, l.bqkv, gemm_);
+    auto qkv = linear(add_norm(x, pending, l.input_norm), l.wqkv, l.bqkv, gemm_);
     auto [q_all, k_all, v_all] = rotated_qkv(l, qkv, layer_angles(li, angles, local_angles));
     auto q = q_all.transpose(0, 1).contiguous();  // [H, n, D]
     auto k = k_all.transpose(0, 1).contiguous();  // [KV, n, D]
@@ -474,7 +528,7 @@ torch::Tensor DecoderModel::run_decode_layers(const DecodeBatch& batch, torch::T
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
     const Layer& l = layer(li);
     auto h = StepProfile::time(p, StepProfile::kNorm, [&] { return add_norm(x, pending, l.input_norm); });
-    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return dense(h, l.wqkv, l.bqkv, gemm_); });
+    auto qkv = StepProfile::time(p, StepProfile::kQkv, [&] { return linear(h, l.wqkv, l.bqkv, gemm_); });
     auto [q, k, v] = StepProfile::time(p, StepProfile::kRope, [&] {
       auto [rq, rk, rv] = rotated_qkv(l, qkv, layer_angles(li, angles, local_angles));
       return std::tuple{rq.contiguous(), rk.contiguous(), rv.contiguous()};

@@ -15,6 +15,7 @@
 #include "backend/dense.h"
 #include "backend/kvzap_predictor.h"
 #include "backend/model/model_config.h"
+#include "backend/quantization/linear_weight.h"
 #include "backend/rope.h"
 #include "backend/step_profile.h"
 #include "parallel/shard_layout.h"
@@ -60,6 +61,10 @@ struct LoadOptions {
   // Storage dtype of the KV cache built from kv_layout(): "" or "auto" = the compute dtype; on CPU
   // float16 / bfloat16 under fp32 compute halve the cache (CUDA takes only the compute dtype).
   std::string kv_cache_dtype;
+  // Weight quantization at load (vLLM's --quantization): "" / "none" keeps the checkpoint's weights
+  // (a GGUF file's blocks as they are); int8 / int4 quantize a float checkpoint's linear layers to
+  // ggml's Q8_0 / Q4_0 on the CPU (backend/quantization/weight_quantization.h).
+  std::string quantization;
   // Tensor/pipeline parallel shard to load (default: the whole model) and, when tp_size > 1, the
   // tensor-parallel group whose members hold the other slices.
   ShardLayout layout;
@@ -78,6 +83,10 @@ class DecoderModel {
   torch::Dtype kv_dtype() const { return kv_dtype_; }  // the KV cache's storage dtype (decoded, if quantized)
   KvQuant kv_quant() const { return kv_quant_; }        // the KV cache's quantized row format, or none
   int64_t kv_bytes_per_token() const;  // all layers, K and V, in kv_dtype()
+  // The weights' storage: "float32", or the ggml block types of quantized layers ("Q4_1+Q8_0"),
+  // and the bytes this shard holds.
+  const std::string& weight_format() const { return weight_format_; }
+  int64_t weight_bytes() const;
 
   const ShardLayout& layout() const { return layout_; }
   // This shard's KV shape, for make_kv_memory.
@@ -157,11 +166,15 @@ class DecoderModel {
   struct Layer {
     torch::Tensor input_norm, post_norm;  // before attention, before the MLP
     torch::Tensor attn_out_norm, mlp_out_norm;  // BlockSpec::sandwich_norms: after attention, after the MLP (else undefined)
-    torch::Tensor wqkv, bqkv;  // fused q,k,v projection (bias where ModelConfig::attention_bias)
+    LinearWeight wqkv;  // fused q,k,v projection
+    torch::Tensor bqkv;  // its bias where ModelConfig::attention_bias
     torch::Tensor q_norm, k_norm;  // BlockSpec::qk_norm: [head_dim] RMSNorm weights of every q / k head (else undefined)
-    torch::Tensor wo, bo;
-    torch::Tensor wgate_up, bgate_up;  // fused gate and up projections
-    torch::Tensor wdown, bdown;
+    LinearWeight wo;
+    torch::Tensor bo;
+    LinearWeight wgate_up;  // fused gate and up projections
+    torch::Tensor bgate_up;
+    LinearWeight wdown;
+    torch::Tensor bdown;
   };
   DecoderModel() = default;
   torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w) const;
@@ -185,7 +198,7 @@ class DecoderModel {
     return local_rope_ && config_.layer_window(li) > 0 ? local : global;
   }
   // Sums a row-parallel layer's partial outputs over the TP group, then adds the bias once.
-  torch::Tensor row_parallel(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
+  torch::Tensor row_parallel(const torch::Tensor& x, const LinearWeight& w, const torch::Tensor& b) const;
   // A row-parallel layer's partial output: summed over the TP group, then the bias added once.
   torch::Tensor reduce_partial(torch::Tensor partial, const torch::Tensor& b) const;
   const Layer& layer(int64_t global) const;
@@ -217,7 +230,9 @@ class DecoderModel {
   CpuGemm gemm_ = CpuGemm::kMkl;
   torch::Dtype kv_dtype_ = torch::kFloat32;
   KvQuant kv_quant_ = KvQuant::none;
-  torch::Tensor embed_, final_norm_, lm_head_;
+  LinearWeight embed_, lm_head_;
+  torch::Tensor final_norm_;
+  std::string weight_format_;  // "float32", "Q4_1", "Q4_1+Q8_0" ...: what the linear layers hold
   std::vector<Layer> layers_;
   std::unique_ptr<Rope> rope_;
   std::unique_ptr<Rope> local_rope_;  // the sliding-window layers' (another base); null without them

@@ -14,7 +14,8 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
   std::vector<std::string> out;
   if (a.model.path != b.model.path || a.model.served_model_name != b.model.served_model_name ||
       a.model.device != b.model.device || a.model.dtype != b.model.dtype || a.model.max_model_len != b.model.max_model_len ||
-      a.model.enforce_eager != b.model.enforce_eager || a.model.warmup_tokens != b.model.warmup_tokens)
+      a.model.enforce_eager != b.model.enforce_eager || a.model.warmup_tokens != b.model.warmup_tokens ||
+      a.model.quantization != b.model.quantization || a.model.tokenizer != b.model.tokenizer)
     out.push_back("model");
   if (a.server.host != b.server.host || a.server.port != b.server.port || a.server.api_key != b.server.api_key ||
       a.server.api_keys != b.server.api_keys || a.server.threads != b.server.threads ||
