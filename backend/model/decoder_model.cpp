@@ -30,7 +30,7 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   auto t0 = std::chrono::steady_clock::now();
   std::shared_ptr<DecoderModel> m(new DecoderModel());
   m->model_dir_ = model_dir;
-  m->config_ = load_model_config(model_dir);
+  m->config_ = read_model_config(model_dir);
   const ModelConfig& c = m->config_;
   try {
     m->device_ = torch::Device(opt.device);

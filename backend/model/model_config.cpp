@@ -1,7 +1,5 @@
 #include "backend/model/model_config.h"
 
-#include "backend/quantization/gguf_file.h"
-
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -76,7 +74,6 @@ ModelConfig parse_model_config(const std::string& text, const std::string& where
 }
 
 ModelConfig load_model_config(const std::string& model_dir) {
-  if (is_gguf_path(model_dir)) return parse_model_config(gguf_hf_config_json(GgufFile(model_dir)), model_dir + " (GGUF metadata)");
   const std::string path = model_dir + "/config.json";
   std::ifstream f(path, std::ios::binary);
   if (!f) KV_FAIL(path << ": cannot open (is --model a Hugging Face model directory?)");

@@ -111,7 +111,7 @@ int64_t context_length(const ModelConfig& c);
 
 // The numbers the tensor/pipeline split needs (parallel/shard_layout.h).
 parallel::ModelShape model_shape(const ModelConfig& c);
-// Reads <dir>/config.json, or a .gguf file's metadata (backend/quantization/gguf_file.h).
+// Reads <dir>/config.json.
 ModelConfig load_model_config(const std::string& model_dir);
 
 }  // namespace kvserve

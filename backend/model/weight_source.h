@@ -15,6 +15,9 @@
 
 namespace kvserve {
 
+// A model's config: <dir>/config.json (load_model_config), or a .gguf file's metadata.
+ModelConfig read_model_config(const std::string& path);
+
 class WeightSource {
  public:
   virtual ~WeightSource() = default;

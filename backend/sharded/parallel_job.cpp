@@ -1,5 +1,7 @@
 #include "backend/sharded/parallel_job.h"
 
+#include "backend/model/weight_source.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
@@ -23,7 +25,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   KV_CHECK(o.timeout_s > 0, "parallel timeout must be > 0 s, got " << o.timeout_s);
   KV_CHECK(o.micro_batches >= 0, "micro-batches must be >= 0, got " << o.micro_batches);
   // Check the split against the model before starting any process.
-  const ModelConfig cfg = load_model_config(model_dir);
+  const ModelConfig cfg = read_model_config(model_dir);
   validate_parallel_shape(model_shape(cfg), o.tensor_parallel_size, o.pipeline_parallel_size, o.pipeline_layers);
 
   parallel::LaunchSpec spec;

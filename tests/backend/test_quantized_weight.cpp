@@ -1,0 +1,169 @@
+// Quantized linear weights (backend/quantization/): ggml's block formats against fp64 references,
+// the dequantized path against the float GEMM, and the row/column surgery tensor parallelism and
+// GGUF loading do on blocks.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "backend/dense.h"
+#include "backend/quantization/linear_weight.h"
+#include "backend/quantization/quantized_weight.h"
+#include "backend/quantization/weight_quantization.h"
+#include "common/check.h"
+
+namespace kvserve {
+namespace {
+
+double rel_err(const torch::Tensor& y, const torch::Tensor& ref) {
+  return ((y.to(torch::kFloat64) - ref).norm() / ref.norm()).item<double>();
+}
+
+torch::Tensor fp64_product(const torch::Tensor& x, const torch::Tensor& w) {
+  return torch::matmul(x.to(torch::kFloat64), w.to(torch::kFloat64).t());
+}
+
+struct TypeCase {
+  const char* name;
+  int64_t K;       // a whole number of the type's blocks
+  double w_err;    // relative error of the dequantized weights against the originals
+};
+
+// Each type's dequantized weights are near the originals, and its vec_dot products (x quantized to
+// the type's activation format) are near the fp64 product of x with those dequantized weights.
+TEST(QuantizedWeight, DotProductsMatchFp64OverTheDequantizedWeights) {
+  torch::manual_seed(3);
+  const std::vector<TypeCase> cases = {{"q8_0", 96, 0.01},  {"q4_0", 96, 0.15}, {"q4_1", 96, 0.15}, {"q5_0", 64, 0.08},
+                                       {"q5_1", 64, 0.08}, {"q4_K", 256, 0.12}, {"q5_K", 512, 0.06}, {"q6_K", 256, 0.03},
+                                       {"f16", 40, 1e-3}};
+  for (const TypeCase& tc : cases) {
+    const int type = quant_type_from_name(tc.name);
+    for (int64_t N : {1, 7, 33}) {
+      const auto w = torch::randn({N, tc.K});
+      const QuantizedWeight q = QuantizedWeight::quantize(w, type, tc.name);
+      ASSERT_EQ(q.rows(), N);
+      ASSERT_EQ(q.cols(), tc.K);
+      EXPECT_EQ(q.bytes(), N * quant_row_bytes(type, tc.K, tc.name));
+      const auto deq = q.dequantize();
+      EXPECT_LT(rel_err(deq, w.to(torch::kFloat64)), tc.w_err) << tc.name;
+      for (int64_t M : {1, 3, 16}) {
+        const auto x = torch::randn({M, tc.K});
+        const auto y = q.dot(x);
+        ASSERT_EQ(y.sizes(), (std::vector<int64_t>{M, N}));
+        // 8-bit activations: each value off by up to 1/254 of its block's range, so a dot product
+        // is off by a small fraction of |x| |w| (not of its result, which may cancel to near zero).
+        const double scale = (x.norm(2, 1).max() * deq.norm(2, 1).max()).item<double>();
+        const double err = (y.to(torch::kFloat64) - fp64_product(x, deq)).abs().max().item<double>();
+        EXPECT_LT(err, 0.01 * scale) << tc.name << " N=" << N << " M=" << M;
+      }
+    }
+  }
+}
+
+// A row's result does not depend on which rows share its batch (a sequence's tokens are the same
+// alone or batched), and the bias is added.
+TEST(QuantizedWeight, DotIsBatchInvariantAndAddsTheBias) {
+  torch::manual_seed(5);
+  const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({70, 128}), quant_type_from_name("Q4_1"), "w");
+  const auto x = torch::randn({9, 128});
+  const auto b = torch::randn({70});
+  const auto all = q.dot(x, b);
+  for (int64_t m = 0; m < 9; ++m) EXPECT_TRUE(torch::equal(all[m], q.dot(x.narrow(0, m, 1), b)[0])) << m;
+  EXPECT_TRUE(torch::allclose(all - b, q.dot(x), 1e-6, 1e-6));
+}
+
+// Past kQuantDotMaxRows rows the weight is dequantized and multiplied by the float GEMM: exactly
+// what a float checkpoint of the dequantized weights computes.
+TEST(QuantizedWeight, PrefillSizedInputsEqualTheFloatGemmOfTheDequantizedWeight) {
+  torch::manual_seed(9);
+  const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({48, 64}), quant_type_from_name("q8_0"), "w");
+  const auto x = torch::randn({kQuantDotMaxRows + 5, 64});
+  const auto b = torch::randn({48});
+  EXPECT_TRUE(torch::equal(q.matmul(x, b), dense(x, q.dequantize(), b)));
+  const auto small = x.narrow(0, 0, kQuantDotMaxRows);
+  EXPECT_TRUE(torch::equal(q.matmul(small, b), q.dot(small, b)));
+  // 3-D inputs keep their leading dimensions.
+  EXPECT_EQ(q.matmul(x.view({3, 7, 64})).sizes(), (std::vector<int64_t>{3, 7, 48}));
+}
+
+// Slicing, stacking and permuting blocks equals doing the same to the dequantized matrix.
+TEST(QuantizedWeight, RowAndColumnSurgeryEqualsTheDequantizedMatrix) {
+  torch::manual_seed(11);
+  const int q4 = quant_type_from_name("q4_0"), q8 = quant_type_from_name("q8_0");
+  const QuantizedWeight a = QuantizedWeight::quantize(torch::randn({10, 128}), q4, "a");
+  const QuantizedWeight b = QuantizedWeight::quantize(torch::randn({6, 128}), q8, "b");
+  const QuantizedWeight c = QuantizedWeight::quantize(torch::randn({4, 128}), q4, "c");
+  const QuantizedWeight s = QuantizedWeight::stack({a, b, c});
+  EXPECT_EQ(s.rows(), 20);
+  EXPECT_EQ(s.type_names(), "q4_0+q8_0");
+  const auto full = torch::cat({a.dequantize(), b.dequantize(), c.dequantize()});
+  EXPECT_TRUE(torch::equal(s.dequantize(), full));
+  // A slice across part boundaries.
+  EXPECT_TRUE(torch::equal(s.slice_rows(8, 10).dequantize(), full.narrow(0, 8, 10)));
+  // Columns on block boundaries (32 values for both types).
+  EXPECT_TRUE(torch::equal(s.slice_cols(32, 64, "s").dequantize(), full.narrow(1, 32, 64)));
+  // Products of a stacked weight equal its parts' products side by side.
+  const auto x = torch::randn({2, 128});
+  EXPECT_TRUE(torch::equal(s.dot(x), torch::cat({a.dot(x), b.dot(x), c.dot(x)}, 1)));
+  std::vector<int64_t> order = {3, 1, 0, 9, 2, 4, 5, 8, 7, 6};
+  EXPECT_TRUE(torch::equal(a.permute_rows(order).dequantize(), a.dequantize().index_select(0, torch::tensor(order))));
+  EXPECT_TRUE(torch::equal(s.dequantize_rows(torch::tensor({19, 0, 12})), full.index_select(0, torch::tensor({19, 0, 12}))));
+}
+
+TEST(QuantizedWeight, BadShapesAndTypesAreNamed) {
+  const QuantizedWeight a = QuantizedWeight::quantize(torch::randn({4, 64}), quant_type_from_name("q4_1"), "a");
+  try {
+    a.slice_cols(16, 32, "blk.0.attn_output.weight");
+    FAIL() << "a column slice inside a block was accepted";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("blk.0.attn_output.weight"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("blocks of 32"), std::string::npos) << e.what();
+  }
+  try {
+    QuantizedWeight::quantize(torch::randn({4, 100}), quant_type_from_name("q8_0"), "blk.3.ffn_up.weight");
+    FAIL() << "rows of 100 values were cut into blocks of 32";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("blk.3.ffn_up.weight"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(quant_type_from_name("q3_banana"), KvError);
+  EXPECT_THROW(a.dot(torch::randn({2, 32})), KvError);
+}
+
+TEST(WeightQuantization, NamesAndCpuTypes) {
+  EXPECT_EQ(weight_quantization_from_name(""), WeightQuantization::kNone);
+  EXPECT_EQ(weight_quantization_from_name("int8"), WeightQuantization::kInt8);
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type(WeightQuantization::kInt8)), "q8_0");
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type(WeightQuantization::kInt4)), "q4_0");
+  EXPECT_EQ(weight_quantization_ggml_type(WeightQuantization::kNone), -1);
+  try {
+    weight_quantization_ggml_type(WeightQuantization::kFp8, "model.quantization");
+    FAIL() << "fp8 on the CPU was accepted";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.quantization"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(weight_quantization_from_name("int3", "--quantization"), KvError);
+}
+
+// LinearWeight routes dense weights to dense() and blocks to QuantizedWeight, and a fused
+// projection of blocks and floats becomes dense.
+TEST(LinearWeight, StacksAndMultipliesEitherKind) {
+  torch::manual_seed(13);
+  const auto w = torch::randn({8, 64});
+  const LinearWeight d(w);
+  const LinearWeight q(QuantizedWeight::quantize(w, quant_type_from_name("q8_0"), "w"));
+  const auto x = torch::randn({2, 64});
+  EXPECT_TRUE(torch::equal(linear(x, d), dense(x, w)));
+  EXPECT_TRUE(torch::equal(linear(x, q), q.quant->dot(x)));
+  EXPECT_EQ(q.format(), "q8_0");
+  EXPECT_EQ(d.format(), "float32");
+  const LinearWeight mixed = LinearWeight::stack({q, d});
+  EXPECT_FALSE(mixed.quantized());
+  EXPECT_TRUE(torch::equal(mixed.dense, torch::cat({q.quant->dequantize(), w})));
+  const LinearWeight both = LinearWeight::stack({q, q});
+  EXPECT_TRUE(both.quantized());
+  EXPECT_EQ(both.rows(), 16);
+}
+
+}  // namespace
+}  // namespace kvserve
