@@ -43,13 +43,6 @@ struct BenchDecodeArgs {
   bool profile = false, enforce_eager = false;
 };
 
-int64_t weight_bytes(const ModelConfig& c, int64_t elem) {
-  const int64_t Hd = c.hidden_size, D = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads;
-  const int64_t per_layer = Hd * (H + 2 * KV) * D + H * D * Hd + 3 * Hd * c.intermediate_size + 2 * Hd;
-  const int64_t embed = c.vocab_size * Hd * (c.tie_word_embeddings ? 1 : 2);
-  return (c.num_hidden_layers * per_layer + embed + Hd) * elem;
-}
-
 // One eager step as DecoderModel::decode runs it, in its two halves so that the host planning
 // (plan_decode: evictions, blocks, the device tables' copy, RoPE growth) is timed apart into plan_s.
 torch::Tensor eager_step(DecoderModel& model, const DecodeBatch& db, const std::vector<int64_t>& tokens, KvMemory& mem,
@@ -78,7 +71,6 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
                         << c.max_position_embeddings);
   PolicyConfig cfg = policies.at(policy_name);
   cfg.local_layers = model.kv_layout().local_layers;  // a sliding-window model's budget goes to its global layers
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(model.dtype()));
   const int64_t token_layer_bytes = 2 * KV * KvBlockPool::row_bytes(D, model.kv_dtype(), model.kv_quant());
 
   // Pool: every sequence's peak per-layer size (DynamicKV: its candidates) plus the decoded tokens.
@@ -174,7 +166,8 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
   double mean = 0;
   for (double s : step_s) mean += s;
   mean /= static_cast<double>(step_s.size());
-  const double wbytes = static_cast<double>(weight_bytes(c, elem));
+  // The bytes the model holds, quantized blocks as stored.
+  const double wbytes = static_cast<double>(model.weight_bytes());
   const double live_kv = live_kv_bytes_sum / static_cast<double>(step_s.size());
   const double floor_s = (wbytes + live_kv) / (a.bandwidth_gbs * 1e9);
   nlohmann::json out{{"policy", policy_name},
@@ -184,6 +177,7 @@ nlohmann::json run_one(DecoderModel& model, const BenchDecodeArgs& a, const std:
                         {"warmup", a.warmup},
                         {"threads", at::get_num_threads()},
                         {"kv_cache_dtype", kv_cache_dtype_label(model.kv_dtype(), model.kv_quant())},
+                        {"weights", model.weight_format()},
                         {"fill_s", fill_s},
                         {"step_s_median", median},
                         {"step_s_mean", mean},

@@ -238,6 +238,7 @@ void add_generate_command(CLI::App& app) {
                             {"kv_bytes_kept", r.kept_kv * token_layer_bytes},
                             {"kv_bytes_full", r.full_kv * token_layer_bytes},
                             {"kv_cache_dtype", kv_cache_dtype_label(model->kv_dtype(), model->kv_quant())},
+                            {"weights", {{"format", model->weight_format()}, {"bytes", model->weight_bytes()}}},
                             {"kv_tokens_per_head", {{"min", r.head_min}, {"mean", r.head_mean}, {"max", r.head_max}}},
                             {"timings",
                              {{"time_to_first_token_s", secs(*r.t_first - t_loaded).count()},

@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "backend/engine.h"
+#include "backend/model/decoder_model.h"
 #include "backend/grammar_compiler.h"
 #include "http/request_parser.h"
 #include "http/serving_backend.h"
@@ -51,6 +52,7 @@ class EngineBackend : public ServingBackend {
   int64_t max_model_len() const override { return max_model_len_; }
   int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
   void shutdown(bool drain) override { engine_->shutdown(drain); }
+  std::string weight_format() const override { return engine_->model().weight_format(); }
   std::string chat_template() const override { return tokenizer_->chat_template(); }
   std::string tokenizer_config() const override { return tokenizer_->config_json(); }
   std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec) override {

@@ -685,6 +685,7 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
       model["max_model_len"] = b->max_model_len();
       model["kv_policies"] = b->policy_names();
       model["default_kv_policy"] = b->default_policy();
+      if (const std::string w = b->weight_format(); !w.empty()) model["quantization"] = w;
     }
     if (path == "/v1/models" ) return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
     std::string id = path.substr(std::string("/v1/models/").size());

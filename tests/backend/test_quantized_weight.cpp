@@ -131,18 +131,20 @@ TEST(QuantizedWeight, BadShapesAndTypesAreNamed) {
 }
 
 TEST(WeightQuantization, NamesAndCpuTypes) {
-  EXPECT_EQ(weight_quantization_from_name(""), WeightQuantization::kNone);
-  EXPECT_EQ(weight_quantization_from_name("int8"), WeightQuantization::kInt8);
-  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type(WeightQuantization::kInt8)), "q8_0");
-  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type(WeightQuantization::kInt4)), "q4_0");
-  EXPECT_EQ(weight_quantization_ggml_type(WeightQuantization::kNone), -1);
+  EXPECT_EQ(weight_quantization_ggml_type(""), -1);
+  EXPECT_EQ(weight_quantization_ggml_type("none"), -1);
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("int8")), "q8_0");
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("int4")), "q4_0");
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("Q4_1")), "q4_1");
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("q5_k")), "q5_K");
   try {
-    weight_quantization_ggml_type(WeightQuantization::kFp8, "model.quantization");
+    weight_quantization_ggml_type("fp8", "model.quantization");
     FAIL() << "fp8 on the CPU was accepted";
   } catch (const KvError& e) {
     EXPECT_NE(std::string(e.what()).find("model.quantization"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(weight_quantization_from_name("int3", "--quantization"), KvError);
+  EXPECT_THROW(weight_quantization_ggml_type("int3", "--quantization"), KvError);
+  EXPECT_THROW(weight_quantization_ggml_type("iq2_xxs", "--quantization"), KvError);  // needs an importance matrix
 }
 
 // LinearWeight routes dense weights to dense() and blocks to QuantizedWeight, and a fused

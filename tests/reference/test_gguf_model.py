@@ -1,0 +1,139 @@
+"""kvserve serving a GGUF file as it ships, against peers no one here wrote: the gguf Python
+package's dequantize (every tensor, bit for bit), transformers' float32 conversion of the same file
+(prefill logits, bit for bit: prompts of more than 16 tokens run the dequantized weights through
+the float GEMM), and clear errors for broken files."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from kvserve_testlib import ROOT, default_model_dir, random_ids, run_kvserve, write_json
+
+gguf = pytest.importorskip("gguf")
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf():
+    path = default_model_dir() / GGUF_NAME
+    assert path.exists(), f"{path} missing: tools/make_smollm2.py copies it beside the float32 weights"
+    return path
+
+
+def test_every_tensor_dequantizes_as_the_gguf_package_does(tmp_path):
+    path = default_gguf()
+    out = tmp_path / "deq.safetensors"
+    run_kvserve("gguf", "dequantize", "--model", str(path), "--out", str(out))
+    ours = load_file(str(out))
+    reader = gguf.GGUFReader(str(path))
+    assert set(ours) == {t.name for t in reader.tensors}
+    types = set()
+    for t in reader.tensors:
+        want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        got = ours[t.name]
+        assert got.shape == tuple(reversed([int(n) for n in t.shape])), t.name
+        np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=t.name)
+        types.add(t.tensor_type.name)
+    assert types == {"Q4_1", "Q8_0", "F32"}
+
+
+def test_inspect_names_the_architecture_and_types():
+    info = json.loads(run_kvserve("gguf", "inspect", "--model", str(default_gguf()), "--json").stdout)
+    assert info["architecture"] == "llama" and info["served_as"] == "LlamaForCausalLM"
+    assert info["config"]["num_hidden_layers"] == 30 and info["config"]["tie_word_embeddings"] is True
+    assert set(info["bytes_by_type"]) == {"q4_1", "q8_0", "f32"}
+    # The config read from the metadata is the one transformers wrote for the float32 conversion.
+    hf = json.loads((default_model_dir() / "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings", "rms_norm_eps", "vocab_size", "bos_token_id", "eos_token_id"):
+        assert info["config"][key] == hf[key], key
+
+
+def forward_logits(tmp_path, model, ids, *flags, name="out"):
+    out = tmp_path / f"{name}.safetensors"
+    run_kvserve("forward", "--model", str(model), "--input-ids", str(write_json(tmp_path / "ids.json", ids)),
+                "--output", str(out), *flags)
+    return load_file(str(out))["logits"]
+
+
+def test_prefill_logits_equal_the_float32_conversion_bit_for_bit(tmp_path):
+    # llama.cpp's converter stores Llama's q/k rows interleaved per head; kvserve reorders them as
+    # transformers' GGUF loader does, so the dequantized weights are the float32 checkpoint's.
+    ids = random_ids(40, 49152, 11)
+    from_gguf = forward_logits(tmp_path, default_gguf(), ids, name="gguf")
+    from_f32 = forward_logits(tmp_path, default_model_dir(), ids, name="f32")
+    np.testing.assert_array_equal(from_gguf, from_f32)
+
+
+def generate(model, *flags, n=24):
+    proc = run_kvserve("generate", "--model", str(model), "--prompt", "The capital of France is", "--max-tokens", str(n),
+                       "--json", *flags)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_decode_runs_on_the_blocks_and_reports_them():
+    q = generate(default_gguf())
+    f = generate(default_model_dir())
+    assert q["weights"]["format"] == "q4_1" and f["weights"]["format"] == "float32"
+    # 5 bits a weight (and an 8-bit embedding) against 32.
+    assert q["weights"]["bytes"] * 4 < f["weights"]["bytes"]
+    # The first token comes from the prefill's logits, which equal the float32 model's.
+    assert q["token_ids"][0] == f["token_ids"][0]
+    assert q["completion_tokens"] == 24 and q["text"].strip()
+
+
+def perplexity(tmp_path, model, ids, *flags) -> float:
+    """Teacher-forced perplexity decoded token by token: every step runs the quantized kernels."""
+    proc = run_kvserve("perplexity", "--model", str(model), "--input-ids", str(write_json(tmp_path / "ppl.json", ids)),
+                       "--prefill", "16", *flags)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["perplexity"]
+
+
+def test_quantized_decode_keeps_the_perplexity(tmp_path):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    ids = tok.encode((ROOT / "README.md").read_text()[:3000]).ids[:300]
+    f32 = perplexity(tmp_path, default_model_dir(), ids)
+    # The shipped Q4_1 blocks differ from the float32 conversion only by the 8-bit activations.
+    assert perplexity(tmp_path, default_gguf(), ids) / f32 < 1.01
+    for quant, fmt, bound in (("int8", "q8_0", 1.03), ("int4", "q4_0", 1.4)):
+        assert generate(default_model_dir(), "--quantization", quant, n=4)["weights"]["format"] == fmt
+        assert perplexity(tmp_path, default_model_dir(), ids, "--quantization", quant) / f32 < bound, quant
+
+
+def error_of(*args) -> str:
+    proc = run_kvserve(*args, check=False)
+    assert proc.returncode == 1, f"expected a clean failure, got rc={proc.returncode}\n{proc.stderr}"
+    assert "kvserve: error:" in proc.stderr
+    return proc.stderr
+
+
+def test_truncated_gguf_is_named(tmp_path):
+    bad = tmp_path / "cut.gguf"
+    data = default_gguf().read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    shutil.copy(default_model_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    err = error_of("generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "2")
+    assert "cut.gguf" in err
+
+
+def test_an_unserved_architecture_is_named(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    err = error_of("gguf", "inspect", "--model", str(path))
+    assert "mamba" in err and "not served" in err
+
+
+def test_quantization_of_a_gguf_is_refused(tmp_path):
+    err = error_of("generate", "--model", str(default_gguf()), "--quantization", "int8", "--prompt", "hi")
+    assert "GGUF" in err and "quantization" in err
