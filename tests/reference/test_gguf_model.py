@@ -78,7 +78,7 @@ def generate(model, *flags, n=24):
 def test_decode_runs_on_the_blocks_and_reports_them():
     q = generate(default_gguf())
     f = generate(default_model_dir())
-    assert q["weights"]["format"] == "q4_1" and f["weights"]["format"] == "float32"
+    assert q["weights"]["format"] == "q4_1+q8_0" and f["weights"]["format"] == "float32"
     # 5 bits a weight (and an 8-bit embedding) against 32.
     assert q["weights"]["bytes"] * 4 < f["weights"]["bytes"]
     # The first token comes from the prefill's logits, which equal the float32 model's.
@@ -100,7 +100,7 @@ def test_quantized_decode_keeps_the_perplexity(tmp_path):
     f32 = perplexity(tmp_path, default_model_dir(), ids)
     # The shipped Q4_1 blocks differ from the float32 conversion only by the 8-bit activations.
     assert perplexity(tmp_path, default_gguf(), ids) / f32 < 1.01
-    for quant, fmt, bound in (("int8", "q8_0", 1.03), ("int4", "q4_0", 1.4)):
+    for quant, fmt, bound in (("int8", "q8_0", 1.03), ("int4", "q4_0+q8_0", 1.4)):
         assert generate(default_model_dir(), "--quantization", quant, n=4)["weights"]["format"] == fmt
         assert perplexity(tmp_path, default_model_dir(), ids, "--quantization", quant) / f32 < bound, quant
 
@@ -137,3 +137,19 @@ def test_an_unserved_architecture_is_named(tmp_path):
 def test_quantization_of_a_gguf_is_refused(tmp_path):
     err = error_of("generate", "--model", str(default_gguf()), "--quantization", "int8", "--prompt", "hi")
     assert "GGUF" in err and "quantization" in err
+
+
+GEMMA3 = ROOT / "models" / "gemma-3-270m"
+
+
+@pytest.mark.skipif(not (GEMMA3 / ".kvserve-model").is_file(), reason=f"{GEMMA3} not made (make model-gemma3)")
+def test_gemma3_q4_k_m_prefill_equals_its_float32_conversion(tmp_path):
+    # A Q4_K_M file mixes q4_K, q5_0, q6_K and q8_0 tensors; Gemma's norms are stored as 1 + w.
+    path = GEMMA3 / "gemma-3-270m-q4_k_m.gguf"
+    info = json.loads(run_kvserve("gguf", "inspect", "--model", str(path), "--json").stdout)
+    assert {"q4_K", "q6_K", "q8_0"} <= set(info["bytes_by_type"])
+    ids = [2] + random_ids(39, 262144, 3)
+    np.testing.assert_array_equal(forward_logits(tmp_path, path, ids, name="gguf"),
+                                  forward_logits(tmp_path, GEMMA3, ids, name="f32"))
+    r = generate(path, n=8)
+    assert r["completion_tokens"] == 8 and "q4_K" in r["weights"]["format"]
