@@ -10,29 +10,8 @@ include(FetchContent)
 set(KVSERVE_GGML_SDIST_VERSION 0.3.36)
 set(KVSERVE_GGML_SDIST_SHA256 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e)
 set(KVSERVE_GGML_SDIST "" CACHE FILEPATH "a local copy of the llama-cpp-python sdist (else it is fetched from pip's index)")
-if(KVSERVE_GGML_SDIST)
-  set(ggml_url "${KVSERVE_GGML_SDIST}")
-else()
-  set(ggml_url "${CMAKE_BINARY_DIR}/_sdist/llama_cpp_python-${KVSERVE_GGML_SDIST_VERSION}.tar.gz")
-  # bench/llamacpp_build.sh downloads the same file: reuse it when it is there (the hash is checked
-  # again by FetchContent).
-  set(ggml_bench_copy "${CMAKE_CURRENT_LIST_DIR}/../build-llamacpp/llama_cpp_python-${KVSERVE_GGML_SDIST_VERSION}.tar.gz")
-  if(NOT EXISTS "${ggml_url}" AND EXISTS "${ggml_bench_copy}")
-    file(SHA256 "${ggml_bench_copy}" ggml_bench_sha)
-    if(ggml_bench_sha STREQUAL KVSERVE_GGML_SDIST_SHA256)
-      file(COPY_FILE "${ggml_bench_copy}" "${ggml_url}")
-    endif()
-  endif()
-  find_package(Python3 REQUIRED COMPONENTS Interpreter)
-  execute_process(
-    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/../tools/fetch_sdist.py llama_cpp_python
-            ${KVSERVE_GGML_SDIST_VERSION} ${KVSERVE_GGML_SDIST_SHA256} ${ggml_url}
-    RESULT_VARIABLE fetch_rc)
-  if(NOT fetch_rc EQUAL 0)
-    message(FATAL_ERROR "could not fetch the llama-cpp-python ${KVSERVE_GGML_SDIST_VERSION} sdist from pip's index "
-                        "(pass -DKVSERVE_GGML_SDIST=/path/to/llama_cpp_python-${KVSERVE_GGML_SDIST_VERSION}.tar.gz)")
-  endif()
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/pinned_sdist.cmake)
+kvserve_pinned_sdist(ggml_url llama_cpp_python ${KVSERVE_GGML_SDIST_VERSION} ${KVSERVE_GGML_SDIST_SHA256} "${KVSERVE_GGML_SDIST}")
 
 FetchContent_Declare(kvserve_ggml
   URL "${ggml_url}"

@@ -8,21 +8,8 @@ include(FetchContent)
 set(KVSERVE_XGRAMMAR_VERSION 0.2.8)
 set(KVSERVE_XGRAMMAR_SHA256 8305646fd2b319d6c3003f51a1665e54cbbe9cba1fb636bc41d0b46434ccbb80)
 set(KVSERVE_XGRAMMAR_SDIST "" CACHE FILEPATH "a local copy of the xgrammar sdist (else it is fetched from pip's index)")
-if(KVSERVE_XGRAMMAR_SDIST)
-  set(xgrammar_url "${KVSERVE_XGRAMMAR_SDIST}")
-else()
-  # Fetched by name and version from the index pip uses (tools/fetch_sdist.py), once per build dir.
-  set(xgrammar_url "${CMAKE_BINARY_DIR}/_sdist/xgrammar-${KVSERVE_XGRAMMAR_VERSION}.tar.gz")
-  find_package(Python3 REQUIRED COMPONENTS Interpreter)
-  execute_process(
-    COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/../tools/fetch_sdist.py xgrammar
-            ${KVSERVE_XGRAMMAR_VERSION} ${KVSERVE_XGRAMMAR_SHA256} ${xgrammar_url}
-    RESULT_VARIABLE fetch_rc)
-  if(NOT fetch_rc EQUAL 0)
-    message(FATAL_ERROR "could not fetch the xgrammar ${KVSERVE_XGRAMMAR_VERSION} sdist from pip's index "
-                        "(pass -DKVSERVE_XGRAMMAR_SDIST=/path/to/xgrammar-${KVSERVE_XGRAMMAR_VERSION}.tar.gz)")
-  endif()
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/pinned_sdist.cmake)
+kvserve_pinned_sdist(xgrammar_url xgrammar ${KVSERVE_XGRAMMAR_VERSION} ${KVSERVE_XGRAMMAR_SHA256} "${KVSERVE_XGRAMMAR_SDIST}")
 
 # SOURCE_SUBDIR names a folder without a CMakeLists.txt: unpack only, xgrammar's own CMake (Python
 # bindings, -Werror, LTO) is not run; the target below lists the core's sources instead.
