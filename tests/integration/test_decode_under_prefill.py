@@ -68,7 +68,9 @@ def test_running_stream_decodes_while_a_long_prompt_prefills(chunked):
             # One token per step, and the prompt needs LONG / THRESHOLD steps.
             assert got >= LONG // THRESHOLD - 2, got
         else:
-            assert got <= 1, got
+            # Frozen for the whole prefill: only the steps between the request's arrival and its
+            # admission (its parse and tokenization, longer on a loaded machine) still decode.
+            assert got <= 3, got
         deadline = time.time() + 10  # the stream's client left: cancelled within a step or two
         while srv.metrics()["kvserve:num_requests_running"] > 0:
             assert time.time() < deadline
