@@ -69,8 +69,9 @@ def test_running_stream_decodes_while_a_long_prompt_prefills(chunked):
             assert got >= LONG // THRESHOLD - 2, got
         else:
             # Frozen for the whole prefill: only the steps between the request's arrival and its
-            # admission (its parse and tokenization, longer on a loaded machine) still decode.
-            assert got <= 3, got
+            # admission (its parse and tokenization, a few steps, more on a loaded machine) still
+            # decode, far fewer than the chunked run's one per chunk.
+            assert got <= LONG // THRESHOLD // 4, got
         deadline = time.time() + 10  # the stream's client left: cancelled within a step or two
         while srv.metrics()["kvserve:num_requests_running"] > 0:
             assert time.time() < deadline
