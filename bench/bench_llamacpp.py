@@ -72,8 +72,8 @@ VARIANTS = {
                     "`tools/make_smollm2.py` (the weights of llama.cpp F32), float32 weights and GEMMs"),
     "gguf": Variant("kvserve Q4_1 GGUF", GGUF, (),
                     f"`--model {GGUF.relative_to(ROOT)}`: the Q4_1 file llama.cpp Q4_1 runs (byte for byte), "
-                    "served in the blocks it ships: linear layers with at most 16 input rows (decode steps of up "
-                    "to 16 sequences) run ggml's quantized dot products, longer inputs (prefill, bigger batches) "
+                    "served in the blocks it ships: linear layers with at most 32 input rows (decode steps of up "
+                    "to 32 sequences) run ggml's quantized dot products, longer inputs (prefill, bigger batches) "
                     "dequantize the weight and run the float GEMM"),
     "int8": Variant("kvserve int8", MODEL, ("--quantization", "int8"),
                     "`--quantization int8` on the fp32 directory: linear layers quantized at load to ggml Q8_0 "
@@ -568,7 +568,7 @@ def render(meta: dict, res: dict) -> str:
               "running engine, which on a CPU prefills at most 64 prompt tokens a step while others decode, so a "
               "batch is admitted over several steps (*admission steps*: groups of equal time to first token); the "
               "rate counts the steps from the last group's first token to the first group's last token, in which "
-              "every step decodes all B sequences and prefills nothing (*window steps*). Beyond 16 sequences the "
+              "every step decodes all B sequences and prefills nothing (*window steps*). Beyond 32 sequences the "
               "quantized variants' linear layers dequantize their weights and run the float GEMM.", "",
               "| context | sequences | engine | decode tokens/s | per sequence | " +
               ("kvserve / kvserve fp32 | " if fp32 else "") + "admission steps | window steps | load |",

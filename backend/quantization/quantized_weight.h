@@ -13,8 +13,11 @@ namespace kvserve {
 
 // Rows of x up to which QuantizedWeight::matmul takes ggml's dot products (x quantized per block,
 // W read once in its small bytes: decode steps); longer inputs (prefill) dequantize W and run the
-// float GEMM, which is faster there and gives the float checkpoint's logits bit for bit.
-constexpr int64_t kQuantDotMaxRows = 16;
+// float GEMM, which is faster there and gives the float checkpoint's logits bit for bit. Measured
+// on the default model (docs/benchmarks-quantized-weights.md): a dot-product step costs ~10 ms
+// plus ~4 ms a row, the dequantizing one ~60 ms plus the GEMM, so they cross near 48 rows; 32 keeps
+// batched decode on the dot products and prefill chunks on the GEMM.
+constexpr int64_t kQuantDotMaxRows = 32;
 
 // A ggml tensor type (enum ggml_type) by its GGUF name, any case ("Q4_1", "q8_0", "F16"); throws
 // naming the types kvserve multiplies.

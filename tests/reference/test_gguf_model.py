@@ -1,6 +1,6 @@
 """kvserve serving a GGUF file as it ships, against peers no one here wrote: the gguf Python
 package's dequantize (every tensor, bit for bit), transformers' float32 conversion of the same file
-(prefill logits, bit for bit: prompts of more than 16 tokens run the dequantized weights through
+(prefill logits, bit for bit: prompts of more than 32 tokens run the dequantized weights through
 the float GEMM), and clear errors for broken files."""
 from __future__ import annotations
 
