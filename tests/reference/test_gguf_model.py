@@ -153,3 +153,13 @@ def test_gemma3_q4_k_m_prefill_equals_its_float32_conversion(tmp_path):
                                   forward_logits(tmp_path, GEMMA3, ids, name="f32"))
     r = generate(path, n=8)
     assert r["completion_tokens"] == 8 and "q4_K" in r["weights"]["format"]
+
+
+def test_tensor_parallel_shards_of_the_blocks_equal_one_process(tmp_path):
+    # TP 3: q/k/v and gate/up split by rows, o_proj and down_proj by whole blocks of columns (192
+    # and 512 values), the vocabulary by rows; only the partial sums' order differs from one process.
+    ids = random_ids(40, 49152, 21)
+    one = forward_logits(tmp_path, default_gguf(), ids, name="tp1")
+    three = forward_logits(tmp_path, default_gguf(), ids, "--tp", "3", name="tp3")
+    np.testing.assert_allclose(three, one, atol=1e-3, rtol=0)
+    assert (three.argmax(-1) == one.argmax(-1)).all()
