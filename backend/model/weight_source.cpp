@@ -4,6 +4,7 @@
 
 #include "backend/quantization/gguf_file.h"
 #include "common/check.h"
+#include "common/model_path.h"
 
 namespace kvserve {
 namespace {
@@ -138,12 +139,12 @@ class GgufSource final : public WeightSource {
 }  // namespace
 
 ModelConfig read_model_config(const std::string& path) {
-  if (is_gguf_path(path)) return parse_model_config(gguf_hf_config_json(GgufFile(path)), path + " (GGUF metadata)");
+  if (is_gguf_file_path(path)) return parse_model_config(gguf_hf_config_json(GgufFile(path)), path + " (GGUF metadata)");
   return load_model_config(path);
 }
 
 std::unique_ptr<WeightSource> WeightSource::open(const std::string& path, const ModelConfig& config) {
-  if (is_gguf_path(path)) return std::make_unique<GgufSource>(path, config);
+  if (is_gguf_file_path(path)) return std::make_unique<GgufSource>(path, config);
   return std::make_unique<SafetensorsSource>(path);
 }
 

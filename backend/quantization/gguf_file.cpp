@@ -45,8 +45,6 @@ int64_t int_at(gguf_type t, const void* data, size_t i) {
 
 }  // namespace
 
-bool is_gguf_path(const std::string& path) { return is_gguf_file_path(path); }
-
 GgufFile::GgufFile(const std::string& path) : path_(path) {
   namespace fs = std::filesystem;
   KV_CHECK(fs::is_regular_file(path), path << ": GGUF file not found");
@@ -211,8 +209,15 @@ torch::Tensor GgufFile::load_float(const std::string& name) const {
   KV_CHECK(quant_row_bytes(type, K, what) * rows == tensor_bytes(name), what << ": its byte size does not match its shape and type");
   if (type == GGML_TYPE_F32)  // ggml has no to_float for its own float type: the bytes are the values
     return torch::from_blob(const_cast<uint8_t*>(tensor_data(name)), s, torch::kFloat32).clone();
-  torch::Tensor out = QuantizedWeight::from_blocks(type, rows, K, tensor_data(name), what).dequantize();
-  return out.view(s);
+  KV_CHECK(quant_type_served(type), what << ": tensor type " << quant_type_name(type) << " has no CPU kernel in kvserve");
+  // Straight from the mapped file: no copy of the blocks first.
+  torch::Tensor out = torch::empty(s, torch::kFloat32);
+  const auto to_float = ggml_get_type_traits(static_cast<ggml_type>(type))->to_float;
+  const int64_t row_bytes = quant_row_bytes(type, K, what);
+  const uint8_t* src = tensor_data(name);
+  float* dst = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) to_float(src + r * row_bytes, dst + r * K, K);
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------

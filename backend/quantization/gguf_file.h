@@ -14,9 +14,6 @@ struct gguf_context;
 
 namespace kvserve {
 
-// Whether `path` names a GGUF file (a regular file ending in .gguf) rather than a model directory.
-bool is_gguf_path(const std::string& path);
-
 class GgufFile {
  public:
   // Opens and validates the header, metadata and tensor table; the tensor data is mapped, not read.
