@@ -153,6 +153,20 @@ policies:
             out.setdefault(name_labels.split("{", 1)[0], float(value))
         return out
 
+    def wait_idle(self, timeout: float = 30) -> dict[str, float]:
+        """Polls /metrics until no KV block is used and nothing runs or waits; returns the metrics.
+        A finished request's blocks are released in the engine step after its last response."""
+        deadline = time.time() + timeout
+        m = self.metrics()
+        while time.time() < deadline:
+            m = self.metrics()
+            if (m["kvserve:kv_cache_blocks_used"] == 0 and m["kvserve:num_requests_running"] == 0
+                    and m["kvserve:num_requests_waiting"] == 0):
+                return m
+            time.sleep(0.05)
+        raise AssertionError(f"the engine did not go idle: blocks {m['kvserve:kv_cache_blocks_used']}, running "
+                             f"{m['kvserve:num_requests_running']}, waiting {m['kvserve:num_requests_waiting']}")
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

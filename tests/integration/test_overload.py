@@ -68,20 +68,6 @@ def sse_payloads(body: bytes) -> list:
     return out
 
 
-def wait_idle(server: Server, timeout: float = 30) -> dict[str, float]:
-    """Polls /metrics until no KV block is used and nothing runs or waits; returns the metrics."""
-    deadline = time.time() + timeout
-    m = server.metrics()
-    while time.time() < deadline:
-        m = server.metrics()
-        if (m["kvserve:kv_cache_blocks_used"] == 0 and m["kvserve:num_requests_running"] == 0
-                and m["kvserve:num_requests_waiting"] == 0):
-            return m
-        time.sleep(0.05)
-    raise AssertionError(f"the engine did not go idle: blocks {m['kvserve:kv_cache_blocks_used']}, running "
-                         f"{m['kvserve:num_requests_running']}, waiting {m['kvserve:num_requests_waiting']}")
-
-
 def closed_count(m: dict[str, float], reason: str) -> float:
     return m.get(f'kvserve:http_connections_closed_total{{model_name="tiny",reason="{reason}"}}', 0.0)
 
@@ -114,7 +100,7 @@ def test_full_queue_answers_429_with_retry_after():
             else:
                 assert status == 200, (status, body[:300])
                 assert json.loads(body)["usage"]["completion_tokens"] == 150
-        wait_idle(s)
+        s.wait_idle()
     finally:
         s.close()
 
@@ -155,7 +141,7 @@ def test_connection_cap_answers_503_with_retry_after_and_recovers():
             time.sleep(0.1)
         status, _, body = http(s.port, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert status == 200, body
-        m = wait_idle(s)
+        m = s.wait_idle()
         assert closed_count(m, "over_capacity") >= 151
     finally:
         s.close()
@@ -192,7 +178,7 @@ def test_descriptor_exhaustion_backs_off_and_recovers():
                 pass
             time.sleep(0.2)
         assert status == 200
-        m = wait_idle(s)
+        m = s.wait_idle()
         assert closed_count(m, "accept_error") >= 1
     finally:
         s.close()
@@ -235,7 +221,7 @@ def test_slowloris_is_cut_off_by_the_header_timeout_but_idle_keepalive_is_not():
         assert cut_after is not None, "the slowloris client was never cut off"
         # Cut about 1 s in (the whole request would take 11 s to trickle); slack for a loaded machine.
         assert 0.9 <= cut_after <= 5.0, cut_after
-        m = wait_idle(s)
+        m = s.wait_idle()
         assert closed_count(m, "header_timeout") == 1
         assert http(s.port, "GET", "/health")[0] == 200
     finally:
@@ -259,7 +245,7 @@ def test_stalled_reader_is_cut_off_by_the_write_timeout_and_its_blocks_freed():
         deadline = time.time() + 60
         while time.time() < deadline and closed_count(s.metrics(), "write_timeout") < 1:
             time.sleep(0.1)
-        m = wait_idle(s)
+        m = s.wait_idle()
         assert closed_count(m, "write_timeout") == 1
         assert m['kvserve:request_success_total{model_name="tiny",finished_reason="abort"}'] == 4
         # What the client still finds in its buffers ends without the stream's end: it was cut off.
@@ -315,7 +301,7 @@ def test_a_request_failing_in_the_engine_fails_alone():
         for i, p in enumerate(prompts):
             stream_text(alone.port, p, 100, ref, str(i))
         assert all(r[1] == "length" and r[2] is None for r in ref.values()), ref
-        wait_idle(alone)
+        alone.wait_idle()
 
         out: dict = {}
         started = [threading.Event() for _ in prompts]
@@ -335,7 +321,7 @@ def test_a_request_failing_in_the_engine_fails_alone():
         assert reason == "error" or error is not None, out["big"]
         assert error and "more KV cache than the whole pool holds" in error, error
         assert text, "the failing request produced tokens before the pool ran dry"
-        m = wait_idle(alone)
+        m = alone.wait_idle()
         assert m["kvserve:num_preemptions_total"] >= 1
         assert m['kvserve:request_success_total{model_name="tiny",finished_reason="error"}'] == 1
     finally:

@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import random
-import time
 import urllib.request
 
 import pytest
@@ -99,10 +98,7 @@ def test_sharded_prefix_cache_equals_one_process_without_it(layout, reference):
         assert after['kvserve:prefix_cache_bytes{model_name="tiny",tier="pool"}'] > 0
         # Requests are over: no block is held by one within a step of the last response (idle cached
         # blocks count as free).
-        deadline = time.time() + 10
-        while (m := s.metrics())["kvserve:kv_cache_blocks_used"] != 0 and time.time() < deadline:
-            time.sleep(0.05)
-        assert m["kvserve:kv_cache_blocks_used"] == 0, m
+        m = s.wait_idle(10)
         for policy in POLICIES[1:]:
             got, want = conversation(s.url, policy), reference["conversation"][policy]
             assert got["choices"][0]["text"] == want["choices"][0]["text"], (layout, policy)
@@ -202,10 +198,7 @@ def test_sharded_compressed_context_equals_one_process(layout, model, context_re
         m = s.metrics()
         assert m["kvserve:compressed_contexts"] == 2, m
         assert 0 < m["kvserve:kv_cache_blocks_compressed_contexts"] < m["kvserve:compressed_context_full_blocks"]
-        deadline = time.time() + 10
-        while (m := s.metrics())["kvserve:kv_cache_blocks_used"] != 0 and time.time() < deadline:
-            time.sleep(0.05)
-        assert m["kvserve:kv_cache_blocks_used"] == 0, m
+        m = s.wait_idle(10)
         assert m["kvserve:num_requests_running"] == 0
     finally:
         rc = s.stop()
