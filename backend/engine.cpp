@@ -111,6 +111,13 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
       if (!cfg.is_full() && cfg.compress_context) context_policies_.insert(name);
   so.policies = std::move(policies);
   so.eos_ids = eos_ids;
+  options_.speculative.validate("speculative_config");
+  if (options_.speculative.enabled()) {
+    if (impl_->runner->speculative_decoding())
+      so.speculative = options_.speculative;
+    else
+      KV_LOG("speculative decoding is not supported by the sharded runtime yet; sequences decode one token a step");
+  }
   so.on_queue_time = options_.on_queue_time;
   so.shared_prefix_blocks = [runner = impl_->runner.get()](std::span<const int64_t> prompt, const std::string& policy,
                                                            std::span<const int64_t> leaving) {
@@ -285,7 +292,11 @@ void Engine::loop() {
     std::vector<Scheduler::Output> outputs;
     if (!plan.empty()) outputs = sched.update(plan, runner.execute(plan));
     int64_t generated = 0;
+    // A speculative step gives a sequence several tokens: those after the one that finished it are dropped.
+    std::unordered_set<const Sequence*> finished;
     for (auto& o : outputs) {
+      if (finished.count(o.seq)) continue;
+      finished.insert(o.seq);  // until it is known to go on
       if (!o.error.empty()) {
         out.finish(*sched.finish(o.seq->id), "error", o.error);
         continue;
@@ -293,6 +304,8 @@ void Engine::loop() {
       ++generated;
       if (auto reason = out.on_token(*o.seq, *o.token))
         out.finish(*sched.finish(o.seq->id, *reason == "stop" || *reason == "length"), *reason);
+      else
+        finished.erase(o.seq);
     }
     int64_t prefilled = 0;
     for (const auto& p : plan.prefill) prefilled += static_cast<int64_t>(p.tokens.size());
@@ -307,6 +320,11 @@ void Engine::loop() {
     im.stats.prompt_tokens_total += prefilled;
     im.stats.generation_tokens_total += generated;
     im.stats.preemptions_total = sched.preemptions();
+    const Scheduler::SpecCounters& spec = sched.spec_counters();
+    im.stats.spec_decode_num_drafts = spec.drafts;
+    im.stats.spec_decode_num_draft_tokens = spec.draft_tokens;
+    im.stats.spec_decode_num_accepted_tokens = spec.accepted_tokens;
+    im.stats.spec_decode_accepted_per_pos = spec.accepted_per_pos;
     im.stats.prefix_cache_queries_total = sched.prefix_queries();
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
     if (!plan.empty()) ++im.stats.steps_total;

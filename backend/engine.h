@@ -16,6 +16,7 @@
 
 #include "cache_manager/kv_memory_factory.h"
 #include "backend/engine_types.h"
+#include "backend/spec_decode/speculative_config.h"
 #include "backend/model/model_config.h"
 #include "backend/structured_output_spec.h"
 #include "backend/warmup.h"
@@ -63,6 +64,8 @@ struct EngineOptions {
   // Block layout of the pool (cache.kv_layout): head-wise when a policy has head_budgets=adaptive.
   KvLayout kv_layout = KvLayout::kAuto;
   std::string default_policy = "full";
+  // Speculative decoding (speculative_config, --speculative-config): off unless a method is set.
+  SpeculativeConfig speculative;
   // Named KV policies as JSON objects {"name":..., params...}; resolved by the policies library.
   std::map<std::string, std::map<std::string, std::string>> policies;
   // Called on the engine thread, once per request, with the seconds it waited from submit() until
@@ -91,6 +94,12 @@ struct EngineStats {
   int64_t generation_tokens_total = 0;
   int64_t preemptions_total = 0;
   int64_t steps_total = 0;
+  // Speculative decoding (vLLM's spec_decode counters): verify steps with drafts (per sequence),
+  // draft tokens, accepted ones, and accepted per draft position.
+  int64_t spec_decode_num_drafts = 0;
+  int64_t spec_decode_num_draft_tokens = 0;
+  int64_t spec_decode_num_accepted_tokens = 0;
+  std::vector<int64_t> spec_decode_accepted_per_pos;
   int64_t step_collectives_total = 0;  // control-path collectives of a sharded job's steps
   // CUDA graph captures of decode steps (the warm-up's included) and their host seconds.
   int64_t cuda_graph_captures_total = 0;

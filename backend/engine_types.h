@@ -24,6 +24,8 @@ struct GenerationRequest {
   // message, a completion's kv_context): a policy with `compress: context` compresses them alone
   // and caches the result for the next request with the same context. 0 = none.
   int64_t context_len = 0;
+  // false: this request decodes without speculation (the engine's speculative_config otherwise).
+  bool speculative = true;
 };
 
 struct TokenLogprob {

@@ -4,6 +4,7 @@
 
 #include "backend/decode_graphs.h"
 #include "backend/model/decoder_model.h"
+#include "backend/spec_decode/draft_verifier.h"
 #include "common/log.h"
 
 namespace kvserve {
@@ -30,19 +31,32 @@ double LocalRunner::graph_capture_s() const { return graphs_ ? graphs_->stats().
 
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
+  for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
   for (int64_t id : plan.release) kv_->release(id);
   for (int64_t id : plan.park) kv_->park(id);
   for (int64_t id : plan.remove) samplers_.remove(id);
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
     try {
-      samplers_.prepare(plan.decode.seq_ids);  // grammar masks, beside the forward
+      // A speculative step (drafts as further rows of their sequences) runs eagerly: a CUDA graph
+      // captures one row per sequence.
+      const bool drafts = has_drafts(plan.decode);
+      std::vector<int64_t> ids = plan.decode.seq_ids;
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      samplers_.prepare(ids);  // grammar masks, beside the forward
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
-      torch::Tensor logits = graphs_ ? graphs_->decode(plan.decode, plan.decode_tokens)
-                                     : model_->decode(plan.decode, plan.decode_tokens, *kv_);
-      r.decoded = samplers_.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
+      torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, plan.decode_tokens)
+                                                : model_->decode(plan.decode, plan.decode_tokens, *kv_);
+      if (drafts) {
+        VerifiedTokens v = verify_drafts(samplers_, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
+        r.decoded = std::move(v.tokens);
+        r.decode_counts = std::move(v.counts);
+      } else {
+        r.decoded = samplers_.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
+      }
     } catch (const std::exception& e) {
       r.decoded.clear();
+      r.decode_counts.clear();
       r.decode_error = e.what();
     }
   }

@@ -36,6 +36,8 @@ class ModelRunner {
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
   virtual bool chunked_prefill() const { return false; }
+  // Whether it verifies drafts (a sequence in several decode rows, StepPlan::truncate).
+  virtual bool speculative_decoding() const { return false; }
   // Whether prompts may compress their context alone (PrefillWork::context_len).
   virtual bool compressed_contexts() const { return false; }
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
@@ -73,6 +75,7 @@ class LocalRunner final : public ModelRunner {
   ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
+  bool speculative_decoding() const override { return true; }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
   bool reset_caches() override {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "backend/spec_decode/ngram_proposer.h"
 #include "common/check.h"
 #include "common/log.h"
 
@@ -146,9 +147,15 @@ std::optional<std::chrono::steady_clock::time_point> Scheduler::oldest_waiting_a
   return oldest;
 }
 
+std::vector<int64_t> Scheduler::propose(const Sequence& s, int64_t k) const {
+  const SpeculativeConfig& c = options_.speculative;
+  return propose_ngram(s.req.prompt_ids, s.output, k, c.prompt_lookup_min, c.prompt_lookup_max);
+}
+
 StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   KV_CHECK(knows_pools(), "internal: the scheduler plans from a first StepResult");
   StepPlan plan;
+  plan.truncate.swap(truncate_);
   plan.release.swap(release_);
   plan.remove.swap(remove_);
   plan.park.swap(park_);
@@ -213,12 +220,48 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   // After a failed decode step its sequences decode alone, one per step, until each succeeds once:
   // a sequence that keeps failing then fails alone (the others wait meanwhile).
   auto suspect = std::find_if(running_.begin(), running_.end(), [](const auto& s) { return s->suspect; });
+  // Speculative decoding: a sequence's drafts follow its last token as further rows, when every
+  // shard has room for the blocks they may open (at most ceil(k / block_size) per layer and lane
+  // beyond its one token's demand), before any prompt is admitted.
+  const SpeculativeConfig& spec = options_.speculative;
+  const auto decoding = std::count_if(running_.begin(), running_.end(), [](const auto& s) { return !s->prefilling(); });
+  const bool speculate = spec.enabled() && suspect == running_.end() &&
+                         (spec.disable_by_batch_size == 0 || decoding <= spec.disable_by_batch_size);
   for (const auto& s : running_) {
     if (s->prefilling() || (suspect != running_.end() && s != *suspect)) continue;
     plan.decode.seq_ids.push_back(s->id);
     plan.decode.positions.push_back(s->next_position());
     plan.decode_tokens.push_back(s->output.back());
     plan.decode_ban_eos.push_back(s->ban_eos());
+    // Policies that evict during decode pick victims by length, and a parked conversation keeps
+    // its KV as the request left it: their sequences decode plainly.
+    if (!speculate || !s->req.speculative || options_.policies.at(s->req.kv_policy).decode_budget > 0 ||
+        reuses_compressed(*s))
+      continue;
+    const auto made = static_cast<int64_t>(s->output.size());
+    const int64_t k = std::min(s->spec_k > 0 ? s->spec_k : spec.num_speculative_tokens, s->req.sampling.max_tokens - made - 1);
+    if (k <= 0) continue;
+    std::vector<int64_t> extra(S);
+    bool room = true;
+    for (size_t i = 0; i < S; ++i) {
+      const auto& g = shards_[i].usage.geometry;
+      extra[i] = g.num_layers * g.lanes() * blocks_for_tokens(k, g.block_size);
+      room = room && extra[i] <= free[i];
+    }
+    if (!room) continue;
+    const std::vector<int64_t> draft = propose(*s, k);
+    if (draft.empty()) continue;
+    for (size_t i = 0; i < S; ++i) {
+      const auto& g = shards_[i].usage.geometry;
+      free[i] -= g.num_layers * g.lanes() * blocks_for_tokens(static_cast<int64_t>(draft.size()), g.block_size);
+    }
+    const int64_t min_tokens = s->req.sampling.ignore_eos ? 0 : s->req.sampling.min_tokens;
+    for (size_t j = 0; j < draft.size(); ++j) {
+      plan.decode.seq_ids.push_back(s->id);
+      plan.decode.positions.push_back(s->next_position() + 1 + static_cast<int64_t>(j));
+      plan.decode_tokens.push_back(draft[j]);
+      plan.decode_ban_eos.push_back(made + 1 + static_cast<int64_t>(j) < min_tokens);
+    }
   }
 
   // Prompts being prefilled in chunks go on first, in admission order, within the step's budget:
@@ -337,7 +380,9 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
     KV_LOG("a decode step of " << rows_decoded << " sequences failed (" << result.decode_error
                                << "); recomputing them one by one");
     std::vector<std::unique_ptr<Sequence>> redo;
-    for (int64_t id : plan.decode.seq_ids) {
+    for (size_t r = 0; r < rows_decoded; ++r) {
+      const int64_t id = plan.decode.seq_ids[r];
+      if (r > 0 && plan.decode.seq_ids[r - 1] == id) continue;  // a draft row of the sequence before
       auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->id == id; });
       std::unique_ptr<Sequence> s = std::move(*it);
       running_.erase(it);
@@ -348,6 +393,34 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
     }
     preemptions_ += static_cast<int64_t>(redo.size());
     for (auto it = redo.rbegin(); it != redo.rend(); ++it) waiting_.push_front(std::move(*it));
+  } else if (result.decode_error.empty() && !result.decode_counts.empty()) {
+    // A speculative step: each sequence's run of rows emitted decode_counts[g] tokens (its accepted
+    // drafts and one more); the KV of the rows past them goes in the next plan.
+    size_t t = 0, g = 0;
+    for (size_t r = 0; r < rows_decoded; ++g) {
+      Sequence* s = by_id.at(plan.decode.seq_ids[r]);
+      size_t rows = 1;
+      while (r + rows < rows_decoded && plan.decode.seq_ids[r + rows] == s->id) ++rows;
+      const int64_t m = result.decode_counts.at(g);
+      KV_CHECK(m >= 1 && m <= static_cast<int64_t>(rows), "internal: sequence " << s->id << " emitted " << m
+                                                                                  << " tokens from " << rows << " rows");
+      s->suspect = false;
+      for (int64_t j = 0; j < m; ++j) out.push_back({s, std::move(result.decoded.at(t++)), ""});
+      const int64_t drafts = static_cast<int64_t>(rows) - 1, accepted = m - 1;
+      if (drafts > 0) {
+        ++spec_.drafts;
+        spec_.draft_tokens += drafts;
+        spec_.accepted_tokens += accepted;
+        if (static_cast<int64_t>(spec_.accepted_per_pos.size()) < drafts) spec_.accepted_per_pos.resize(drafts, 0);
+        for (int64_t j = 0; j < accepted; ++j) ++spec_.accepted_per_pos[static_cast<size_t>(j)];
+        if (drafts > accepted) truncate_.push_back({s->id, drafts - accepted});
+        // γ adapts: up by two after a draft accepted whole, down by one otherwise.
+        const int64_t k = s->spec_k > 0 ? s->spec_k : options_.speculative.num_speculative_tokens;
+        s->spec_k = accepted == drafts ? std::min(options_.speculative.num_speculative_tokens, k + 2)
+                                       : std::max<int64_t>(1, k - 1);
+      }
+      r += rows;
+    }
   } else {
     for (size_t r = 0; r < rows_decoded; ++r) {
       Sequence* s = by_id.at(plan.decode.seq_ids[r]);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "backend/sequence.h"
+#include "backend/spec_decode/speculative_config.h"
 #include "backend/step_plan.h"
 #include "cache_manager/conversation_cache.h"
 #include "policies/policy_config.h"
@@ -62,6 +63,14 @@ class Scheduler {
     using SharedPrefixBlocks = std::function<std::optional<int64_t>(
         std::span<const int64_t> prompt, const std::string& policy, std::span<const int64_t> leaving)>;
     SharedPrefixBlocks shared_prefix_blocks;
+    // Speculative decoding (backend/spec_decode/): drafts verified in the decode step.
+    SpeculativeConfig speculative;
+  };
+  // Speculative decoding so far (vLLM's spec_decode counters): steps in which a sequence verified
+  // drafts, drafts proposed, drafts accepted, and accepted per draft position (0-based).
+  struct SpecCounters {
+    int64_t drafts = 0, draft_tokens = 0, accepted_tokens = 0;
+    std::vector<int64_t> accepted_per_pos;
   };
   // A decision about one sequence the engine turns into events.
   struct Output {
@@ -91,7 +100,8 @@ class Scheduler {
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
   // KV or samplers of finished sequences still to free (the next plan does it).
-  bool has_pending() const { return !release_.empty() || !park_.empty() || !remove_.empty(); }
+  bool has_pending() const { return !release_.empty() || !park_.empty() || !remove_.empty() || !truncate_.empty(); }
+  const SpecCounters& spec_counters() const { return spec_; }
   bool knows_pools() const { return !shards_.empty(); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
@@ -124,6 +134,8 @@ class Scheduler {
   bool may_chunk(int64_t n, const std::string& policy) const;
   // Blocks a prompt being prefilled in chunks still reserves on shard `i` (its peak less what it holds).
   int64_t reserved(const Sequence& s, size_t i) const;
+  // Drafts `s` verifies this step (prompt lookup), at most `k`.
+  std::vector<int64_t> propose(const Sequence& s, int64_t k) const;
   // Plans the next chunk of `s` (at most `budget` tokens; the rest of its prompt if it fits).
   void plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const;
 
@@ -131,6 +143,8 @@ class Scheduler {
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;  // admission order (preemption takes the last)
   std::vector<int64_t> release_, remove_;           // for the next plan
+  std::vector<std::pair<int64_t, int64_t>> truncate_;  // rejected drafts' KV, for the next plan
+  SpecCounters spec_;
   std::vector<int64_t> park_;
   // Finished sequences whose KV stays in the pools for their conversations' next turns. Their
   // blocks count as used (Pool::held keeps them) until a prompt resumes them or they are evicted,

@@ -29,6 +29,9 @@ struct Sequence {
   // decodes once every chunk ran.
   int64_t prefill_done = 0, prefill_len = 0;
   bool keep_copy = false;  // its prefill may copy full prompt blocks into the prefix cache (reserved)
+  // Speculative decoding: the adaptive γ, drafts asked of the proposer next (0 = the config's
+  // num_speculative_tokens).
+  int64_t spec_k = 0;
   bool prefilling() const { return in_cache && prefill_done < prefill_len; }
 
   // Output state.

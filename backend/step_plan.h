@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/sampler.h"
@@ -55,9 +56,13 @@ struct PrefillWork {
   bool chunked() const { return total() != static_cast<int64_t>(tokens.size()); }
 };
 
-// What one step runs, in this order: free (or park) KV, drop and create samplers, one decode token for every
-// running sequence, then the admitted prefills.
+// What one step runs, in this order: drop rejected draft tokens' KV, free (or park) KV, drop and
+// create samplers, one decode token for every running sequence (or, speculating, its last token and
+// its drafts: consecutive rows of one sequence), then the admitted prefills.
 struct StepPlan {
+  // Speculative decoding: (sequence, n) drops the last n tokens' KV the previous step appended for
+  // drafts it rejected.
+  std::vector<std::pair<int64_t, int64_t>> truncate;
   std::vector<int64_t> release;  // sequences whose KV is freed (finished, cancelled, preempted)
   std::vector<int64_t> park;     // finished sequences whose KV stays for their conversation's next turn
   std::vector<int64_t> remove;   // sequences whose sampler is dropped (their request is over)
@@ -68,7 +73,7 @@ struct StepPlan {
   std::vector<PrefillWork> prefill;
 
   bool empty() const {
-    return release.empty() && park.empty() && remove.empty() && start.empty() && decode.seq_ids.empty() && prefill.empty();
+    return truncate.empty() && release.empty() && park.empty() && remove.empty() && start.empty() && decode.seq_ids.empty() && prefill.empty();
   }
 };
 
@@ -112,7 +117,10 @@ struct PrefillOutcome {
 };
 
 struct StepResult {
-  std::vector<SampledToken> decoded;  // one per decode row, unless decode_error is set
+  // One per decode row, unless decode_error is set; with speculation (a sequence in several rows)
+  // the tokens each decoded sequence emitted (accepted drafts and one more), sequence after sequence.
+  std::vector<SampledToken> decoded;
+  std::vector<int64_t> decode_counts;  // speculation: tokens per decoded sequence in `decoded` (else empty)
   std::string decode_error;           // non-empty: the decode failed for every row
   std::vector<PrefillOutcome> prefilled;  // one per plan prefill
   std::vector<ShardUsage> shards;         // one per shard holding KV (one for a single process)

@@ -13,7 +13,8 @@
 
 namespace kvserve {
 
-// Which sequences a decode step covers and where each new token sits (its true position).
+// Which sequences a decode step covers and where each new token sits (its true position). A
+// speculative step's verified tokens of one sequence are consecutive entries at consecutive positions.
 struct DecodeBatch {
   std::vector<int64_t> seq_ids;
   std::vector<int64_t> positions;
@@ -149,6 +150,12 @@ class KvMemory {
   // ([B, H, D]) over each sequence's cached tokens of that layer, the new one included: [B, H, D].
   virtual torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                          const torch::Tensor& k, const torch::Tensor& v) = 0;
+  // Speculative decoding: drops the sequence's last n tokens of every layer (the K/V a verify step
+  // appended for draft tokens it rejected). A memory that cannot throws.
+  virtual void truncate(int64_t seq_id, int64_t n) {
+    (void)n;
+    KV_FAIL("this KV memory cannot drop rejected draft tokens (sequence " << seq_id << ")");
+  }
   // Frees everything the sequence holds.
   virtual void release(int64_t seq_id) = 0;
   // The sliding window a (global) layer's decode attention applies (0: none). The model checks it

@@ -508,6 +508,31 @@ void PagedKvCache::drop_leading_blocks(int64_t seq_id, int64_t layer, int64_t n)
   }
 }
 
+void PagedKvCache::truncate_last(int64_t seq_id, int64_t n) {
+  KV_CHECK(n >= 0, "truncate: " << n << " slots");
+  if (n == 0) return;
+  KV_CHECK(!step_.active || std::find(step_.seq_ids.begin(), step_.seq_ids.end(), seq_id) == step_.seq_ids.end(),
+           "truncate: sequence " << seq_id << " is in a planned decode step");
+  SequenceBlockTable& t = table_of(seq_id);
+  for (int64_t l = 0; l < num_layers_; ++l)
+    for (int64_t lane = 0; lane < lanes_; ++lane)
+      KV_CHECK(n <= t.layer(slot(l, lane)).length, "truncate: " << n << " slots of sequence " << seq_id << " layer " << l
+                                                                << ", which holds " << t.layer(slot(l, lane)).length);
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    for (int64_t lane = 0; lane < lanes_; ++lane) {
+      LayerBlocks& lb = t.layer(slot(l, lane));
+      lb.length -= n;
+      const auto keep = static_cast<size_t>(blocks_for_tokens(lb.length, bs_));
+      if (lb.blocks.size() > keep) {
+        std::vector<int32_t> gone(lb.blocks.begin() + static_cast<std::ptrdiff_t>(keep), lb.blocks.end());
+        lb.blocks.resize(keep);
+        drop_blocks(gone);
+      }
+      mirror_layer(seq_id, l, lane, lb);
+    }
+  }
+}
+
 void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& keep_slots,
                            const std::vector<int64_t>& head_counts) {
   SequenceBlockTable& t = table_of(seq_id);
@@ -598,8 +623,16 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
   s.rows.resize(static_cast<size_t>(E));
   std::vector<SequenceBlockTable*> tables(static_cast<size_t>(B));
   std::unordered_set<int64_t> seen;
+  s.grouped = false;
   for (int64_t b = 0; b < B; ++b) {
-    KV_CHECK(seen.insert(seq_ids[b]).second, what << ": sequence " << seq_ids[b] << " twice in one batch");
+    // A sequence may take several consecutive entries (a speculative step's verified tokens) at
+    // consecutive positions; it may not come back after another sequence.
+    const bool again = b > 0 && seq_ids[b] == seq_ids[b - 1];
+    KV_CHECK(again || seen.insert(seq_ids[b]).second, what << ": sequence " << seq_ids[b] << " twice in one batch");
+    KV_CHECK(!again || positions[b] == positions[b - 1] + 1,
+             what << ": sequence " << seq_ids[b] << "'s entries at positions " << positions[b - 1] << " and "
+                  << positions[b] << " are not consecutive");
+    s.grouped = s.grouped || again;
     KV_CHECK(positions[b] >= 0 && positions[b] <= std::numeric_limits<int32_t>::max(),
              what << ": position " << positions[b] << " out of range");
     tables[b] = &table_of(seq_ids[b]);
@@ -608,12 +641,14 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
   // Every layer's blocks are taken before anything changes: a batch that cannot get them all fails whole.
   int64_t need = 0, first_seq = -1, first_layer = -1;
   for (int64_t l = first; l < first + layers; ++l) {
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = 0, run = 0; b < B; ++b) {
+      run = b > 0 && seq_ids[b] == seq_ids[b - 1] ? run + 1 : 0;  // the sequence's entries before this one
       for (int64_t lane = 0; lane < lanes_; ++lane) {
         const LayerBlocks& lb = tables[b]->layer(slot(l, lane));
-        if (lb.length == lb.capacity(bs_)) {
+        const int64_t at = lb.length + run;  // the slot this entry takes
+        if (at % bs_ == 0 && at >= lb.capacity(bs_)) {
           if (need++ == 0) first_seq = seq_ids[b], first_layer = l;
-        } else {
+        } else if (run == 0) {
           KV_CHECK(alloc_.refcount(lb.blocks.back()) == 1, what << ": last block of sequence " << seq_ids[b] << " layer "
                                                                 << l << " is shared (copy-on-write not implemented)");
         }
@@ -627,6 +662,7 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
   }
   s.block.resize(static_cast<size_t>(layers * E));
   s.offset.resize(static_cast<size_t>(layers * E));
+  if (s.grouped) s.lengths.resize(static_cast<size_t>(layers * E));
   s.max_blocks.assign(static_cast<size_t>(layers), 0);
   for (int64_t i = 0; i < layers; ++i) {
     const int64_t l = first + i;
@@ -644,6 +680,7 @@ PagedKvCache::Slots PagedKvCache::take_slots(const char* what, const std::vector
         s.offset[i * E + e] = off;
         for (int64_t h = 0; h < kv_; ++h) pos_ptr(blk, h)[off] = static_cast<int32_t>(positions[b]);
         lb.length += 1;
+        if (s.grouped) s.lengths[static_cast<size_t>(i * E + e)] = static_cast<int32_t>(lb.length);
         dev_.set_length(s.rows[e], l, lb.length);
         s.max_blocks[i] = std::max<int64_t>(s.max_blocks[i], static_cast<int64_t>(lb.blocks.size()));
       }
@@ -753,6 +790,10 @@ void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::
            "decode: a batch of " << B << " sequences cannot be padded to " << padded_rows << " rows");
   const int64_t P = std::max(B, padded_rows);
   step_.slots = take_slots("decode", seq_ids, positions, 0, num_layers_);
+  if (step_.slots.grouped && P > B) {
+    for (int64_t b = B - 1; b >= 0; --b) truncate_last(seq_ids[b], 1);  // give the slots back
+    KV_FAIL("decode: a speculative step (a sequence in several entries) cannot be padded to " << padded_rows << " rows");
+  }
   // One kernel row per (sequence, lane), each at its sequence's position.
   std::vector<int32_t> rows = step_.slots.rows;
   std::vector<int64_t> pos;
@@ -822,7 +863,7 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   const int64_t max_blocks = step_.slots.max_blocks[static_cast<size_t>(layer)];
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
-  if (use_cuda_kernels(pool_)) {
+  if (use_cuda_kernels(pool_) && !step_.slots.grouped) {
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
     // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
@@ -834,7 +875,13 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   write_slots(step_.slots.block.data() + layer * E, off, kr.narrow(0, 0, E), vr.narrow(0, 0, E));
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
-  const torch::Tensor lens = dev_.lengths(layer).index_select(0, step_.rows);
+  // A speculative step's entries of one sequence share its table row; each sees the slots up to its
+  // own (causal within the run), so each carries its own length (such a step is never padded).
+  const torch::Tensor lens =
+      step_.slots.grouped
+          ? torch::from_blob(const_cast<int32_t*>(step_.slots.lengths.data()) + layer * E, {E}, torch::kInt32)
+                .to(pool_.device())
+          : dev_.lengths(layer).index_select(0, step_.rows);
   return unlane(stored_attention(qr, table, lens, scale, window));
 }
 

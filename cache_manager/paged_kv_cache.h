@@ -67,9 +67,13 @@ class PagedKvCache {
   // them. The blocks go back to the pool unless another holder (the prefix cache) references them.
   void drop_leading_blocks(int64_t seq_id, int64_t layer, int64_t n);
   // Decode: one token per sequence (k, v [B, KV, D]) at true positions[b] (same for every head).
-  // A block is taken only when a sequence's last block of this layer is full. Duplicate ids are an error.
+  // A block is taken only when a sequence's last block of this layer is full. An id may repeat only
+  // in consecutive entries at consecutive positions (a speculative step's tokens of one sequence).
   void append(int64_t layer, const std::vector<int64_t>& seq_ids, const torch::Tensor& k, const torch::Tensor& v,
               const std::vector<int64_t>& positions);
+  // Drops the last n slots of every layer and lane of a sequence (a speculative step's rejected
+  // tokens), returning the blocks that then hold nothing. n may not exceed any lane's length.
+  void truncate_last(int64_t seq_id, int64_t n);
   // The model's decode hook in one call: append, build the tables, paged attention. q [B, H, D] → [B, H, D].
   torch::Tensor append_and_attend(int64_t layer, const std::vector<int64_t>& seq_ids,
                                   const std::vector<int64_t>& positions, const torch::Tensor& q,
@@ -284,6 +288,10 @@ class PagedKvCache {
     std::vector<int32_t> block;         // [layers * B]
     std::vector<int64_t> offset;        // [layers * B]
     std::vector<int64_t> max_blocks;    // [layers]
+    // A sequence in several consecutive entries (a speculative step): each entry's layer length
+    // after its own append, [layers * B] (empty otherwise).
+    bool grouped = false;
+    std::vector<int32_t> lengths;
   };
   // Append and decode share this: checks the batch, takes the blocks of every layer in the range (or
   // throws the exhaustion error before changing anything), records the positions and advances the

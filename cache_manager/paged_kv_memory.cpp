@@ -891,10 +891,16 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) 
   // Each layer's eviction reads only that layer's cache, which this step has not touched yet, so
   // running them all before the step keeps what evicting layer by layer would, and its peak block
   // count is no higher (decode_demand's bound holds).
-  for (int64_t id : batch.seq_ids) {
+  for (size_t b = 0; b < batch.seq_ids.size(); ++b) {
+    const int64_t id = batch.seq_ids[b];
+    const bool repeated = b > 0 && batch.seq_ids[b - 1] == id;  // a speculative step's later token
     auto it = seqs_.find(id);
     KV_CHECK(it != seqs_.end(), "decode: sequence " << id << " has no KV state");
     SeqState& s = it->second;
+    // Eviction picks its victims at a given length: tokens a speculation may reject would move it.
+    KV_CHECK(!repeated || s.evictors.empty(),
+             "decode: sequence " << id << " evicts during decode and cannot verify several tokens in one step");
+    if (repeated) continue;
     for (int64_t ll = 0; ll < static_cast<int64_t>(s.evictors.size()); ++ll) {
       const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
       if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
@@ -917,6 +923,11 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
 void PagedKvMemory::reset_caches() {
   cache_.drop_cached();
   cache_.reset_high_water();
+}
+
+void PagedKvMemory::truncate(int64_t seq_id, int64_t n) {
+  KV_CHECK(seqs_.count(seq_id) && cache_.has_sequence(seq_id), "truncate: sequence " << seq_id << " has no KV state");
+  cache_.truncate_last(seq_id, n);
 }
 
 void PagedKvMemory::release(int64_t seq_id) {

@@ -58,6 +58,7 @@ class PagedKvMemory final : public KvMemory {
   void select_by_scores(int64_t seq_id, const std::vector<torch::Tensor>& scores) override;
   // Runs the decode-time evictions the step needs, then plans it in the cache (PagedKvCache::begin_decode).
   void begin_decode(const DecodeBatch& batch, int64_t padded_rows = 0) override;
+  void truncate(int64_t seq_id, int64_t n) override;
   torch::Tensor decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                  const torch::Tensor& k, const torch::Tensor& v) override;
   void release(int64_t seq_id) override;

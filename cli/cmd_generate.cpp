@@ -15,6 +15,7 @@
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
 #include "cli/quantization_cli.h"
+#include "cli/speculative_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/policy_cli.h"
 #include "common/check.h"
@@ -44,6 +45,7 @@ struct GenerateArgs {
   std::string prefix_cache = "0";
   std::string kv_cache_dtype = "auto", quantization = "none", tokenizer;
   std::string kv_layout = "auto";
+  std::string speculative_config;  // JSON; empty = none
 };
 
 }  // namespace
@@ -83,6 +85,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--prefix-cache", a->prefix_cache, "host-RAM tier of the prefix cache, e.g. 4GiB (0 = none)");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   add_quantization_option(cmd, a->quantization);
+  add_speculative_option(cmd, a->speculative_config);
   cmd->add_flag("--enforce-eager", a->enforce_eager, "decode without CUDA graphs (they are used on CUDA otherwise)");
   cmd->add_option("--warmup-tokens", a->warmup_tokens,
                   "prompt tokens of the engine's warm-up before the prompts (-1 = auto: the token budget on CUDA, none "
@@ -123,6 +126,8 @@ void add_generate_command(CLI::App& app) {
     eo.enforce_eager = a->enforce_eager;
     eo.warmup_tokens = a->warmup_tokens;
     eo.kv_layout = parse_kv_layout(a->kv_layout);
+    if (!a->speculative_config.empty())
+      eo.speculative = parse_speculative_config_json(a->speculative_config, "--speculative-config");
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
       if (rc != 0) throw CLI::RuntimeError(rc);
@@ -217,6 +222,21 @@ void add_generate_command(CLI::App& app) {
                                      {"decode_steps", warmup.decode_steps}, {"graph_captures", warmup.graph_captures},
                                      {"skipped", warmup.skipped}};
     // Captures after the warm-up's happened while requests decoded (their steps waited for them).
+    // Speculative decoding: drafts verified, their tokens, those accepted; acceptance rate and mean
+    // tokens a verify step emitted (accepted drafts and the one sampled after them).
+    const double drafts = static_cast<double>(stats.spec_decode_num_drafts);
+    const nlohmann::json spec_json{
+        {"config", nlohmann::json::parse(speculative_config_json(eo.speculative))},
+        {"drafts", stats.spec_decode_num_drafts},
+        {"draft_tokens", stats.spec_decode_num_draft_tokens},
+        {"accepted_tokens", stats.spec_decode_num_accepted_tokens},
+        {"accepted_per_position", stats.spec_decode_accepted_per_pos},
+        {"acceptance_rate", stats.spec_decode_num_draft_tokens > 0
+                                ? static_cast<double>(stats.spec_decode_num_accepted_tokens) /
+                                      static_cast<double>(stats.spec_decode_num_draft_tokens)
+                                : 0.0},
+        {"mean_acceptance_length",
+         drafts > 0 ? 1.0 + static_cast<double>(stats.spec_decode_num_accepted_tokens) / drafts : 0.0}};
     const nlohmann::json graphs_json{{"captures", stats.cuda_graph_captures_total},
                                      {"capture_s", stats.cuda_graph_capture_seconds_total},
                                      {"captures_after_warmup", stats.cuda_graph_captures_total - warmup.graph_captures}};
@@ -253,10 +273,11 @@ void add_generate_command(CLI::App& app) {
         out["timings"]["warmup_s"] = warmup.seconds;
         out["warmup"] = warmup_json;
         out["cuda_graphs"] = graphs_json;
+        out["speculative"] = spec_json;
       } else {
         out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
                {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}, {"warmup_s", warmup.seconds},
-               {"warmup", warmup_json}, {"cuda_graphs", graphs_json}};
+               {"warmup", warmup_json}, {"cuda_graphs", graphs_json}, {"speculative", spec_json}};
         for (const auto& r : results) out["results"].push_back(as_json(r));
       }
       std::cout << out.dump() << "\n";

@@ -16,6 +16,7 @@
 #include "cli/commands.h"
 #include "cli/kv_cache_dtype_cli.h"
 #include "cli/quantization_cli.h"
+#include "cli/speculative_cli.h"
 #include "cli/parallel_cli.h"
 #include "cli/serve/config_reloader.h"
 #include "cli/serve/signal_waiter.h"
@@ -38,6 +39,7 @@ struct ServeArgs {
       default_policy;
   std::string kv_cache_dtype;  // empty = the config's cache.kv_cache_dtype
   std::string quantization;    // empty = the config's model.quantization
+  std::string speculative_config;  // JSON; empty = the config's speculative_config
   std::optional<std::string> tokenizer;
   std::string kv_layout;       // empty = the config's cache.kv_layout
   std::optional<int> port, threads;
@@ -68,6 +70,7 @@ EngineOptions engine_options(const config::ServerConfig& cfg) {
   eo.enable_prefix_caching = cfg.cache.enable_prefix_caching;
   eo.enable_context_caching = cfg.cache.enable_context_caching;
   eo.default_policy = cfg.default_policy;
+  eo.speculative = speculative_config(cfg.speculative);
   eo.policies = config::engine_policies(cfg);
   return eo;
 }
@@ -129,6 +132,8 @@ config::ServerConfig resolve_config(const ServeArgs& a, const std::string* text 
   if (a.block_size) c.cache.block_size = *a.block_size;
   if (!a.kv_cache_dtype.empty()) c.cache.kv_cache_dtype = a.kv_cache_dtype;
   if (!a.quantization.empty()) c.model.quantization = a.quantization;
+  if (!a.speculative_config.empty())
+    c.speculative = speculative_section(parse_speculative_config_json(a.speculative_config, "--speculative-config"));
   if (a.tokenizer) c.model.tokenizer = *a.tokenizer;
   if (!a.kv_layout.empty()) c.cache.kv_layout = a.kv_layout;
   if (a.max_num_seqs) c.scheduler.max_num_seqs = *a.max_num_seqs;
@@ -320,6 +325,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--block-size", a->block_size, "KV cache block size in tokens");
   add_kv_cache_dtype_option(cmd, a->kv_cache_dtype);
   add_quantization_option(cmd, a->quantization);
+  add_speculative_option(cmd, a->speculative_config);
   cmd->add_option("--kv-layout", a->kv_layout, "KV block layout: auto, layer, head (sets cache.kv_layout)")
       ->check(CLI::IsMember({"auto", "layer", "head"}));
   cmd->add_option("--max-num-seqs", a->max_num_seqs, "sequences decoding at once");

@@ -611,6 +611,20 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"max_waiting", p.int_of(s.max_waiting, 0, int64_t{1} << 30)},
                                   {"max_queue_time_s", p.number_of(s.max_queue_time_s, 0.0, 1e7)}});
                    })},
+                  {"speculative_config", H([&](const YAML::Node& n, const std::string& path) {
+                     auto& s = c.speculative;
+                     p.parse_map(n, path,
+                                 {{"method", p.string_of(s.method,
+                                                         [](const std::string& v) {
+                                                           return v == "none" || v == "ngram"
+                                                                      ? std::string()
+                                                                      : "must be one of none, ngram; got '" + v + "'";
+                                                         })},
+                                  {"num_speculative_tokens", p.int_of(s.num_speculative_tokens, 0, 64)},
+                                  {"prompt_lookup_min", p.int_of(s.prompt_lookup_min, 1, 64)},
+                                  {"prompt_lookup_max", p.int_of(s.prompt_lookup_max, 1, 64)},
+                                  {"disable_by_batch_size", p.int_of(s.disable_by_batch_size, 0, 1 << 20)}});
+                   })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.parallel;
                      p.parse_map(n, path,

@@ -14,6 +14,8 @@
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
+//   speculative_config: {method: <none|ngram>, num_speculative_tokens, prompt_lookup_min,
+//               prompt_lookup_max, disable_by_batch_size} (vLLM's speculative_config)
 //   rollout:   {default, allow_override, rules: [...]} (see rollout.h and configs/README.md)
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
 // (e.g. `rollout:`) add one entry there and one struct here.
@@ -121,6 +123,16 @@ struct ParallelSection {
   double timeout_s = 20.0;  // every collective; a dead or hung process fails the job after at most this
 };
 
+// Speculative decoding as vLLM's speculative_config (backend/spec_decode/speculative_config.h
+// checks the combination when the engine starts).
+struct SpeculativeSection {
+  std::string method = "none";  // none | ngram
+  int64_t num_speculative_tokens = 0;
+  int64_t prompt_lookup_min = 2;
+  int64_t prompt_lookup_max = 4;
+  int64_t disable_by_batch_size = 0;
+};
+
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies
 // library interprets and validates them.
 struct PolicySpec {
@@ -137,6 +149,7 @@ struct ServerConfig {
   CacheSection cache;
   SchedulerSection scheduler;
   ParallelSection parallel;
+  SpeculativeSection speculative;
   std::map<std::string, PolicySpec> policies;  // always holds at least `full`
   std::string default_policy = "full";
   RolloutConfig rollout;

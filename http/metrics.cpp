@@ -51,6 +51,10 @@ const std::vector<std::pair<std::string, std::string>>& vllm_metric_names() {
       {"kvserve:request_queue_time_seconds", "vllm:request_queue_time_seconds"},
       {"kvserve:prefix_cache_queries_total", "vllm:prefix_cache_queries_total"},
       {"kvserve:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"},
+      {"kvserve:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"},
+      {"kvserve:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total"},
+      {"kvserve:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"},
+      {"kvserve:spec_decode_num_accepted_tokens_per_pos_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"},
   };
   return names;
 }
@@ -217,6 +221,17 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
   counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));
   counter("kvserve:engine_steps_total", "Engine scheduler steps.", static_cast<double>(s.steps_total));
+  counter("kvserve:spec_decode_num_drafts_total", "Speculative decoding: verify steps of a sequence with drafts.",
+          static_cast<double>(s.spec_decode_num_drafts));
+  counter("kvserve:spec_decode_num_draft_tokens_total", "Speculative decoding: draft tokens proposed.",
+          static_cast<double>(s.spec_decode_num_draft_tokens));
+  counter("kvserve:spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens accepted.",
+          static_cast<double>(s.spec_decode_num_accepted_tokens));
+  header(out, "kvserve:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+         "Speculative decoding: draft tokens accepted, per draft position (0 = the first draft).");
+  for (size_t i = 0; i < s.spec_decode_accepted_per_pos.size(); ++i)
+    out += "kvserve:spec_decode_num_accepted_tokens_per_pos_total{" + model + ",position=\"" + std::to_string(i) + "\"} " +
+           fmt(static_cast<double>(s.spec_decode_accepted_per_pos[i])) + "\n";
   counter("kvserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
           static_cast<double>(s.prefix_cache_queries_total));
   counter("kvserve:prefix_cache_hits_total", "Prompt tokens served from the prefix cache.",

@@ -946,6 +946,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
           g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));
         g.kv_policy = policy;
         g.reuse_compressed = r.reuse_compressed;
+        g.speculative = r.speculative;
         g.context_len = contexts[p];
         {
           std::lock_guard<std::mutex> lock(ex->mu);

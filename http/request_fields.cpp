@@ -104,6 +104,7 @@ const std::vector<RequestField> kFields = {
     {"kv_policy", S, S, "", "kvserve: a configured KV policy"},
     {"prefix_reuse", S, S, "", "kvserve: exact, or compressed (continue the conversation's compressed KV)"},
     {"kv_context", S, U, "", "kvserve: the prompts' shared context, compressed once under compress: context"},
+    {"speculative", S, S, "", "kvserve: false decodes this request without the server's speculative decoding"},
 };
 
 #undef KV_GRAMMAR

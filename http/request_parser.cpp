@@ -229,6 +229,7 @@ void parse_common(const json& body, ParsedRequest& r, const ParserLimits& limits
     r.kv_policy = *p;
   }
   r.return_token_ids = get_bool(body, "return_token_ids", false);
+  r.speculative = get_bool(body, "speculative", true);
   if (auto p = get_string(body, "prefix_reuse")) {
     if (*p != "exact" && *p != "compressed")
       bad("prefix_reuse", "'prefix_reuse' must be \"exact\" or \"compressed\", got \"" + *p + "\"");

@@ -57,6 +57,7 @@ struct ParsedRequest {
   std::string user;
   std::string kv_policy;  // empty = not given
   std::optional<bool> reuse_compressed;  // prefix_reuse: "compressed" = true, "exact" = false
+  bool speculative = true;               // false: no speculative decoding for this request
   bool return_token_ids = false;         // vLLM's: the prompt's and each choice's token ids (also streamed)
   std::vector<std::string> bad_words;       // tokenized into sampling.bad_words_ids by the service
   std::optional<bool> add_special_tokens;   // as given (completions default true, chat false)

@@ -1,0 +1,74 @@
+#include "backend/spec_decode/speculative_config.h"
+
+#include <nlohmann/json.hpp>
+
+#include "common/check.h"
+
+namespace kvserve {
+
+void SpeculativeConfig::validate(const std::string& where) const {
+  KV_CHECK(method.empty() || method == "none" || method == "ngram",
+           where << ": method '" << method << "' is not served (ngram, or none)");
+  if (method != "ngram") return;
+  KV_CHECK(num_speculative_tokens >= 1 && num_speculative_tokens <= 64,
+           where << ": num_speculative_tokens must be in [1, 64], got " << num_speculative_tokens);
+  KV_CHECK(prompt_lookup_min >= 1, where << ": prompt_lookup_min must be >= 1, got " << prompt_lookup_min);
+  KV_CHECK(prompt_lookup_max >= prompt_lookup_min,
+           where << ": prompt_lookup_max (" << prompt_lookup_max << ") is below prompt_lookup_min (" << prompt_lookup_min
+                 << ")");
+  KV_CHECK(prompt_lookup_max <= 64, where << ": prompt_lookup_max must be <= 64, got " << prompt_lookup_max);
+  KV_CHECK(disable_by_batch_size >= 0, where << ": disable_by_batch_size must be >= 0, got " << disable_by_batch_size);
+}
+
+SpeculativeConfig parse_speculative_config_json(const std::string& text, const std::string& where) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    KV_FAIL(where << ": not JSON (" << e.what() << ")");
+  }
+  KV_CHECK(j.is_object(), where << ": expected a JSON object such as {\"method\": \"ngram\", \"num_speculative_tokens\": 5}");
+  SpeculativeConfig c;
+  bool min_set = false, max_set = false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    auto integer = [&]() {
+      KV_CHECK(it->is_number_integer(), where << ": " << k << " must be an integer, got " << it->dump());
+      return it->get<int64_t>();
+    };
+    if (k == "method") {
+      KV_CHECK(it->is_string() || it->is_null(), where << ": method must be a string, got " << it->dump());
+      c.method = it->is_null() ? "" : it->get<std::string>();
+    } else if (k == "num_speculative_tokens") {
+      c.num_speculative_tokens = integer();
+    } else if (k == "prompt_lookup_min") {
+      c.prompt_lookup_min = integer();
+      min_set = true;
+    } else if (k == "prompt_lookup_max") {
+      c.prompt_lookup_max = integer();
+      max_set = true;
+    } else if (k == "disable_by_batch_size") {
+      c.disable_by_batch_size = integer();
+    } else {
+      KV_FAIL(where << ": unknown key '" << k
+                    << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)");
+    }
+  }
+  // As vLLM: one bound given alone sets both.
+  if (min_set && !max_set) c.prompt_lookup_max = std::max(c.prompt_lookup_max, c.prompt_lookup_min);
+  if (max_set && !min_set) c.prompt_lookup_min = std::min(c.prompt_lookup_min, c.prompt_lookup_max);
+  c.validate(where);
+  return c;
+}
+
+std::string speculative_config_json(const SpeculativeConfig& c) {
+  if (!c.enabled()) return "null";
+  nlohmann::json j = {{"method", c.method},
+                      {"num_speculative_tokens", c.num_speculative_tokens},
+                      {"prompt_lookup_min", c.prompt_lookup_min},
+                      {"prompt_lookup_max", c.prompt_lookup_max},
+                      {"disable_by_batch_size", c.disable_by_batch_size}};
+  return j.dump();
+}
+
+}  // namespace kvserve

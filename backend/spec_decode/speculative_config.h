@@ -1,0 +1,31 @@
+#pragma once
+// SpeculativeConfig: vLLM's speculative_config for the engine (which proposer drafts, how many
+// tokens), parsed from the JSON of --speculative-config or from the YAML's mapping at the edge.
+#include <cstdint>
+#include <string>
+
+namespace kvserve {
+
+struct SpeculativeConfig {
+  // "" / "none": no speculation; "ngram": prompt lookup over the sequence's prompt and output.
+  std::string method;
+  int64_t num_speculative_tokens = 0;  // drafts per step at most (the adaptive γ starts here)
+  int64_t prompt_lookup_min = 2;       // the shortest suffix n-gram matched
+  int64_t prompt_lookup_max = 4;       // the longest, tried first
+  // No drafts while more than this many sequences decode (0: no limit): a large batch's decode is
+  // compute-bound, so verifying γ + 1 tokens per sequence costs about γ + 1 plain steps.
+  int64_t disable_by_batch_size = 0;
+
+  bool enabled() const { return method == "ngram" && num_speculative_tokens > 0; }
+  // Throws naming `where` and the field when a value is out of range or the method is unknown.
+  void validate(const std::string& where) const;
+};
+
+// Parses a JSON object ({"method": "ngram", "num_speculative_tokens": 5, ...}); errors name `where`
+// (e.g. "--speculative-config") and the key.
+SpeculativeConfig parse_speculative_config_json(const std::string& json, const std::string& where);
+
+// The config as JSON (what /v1/models and generate --json report).
+std::string speculative_config_json(const SpeculativeConfig& c);
+
+}  // namespace kvserve

@@ -1,0 +1,35 @@
+#pragma once
+// --speculative-config: vLLM's flag (a JSON object) for serve and generate, and the YAML section
+// (speculative_config) as the engine's SpeculativeConfig.
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+#include "backend/spec_decode/speculative_config.h"
+#include "configs/server_config.h"
+
+namespace kvserve::cli {
+
+inline CLI::Option* add_speculative_option(CLI::App* cmd, std::string& json) {
+  return cmd->add_option("--speculative-config", json,
+                         "speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                         "5, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup; optional "
+                         "disable_by_batch_size)");
+}
+
+inline SpeculativeConfig speculative_config(const config::SpeculativeSection& s) {
+  SpeculativeConfig c;
+  c.method = s.method == "none" ? "" : s.method;
+  c.num_speculative_tokens = s.num_speculative_tokens;
+  c.prompt_lookup_min = s.prompt_lookup_min;
+  c.prompt_lookup_max = s.prompt_lookup_max;
+  c.disable_by_batch_size = s.disable_by_batch_size;
+  return c;
+}
+
+inline config::SpeculativeSection speculative_section(const SpeculativeConfig& c) {
+  return {c.method.empty() ? "none" : c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max,
+          c.disable_by_batch_size};
+}
+
+}  // namespace kvserve::cli

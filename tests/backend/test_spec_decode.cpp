@@ -1,0 +1,156 @@
+// Speculative decoding's parts without a model: prompt-lookup drafts, the config's JSON, and a
+// verify step in the paged cache (a sequence in several rows attends causally, as one row per step
+// would, and its rejected rows' KV goes back to the pool).
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "backend/spec_decode/ngram_proposer.h"
+#include "backend/spec_decode/speculative_config.h"
+#include "cache_manager/paged_kv_cache.h"
+#include "common/check.h"
+
+namespace kvserve {
+namespace {
+
+using V = std::vector<int64_t>;
+
+TEST(NgramProposer, LatestOccurrenceOfTheLongestSuffix) {
+  // Suffix "7 8" occurs at 1 and 5; the latest (5) is followed by 30 31 7 8.
+  const V prompt{1, 7, 8, 20, 21, 7, 8, 30, 31};
+  const V output{7, 8};
+  EXPECT_EQ(propose_ngram(prompt, output, 3, 2, 4), (V{30, 31, 7}));
+  // The draft stops where the sequence does.
+  EXPECT_EQ(propose_ngram(prompt, output, 10, 2, 4), (V{30, 31, 7, 8}));
+  // A longer n is tried first: "21 7 8" only at 4..6, followed by 30.
+  EXPECT_EQ(propose_ngram(V{5, 21, 7, 8, 9, 6, 7, 8, 40, 21}, V{7, 8}, 2, 2, 3), (V{9, 6}));
+}
+
+TEST(NgramProposer, NoMatchNoDraft) {
+  EXPECT_TRUE(propose_ngram(V{1, 2, 3, 4}, V{5, 6}, 4, 2, 4).empty());
+  EXPECT_TRUE(propose_ngram(V{1, 2, 3}, V{}, 0, 1, 2).empty());  // k = 0
+  EXPECT_TRUE(propose_ngram(V{}, V{3}, 4, 1, 2).empty());
+  // min_n 1: a single repeated token matches.
+  EXPECT_EQ(propose_ngram(V{4, 9, 5}, V{4}, 2, 1, 2), (V{9, 5}));
+}
+
+TEST(SpeculativeConfig, ParsesVllmJson) {
+  const SpeculativeConfig c = parse_speculative_config_json(
+      R"({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2})", "--x");
+  EXPECT_TRUE(c.enabled());
+  EXPECT_EQ(c.num_speculative_tokens, 5);
+  EXPECT_EQ(c.prompt_lookup_min, 2);
+  EXPECT_EQ(c.prompt_lookup_max, 4);
+  // One bound alone sets both where the default would contradict it.
+  EXPECT_EQ(parse_speculative_config_json(R"({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1})", "x")
+                .prompt_lookup_min,
+            1);
+  EXPECT_FALSE(parse_speculative_config_json(R"({"method": "none"})", "x").enabled());
+}
+
+TEST(SpeculativeConfig, ErrorsNameTheFlagAndKey) {
+  auto message = [](const std::string& json) {
+    try {
+      parse_speculative_config_json(json, "--speculative-config");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message("{nope").find("--speculative-config: not JSON"), std::string::npos);
+  EXPECT_NE(message(R"({"method": "eagle", "num_speculative_tokens": 3})").find("method 'eagle' is not served"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "ngram"})").find("num_speculative_tokens must be in [1, 64]"), std::string::npos);
+  EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3})")
+                .find("prompt_lookup_max (3) is below prompt_lookup_min (5)"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": "4"})").find("num_speculative_tokens must be an integer"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 4, "draft_model": "x"})").find("unknown key 'draft_model'"),
+            std::string::npos);
+  EXPECT_NE(message("[1]").find("expected a JSON object"), std::string::npos);
+}
+
+constexpr int64_t kKV = 2, kD = 8, kBS = 4, kH = 4, kLayers = 2;
+
+KvPoolOptions pool_options(bool head_blocks) {
+  KvPoolOptions o;
+  o.num_kv_heads = kKV;
+  o.head_dim = kD;
+  o.block_size = kBS;
+  o.num_blocks = 64;
+  o.head_blocks = head_blocks;
+  return o;
+}
+
+// A cache holding one sequence's 6-token prompt in every layer.
+PagedKvCache with_prompt(bool head_blocks, const torch::Tensor& k, const torch::Tensor& v) {
+  PagedKvCache c(kLayers, pool_options(head_blocks));
+  c.add_sequence(7);
+  const auto pos = torch::arange(6, torch::kLong).view({1, 6}).expand({kKV, 6}).contiguous();
+  for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, k, v, pos);
+  return c;
+}
+
+class VerifyStep : public ::testing::TestWithParam<bool> {};
+
+TEST_P(VerifyStep, RowsOfOneSequenceAttendCausallyAndRejectedRowsGoBack) {
+  torch::manual_seed(3);
+  const torch::Tensor pk = torch::randn({kKV, 6, kD}), pv = torch::randn({kKV, 6, kD});
+  const int64_t T = 5;  // the last token and four drafts: rows cross a block boundary (6 + 5 > 8)
+  const torch::Tensor q = torch::randn({T, kH, kD}), k = torch::randn({T, kKV, kD}), v = torch::randn({T, kKV, kD});
+
+  // One token per step.
+  PagedKvCache plain = with_prompt(GetParam(), pk, pv);
+  std::vector<torch::Tensor> one(static_cast<size_t>(kLayers * T));
+  int64_t used_after_two = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    plain.begin_decode({7}, {6 + t});
+    for (int64_t l = 0; l < kLayers; ++l)
+      one[static_cast<size_t>(l * T + t)] = plain.decode_layer(l, q.narrow(0, t, 1), k.narrow(0, t, 1), v.narrow(0, t, 1));
+    if (t == 1) used_after_two = plain.used_blocks();
+  }
+
+  // All five in one step.
+  PagedKvCache spec = with_prompt(GetParam(), pk, pv);
+  spec.begin_decode({7, 7, 7, 7, 7}, {6, 7, 8, 9, 10});
+  for (int64_t l = 0; l < kLayers; ++l) {
+    const torch::Tensor out = spec.decode_layer(l, q, k, v);
+    for (int64_t t = 0; t < T; ++t)
+      EXPECT_TRUE(torch::allclose(out[t], one[static_cast<size_t>(l * T + t)].squeeze(0), 1e-6, 1e-6))
+          << "layer " << l << " row " << t;
+  }
+  EXPECT_EQ(spec.used_blocks(), plain.used_blocks());
+  spec.check_invariants();
+
+  // Three rejected: the sequence is as after two plain steps, and its emptied block is free again.
+  spec.truncate_last(7, 3);
+  spec.check_invariants();
+  EXPECT_EQ(spec.length(7, 0), 8);
+  EXPECT_EQ(spec.used_blocks(), used_after_two);
+  EXPECT_EQ(spec.positions(7, 1)[0][7].item<int64_t>(), 7);
+  // The next step continues at position 8, as plain decoding's third token did.
+  spec.begin_decode({7}, {8});
+  for (int64_t l = 0; l < kLayers; ++l)
+    EXPECT_TRUE(torch::allclose(spec.decode_layer(l, q.narrow(0, 2, 1), k.narrow(0, 2, 1), v.narrow(0, 2, 1)).squeeze(0),
+                                one[static_cast<size_t>(l * T + 2)].squeeze(0), 1e-6, 1e-6));
+  EXPECT_THROW(spec.truncate_last(7, 100), std::exception);
+  spec.check_invariants();
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, VerifyStep, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("head_blocks") : std::string("per_layer"); });
+
+TEST(VerifyStepBatch, RowsMustBeConsecutive) {
+  torch::manual_seed(1);
+  PagedKvCache c = with_prompt(false, torch::randn({kKV, 6, kD}), torch::randn({kKV, 6, kD}));
+  c.add_sequence(8);
+  EXPECT_THROW(c.begin_decode({7, 8, 7}, {6, 0, 7}), std::exception);  // 7 comes back after 8
+  EXPECT_THROW(c.begin_decode({7, 7}, {6, 8}), std::exception);        // positions skip one
+  EXPECT_THROW(c.begin_decode({7, 7}, {6, 7}, 4), std::exception);     // a verify step is never padded
+  c.check_invariants();
+  EXPECT_EQ(c.length(7, 0), 6);
+}
+
+}  // namespace
+}  // namespace kvserve

@@ -1,0 +1,187 @@
+"""Speculative decoding (issue 49), prompt lookup: one server with `speculative_config`, every request
+compared with the same request sent with `"speculative": false` (plain decoding, one token a step).
+Greedy and seeded sampling give the same tokens, with stop strings, max_tokens, logprobs, penalties,
+structured outputs, n > 1, compressing policies, chunked prefill and preemption; /metrics counts drafts
+and accepted tokens as vLLM names them; `generate --json` reports the acceptance rate."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import subprocess
+
+import pytest
+
+from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
+
+SPEC_YAML = """speculative_config:
+  method: ngram
+  num_speculative_tokens: 5
+  prompt_lookup_min: 1
+  prompt_lookup_max: 3
+"""
+PASSAGE = ("The river runs past the old mill, under the stone bridge, and into the lake. "
+           "Children play on the bridge in summer and skate on the lake in winter. ")
+COPY = "Repeat the passage exactly.\n" + PASSAGE * 3 + "\n" + PASSAGE[:40]
+
+
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def srv(request):
+    """The random-weights fixture (few drafts accepted) and the default model, which copies the passage
+    (most drafts accepted, so runs of accepted tokens meet stop strings, max_tokens and grammars)."""
+    if request.param == "default" and not (DEFAULT_MODEL / "config.json").exists():
+        pytest.skip("the default model is not made (make model)")
+    s = Server(extra_yaml=SPEC_YAML, model=str(DEFAULT_MODEL) if request.param == "default" else None,
+               kv_cache_bytes="256MiB")
+    s.param = request.param
+    yield s
+    s.close()
+
+
+def complete(srv, body: dict) -> dict:
+    body = {"model": "tiny", "return_token_ids": True, **body}
+    status, _, data = raw(srv, "POST", "/v1/completions", json.dumps(body))
+    assert status == 200, data
+    return json.loads(data)
+
+
+def both(srv, body: dict) -> tuple[dict, dict]:
+    """The request with speculation (the server's), then without."""
+    return complete(srv, body), complete(srv, {**body, "speculative": False})
+
+
+def tokens(r: dict) -> list[list[int]]:
+    return [c["token_ids"] for c in r["choices"]]
+
+
+def spec_counts(srv) -> tuple[float, float, float]:
+    m = srv.metrics()
+    return (m["vllm:spec_decode_num_drafts_total"], m["vllm:spec_decode_num_draft_tokens_total"],
+            m["vllm:spec_decode_num_accepted_tokens_total"])
+
+
+def test_greedy_copy_is_token_identical_and_accepts_drafts(srv):
+    before = spec_counts(srv)
+    a, b = both(srv, {"prompt": COPY, "max_tokens": 64, "temperature": 0})
+    assert tokens(a) == tokens(b)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    usage = lambda r: {k: v for k, v in r["usage"].items() if k != "prompt_tokens_details"}  # the second hits the cache
+    assert usage(a) == usage(b)
+    drafts, draft_tokens, accepted = (x - y for x, y in zip(spec_counts(srv), before))
+    assert drafts > 0 and draft_tokens >= drafts and 0 < accepted <= draft_tokens, (drafts, draft_tokens, accepted)
+    if srv.param == "default":  # it copies: verify steps accept runs of drafts
+        assert accepted >= drafts, (drafts, draft_tokens, accepted)
+        assert srv.metrics()['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"}'] > 0
+    m = srv.metrics()
+    assert m['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}'] > 0
+    # The opt-out request verified nothing: one more plain request leaves the counters alone.
+    before = spec_counts(srv)
+    complete(srv, {"prompt": COPY, "max_tokens": 16, "temperature": 0, "speculative": False})
+    assert spec_counts(srv) == before
+
+
+@pytest.mark.parametrize("extra", [
+    {"seed": 2},
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5},
+    {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.4},
+    {"temperature": 0, "logprobs": 3},
+    {"temperature": 0, "stop": ["lake"]},
+    {"temperature": 0, "max_tokens": 7},
+    {"temperature": 0, "min_tokens": 30, "max_tokens": 40},
+    {"temperature": 0.8, "seed": 3, "n": 3},
+    {"temperature": 0, "kv_policy": "snapkv"},
+    {"temperature": 0, "kv_policy": "pyramidkv"},
+])
+def test_same_tokens_as_plain_decoding(srv, extra):
+    body = {"prompt": COPY, "max_tokens": 48, **extra}
+    a, b = both(srv, body)
+    assert tokens(a) == tokens(b), extra
+    for ca, cb in zip(a["choices"], b["choices"]):
+        assert ca["text"] == cb["text"] and ca["finish_reason"] == cb["finish_reason"]
+        if "logprobs" in extra:
+            la, lb = ca["logprobs"], cb["logprobs"]
+            assert la["tokens"] == lb["tokens"]
+            assert la["token_logprobs"] == pytest.approx(lb["token_logprobs"], abs=1e-4)
+            assert [sorted(t) for t in la["top_logprobs"]] == [sorted(t) for t in lb["top_logprobs"]]
+    if "stop" in extra:
+        assert "lake" not in a["choices"][0]["text"]
+    if extra.get("max_tokens") == 7:
+        assert len(tokens(a)[0]) == 7 and a["choices"][0]["finish_reason"] == "length"
+
+
+def test_structured_output_follows_its_grammar_under_speculation(srv):
+    # A regex the passage's copy would break: drafts the grammar refuses are rejected.
+    body = {"prompt": COPY, "max_tokens": 24, "temperature": 0, "guided_regex": "(the river runs )+[a-z ]{0,12}"}
+    a, b = both(srv, body)
+    assert tokens(a) == tokens(b)
+    assert re.fullmatch("(the river runs )+[a-z ]{0,12}", a["choices"][0]["text"]), a["choices"][0]["text"]
+
+
+def test_concurrent_requests_chunked_and_preempted_match(srv):
+    # Many long copy prompts at once in a small pool: chunked prefill, mixed accept counts in one
+    # step, and preemption (recompute) of speculating sequences.
+    small = Server(extra_yaml=SPEC_YAML, kv_cache_bytes="3MiB",
+                   extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
+    try:
+        prompts = [f"Copy {i}: " + PASSAGE * (2 + i % 3) + PASSAGE[: 10 + 7 * i] for i in range(8)]
+
+        def run(i_spec):
+            i, spec = i_spec
+            return tokens(complete(small, {"prompt": prompts[i], "max_tokens": 40, "temperature": 0,
+                                           "speculative": spec}))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            fast = list(pool.map(run, [(i, True) for i in range(8)]))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        assert fast == slow
+        m = small.wait_idle()
+        assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
+    finally:
+        small.close()
+
+
+def test_decode_evicting_policy_decodes_plainly():
+    s = Server(extra_yaml="  streaming:\n    method: streamingllm\n    budget: 32\n    window: 8\n    decode_budget: 40\n"
+               + SPEC_YAML)
+    try:
+        a, b = both(s, {"prompt": COPY, "max_tokens": 40, "temperature": 0, "kv_policy": "streaming"})
+        assert tokens(a) == tokens(b)
+        assert s.metrics()["vllm:spec_decode_num_drafts_total"] == 0
+    finally:
+        s.close()
+
+
+def test_request_field_and_config_errors(srv, tmp_path):
+    status, _, data = raw(srv, "POST", "/v1/completions",
+                          json.dumps({"model": "tiny", "prompt": "x", "speculative": "no"}))
+    assert status == 400 and "speculative" in json.loads(data)["error"]["message"]
+    bad = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x",
+                          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--speculative-config: num_speculative_tokens must be in [1, 64]" in bad.stderr
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model:\n  path: {model_dir()}\nspeculative_config:\n  method: medusa\n")
+    bad = subprocess.run([kvserve_bin(), "serve", "--config", str(cfg), "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "speculative_config.method" in bad.stderr and "medusa" in bad.stderr
+
+
+def test_generate_json_reports_acceptance():
+    out = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", COPY, "--max-tokens", "48",
+                          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    plain = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", COPY, "--max-tokens", "48",
+                            "--json"], capture_output=True, text=True, timeout=300, check=True)
+    j, p = json.loads(out.stdout), json.loads(plain.stdout)
+    assert j["token_ids"] == p["token_ids"]
+    s = j["speculative"]
+    assert s["config"]["method"] == "ngram" and s["config"]["num_speculative_tokens"] == 4
+    assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"] and 0 <= s["acceptance_rate"] <= 1
+    assert s["mean_acceptance_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
+    assert p["speculative"]["config"] is None and p["speculative"]["drafts"] == 0
