@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "backend/model/decoder_model.h"
+#include "backend/spec_decode/draft_verifier.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
@@ -89,6 +90,9 @@ struct ShardCommand {
     return s;
   }
   void put(const StepPlan& p) {
+    std::vector<int64_t> cut_ids, cut_counts;
+    for (const auto& [id, n] : p.truncate) cut_ids.push_back(id), cut_counts.push_back(n);
+    put(cut_ids), put(cut_counts);
     put(p.release), put(p.park), put(p.remove);
     put(static_cast<int64_t>(p.start.size()));
     for (const auto& s : p.start) put(s.seq_id), put(static_cast<int64_t>(s.seed)), put(s.eos_ids), put(s.prompt), put(s.sampling);
@@ -104,6 +108,9 @@ struct ShardCommand {
   }
   StepPlan get_plan() {
     StepPlan p;
+    const std::vector<int64_t> cut_ids = get_vector(), cut_counts = get_vector();
+    KV_CHECK(cut_ids.size() == cut_counts.size(), "malformed command from rank 0");
+    for (size_t i = 0; i < cut_ids.size(); ++i) p.truncate.push_back({cut_ids[i], cut_counts[i]});
     p.release = get_vector();
     p.park = get_vector();
     p.remove = get_vector();
@@ -147,6 +154,7 @@ struct ShardCommand {
 namespace {
 
 constexpr int kSampledTag = 9;
+constexpr int kVerifiedTag = 10;  // a speculative step's tokens per sequence, before the tokens
 
 template <typename... Args>
 ShardCommand command(ShardOp op, const Args&... args) {
@@ -273,6 +281,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   const ShardLayout& layout = exec.layout();
   const int me = world.rank(), src = sampler_rank(layout);
   const bool sampler = me == src;
+  for (const auto& [id, n] : plan.truncate) kv.truncate(id, n);
   for (int64_t id : plan.release) kv.release(id);
   for (int64_t id : plan.park) kv.park(id);
   for (int64_t id : plan.remove) samplers.remove(id);
@@ -280,9 +289,18 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     for (const auto& s : plan.start) samplers.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
 
   std::vector<SampledToken> sampled;
+  // A speculative step: the sampler verifies the drafts; rank 0 learns each sequence's count first.
+  const bool drafts = has_drafts(plan.decode);
+  std::vector<int64_t> counts;
   if (!plan.decode.seq_ids.empty()) {
     auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
-    if (sampler) sampled = samplers.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
+    if (sampler && drafts) {
+      VerifiedTokens v = verify_drafts(samplers, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
+      sampled = std::move(v.tokens);
+      counts = std::move(v.counts);
+    } else if (sampler) {
+      sampled = samplers.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
+    }
   }
   const std::vector<int64_t> hits = agree_prefix_hits(plan, kv, world);
   // Every prompt takes its agreed hit before any of them allocates. A compressed context taken from
@@ -307,10 +325,17 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     if (sampler && w.sample) sampled.push_back(samplers.sample(w.seq_id, logits[0], w.ban_eos));
   }
   if (sampler && me != 0) {
+    if (drafts) world.send_tensor(torch::tensor(counts, torch::kInt64), 0, kVerifiedTag);
     world.send_tensor(pack(sampled), 0, kSampledTag);
     world.wait_sends();
   } else if (me == 0 && !sampler) {
     size_t rows = plan.decode.seq_ids.size();
+    if (drafts) {
+      const torch::Tensor c = world.recv_tensor(src, kVerifiedTag, torch::kCPU);
+      counts.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+      rows = 0;
+      for (int64_t n : counts) rows += static_cast<size_t>(n);
+    }
     for (const auto& w : plan.prefill) rows += w.sample;
     sampled = unpack(world.recv_tensor(src, kSampledTag, torch::kCPU), rows);
   }
@@ -381,7 +406,13 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     result.shards.push_back(std::move(u));
   }
   size_t next = 0;
-  for (size_t i = 0; i < plan.decode.seq_ids.size(); ++i) result.decoded.push_back(std::move(sampled.at(next++)));
+  size_t decoded = plan.decode.seq_ids.size();
+  if (drafts) {
+    decoded = 0;
+    for (int64_t n : counts) decoded += static_cast<size_t>(n);
+    result.decode_counts = counts;
+  }
+  for (size_t i = 0; i < decoded; ++i) result.decoded.push_back(std::move(sampled.at(next++)));
   for (size_t p = 0; p < plan.prefill.size(); ++p) {
     PrefillOutcome o;
     if (plan.prefill[p].sample) o.first = std::move(sampled.at(next++));

@@ -29,6 +29,8 @@ class ShardedRunner final : public ModelRunner {
   // Every shard compresses its layers and heads of a context; rank 0 decides (with the shards'
   // agreement) whether the context comes from the memories' caches.
   bool compressed_contexts() const override { return true; }
+  // Every shard appends a verify step's rows and drops the rejected ones; the sampler rank verifies.
+  bool speculative_decoding() const override { return true; }
 
  private:
   template <typename F>

@@ -142,7 +142,9 @@ TEST(DeviceBlockTables, PagedCacheMirrorsEveryChangeAndADecodeStepIsOneCopy) {
   EXPECT_EQ(c.length(1, 0), 5 + 9);
   EXPECT_EQ(c.length(2, 1), 3 + 9);
   EXPECT_EQ(c.positions(2, 1)[0][-1].item<int64_t>(), 18);
-  EXPECT_THROW(c.begin_decode({1, 1}, {1, 2}), KvError);
+  // A sequence may repeat only in consecutive rows at consecutive positions (a speculative step).
+  EXPECT_THROW(c.begin_decode({1, 2, 1}, {14, 12, 15}), KvError);
+  EXPECT_THROW(c.begin_decode({1, 1}, {14, 16}), KvError);
   EXPECT_THROW(c.begin_decode({1, 99}, {1, 2}), KvError);
 }
 

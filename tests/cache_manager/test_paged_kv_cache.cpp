@@ -150,7 +150,7 @@ TEST(PagedKvCache, AppendAcrossBlockBoundaries) {
   EXPECT_EQ(p[0][3].item<int64_t>(), 50);
   EXPECT_EQ(p[1][8].item<int64_t>(), 55);
   EXPECT_EQ(p[1][2].item<int64_t>(), 16);
-  EXPECT_THROW(c.append(0, {1, 1}, torch::randn({2, kKV, kD}), torch::randn({2, kKV, kD}), {1, 2}), KvError);
+  EXPECT_THROW(c.append(0, {1, 1}, torch::randn({2, kKV, kD}), torch::randn({2, kKV, kD}), {1, 3}), KvError);
   EXPECT_THROW(c.append(0, {1}, torch::randn({1, kKV + 1, kD}), torch::randn({1, kKV + 1, kD}), {1}), KvError);
   EXPECT_THROW(c.append(0, {3}, torch::randn({1, kKV, kD}), torch::randn({1, kKV, kD}), {1}), KvError);
   c.release(1);

@@ -152,6 +152,19 @@ TEST(ServerConfig, DefaultYamlIsValid) {
   EXPECT_EQ(c.model.path, "models/smollm2-135m-instruct");
   EXPECT_EQ(c.model_name(), "smollm2-135m-instruct");
   EXPECT_EQ(c.cache.kv_cache_dtype, "auto");
+  EXPECT_EQ(c.speculative.method, "none");
+}
+
+TEST(ServerConfig, SpeculativeConfigSection) {
+  auto c = parse_server_config(
+      "speculative_config:\n  method: ngram\n  num_speculative_tokens: 5\n  prompt_lookup_min: 1\n"
+      "  prompt_lookup_max: 3\n  disable_by_batch_size: 16\n",
+      "spec.yaml");
+  EXPECT_EQ(c.speculative.method, "ngram");
+  EXPECT_EQ(c.speculative.num_speculative_tokens, 5);
+  EXPECT_EQ(c.speculative.prompt_lookup_min, 1);
+  EXPECT_EQ(c.speculative.prompt_lookup_max, 3);
+  EXPECT_EQ(c.speculative.disable_by_batch_size, 16);
 }
 
 struct BadCase {
@@ -198,6 +211,12 @@ const BadCase kBadCases[] = {
     {"bad_cpu_gemm", "model:\n  cpu_gemm: openblas\n", 2, "model.cpu_gemm", "mkl, onednn; got 'openblas'"},
     {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
     {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
+    {"spec_method", "speculative_config:\n  method: eagle\n", 2, "speculative_config.method",
+     "none, ngram; got 'eagle'"},
+    {"spec_tokens", "speculative_config:\n  method: ngram\n  num_speculative_tokens: 65\n", 3,
+     "speculative_config.num_speculative_tokens", "between 0"},
+    {"spec_key", "speculative_config:\n  draft_model: x\n", 2, "speculative_config.draft_model",
+     "valid keys in 'speculative_config'"},
     {"bad_prefix_cache_bytes", "cache:\n  prefix_cache_bytes: lots\n", 2, "cache.prefix_cache_bytes", "is not a size"},
     {"prefix_cache_bytes_list", "cache:\n  prefix_cache_bytes: [1GiB]\n", 2, "cache.prefix_cache_bytes", "a size"},
     {"bad_kv_cache_dtype", "cache:\n  block_size: 16\n  kv_cache_dtype: int2\n", 3, "cache.kv_cache_dtype",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import pathlib
 import re
 import subprocess
 
@@ -185,3 +187,29 @@ def test_generate_json_reports_acceptance():
     assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"] and 0 <= s["acceptance_rate"] <= 1
     assert s["mean_acceptance_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
     assert p["speculative"]["config"] is None and p["speculative"]["drafts"] == 0
+
+
+@pytest.mark.parametrize("layout", [("--tp", "2"), ("--pp", "2", "--micro-batches", "2")])
+def test_sharded_speculation_matches_plain(layout):
+    # Every shard appends a verify step's rows and drops the rejected ones; the sampling rank
+    # verifies and tells rank 0 each sequence's count. Concurrent requests split the step's rows
+    # into pipeline micro-batches.
+    fixtures = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
+    if not (fixtures / "llama-kvfew" / "config.json").exists():
+        pytest.skip("no llama-kvfew fixture")
+    s = Server(model=str(fixtures / "llama-kvfew"), extra_yaml=SPEC_YAML, extra_args=layout)
+    try:
+        prompts = [COPY[i * 7:] for i in range(4)]
+
+        def run(i_spec):
+            i, spec = i_spec
+            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 32, "temperature": 0, "speculative": spec}))
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            fast = list(pool.map(run, [(i, True) for i in range(4)]))
+        slow = [run((i, False)) for i in range(4)]
+        assert fast == slow
+        m = s.wait_idle()
+        assert m["vllm:spec_decode_num_drafts_total"] > 0
+    finally:
+        s.close()

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Speculative decoding (prompt lookup) against plain decoding, one `kvserve generate` binary, rounds
+interleaved (plain, speculative, plain, ...) so that machine noise hits both alike.
+
+Workloads (paragraphs of the repository's docs and of ../shared/papers as passages):
+- copy:    the passage, then "Repeat the text above word for word:" and its first words: the model
+           copies, prompt lookup drafts what it copies;
+- nocopy:  an open question with nothing to copy from (the prompt shares few n-grams with the answer).
+At batch 1 each prompt runs alone (decode tokens/s over the prompts); at batch B the prompts run
+together (`--prompts-file`). Every run is greedy; the tokens of both modes are compared (exactness).
+
+Usage: python3 bench/bench_spec_decode.py [--model models/smollm2-135m-instruct] [--prompts 8]
+           [--batches 1,8] [--exactness 200] [--out docs/benchmarks-speculative.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+QUESTIONS = ["Write a short story about a dragon who learns to bake bread.",
+             "List five ideas for a birthday party for a ten-year-old.",
+             "Explain why the sky is blue to a child.",
+             "What are the benefits of learning a second language?",
+             "Describe your perfect weekend in the mountains.",
+             "Give three tips for writing a good cover letter.",
+             "Why do cats purr? Answer in a few sentences.",
+             "Plan a three-day trip to Rome for a family."]
+
+
+def passages(n: int) -> list[str]:
+    out = []
+    files = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"] + sorted((REPO.parent / "shared" / "papers").glob("*.txt"))
+    for f in files:
+        for p in re.split(r"\n\s*\n", f.read_text(errors="replace")):
+            p = " ".join(p.split())
+            if 200 <= len(p) <= 700 and not p.startswith(("|", "#", "```", "-", "*", ">")):
+                out.append(p)
+    assert len(out) >= n, f"only {len(out)} passages"
+    return out[:n]
+
+
+def copy_prompt(p: str) -> str:
+    return f"{p}\n\nRepeat the text above word for word:\n{' '.join(p.split()[:4])}"
+
+
+def run(binary: str, model: str, prompts: list[str], max_tokens: int, spec: bool) -> list[dict]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [binary, "generate", "--model", model, "--prompts-file", f.name, "--max-tokens", str(max_tokens),
+           "--temperature", "0", "--json"]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(SPEC)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    os.unlink(f.name)
+    return json.loads(out.stdout)
+
+
+def decode_rate(results: list[dict]) -> float:
+    """Generated tokens after the first per second of decode, over results that ran together."""
+    first = max(r["timings"]["time_to_first_token_s"] for r in results)
+    end = max(r["timings"]["time_to_first_token_s"] + r["timings"]["decode_s"] for r in results)
+    toks = sum(r["completion_tokens"] for r in results) - len(results)
+    return toks / (end - first) if end > first else 0.0
+
+
+def measure(binary, model, prompts, batch, max_tokens, rounds):
+    """Per mode: median tokens/s over rounds, the last round's token ids and speculation report."""
+    rates = {False: [], True: []}
+    ids, spec_report = {}, None
+    for _ in range(rounds):
+        for spec in (False, True):
+            if batch == 1:
+                toks = secs = 0.0
+                got = []
+                drafts = draft_tokens = accepted = 0
+                for p in prompts:
+                    j = run(binary, model, [p], max_tokens, spec)
+                    r = j["results"][0]
+                    got.append(r["token_ids"])
+                    toks += r["completion_tokens"] - 1
+                    secs += r["timings"]["decode_s"]
+                    s = j["speculative"]
+                    drafts, draft_tokens, accepted = drafts + s["drafts"], draft_tokens + s["draft_tokens"], accepted + s["accepted_tokens"]
+                rates[spec].append(toks / secs)
+                rep = {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted}
+            else:
+                j = run(binary, model, prompts[:batch], max_tokens, spec)
+                got = [r["token_ids"] for r in j["results"]]
+                rates[spec].append(decode_rate(j["results"]))
+                s = j["speculative"]
+                rep = {k: s[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+            ids[spec] = got
+            if spec:
+                spec_report = rep
+    same = sum(a == b for a, b in zip(ids[False], ids[True]))
+    return statistics.median(rates[False]), statistics.median(rates[True]), spec_report, same, len(ids[False])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--binary", default=str(REPO / "build" / "kvserve"))
+    ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--exactness", type=int, default=0, help="greedy prompts compared at batch 16 (0: skip)")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    lines = [f"Config: `{json.dumps(SPEC)}`, greedy, {a.max_tokens} new tokens, {a.rounds} interleaved rounds "
+             f"(median), model `{pathlib.Path(a.model).name}`.", "",
+             "| workload | batch | plain tok/s | speculative tok/s | ratio | drafts | draft tokens | accepted | "
+             "acceptance | mean accepted length | identical outputs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    work = {"copy": [copy_prompt(p) for p in passages(a.prompts)],
+            "nocopy": (QUESTIONS * (a.prompts // len(QUESTIONS) + 1))[:a.prompts]}
+    for name, prompts in work.items():
+        for batch in [int(b) for b in a.batches.split(",")]:
+            plain, spec, rep, same, n = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds)
+            acc = rep["accepted_tokens"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0
+            mal = 1 + rep["accepted_tokens"] / rep["drafts"] if rep["drafts"] else 0.0
+            lines.append(f"| {name} | {batch} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f} | {rep['drafts']} | "
+                         f"{rep['draft_tokens']} | {rep['accepted_tokens']} | {acc:.2f} | {mal:.2f} | {same}/{n} |")
+            print(lines[-1], flush=True)
+    if a.exactness:
+        ps = [copy_prompt(p) for p in passages(a.exactness // 2)] + \
+             [f"Question {i}: {q}" for i, q in enumerate((QUESTIONS * (a.exactness // len(QUESTIONS) + 1))[:a.exactness - a.exactness // 2])]
+        same = total = 0
+        diffs = []
+        for i in range(0, len(ps), 16):
+            chunk = ps[i:i + 16]
+            x = [r["token_ids"] for r in run(a.binary, a.model, chunk, 64, False)["results"]]
+            y = [r["token_ids"] for r in run(a.binary, a.model, chunk, 64, True)["results"]]
+            for k, (u, v) in enumerate(zip(x, y)):
+                total += 1
+                if u == v:
+                    same += 1
+                else:
+                    at = next((t for t, (p, q) in enumerate(zip(u, v)) if p != q), min(len(u), len(v)))
+                    diffs.append((i + k, at))
+        lines += ["", f"Exactness: {same}/{total} greedy outputs (64 tokens, batches of 16) token-identical "
+                      f"with and without speculation; first differing token of the others (prompt, index): {diffs}."]
+        print(lines[-1], flush=True)
+    if a.out:
+        pathlib.Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
