@@ -280,10 +280,12 @@ struct Exchange {
   }
 
   // A streamed chunk's usage: the counts so far with continuous_usage_stats (vLLM's), null when only
-  // the last chunk carries it (include_usage, OpenAI's shape), else none.
-  void add_chunk_usage(json& chunk) const {
+  // the last chunk carries it (include_usage, OpenAI's shape), else none. `opening`: a chat stream's
+  // role chunk, which goes before every token chunk (tokens that came first wait in `pending`).
+  void add_chunk_usage(json& chunk, bool opening = false) const {
     if (req.continuous_usage) {
-      const auto [prompt, completion] = token_counts();
+      auto [prompt, completion] = token_counts();
+      if (opening) completion = 0;
       chunk["usage"] = {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
     } else if (req.include_usage) {
       chunk["usage"] = nullptr;
@@ -985,7 +987,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
       for (size_t i = 0; i < total; ++i) {
         json chunk = ex->chunk_base();
         chunk["choices"] = json::array({{{"index", i}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
-        ex->add_chunk_usage(chunk);
+        ex->add_chunk_usage(chunk, /*opening=*/true);
         channel->stream(sse(chunk));
       }
     }
