@@ -95,9 +95,9 @@ def test_greedy_copy_is_token_identical_and_accepts_drafts(srv):
     {"temperature": 0, "max_tokens": 7},
     {"temperature": 0, "min_tokens": 30, "max_tokens": 40},
     {"temperature": 0.8, "seed": 3, "n": 3},
-    # Twenty seeded streams (seed + k each): every one draws the same tokens as without speculation,
+    # Sixteen seeded streams (seed + k each): every one draws the same tokens as without speculation,
     # which is the sampling distribution's equality sample by sample.
-    {"temperature": 1.0, "seed": 100, "n": 20, "max_tokens": 24},
+    {"temperature": 1.0, "seed": 100, "n": 16, "max_tokens": 24},
     {"temperature": 0, "kv_policy": "snapkv"},
     {"temperature": 0, "kv_policy": "pyramidkv"},
 ])
