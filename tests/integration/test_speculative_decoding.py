@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
 
 import pytest
@@ -216,3 +217,36 @@ def test_sharded_speculation_matches_plain(layout):
         assert m["vllm:spec_decode_num_drafts_total"] > 0
     finally:
         s.close()
+
+
+def test_disconnects_and_finishes_mid_verify_free_every_block(srv):
+    # Streams cut after a few chunks (their sequences cancelled between a verify step and the
+    # truncation of its rejected rows) beside streams that run to a stop string inside a run of
+    # accepted drafts: once all are over, no block is held and the server still answers.
+    def cut(i: int) -> None:
+        body = json.dumps({"model": "tiny", "prompt": COPY[i:], "max_tokens": 200, "stream": True,
+                           "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b"data: ") < 2 + i % 5:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        sock.close()
+
+    def stop(i: int) -> str:
+        return complete(srv, {"prompt": COPY[i:], "max_tokens": 60, "temperature": 0, "stop": ["bridge", "lake"]})[
+            "choices"][0]["finish_reason"]
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        cuts = [pool.submit(cut, i) for i in range(6)]
+        stops = [pool.submit(stop, i) for i in range(6)]
+        for f in cuts:
+            f.result()
+        assert {f.result() for f in stops} <= {"stop", "length"}
+    m = srv.wait_idle(30)
+    assert m["kvserve:kv_cache_blocks_used"] == 0
+    assert raw(srv, "GET", "/health")[0] == 200
