@@ -41,19 +41,19 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       // A speculative step (drafts as further rows of their sequences) runs eagerly: a CUDA graph
       // captures one row per sequence.
       const bool drafts = has_drafts(plan.decode);
-      std::vector<int64_t> ids = plan.decode.seq_ids;
-      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-      samplers_.prepare(ids);  // grammar masks, beside the forward
+      if (drafts) {
+        std::vector<int64_t> ids = plan.decode.seq_ids;
+        ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+        samplers_.prepare(ids);  // grammar masks of the first verified rows, beside the forward
+      } else {
+        samplers_.prepare(plan.decode.seq_ids);  // grammar masks, beside the forward
+      }
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
       torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, plan.decode_tokens)
                                                 : model_->decode(plan.decode, plan.decode_tokens, *kv_);
-      if (drafts) {
-        VerifiedTokens v = verify_drafts(samplers_, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
-        r.decoded = std::move(v.tokens);
-        r.decode_counts = std::move(v.counts);
-      } else {
-        r.decoded = samplers_.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
-      }
+      VerifiedTokens v = verify_drafts(samplers_, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
+      r.decoded = std::move(v.tokens);
+      r.decode_counts = std::move(v.counts);
     } catch (const std::exception& e) {
       r.decoded.clear();
       r.decode_counts.clear();

@@ -241,20 +241,16 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     const auto made = static_cast<int64_t>(s->output.size());
     const int64_t k = std::min(s->spec_k > 0 ? s->spec_k : spec.num_speculative_tokens, s->req.sampling.max_tokens - made - 1);
     if (k <= 0) continue;
-    std::vector<int64_t> extra(S);
-    bool room = true;
-    for (size_t i = 0; i < S; ++i) {
+    auto draft_blocks = [&](size_t i, int64_t n) {
       const auto& g = shards_[i].usage.geometry;
-      extra[i] = g.num_layers * g.lanes() * blocks_for_tokens(k, g.block_size);
-      room = room && extra[i] <= free[i];
-    }
+      return g.num_layers * g.lanes() * blocks_for_tokens(n, g.block_size);
+    };
+    bool room = true;
+    for (size_t i = 0; i < S; ++i) room = room && draft_blocks(i, k) <= free[i];
     if (!room) continue;
     const std::vector<int64_t> draft = propose(*s, k);
     if (draft.empty()) continue;
-    for (size_t i = 0; i < S; ++i) {
-      const auto& g = shards_[i].usage.geometry;
-      free[i] -= g.num_layers * g.lanes() * blocks_for_tokens(static_cast<int64_t>(draft.size()), g.block_size);
-    }
+    for (size_t i = 0; i < S; ++i) free[i] -= draft_blocks(i, static_cast<int64_t>(draft.size()));
     const int64_t min_tokens = s->req.sampling.ignore_eos ? 0 : s->req.sampling.min_tokens;
     for (size_t j = 0; j < draft.size(); ++j) {
       plan.decode.seq_ids.push_back(s->id);

@@ -294,12 +294,10 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   std::vector<int64_t> counts;
   if (!plan.decode.seq_ids.empty()) {
     auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
-    if (sampler && drafts) {
+    if (sampler) {
       VerifiedTokens v = verify_drafts(samplers, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
       sampled = std::move(v.tokens);
       counts = std::move(v.counts);
-    } else if (sampler) {
-      sampled = samplers.sample_batch(plan.decode.seq_ids, logits, plan.decode_ban_eos);
     }
   }
   const std::vector<int64_t> hits = agree_prefix_hits(plan, kv, world);

@@ -55,7 +55,7 @@ VerifiedTokens verify_drafts(SamplerBank& samplers, const DecodeBatch& batch, co
   }
   VerifiedTokens out;
   for (size_t g = 0; g < S; ++g) {
-    out.counts.push_back(static_cast<int64_t>(emitted[g].size()));
+    if (S < R) out.counts.push_back(static_cast<int64_t>(emitted[g].size()));
     for (auto& t : emitted[g]) out.tokens.push_back(std::move(t));
   }
   return out;

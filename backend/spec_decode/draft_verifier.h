@@ -11,7 +11,8 @@
 
 namespace kvserve {
 
-// What a decode step's sequences emitted: tokens sequence after sequence, counts per sequence.
+// What a decode step's sequences emitted: tokens sequence after sequence, counts per sequence
+// (empty for a step without drafts: one token per row).
 struct VerifiedTokens {
   std::vector<SampledToken> tokens;
   std::vector<int64_t> counts;
@@ -28,6 +29,7 @@ bool has_drafts(const DecodeBatch& batch);
 // exactly rejection sampling with a one-hot draft distribution: every emitted token is distributed
 // as plain decoding's, and with a seeded request it is the same token (one uniform per emitted
 // token, as plain decoding draws). logits: fp32 [rows, V] of the batch's rows; ban_eos per row.
+// A step without drafts is one sample_batch of every row.
 VerifiedTokens verify_drafts(SamplerBank& samplers, const DecodeBatch& batch, const std::vector<int64_t>& tokens,
                              const torch::Tensor& logits, const std::vector<char>& ban_eos);
 
