@@ -270,6 +270,18 @@ void Engine::loop() {
   ModelRunner& runner = *im.runner;
   bool live = true;  // false once the runner failed for good
 
+  // Whether the sequence's request was cancelled since this step began (or the engine stops without draining).
+  auto cancelled = [&](const Sequence& s) {
+    std::lock_guard<std::mutex> lk(im.mu);
+    return (im.stopping && !im.drain) || im.cancels.count(s.req.request_id) > 0;
+  };
+  // A long prefill stops between layers once its client left, rather than at the step's end.
+  runner.set_cancel_check([&](std::span<const int64_t> ids) {
+    return std::any_of(ids.begin(), ids.end(), [&](int64_t id) {
+      const Sequence* s = sched.running(id);
+      return s && cancelled(*s);
+    });
+  });
   // One step: cancellations, the plan, the runner, the events. True = the loop is done.
   auto step = [&](const std::unordered_set<std::string>& cancels, bool stopping, bool drain) -> bool {
     // Cancellations (and a non-draining shutdown) free their blocks in the next plan.
@@ -298,7 +310,9 @@ void Engine::loop() {
       if (finished.count(o.seq)) continue;
       finished.insert(o.seq);  // until it is known to go on
       if (!o.error.empty()) {
-        out.finish(*sched.finish(o.seq->id), "error", o.error);
+        // A prefill stopped because its client left (the runner's cancel check) ends as the cancel would.
+        if (cancelled(*o.seq)) out.finish(*sched.finish(o.seq->id), "abort");
+        else out.finish(*sched.finish(o.seq->id), "error", o.error);
         continue;
       }
       ++generated;
@@ -404,6 +418,7 @@ void Engine::loop() {
       mark_unhealthy(e.what());
     }
   }
+  runner.set_cancel_check(nullptr);
   if (live) {
     try {
       runner.stop();

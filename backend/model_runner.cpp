@@ -29,6 +29,8 @@ int64_t LocalRunner::graph_captures() const { return graphs_ ? graphs_->stats().
 
 double LocalRunner::graph_capture_s() const { return graphs_ ? graphs_->stats().capture_s : 0; }
 
+void LocalRunner::set_cancel_check(CancelCheck check) { model_->set_cancel_check(std::move(check)); }
+
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
   for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
@@ -108,6 +110,8 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       for (size_t i = g; i < end; ++i) batch.push_back(input(plan.prefill[i]));
       try {
         group_logits = model_->prefill_batch(batch, *kv_);
+      } catch (const PrefillCancelled&) {
+        // One of them was cancelled: the rest run one by one below, the cancelled one stops at once.
       } catch (const std::exception& e) {
         KV_LOG("a prefill of " << end - g << " prompts failed (" << e.what() << "); running them one by one");
       }

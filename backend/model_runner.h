@@ -1,6 +1,7 @@
 #pragma once
 // ModelRunner: executes the scheduler's StepPlans on the model and its KV memory. LocalRunner is one
 // process; ShardedRunner (backend/sharded/) drives every shard of a tensor x pipeline parallel job.
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -36,6 +37,12 @@ class ModelRunner {
   // prompts: its pipeline stages would have to pass each chunk's hidden states and its KV shards
   // run the selection together, which is not built yet.
   virtual bool chunked_prefill() const { return false; }
+  // Asked between the layers of a prefill with the sequences it runs; true stops that prefill, which
+  // then reports an error for them (their KV freed). Only where one process runs every layer: shards
+  // that run layers together cannot stop alone, so the default ignores it and a cancellation waits
+  // for the step's end.
+  using CancelCheck = std::function<bool(std::span<const int64_t> seq_ids)>;
+  virtual void set_cancel_check(CancelCheck check) { (void)check; }
   // Whether it verifies drafts (a sequence in several decode rows, StepPlan::truncate).
   virtual bool speculative_decoding() const { return false; }
   // Whether prompts may compress their context alone (PrefillWork::context_len).
@@ -75,6 +82,7 @@ class LocalRunner final : public ModelRunner {
   ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
+  void set_cancel_check(CancelCheck check) override;
   bool speculative_decoding() const override { return true; }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }

@@ -24,6 +24,11 @@ std::vector<std::unique_ptr<Sequence>> Scheduler::take_if(const std::function<bo
   return out;
 }
 
+const Sequence* Scheduler::running(int64_t seq_id) const {
+  auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->id == seq_id; });
+  return it == running_.end() ? nullptr : it->get();
+}
+
 std::unique_ptr<Sequence> Scheduler::finish(int64_t seq_id, bool completed) {
   auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& s) { return s->id == seq_id; });
   KV_CHECK(it != running_.end(), "internal: sequence " << seq_id << " is not running");

@@ -99,6 +99,8 @@ class Scheduler {
   std::vector<Output> update(const StepPlan& plan, StepResult result);
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
+  // The running (or prefilling) sequence with this id, or null.
+  const Sequence* running(int64_t seq_id) const;
   // KV or samplers of finished sequences still to free (the next plan does it).
   bool has_pending() const { return !release_.empty() || !park_.empty() || !remove_.empty() || !truncate_.empty(); }
   const SpecCounters& spec_counters() const { return spec_; }

@@ -413,6 +413,7 @@ torch::Tensor DecoderModel::prefill_layers_batch(const std::vector<int64_t>& seq
   // Each residual add waits in `pending` for the norm after it (add_norm).
   torch::Tensor pending;
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
+    check_cancelled();
     const Layer& l = layer(li);
     const int64_t window = config_.layer_window(li);
     auto h = add_norm(x, pending, l.input_norm);
@@ -487,6 +488,7 @@ torch::Tensor DecoderModel::detached_layers(torch::Tensor x, int64_t start, cons
       local_rope_ ? local_rope_->prefill_angles(positions, {start}, {n}, x.scalar_type()) : RopeAngles{};
   torch::Tensor pending;  // the residual add deferred into the next norm (add_norm)
   for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) {
+    check_cancelled();
     const Layer& l = layer(li);
     const int64_t window = config_.layer_window(li);
     auto qkv = linear(add_norm(x, pending, l.input_norm), l.wqkv, l.bqkv, gemm_);
@@ -587,6 +589,11 @@ torch::Tensor DecoderModel::prefill(int64_t seq_id, const std::vector<int64_t>& 
   return prefill_batch({PrefillInput{seq_id, tokens, policy}}, kv, all_logits);
 }
 
+void DecoderModel::check_cancelled() const {
+  if (!cancel_check_ || prefilling_.empty() || !cancel_check_(prefilling_)) return;
+  throw PrefillCancelled(prefilling_.front());
+}
+
 torch::Tensor DecoderModel::prefill_batch(const std::vector<PrefillInput>& seqs_in, KvMemory& kv, bool all_logits) {
   torch::NoGradGuard ng;
   KV_CHECK(layout_.pp_size == 1, "internal: DecoderModel::prefill runs a whole pipeline; use the sharded executor");
@@ -605,6 +612,12 @@ torch::Tensor DecoderModel::prefill_batch(const std::vector<PrefillInput>& seqs_
   // continues a prompt (its earlier chunks' KV is useless without this one).
   std::vector<char> owned(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) owned[i] = seqs[i].start > 0;
+  prefilling_.clear();
+  for (const auto& s : seqs) prefilling_.push_back(s.seq_id);
+  struct Clear {
+    std::vector<int64_t>& ids;
+    ~Clear() { ids.clear(); }
+  } clear{prefilling_};
   try {
     for (auto& s : seqs) {
       KV_CHECK(std::all_of(s.tokens.begin(), s.tokens.end(), [&](int64_t t) { return t >= 0 && t < config_.vocab_size; }),

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,13 @@ struct PrefillInput {
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }
+};
+
+// Thrown between layers of a prefill whose sequence was cancelled (DecoderModel::set_cancel_check):
+// the prefill's usual failure path frees its KV, and the engine finishes the request as aborted.
+struct PrefillCancelled : std::runtime_error {
+  explicit PrefillCancelled(int64_t seq_id)
+      : std::runtime_error("the prefill of sequence " + std::to_string(seq_id) + " was cancelled") {}
 };
 
 // How to load a checkpoint: device, compute dtype (default fp32 on CPU, bf16 on CUDA), progress output.
@@ -161,6 +169,12 @@ class DecoderModel {
   // Decode steps add their stages' wall time to `profile` (null: off). CPU only: on CUDA the
   // stages would time kernel launches, not kernels.
   void set_profile(StepProfile* profile) { profile_ = profile; }
+  // Asked before every layer of a prefill (and of kvzip's passes over it) with the sequences the
+  // prefill runs: when it answers true the prefill stops there with PrefillCancelled, so that a
+  // client that left mid-prompt does not hold the engine for the rest of a long forward. A whole
+  // model only: tensor-parallel shards run their layers together and must not stop alone.
+  using CancelCheck = std::function<bool(std::span<const int64_t> seq_ids)>;
+  void set_cancel_check(CancelCheck check) { cancel_check_ = std::move(check); }
 
  private:
   struct Layer {
@@ -240,6 +254,10 @@ class DecoderModel {
   ShardLayout layout_;
   std::shared_ptr<parallel::ProcessGroup> tp_;
   StepProfile* profile_ = nullptr;
+  CancelCheck cancel_check_;
+  std::vector<int64_t> prefilling_;  // the sequences of the running prefill_batch, for cancel_check_
+  // Throws PrefillCancelled when cancel_check_ says one of prefilling_ was cancelled.
+  void check_cancelled() const;
   std::map<std::string, std::unique_ptr<KvzapPredictor>> kvzap_predictors_;
 };
 

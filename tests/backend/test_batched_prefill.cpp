@@ -4,6 +4,7 @@
 // positions every KV policy keeps, and LocalRunner's one-by-one fallback when a batch fails.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -276,6 +277,51 @@ TEST(BatchedPrefillFailure, BadTokenFailsOnlyItsPrompt) {
   EXPECT_NE(r.prefilled.at(1).error.find("token id out of range"), std::string::npos) << r.prefilled[1].error;
   EXPECT_TRUE(r.prefilled.at(2).error.empty()) << r.prefilled[2].error;
   EXPECT_EQ(r.shards.at(0).held, (std::vector<int64_t>{2, 0, 4}));
+}
+
+// A client that leaves mid-prompt: the runner's cancel check stops its prefill between layers, the
+// batch's other prompts run one by one and get the first token they get uncancelled, and the
+// cancelled one holds no KV. The check sees the prefill's sequences before every layer.
+TEST(BatchedPrefillFailure, CancelledPromptStopsBetweenLayers) {
+  const std::string dir = fixture("llama-gqa");
+  if (dir.empty()) GTEST_SKIP() << "no $KVSERVE_FIXTURES/llama-gqa";
+  auto model = DecoderModel::load(dir, LoadOptions{"cpu", "", false});
+  const std::vector<int64_t> lens = {17, 300, 40};
+  const auto prompts = make_prompts(lens, model->config().vocab_size);
+  LocalRunner runner(model, make_memory(*model, full_blocks(*model, lens)));
+  int64_t asked = 0, asked_for_cancelled = 0;
+  runner.set_cancel_check([&](std::span<const int64_t> ids) {
+    ++asked;
+    const bool hit = std::find(ids.begin(), ids.end(), 11) != ids.end();
+    asked_for_cancelled += hit;
+    return hit && asked_for_cancelled > 1;  // sequence 11 is cancelled once its first layer ran
+  });
+  StepPlan plan;
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t id = static_cast<int64_t>(i) + 10;
+    plan.start.push_back({id, greedy, prompts[i], 0, {}});
+    plan.prefill.push_back({id, prompts[i], "", true, false});
+  }
+  const StepResult r = runner.execute(plan);
+  ASSERT_EQ(r.prefilled.size(), 3u);
+  EXPECT_NE(r.prefilled[1].error.find("cancelled"), std::string::npos) << r.prefilled[1].error;
+  EXPECT_EQ(r.shards.at(0).held, (std::vector<int64_t>{4, 0, 6}));
+  // Two layers: the batch stopped at its second, then each prompt ran alone (the cancelled one
+  // stopped before its first).
+  EXPECT_EQ(asked, 2 + 2 + 1 + 2);
+  for (size_t i : {0u, 2u}) {
+    ASSERT_TRUE(r.prefilled[i].error.empty()) << r.prefilled[i].error;
+    auto kv = make_memory(*model, full_blocks(*model, lens));
+    EXPECT_EQ(r.prefilled[i].first->token, model->prefill(0, prompts[i], *kv)[0].argmax().item<int64_t>()) << i;
+  }
+  // Without a check nothing stops.
+  runner.set_cancel_check(nullptr);
+  StepPlan again;
+  again.start.push_back({20, greedy, prompts[1], 0, {}});
+  again.prefill.push_back({20, prompts[1], "", true, false});
+  EXPECT_TRUE(runner.execute(again).prefilled.at(0).error.empty());
 }
 
 }  // namespace

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from kvserve_server import Server
+from kvserve_server import REPO, Server, raw
 
 LONG = 3000
 THRESHOLD = 64  # kAutoLongPrefillTokensCpu (backend/scheduler.h)
@@ -80,26 +80,43 @@ def test_running_stream_decodes_while_a_long_prompt_prefills(chunked):
         srv.close()
 
 
-def test_disconnect_in_a_long_prefill_frees_the_request():
-    srv = Server(kv_cache_bytes="256MiB")
+@pytest.mark.parametrize("policy", ["full", "kvzip"])
+def test_disconnect_in_a_long_prefill_leaves_within_a_second(tmp_path, policy):
+    """The default config and model on an idle server: a 3,000-token prompt runs in 2,048-token steps
+    of ~4 s each here (kvzip: one whole forward, then its reconstruction passes), and its client
+    leaves in the middle of one. The prefill stops at the next layer, so the request leaves
+    `num_requests_running` within a second (it used to wait for the step's end) and holds no block."""
+    cfg = tmp_path / "default-kvzip.yaml"
+    cfg.write_text((REPO / "configs" / "default.yaml").read_text().replace(
+        "default_policy: full", "  kvzip_test: {method: kvzip, budget: 0.25}\ndefault_policy: full"))
+    srv = Server(config=cfg)
     try:
         rng = random.Random(6)
-        prompt = [rng.randrange(3, 2000) for _ in range(LONG)]
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True})
+        prompt = [rng.randrange(3, 20000) for _ in range(LONG)]
+        body = json.dumps({"model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": 100, "stream": True,
+                           "kv_policy": "full" if policy == "full" else "kvzip_test"})
         sock = socket.create_connection(("127.0.0.1", srv.port))
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-        deadline = time.time() + 30
+        deadline = time.time() + 60
         while srv.metrics()["kvserve:num_requests_running"] < 1:
             assert time.time() < deadline
             time.sleep(0.01)
+        time.sleep(1.0)  # well inside the first step's forward
         sock.close()
         closed = time.time()
         while srv.metrics()["kvserve:num_requests_running"] > 0:
-            assert time.time() - closed < 10, "the cancelled request is still running"
+            assert time.time() - closed < 30, "the cancelled request is still running"
             time.sleep(0.01)
-        m = srv.metrics()
-        assert m['kvserve:request_success_total{model_name="tiny",finished_reason="abort"}'] == 1
+        left = time.time() - closed
+        m = srv.wait_idle()
+        assert m['kvserve:request_success_total{model_name="smollm2-135m-instruct",finished_reason="abort"}'] == 1
         assert m["kvserve:kv_cache_blocks_used"] == 0  # cached prompt blocks count as free
+        assert left < 1.0, f"the request left num_requests_running {left:.2f} s after its client"
+        # The server goes on: the same prompt, not cancelled, is answered.
+        status, _, data = raw(srv, "POST", "/v1/completions", json.dumps(
+            {"model": "smollm2-135m-instruct", "prompt": prompt[:200], "max_tokens": 2,
+             "kv_policy": "full" if policy == "full" else "kvzip_test"}))
+        assert status == 200, data
     finally:
         srv.close()
