@@ -15,14 +15,22 @@ bodies and odd routes are interleaved. Every response must be correct or the int
 
 Requests under kvzip and knorm_ctx often carry one of four documents as their context (a chat's
 system message, a completion's `kv_context`): compressed by the first, taken from the context cache
-by the next (the greedy repeats check that both give the same text).
+by the next (the greedy repeats check that both give the same text). A share of chats are
+structured: a JSON schema (the content must validate) or tools with a forced call (`required` or a
+named function: the call must name a tool and its arguments validate against its parameters).
+
+--overload offers twice what the server admits: its running and waiting limits are set to half the
+client concurrency together, so a share of requests is refused. A refusal must be a 429 or 503 with
+Retry-After (or, for a stream whose headers went out, an over-capacity error event), and its client
+waits as Retry-After says (at most 2 s) before its next request, as SDK clients do; every other
+request must be answered as above. Streams' time to first token is measured for admitted requests.
 A share of clients hold conversations under `prefix_reuse: compressed` (turns that continue the
 previous turn's parked KV). At the end the server must be idle (KV blocks used 0 besides the parked
 conversations', running 0, waiting 0 on /metrics), its RSS
 must not have grown by more than --max-rss-growth after the warm-up, and SIGTERM must stop it
 cleanly. Prints a summary and writes it as JSON with --out.
 
-usage: tools/soak.py --kvserve build/kvserve --requests 10000 [--concurrency 16] [--seed 1]
+usage: tools/soak.py --kvserve build/kvserve --requests 10000 [--concurrency 16] [--seed 1] [--overload]
 """
 from __future__ import annotations
 
@@ -42,6 +50,8 @@ import tempfile
 import threading
 import time
 
+import jsonschema
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 POLICIES = {
     "full": "{}",
@@ -60,11 +70,23 @@ POLICIES = {
     "knorm_ctx": "{method: knorm, budget: 48, compress: context}",
 }
 CONTEXT_POLICIES = ("kvzip", "knorm_ctx")
+# Structured chats: small enum-bounded schemas, so that a random model's forced output ends well
+# inside max_tokens.
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                                            "ok": {"type": "boolean"}},
+           "required": ["city", "days", "ok"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+TOOL_PARAMS = {"get_weather": WEATHER, "get_time": TIME}
 WORDS = ("the quick brown fox jumps over lazy dog passkey is remember number city river mountain "
          "apple seven eleven green house window street music paper light answer question").split()
 
 
-def config_text(model: str, max_model_len: int, kv_cache_bytes: str) -> str:
+def config_text(model: str, max_model_len: int, kv_cache_bytes: str, max_num_seqs: int = 32,
+                max_waiting: int = 1024, max_queue_time_s: float = 60) -> str:
     policies = "\n".join(f"  {name}: {spec}" for name, spec in POLICIES.items())
     return f"""model:
   path: {model}
@@ -83,9 +105,10 @@ cache:
   block_size: 16
   kv_cache_bytes: {kv_cache_bytes}
 scheduler:
-  max_num_seqs: 32
+  max_num_seqs: {max_num_seqs}
   max_num_batched_tokens: 4096
-  max_waiting: 1024
+  max_waiting: {max_waiting}
+  max_queue_time_s: {max_queue_time_s}
 policies:
 {policies}
 default_policy: full
@@ -94,9 +117,11 @@ default_policy: full
 
 class Server:
     def __init__(self, binary: str, model: str, max_model_len: int, workdir: pathlib.Path,
-                 kv_cache_bytes: str = "256MiB", extra_args: list[str] | None = None):
+                 kv_cache_bytes: str = "256MiB", extra_args: list[str] | None = None, max_num_seqs: int = 32,
+                 max_waiting: int = 1024, max_queue_time_s: float = 60):
         cfg = workdir / "soak.yaml"
-        cfg.write_text(config_text(model, max_model_len, kv_cache_bytes))
+        cfg.write_text(config_text(model, max_model_len, kv_cache_bytes, max_num_seqs, max_waiting,
+                                   max_queue_time_s))
         self.log_path = workdir / "server.log"
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([binary, "serve", "--config", str(cfg), "--quiet", *(extra_args or [])], stdout=self.log,
@@ -153,6 +178,40 @@ def request(port: int, method: str, path: str, body: bytes | None = None, timeou
         conn.close()
 
 
+def first_token(line: bytes) -> bool:
+    """Whether an SSE line is an event that carries generated output (a role-only chunk does not)."""
+    try:
+        ev = json.loads(line[6:])
+    except ValueError:
+        return False
+    for ch in ev.get("choices") or []:
+        d = ch.get("delta") or {}
+        if ch.get("text") or d.get("content") or d.get("tool_calls") or ch.get("finish_reason"):
+            return True
+    return False
+
+
+def exchange(port: int, path: str, body: bytes, timeout: float = 300) -> tuple[int, dict[str, str], bytes, float | None]:
+    """request() for a generation: an SSE answer is read as it arrives, and the seconds from sending
+    to its first event with output come back too (None for a whole answer or no such event)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        headers = {k.lower(): v for k, v in r.getheaders()}
+        if r.status != 200 or not headers.get("content-type", "").startswith("text/event-stream"):
+            return r.status, headers, r.read(), None
+        lines, ttft = [], None
+        for line in r:
+            lines.append(line)
+            if ttft is None and line.startswith(b"data: {") and first_token(line):
+                ttft = time.perf_counter() - t0
+        return r.status, headers, b"".join(lines), ttft
+    finally:
+        conn.close()
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -192,6 +251,8 @@ class Stats:
         self.greedy: dict[str, str] = {}
         self.greedy_checked = 0
         self.done = 0
+        self.ttfts: list[float] = []  # admitted streams: seconds to their first output
+        self.refused: collections.Counter = collections.Counter()  # --overload: 429 / 503 / in-stream
 
     def fail(self, what: str) -> None:
         with self.lock:
@@ -231,7 +292,10 @@ class Soak:
         self.costs = word_costs(server.port)
         # Greedy requests repeated throughout: (endpoint, prompt, policy, max_tokens).
         rng = random.Random(args.seed)
-        self.docs = [f"Document {d}. " + sized_prompt(rng, self.costs, rng.randint(60, 180)) for d in range(4)]
+        # Documents of an eighth to a third of the context (60-170 tokens at 512, up to 340 at 1024).
+        self.docs = [f"Document {d}. " + sized_prompt(rng, self.costs, rng.randint(args.max_model_len // 8,
+                                                                                   args.max_model_len // 3))
+                     for d in range(4)]
         self.canon = []
         for i in range(28):
             policy = list(POLICIES)[i % len(POLICIES)]
@@ -327,7 +391,99 @@ class Soak:
         r -= 0.03
         if r < 0.05:
             return self.conversation(rng)
+        r -= 0.05
+        if r < a.structured_share:
+            return self.structured(rng)
         return self.generate(rng)
+
+    def refused(self, status: int, headers: dict[str, str], what: str) -> bool:
+        """Under --overload, whether the answer is a refusal (429 or 503): it must say when to retry."""
+        if not self.args.overload or status not in (429, 503):
+            return False
+        if "retry-after" not in headers:
+            self.stats.fail(f"{what}: {status} without Retry-After")
+            return True
+        with self.stats.lock:
+            self.stats.refused[str(status)] += 1
+        # As an SDK client does: wait as told (at most 2 s) before the next request.
+        time.sleep(min(2.0, float(headers["retry-after"])))
+        return True
+
+    def refused_in_stream(self, events: list) -> bool:
+        """Under --overload, whether a stream (its headers sent) ended in the over-capacity error."""
+        errors = [ev["error"] for ev in events if "error" in ev]
+        if not self.args.overload or not errors or "over capacity" not in str(errors[0].get("message")):
+            return False
+        with self.stats.lock:
+            self.stats.refused["in_stream"] += 1
+        return True
+
+    def admitted(self, ttft: float | None) -> None:
+        if ttft is not None:
+            with self.stats.lock:
+                self.stats.ttfts.append(ttft)
+
+    def structured(self, rng: random.Random) -> None:
+        """A chat with a JSON schema or a forced tool call: the output must validate."""
+        kind = rng.choice(["schema", "required", "named"])
+        body = {"model": "soak", "max_tokens": 160, "kv_policy": rng.choice(list(POLICIES)), "stream": rng.random() < 0.5,
+                "messages": [{"role": "user", "content": sized_prompt(rng, self.costs, rng.randint(3, 40)) or "weather"}]}
+        if rng.random() < 0.5:
+            body["temperature"] = 0
+        else:
+            body["temperature"] = 0.8
+            body["seed"] = rng.randint(0, 1 << 30)
+        named = None
+        if kind == "schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER,
+                                                                              "strict": True}}
+        else:
+            body["tools"] = TOOLS
+            named = rng.choice(list(TOOL_PARAMS)) if kind == "named" else None
+            body["tool_choice"] = {"type": "function", "function": {"name": named}} if named else "required"
+        status, headers, payload, ttft = exchange(self.server.port, "/v1/chat/completions", json.dumps(body).encode())
+        self.record(f"structured_{kind}", status)
+        what = f"structured {kind} policy={body['kv_policy']} stream={body['stream']}"
+        if self.refused(status, headers, what):
+            return
+        if status != 200:
+            return self.stats.fail(f"{what}: status {status}: {payload[:300]!r}")
+        try:
+            content, finish, calls = "", None, {}
+            if body["stream"]:
+                events, done = sse_events(payload)
+                if self.refused_in_stream(events):
+                    return
+                if not done or any("error" in ev for ev in events):
+                    return self.stats.fail(f"{what}: stream {events[-1:]} done={done}")
+                for ev in events:
+                    for ch in ev["choices"]:
+                        d = ch["delta"]
+                        content += d.get("content") or ""
+                        for t in d.get("tool_calls") or []:
+                            c = calls.setdefault(t["index"], ["", ""])
+                            c[0] += t.get("function", {}).get("name") or ""
+                            c[1] += t.get("function", {}).get("arguments") or ""
+                        finish = ch.get("finish_reason") or finish
+            else:
+                m = json.loads(payload)["choices"][0]
+                content, finish = m["message"].get("content") or "", m["finish_reason"]
+                for i, t in enumerate(m["message"].get("tool_calls") or []):
+                    calls[i] = [t["function"]["name"], t["function"]["arguments"]]
+            if kind == "schema":
+                if finish != "stop":
+                    return self.stats.fail(f"{what}: finish {finish}: {content!r}")
+                jsonschema.validate(json.loads(content), WEATHER)
+            else:
+                if finish != "tool_calls" or not calls:
+                    return self.stats.fail(f"{what}: finish {finish}, calls {calls}: {content!r}")
+                for name, arguments in calls.values():
+                    if name not in TOOL_PARAMS or (named and name != named):
+                        return self.stats.fail(f"{what}: a call of {name!r}")
+                    jsonschema.validate(json.loads(arguments), TOOL_PARAMS[name])
+        except (KeyError, TypeError, ValueError, jsonschema.ValidationError) as e:
+            return self.stats.fail(f"{what}: {type(e).__name__}: {e}: {payload[:300]!r}")
+        self.admitted(ttft)
 
     def conversation(self, rng: random.Random) -> None:
         """Two to four turns under prefix_reuse: compressed, each prompt the previous one, its answer
@@ -337,9 +493,11 @@ class Soak:
                 "prefix_reuse": "compressed", "return_token_ids": True}
         prompt: list | str = sized_prompt(rng, self.costs, rng.randint(20, self.args.max_model_len // 4)) or "hello"
         for turn in range(rng.randint(2, 4)):
-            status, _, payload = request(self.server.port, "POST", "/v1/completions",
-                                         json.dumps({**base, "prompt": prompt}).encode())
+            status, headers, payload = request(self.server.port, "POST", "/v1/completions",
+                                               json.dumps({**base, "prompt": prompt}).encode())
             self.record("conversation_turn", status)
+            if self.refused(status, headers, f"conversation {policy} turn {turn}"):
+                return
             if status != 200:
                 return self.stats.fail(f"conversation {policy} turn {turn}: status {status}: {payload[:300]!r}")
             try:
@@ -362,9 +520,11 @@ class Soak:
 
     def generate(self, rng: random.Random) -> None:
         path, body, canonical = self.generation_body(rng)
-        status, headers, payload = request(self.server.port, "POST", path, json.dumps(body).encode())
+        status, headers, payload, ttft = exchange(self.server.port, path, json.dumps(body).encode())
         self.record("generate", status)
         what = f"{path} policy={body['kv_policy']} stream={body['stream']}"
+        if self.refused(status, headers, what):
+            return
         if status != 200:
             return self.stats.fail(f"{what}: status {status}: {payload[:300]!r}")
         if headers.get("x-kv-policy") != body["kv_policy"]:
@@ -376,6 +536,8 @@ class Soak:
         try:
             if body["stream"]:
                 events, done = sse_events(payload)
+                if self.refused_in_stream(events):
+                    return
                 if not done:
                     return self.stats.fail(f"{what}: stream without [DONE]")
                 usage = None
@@ -405,6 +567,7 @@ class Soak:
             return self.stats.fail(f"{what}: malformed response ({e!r}): {payload[:300]!r}")
         if any(x not in ("stop", "length") for x in reasons):
             return self.stats.fail(f"{what}: finish reasons {reasons}")
+        self.admitted(ttft)
         if canonical and (self.args.check_greedy == "all" or body["kv_policy"] == "full"):
             key = json.dumps([path, body.get("prompt") or body["messages"], body.get("kv_context"), body["kv_policy"],
                               body["max_tokens"]])
@@ -460,7 +623,12 @@ class Soak:
                 if not chunk:
                     break
                 buf += chunk
-            if not buf.startswith(b"HTTP/1.1 200"):
+            status = int(buf.split(b" ", 2)[1]) if buf.startswith(b"HTTP/1.1 ") else 0
+            head = {k.strip().lower(): v.strip() for k, _, v in
+                    (h.decode(errors="replace").partition(":") for h in buf.split(b"\r\n\r\n")[0].split(b"\r\n")[1:])}
+            if status != 200:
+                if self.refused(status, head, "cancel"):
+                    return self.record("cancel", status)
                 return self.stats.fail(f"cancel: {buf[:300]!r}")
         finally:
             s.close()
@@ -534,13 +702,25 @@ def main() -> int:
     ap.add_argument("--server-arg", action="append", default=[],
                     help="an extra `kvserve serve` flag, repeatable (e.g. --server-arg=--tp --server-arg=2, "
                          "--server-arg=--prefix-cache-bytes --server-arg=64MiB)")
+    ap.add_argument("--structured-share", type=float, default=0.08,
+                    help="share of chats with a JSON schema or a forced tool call")
+    ap.add_argument("--overload", action="store_true",
+                    help="offer twice what the server admits: max_num_seqs + max_waiting = concurrency / 2; "
+                         "refusals (429 / 503 with Retry-After, after which the client waits as told) then "
+                         "count as answers")
     ap.add_argument("--out", help="write the summary as JSON here")
     args = ap.parse_args()
     warmup = args.warmup or max(1, args.requests // 10)
 
     with tempfile.TemporaryDirectory(prefix="kvserve-soak-") as tmp:
+        limits = {}
+        if args.overload:
+            # Admitted = running + waiting = half the clients: the rest is refused (429 for a full queue;
+            # 503 once the oldest waiting request waited half of a short max_queue_time_s).
+            half = max(2, args.concurrency // 2)
+            limits = {"max_num_seqs": (half + 1) // 2, "max_waiting": half // 2, "max_queue_time_s": 0.1}
         server = Server(args.kvserve, args.model, args.max_model_len, pathlib.Path(tmp), args.kv_cache_bytes,
-                        args.server_arg)
+                        args.server_arg, **limits)
         stats = Stats()
         soak = Soak(server, args, stats)
         next_i = 0
@@ -593,9 +773,14 @@ def main() -> int:
             time.sleep(0.1)
         rss["end"] = server.rss_bytes()
         rss["max_after_warm"] = max(rss["max_after_warm"], rss["end"])
+        # Refusals (503 with Retry-After under --overload) are answers, not server errors.
         server_5xx = sum(v - m0.get(k, 0.0) for k, v in m.items() if k.startswith("kvserve:http_responses_total{")
-                         and re.search(r'status="5\d\d"', k))
-        client_5xx = sum(n for s, n in stats.statuses.items() if 500 <= s < 600)
+                         and re.search(r'status="5\d\d"', k) and not (args.overload and 'status="503"' in k))
+        client_5xx = sum(n for s, n in stats.statuses.items() if 500 <= s < 600) - stats.refused["503"]
+        ttfts = sorted(stats.ttfts)
+
+        def pct(q: float) -> float | None:
+            return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 3) if ttfts else None
         # The KV pool is allocated untouched and its pages count once first used: with prefix caching
         # the cache keeps filling it after the warm-up by design. Those pages (blocks beyond the
         # warm-up's high-water mark) are not growth.
@@ -618,6 +803,10 @@ def main() -> int:
             "statuses": {str(k): v for k, v in sorted(stats.statuses.items())},
             "client_5xx": client_5xx,
             "server_5xx": server_5xx,
+            "refused": dict(stats.refused),
+            "admitted_stream_ttft_s": {"n": len(ttfts), "p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99),
+                                       "max": round(ttfts[-1], 3) if ttfts else None},
+            "server_limits": limits or {"max_num_seqs": 32, "max_waiting": 1024, "max_queue_time_s": 60},
             "greedy_repeats_checked": stats.greedy_checked,
             "kv_blocks_used_at_end": m["kvserve:kv_cache_blocks_used"],
             "kv_blocks_parked_at_end": m["kvserve:kv_cache_blocks_parked"],
