@@ -36,6 +36,7 @@ class EngineBackend : public ServingBackend {
   void cancel(const std::string& request_id) override { engine_->cancel(request_id); }
   EngineStats stats() const override { return engine_->stats(); }
   bool healthy() const override { return engine_->healthy(); }
+  std::string unhealthy_reason() const override { return engine_->unhealthy_reason(); }
   bool has_policy(const std::string& name) const override { return engine_->has_policy(name); }
   bool compresses_context(const std::string& name) const override { return engine_->compresses_context(name); }
   std::vector<std::string> policy_names() const override { return engine_->policy_names(); }

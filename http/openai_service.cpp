@@ -166,6 +166,12 @@ ApiError unauthorized() {
 
 std::string sse(const json& j) { return "data: " + dump_json(j) + "\n\n"; }
 
+// The 503 of an unhealthy engine says why (the dead rank), as the requests it failed did.
+std::string unhealthy(const ServingBackend& b) {
+  const std::string why = b.unhealthy_reason();
+  return why.empty() ? "the engine is unhealthy" : "the engine is unhealthy: " + why;
+}
+
 // Per choice (one engine request) state.
 struct Choice {
   std::string request_id;
@@ -654,7 +660,7 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
     if (auto r = method_must_be("GET")) return *r;
     auto b = backend();
     if (!b) return error_response(ApiError(503, "the model is loading"));
-    if (!b->healthy()) return error_response(ApiError(503, "the engine is unhealthy"));
+    if (!b->healthy()) return error_response(ApiError(503, unhealthy(*b)));
     if (shutting_down_) return error_response(ApiError(503, "the server is shutting down"));
     HttpResponse r;
     r.content_type = "text/plain";
@@ -753,7 +759,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   auto backend = this->backend();
   if (!backend) throw ApiError(503, "the model is loading; retry shortly");
   if (shutting_down_) throw ApiError(503, "the server is shutting down");
-  if (!backend->healthy()) throw ApiError(503, "the engine is unhealthy");
+  if (!backend->healthy()) throw ApiError(503, unhealthy(*backend));
 
   const bool chat = endpoint == Endpoint::kChatCompletions;
   ParsedRequest req = chat ? parse_chat_request(http_req.body, options_.limits)

@@ -28,6 +28,8 @@ class ServingBackend {
   virtual void cancel(const std::string& request_id) = 0;
   virtual EngineStats stats() const = 0;
   virtual bool healthy() const = 0;
+  // Why it is not healthy (a dead rank, named by the job), or "".
+  virtual std::string unhealthy_reason() const { return ""; }
   virtual bool has_policy(const std::string& name) const = 0;
   virtual std::vector<std::string> policy_names() const = 0;
   virtual std::string default_policy() const = 0;

@@ -159,6 +159,33 @@ def test_worker_killed_mid_generation_fails_fast_and_cleanly():
         s.close()
 
 
+@pytest.mark.parametrize("delay_s", [0.0, 0.02])
+def test_request_right_after_a_rank_died_gets_503_naming_it(delay_s):
+    """The race a load generator hits: a worker dies while the engine idles and a request arrives
+    within 50 ms, before the job's monitor has named the dead rank. The step fails first with the
+    transport's (Gloo's) message; the request must still get a 503 with Retry-After whose message
+    names the rank, and so must the next one."""
+    s = Server(model=fixture("llama-kvfew"), extra_args=("--tp", "2"))
+    try:
+        workers = children(s.proc.pid)
+        assert len(workers) == 1
+        body = ('{"model": "tiny", "prompt": %s, "max_tokens": 4}' % PROMPT).encode()
+        os.kill(workers[0][0], signal.SIGKILL)
+        time.sleep(delay_s)
+        for attempt in range(2):
+            req = urllib.request.Request(s.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            message = e.value.read().decode()
+            assert e.value.code == 503, (attempt, message)
+            assert e.value.headers.get("Retry-After"), attempt
+            assert "rank 1" in message and "unhealthy" in message, (attempt, message)
+        assert health(s.url) == 503
+    finally:
+        s.close()
+
+
 def test_two_nodes_on_one_machine(single_process_tokens, tmp_path):
     """--nnodes 2: node 0 hosts rank 0 and HTTP, node 1 (a separate command) hosts rank 1."""
     with socket.socket() as sock:
