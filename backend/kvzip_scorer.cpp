@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "backend/model/decoder_model.h"
+#include "backend/quantization/gguf_tokenizer.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "policies/kvzip_scores.h"
@@ -18,7 +19,7 @@ namespace kvserve {
 namespace {
 
 KvzipPrompts build_prompts(const std::string& model_dir, Semantics semantics) {
-  const Tokenizer tok = Tokenizer::from_dir(model_dir);
+  const Tokenizer tok = load_model_tokenizer(model_dir);
   KvzipPrompts p;
   p.first = tok.encode("\n\nRepeat the previous context exactly.", false);
   // The authors' code ends the later chunks' instruction with a space; kvpress does not.

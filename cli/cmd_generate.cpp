@@ -10,6 +10,7 @@
 #include "backend/engine.h"
 #include "backend/model/decoder_model.h"
 #include "backend/checkpoint.h"
+#include "backend/quantization/gguf_tokenizer.h"
 #include "cache_manager/kv_block_pool.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
@@ -54,7 +55,7 @@ void add_generate_command(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
   auto* cmd = app.add_subcommand("generate", "Generate a completion for one prompt");
   cmd->add_option("--model", a->model, "Hugging Face model directory or .gguf file")->required();
-  cmd->add_option("--tokenizer", a->tokenizer, "directory with tokenizer.json (default: the model directory, or the .gguf file's)");
+  cmd->add_option("--tokenizer", a->tokenizer, "directory with tokenizer.json (default: the model directory; for a .gguf file the tokenizer.json beside it, else the file's own tokenizer metadata)");
   auto* p = cmd->add_option("--prompt", a->prompt, "prompt text (tokenized with the model's tokenizer)");
   auto* pi = cmd->add_option("--prompt-ids", a->prompt_ids, "prompt as token ids (instead of --prompt)");
   p->excludes(pi);
@@ -133,7 +134,7 @@ void add_generate_command(CLI::App& app) {
       if (rc != 0) throw CLI::RuntimeError(rc);
       return;
     }
-    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(a->tokenizer.empty() ? a->model : a->tokenizer));
+    auto tok = std::make_shared<Tokenizer>(load_model_tokenizer(a->tokenizer.empty() ? a->model : a->tokenizer));
     // The engine's start-up (KV pool, warm-up) runs on a thread that ends, as the load does
     // (common/fresh_thread.h): no idle OpenMP pool outlives it to slow the engine thread's steps.
     auto engine_ptr = run_on_fresh_thread([&] { return std::make_unique<Engine>(model, tok, eo, job->make_runner(eo)); });

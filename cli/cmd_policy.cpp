@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "backend/quantization/gguf_tokenizer.h"
 #include "backend/safetensors_file.h"
 #include "backend/sharded/parallel_job.h"
 #include "cache_manager/kv_memory_factory.h"
@@ -117,7 +118,7 @@ void run_prompt_budgets(const PolicyArgs& a, const PromptArgs& p) {
       KV_CHECK(f.good(), "--prompt-file " << p.prompt_file << ": cannot open");
       text.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
     }
-    ids = Tokenizer::from_dir(p.model).encode(text);
+    ids = load_model_tokenizer(p.model).encode(text);
   }
   KV_CHECK(!ids.empty(), "policy budgets --model: the prompt is empty");
   const auto& layout = model->layout();

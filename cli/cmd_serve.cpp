@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "backend/engine.h"
+#include "backend/quantization/gguf_tokenizer.h"
 #include "backend/scheduler.h"
 #include "backend/model/decoder_model.h"
 #include "cli/cli_files.h"
@@ -242,7 +243,7 @@ int serve(const ServeArgs& a) {
   std::cerr << std::endl;
   auto job = ParallelJob::start(po, cfg.model.path, load_options(cfg));
   auto model = job->model();
-  auto tokenizer = std::make_shared<Tokenizer>(Tokenizer::from_dir(cfg.model.tokenizer.empty() ? cfg.model.path : cfg.model.tokenizer));
+  auto tokenizer = std::make_shared<Tokenizer>(load_model_tokenizer(cfg.model.tokenizer.empty() ? cfg.model.path : cfg.model.tokenizer));
   EngineOptions eo = engine_options(cfg);
   // The engine (its thread is joined by backend->shutdown below) never outlives the service.
   eo.on_queue_time = [m = &service->metrics()](double seconds) { m->observe_queue_time(seconds); };
@@ -304,7 +305,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--host", a->host, "listen address (default 127.0.0.1)");
   cmd->add_option("--port", a->port, "listen port (0 = any free port)");
   cmd->add_option("--model", a->model, "model directory or .gguf file (overrides model.path)");
-  cmd->add_option("--tokenizer", a->tokenizer, "directory with tokenizer.json (default: the model directory, or the .gguf file's)");
+  cmd->add_option("--tokenizer", a->tokenizer, "directory with tokenizer.json (default: the model directory; for a .gguf file the tokenizer.json beside it, else the file's own tokenizer metadata)");
   cmd->add_option("--served-model-name", a->served_model_name, "name clients use as `model`");
   cmd->add_option("--device", a->device, "cpu, cuda or cuda:N");
   cmd->add_option("--dtype", a->dtype, "float32, bfloat16, float16 or auto");

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/quantization/gguf_tokenizer.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"
 #include "common/check.h"
@@ -38,7 +39,7 @@ std::vector<std::string> read_lines(const std::string& path) {
 }
 
 void run_tokenize(const TokenizeOptions& o) {
-  const Tokenizer tok = Tokenizer::from_dir(o.model);
+  const Tokenizer tok = load_model_tokenizer(o.model);
   const auto lines = read_lines(o.file);
   std::string out;
   for (size_t i = 0; i < lines.size(); ++i) {
@@ -60,7 +61,7 @@ void run_tokenize(const TokenizeOptions& o) {
 }
 
 void run_detokenize(const TokenizeOptions& o) {
-  const Tokenizer tok = Tokenizer::from_dir(o.model);
+  const Tokenizer tok = load_model_tokenizer(o.model);
   const auto lines = read_lines(o.file);
   std::string out;
   for (size_t i = 0; i < lines.size(); ++i) {
@@ -87,14 +88,14 @@ void run_detokenize(const TokenizeOptions& o) {
 void add_tokenize_commands(CLI::App& app) {
   auto opts = std::make_shared<TokenizeOptions>();
   auto* tok = app.add_subcommand("tokenize", "print a JSON list of token ids per line of a text file");
-  tok->add_option("--model", opts->model, "model directory with tokenizer.json")->required();
+  tok->add_option("--model", opts->model, "model directory with tokenizer.json, or a .gguf file")->required();
   tok->add_option("--text-file", opts->file, "input text; one line per output line (split on \\n only)")->required();
   tok->add_flag("--no-special", opts->no_special, "do not add bos/eos (add_special_tokens=False)");
   tok->add_flag("--json-input", opts->json_input, "each input line is a JSON string (so texts can hold newlines)");
   tok->callback([opts] { run_tokenize(*opts); });
 
   auto* detok = app.add_subcommand("detokenize", "print the decoded text, as a JSON string, per line of JSON id lists");
-  detok->add_option("--model", opts->model, "model directory with tokenizer.json")->required();
+  detok->add_option("--model", opts->model, "model directory with tokenizer.json, or a .gguf file")->required();
   detok->add_option("--ids-file", opts->file, "one JSON list of token ids per line")->required();
   detok->add_flag("--skip-special", opts->skip_special, "leave special tokens out of the text");
   detok->callback([opts] { run_detokenize(*opts); });

@@ -139,6 +139,89 @@ def test_quantization_of_a_gguf_is_refused(tmp_path):
     assert "GGUF" in err and "quantization" in err
 
 
+def lone_gguf(tmp_path):
+    """The default model's GGUF alone in a directory: no tokenizer.json, no config.json beside it."""
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / GGUF_NAME).symlink_to(default_gguf())
+    return lone / GGUF_NAME
+
+
+def test_a_lone_gguf_tokenizes_as_the_tokenizers_library(tmp_path):
+    """The tokenizer built from the file's metadata against the `tokenizers` library running the
+    tokenizer.json the conversion wrote (itself checked against llama.cpp's vocabulary): every line of
+    the tokenizer corpus, special tokens and newlines included, and the detokenized text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from test_tokenizer_vs_hf import make_lines, make_multiline_texts
+    hf = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    texts = make_lines(n=400) + make_multiline_texts(n=100) + ["<|im_start|>user\nhi 12345<|im_end|>\n", "", " "]
+    src = tmp_path / "texts.jsonl"
+    src.write_text("".join(json.dumps(t) + "\n" for t in texts))
+    got = [json.loads(line) for line in run_kvserve("tokenize", "--model", str(lone_gguf(tmp_path)), "--text-file",
+                                                     str(src), "--json-input").stdout.splitlines()]
+    want = [e.ids for e in hf.encode_batch(texts)]
+    assert len(got) == len(want)
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{len(bad)} of {len(texts)} differ; first: {texts[bad[0]]!r}: {got[bad[0]]} vs {want[bad[0]]}"
+
+
+def test_a_lone_gguf_generates_as_it_does_beside_its_tokenizer(tmp_path):
+    """Tokenizer, EOS and chat template from the metadata: the same greedy chat answer as the file
+    served from the model directory (tokenizer.json and tokenizer_config.json beside it)."""
+    args = ("generate", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--json")
+    lone = json.loads(run_kvserve(*args, "--model", str(lone_gguf(tmp_path))).stdout)
+    beside = json.loads(run_kvserve(*args, "--model", str(default_gguf())).stdout)
+    assert lone["token_ids"] == beside["token_ids"] and lone["text"] == beside["text"]
+    assert lone["prompt_tokens"] == beside["prompt_tokens"]
+
+
+def test_a_lone_gguf_serves_chat_with_its_own_template(tmp_path):
+    """Served alone, the file's chat template (tokenizer.chat_template) renders the chat: the prompt
+    counts and greedy answer equal the same chat served from the model directory, and
+    /tokenizer_info shows the template of the directory's tokenizer_config.json."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    from kvserve_server import Server, raw
+    body = json.dumps({"model": "tiny", "max_tokens": 10, "temperature": 0,
+                       "messages": [{"role": "system", "content": "Answer briefly."},
+                                    {"role": "user", "content": "Name a large city in Japan."}]})
+    answers = []
+    for model in (lone_gguf(tmp_path), default_gguf()):
+        srv = Server(model=str(model))
+        try:
+            status, _, data = raw(srv, "POST", "/v1/chat/completions", body)
+            assert status == 200, data
+            r = json.loads(data)
+            answers.append((r["usage"]["prompt_tokens"], r["choices"][0]["message"]["content"]))
+            status, _, data = raw(srv, "GET", "/tokenizer_info")
+            assert status == 200, data
+            template = json.loads(data)["chat_template"]
+        finally:
+            srv.close()
+        want = json.loads((default_model_dir() / "tokenizer_config.json").read_text())["chat_template"]
+        assert template == want
+    assert answers[0] == answers[1]
+
+
+def test_a_gguf_tokenizer_kvserve_does_not_build_is_named(tmp_path):
+    """A pre-tokenizer not checked against a reference (here Qwen2's name) is refused naming the key
+    and the way out (--tokenizer), not guessed."""
+    path = tmp_path / "qwen-like.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(["a", "b", "ab"])
+    w.add_token_merges(["a b"])
+    w.add_tensor("token_embd.weight", np.zeros((3, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tmp_path / "t.txt").write_text("ab\n")
+    err = error_of("tokenize", "--model", str(path), "--text-file", str(tmp_path / "t.txt"))
+    assert "tokenizer.ggml.pre" in err and "qwen2" in err and "--tokenizer" in err
+
+
 GEMMA3 = ROOT / "models" / "gemma-3-270m"
 
 
