@@ -252,6 +252,9 @@ def guidellm_command(args, server, rate: float, out: pathlib.Path) -> list[str]:
         # llama_cpp.server reads max_tokens, not max_completion_tokens, and has no ignore_eos: ban EOS
         # (<|im_end|>, id 2) as bench_llamacpp.py does, so both engines write output_tokens tokens.
         backend["extras"] = {"body": {"max_tokens": args.output_tokens, "logit_bias": {"2": -100.0}}}
+        # GuideLLM checks a backend with GET /health first; llama_cpp.server has no such route (the
+        # script has waited for its /v1/models already).
+        backend["validate_backend"] = False
     requests = max(1, math.ceil(rate * args.seconds))
     return [str(args.guidellm), "run",
             "--backend", json.dumps(backend, separators=(",", ":")),

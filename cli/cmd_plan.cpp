@@ -40,8 +40,19 @@ struct PlanArgs {
 int64_t dtype_bytes(const std::string& d) {
   if (d == "bfloat16" || d == "bf16" || d == "float16" || d == "fp16" || d == "half") return 2;
   if (d == "float32" || d == "fp32" || d == "float") return 4;
-  if (d == "fp8" || d == "float8" || d == "fp8_e4m3" || d == "fp8_e5m2" || d == "int8") return 1;
+  if (d == "fp8" || d == "float8" || d == "fp8_e4m3" || d == "fp8_e5m2") return 1;
   KV_FAIL("unknown dtype '" << d << "' (bfloat16, float16, float32, fp8)");
+}
+
+// Weights in a ggml block format (what --quantization and GGUF files serve): bits per weight with
+// the block's scales (q8_0: 32 int8 + an fp16 scale = 34 bytes per 32; q4_k: 144 bytes per 256 ...).
+// 0 for a plain dtype.
+double quantized_weight_bits(const std::string& d) {
+  static const std::map<std::string, double> bits = {
+      {"int8", 8.5}, {"q8_0", 8.5}, {"int4", 4.5}, {"q4_0", 4.5}, {"q4_1", 5.0},   {"q5_0", 5.5},
+      {"q5_1", 6.0}, {"q2_k", 2.625}, {"q3_k", 3.4375}, {"q4_k", 4.5}, {"q5_k", 5.5}, {"q6_k", 6.5625}};
+  const auto it = bits.find(d);
+  return it == bits.end() ? 0.0 : it->second;
 }
 
 // "32768", "32k"/"32K" (x1024) -> tokens.
@@ -79,8 +90,13 @@ void print_text(const parallel::ShardPlan& p) {
   const auto& o = p.options;
   std::cout << "plan: TP=" << o.tp << " PP=" << o.pp << " (" << p.gpus << " GPUs), " << gib(o.gpu_memory_bytes)
             << " per GPU, reserve " << o.reserve_fraction << " -> usable " << gib(p.usable_bytes) << "\n"
-            << "context " << o.context << " tokens, block " << o.block_size << ", weights " << o.weight_dtype_bytes
-            << " B/param, KV ";
+            << "context " << o.context << " tokens, block " << o.block_size << ", weights ";
+  if (o.weight_bits > 0) {
+    std::cout << o.weight_bits << " bits/param";
+  } else {
+    std::cout << o.weight_dtype_bytes << " B/param";
+  }
+  std::cout << ", KV ";
   if (o.kv_quant_bits > 0) {
     std::cout << o.kv_quant_bits << " bits/elem + " << o.kv_quant_scale_bytes << " B scale per 32\n";
   } else {
@@ -127,9 +143,12 @@ void run_plan(const PlanArgs& a) {
   o.reserve_fraction = a.reserve;
   o.block_size = a.block_size;
   o.layer_windows = mc.layer_windows;
-  o.weight_dtype_bytes = dtype_bytes(a.dtype);
+  o.weight_bits = quantized_weight_bits(a.dtype);
+  // Quantized weights compute in bfloat16 on a GPU (their KV cache's "auto" dtype).
+  const std::string compute = o.weight_bits > 0 ? "bfloat16" : a.dtype;
+  o.weight_dtype_bytes = dtype_bytes(compute);
   // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
-  const std::string kv = a.kv_dtype.empty() || a.kv_dtype == "auto" ? a.dtype : a.kv_dtype;
+  const std::string kv = a.kv_dtype.empty() || a.kv_dtype == "auto" ? compute : a.kv_dtype;
   // The quantized KV caches (cache_manager/kv_quant.h): bits per value, scale bytes per 32 values.
   if (kv == "int8" || kv == "q8_0") {
     o.kv_quant_bits = 8, o.kv_quant_scale_bytes = 2;
@@ -174,7 +193,8 @@ void add_plan_command(CLI::App& app) {
                   "leading tokens of the context every sequence shares, held once by the prefix cache (e.g. 8k)");
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
-  cmd->add_option("--dtype", a->dtype, "weight dtype (bfloat16, float16, float32, fp8)")->capture_default_str();
+  cmd->add_option("--dtype", a->dtype, "weights: bfloat16, float16, float32, fp8, or a block format as --quantization and GGUF files serve "
+                  "it (int8 = q8_0, int4 = q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k)")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype: auto (= --dtype, the default), bfloat16, float16, float32, fp8, int8 (q8_0), "
                   "int4 (q4_0), q4_1");
   cmd->add_option("--gpu-reserve-fraction", a->reserve, "fraction of GPU memory kept for activations/workspace")

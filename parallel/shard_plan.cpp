@@ -1,6 +1,7 @@
 #include "parallel/shard_plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "common/check.h"
@@ -93,7 +94,9 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
     st.has_embedding = s == 0;
     st.has_lm_head = s == o.pp - 1;
     st.weight_params = stage_weight_params(m, o.tp, st.layers, st.has_embedding, st.has_lm_head);
-    st.weight_bytes = st.weight_params * o.weight_dtype_bytes;
+    st.weight_bytes = o.weight_bits > 0
+                          ? static_cast<int64_t>(std::ceil(static_cast<double>(st.weight_params) * o.weight_bits / 8))
+                          : st.weight_params * o.weight_dtype_bytes;
     st.kv_heads = make_shard_layout(m, o.tp, 0, o.pp, s).kv_heads;
     st.kv_bytes_per_token_layer = 2 * st.kv_heads * kv_row_bytes(o, m.head_dim);
     st.block_bytes = st.kv_bytes_per_token_layer * o.block_size;
@@ -184,6 +187,7 @@ nlohmann::json to_json(const ShardPlan& p) {
   j["context"] = p.options.context;
   j["block_size"] = p.options.block_size;
   j["weight_dtype_bytes"] = p.options.weight_dtype_bytes;
+  j["weight_bits"] = p.options.weight_bits > 0 ? p.options.weight_bits : 8.0 * static_cast<double>(p.options.weight_dtype_bytes);
   j["kv_dtype_bytes"] = p.options.kv_dtype_bytes;
   j["kv_quant_bits"] = p.options.kv_quant_bits;
   j["kv_quant_scale_bytes"] = p.options.kv_quant_scale_bytes;

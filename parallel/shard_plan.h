@@ -26,6 +26,9 @@ struct PlanOptions {
   int64_t context = 0;              // tokens per sequence (prompt) the KV figures are for
   int64_t block_size = 16;          // paged KV block, tokens
   int64_t weight_dtype_bytes = 2;   // bfloat16
+  // > 0: the weights are in a quantized block format of this many bits per weight, scales included
+  // (ggml's q8_0 = 8.5, q4_0 = 4.5, q4_k = 4.5 ...), instead of weight_dtype_bytes each.
+  double weight_bits = 0;
   int64_t kv_dtype_bytes = 2;       // bfloat16
   // A quantized KV cache (int8 = 8 bits + a 2-byte scale per 32 values, int4 = 4 + 2, q4_1 = 4 + 4):
   // bits per value and scale bytes per group of 32 along head_dim; 0 bits = kv_dtype_bytes per value.

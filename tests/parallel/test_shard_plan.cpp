@@ -161,6 +161,27 @@ TEST(ShardPlan, Llama70bTp8OneKvHeadPerRank) {
 
 // TP=16 > 8 KV heads: each rank holds one KV head (replicated twice), so KV per GPU does not
 // shrink below TP=8's, while the query heads (4 per rank) and MLP still split 16 ways.
+// Quantized weights (a GGUF's or --quantization's block format): bytes = params x bits / 8, rounded
+// up, and what they free goes to the KV cache. TP 8 of Llama-3-70B at q4_k (4.5 bits):
+// 8,820,367,360 params -> 4,961,456,640 bytes, against 17,640,734,720 in bf16.
+TEST(ShardPlan, QuantizedWeightsCountTheirBitsAndLeaveTheRestToKv) {
+  PlanOptions o = opts(8, 1, 32768);
+  const auto bf16 = make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128"));
+  o.weight_bits = 4.5;
+  const auto q4 = make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128"));
+  const auto& a = bf16.stages.at(0);
+  const auto& b = q4.stages.at(0);
+  EXPECT_EQ(b.weight_params, a.weight_params);
+  EXPECT_EQ(b.weight_params, 8820367360);
+  EXPECT_EQ(b.weight_bytes, 4961456640);
+  EXPECT_EQ(a.weight_bytes, 17640734720);
+  EXPECT_EQ(b.kv_capacity_bytes - a.kv_capacity_bytes, a.weight_bytes - b.weight_bytes);
+  EXPECT_EQ(q4.policies[0].max_seqs, (77309411328 - 4961456640) / 1342177280);  // 53 full 32K sequences, not 44
+  EXPECT_EQ(bf16.policies[0].max_seqs, 44);
+  o.weight_bits = 8.5;  // q8_0: 34 bytes per 32 weights
+  EXPECT_EQ(make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128")).stages.at(0).weight_bytes, 9371640320);
+}
+
 TEST(ShardPlan, Llama70bTp16ReplicatesKvHeads) {
   const auto plan = make_shard_plan(llama3_70b(), opts(16, 1, 32768), {make_policy_config("full")});
   const auto& s = plan.stages[0];

@@ -222,6 +222,25 @@ def test_a_gguf_tokenizer_kvserve_does_not_build_is_named(tmp_path):
     assert "tokenizer.ggml.pre" in err and "qwen2" in err and "--tokenizer" in err
 
 
+def test_plan_counts_quantized_weight_bytes():
+    """`kvserve plan --dtype q4_1` (the default GGUF's format) and `int8` (--quantization's q8_0):
+    the weights' bytes at the format's bits per weight, scales included, and the KV cache takes the
+    rest of the memory in bfloat16 (the compute dtype of quantized weights on a GPU)."""
+    cfg = str(default_model_dir() / "config.json")
+
+    def plan(dtype):
+        return json.loads(run_kvserve("plan", "--model-config", cfg, "--gpu-memory", "1GiB", "--context", "4096",
+                                      "--dtype", dtype, "--json").stdout)
+    bf16, q41, q80 = plan("bfloat16"), plan("q4_1"), plan("int8")
+    params = bf16["stages"][0]["weight_params_per_gpu"]
+    assert q41["weight_bits"] == 5.0 and q80["weight_bits"] == 8.5 and bf16["weight_bits"] == 16.0
+    assert q41["stages"][0]["weight_bytes_per_gpu"] == -(-params * 5 // 8)
+    assert q80["stages"][0]["weight_bytes_per_gpu"] == -(-params * 17 // 16)
+    for p in (q41, q80):
+        assert p["stages"][0]["kv_bytes_per_token"] == bf16["stages"][0]["kv_bytes_per_token"]
+        assert p["policies"][0]["max_seqs"] > bf16["policies"][0]["max_seqs"]
+
+
 GEMMA3 = ROOT / "models" / "gemma-3-270m"
 
 
@@ -246,3 +265,15 @@ def test_tensor_parallel_shards_of_the_blocks_equal_one_process(tmp_path):
     three = forward_logits(tmp_path, default_gguf(), ids, "--tp", "3", name="tp3")
     np.testing.assert_allclose(three, one, atol=1e-3, rtol=0)
     assert (three.argmax(-1) == one.argmax(-1)).all()
+
+
+def test_pipeline_stages_of_the_blocks_equal_one_process(tmp_path):
+    # PP 2 (and TP 3 x PP 2): each stage loads its own layers' blocks from the file (the embedding on
+    # the first, the tied LM head on the last); a stage boundary changes no arithmetic.
+    ids = random_ids(40, 49152, 22)
+    one = forward_logits(tmp_path, default_gguf(), ids, name="one")
+    two = forward_logits(tmp_path, default_gguf(), ids, "--pp", "2", name="pp2")
+    np.testing.assert_array_equal(two, one)
+    six = forward_logits(tmp_path, default_gguf(), ids, "--tp", "3", "--pp", "2", name="tp3pp2")
+    np.testing.assert_allclose(six, one, atol=1e-3, rtol=0)
+    assert (six.argmax(-1) == one.argmax(-1)).all()
