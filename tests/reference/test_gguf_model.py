@@ -268,12 +268,15 @@ def test_tensor_parallel_shards_of_the_blocks_equal_one_process(tmp_path):
 
 
 def test_pipeline_stages_of_the_blocks_equal_one_process(tmp_path):
-    # PP 2 (and TP 3 x PP 2): each stage loads its own layers' blocks from the file (the embedding on
-    # the first, the tied LM head on the last); a stage boundary changes no arithmetic.
+    # PP 2: each stage loads its own layers' blocks from the file (the embedding on the first, the
+    # tied LM head on the last); a stage boundary changes no arithmetic, so the logits are equal.
     ids = random_ids(40, 49152, 22)
     one = forward_logits(tmp_path, default_gguf(), ids, name="one")
     two = forward_logits(tmp_path, default_gguf(), ids, "--pp", "2", name="pp2")
     np.testing.assert_array_equal(two, one)
-    six = forward_logits(tmp_path, default_gguf(), ids, "--tp", "3", "--pp", "2", name="tp3pp2")
-    np.testing.assert_allclose(six, one, atol=1e-3, rtol=0)
-    assert (six.argmax(-1) == one.argmax(-1)).all()
+    # TP 3 x PP 2 (six processes) serves the tokens TP 3 alone does: the stages split no block.
+    args = ("generate", "--model", str(default_gguf()), "--prompt", "The capital of France is", "--max-tokens", "12",
+            "--ignore-eos", "--json")
+    tp3 = json.loads(run_kvserve(*args, "--tp", "3").stdout)
+    six = json.loads(run_kvserve(*args, "--tp", "3", "--pp", "2").stdout)
+    assert six["token_ids"] == tp3["token_ids"]
