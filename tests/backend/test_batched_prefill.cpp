@@ -61,6 +61,17 @@ int64_t full_blocks(const DecoderModel& m, const std::vector<int64_t>& lens) {
 
 float max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<float>(); }
 
+// One step that starts and prefills every prompt whole, sampling each, as sequences 10, 11, ...
+StepPlan prefill_plan(const std::vector<std::vector<int64_t>>& prompts, const SamplingParams& sampling) {
+  StepPlan plan;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const int64_t id = static_cast<int64_t>(i) + 10;
+    plan.start.push_back({id, sampling, prompts[i], 0, {}});
+    plan.prefill.push_back({id, prompts[i], "", true, false});
+  }
+  return plan;
+}
+
 class BatchedPrefill : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(BatchedPrefill, LogitsAndKvMatchPromptsAlone) {
@@ -198,15 +209,10 @@ TEST(BatchedPrefillFailure, RunnerFallsBackToOneByOne) {
   const auto prompts = make_prompts(lens, model->config().vocab_size);
   LocalRunner runner(model, make_memory(*model, 20));
 
-  StepPlan plan;
   SamplingParams greedy;
   greedy.temperature = 0;
   greedy.logprobs = 5;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const int64_t id = static_cast<int64_t>(i) + 10;
-    plan.start.push_back({id, greedy, prompts[i], 0, {}});
-    plan.prefill.push_back({id, prompts[i], "", true, false});
-  }
+  const StepPlan plan = prefill_plan(prompts, greedy);
   const StepResult r = runner.execute(plan);
   ASSERT_EQ(r.prefilled.size(), 3u);
   EXPECT_NE(r.prefilled[1].error.find("KV pool exhausted"), std::string::npos) << r.prefilled[1].error;
@@ -296,15 +302,9 @@ TEST(BatchedPrefillFailure, CancelledPromptStopsBetweenLayers) {
     asked_for_cancelled += hit;
     return hit && asked_for_cancelled > 1;  // sequence 11 is cancelled once its first layer ran
   });
-  StepPlan plan;
   SamplingParams greedy;
   greedy.temperature = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const int64_t id = static_cast<int64_t>(i) + 10;
-    plan.start.push_back({id, greedy, prompts[i], 0, {}});
-    plan.prefill.push_back({id, prompts[i], "", true, false});
-  }
-  const StepResult r = runner.execute(plan);
+  const StepResult r = runner.execute(prefill_plan(prompts, greedy));
   ASSERT_EQ(r.prefilled.size(), 3u);
   EXPECT_NE(r.prefilled[1].error.find("cancelled"), std::string::npos) << r.prefilled[1].error;
   EXPECT_EQ(r.shards.at(0).held, (std::vector<int64_t>{4, 0, 6}));
