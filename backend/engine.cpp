@@ -113,6 +113,9 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   so.eos_ids = eos_ids;
   options_.speculative.validate("speculative_config");
   if (options_.speculative.enabled()) {
+    KV_CHECK(!options_.speculative.self_draft() || impl_->runner->self_drafting(),
+             "speculative_config: method 'self' drafts in one process; a tensor- or pipeline-parallel engine "
+             "speculates with method 'ngram'");
     if (impl_->runner->speculative_decoding())
       so.speculative = options_.speculative;
     else

@@ -5,6 +5,7 @@
 #include "backend/decode_graphs.h"
 #include "backend/model/decoder_model.h"
 #include "backend/spec_decode/draft_verifier.h"
+#include "backend/spec_decode/self_drafter.h"
 #include "common/log.h"
 
 namespace kvserve {
@@ -50,10 +51,12 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       } else {
         samplers_.prepare(plan.decode.seq_ids);  // grammar masks, beside the forward
       }
+      std::vector<int64_t> tokens = plan.decode_tokens;
+      if (drafts && plan.self_draft.active()) draft_with_own_kv(*model_, *kv_, plan.decode, plan.self_draft, tokens);
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
-      torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, plan.decode_tokens)
-                                                : model_->decode(plan.decode, plan.decode_tokens, *kv_);
-      VerifiedTokens v = verify_drafts(samplers_, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
+      torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, tokens)
+                                                : model_->decode(plan.decode, tokens, *kv_);
+      VerifiedTokens v = verify_drafts(samplers_, plan.decode, tokens, logits, plan.decode_ban_eos);
       r.decoded = std::move(v.tokens);
       r.decode_counts = std::move(v.counts);
     } catch (const std::exception& e) {

@@ -45,6 +45,8 @@ class ModelRunner {
   virtual void set_cancel_check(CancelCheck check) { (void)check; }
   // Whether it verifies drafts (a sequence in several decode rows, StepPlan::truncate).
   virtual bool speculative_decoding() const { return false; }
+  // Whether it drafts with the model over its own KV (StepPlan::self_draft): one process only.
+  virtual bool self_drafting() const { return false; }
   // Whether prompts may compress their context alone (PrefillWork::context_len).
   virtual bool compressed_contexts() const { return false; }
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
@@ -84,6 +86,7 @@ class LocalRunner final : public ModelRunner {
   bool chunked_prefill() const override { return true; }
   void set_cancel_check(CancelCheck check) override;
   bool speculative_decoding() const override { return true; }
+  bool self_drafting() const override { return true; }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
   bool reset_caches() override {

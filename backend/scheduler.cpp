@@ -154,6 +154,8 @@ std::optional<std::chrono::steady_clock::time_point> Scheduler::oldest_waiting_a
 
 std::vector<int64_t> Scheduler::propose(const Sequence& s, int64_t k) const {
   const SpeculativeConfig& c = options_.speculative;
+  // Self-drafts are made by the runner at the step (StepPlan::self_draft): placeholders here.
+  if (c.self_draft()) return std::vector<int64_t>(static_cast<size_t>(k), -1);
   return propose_ngram(s.req.prompt_ids, s.output, k, c.prompt_lookup_min, c.prompt_lookup_max);
 }
 
@@ -255,6 +257,11 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     if (!room) continue;
     const std::vector<int64_t> draft = propose(*s, k);
     if (draft.empty()) continue;
+    if (spec.self_draft()) {
+      const int64_t bs = shards_.front().usage.geometry.block_size;
+      plan.self_draft = {blocks_for_tokens(spec.draft_sink_tokens, bs),
+                         std::max<int64_t>(1, blocks_for_tokens(spec.draft_window_tokens, bs))};
+    }
     for (size_t i = 0; i < S; ++i) free[i] -= draft_blocks(i, static_cast<int64_t>(draft.size()));
     const int64_t min_tokens = s->req.sampling.ignore_eos ? 0 : s->req.sampling.min_tokens;
     for (size_t j = 0; j < draft.size(); ++j) {

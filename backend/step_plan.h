@@ -70,6 +70,9 @@ struct StepPlan {
   DecodeBatch decode;
   std::vector<int64_t> decode_tokens;  // each decoded sequence's last token
   std::vector<char> decode_ban_eos;
+  // Active: the decode rows after a sequence's last token are placeholders for self-speculative
+  // drafts, which the runner drafts through this view of the sequence's KV before verifying them.
+  DraftView self_draft;
   std::vector<PrefillWork> prefill;
 
   bool empty() const {

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "cache_manager/draft_view.h"
 #include "common/check.h"
 #include "policies/policy_config.h"
 
@@ -18,6 +19,9 @@ namespace kvserve {
 struct DecodeBatch {
   std::vector<int64_t> seq_ids;
   std::vector<int64_t> positions;
+  // A self-speculative draft step attends through this view of each sequence's cache (inactive:
+  // everything it holds); what the step appends is the draft's, truncated before verification.
+  DraftView view;
 };
 
 // prefix_reuse: compressed: the parked sequence (a finished request of the same conversation) whose

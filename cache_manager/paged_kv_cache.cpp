@@ -783,7 +783,7 @@ torch::Tensor PagedKvCache::append_and_attend(int64_t layer, const std::vector<i
 }
 
 void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions,
-                                int64_t padded_rows) {
+                                int64_t padded_rows, const DraftView& view) {
   step_.active = false;
   const int64_t B = static_cast<int64_t>(seq_ids.size());
   KV_CHECK(padded_rows <= 0 || padded_rows >= B,
@@ -809,13 +809,14 @@ void PagedKvCache::begin_decode(const std::vector<int64_t>& seq_ids, const std::
   step_.seq_ids = seq_ids;
   step_.padded_rows = static_cast<size_t>(P);
   step_.split_hint = -1;
+  step_.view = view;
   step_.done.assign(static_cast<size_t>(num_layers_), 0);
   step_.active = true;
 }
 
-bool PagedKvCache::decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer) const {
+bool PagedKvCache::decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer, const DraftView& view) const {
   return step_.active && layer >= 0 && layer < num_layers_ && !step_.done[static_cast<size_t>(layer)] &&
-         step_.seq_ids == seq_ids;
+         step_.seq_ids == seq_ids && step_.view == view;
 }
 
 int64_t PagedKvCache::planned_max_blocks() const {
@@ -863,7 +864,8 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   const int64_t max_blocks = step_.slots.max_blocks[static_cast<size_t>(layer)];
   step_.done[static_cast<size_t>(layer)] = 1;
   if (std::all_of(step_.done.begin(), step_.done.end(), [](char d) { return d != 0; })) step_.active = false;
-  if (use_cuda_kernels(pool_) && !step_.slots.grouped) {
+  const bool viewed = step_.view.active() && window == 0;  // a sliding-window layer already reads a window
+  if (use_cuda_kernels(pool_) && !step_.slots.grouped && !viewed) {
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
     // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
@@ -882,6 +884,10 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
           ? torch::from_blob(const_cast<int32_t*>(step_.slots.lengths.data()) + layer * E, {E}, torch::kInt32)
                 .to(pool_.device())
           : dev_.lengths(layer).index_select(0, step_.rows);
+  if (viewed) {
+    auto [vt, vl] = draft_view_tables(table.to(torch::kCPU), lens.to(torch::kCPU), bs_, step_.view);
+    return unlane(stored_attention(qr, vt.to(pool_.device()), vl.to(pool_.device()), scale, window));
+  }
   return unlane(stored_attention(qr, table, lens, scale, window));
 }
 

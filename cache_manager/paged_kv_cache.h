@@ -14,6 +14,7 @@
 #include "cache_manager/block_table.h"
 #include "cache_manager/compressed_context_cache.h"
 #include "cache_manager/device_block_tables.h"
+#include "cache_manager/draft_view.h"
 #include "cache_manager/host_kv_tier.h"
 #include "cache_manager/kv_block_pool.h"
 #include "cache_manager/prefix_cache.h"
@@ -91,10 +92,12 @@ class PagedKvCache {
   // padded_rows > B pads the step to that many batch entries (a CUDA graph's bucket): the extra
   // entries use the device tables' null row (length 0 everywhere), so they read no K/V, get a zero
   // attention output and write nothing; no blocks, lengths or positions change for them.
+  // An active `view` (a self-speculative draft step) makes every full-attention layer attend
+  // through draft_view_tables() of the tables (sinks and window; the appended token is in the window).
   void begin_decode(const std::vector<int64_t>& seq_ids, const std::vector<int64_t>& positions,
-                    int64_t padded_rows = 0);
-  // True when begin_decode() planned this batch and `layer` has not run yet.
-  bool decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer) const;
+                    int64_t padded_rows = 0, const DraftView& view = {});
+  // True when begin_decode() planned this batch (through this view) and `layer` has not run yet.
+  bool decode_planned(const std::vector<int64_t>& seq_ids, int64_t layer, const DraftView& view = {}) const;
   // Writes k, v [P, KV, D] (P = the planned batch entries, padding included) into the slots
   // begin_decode() took and returns paged attention of q [P, H, D] over each entry's tokens of
   // `layer`, the new one included (zero rows for padding). window > 0: a sliding-window layer, each
@@ -310,6 +313,7 @@ class PagedKvCache {
     bool active = false;
     size_t padded_rows = 0;  // batch entries incl. padding (>= seq_ids.size())
     int64_t split_hint = -1;  // >= 0: every layer's split-K hint (fix_split_hint)
+    DraftView view;           // active: a draft step's attention reads this view of the tables
   };
 
   int64_t num_layers_;

@@ -900,7 +900,9 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) 
     // Eviction picks its victims at a given length: tokens a speculation may reject would move it.
     KV_CHECK(!repeated || s.evictors.empty(),
              "decode: sequence " << id << " evicts during decode and cannot verify several tokens in one step");
-    if (repeated) continue;
+    // A draft step's slots are truncated before the step that verifies it, whose rows may need what
+    // a window left behind at the draft's later positions: nothing is evicted or dropped for it.
+    if (repeated || batch.view.active()) continue;
     for (int64_t ll = 0; ll < static_cast<int64_t>(s.evictors.size()); ++ll) {
       const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
       if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
@@ -910,13 +912,13 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) 
     // Local layers drop the block the window left before this step can take a new one.
     for (int64_t ll = 0; ll < static_cast<int64_t>(windows_.size()); ++ll) trim_window(id, ll);
   }
-  cache_.begin_decode(batch.seq_ids, batch.positions, padded_rows);
+  cache_.begin_decode(batch.seq_ids, batch.positions, padded_rows, batch.view);
 }
 
 torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& batch, const torch::Tensor& q,
                                               const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ll = local(layer);
-  if (!cache_.decode_planned(batch.seq_ids, ll)) begin_decode(batch);
+  if (!cache_.decode_planned(batch.seq_ids, ll, batch.view)) begin_decode(batch);
   return cache_.decode_layer(ll, q, k, v, -1.0, windows_.empty() ? 0 : windows_[static_cast<size_t>(ll)]);
 }
 

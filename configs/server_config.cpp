@@ -616,14 +616,16 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                      p.parse_map(n, path,
                                  {{"method", p.string_of(s.method,
                                                          [](const std::string& v) {
-                                                           return v == "none" || v == "ngram"
+                                                           return v == "none" || v == "ngram" || v == "self"
                                                                       ? std::string()
-                                                                      : "must be one of none, ngram; got '" + v + "'";
+                                                                      : "must be one of none, ngram, self; got '" + v + "'";
                                                          })},
                                   {"num_speculative_tokens", p.int_of(s.num_speculative_tokens, 0, 64)},
                                   {"prompt_lookup_min", p.int_of(s.prompt_lookup_min, 1, 64)},
                                   {"prompt_lookup_max", p.int_of(s.prompt_lookup_max, 1, 64)},
-                                  {"disable_by_batch_size", p.int_of(s.disable_by_batch_size, 0, 1 << 20)}});
+                                  {"disable_by_batch_size", p.int_of(s.disable_by_batch_size, 0, 1 << 20)},
+                                  {"draft_sink_tokens", p.int_of(s.draft_sink_tokens, 0, int64_t{1} << 30)},
+                                  {"draft_window_tokens", p.int_of(s.draft_window_tokens, 1, int64_t{1} << 30)}});
                    })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.parallel;

@@ -126,11 +126,13 @@ struct ParallelSection {
 // Speculative decoding as vLLM's speculative_config (backend/spec_decode/speculative_config.h
 // checks the combination when the engine starts).
 struct SpeculativeSection {
-  std::string method = "none";  // none | ngram
+  std::string method = "none";  // none | ngram | self
   int64_t num_speculative_tokens = 0;
   int64_t prompt_lookup_min = 2;
   int64_t prompt_lookup_max = 4;
   int64_t disable_by_batch_size = 0;
+  int64_t draft_sink_tokens = 16;     // self: the draft view's sinks and window
+  int64_t draft_window_tokens = 496;
 };
 
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies

@@ -7,17 +7,22 @@
 namespace kvserve {
 
 void SpeculativeConfig::validate(const std::string& where) const {
-  KV_CHECK(method.empty() || method == "none" || method == "ngram",
-           where << ": method '" << method << "' is not served (ngram, or none)");
-  if (method != "ngram") return;
+  KV_CHECK(method.empty() || method == "none" || method == "ngram" || method == "self",
+           where << ": method '" << method << "' is not served (ngram, self, or none)");
+  if (method != "ngram" && method != "self") return;
   KV_CHECK(num_speculative_tokens >= 1 && num_speculative_tokens <= 64,
            where << ": num_speculative_tokens must be in [1, 64], got " << num_speculative_tokens);
+  KV_CHECK(disable_by_batch_size >= 0, where << ": disable_by_batch_size must be >= 0, got " << disable_by_batch_size);
+  if (method == "self") {
+    KV_CHECK(draft_sink_tokens >= 0, where << ": draft_sink_tokens must be >= 0, got " << draft_sink_tokens);
+    KV_CHECK(draft_window_tokens >= 1, where << ": draft_window_tokens must be >= 1, got " << draft_window_tokens);
+    return;
+  }
   KV_CHECK(prompt_lookup_min >= 1, where << ": prompt_lookup_min must be >= 1, got " << prompt_lookup_min);
   KV_CHECK(prompt_lookup_max >= prompt_lookup_min,
            where << ": prompt_lookup_max (" << prompt_lookup_max << ") is below prompt_lookup_min (" << prompt_lookup_min
                  << ")");
   KV_CHECK(prompt_lookup_max <= 64, where << ": prompt_lookup_max must be <= 64, got " << prompt_lookup_max);
-  KV_CHECK(disable_by_batch_size >= 0, where << ": disable_by_batch_size must be >= 0, got " << disable_by_batch_size);
 }
 
 SpeculativeConfig parse_speculative_config_json(const std::string& text, const std::string& where) {
@@ -49,9 +54,14 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       max_set = true;
     } else if (k == "disable_by_batch_size") {
       c.disable_by_batch_size = integer();
+    } else if (k == "draft_sink_tokens") {
+      c.draft_sink_tokens = integer();
+    } else if (k == "draft_window_tokens") {
+      c.draft_window_tokens = integer();
     } else {
       KV_FAIL(where << ": unknown key '" << k
-                    << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)");
+                    << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, "
+                       "draft_sink_tokens, draft_window_tokens)");
     }
   }
   // As vLLM: one bound given alone sets both.
@@ -65,9 +75,14 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
   if (!c.enabled()) return "null";
   nlohmann::json j = {{"method", c.method},
                       {"num_speculative_tokens", c.num_speculative_tokens},
-                      {"prompt_lookup_min", c.prompt_lookup_min},
-                      {"prompt_lookup_max", c.prompt_lookup_max},
                       {"disable_by_batch_size", c.disable_by_batch_size}};
+  if (c.self_draft()) {
+    j["draft_sink_tokens"] = c.draft_sink_tokens;
+    j["draft_window_tokens"] = c.draft_window_tokens;
+  } else {
+    j["prompt_lookup_min"] = c.prompt_lookup_min;
+    j["prompt_lookup_max"] = c.prompt_lookup_max;
+  }
   return j.dump();
 }
 

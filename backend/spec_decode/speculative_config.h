@@ -7,7 +7,8 @@
 namespace kvserve {
 
 struct SpeculativeConfig {
-  // "" / "none": no speculation; "ngram": prompt lookup over the sequence's prompt and output.
+  // "" / "none": no speculation; "ngram": prompt lookup over the sequence's prompt and output;
+  // "self": the model drafts over a compressed view of the sequence's own KV (self_drafter.h).
   std::string method;
   int64_t num_speculative_tokens = 0;  // drafts per step at most (the adaptive γ starts here)
   int64_t prompt_lookup_min = 2;       // the shortest suffix n-gram matched
@@ -15,8 +16,13 @@ struct SpeculativeConfig {
   // No drafts while more than this many sequences decode (0: no limit): a large batch's decode is
   // compute-bound, so verifying γ + 1 tokens per sequence costs about γ + 1 plain steps.
   int64_t disable_by_batch_size = 0;
+  // "self": the draft steps attend to the cache's first draft_sink_tokens and last
+  // draft_window_tokens (each rounded up to whole blocks; the window's last block is the open one).
+  int64_t draft_sink_tokens = 16;
+  int64_t draft_window_tokens = 496;
 
-  bool enabled() const { return method == "ngram" && num_speculative_tokens > 0; }
+  bool enabled() const { return (method == "ngram" || method == "self") && num_speculative_tokens > 0; }
+  bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }
   // Throws naming `where` and the field when a value is out of range or the method is unknown.
   void validate(const std::string& where) const;
 };

@@ -1,12 +1,13 @@
-// Speculative decoding's parts without a model: prompt-lookup drafts, the config's JSON, and a
-// verify step in the paged cache (a sequence in several rows attends causally, as one row per step
-// would, and its rejected rows' KV goes back to the pool).
+// Speculative decoding's parts without a model: prompt-lookup drafts, the config's JSON, a verify
+// step in the paged cache (a sequence in several rows attends causally, as one row per step would,
+// and its rejected rows' KV goes back to the pool), and a self-draft step's view of the cache.
 #include <gtest/gtest.h>
 
 #include <vector>
 
 #include "backend/spec_decode/ngram_proposer.h"
 #include "backend/spec_decode/speculative_config.h"
+#include "cache_manager/draft_view.h"
 #include "cache_manager/paged_kv_cache.h"
 #include "common/check.h"
 
@@ -69,6 +70,39 @@ TEST(SpeculativeConfig, ErrorsNameTheFlagAndKey) {
   EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 4, "draft_model": "x"})").find("unknown key 'draft_model'"),
             std::string::npos);
   EXPECT_NE(message("[1]").find("expected a JSON object"), std::string::npos);
+  EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 3, "draft_window_tokens": 0})")
+                .find("draft_window_tokens must be >= 1"),
+            std::string::npos);
+}
+
+TEST(SpeculativeConfig, SelfDraftKeys) {
+  const SpeculativeConfig c = parse_speculative_config_json(
+      R"({"method": "self", "num_speculative_tokens": 4, "draft_sink_tokens": 4, "draft_window_tokens": 64})", "--x");
+  EXPECT_TRUE(c.enabled());
+  EXPECT_TRUE(c.self_draft());
+  EXPECT_EQ(c.draft_sink_tokens, 4);
+  EXPECT_EQ(c.draft_window_tokens, 64);
+  EXPECT_EQ(speculative_config_json(c),
+            R"({"disable_by_batch_size":0,"draft_sink_tokens":4,"draft_window_tokens":64,"method":"self","num_speculative_tokens":4})");
+  EXPECT_FALSE(parse_speculative_config_json(R"({"method": "ngram", "num_speculative_tokens": 4})", "x").self_draft());
+}
+
+TEST(DraftView, KeepsTheFirstAndLastBlocksOfLongRows) {
+  // Block size 4; row 0 holds 21 slots (6 blocks, the last with 1), row 1 holds 7 (2 blocks).
+  const torch::Tensor table = torch::tensor({10, 11, 12, 13, 14, 15, 20, 21, 0, 0, 0, 0}, torch::kInt32).view({2, 6});
+  const torch::Tensor lengths = torch::tensor({21, 7}, torch::kInt32);
+  auto [t, l] = draft_view_tables(table, lengths, 4, DraftView{1, 2});
+  ASSERT_EQ(t.sizes(), (std::vector<int64_t>{2, 3}));
+  EXPECT_TRUE(torch::equal(t[0], torch::tensor({10, 14, 15}, torch::kInt32)));
+  EXPECT_EQ(l[0].item<int>(), 4 + 4 + 1);  // the sink block, one full window block, the open one
+  EXPECT_TRUE(torch::equal(t[1].narrow(0, 0, 2), torch::tensor({20, 21}, torch::kInt32)));
+  EXPECT_EQ(l[1].item<int>(), 7);  // fits in the view: whole
+  // No sinks: the window alone.
+  auto [t0, l0] = draft_view_tables(table, lengths, 4, DraftView{0, 2});
+  EXPECT_TRUE(torch::equal(t0[0].narrow(0, 0, 2), torch::tensor({14, 15}, torch::kInt32)));
+  EXPECT_EQ(l0[0].item<int>(), 5);
+  EXPECT_THROW(draft_view_tables(table, lengths, 4, DraftView{1, 0}), std::exception);
+  EXPECT_THROW(draft_view_tables(table, torch::tensor({25, 7}, torch::kInt32), 4, DraftView{1, 2}), std::exception);
 }
 
 constexpr int64_t kKV = 2, kD = 8, kBS = 4, kH = 4, kLayers = 2;
@@ -139,6 +173,52 @@ TEST_P(VerifyStep, RowsOfOneSequenceAttendCausallyAndRejectedRowsGoBack) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, VerifyStep, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("head_blocks") : std::string("per_layer"); });
+
+class DraftStep : public ::testing::TestWithParam<bool> {};
+
+// A draft step through the view {1 sink block, 2 window blocks} of a 22-token sequence attends to
+// slots 0..3 and 16..22 (its own new token included), exactly as softmax attention over those rows;
+// truncating it leaves the cache as before.
+TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) {
+  torch::manual_seed(5);
+  constexpr int64_t n = 22;
+  const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
+  PagedKvCache c(kLayers, pool_options(GetParam()));
+  c.add_sequence(7);
+  const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
+  for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, pk, pv, pos);
+  const int64_t used = c.used_blocks();
+  const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
+  c.begin_decode({7}, {n}, 0, DraftView{1, 2});
+  std::vector<int64_t> seen;
+  for (int64_t i = 0; i < 4; ++i) seen.push_back(i);
+  for (int64_t i = 16; i <= n; ++i) seen.push_back(i);
+  const torch::Tensor idx = torch::tensor(seen);
+  const torch::Tensor K = torch::cat({pk, k.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
+  const torch::Tensor V = torch::cat({pv, v.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
+  const int64_t G = kH / kKV;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    const torch::Tensor out = c.decode_layer(l, q, k, v);
+    for (int64_t h = 0; h < kH; ++h) {
+      const torch::Tensor qh = q[0][h].to(torch::kFloat64);
+      const torch::Tensor p = torch::softmax(K[h / G].matmul(qh) / std::sqrt(double(kD)), 0);
+      const torch::Tensor want = p.matmul(V[h / G]);
+      EXPECT_TRUE(torch::allclose(out[0][h].to(torch::kFloat64), want, 1e-5, 1e-5)) << "layer " << l << " head " << h;
+    }
+  }
+  EXPECT_EQ(c.length(7, 1), n + 1);
+  c.truncate_last(7, 1);
+  c.check_invariants();
+  EXPECT_EQ(c.length(7, 0), n);
+  EXPECT_EQ(c.used_blocks(), used);
+  // A step without the view reads everything again.
+  c.begin_decode({7}, {n});
+  EXPECT_FALSE(c.decode_planned({7}, 0, DraftView{1, 2}));
+  EXPECT_TRUE(c.decode_planned({7}, 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, DraftStep, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("head_blocks") : std::string("per_layer"); });
 
 TEST(VerifyStepBatch, RowsMustBeConsecutive) {

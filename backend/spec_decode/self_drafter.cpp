@@ -1,0 +1,47 @@
+#include "backend/spec_decode/self_drafter.h"
+
+#include <algorithm>
+
+#include "backend/model/decoder_model.h"
+#include "common/check.h"
+
+namespace kvserve {
+
+void draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
+                       std::vector<int64_t>& tokens) {
+  const size_t R = batch.seq_ids.size();
+  KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active(),
+           "internal: self-drafting " << R << " rows with " << tokens.size() << " tokens");
+  // Each sequence's run of rows: its first row and how many drafts follow it.
+  std::vector<size_t> first, drafts;
+  for (size_t i = 0; i < R; ++i) {
+    if (i > 0 && batch.seq_ids[i] == batch.seq_ids[i - 1]) {
+      ++drafts.back();
+    } else {
+      first.push_back(i);
+      drafts.push_back(0);
+    }
+  }
+  const size_t most = drafts.empty() ? 0 : *std::max_element(drafts.begin(), drafts.end());
+  for (size_t j = 0; j < most; ++j) {
+    DecodeBatch step;
+    step.view = view;
+    std::vector<int64_t> in;
+    std::vector<size_t> rows;
+    for (size_t g = 0; g < first.size(); ++g) {
+      if (drafts[g] <= j) continue;
+      const size_t row = first[g] + j;
+      step.seq_ids.push_back(batch.seq_ids[row]);
+      step.positions.push_back(batch.positions[row]);
+      in.push_back(tokens[row]);
+      rows.push_back(row + 1);
+    }
+    const torch::Tensor best = model.decode(step, in, kv).argmax(-1).to(torch::kCPU).to(torch::kInt64).contiguous();
+    const int64_t* b = best.data_ptr<int64_t>();
+    for (size_t k = 0; k < rows.size(); ++k) tokens[rows[k]] = b[k];
+  }
+  for (size_t g = 0; g < first.size(); ++g)
+    if (drafts[g] > 0) kv.truncate(batch.seq_ids[first[g]], static_cast<int64_t>(drafts[g]));
+}
+
+}  // namespace kvserve

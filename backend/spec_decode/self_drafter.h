@@ -1,0 +1,23 @@
+#pragma once
+// Self-speculative drafts: the target model itself proposes a sequence's next tokens, attending
+// through a compressed view of the sequence's own paged KV (sinks + recent window) instead of all of
+// it, so that a draft step reads little KV while the verify step reads everything.
+#include <cstdint>
+#include <vector>
+
+#include "cache_manager/kv_memory.h"
+
+namespace kvserve {
+
+class DecoderModel;
+
+// Fills the draft rows of a speculative decode batch (a sequence's last token followed by rows whose
+// tokens are placeholders): draft step j decodes, for every sequence with more than j drafts, its
+// token of row j at that row's position through `view`, and row j + 1 gets the greedy token of its
+// logits. What the draft steps appended to the cache is truncated before returning, so the verify
+// step then appends every row again with full attention. tokens: one per batch row, drafts
+// overwritten. Throws what a decode step throws (the caller's failed-step path releases the KV).
+void draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
+                       std::vector<int64_t>& tokens);
+
+}  // namespace kvserve

@@ -1,0 +1,153 @@
+"""Self-speculative decoding (issue 49, `method: self`): the model drafts over a compressed view of the
+sequence's own KV (its first and last blocks) and verifies against all of it. The output must be plain
+decoding's exactly: every request here is compared with the same request sent with
+`"speculative": false`, on the random fixture, the default model and Gemma 3 (sliding-window layers),
+under compressing and head-wise policies, seeded sampling, grammars, concurrency and preemption. The
+view is small (one sink block, two window blocks of 16) so that every prompt here is longer than it."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
+
+SELF_YAML = """speculative_config:
+  method: self
+  num_speculative_tokens: 4
+  draft_sink_tokens: 16
+  draft_window_tokens: 32
+"""
+HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
+FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
+STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
+         "the fishing boats returning, the gulls circling the harbour, and the storm clouds gathering far "
+         "out over the grey sea. One night the lamp would not light, and he had to decide what to do. ")
+PROMPTS = [STORY + "What happened next?", "Write a short poem about autumn leaves and rain on the window.\n" * 3,
+           STORY * 2 + "Summarise the story in one sentence:", "List five facts about the moon. " * 5]
+
+
+@pytest.fixture(scope="module", params=["tiny", "default", "gemma3"])
+def srv(request):
+    model = {"tiny": None, "default": DEFAULT_MODEL, "gemma3": FIXTURES / "gemma3"}[request.param]
+    if model is not None and not (model / "config.json").exists():
+        pytest.skip(f"{model} is not made")
+    s = Server(extra_yaml=HEADWISE + SELF_YAML, model=str(model) if model else None, kv_cache_bytes="256MiB")
+    s.param = request.param
+    yield s
+    s.close()
+
+
+def complete(srv, body: dict) -> dict:
+    body = {"model": "tiny", "return_token_ids": True, **body}
+    status, _, data = raw(srv, "POST", "/v1/completions", json.dumps(body))
+    assert status == 200, data
+    return json.loads(data)
+
+
+def tokens(r: dict) -> list[list[int]]:
+    return [c["token_ids"] for c in r["choices"]]
+
+
+def both(srv, body: dict) -> tuple[dict, dict]:
+    return complete(srv, body), complete(srv, {**body, "speculative": False})
+
+
+def counts(srv) -> tuple[float, float]:
+    m = srv.metrics()
+    return m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+def test_greedy_is_token_identical_and_drafts_are_accepted(srv):
+    before = counts(srv)
+    for p in PROMPTS:
+        a, b = both(srv, {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        assert tokens(a) == tokens(b), p[:40]
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    drafted, accepted = (x - y for x, y in zip(counts(srv), before))
+    assert drafted > 0 and 0 <= accepted <= drafted
+    if srv.param == "default":
+        # The trained model's draft over sinks + window mostly agrees with full attention.
+        assert accepted / drafted > 0.3, (drafted, accepted)
+
+
+@pytest.mark.parametrize("extra", [
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 1.0, "seed": 100, "n": 6, "max_tokens": 24},
+    {"temperature": 0, "logprobs": 2},
+    {"temperature": 0, "stop": ["the"]},
+    {"temperature": 0, "max_tokens": 5},
+    {"temperature": 0, "repetition_penalty": 1.2},
+    {"temperature": 0, "kv_policy": "snapkv"},
+    {"temperature": 0, "kv_policy": "pyramidkv"},
+    {"temperature": 0, "kv_policy": "snap_ada"},
+    {"temperature": 0, "guided_regex": "[a-z ]{4,40}\\."},
+])
+def test_same_tokens_as_plain_decoding(srv, extra):
+    body = {"prompt": PROMPTS[2], "max_tokens": 32, **extra}
+    a, b = both(srv, body)
+    assert tokens(a) == tokens(b), extra
+    for ca, cb in zip(a["choices"], b["choices"]):
+        assert ca["text"] == cb["text"] and ca["finish_reason"] == cb["finish_reason"]
+        if "logprobs" in extra:
+            assert ca["logprobs"]["token_logprobs"] == pytest.approx(cb["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_concurrent_chunked_and_preempted_match():
+    # Mixed draft counts in one step, chunked prefill beside draft steps, and preemption of
+    # sequences that draft, in a pool too small for all of them.
+    s = Server(extra_yaml=SELF_YAML, kv_cache_bytes="2MiB",
+               extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
+    try:
+        prompts = [f"{i}: " + (STORY * 3)[: 400 + 80 * i] for i in range(8)]
+
+        def run(i_spec):
+            i, spec = i_spec
+            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 160, "temperature": 0,
+                                       "ignore_eos": True, "speculative": spec}))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            fast = list(pool.map(run, [(i, True) for i in range(8)]))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        assert fast == slow
+        m = s.wait_idle()
+        assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
+        assert m["kvserve:kv_cache_blocks_used"] == 0
+    finally:
+        s.close()
+
+
+def test_sharded_engine_refuses_self_drafts_by_name(tmp_path):
+    fixture = FIXTURES / "llama-kvfew"
+    if not (fixture / "config.json").exists():
+        pytest.skip("no llama-kvfew fixture")
+    bad = subprocess.run([kvserve_bin(), "generate", "--model", str(fixture), "--prompt", "x", "--tp", "2",
+                          "--speculative-config", '{"method": "self", "num_speculative_tokens": 3}'],
+                         capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0 and "method 'self' drafts in one process" in bad.stderr, bad.stderr[-2000:]
+    bad = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x", "--speculative-config",
+                          '{"method": "self", "num_speculative_tokens": 3, "draft_window_tokens": 0}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--speculative-config: draft_window_tokens must be >= 1" in bad.stderr
+
+
+def test_generate_json_reports_self_drafts():
+    args = [kvserve_bin(), "generate", "--model", model_dir(), "--prompt", PROMPTS[0], "--max-tokens", "32",
+            "--ignore-eos", "--json"]
+    spec = subprocess.run(args + ["--speculative-config", '{"method": "self", "num_speculative_tokens": 3, '
+                                  '"draft_sink_tokens": 16, "draft_window_tokens": 16}'],
+                          capture_output=True, text=True, timeout=300, check=True)
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+    j, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert j["token_ids"] == p["token_ids"]
+    s = j["speculative"]
+    assert s["config"] == {"method": "self", "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+                           "draft_sink_tokens": 16, "draft_window_tokens": 16}
+    assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
