@@ -285,6 +285,10 @@ void Engine::loop() {
       return s && cancelled(*s);
     });
   });
+  struct {
+    int64_t draft_steps = 0, verify_steps = 0;
+    double draft_s = 0.0, verify_s = 0.0;
+  } speculated;  // the runner's speculative steps so far
   // One step: cancellations, the plan, the runner, the events. True = the loop is done.
   auto step = [&](const std::unordered_set<std::string>& cancels, bool stopping, bool drain) -> bool {
     // Cancellations (and a non-draining shutdown) free their blocks in the next plan.
@@ -305,7 +309,14 @@ void Engine::loop() {
     StepPlan plan = sched.schedule(&rejected);
     for (auto& [s, why] : rejected) out.finish(*s, "error", why, /*request_error=*/true);
     std::vector<Scheduler::Output> outputs;
-    if (!plan.empty()) outputs = sched.update(plan, runner.execute(plan));
+    if (!plan.empty()) {
+      StepResult result = runner.execute(plan);
+      speculated.draft_steps += result.draft_steps;
+      speculated.draft_s += result.draft_s;
+      speculated.verify_steps += result.verify_s > 0;
+      speculated.verify_s += result.verify_s;
+      outputs = sched.update(plan, std::move(result));
+    }
     int64_t generated = 0;
     // A speculative step gives a sequence several tokens: those after the one that finished it are dropped.
     std::unordered_set<const Sequence*> finished;
@@ -342,6 +353,10 @@ void Engine::loop() {
     im.stats.spec_decode_num_draft_tokens = spec.draft_tokens;
     im.stats.spec_decode_num_accepted_tokens = spec.accepted_tokens;
     im.stats.spec_decode_accepted_per_pos = spec.accepted_per_pos;
+    im.stats.spec_decode_draft_steps = speculated.draft_steps;
+    im.stats.spec_decode_draft_seconds = speculated.draft_s;
+    im.stats.spec_decode_verify_steps = speculated.verify_steps;
+    im.stats.spec_decode_verify_seconds = speculated.verify_s;
     im.stats.prefix_cache_queries_total = sched.prefix_queries();
     im.stats.prefix_cache_hits_total = sched.prefix_hits();
     if (!plan.empty()) ++im.stats.steps_total;

@@ -100,6 +100,11 @@ struct EngineStats {
   int64_t spec_decode_num_draft_tokens = 0;
   int64_t spec_decode_num_accepted_tokens = 0;
   std::vector<int64_t> spec_decode_accepted_per_pos;
+  // Their cost: self-draft steps and seconds, steps that verified drafts and their seconds.
+  int64_t spec_decode_draft_steps = 0;
+  double spec_decode_draft_seconds = 0.0;
+  int64_t spec_decode_verify_steps = 0;
+  double spec_decode_verify_seconds = 0.0;
   int64_t step_collectives_total = 0;  // control-path collectives of a sharded job's steps
   // CUDA graph captures of decode steps (the warm-up's included) and their host seconds.
   int64_t cuda_graph_captures_total = 0;

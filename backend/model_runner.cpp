@@ -1,6 +1,7 @@
 #include "backend/model_runner.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "backend/decode_graphs.h"
 #include "backend/model/decoder_model.h"
@@ -51,12 +52,20 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       } else {
         samplers_.prepare(plan.decode.seq_ids);  // grammar masks, beside the forward
       }
+      using clock = std::chrono::steady_clock;
+      auto t0 = clock::now();
       std::vector<int64_t> tokens = plan.decode_tokens;
-      if (drafts && plan.self_draft.active()) draft_with_own_kv(*model_, *kv_, plan.decode, plan.self_draft, tokens);
+      if (drafts && plan.self_draft.active()) {
+        r.draft_steps = draft_with_own_kv(*model_, *kv_, plan.decode, plan.self_draft, tokens);
+        const auto t1 = clock::now();
+        r.draft_s = std::chrono::duration<double>(t1 - t0).count();
+        t0 = t1;
+      }
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
       torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, tokens)
                                                 : model_->decode(plan.decode, tokens, *kv_);
       VerifiedTokens v = verify_drafts(samplers_, plan.decode, tokens, logits, plan.decode_ban_eos);
+      if (drafts) r.verify_s = std::chrono::duration<double>(clock::now() - t0).count();
       r.decoded = std::move(v.tokens);
       r.decode_counts = std::move(v.counts);
     } catch (const std::exception& e) {

@@ -125,6 +125,10 @@ struct StepResult {
   std::vector<SampledToken> decoded;
   std::vector<int64_t> decode_counts;  // speculation: tokens per decoded sequence in `decoded` (else empty)
   std::string decode_error;           // non-empty: the decode failed for every row
+  // Speculative steps' cost on the runner's clock: self-draft steps run and their seconds, and the
+  // seconds of the forward and sampling that verified drafts (a step without drafts adds nothing).
+  int64_t draft_steps = 0;
+  double draft_s = 0.0, verify_s = 0.0;
   std::vector<PrefillOutcome> prefilled;  // one per plan prefill
   std::vector<ShardUsage> shards;         // one per shard holding KV (one for a single process)
 };

@@ -1,16 +1,24 @@
 #!/usr/bin/env python3
-"""Speculative decoding (prompt lookup) against plain decoding, one `kvserve generate` binary, rounds
-interleaved (plain, speculative, plain, ...) so that machine noise hits both alike.
+"""Speculative decoding (prompt lookup, or self-drafting with --spec) against plain decoding, one
+`kvserve generate` binary, rounds interleaved (plain, speculative, plain, ...) so that machine noise
+hits both alike.
 
 Workloads (paragraphs of the repository's docs and of ../shared/papers as passages):
 - copy:    the passage, then "Repeat the text above word for word:" and its first words: the model
            copies, prompt lookup drafts what it copies;
-- nocopy:  an open question with nothing to copy from (the prompt shares few n-grams with the answer).
+- nocopy:  an open question with nothing to copy from (the prompt shares few n-grams with the answer);
+- long:    a document of --long-tokens tokens (passages in a rotated order per prompt), then a request
+           to continue it; every sequence makes all its tokens (ignore_eos), for self-drafting at long
+           context.
+For each row the runner's own clock gives a draft step's cost c and a verify step's cost v as
+multiples of a plain step (generate --json: draft_s / draft_steps, verify_s / verify_steps), and the
+ratio they predict, MAL / (draft steps per verify * c + v), beside the measured one.
 At batch 1 each prompt runs alone (decode tokens/s over the prompts); at batch B the prompts run
 together (`--prompts-file`). Every run is greedy; the tokens of both modes are compared (exactness).
 
 Usage: python3 bench/bench_spec_decode.py [--model models/smollm2-135m-instruct] [--prompts 8]
            [--batches 1,8] [--exactness 200] [--out docs/benchmarks-speculative.md]
+           [--spec '{"method": "self", "num_speculative_tokens": 4}'] [--workloads long --long-tokens 7600]
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+IGNORE_EOS = False
 QUESTIONS = ["Write a short story about a dragon who learns to bake bread.",
              "List five ideas for a birthday party for a ten-year-old.",
              "Explain why the sky is blue to a child.",
@@ -51,6 +60,25 @@ def copy_prompt(p: str) -> str:
     return f"{p}\n\nRepeat the text above word for word:\n{' '.join(p.split()[:4])}"
 
 
+def long_prompts(model: str, n: int, tokens: int) -> list[str]:
+    """n documents of about `tokens` tokens (counted with the model's tokenizer), each its own order."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(pathlib.Path(model) / "tokenizer.json"))
+    ps = passages(40)
+    out = []
+    for i in range(n):
+        order = ps[i % len(ps):] + ps[:i % len(ps)]
+        doc, k = [], 0
+        while True:
+            nxt = order[k % len(order)]
+            if len(tok.encode("\n\n".join(doc + [nxt])).ids) > tokens - 16:
+                break
+            doc.append(nxt)
+            k += 1
+        out.append("\n\n".join(doc) + "\n\nContinue the text above:")
+    return out
+
+
 def run(binary: str, model: str, prompts: list[str], max_tokens: int, spec: bool) -> list[dict]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
@@ -58,6 +86,8 @@ def run(binary: str, model: str, prompts: list[str], max_tokens: int, spec: bool
            "--temperature", "0", "--json"]
     if spec:
         cmd += ["--speculative-config", json.dumps(SPEC)]
+    if IGNORE_EOS:
+        cmd += ["--ignore-eos"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     os.unlink(f.name)
     return json.loads(out.stdout)
@@ -74,6 +104,7 @@ def decode_rate(results: list[dict]) -> float:
 def measure(binary, model, prompts, batch, max_tokens, rounds):
     """Per mode: median tokens/s over rounds, the last round's token ids and speculation report."""
     rates = {False: [], True: []}
+    steps = {False: [], True: []}  # plain: seconds a step; speculative: (draft s/step, verify s/step, drafts/verify)
     ids, spec_report = {}, None
     for _ in range(rounds):
         for spec in (False, True):
@@ -81,6 +112,7 @@ def measure(binary, model, prompts, batch, max_tokens, rounds):
                 toks = secs = 0.0
                 got = []
                 drafts = draft_tokens = accepted = 0
+                cost = [0.0, 0, 0.0, 0]
                 for p in prompts:
                     j = run(binary, model, [p], max_tokens, spec)
                     r = j["results"][0]
@@ -89,19 +121,29 @@ def measure(binary, model, prompts, batch, max_tokens, rounds):
                     secs += r["timings"]["decode_s"]
                     s = j["speculative"]
                     drafts, draft_tokens, accepted = drafts + s["drafts"], draft_tokens + s["draft_tokens"], accepted + s["accepted_tokens"]
+                    cost = [cost[0] + s["draft_s"], cost[1] + s["draft_steps"], cost[2] + s["verify_s"], cost[3] + s["verify_steps"]]
                 rates[spec].append(toks / secs)
+                steps[spec].append(secs / toks if not spec else cost)
                 rep = {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted}
             else:
                 j = run(binary, model, prompts[:batch], max_tokens, spec)
                 got = [r["token_ids"] for r in j["results"]]
                 rates[spec].append(decode_rate(j["results"]))
                 s = j["speculative"]
+                if spec:
+                    steps[spec].append([s["draft_s"], s["draft_steps"], s["verify_s"], s["verify_steps"]])
+                else:  # every sequence decodes every step while the longest runs
+                    rs = j["results"]
+                    steps[spec].append(batch / decode_rate(rs) if decode_rate(rs) else 0.0)
                 rep = {k: s[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
             ids[spec] = got
             if spec:
                 spec_report = rep
     same = sum(a == b for a, b in zip(ids[False], ids[True]))
-    return statistics.median(rates[False]), statistics.median(rates[True]), spec_report, same, len(ids[False])
+    t = statistics.median(steps[False])
+    d_s, d_n, v_s, v_n = (sum(x[i] for x in steps[True]) for i in range(4))
+    cv = (d_s / d_n / t if d_n else 0.0, v_s / v_n / t if v_n else 0.0, d_n / v_n if v_n else 0.0)
+    return statistics.median(rates[False]), statistics.median(rates[True]), spec_report, same, len(ids[False]), cv
 
 
 def main() -> None:
@@ -114,21 +156,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--exactness", type=int, default=0, help="greedy prompts compared at batch 16 (0: skip)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--spec", default="", help="the --speculative-config JSON (default: prompt lookup, 5 drafts)")
+    ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long")
+    ap.add_argument("--long-tokens", type=int, default=7600)
     a = ap.parse_args()
+    global SPEC, IGNORE_EOS
+    if a.spec:
+        SPEC = json.loads(a.spec)
     lines = [f"Config: `{json.dumps(SPEC)}`, greedy, {a.max_tokens} new tokens, {a.rounds} interleaved rounds "
              f"(median), model `{pathlib.Path(a.model).name}`.", "",
              "| workload | batch | plain tok/s | speculative tok/s | ratio | drafts | draft tokens | accepted | "
-             "acceptance | mean accepted length | identical outputs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    work = {"copy": [copy_prompt(p) for p in passages(a.prompts)],
-            "nocopy": (QUESTIONS * (a.prompts // len(QUESTIONS) + 1))[:a.prompts]}
-    for name, prompts in work.items():
+             "acceptance | mean accepted length | identical outputs | draft step c | verify step v | "
+             "draft steps per verify | predicted ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    wanted = a.workloads.split(",")
+    work = {"copy": lambda: [copy_prompt(p) for p in passages(a.prompts)],
+            "nocopy": lambda: (QUESTIONS * (a.prompts // len(QUESTIONS) + 1))[:a.prompts],
+            "long": lambda: long_prompts(a.model, a.prompts, a.long_tokens)}
+    for name in wanted:
+        prompts = work[name]()
+        IGNORE_EOS = name == "long"
         for batch in [int(b) for b in a.batches.split(",")]:
-            plain, spec, rep, same, n = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds)
+            plain, spec, rep, same, n, (c, v, per) = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds)
             acc = rep["accepted_tokens"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0
             mal = 1 + rep["accepted_tokens"] / rep["drafts"] if rep["drafts"] else 0.0
+            pred = mal / (per * c + v) if v else 0.0
             lines.append(f"| {name} | {batch} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f} | {rep['drafts']} | "
-                         f"{rep['draft_tokens']} | {rep['accepted_tokens']} | {acc:.2f} | {mal:.2f} | {same}/{n} |")
+                         f"{rep['draft_tokens']} | {rep['accepted_tokens']} | {acc:.2f} | {mal:.2f} | {same}/{n} | "
+                         f"{c:.2f} | {v:.2f} | {per:.2f} | {pred:.2f} |")
             print(lines[-1], flush=True)
     if a.exactness:
         ps = [copy_prompt(p) for p in passages(a.exactness // 2)] + \

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <type_traits>
 #include <vector>
 
@@ -30,6 +31,10 @@ struct Shapes {
   int64_t B, H, KV, G, D, bs, N, max_blocks;
   int64_t R;  // storage elements per (token, head) row: D, or a quantized row's bytes
   bool rotated = false;  // rows hold kv_quant_rotate()d K/V: q is rotated in, the output back out
+  // > 0: each kernel row is a run of G / row_heads consecutive query rows of one sequence (a
+  // speculative verify step), row_heads query heads each; query row j of r sees the row's length
+  // minus (r - 1 - j) slots (causal), so every K/V block is read once for the whole run.
+  int64_t row_heads = 0;
 };
 
 Shapes check_args(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& table,
@@ -283,6 +288,8 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
       float* sg = sc + g * bs;
+      // A run's earlier query rows end before the block's last slots (possibly before the block).
+      const int64_t ng = s.row_heads > 0 ? std::min<int64_t>(n, len - (G / s.row_heads - 1 - g / s.row_heads) - blk * bs) : n;
       for (int64_t t0 = 0; t0 < ntiles * 8; t0 += 8) {
         __m256 a[8];
         for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
@@ -291,8 +298,8 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
           for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(Kf + (t0 + i) * D + d), a[i]);
         }
         __m256 sv = hsum8(a);
-        if (t0 + 8 > n) {  // slots past the length hold stale data: mask them out
-          const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(n - t0)), _CMP_LT_OQ);
+        if (t0 + 8 > ng) {  // slots past the length hold stale data: mask them out
+          const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(ng - t0)), _CMP_LT_OQ);
           sv = _mm256_blendv_ps(neg_inf, sv, valid);
         }
         if (t0 < skip) {  // slots before the window: real K/V, but not visible to this query
@@ -309,6 +316,10 @@ void attend_chunk(const Shapes& s, const float* q, float qscale, const void* poo
       __m256 mx = _mm256_loadu_ps(sg);
       for (int64_t j = 1; j < ntiles; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + 8 * j));
       const float m_new = std::max(m[g], hmax(mx));
+      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible to this head yet
+        std::fill(sg, sg + ntiles * 8, 0.0f);
+        continue;
+      }
       if (m_new > m[g]) {
         const float corr = std::exp2(m[g] - m_new);  // 0 on the first block (m = -inf)
         l[g] *= corr;
@@ -521,6 +532,70 @@ int64_t paged_attention_parallel_width() {
   return seen.load();
 }
 
+#ifdef KVSERVE_PAGED_AVX2
+namespace {
+
+// Runs of a speculative verify step: rows b..b+r-1 with one table row and lengths L, L+1, ..., L+r-1
+// (one sequence's last token and its drafts). Empty when no run is longer than one row.
+std::vector<std::pair<int64_t, int64_t>> causal_runs(const Shapes& s, const torch::Tensor& table,
+                                                     const torch::Tensor& lengths) {
+  const int32_t* tab = table.data_ptr<int32_t>();
+  const int32_t* lens = lengths.data_ptr<int32_t>();
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  bool longer = false;
+  for (int64_t b = 0; b < s.B; ++b) {
+    if (!runs.empty() && b > 0 && lens[b] == lens[b - 1] + 1 && lens[b - 1] > 0) {
+      const int64_t nb = (lens[b] + s.bs - 1) / s.bs;
+      if (std::equal(tab + b * s.max_blocks, tab + b * s.max_blocks + nb, tab + (b - 1) * s.max_blocks)) {
+        ++runs.back().second;
+        longer = true;
+        continue;
+      }
+    }
+    runs.push_back({b, 1});
+  }
+  if (!longer) runs.clear();
+  return runs;
+}
+
+// A verify step's rows, run by run: each run of r rows becomes one kernel row of r * G query heads
+// (KV head major, then row, then head), over the run's longest length with the causal tail masked,
+// so each K/V block is read once for the run instead of once per row.
+torch::Tensor paged_attention_runs(const Shapes& s, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                                   torch::ScalarType pool_dtype, KvQuant quant, const torch::Tensor& q,
+                                   const torch::Tensor& pool, const torch::Tensor& table, const torch::Tensor& lengths,
+                                   double scale) {
+  torch::Tensor out = torch::empty({s.B, s.H, s.D}, torch::kFloat32);
+  const torch::Tensor qf = q.to(torch::kFloat32);
+  std::map<int64_t, std::vector<int64_t>> by_rows;  // run length -> runs' first rows
+  for (const auto& [b, r] : runs) by_rows[r].push_back(b);
+  for (const auto& [r, firsts] : by_rows) {
+    const int64_t n = static_cast<int64_t>(firsts.size());
+    std::vector<int64_t> rows;  // every row of these runs, run-major
+    std::vector<int64_t> last;  // each run's last row
+    for (int64_t b : firsts) {
+      for (int64_t j = 0; j < r; ++j) rows.push_back(b + j);
+      last.push_back(b + r - 1);
+    }
+    const torch::Tensor ri = torch::tensor(rows), li = torch::tensor(last);
+    // [n, r, KV, G, D] -> [n, KV, r, G, D] -> [n, KV * r * G, D]
+    const torch::Tensor qr = qf.index_select(0, ri).view({n, r, s.KV, s.G, s.D}).transpose(1, 2).reshape({n, s.KV * r * s.G, s.D});
+    Shapes rs = s;
+    rs.B = n;
+    rs.H = s.KV * r * s.G;
+    rs.G = r * s.G;
+    rs.row_heads = s.G;
+    const ChunkFn fn = select_kernel(pool_dtype, quant, s.D, rs.G);
+    const torch::Tensor o = paged_attention_cpu_avx2(rs, fn, qr, pool, table.index_select(0, li),
+                                                     lengths.index_select(0, li), scale, 0);
+    out.index_copy_(0, ri, o.view({n, s.KV, r, s.G, s.D}).transpose(1, 2).reshape({n * r, s.H, s.D}));
+  }
+  return q.scalar_type() == torch::kFloat32 ? out : out.to(q.scalar_type());
+}
+
+}  // namespace
+#endif
+
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& block_table,
                               const torch::Tensor& lengths, double scale, int64_t window, KvQuant quant, bool rotated) {
   Shapes s = check_args(q, pool, block_table, lengths, quant);
@@ -531,6 +606,14 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& pool,
   if (pool.device().is_cpu() && q.device().is_cpu() && q.is_floating_point() && pool.is_contiguous() &&
       s.D % 8 == 0 && s.bs % 8 == 0) {
     if (const ChunkFn fn = select_kernel(pool.scalar_type(), quant, s.D, s.G)) {
+      if (window == 0) {
+        const torch::Tensor table = block_table.to(torch::kCPU).contiguous();
+        const torch::Tensor lens = lengths.to(torch::kCPU).contiguous();
+        check_lengths(s, lens.data_ptr<int32_t>());
+        const auto runs = causal_runs(s, table, lens);
+        if (!runs.empty()) return paged_attention_runs(s, runs, pool.scalar_type(), quant, q, pool, table, lens, scale);
+        return paged_attention_cpu_avx2(s, fn, q, pool, table, lens, scale, window);
+      }
       return paged_attention_cpu_avx2(s, fn, q, pool, block_table, lengths, scale, window);
     }
   }

@@ -232,6 +232,10 @@ void add_generate_command(CLI::App& app) {
         {"draft_tokens", stats.spec_decode_num_draft_tokens},
         {"accepted_tokens", stats.spec_decode_num_accepted_tokens},
         {"accepted_per_position", stats.spec_decode_accepted_per_pos},
+        {"draft_steps", stats.spec_decode_draft_steps},
+        {"draft_s", stats.spec_decode_draft_seconds},
+        {"verify_steps", stats.spec_decode_verify_steps},
+        {"verify_s", stats.spec_decode_verify_seconds},
         {"acceptance_rate", stats.spec_decode_num_draft_tokens > 0
                                 ? static_cast<double>(stats.spec_decode_num_accepted_tokens) /
                                       static_cast<double>(stats.spec_decode_num_draft_tokens)

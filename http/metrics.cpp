@@ -227,6 +227,14 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
           static_cast<double>(s.spec_decode_num_draft_tokens));
   counter("kvserve:spec_decode_num_accepted_tokens_total", "Speculative decoding: draft tokens accepted.",
           static_cast<double>(s.spec_decode_num_accepted_tokens));
+  counter("kvserve:spec_decode_draft_steps_total", "Speculative decoding: self-draft forward steps.",
+          static_cast<double>(s.spec_decode_draft_steps));
+  counter("kvserve:spec_decode_draft_seconds_total", "Speculative decoding: seconds the self-draft steps took.",
+          s.spec_decode_draft_seconds);
+  counter("kvserve:spec_decode_verify_steps_total", "Speculative decoding: decode steps that verified drafts.",
+          static_cast<double>(s.spec_decode_verify_steps));
+  counter("kvserve:spec_decode_verify_seconds_total",
+          "Speculative decoding: seconds of the forwards and sampling that verified drafts.", s.spec_decode_verify_seconds);
   header(out, "kvserve:spec_decode_num_accepted_tokens_per_pos_total", "counter",
          "Speculative decoding: draft tokens accepted, per draft position (0 = the first draft).");
   for (size_t i = 0; i < s.spec_decode_accepted_per_pos.size(); ++i)

@@ -7,8 +7,8 @@
 
 namespace kvserve {
 
-void draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
-                       std::vector<int64_t>& tokens) {
+int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
+                          std::vector<int64_t>& tokens) {
   const size_t R = batch.seq_ids.size();
   KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active(),
            "internal: self-drafting " << R << " rows with " << tokens.size() << " tokens");
@@ -42,6 +42,7 @@ void draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& bat
   }
   for (size_t g = 0; g < first.size(); ++g)
     if (drafts[g] > 0) kv.truncate(batch.seq_ids[first[g]], static_cast<int64_t>(drafts[g]));
+  return static_cast<int64_t>(most);
 }
 
 }  // namespace kvserve

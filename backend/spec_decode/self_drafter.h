@@ -17,7 +17,8 @@ class DecoderModel;
 // logits. What the draft steps appended to the cache is truncated before returning, so the verify
 // step then appends every row again with full attention. tokens: one per batch row, drafts
 // overwritten. Throws what a decode step throws (the caller's failed-step path releases the KV).
-void draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
-                       std::vector<int64_t>& tokens);
+// Returns the draft steps it ran (the most drafts any sequence had).
+int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
+                          std::vector<int64_t>& tokens);
 
 }  // namespace kvserve

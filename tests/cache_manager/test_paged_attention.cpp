@@ -409,3 +409,73 @@ TEST(PagedAttentionQuantArgs, RefusesAMismatchedPool) {
 
 }  // namespace
 }  // namespace kvserve
+
+namespace kvserve {
+namespace {
+
+// A speculative verify step: a sequence's last token and drafts are consecutive rows with one table
+// row and lengths n - r + 1, ..., n. The kernel reads each block once for the whole run (its rows as
+// extra query heads, the causal tail masked per row); every row must equal fp64 attention over its
+// own prefix, whatever the other rows of the batch are.
+void run_verify_case(int64_t kv, int64_t g, int64_t d, const std::vector<std::pair<int64_t, int64_t>>& seqs,
+                     torch::ScalarType dtype, KvQuant quant, uint64_t seed) {
+  torch::manual_seed(seed);
+  constexpr int64_t bs = 16;
+  KvPoolOptions o;
+  o.num_kv_heads = kv;
+  o.head_dim = d;
+  o.block_size = bs;
+  o.dtype = dtype;
+  o.quant = quant;
+  o.num_blocks = 8;
+  for (const auto& [n, r] : seqs) o.num_blocks += (n + bs - 1) / bs + 1;
+  PagedKvCache cache(1, o);
+  if (quant == KvQuant::none) {
+    cache.pool().storage().fill_(std::nanf(""));
+  } else {
+    cache.pool().storage().fill_(255);
+  }
+  std::vector<int64_t> ids, run_ids;
+  std::vector<int32_t> lens;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const auto [n, r] = seqs[i];
+    const int64_t id = 100 + static_cast<int64_t>(i);
+    cache.add_sequence(id);
+    cache.write(id, 0, torch::randn({kv, n, d}), torch::randn({kv, n, d}), torch::zeros({kv, n}, torch::kLong));
+    ids.push_back(id);
+    for (int64_t j = 0; j < r; ++j) {
+      run_ids.push_back(static_cast<int64_t>(i));
+      lens.push_back(static_cast<int32_t>(n - r + 1 + j));
+    }
+  }
+  const DecodeTables t = cache.decode_tables(0, ids);
+  const torch::Tensor table = t.block_table.index_select(0, torch::tensor(run_ids));
+  const torch::Tensor lengths = torch::tensor(lens, torch::kInt32);
+  const torch::Tensor q = torch::randn({static_cast<int64_t>(lens.size()), kv * g, d});
+  const auto& pool = cache.pool().storage();
+  const torch::Tensor fast = paged_attention(q, pool, table, lengths, -1.0, 0, quant);
+  const torch::Tensor ref = paged_attention_reference(q, pool, table, lengths, -1.0, 0, quant);
+  EXPECT_EQ(fast.sizes(), q.sizes());
+  EXPECT_LE((fast.to(torch::kFloat64) - ref.to(torch::kFloat64)).abs().max().item<double>(), 1e-5);
+}
+
+TEST(PagedAttentionVerifyRuns, EveryRowSeesItsOwnPrefix) {
+  // Runs of 5, 1, 3 (across a block boundary) and 2 (in the first block), beside plain rows.
+  const std::vector<std::pair<int64_t, int64_t>> seqs{{100, 5}, {37, 1}, {33, 3}, {2, 2}, {16, 1}, {70, 4}};
+  run_verify_case(3, 3, 64, seqs, torch::kFloat32, KvQuant::none, 1);  // the default model's groups of 3
+  run_verify_case(2, 4, 64, seqs, torch::kFloat32, KvQuant::none, 2);
+  run_verify_case(4, 1, 128, seqs, torch::kBFloat16, KvQuant::none, 3);
+  run_verify_case(2, 2, 64, seqs, torch::kFloat16, KvQuant::none, 4);
+  run_verify_case(3, 3, 64, seqs, torch::kFloat32, KvQuant::q8_0, 5);
+  run_verify_case(2, 4, 64, seqs, torch::kFloat32, KvQuant::q4_0, 6);
+}
+
+TEST(PagedAttentionVerifyRuns, SplitKChunkAnEarlierRowCannotSee) {
+  // 1,025 slots: 65 blocks, split into chunks of 16, the last holding block 64 alone, which the
+  // run's first row (1,024 slots) does not see: its partial must not poison the merge.
+  run_verify_case(1, 2, 64, {{1025, 2}}, torch::kFloat32, KvQuant::none, 7);
+  run_verify_case(1, 2, 64, {{1026, 3}, {5001, 6}}, torch::kFloat32, KvQuant::none, 8);
+}
+
+}  // namespace
+}  // namespace kvserve

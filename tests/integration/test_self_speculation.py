@@ -120,6 +120,8 @@ def test_concurrent_chunked_and_preempted_match():
         assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
         assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
         assert m["kvserve:kv_cache_blocks_used"] == 0
+        assert m["kvserve:spec_decode_draft_steps_total"] >= m["kvserve:spec_decode_verify_steps_total"] > 0
+        assert m["kvserve:spec_decode_draft_seconds_total"] > 0 and m["kvserve:spec_decode_verify_seconds_total"] > 0
     finally:
         s.close()
 
@@ -151,3 +153,7 @@ def test_generate_json_reports_self_drafts():
     assert s["config"] == {"method": "self", "num_speculative_tokens": 3, "disable_by_batch_size": 0,
                            "draft_sink_tokens": 16, "draft_window_tokens": 16}
     assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
+    # Batch 1: every verify step follows at most num_speculative_tokens draft steps.
+    assert 0 < s["verify_steps"] <= s["drafts"] and s["verify_steps"] <= s["draft_steps"] <= 3 * s["verify_steps"]
+    assert s["draft_s"] > 0 and s["verify_s"] > 0
+    assert p["speculative"]["draft_steps"] == 0 and p["speculative"]["verify_s"] == 0
