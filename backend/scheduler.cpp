@@ -247,7 +247,11 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       continue;
     const auto made = static_cast<int64_t>(s->output.size());
     const int64_t k = std::min(s->spec_k > 0 ? s->spec_k : spec.num_speculative_tokens, s->req.sampling.max_tokens - made - 1);
-    if (k <= 0) continue;
+    if (k <= 0 || (spec.self_draft() && s->next_position() < spec.draft_min_context_tokens)) continue;
+    if (s->spec_pause > 0) {
+      --s->spec_pause;
+      continue;
+    }
     auto draft_blocks = [&](size_t i, int64_t n) {
       const auto& g = shards_[i].usage.geometry;
       return g.num_layers * g.lanes() * blocks_for_tokens(n, g.block_size);
@@ -422,10 +426,18 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
         if (static_cast<int64_t>(spec_.accepted_per_pos.size()) < drafts) spec_.accepted_per_pos.resize(drafts, 0);
         for (int64_t j = 0; j < accepted; ++j) ++spec_.accepted_per_pos[static_cast<size_t>(j)];
         if (drafts > accepted) truncate_.push_back({s->id, drafts - accepted});
-        // γ adapts: up by two after a draft accepted whole, down by one otherwise.
+        // γ adapts: up by two after a draft accepted whole, down by one otherwise; a single draft
+        // rejected pauses drafting (4 steps, doubling up to 64 while it keeps failing), so a
+        // sequence whose drafts miss decodes plainly instead of paying for drafts and verify rows.
         const int64_t k = s->spec_k > 0 ? s->spec_k : options_.speculative.num_speculative_tokens;
         s->spec_k = accepted == drafts ? std::min(options_.speculative.num_speculative_tokens, k + 2)
                                        : std::max<int64_t>(1, k - 1);
+        if (accepted == drafts) {
+          s->spec_backoff = 0;
+        } else if (k == 1) {
+          s->spec_backoff = std::min<int64_t>(64, s->spec_backoff > 0 ? 2 * s->spec_backoff : 4);
+          s->spec_pause = s->spec_backoff;
+        }
       }
       r += rows;
     }

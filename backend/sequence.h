@@ -32,6 +32,9 @@ struct Sequence {
   // Speculative decoding: the adaptive γ, drafts asked of the proposer next (0 = the config's
   // num_speculative_tokens).
   int64_t spec_k = 0;
+  // Back-off: steps left to decode without drafts, and the next pause (doubles while a single draft
+  // keeps being rejected, back to the first after a draft accepted whole).
+  int64_t spec_pause = 0, spec_backoff = 0;
   bool prefilling() const { return in_cache && prefill_done < prefill_len; }
 
   // Output state.

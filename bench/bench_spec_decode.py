@@ -63,7 +63,8 @@ def copy_prompt(p: str) -> str:
 def long_prompts(model: str, n: int, tokens: int) -> list[str]:
     """n documents of about `tokens` tokens (counted with the model's tokenizer), each its own order."""
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(pathlib.Path(model) / "tokenizer.json"))
+    m = pathlib.Path(model)
+    tok = Tokenizer.from_file(str((m if m.is_dir() else m.parent) / "tokenizer.json"))  # a GGUF: the one beside it
     ps = passages(40)
     out = []
     for i in range(n):

@@ -133,6 +133,7 @@ struct SpeculativeSection {
   int64_t disable_by_batch_size = 0;
   int64_t draft_sink_tokens = 16;     // self: the draft view's sinks and window
   int64_t draft_window_tokens = 496;
+  int64_t draft_min_context_tokens = 4096;  // self: shorter sequences decode plainly
 };
 
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies

@@ -16,6 +16,8 @@ void SpeculativeConfig::validate(const std::string& where) const {
   if (method == "self") {
     KV_CHECK(draft_sink_tokens >= 0, where << ": draft_sink_tokens must be >= 0, got " << draft_sink_tokens);
     KV_CHECK(draft_window_tokens >= 1, where << ": draft_window_tokens must be >= 1, got " << draft_window_tokens);
+    KV_CHECK(draft_min_context_tokens >= 0,
+             where << ": draft_min_context_tokens must be >= 0, got " << draft_min_context_tokens);
     return;
   }
   KV_CHECK(prompt_lookup_min >= 1, where << ": prompt_lookup_min must be >= 1, got " << prompt_lookup_min);
@@ -58,10 +60,12 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       c.draft_sink_tokens = integer();
     } else if (k == "draft_window_tokens") {
       c.draft_window_tokens = integer();
+    } else if (k == "draft_min_context_tokens") {
+      c.draft_min_context_tokens = integer();
     } else {
       KV_FAIL(where << ": unknown key '" << k
                     << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, "
-                       "draft_sink_tokens, draft_window_tokens)");
+                       "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens)");
     }
   }
   // As vLLM: one bound given alone sets both.
@@ -79,6 +83,7 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
   if (c.self_draft()) {
     j["draft_sink_tokens"] = c.draft_sink_tokens;
     j["draft_window_tokens"] = c.draft_window_tokens;
+    j["draft_min_context_tokens"] = c.draft_min_context_tokens;
   } else {
     j["prompt_lookup_min"] = c.prompt_lookup_min;
     j["prompt_lookup_max"] = c.prompt_lookup_max;

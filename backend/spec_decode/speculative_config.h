@@ -20,6 +20,9 @@ struct SpeculativeConfig {
   // draft_window_tokens (each rounded up to whole blocks; the window's last block is the open one).
   int64_t draft_sink_tokens = 16;
   int64_t draft_window_tokens = 496;
+  // "self": sequences whose context is shorter decode plainly. A draft step still reads every
+  // weight, so it costs nearly a plain step until the KV it skips outweighs them.
+  int64_t draft_min_context_tokens = 4096;
 
   bool enabled() const { return (method == "ngram" || method == "self") && num_speculative_tokens > 0; }
   bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }

@@ -83,7 +83,8 @@ TEST(SpeculativeConfig, SelfDraftKeys) {
   EXPECT_EQ(c.draft_sink_tokens, 4);
   EXPECT_EQ(c.draft_window_tokens, 64);
   EXPECT_EQ(speculative_config_json(c),
-            R"({"disable_by_batch_size":0,"draft_sink_tokens":4,"draft_window_tokens":64,"method":"self","num_speculative_tokens":4})");
+            R"({"disable_by_batch_size":0,"draft_min_context_tokens":4096,"draft_sink_tokens":4,"draft_window_tokens":64,)"
+            R"("method":"self","num_speculative_tokens":4})");
   EXPECT_FALSE(parse_speculative_config_json(R"({"method": "ngram", "num_speculative_tokens": 4})", "x").self_draft());
 }
 

@@ -21,6 +21,7 @@ SELF_YAML = """speculative_config:
   num_speculative_tokens: 4
   draft_sink_tokens: 16
   draft_window_tokens: 32
+  draft_min_context_tokens: 0
 """
 HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -144,16 +145,27 @@ def test_generate_json_reports_self_drafts():
     args = [kvserve_bin(), "generate", "--model", model_dir(), "--prompt", PROMPTS[0], "--max-tokens", "32",
             "--ignore-eos", "--json"]
     spec = subprocess.run(args + ["--speculative-config", '{"method": "self", "num_speculative_tokens": 3, '
-                                  '"draft_sink_tokens": 16, "draft_window_tokens": 16}'],
+                                  '"draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0}'],
                           capture_output=True, text=True, timeout=300, check=True)
     plain = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
     j, p = json.loads(spec.stdout), json.loads(plain.stdout)
     assert j["token_ids"] == p["token_ids"]
     s = j["speculative"]
     assert s["config"] == {"method": "self", "num_speculative_tokens": 3, "disable_by_batch_size": 0,
-                           "draft_sink_tokens": 16, "draft_window_tokens": 16}
+                           "draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0}
     assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
     # Batch 1: every verify step follows at most num_speculative_tokens draft steps.
     assert 0 < s["verify_steps"] <= s["drafts"] and s["verify_steps"] <= s["draft_steps"] <= 3 * s["verify_steps"]
     assert s["draft_s"] > 0 and s["verify_s"] > 0
     assert p["speculative"]["draft_steps"] == 0 and p["speculative"]["verify_s"] == 0
+
+
+def test_short_contexts_decode_plainly_by_default():
+    # A draft step still reads every weight: below draft_min_context_tokens (default 4096) there is
+    # nothing to gain, so a short prompt verifies no drafts.
+    out = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", PROMPTS[0], "--max-tokens",
+                          "16", "--json", "--speculative-config", '{"method": "self", "num_speculative_tokens": 3}'],
+                         capture_output=True, text=True, timeout=300, check=True)
+    s = json.loads(out.stdout)["speculative"]
+    assert s["config"]["draft_min_context_tokens"] == 4096
+    assert s["drafts"] == 0 and s["draft_steps"] == 0
