@@ -12,22 +12,28 @@ bool has_drafts(const DecodeBatch& batch) {
   return false;
 }
 
+RowRuns sequence_runs(const DecodeBatch& batch) {
+  RowRuns r;
+  for (size_t i = 0; i < batch.seq_ids.size(); ++i) {
+    if (i > 0 && batch.seq_ids[i] == batch.seq_ids[i - 1]) {
+      ++r.rows.back();
+    } else {
+      r.first.push_back(i);
+      r.rows.push_back(1);
+    }
+  }
+  return r;
+}
+
 VerifiedTokens verify_drafts(SamplerBank& samplers, const DecodeBatch& batch, const std::vector<int64_t>& tokens,
                              const torch::Tensor& logits, const std::vector<char>& ban_eos) {
   const size_t R = batch.seq_ids.size();
   KV_CHECK(tokens.size() == R && ban_eos.size() == R && logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(R),
            "internal: verifying " << R << " rows with " << tokens.size() << " tokens, " << ban_eos.size()
                                   << " flags and logits " << logits.sizes());
-  // Each sequence's run of rows: first row and length.
-  std::vector<size_t> first, len;
-  for (size_t i = 0; i < R; ++i) {
-    if (i > 0 && batch.seq_ids[i] == batch.seq_ids[i - 1]) {
-      ++len.back();
-    } else {
-      first.push_back(i);
-      len.push_back(1);
-    }
-  }
+  const RowRuns runs = sequence_runs(batch);
+  const std::vector<size_t>& first = runs.first;
+  const std::vector<size_t>& len = runs.rows;
   const size_t S = first.size();
   std::vector<std::vector<SampledToken>> emitted(S);
   std::vector<size_t> alive(S);

@@ -21,6 +21,13 @@ struct VerifiedTokens {
 // Whether a decode batch carries drafts (some sequence in several consecutive rows).
 bool has_drafts(const DecodeBatch& batch);
 
+// A decode batch's sequences as runs of consecutive rows: each run's first row and its row count
+// (the last token, then the drafts).
+struct RowRuns {
+  std::vector<size_t> first, rows;
+};
+RowRuns sequence_runs(const DecodeBatch& batch);
+
 // Samples a speculative step row by row as plain decoding would sample its tokens one per step:
 // round r samples row r of every sequence still verifying (with its sampler state as the accepted
 // tokens left it: penalties, grammar, RNG stream); the sampled token is emitted, and the sequence

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/model/decoder_model.h"
+#include "backend/spec_decode/draft_verifier.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -12,16 +13,9 @@ int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& 
   const size_t R = batch.seq_ids.size();
   KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active(),
            "internal: self-drafting " << R << " rows with " << tokens.size() << " tokens");
-  // Each sequence's run of rows: its first row and how many drafts follow it.
-  std::vector<size_t> first, drafts;
-  for (size_t i = 0; i < R; ++i) {
-    if (i > 0 && batch.seq_ids[i] == batch.seq_ids[i - 1]) {
-      ++drafts.back();
-    } else {
-      first.push_back(i);
-      drafts.push_back(0);
-    }
-  }
+  // Each sequence's first row and how many drafts follow it.
+  auto [first, drafts] = sequence_runs(batch);
+  for (size_t& d : drafts) --d;
   const size_t most = drafts.empty() ? 0 : *std::max_element(drafts.begin(), drafts.end());
   for (size_t j = 0; j < most; ++j) {
     DecodeBatch step;

@@ -6,6 +6,7 @@ when the committed `models/tiny-llama` is absent), KVSERVE_TEST_MODEL (optional 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import pathlib
 import re
@@ -53,6 +54,22 @@ def raw(srv, method: str, path: str, body: bytes | str | None = None, headers: d
     data = r.read()
     conn.close()
     return r.status, dict(r.getheaders()), data
+
+
+def complete_ids(srv, body: dict) -> dict:
+    """A /v1/completions response (asserted 200) with the generated token ids of every choice."""
+    status, _, data = raw(srv, "POST", "/v1/completions", json.dumps({"model": "tiny", "return_token_ids": True, **body}))
+    assert status == 200, data
+    return json.loads(data)
+
+
+def choice_ids(r: dict) -> list[list[int]]:
+    return [c["token_ids"] for c in r["choices"]]
+
+
+def with_and_without_speculation(srv, body: dict) -> tuple[dict, dict]:
+    """The request as the server speculates, then the same with `"speculative": false`."""
+    return complete_ids(srv, body), complete_ids(srv, {**body, "speculative": False})
 
 
 class Server:

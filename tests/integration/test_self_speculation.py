@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
+from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
 
 SELF_YAML = """speculative_config:
   method: self
@@ -42,21 +43,6 @@ def srv(request):
     s.param = request.param
     yield s
     s.close()
-
-
-def complete(srv, body: dict) -> dict:
-    body = {"model": "tiny", "return_token_ids": True, **body}
-    status, _, data = raw(srv, "POST", "/v1/completions", json.dumps(body))
-    assert status == 200, data
-    return json.loads(data)
-
-
-def tokens(r: dict) -> list[list[int]]:
-    return [c["token_ids"] for c in r["choices"]]
-
-
-def both(srv, body: dict) -> tuple[dict, dict]:
-    return complete(srv, body), complete(srv, {**body, "speculative": False})
 
 
 def counts(srv) -> tuple[float, float]:
