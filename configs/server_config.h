@@ -14,8 +14,9 @@
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
-//   speculative_config: {method: <none|ngram>, num_speculative_tokens, prompt_lookup_min,
-//               prompt_lookup_max, disable_by_batch_size} (vLLM's speculative_config)
+//   speculative_config: {method: <none|ngram|self>, num_speculative_tokens, prompt_lookup_min,
+//               prompt_lookup_max, disable_by_batch_size, draft_sink_tokens, draft_window_tokens,
+//               draft_min_context_tokens} (vLLM's speculative_config; the draft_* keys for self)
 //   rollout:   {default, allow_override, rules: [...]} (see rollout.h and configs/README.md)
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
 // (e.g. `rollout:`) add one entry there and one struct here.
