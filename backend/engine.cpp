@@ -117,7 +117,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
              "speculative_config: method 'self' drafts in one process; a tensor- or pipeline-parallel engine "
              "speculates with method 'ngram'");
     if (impl_->runner->speculative_decoding())
-      so.speculative = options_.speculative;
+      so.speculative = speculative_ = options_.speculative;
     else
       KV_LOG("speculative decoding is not supported by the sharded runtime yet; sequences decode one token a step");
   }

@@ -181,6 +181,8 @@ class Engine {
   bool has_policy(const std::string& name) const;
   // Whether requests under the policy compress their context alone (compress: context, one process).
   bool compresses_context(const std::string& name) const { return context_policies_.count(name) != 0; }
+  // The speculative decoding in effect (method none when off, or when the runtime cannot speculate).
+  const SpeculativeConfig& speculative() const { return speculative_; }
 
  private:
   struct Impl;
@@ -189,6 +191,7 @@ class Engine {
   std::shared_ptr<const Tokenizer> tokenizer_;
   EngineOptions options_;
   std::set<std::string> context_policies_;  // compresses_context
+  SpeculativeConfig speculative_;
   WarmupReport warmup_;
   std::unique_ptr<Impl> impl_;
   std::once_flag grammar_once_;

@@ -26,6 +26,9 @@ struct GenerationRequest {
   int64_t context_len = 0;
   // false: this request decodes without speculation (the engine's speculative_config otherwise).
   bool speculative = true;
+  // >= 0: at most this many draft tokens a step (0 = none), below the engine's num_speculative_tokens
+  // (a rollout rule's `speculative:`); -1 = the engine's.
+  int64_t max_draft_tokens = -1;
 };
 
 struct TokenLogprob {

@@ -47,6 +47,12 @@ bool Scheduler::reuses_compressed(const Sequence& s) const {
   return !cfg.is_full() && !cfg.head_adaptive() && s.req.reuse_compressed.value_or(cfg.reuse_compressed);
 }
 
+int64_t Scheduler::max_drafts(const Sequence& s) const {
+  if (!s.req.speculative) return 0;
+  const int64_t most = options_.speculative.num_speculative_tokens;
+  return s.req.max_draft_tokens >= 0 ? std::min(most, s.req.max_draft_tokens) : most;
+}
+
 const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const std::vector<int64_t>& prompt) const {
   // A request's first prefill only (a preempted one recomputes exactly), and never when every
   // prompt position's logits are asked for.
@@ -242,11 +248,11 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     plan.decode_ban_eos.push_back(s->ban_eos());
     // Policies that evict during decode pick victims by length, and a parked conversation keeps
     // its KV as the request left it: their sequences decode plainly.
-    if (!speculate || !s->req.speculative || options_.policies.at(s->req.kv_policy).decode_budget > 0 ||
-        reuses_compressed(*s))
+    const int64_t most = max_drafts(*s);
+    if (!speculate || most == 0 || options_.policies.at(s->req.kv_policy).decode_budget > 0 || reuses_compressed(*s))
       continue;
     const auto made = static_cast<int64_t>(s->output.size());
-    const int64_t k = std::min(s->spec_k > 0 ? s->spec_k : spec.num_speculative_tokens, s->req.sampling.max_tokens - made - 1);
+    const int64_t k = std::min(s->spec_k > 0 ? s->spec_k : most, s->req.sampling.max_tokens - made - 1);
     if (k <= 0 || (spec.self_draft() && s->next_position() < spec.draft_min_context_tokens)) continue;
     if (s->spec_pause > 0) {
       --s->spec_pause;
@@ -429,9 +435,9 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
         // γ adapts: up by two after a draft accepted whole, down by one otherwise; a single draft
         // rejected pauses drafting (4 steps, doubling up to 64 while it keeps failing), so a
         // sequence whose drafts miss decodes plainly instead of paying for drafts and verify rows.
-        const int64_t k = s->spec_k > 0 ? s->spec_k : options_.speculative.num_speculative_tokens;
-        s->spec_k = accepted == drafts ? std::min(options_.speculative.num_speculative_tokens, k + 2)
-                                       : std::max<int64_t>(1, k - 1);
+        const int64_t most = max_drafts(*s);
+        const int64_t k = s->spec_k > 0 ? s->spec_k : most;
+        s->spec_k = accepted == drafts ? std::min(most, k + 2) : std::max<int64_t>(1, k - 1);
         if (accepted == drafts) {
           s->spec_backoff = 0;
         } else if (k == 1) {

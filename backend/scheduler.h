@@ -125,6 +125,9 @@ class Scheduler {
   void drop_later(Sequence& s, bool park = false);
   // Whether `s` leaves its KV for its conversation's next turn (prefix_reuse: compressed).
   bool reuses_compressed(const Sequence& s) const;
+  // The most draft tokens `s` may carry a step: the engine's num_speculative_tokens, capped by its
+  // request (0 = it decodes plainly).
+  int64_t max_drafts(const Sequence& s) const;
   // The parked conversation a waiting sequence's prompt continues, if any.
   const ConversationCache::Entry* resumable(const Sequence& s, const std::vector<int64_t>& prompt) const;
   // Why a prompt of `n` tokens under `policy` can never fit some shard's whole pool, if it cannot.

@@ -1,5 +1,5 @@
-// Decode attention for one layer: paged AVX2 kernel (fp32, fp16 and bf16 pools) vs libtorch on
-// pre-gathered contiguous KV.
+// Decode attention for one layer: the paged kernel's AVX2 and AVX-512 builds (fp32, fp16, bf16, int8
+// and int4 pools) vs libtorch on pre-gathered contiguous KV.
 // Reports bytes of KV read per step and GB/s, to compare with the ~30 GB/s floor of docs/benchmarks.md (2 threads).
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
@@ -18,11 +18,12 @@ constexpr int64_t kB = 8, kKV = 4, kG = 3, kD = 64;
 // A cache with kB sequences of `ctx` tokens in one layer, blocks interleaved between sequences as
 // they would be after decoding them together.
 struct Setup {
-  Setup(int64_t ctx, torch::ScalarType dtype) {
+  Setup(int64_t ctx, torch::ScalarType dtype, kvserve::KvQuant quant) {
     kvserve::KvPoolOptions o;
     o.num_kv_heads = kKV;
     o.head_dim = kD;
     o.dtype = dtype;
+    o.quant = quant;
     o.num_blocks = kB * ((ctx + 15) / 16) + 8;
     cache = std::make_unique<kvserve::PagedKvCache>(1, o);
     std::vector<int64_t> pos(kB, 0);
@@ -37,14 +38,16 @@ struct Setup {
     }
     q = torch::randn({kB, kKV * kG, kD});
     tables = cache->decode_tables(0, ids);
-    for (int64_t b = 0; b < kB; ++b) {
+    for (int64_t b = 0; b < kB && quant == kvserve::KvQuant::none; ++b) {
       auto [k, v] = cache->gather(b, 0);
       ks.push_back(k);
       vs.push_back(v);
     }
-    k_all = torch::stack(ks);  // [B, KV, S, D]
-    v_all = torch::stack(vs);
-    bytes = 2 * kB * kKV * ctx * kD * static_cast<int64_t>(c10::elementSize(dtype));
+    if (!ks.empty()) {
+      k_all = torch::stack(ks);  // [B, KV, S, D]
+      v_all = torch::stack(vs);
+    }
+    bytes = 2 * kB * kKV * ctx * kvserve::KvBlockPool::row_bytes(kD, dtype, quant);
   }
   std::unique_ptr<kvserve::PagedKvCache> cache;
   std::vector<int64_t> ids;
@@ -54,15 +57,18 @@ struct Setup {
   int64_t bytes = 0;
 };
 
-// Pool dtype by benchmark argument: 0 fp32, 1 fp16, 2 bf16 (the KV cache dtype).
+// KV cache dtype by benchmark argument: 0 fp32, 1 fp16, 2 bf16, 3 int8 (q8_0), 4 int4 (q4_0).
 torch::ScalarType pool_dtype(int64_t code) {
   return code == 1 ? torch::kFloat16 : code == 2 ? torch::kBFloat16 : torch::kFloat32;
+}
+kvserve::KvQuant pool_quant(int64_t code) {
+  return code == 3 ? kvserve::KvQuant::q8_0 : code == 4 ? kvserve::KvQuant::q4_0 : kvserve::KvQuant::none;
 }
 
 Setup& setup_for(int64_t ctx, int64_t dtype_code = 0) {
   static std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Setup>> cache;
   auto& s = cache[{ctx, dtype_code}];
-  if (!s) s = std::make_unique<Setup>(ctx, pool_dtype(dtype_code));
+  if (!s) s = std::make_unique<Setup>(ctx, pool_dtype(dtype_code), pool_quant(dtype_code));
   return *s;
 }
 
@@ -71,12 +77,18 @@ void report(benchmark::State& state, int64_t bytes) {
   state.counters["floor_ms"] = static_cast<double>(bytes) / 30e9 * 1e3;
 }
 
+// isa 0: the AVX2 build, 1: the AVX-512 build (the AVX2 one where the CPU lacks AVX-512).
 void BM_PagedKernel(benchmark::State& state) {
   Setup& s = setup_for(state.range(0), state.range(1));
+  kvserve::set_paged_attention_isa(state.range(2) == 0 ? "avx2" : "avx512");
+  const kvserve::KvQuant quant = pool_quant(state.range(1));
   for (auto _ : state) {
     auto t = s.cache->decode_tables(0, s.ids);  // included: the per-step table build
-    benchmark::DoNotOptimize(kvserve::paged_attention(s.q, s.cache->pool().storage(), t.block_table, t.lengths));
+    benchmark::DoNotOptimize(kvserve::paged_attention(s.q, s.cache->pool().storage(), t.block_table, t.lengths, -1.0, 0,
+                                                      quant, s.cache->rotates()));
   }
+  state.SetLabel(kvserve::paged_attention_isa(pool_dtype(state.range(1)), quant, kD));
+  kvserve::set_paged_attention_isa("avx512");
   report(state, s.bytes);
 }
 
@@ -102,8 +114,8 @@ void BM_ContiguousLibtorch(benchmark::State& state) {
 }
 
 BENCHMARK(BM_PagedKernel)
-    ->ArgNames({"ctx", "kv_dtype"})
-    ->ArgsProduct({{512, 4096, 16384}, {0, 1, 2}})
+    ->ArgNames({"ctx", "kv_dtype", "isa"})
+    ->ArgsProduct({{512, 4096, 16384}, {0, 1, 2, 3, 4}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->MinTime(1.0);
 BENCHMARK(BM_PagedGatherLibtorch)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond)->MinTime(1.0);

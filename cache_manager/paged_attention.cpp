@@ -6,36 +6,29 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <map>
-#include <type_traits>
+#include <optional>
 #include <vector>
 
+// The kernel itself is paged_attention_kernel.inc (built for AVX2 and AVX-512); this file splits a
+// call into work items, merges them, and holds the gather and reference paths.
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define KVSERVE_PAGED_AVX2 1
 #endif
-#if defined(KVSERVE_PAGED_AVX2) && defined(__F16C__)
-#define KVSERVE_PAGED_F16C 1
-#endif
 
-#include <c10/util/Half.h>
-
+#include "cache_manager/paged_attention_kernel.h"
 #include "common/check.h"
 
 namespace kvserve {
 namespace {
 
-struct Shapes {
-  int64_t B, H, KV, G, D, bs, N, max_blocks;
-  int64_t R;  // storage elements per (token, head) row: D, or a quantized row's bytes
-  bool rotated = false;  // rows hold kv_quant_rotate()d K/V: q is rotated in, the output back out
-  // > 0: each kernel row is a run of G / row_heads consecutive query rows of one sequence (a
-  // speculative verify step), row_heads query heads each; query row j of r sees the row's length
-  // minus (r - 1 - j) slots (causal), so every K/V block is read once for the whole run.
-  int64_t row_heads = 0;
-};
+using paged_kernel::ChunkFn;
+using paged_kernel::Shapes;
+using paged_kernel::WorkItem;
 
 Shapes check_args(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& table,
                   const torch::Tensor& lengths, KvQuant quant) {
@@ -82,347 +75,44 @@ void check_lengths(const Shapes& s, const int32_t* lens) {
   }
 }
 
+// 0: the widest build the CPU runs (AVX-512 where it has it), 1: AVX2 only; from KVSERVE_PAGED_ISA
+// at the first call unless set_paged_attention_isa() said otherwise.
+std::atomic<int>& isa_choice() {
+  static std::atomic<int> choice{[] {
+    const char* e = std::getenv("KVSERVE_PAGED_ISA");
+    return e && std::string(e) == "avx2" ? 1 : 0;
+  }()};
+  return choice;
+}
+
 #ifdef KVSERVE_PAGED_AVX2
 
-// 2^x for x <= 0 (scores minus their running max); lanes below -126 (incl. -inf) flush to exactly 0.
-inline __m256 exp2_ps(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-126.0f);
-  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(x, n);  // [-0.5, 0.5]
-  // Taylor series of e^(r ln 2) to degree 7: relative error < 1e-8 on [-0.5, 0.5].
-  __m256 p = _mm256_set1_ps(1.5252733804059841e-05f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.5403530393381606e-04f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428441e-03f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-03f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-02f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-01f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-01f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
+static_assert(paged_kernel::kQuantGroup == kKvQuantGroup);
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Lane i of the result = horizontal sum of a[i]: eight dot products finished with 7 shuffles+adds.
-inline __m256 hsum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
-  const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
-  const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1);  // [a0 a1 a2 a3 | a0 a1 a2 a3] (low / high halves)
-  const __m256 u1 = _mm256_hadd_ps(t2, t3);  // same for a4..a7
-  const __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(u0, u1, 0x31);
-  return _mm256_add_ps(lo, hi);
-}
-
-// How the kernel reads 8 consecutive K/V elements of a pool of each storage dtype as fp32 lanes.
-// 16-bit pools are widened in registers: every byte still comes from memory once, and everything
-// after the load (scores, softmax, the V sums) runs in fp32 as for an fp32 pool.
-struct F32Elems {
-  using Elem = float;
-  static __m256 load8(const Elem* p) { return _mm256_loadu_ps(p); }
-};
-struct Bf16Elems {
-  using Elem = uint16_t;
-  // bf16 is the top half of an fp32: widen to 32 bits and shift into place (exact).
-  static __m256 load8(const Elem* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
-};
-#ifdef KVSERVE_PAGED_F16C
-struct F16Elems {
-  using Elem = uint16_t;
-  static __m256 load8(const Elem* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-};
-#endif
-
-// Quantized rows (cache_manager/kv_quant.h) are not read 8 at a time: a block's K and V tiles are
-// decoded into fp32 tiles in L1 (every byte read from memory once), and the fp32 code runs on those.
-inline float half_at(const uint8_t* p) {
-  uint16_t b;
-  std::memcpy(&b, p, 2);
-#ifdef KVSERVE_PAGED_F16C
-  return _cvtsh_ss(b);
-#else
-  return static_cast<float>(c10::Half(b, c10::Half::from_bits()));
-#endif
-}
-template <KvQuant kQ>
-struct QuantRows {
-  using Elem = uint8_t;
-  static constexpr bool kQuantized = true;
-  // n rows of R bytes -> n rows of D floats.
-  static void decode(const uint8_t* rows, int64_t n, int64_t D, int64_t R, float* out) {
-    constexpr int64_t kG = kKvQuantGroup;
-    const int64_t data = kQ == KvQuant::q8_0 ? D : D / 2;
-    constexpr int64_t sb = kQ == KvQuant::q4_1 ? 4 : 2;
-    for (int64_t t = 0; t < n; ++t, rows += R, out += D) {
-      for (int64_t g = 0; g < D / kG; ++g) {
-        const uint8_t* sc = rows + data + g * sb;
-        const __m256 d = _mm256_set1_ps(half_at(sc));
-        float* o = out + g * kG;
-        if constexpr (kQ == KvQuant::q8_0) {
-          const uint8_t* qs = rows + g * kG;
-          for (int i = 0; i < 4; ++i) {
-            const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i)));
-            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), d));
-          }
-        } else {
-          const __m256 m = kQ == KvQuant::q4_1 ? _mm256_set1_ps(half_at(sc + 2)) : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + g * kG / 2));
-          const __m128i mask = _mm_set1_epi8(0x0F);
-          const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-          const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-          for (int i = 0; i < 4; ++i) {
-            const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-            _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(x, d, m));
-          }
-        }
-      }
-    }
-  }
-};
-template <typename E>
-constexpr bool quantized_elems() {
-  if constexpr (requires { E::kQuantized; }) return E::kQuantized;
-  return false;
-}
-
-// A slice of one (sequence, KV head)'s blocks; long contexts are split so that all threads stay busy.
-struct WorkItem {
-  int32_t b, kvh, blk_begin, blk_end;
-};
-
-// Online-softmax partial over blocks [blk_begin, blk_end) for the G query heads of KV head kvh.
-// Writes unnormalised acc [G, D], running max m [G] (log2 domain) and sum l [G].
-// 8-float chunks of D kept in registers per head in the V update: about 12 accumulators, a power of
-// two that divides D / 8.
-constexpr int register_chunks(int d, int g) {
-  int r = 1;
-  while (r * 2 * g <= 12 && r * 2 <= d / 8) r *= 2;
-  return r;
-}
-
-// Bytes ahead to prefetch, in fp32 blocks (1 measured best of 1, 2, 4 on the 2-core box); a 16-bit
-// block is half the bytes, so it looks twice as many blocks ahead to keep as many lines in flight.
-constexpr int64_t kPrefetchDist = 1;
-
-// Slots [lo, len) are visible: lo > 0 for a sliding-window layer, whose older slots stay in its first
-// block until the whole block has left the window.
-template <int kD, int kG, typename E>
-void attend_chunk(const Shapes& s, const float* q, float qscale, const void* pool_raw, const int32_t* table_row,
-                  int64_t lo, int64_t len, const WorkItem& w, float* acc, float* m, float* l, float* qs, float* sc,
-                  float* kbuf, float* vbuf) {
-  using T = typename E::Elem;
-  constexpr bool kQuant = quantized_elems<E>();
-  const T* pool = static_cast<const T*>(pool_raw);
-  const int64_t D = kD ? kD : s.D;
-  const int64_t G = kG ? kG : s.G, bs = s.bs;
-  const int64_t tile = bs * s.R;         // one head's K (or V) in one block
-  const int64_t block_stride = 2 * s.KV * tile;
-  const float* qg0 = q + (static_cast<int64_t>(w.b) * s.H + static_cast<int64_t>(w.kvh) * G) * D;
-  for (int64_t i = 0; i < G * D; ++i) qs[i] = qg0[i] * qscale;
-  if (s.rotated)
-    for (int64_t g = 0; g < G; ++g) kv_quant_rotate_row(qs + g * D, D);
-  std::fill(acc, acc + G * D, 0.0f);
-  for (int64_t g = 0; g < G; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.0f;
-  }
-  const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-
-  for (int64_t blk = w.blk_begin; blk < w.blk_end; ++blk) {
-    const T* K = pool + static_cast<int64_t>(table_row[blk]) * block_stride + w.kvh * tile;
-    const T* V = K + s.KV * tile;
-    const int64_t n = std::min<int64_t>(bs, len - blk * bs);
-    const int64_t skip = lo - blk * bs;  // > 0: this block's first slots are outside the window
-    const int64_t ntiles = (n + 7) / 8;
-    // As many bytes ahead as kPrefetchDist fp32 blocks: smaller rows look more blocks ahead.
-    const int64_t kDist = std::max<int64_t>(1, kPrefetchDist * D * 4 / (s.R * static_cast<int64_t>(sizeof(T))));
-    if (blk + kDist < w.blk_end) {
-      // The next block lives anywhere in the pool, and each tile is about one page, so hardware
-      // prefetchers never ramp up: request all of its K and V lines while this block computes.
-      const char* nk = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table_row[blk + kDist]) * block_stride +
-                                                     w.kvh * tile);
-      const char* nv = nk + s.KV * tile * static_cast<int64_t>(sizeof(T));
-      const int64_t tile_bytes = tile * static_cast<int64_t>(sizeof(T));
-      for (int64_t off = 0; off < tile_bytes; off += 64) {
-        _mm_prefetch(nk + off, _MM_HINT_T0);
-        _mm_prefetch(nv + off, _MM_HINT_T0);
-      }
-    }
-
-    // A 16-bit K tile is widened once into kbuf (L1), not once per query head of the group; a
-    // quantized one is decoded there, and its V tile into vbuf.
-    const float* Kf;
-    if constexpr (kQuant) {
-      E::decode(K, n, D, s.R, kbuf);
-      E::decode(V, n, D, s.R, vbuf);
-      Kf = kbuf;
-    } else if constexpr (std::is_same_v<T, float>) {
-      Kf = K;
-    } else {
-      for (int64_t i = 0; i < ntiles * 8 * D; i += 8) _mm256_storeu_ps(kbuf + i, E::load8(K + i));
-      Kf = kbuf;
-    }
-
-    // Scores (already in log2 units): each K row is read from memory once, then from L1 for the other heads.
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qs + g * D;
-      float* sg = sc + g * bs;
-      // A run's earlier query rows end before the block's last slots (possibly before the block).
-      const int64_t ng = s.row_heads > 0 ? std::min<int64_t>(n, len - (G / s.row_heads - 1 - g / s.row_heads) - blk * bs) : n;
-      for (int64_t t0 = 0; t0 < ntiles * 8; t0 += 8) {
-        __m256 a[8];
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(qg + d);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(Kf + (t0 + i) * D + d), a[i]);
-        }
-        __m256 sv = hsum8(a);
-        if (t0 + 8 > ng) {  // slots past the length hold stale data: mask them out
-          const __m256 valid = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(ng - t0)), _CMP_LT_OQ);
-          sv = _mm256_blendv_ps(neg_inf, sv, valid);
-        }
-        if (t0 < skip) {  // slots before the window: real K/V, but not visible to this query
-          const __m256 seen = _mm256_cmp_ps(iota, _mm256_set1_ps(static_cast<float>(skip - t0)), _CMP_GE_OQ);
-          sv = _mm256_blendv_ps(neg_inf, sv, seen);
-        }
-        _mm256_storeu_ps(sg + t0, sv);
-      }
-    }
-
-    // Online softmax: rescale the running state once per block, not per token.
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = sc + g * bs;
-      __m256 mx = _mm256_loadu_ps(sg);
-      for (int64_t j = 1; j < ntiles; ++j) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + 8 * j));
-      const float m_new = std::max(m[g], hmax(mx));
-      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible to this head yet
-        std::fill(sg, sg + ntiles * 8, 0.0f);
-        continue;
-      }
-      if (m_new > m[g]) {
-        const float corr = std::exp2(m[g] - m_new);  // 0 on the first block (m = -inf)
-        l[g] *= corr;
-        const __m256 cv = _mm256_set1_ps(corr);
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ag + d, _mm256_mul_ps(_mm256_loadu_ps(ag + d), cv));
-        m[g] = m_new;
-      }
-      const __m256 mv = _mm256_set1_ps(m_new);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < ntiles; ++j) {
-        const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + 8 * j), mv));
-        _mm256_storeu_ps(sg + 8 * j, p);
-        sum = _mm256_add_ps(sum, p);
-      }
-      l[g] += hsum(sum);
-    }
-
-    // acc += p · V, valid rows only (stale rows may hold NaN and 0 * NaN is NaN).
-    auto load_v = [&](int64_t i) {
-      if constexpr (kQuant) {
-        return _mm256_loadu_ps(vbuf + i);
-      } else {
-        return E::load8(V + i);
-      }
-    };
-    if constexpr (kG > 0) {
-      // Register-blocked: each V row chunk is loaded once for all G heads; acc stays in registers.
-      constexpr int kRC = register_chunks(kD, kG);
-      for (int64_t d0 = 0; d0 < D; d0 += 8 * kRC) {
-        __m256 a[kG][kRC];
-        for (int g = 0; g < kG; ++g)
-          for (int c = 0; c < kRC; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + d0 + 8 * c);
-        for (int64_t t = 0; t < n; ++t) {
-          __m256 p[kG];
-          for (int g = 0; g < kG; ++g) p[g] = _mm256_broadcast_ss(sc + g * bs + t);
-          for (int c = 0; c < kRC; ++c) {
-            const __m256 vv = load_v(t * D + d0 + 8 * c);
-            for (int g = 0; g < kG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], vv, a[g][c]);
-          }
-        }
-        for (int g = 0; g < kG; ++g)
-          for (int c = 0; c < kRC; ++c) _mm256_storeu_ps(acc + g * D + d0 + 8 * c, a[g][c]);
-      }
-      continue;
-    }
-    for (int64_t d = 0; d < D; d += 8) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* pg = sc + g * bs;
-        float* ag = acc + g * D + d;
-        __m256 a0 = _mm256_loadu_ps(ag);
-        __m256 a1 = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 1 < n; t += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), load_v(t * D + d), a0);
-          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t + 1), load_v((t + 1) * D + d), a1);
-        }
-        if (t < n) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + t), load_v(t * D + d), a0);
-        _mm256_storeu_ps(ag, _mm256_add_ps(a0, a1));
-      }
-    }
-  }
-}
-
-using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const int32_t*, int64_t, int64_t,
-                         const WorkItem&, float*, float*, float*, float*, float*, float*, float*);
-
-template <int kD, typename E>
-ChunkFn select_for_d(int64_t G) {
-  switch (G) {
-    case 1: return &attend_chunk<kD, 1, E>;
-    case 2: return &attend_chunk<kD, 2, E>;
-    case 3: return &attend_chunk<kD, 3, E>;
-    case 4: return &attend_chunk<kD, 4, E>;
-    case 6: return &attend_chunk<kD, 6, E>;
-    case 8: return &attend_chunk<kD, 8, E>;
-    default: return &attend_chunk<kD, 0, E>;
-  }
-}
-
-template <typename E>
-ChunkFn select_for_elems(int64_t D, int64_t G) {
-  if (D == 64) return select_for_d<64, E>(G);
-  if (D == 128) return select_for_d<128, E>(G);
-  return &attend_chunk<0, 0, E>;
-}
-
-// Null when this build has no kernel for the pool's dtype (fp16 without F16C).
-ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
+// The kernel's name for a pool's rows; nullopt for a dtype it does not read.
+std::optional<paged_kernel::RowFormat> row_format(torch::ScalarType pool_dtype, KvQuant quant) {
+  using F = paged_kernel::RowFormat;
   switch (quant) {
-    case KvQuant::q8_0: return select_for_elems<QuantRows<KvQuant::q8_0>>(D, G);
-    case KvQuant::q4_0: return select_for_elems<QuantRows<KvQuant::q4_0>>(D, G);
-    case KvQuant::q4_1: return select_for_elems<QuantRows<KvQuant::q4_1>>(D, G);
+    case KvQuant::q8_0: return F::q8_0;
+    case KvQuant::q4_0: return F::q4_0;
+    case KvQuant::q4_1: return F::q4_1;
     case KvQuant::none: break;
   }
   switch (pool_dtype) {
-    case torch::kFloat32: return select_for_elems<F32Elems>(D, G);
-    case torch::kBFloat16: return select_for_elems<Bf16Elems>(D, G);
-#ifdef KVSERVE_PAGED_F16C
-    case torch::kFloat16: return select_for_elems<F16Elems>(D, G);
-#endif
-    default: return nullptr;
+    case torch::kFloat32: return F::f32;
+    case torch::kFloat16: return F::f16;
+    case torch::kBFloat16: return F::bf16;
+    default: return std::nullopt;
   }
+}
+
+// Null when no build has a kernel for the pool's rows (the gather path runs).
+ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
+  const auto format = row_format(pool_dtype, quant);
+  if (!format) return nullptr;
+  if (isa_choice().load(std::memory_order_relaxed) == 0)
+    if (const ChunkFn fn = paged_kernel::select_avx512(*format, D, G)) return fn;
+  return paged_kernel::select_avx2(*format, D, G);
 }
 
 // Tokens per split-K chunk are at least this many blocks, so the merge stays negligible.
@@ -485,12 +175,20 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   // Waking the other threads costs tens of microseconds: small caches (a compressed layer) run here.
   const int64_t workers = total_blocks < kMinParallelBlocks ? 1 : std::min(nthreads, std::max<int64_t>(n_items, 1));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> qs(G * D), sc(G * s.bs), kbuf(s.bs * D), vbuf(s.bs * D);
+    // One scratch area, each part 64 floats past a 4 KiB multiple from the last: tiles of 4 KiB
+    // allocated apart would start at equal page offsets, and a load from one then waits on stores
+    // to the other (4K aliasing) while a quantized block is decoded into them.
+    auto padded = [](int64_t n) { return (n + 1023) / 1024 * 1024 + 64; };
+    std::vector<float> scratch(padded(G * D) + padded(G * s.bs) + padded(s.bs * D) + padded(s.bs * D));
+    float* qs = scratch.data();
+    float* sc = qs + padded(G * D);
+    float* kbuf = sc + padded(G * s.bs);
+    float* vbuf = kbuf + padded(s.bs * D);
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const int64_t i = order[k];
       const WorkItem& w = items[i];
       fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, first_slot(w.b), lens[w.b], w, part_acc.data() + i * G * D,
-         part_m.data() + i * G, part_l.data() + i * G, qs.data(), sc.data(), kbuf.data(), vbuf.data());
+         part_m.data() + i * G, part_l.data() + i * G, qs, sc, kbuf, vbuf);
     }
   });
 
@@ -525,6 +223,22 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
 #endif  // KVSERVE_PAGED_AVX2
 
 }  // namespace
+
+std::string paged_attention_isa(torch::ScalarType pool_dtype, KvQuant quant, int64_t head_dim) {
+#ifdef KVSERVE_PAGED_AVX2
+  if (const auto format = row_format(pool_dtype, quant)) {
+    if (isa_choice().load(std::memory_order_relaxed) == 0 && paged_kernel::select_avx512(*format, head_dim, 1))
+      return "avx512";
+    if (paged_kernel::select_avx2(*format, head_dim, 1)) return "avx2";
+  }
+#endif
+  return "none";
+}
+
+void set_paged_attention_isa(const std::string& isa) {
+  KV_CHECK(isa == "avx2" || isa == "avx512", "paged attention: isa must be avx2 or avx512, got '" << isa << "'");
+  isa_choice().store(isa == "avx2" ? 1 : 0);
+}
 
 int64_t paged_attention_parallel_width() {
   std::atomic<int64_t> seen{0};

@@ -2,6 +2,8 @@
 // Decode attention over the paged KV pool: one query token per sequence, one layer, GQA-aware.
 #include <torch/torch.h>
 
+#include <string>
+
 #include "cache_manager/kv_quant.h"
 
 namespace kvserve {
@@ -41,6 +43,14 @@ torch::Tensor paged_attention_reference(const torch::Tensor& q, const torch::Ten
                                         const torch::Tensor& block_table, const torch::Tensor& lengths,
                                         double scale = -1.0, int64_t window = 0, KvQuant quant = KvQuant::none,
                                         bool rotated = false);
+
+// Which build of the CPU kernel reads a pool of this dtype and head_dim: "avx512" (AVX-512 F/BW/VL
+// and head_dim a multiple of 16), "avx2", or "none" (the gather path). KVSERVE_PAGED_ISA=avx2 in the
+// environment keeps the AVX2 build, for A/B runs.
+std::string paged_attention_isa(torch::ScalarType pool_dtype = torch::kFloat32, KvQuant quant = KvQuant::none,
+                                int64_t head_dim = 64);
+// "avx2" keeps the AVX2 build from now on, "avx512" returns to the widest the CPU runs (tests).
+void set_paged_attention_isa(const std::string& isa);
 
 // Threads a parallel region of the AVX2 kernel really gets (1 if paged_attention.cpp lost its
 // -fopenmp: at::parallel_for is an inline omp pragma). For the test that guards it.

@@ -43,6 +43,8 @@ void add_config_commands(CLI::App& app) {
         for (const auto& r : c.rollout.rules) {
           std::cout << "\n    " << r.name << " -> " << (r.policy.empty() ? "(default)" : r.policy);
           if (r.canary) std::cout << ", " << r.canary->percent << "% " << r.canary->policy << " by " << r.canary->sticky_by;
+          if (r.max_draft_tokens) std::cout << (*r.max_draft_tokens == 0 ? ", no speculation"
+                                                                          : ", at most " + std::to_string(*r.max_draft_tokens) + " draft tokens");
         }
         std::cout << "\n    default -> " << (c.rollout.default_policy.empty() ? c.default_policy : c.rollout.default_policy)
                   << "; overrides allowed:";
@@ -102,6 +104,8 @@ void add_config_commands(CLI::App& app) {
       return;
     }
     std::cout << "rule: " << d.rule << "\npolicy: " << d.policy << "\narm: " << d.arm << "\n";
+    if (d.max_draft_tokens)
+      std::cout << "speculative: " << (*d.max_draft_tokens == 0 ? std::string("off") : "at most " + std::to_string(*d.max_draft_tokens) + " draft tokens") << "\n";
     if (d.arm == "canary" || d.arm == "base") {
       for (const auto& r : c.rollout.rules) {
         if (r.name != d.rule || !r.canary) continue;

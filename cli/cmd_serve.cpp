@@ -212,7 +212,7 @@ int serve(const ServeArgs& a) {
                                     (allowed.empty() ? std::string("none") : allowed) + ")",
                            "kv_policy");
     }
-    return {d.policy, snap->rollout.present ? d.rule : std::string()};
+    return {d.policy, snap->rollout.present ? d.rule : std::string(), d.max_draft_tokens.value_or(-1)};
   };
   auto service = std::make_shared<http::OpenAIService>(so);
   http::ServerOptions sopt;

@@ -207,6 +207,7 @@ RolloutDecision decide(const RolloutConfig& c, const RequestFacts& f, const std:
     d.rule = rule.name;
     d.policy = rule.policy.empty() ? def : rule.policy;
     d.arm = "base";
+    d.max_draft_tokens = rule.max_draft_tokens;
     if (rule.canary) {
       std::string key;
       const auto& by = rule.canary->sticky_by;
@@ -350,6 +351,21 @@ void parse_rollout_section(const YAML::Node& node, const std::string& path, cons
                             if (!has_cpolicy) r.error(v.Mark(), vp + ".policy", "a canary needs a policy");
                             if (!has_percent) r.error(v.Mark(), vp + ".percent", "a canary needs a percent");
                             rule.canary = c;
+                          }},
+                         {"speculative", [&](const YAML::Node& v, const std::string& vp, const YAML::Mark& vk) {
+                            if (v.IsScalar() && (v.Scalar() == "false" || v.Scalar() == "true")) {
+                              if (v.Scalar() == "false") rule.max_draft_tokens = 0;
+                              return;
+                            }
+                            if (!v.IsMap()) {
+                              r.error(v, vk, vp, "expected true, false or {num_speculative_tokens: N}, got " + describe(v));
+                              return;
+                            }
+                            r.map(v, vk, vp,
+                                  {{"num_speculative_tokens", [&](const YAML::Node& x, const std::string& xp, const YAML::Mark& xk) {
+                                      int64_t k = 0;
+                                      if (r.integer(x, xk, xp, k)) rule.max_draft_tokens = k;
+                                    }}});
                           }},
                      });
                  if (!ok) continue;

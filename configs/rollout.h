@@ -16,6 +16,8 @@
 //           endpoint: chat               # completions | chat (or list)
 //         policy: snapkv                 # the base arm
 //         canary: {policy: pyramidkv, percent: 10, sticky_by: user}   # or header:<name>
+//         speculative: false             # or {num_speculative_tokens: 2}: caps the server's
+//                                        # speculative_config for matching requests (both arms)
 //
 // decide() is pure: the same facts always give the same decision.
 #include <cstdint>
@@ -55,6 +57,9 @@ struct RolloutRule {
   std::string policy;  // the base arm; empty = the rollout default
   int policy_line = 0;
   std::optional<RolloutCanary> canary;
+  // Unset: the server's speculative_config; 0: matching requests decode without speculation; k: at
+  // most k draft tokens a step.
+  std::optional<int64_t> max_draft_tokens;
 };
 
 struct RolloutConfig {
@@ -83,6 +88,7 @@ struct RolloutDecision {
   std::string rule;    // matching rule name, "default" or "override"
   std::string arm;     // "base" | "canary" | "default" | "override"
   bool override_rejected = false;  // kv_policy given but not in allow_override
+  std::optional<int64_t> max_draft_tokens;  // the matching rule's `speculative:` cap
 };
 
 // `fallback_default` is used when the rollout has no `default:`.

@@ -54,6 +54,9 @@ class EngineBackend : public ServingBackend {
   int64_t vocab_size() const override { return tokenizer_->vocab_size(); }
   void shutdown(bool drain) override { engine_->shutdown(drain); }
   std::string weight_format() const override { return engine_->model().weight_format(); }
+  std::string speculative_config() const override {
+    return engine_->speculative().enabled() ? speculative_config_json(engine_->speculative()) : "";
+  }
   std::string chat_template() const override { return tokenizer_->chat_template(); }
   std::string tokenizer_config() const override { return tokenizer_->config_json(); }
   std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec) override {

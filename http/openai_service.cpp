@@ -694,6 +694,7 @@ HttpResponse OpenAIService::route_simple(const HttpRequest& req, bool& handled) 
       model["kv_policies"] = b->policy_names();
       model["default_kv_policy"] = b->default_policy();
       if (const std::string w = b->weight_format(); !w.empty()) model["quantization"] = w;
+      if (const std::string sc = b->speculative_config(); !sc.empty()) model["speculative_config"] = json::parse(sc);
     }
     if (path == "/v1/models" ) return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
     std::string id = path.substr(std::string("/v1/models/").size());
@@ -832,12 +833,14 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
   // admission: a config reload does not change the policy of a request already admitted.
   const std::string response_id = (chat ? "chatcmpl-" : "cmpl-") + random_hex(24);
   std::string policy, rollout_rule;
+  int64_t max_draft_tokens = -1;
   if (options_.rollout_resolver) {
     int64_t longest = 0;
     for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
     auto choice = options_.rollout_resolver(http_req, req, longest, response_id);
     policy = choice.policy;
     rollout_rule = choice.rule;
+    max_draft_tokens = choice.max_draft_tokens;
   } else {
     policy = req.kv_policy;
     if (policy.empty() && options_.policy_resolver) policy = options_.policy_resolver(http_req, req);
@@ -955,6 +958,7 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
         g.kv_policy = policy;
         g.reuse_compressed = r.reuse_compressed;
         g.speculative = r.speculative;
+        g.max_draft_tokens = max_draft_tokens;
         g.context_len = contexts[p];
         {
           std::lock_guard<std::mutex> lock(ex->mu);

@@ -31,6 +31,7 @@ struct ServiceOptions {
   struct PolicyChoice {
     std::string policy;
     std::string rule;
+    int64_t max_draft_tokens = -1;  // >= 0: the rule's cap on draft tokens a step (0 = no speculation)
   };
   std::function<PolicyChoice(const HttpRequest&, const ParsedRequest&, int64_t prompt_tokens, const std::string& request_id)>
       rollout_resolver;

@@ -52,6 +52,8 @@ class ServingBackend {
   virtual int64_t vocab_size() const = 0;
   // How the served weights are stored ("float32", "q4_1+q8_0" ...), for /v1/models.
   virtual std::string weight_format() const { return ""; }
+  // The speculative_config in effect as JSON ("" = none), for /v1/models.
+  virtual std::string speculative_config() const { return ""; }
   // Compiles a request's structured-output spec (response_format, guided_*, tool_choice) on the
   // caller's thread, before the request is queued; throws GrammarError naming the field.
   virtual std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec);

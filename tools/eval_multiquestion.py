@@ -34,6 +34,7 @@ import json
 import math
 import pathlib
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -135,7 +136,7 @@ def kv_blocks_total(srv: Server) -> float | None:
 
 
 def run_policies(model: str, docs: list, names: list[str], kv_cache_dtype: str | None = None,
-                 info: dict | None = None) -> dict[str, list[dict]]:
+                 info: dict | None = None, serve_args: tuple[str, ...] = ()) -> dict[str, list[dict]]:
     """One kvserve server (the policies `names` of POLICIES; with `kv_cache_dtype`, that KV cache
     storage dtype, else the config's default) asking every document's questions under each policy in
     turn. Returns {label(name, kv_cache_dtype): one row per question}; progress goes to stderr.
@@ -143,7 +144,7 @@ def run_policies(model: str, docs: list, names: list[str], kv_cache_dtype: str |
     results = {}
     t_srv = time.perf_counter()
     yaml = "".join(f"  {n}: {POLICIES[n]}\n" for n in names if n != "full")
-    extra_args = () if kv_cache_dtype is None else ("--kv-cache-dtype", kv_cache_dtype)
+    extra_args = serve_args + (() if kv_cache_dtype is None else ("--kv-cache-dtype", kv_cache_dtype))
     srv = Server(model=model, extra_yaml=yaml, kv_cache_bytes="2GiB", extra_args=extra_args)
     try:
         if info is not None:
@@ -181,7 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--length", type=int, default=1000, help="document tokens")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                     help=f"kvserve policies, comma list ('' for none); known: {', '.join(POLICIES)}")
-    ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct"),
+                    help="model directory, or a .gguf file (its directory's tokenizer.json makes the documents)")
+    ap.add_argument("--serve-args", default="", help="more `kvserve serve` flags for the kvserve rows, e.g. "
+                                                     "'--quantization int8'")
     ap.add_argument("--out", default="")
     ap.add_argument("--kvpress", action="store_true",
                     help="also run transformers full KV and kvpress's KVzipPress on the same prompts")
@@ -217,7 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> None:
     a = parse_args()
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(pathlib.Path(a.model) / "tokenizer.json"))
+    model = pathlib.Path(a.model)
+    tok = Tokenizer.from_file(str((model.parent if model.is_file() else model) / "tokenizer.json"))
     names = a.policies
     a.questions = 4
     docs = [haystack(tok, a.length, 1000 + d) for d in range(a.docs)]
@@ -230,7 +235,7 @@ def main() -> None:
         print(f"kvpress rows: {time.perf_counter() - t_start:.0f} s", file=sys.stderr, flush=True)
     if names:
         for dtype in (a.kv_cache_dtypes or [None]):
-            results.update(run_policies(a.model, docs, names, dtype))
+            results.update(run_policies(a.model, docs, names, dtype, serve_args=tuple(shlex.split(a.serve_args))))
     # "of full": against the same harness's full KV (kvserve's "full", transformers' "kvpress full"),
     # under the same KV cache dtype ("x @ int8" against "full @ int8").
     fulls = {f: sum(r["correct"] for r in results.get(f, [])) or None for f in {full_of(n) for n in results}}

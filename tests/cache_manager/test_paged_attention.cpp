@@ -470,6 +470,44 @@ TEST(PagedAttentionVerifyRuns, EveryRowSeesItsOwnPrefix) {
   run_verify_case(2, 4, 64, seqs, torch::kFloat32, KvQuant::q4_0, 6);
 }
 
+// The kernel is built twice (AVX2, and AVX-512 where the CPU has it): both builds against fp64
+// attention for every pool dtype, the register-blocked group sizes, a generic head_dim, sliding
+// windows and verify runs. The other tests run whichever build the CPU picks.
+TEST(PagedAttentionIsa, BothBuildsMatchTheReference) {
+  __builtin_cpu_init();
+  const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl");
+  EXPECT_EQ(paged_attention_isa(torch::kFloat16, KvQuant::none, 64), wide ? "avx512" : "avx2");
+  EXPECT_EQ(paged_attention_isa(torch::kFloat32, KvQuant::none, 40), "avx2");  // D not a multiple of 16
+  EXPECT_THROW(set_paged_attention_isa("sse2"), std::exception);
+  for (const std::string isa : {"avx2", "avx512"}) {
+    SCOPED_TRACE(isa);
+    set_paged_attention_isa(isa);
+    EXPECT_EQ(paged_attention_isa(torch::kFloat32, KvQuant::q8_0, 64), isa == "avx2" || !wide ? "avx2" : "avx512");
+    uint64_t seed = isa == "avx2" ? 700 : 800;
+    for (const auto dt : {torch::kFloat32, torch::kFloat16, torch::kBFloat16}) {
+      for (const KvQuant q : {KvQuant::none, KvQuant::q8_0, KvQuant::q4_0, KvQuant::q4_1}) {
+        if (q != KvQuant::none && dt != torch::kFloat32) continue;
+        auto with = [&](Case c) {
+          c.kv_dtype = dt;
+          c.quant = q;
+          return c;
+        };
+        run_case(with({2, 3, 64, 16, {300, 2, 47, 16}}), ++seed);      // bench-125m's groups of 3
+        run_case(with({1, 8, 128, 16, {333, 17}}), ++seed);            // 8:1 GQA, D 128
+        run_case(with({2, 6, 64, 32, {100, 1}}), ++seed);              // groups of 6, block 32
+        run_case(with({3, 1, 128, 16, {5001, 9, 64}}), ++seed);        // MHA, split-K
+        run_case(with({2, 5, 96, 16, {70, 5}}), ++seed);               // generic D and G
+        Case w = with({2, 4, 64, 16, {1, 17, 100, 700}});
+        w.window = 17;
+        run_case(w, ++seed);
+        run_verify_case(3, 3, 64, {{100, 5}, {37, 1}, {33, 3}, {2, 2}}, dt, q, ++seed);
+      }
+    }
+  }
+  set_paged_attention_isa("avx512");
+}
+
 TEST(PagedAttentionVerifyRuns, SplitKChunkAnEarlierRowCannotSee) {
   // 1,025 slots: 65 blocks, split into chunks of 16, the last holding block 64 alone, which the
   // run's first row (1,024 slots) does not see: its partial must not poison the merge.

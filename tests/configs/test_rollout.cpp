@@ -190,6 +190,10 @@ TEST(Rollout, MalformedYamlNamesLineAndKey) {
       {"rollout:\n  rules:\n    - name: [a]\n      policy: full\n", 7, "rollout.rules[0].name"},
       {"rollout:\n  rules:\n    - policy: full\n", 7, "rollout.rules[0].name"},
       {"rollout:\n  rules:\n    - name: a\n", 7, "rollout.rules[0]"},
+      {"rollout:\n  rules:\n    - name: a\n      policy: full\n      speculative: maybe\n", 9, "rollout.rules[0].speculative"},
+      {"rollout:\n  rules:\n    - name: a\n      policy: full\n      speculative: {gamma: 2}\n", 9, "rollout.rules[0].speculative.gamma"},
+      {"rollout:\n  rules:\n    - name: a\n      policy: full\n      speculative: {num_speculative_tokens: -1}\n", 9,
+       "rollout.rules[0].speculative.num_speculative_tokens"},
       {"server:\n  api_keys: [a]\n", 6, "server.api_keys"},
   };
   for (const auto& bc : cases) {
@@ -205,6 +209,35 @@ TEST(Rollout, MalformedYamlNamesLineAndKey) {
       EXPECT_TRUE(found) << "wanted line " << bc.line << " key " << bc.key << "; got:\n" << e.what();
     }
   }
+}
+
+TEST(Rollout, RulesMayTurnSpeculationOffOrCapIt) {
+  auto c = parse(R"(rollout:
+  rules:
+    - name: off
+      match: {headers: {x-tenant: a}}
+      policy: snapkv
+      speculative: false
+    - name: capped
+      match: {headers: {x-tenant: b}}
+      canary: {policy: pyramidkv, percent: 100}
+      speculative: {num_speculative_tokens: 2}
+    - name: on
+      match: {headers: {x-tenant: c}}
+      policy: full
+      speculative: true
+)");
+  auto f = facts();
+  f.headers["x-tenant"] = "a";
+  EXPECT_EQ(decide(c.rollout, f, c.default_policy).max_draft_tokens, std::optional<int64_t>(0));
+  f.headers["x-tenant"] = "b";
+  const auto d = decide(c.rollout, f, c.default_policy);
+  EXPECT_EQ(d.arm, "canary");  // both arms of a rule speculate as the rule says
+  EXPECT_EQ(d.max_draft_tokens, std::optional<int64_t>(2));
+  f.headers["x-tenant"] = "c";
+  EXPECT_FALSE(decide(c.rollout, f, c.default_policy).max_draft_tokens.has_value());
+  f.headers["x-tenant"] = "z";  // no rule: the server's speculative_config
+  EXPECT_FALSE(decide(c.rollout, f, c.default_policy).max_draft_tokens.has_value());
 }
 
 TEST(Rollout, ExampleStagedRolloutConfigsParse) {

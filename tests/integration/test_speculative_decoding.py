@@ -148,6 +148,57 @@ def test_decode_evicting_policy_decodes_plainly():
         s.close()
 
 
+ROLLOUT_SPEC = """rollout:
+  rules:
+    - name: plain
+      match: {headers: {x-tenant: plain}}
+      policy: full
+      speculative: false
+    - name: one-draft
+      match: {headers: {x-tenant: one}}
+      policy: full
+      speculative: {num_speculative_tokens: 1}
+"""
+
+
+def test_rollout_rules_turn_speculation_off_or_cap_it_and_models_names_the_config(tmp_path):
+    s = Server(extra_yaml=SPEC_YAML + ROLLOUT_SPEC)
+    try:
+        status, _, data = raw(s, "GET", "/v1/models")
+        assert status == 200
+        assert json.loads(data)["data"][0]["speculative_config"] == {
+            "method": "ngram", "num_speculative_tokens": 5, "disable_by_batch_size": 0,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+        def send(tenant: str | None) -> list[list[int]]:
+            body = json.dumps({"model": "tiny", "prompt": COPY, "max_tokens": 48, "temperature": 0,
+                               "return_token_ids": True})
+            status, headers, data = raw(s, "POST", "/v1/completions", body, {"x-tenant": tenant} if tenant else None)
+            assert status == 200, data
+            assert headers.get("x-kv-rollout-rule") == ({"plain": "plain", "one": "one-draft"}[tenant] if tenant else "default")
+            return tokens(json.loads(data))
+
+        before = spec_counts(s)
+        plain = send("plain")
+        assert spec_counts(s) == before  # the rule's requests verify nothing
+        one = send("one")
+        drafts, draft_tokens, _ = (x - y for x, y in zip(spec_counts(s), before))
+        assert drafts > 0 and draft_tokens == drafts, (drafts, draft_tokens)  # one draft token a step at most
+        before = spec_counts(s)
+        full = send(None)
+        drafts, draft_tokens, _ = (x - y for x, y in zip(spec_counts(s), before))
+        assert draft_tokens > drafts, (drafts, draft_tokens)  # the server's own gamma elsewhere
+        assert plain == one == full
+    finally:
+        s.close()
+    cfg = tmp_path / "bad.yaml"  # a bad rule value is a config error naming the key
+    cfg.write_text(f"model:\n  path: {model_dir()}\npolicies:\n  full: {{}}\nrollout:\n  rules:\n"
+                   "    - name: r\n      policy: full\n      speculative: sometimes\n")
+    out = subprocess.run([kvserve_bin(), "serve", "--config", str(cfg), "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "rollout.rules[0].speculative" in out.stderr and "sometimes" in out.stderr, out.stderr
+
+
 def test_request_field_and_config_errors(srv, tmp_path):
     status, _, data = raw(srv, "POST", "/v1/completions",
                           json.dumps({"model": "tiny", "prompt": "x", "speculative": "no"}))
