@@ -192,6 +192,13 @@ def test_rollout_rules_turn_speculation_off_or_cap_it_and_models_names_the_confi
         assert plain == one == full
     finally:
         s.close()
+    good = tmp_path / "good.yaml"  # the CLI shows what each rule does to speculation
+    good.write_text(f"model:\n  path: {model_dir()}\npolicies:\n  full: {{}}\n" + SPEC_YAML + ROLLOUT_SPEC)
+    listed = subprocess.run([kvserve_bin(), "config", "check", str(good)], capture_output=True, text=True, timeout=60)
+    assert "plain -> full, no speculation" in listed.stdout and "one-draft -> full, at most 1 draft tokens" in listed.stdout
+    explained = subprocess.run([kvserve_bin(), "config", "explain", str(good), "--header", "x-tenant=one"],
+                               capture_output=True, text=True, timeout=60)
+    assert "rule: one-draft" in explained.stdout and "speculative: at most 1 draft tokens" in explained.stdout
     cfg = tmp_path / "bad.yaml"  # a bad rule value is a config error naming the key
     cfg.write_text(f"model:\n  path: {model_dir()}\npolicies:\n  full: {{}}\nrollout:\n  rules:\n"
                    "    - name: r\n      policy: full\n      speculative: sometimes\n")
