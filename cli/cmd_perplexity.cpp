@@ -82,7 +82,9 @@ void add_perplexity_command(CLI::App& app) {
     KvPoolSize size;
     int64_t blocks = 0;
     for (const auto& d : docs) blocks += static_cast<int64_t>(d.size()) / size.block_size + 2;
-    size.num_blocks = c.num_hidden_layers * blocks;  // every document whole in every layer
+    // Every document whole in every layer, three times over: kvzip's and kvzap's selection runs
+    // over the prompt's KV before it is compacted (with room for one copy they exhausted the pool).
+    size.num_blocks = 3 * c.num_hidden_layers * blocks;
     const auto specs = a->policy.specs();
     const std::string policy = PolicyFlags::selected(specs);
     auto memory = make_kv_memory(model->kv_layout(), size, resolve_policies(specs), policy);

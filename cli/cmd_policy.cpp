@@ -36,7 +36,7 @@ struct PolicyArgs {
 };
 
 void add_policy_args(CLI::App* cmd, PolicyArgs& a) {
-  cmd->add_option("--policy", a.policy, "policy name (full, snapkv, pyramidkv, dynamickv, streamingllm, h2o, knorm, kvzip, random)")
+  cmd->add_option("--policy", a.policy, "policy name (" + policy_name_list() + ")")
       ->required();
   cmd->add_option("--budget", a.budget, "tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a.params, "policy parameter key=value (repeatable)");

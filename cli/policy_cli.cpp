@@ -2,6 +2,7 @@
 
 #include "common/check.h"
 #include "configs/policy_file.h"
+#include "policies/policy_config.h"
 
 namespace kvserve::cli {
 
@@ -15,8 +16,14 @@ std::map<std::string, std::string> parse_key_values(const std::vector<std::strin
   return out;
 }
 
+std::string policy_name_list() {
+  std::string out;
+  for (const auto& n : policy_names()) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
 void PolicyFlags::add_to(CLI::App* cmd) {
-  cmd->add_option("--policy", policy, "KV policy: full, snapkv, pyramidkv, dynamickv, streamingllm, h2o, knorm, kvzip, random");
+  cmd->add_option("--policy", policy, "KV policy: " + policy_name_list());
   cmd->add_option("--budget", budget, "KV budget: average tokens per layer incl. the window, or a ratio 0<r<1");
   cmd->add_option("--policy-param", params, "policy parameter key=value (repeatable), e.g. window=8");
   cmd->add_option("--policy-config", policy_config, "YAML file of policy parameters (method: ..., budget: ...)");

@@ -10,6 +10,8 @@ namespace kvserve::cli {
 
 // "k=v" flag values -> {k: v}; `flag` names the option in the error for a malformed entry.
 std::map<std::string, std::string> parse_key_values(const std::vector<std::string>& items, const std::string& flag);
+// Every policy method's name, comma-separated (for flags' help).
+std::string policy_name_list();
 
 struct PolicyFlags {
   std::string policy = "full";

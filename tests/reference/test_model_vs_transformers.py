@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from kvserve_testlib import fixtures_dir, random_ids, run_kvserve, write_json
+from kvserve_testlib import default_model_dir, fixtures_dir, random_ids, run_kvserve, write_json
 
 # Scaled RoPE whose original context (64 positions) the longer prompts pass: yarn extends it
 # statically, dynamic NTK and longrope change their frequencies with the sequence length.
@@ -91,3 +91,17 @@ def test_perplexity_full_cache_matches_transformers(tmp_path):
         ref = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
         assert got["scored"] == len(doc) - 1
         assert abs(got["nll"] - ref) <= 1e-5 * abs(ref), (got["nll"], ref)
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "kvzap"])
+def test_perplexity_runs_the_context_compressing_policies(tmp_path, policy):
+    """`kvserve perplexity --policy kvzip|kvzap` (they once exhausted its pool): the prompt's KV is
+    compressed to about the budget and every token is scored."""
+    if not (default_model_dir() / "kvzap" / "config.json").exists():
+        pytest.skip("the default model is not made (make model)")
+    docs = [random_ids(199, 49152, seed=21)]
+    ids = write_json(tmp_path / "docs.json", docs)
+    out = json.loads(run_kvserve("perplexity", "--model", str(default_model_dir()), "--input-ids", str(ids),
+                                 "--prefill", "150", "--policy", policy, "--budget", "0.5").stdout)
+    assert out["scored"] == 198 and out["policy"] == policy
+    assert 0 < out["mean_visible_fraction"] < 0.9, out["mean_visible_fraction"]
