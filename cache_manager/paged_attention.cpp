@@ -89,6 +89,21 @@ std::atomic<int>& isa_choice() {
 
 static_assert(paged_kernel::kQuantGroup == kKvQuantGroup);
 
+}  // namespace
+
+namespace paged_kernel {
+bool cpu_has_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return yes;
+}
+}  // namespace paged_kernel
+
+namespace {
+
 // The kernel's name for a pool's rows; nullopt for a dtype it does not read.
 std::optional<paged_kernel::RowFormat> row_format(torch::ScalarType pool_dtype, KvQuant quant) {
   using F = paged_kernel::RowFormat;
@@ -110,7 +125,7 @@ std::optional<paged_kernel::RowFormat> row_format(torch::ScalarType pool_dtype, 
 ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
   const auto format = row_format(pool_dtype, quant);
   if (!format) return nullptr;
-  if (isa_choice().load(std::memory_order_relaxed) == 0)
+  if (isa_choice().load(std::memory_order_relaxed) == 0 && paged_kernel::cpu_has_avx512())
     if (const ChunkFn fn = paged_kernel::select_avx512(*format, D, G)) return fn;
   return paged_kernel::select_avx2(*format, D, G);
 }
@@ -227,7 +242,8 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
 std::string paged_attention_isa(torch::ScalarType pool_dtype, KvQuant quant, int64_t head_dim) {
 #ifdef KVSERVE_PAGED_AVX2
   if (const auto format = row_format(pool_dtype, quant)) {
-    if (isa_choice().load(std::memory_order_relaxed) == 0 && paged_kernel::select_avx512(*format, head_dim, 1))
+    if (isa_choice().load(std::memory_order_relaxed) == 0 && paged_kernel::cpu_has_avx512() &&
+        paged_kernel::select_avx512(*format, head_dim, 1))
       return "avx512";
     if (paged_kernel::select_avx2(*format, head_dim, 1)) return "avx2";
   }

@@ -39,9 +39,11 @@ using ChunkFn = void (*)(const Shapes&, const float*, float, const void*, const 
                          const WorkItem&, float*, float*, float*, float*, float*, float*, float*);
 
 // The kernel for a row format, head_dim D and group size G; null where a build has none: without
-// AVX2 + FMA, fp16 and quantized rows without F16C, or, for AVX-512, a CPU without AVX-512 F/BW/VL or
-// D not a multiple of 16.
+// AVX2 + FMA, fp16 and quantized rows without F16C, or, for AVX-512, D not a multiple of 16.
 ChunkFn select_avx2(RowFormat format, int64_t D, int64_t G);
+// Call only where cpu_has_avx512(): the whole file is compiled for AVX-512.
 ChunkFn select_avx512(RowFormat format, int64_t D, int64_t G);
+// Whether this CPU runs the AVX-512 build (F, BW and VL); checked by baseline code.
+bool cpu_has_avx512();
 
 }  // namespace kvserve::paged_kernel
