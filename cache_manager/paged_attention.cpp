@@ -121,13 +121,22 @@ std::optional<paged_kernel::RowFormat> row_format(torch::ScalarType pool_dtype, 
   }
 }
 
-// Null when no build has a kernel for the pool's rows (the gather path runs).
-ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
+// The build that reads a pool's rows: the AVX-512 one where the CPU runs it and it has a kernel for
+// the shape, else AVX2; a null fn (isa "none") sends the call to the gather path.
+struct KernelChoice {
+  ChunkFn fn = nullptr;
+  const char* isa = "none";
+};
+KernelChoice choose_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
   const auto format = row_format(pool_dtype, quant);
-  if (!format) return nullptr;
+  if (!format) return {};
   if (isa_choice().load(std::memory_order_relaxed) == 0 && paged_kernel::cpu_has_avx512())
-    if (const ChunkFn fn = paged_kernel::select_avx512(*format, D, G)) return fn;
-  return paged_kernel::select_avx2(*format, D, G);
+    if (const ChunkFn fn = paged_kernel::select_avx512(*format, D, G)) return {fn, "avx512"};
+  if (const ChunkFn fn = paged_kernel::select_avx2(*format, D, G)) return {fn, "avx2"};
+  return {};
+}
+ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, int64_t G) {
+  return choose_kernel(pool_dtype, quant, D, G).fn;
 }
 
 // Tokens per split-K chunk are at least this many blocks, so the merge stays negligible.
@@ -241,14 +250,10 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
 
 std::string paged_attention_isa(torch::ScalarType pool_dtype, KvQuant quant, int64_t head_dim) {
 #ifdef KVSERVE_PAGED_AVX2
-  if (const auto format = row_format(pool_dtype, quant)) {
-    if (isa_choice().load(std::memory_order_relaxed) == 0 && paged_kernel::cpu_has_avx512() &&
-        paged_kernel::select_avx512(*format, head_dim, 1))
-      return "avx512";
-    if (paged_kernel::select_avx2(*format, head_dim, 1)) return "avx2";
-  }
-#endif
+  return choose_kernel(pool_dtype, quant, head_dim, 1).isa;
+#else
   return "none";
+#endif
 }
 
 void set_paged_attention_isa(const std::string& isa) {
