@@ -308,6 +308,13 @@ void Engine::loop() {
     std::vector<Scheduler::Rejected> rejected;
     StepPlan plan = sched.schedule(&rejected);
     for (auto& [s, why] : rejected) out.finish(*s, "error", why, /*request_error=*/true);
+    if (!plan.empty()) {
+      // A long prefill step takes seconds: /metrics shows its requests running while it runs.
+      std::lock_guard<std::mutex> lk(im.mu);
+      im.stats.running = sched.num_running();
+      im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
+      im.stats.waiting = sched.num_waiting();
+    }
     std::vector<Scheduler::Output> outputs;
     if (!plan.empty()) {
       StepResult result = runner.execute(plan);
