@@ -159,6 +159,9 @@ void add_forward_command(CLI::App& app) {
       }
     }
     kv.release(seq);
+    // A rank whose part ended early (a first stage's other TP ranks, while the last stage still sends
+    // rank 0 the logits) would exit first, and the launcher takes an early exit for a failure.
+    if (job->sharded()) job->groups().world->barrier();
     if (job->is_driver()) write_safetensors(args->output, {{"logits", logits}});
     job->join_workers();
   });

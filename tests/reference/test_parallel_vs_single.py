@@ -24,7 +24,7 @@ import pathlib
 import pytest
 from safetensors.torch import load_file
 
-from kvserve_testlib import POLICY_FLAGS, fixtures_dir, run_kvserve, write_json
+from kvserve_testlib import POLICY_FLAGS, default_model_dir, fixtures_dir, run_kvserve, write_json
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 # DynamicKV's variants (m=2 so that the 3-layer fixture re-budgets mid-prompt): the authors' per
@@ -227,6 +227,20 @@ def test_custom_pipeline_split_and_bad_split(tmp_path):
     bad = run_kvserve("forward", "--model", model, "--input-ids", str(ids), "--output", str(out), "--tp", "3",
                       check=False)
     assert bad.returncode != 0 and "tensor parallel size 3" in bad.stderr
+
+
+def test_forward_on_six_ranks_of_the_default_model(tmp_path):
+    """TP 3 x PP 2 on the default model (9 query heads, 3 KV heads: one a TP rank). The first stage's
+    other TP ranks finish their part before the last stage has sent rank 0 the logits; they wait for
+    it at the end rather than exit, which the launcher took for a failure ("rank 1 exited
+    unexpectedly")."""
+    model = str(default_model_dir())
+    prompt = [(13 * i + 7) % 40000 + 3 for i in range(37)]
+    one, _ = forward(tmp_path, model, POLICIES["snapkv"], 1, 1, prompt)
+    six, kept = forward(tmp_path, model, POLICIES["snapkv"], 3, 2, prompt)
+    assert len(kept["shards"]) == 6
+    assert (six - one).abs().max().item() <= 1e-3
+    assert (six.argmax(-1) == one.argmax(-1)).all()
 
 
 def test_cuda_nccl_tensor_and_pipeline_parallel(tmp_path):
