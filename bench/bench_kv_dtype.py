@@ -13,6 +13,7 @@ to float16's, beside the ratio of the bytes the step reads, weights + live KV).
   python3 bench/bench_kv_dtype.py --kvserve build/kvserve --model .fixtures/bench-125m --rounds 2 \\
       [--llamacpp /work/main/build-llamacpp] > kv_dtype.jsonl
   python3 bench/bench_kv_dtype.py --dtypes float16,int8,int4 --rounds 3 --summary > kv_quant.jsonl
+  python3 bench/bench_kv_dtype.py --dtypes float16,int8,int4 --bench-args '--quantization int8' --shapes 4K --summary
 """
 import argparse
 import json
@@ -44,18 +45,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp", help="llama.cpp build dir with build/bin/llama-batched-bench and bench-125m-f32.gguf")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="KV cache dtypes, comma-separated (the first is the baseline)")
+    ap.add_argument("--bench-args", default="", help="more `kvserve bench decode` flags, e.g. '--quantization int8'")
+    ap.add_argument("--shapes", default="", help="only the shapes whose label contains one of these (comma-separated)")
     ap.add_argument("--summary", action="store_true", help="print a markdown table of ratios to the first dtype (stderr)")
     a = ap.parse_args()
     dtypes = a.dtypes.split(",")
+    shapes = [s for s in SHAPES if not a.shapes or any(k in s[0] for k in a.shapes.split(","))]
     rows = []
     env = dict(os.environ, OMP_WAIT_POLICY="passive")
     for rnd in range(a.rounds):
-        for label, ctx, batch, extra in SHAPES:
+        for label, ctx, batch, extra in shapes:
             for dt in dtypes:
                 load = load_avg()
                 cmd = [a.kvserve, "bench", "decode", "--model", a.model, "--context", str(ctx), "--batch", str(batch),
                        "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads),
-                       "--kv-cache-dtype", dt, *extra]
+                       "--kv-cache-dtype", dt, *extra, *a.bench_args.split()]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 row = json.loads(out.strip().splitlines()[-1])
                 row.update(engine="kvserve", label=label, round=rnd, load=load)
@@ -78,17 +82,17 @@ def main() -> None:
                                   "decode_tokens_per_s": j["speed_tg"], "step_s_median": batch / j["speed_tg"],
                                   "load": load}), flush=True)
     if a.summary:
-        summarize(rows, dtypes)
+        summarize(rows, dtypes, shapes)
 
 
-def summarize(rows: list, dtypes: list) -> None:
+def summarize(rows: list, dtypes: list, shapes: list) -> None:
     """Median step per (shape, dtype) over the rounds, as a ratio to the first dtype's, beside the
     ratio of the bytes a step reads (weights + live KV): a memory-bound step follows the bytes."""
     base = dtypes[0]
     print(f"| shape | KV dtype | step ms (median of rounds) | ratio to {base} | bytes ratio (W + KV) | KV bytes ratio |",
           file=sys.stderr)
     print("| --- | --- | ---: | ---: | ---: | ---: |", file=sys.stderr)
-    for label, *_ in SHAPES:
+    for label, *_ in shapes:
         med, nbytes, kv = {}, {}, {}
         for dt in dtypes:
             mine = [r for r in rows if r["label"] == label and r["engine"] == "kvserve" and r["kv_cache_dtype"] == dt]
