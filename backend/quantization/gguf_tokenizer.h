@@ -10,10 +10,11 @@ namespace kvserve {
 class GgufFile;
 
 // tokenizer.json and tokenizer_config.json texts (what Tokenizer::from_json reads) built from a GGUF
-// file's metadata: a byte-level BPE vocabulary ("gpt2") with its merges, the pre-tokenizer its
-// tokenizer.ggml.pre names, control tokens as special tokens, BOS/EOS/padding and the chat template.
-// Throws naming the key for a tokenizer kind or pre-tokenizer name that is not built (SentencePiece
-// vocabularies, "llama"; pre-tokenizers other than those kvserve has checked against a reference).
+// file's metadata: a byte-level BPE vocabulary ("gpt2") with its merges and the pre-tokenizer its
+// tokenizer.ggml.pre names, or a SentencePiece vocabulary ("llama": scored pieces, byte fallback;
+// Gemma's), control tokens as special tokens, BOS/EOS/padding and the chat template. Throws naming
+// the key for what is not built (other kinds, a space prefix, pre-tokenizers other than those kvserve
+// has checked against a reference).
 struct GgufTokenizerFiles {
   std::string tokenizer_json;
   std::string tokenizer_config_json;

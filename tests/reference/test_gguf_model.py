@@ -203,6 +203,109 @@ def test_a_lone_gguf_serves_chat_with_its_own_template(tmp_path):
     assert answers[0] == answers[1]
 
 
+def write_sentencepiece_gguf(path, tokens, types, scores, add_space_prefix=False):
+    """A GGUF whose tokenizer metadata is a SentencePiece vocabulary ("llama"), as Gemma's files carry."""
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores([float(x) for x in scores])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(add_space_prefix)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_lone_sentencepiece_gguf_tokenizes_as_the_tokenizers_library(tmp_path):
+    """A SentencePiece vocabulary (scored pieces, 256 byte pieces, control and user-defined tokens)
+    built into a tokenizer from the file's metadata, against the `tokenizers` library running the
+    tokenizer.json that tools/make_gemma3.py writes from the same file: texts with words the pieces
+    cover, pieces tied in score, text only the byte pieces cover, control tokens and runs of newlines."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import random
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    import make_gemma3
+    rng = random.Random(4)
+    words = ["the", "cat", "sat", "on", "mat", "naïve", "日本", "ab", "abc", "cab", "tha", "hello", "12", "x"]
+    pieces = set()
+    for wd in words:
+        for i in range(len(wd)):
+            for j in range(i + 1, len(wd) + 1):
+                pieces.add(wd[i:j])
+                pieces.add("\u2581" + wd[i:j])
+    pieces.add("\u2581")
+    pieces = sorted(pieces)
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + \
+        ["<start_of_turn>", "<end_of_turn>", "\n\n", "\n\n\n"]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces) + [3, 3, 4, 4]
+    # Scores from a few values, so that merges tie and the order among ties decides.
+    scores = [0.0] * 260 + [-float(rng.choice([1, 2, 3, 5, 8])) - len(p) for p in pieces] + [0.0] * 4
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    write_sentencepiece_gguf(lone / "sp.gguf", tokens, types, scores)
+    make_gemma3.write_tokenizer(lone / "sp.gguf", tmp_path)
+    hf = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randrange(1, 12))) for _ in range(200)]
+    texts += ["".join(rng.choice(words) for _ in range(rng.randrange(1, 6))) for _ in range(100)]
+    texts += ["<start_of_turn>user\nthe cat\n\n\nsat<end_of_turn>\n", "", " ", "  x  ", "Zebra ünï 🙂 cab",
+              "the\tcat\r\n", "QQQ the"]
+    src = tmp_path / "texts.jsonl"
+    src.write_text("".join(json.dumps(t) + "\n" for t in texts))
+    got = [json.loads(line) for line in run_kvserve("tokenize", "--model", str(lone / "sp.gguf"), "--text-file",
+                                                     str(src), "--json-input").stdout.splitlines()]
+    want = [e.ids for e in hf.encode_batch(texts)]
+    assert len(got) == len(want)
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{len(bad)} of {len(texts)} differ; first: {texts[bad[0]]!r}: {got[bad[0]]} vs {want[bad[0]]}"
+    assert any(4 <= t < 260 for ids in got for t in ids)  # the byte pieces were used
+    # Decoding gives the text back (byte pieces fused into UTF-8, the space marker a space).
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps(g[1:]) + "\n" for g in got[:50]))
+    back = [json.loads(line) for line in run_kvserve("detokenize", "--model", str(lone / "sp.gguf"), "--ids-file",
+                                                      str(ids)).stdout.splitlines()]
+    assert back == [hf.decode(g[1:]) for g in got[:50]] == texts[:50]
+    # A space prefix (SentencePiece's add_dummy_prefix) is not built: refused naming the key.
+    write_sentencepiece_gguf(lone / "prefix.gguf", tokens, types, scores, add_space_prefix=True)
+    err = error_of("tokenize", "--model", str(lone / "prefix.gguf"), "--text-file", str(src), "--json-input")
+    assert "tokenizer.ggml.add_space_prefix" in err and "--tokenizer" in err
+
+
+@pytest.mark.skipif(not (ROOT / "models" / "gemma-3-270m" / ".kvserve-model").is_file(),
+                    reason="models/gemma-3-270m not made (make model-gemma3)")
+def test_a_lone_gemma3_gguf_tokenizes_and_generates_as_beside_its_tokenizer(tmp_path):
+    """Gemma 3's Q4_K_M file alone (262,144 SentencePiece pieces): the tokenizer corpus tokenizes as
+    the `tokenizers` library runs the tokenizer.json `make model-gemma3` lays beside the file, and a
+    greedy chat answer (Gemma's chat template from the metadata) equals the one served beside it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from test_tokenizer_vs_hf import make_lines, make_multiline_texts
+    beside = ROOT / "models" / "gemma-3-270m" / "gemma-3-270m-q4_k_m.gguf"
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / beside.name).symlink_to(beside)
+    hf = tokenizers.Tokenizer.from_file(str(beside.parent / "tokenizer.json"))
+    texts = make_lines(n=300) + make_multiline_texts(n=60) + ["<start_of_turn>user\nhi 12345<end_of_turn>\n", "",
+                                                              " ", "  x\n\n\n y\t\tz 日本語 🙂"]
+    src = tmp_path / "texts.jsonl"
+    src.write_text("".join(json.dumps(t) + "\n" for t in texts))
+    got = [json.loads(line) for line in run_kvserve("tokenize", "--model", str(lone / beside.name), "--text-file",
+                                                     str(src), "--json-input").stdout.splitlines()]
+    want = [e.ids for e in hf.encode_batch(texts)]
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not bad, f"{len(bad)} of {len(texts)} differ; first: {texts[bad[0]]!r}: {got[bad[0]]} vs {want[bad[0]]}"
+    args = ("generate", "--prompt", "Name a large city in Japan.", "--max-tokens", "8", "--json")
+    a = json.loads(run_kvserve(*args, "--model", str(lone / beside.name)).stdout)
+    b = json.loads(run_kvserve(*args, "--model", str(beside)).stdout)
+    assert a["token_ids"] == b["token_ids"] and a["prompt_tokens"] == b["prompt_tokens"]
+
+
 def test_a_gguf_tokenizer_kvserve_does_not_build_is_named(tmp_path):
     """A pre-tokenizer not checked against a reference (here Qwen2's name) is refused naming the key
     and the way out (--tokenizer), not guessed."""
