@@ -59,11 +59,13 @@ KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4
 
 
 class Variant(NamedTuple):
-    """A kvserve row: the label in the tables, the model it loads, extra CLI flags, what it is."""
+    """A kvserve row: the label in the tables, the model it loads, extra CLI flags, what it is, and
+    environment variables it runs with."""
     label: str
     model: pathlib.Path
     flags: tuple[str, ...]
     about: str
+    env: tuple[tuple[str, str], ...] = ()
 
 
 VARIANTS = {
@@ -80,6 +82,12 @@ VARIANTS = {
                     "(8.5 bits a weight), the same split between quantized dot products and dequantize + float GEMM"),
     "int4": Variant("kvserve int4", MODEL, ("--quantization", "int4"),
                     "`--quantization int4` on the fp32 directory: ggml Q4_0 (4.5 bits a weight), the same split"),
+    # A/B of llamafile's tiled GEMM: the same weights with several rows on the vec_dot loop again.
+    "int8-vecdot": Variant("kvserve int8 vec_dot", MODEL, ("--quantization", "int8"),
+                           "`--quantization int8` with `KVSERVE_QUANT_TILES=0`: 2 to 32 rows run one vec_dot a "
+                           "(weight row, input row) instead of llamafile's tiled GEMM", (("KVSERVE_QUANT_TILES", "0"),)),
+    "int4-vecdot": Variant("kvserve int4 vec_dot", MODEL, ("--quantization", "int4"),
+                           "`--quantization int4` with `KVSERVE_QUANT_TILES=0`", (("KVSERVE_QUANT_TILES", "0"),)),
 }
 LLAMACPP_ABOUT = {
     "F32": "llama.cpp on an F32 GGUF of kvserve fp32's weights (llama.cpp's `convert_hf_to_gguf.py --outtype f32`): "
@@ -165,7 +173,7 @@ class Bench:
         cmd = [self.kvserve, "generate", "--model", str(v.model), *v.flags, "--prompts-file", str(f),
                "--max-tokens", str(max_tokens), "--json", "--kv-cache", f"{kv_mib}MiB"] + \
               (["--ignore-eos"] if ignore_eos else [])
-        p = subprocess.run(cmd, env=self.env, capture_output=True, text=True)
+        p = subprocess.run(cmd, env={**self.env, **dict(v.env)}, capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"kvserve generate failed ({p.returncode}): {shlex.join(cmd)}\n{p.stderr[-3000:]}")
         return json.loads(p.stdout.strip().splitlines()[-1])
@@ -274,7 +282,7 @@ class Bench:
         proc = subprocess.Popen([self.kvserve, "serve", "--config", str(ROOT / "configs" / "default.yaml"),
                                  "--model", str(v.model), *v.flags, "--served-model-name", SERVED_NAME,
                                  "--port", "0", "--default-policy", policy, "--quiet"],
-                                stdout=logf, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+                                stdout=logf, stderr=subprocess.STDOUT, env={**self.env, **dict(v.env)}, cwd=ROOT)
         return proc, wait_ready(proc, log_path, r"listening on http://127\.0\.0\.1:(\d+)"), logf
 
     def start_llamacpp(self, gguf: str):

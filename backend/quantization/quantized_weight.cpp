@@ -3,11 +3,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
 
+#include "backend/quantization/ggml_sgemm.h"
 #include "common/check.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
@@ -22,6 +25,15 @@ void init_ggml_cpu() {
 }
 
 ggml_type as_type(int type) { return static_cast<ggml_type>(type); }
+
+// KVSERVE_QUANT_TILES=0 keeps several rows on the vec_dot loop (A/B runs of the tiled GEMM).
+bool tiles_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("KVSERVE_QUANT_TILES");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
 
 const ggml_type_traits_cpu& cpu_traits(int type) {
   init_ggml_cpu();
@@ -290,6 +302,23 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const auto* wp = static_cast<const uint8_t*>(p.data.data_ptr());
     const auto* ap = a.type == GGML_TYPE_F32 ? reinterpret_cast<const uint8_t*>(xp) : static_cast<const uint8_t*>(a.data.data_ptr());
     const int64_t a_row = a.type == GGML_TYPE_F32 ? K * static_cast<int64_t>(sizeof(float)) : a.row_bytes;
+    if (M >= 2 && tiles_enabled() && tiled_quant_matmul_supports(p.type, a.type)) {
+      // Several rows of x: llamafile's tiles decode each weight block once for up to 4 rows of x
+      // (llama.cpp's own choice for these types), where the vec_dot loop decodes it once per row.
+      const int nth = std::max(1, at::get_num_threads());
+      const int64_t blocks = K / ggml_blck_size(as_type(p.type));
+      const int64_t a_blocks = K / ggml_blck_size(as_type(a.type));
+      std::atomic<bool> ok{true};
+      at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          if (!tiled_quant_matmul(p.type, a.type, p.rows, M, blocks, wp, blocks, ap, a_blocks, yp + first, N,
+                                  static_cast<int>(t), nth))
+            ok = false;
+      });
+      KV_CHECK(ok, "internal: llamafile_sgemm refused a " << ggml_type_name(as_type(p.type)) << " product of " << M << " rows");
+      first += p.rows;
+      continue;
+    }
     at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* row = wp + r * p.row_bytes;

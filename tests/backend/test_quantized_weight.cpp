@@ -73,6 +73,22 @@ TEST(QuantizedWeight, DotIsBatchInvariantAndAddsTheBias) {
   EXPECT_TRUE(torch::allclose(all - b, q.dot(x), 1e-6, 1e-6));
 }
 
+// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights) run several rows of x through it
+// and one row through vec_dot: the two give every output bit for bit, so a row's result still does
+// not depend on its batch, whatever shape the tiles take.
+TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
+  torch::manual_seed(6);
+  for (const char* name : {"q8_0", "q4_0", "q5_0"}) {
+    const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({75, 256}), quant_type_from_name(name), name);
+    const auto x = torch::randn({kQuantDotMaxRows, 256});
+    for (int64_t M : std::vector<int64_t>{2, 3, 5, 8, 13, kQuantDotMaxRows}) {
+      const auto all = q.dot(x.narrow(0, 0, M));
+      for (int64_t m = 0; m < M; ++m)
+        ASSERT_TRUE(torch::equal(all[m], q.dot(x.narrow(0, m, 1))[0])) << name << " M=" << M << " row " << m;
+    }
+  }
+}
+
 // Past kQuantDotMaxRows rows the weight is dequantized and multiplied by the float GEMM: exactly
 // what a float checkpoint of the dequantized weights computes.
 TEST(QuantizedWeight, PrefillSizedInputsEqualTheFloatGemmOfTheDequantizedWeight) {
