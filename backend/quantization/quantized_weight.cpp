@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "backend/quantization/ggml_sgemm.h"
+#include "backend/quantization/q4_1_tiles.h"
 #include "common/check.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
@@ -316,6 +317,15 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
             ok = false;
       });
       KV_CHECK(ok, "internal: llamafile_sgemm refused a " << ggml_type_name(as_type(p.type)) << " product of " << M << " rows");
+      first += p.rows;
+      continue;
+    }
+    if (M >= 2 && tiles_enabled() && p.type == GGML_TYPE_Q4_1 && a.type == GGML_TYPE_Q8_1 && q4_1_tiles_available()) {
+      // The same for Q4_1 (no ggml tile kernel): one unpacked weight block serves four rows of x.
+      const int64_t blocks = K / ggml_blck_size(GGML_TYPE_Q4_1);
+      at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
+        q4_1_tiled_dot(wp, p.row_bytes, r0, r1, ap, a_row, M, blocks, yp + first, N);
+      });
       first += p.rows;
       continue;
     }

@@ -73,12 +73,12 @@ TEST(QuantizedWeight, DotIsBatchInvariantAndAddsTheBias) {
   EXPECT_TRUE(torch::allclose(all - b, q.dot(x), 1e-6, 1e-6));
 }
 
-// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights) run several rows of x through it
-// and one row through vec_dot: the two give every output bit for bit, so a row's result still does
-// not depend on its batch, whatever shape the tiles take.
+// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights), and Q4_1 through kvserve's own
+// tiles, run several rows of x through them and one row through vec_dot: the two give every output
+// bit for bit, so a row's result still does not depend on its batch, whatever shape the tiles take.
 TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
   torch::manual_seed(6);
-  for (const char* name : {"q8_0", "q4_0", "q5_0"}) {
+  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1"}) {
     const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({75, 256}), quant_type_from_name(name), name);
     const auto x = torch::randn({kQuantDotMaxRows, 256});
     for (int64_t M : std::vector<int64_t>{2, 3, 5, 8, 13, kQuantDotMaxRows}) {

@@ -1,0 +1,126 @@
+#include "backend/quantization/q4_1_tiles.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#endif
+
+#include "common/check.h"
+
+namespace kvserve {
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+// ggml's block layouts (ggml-common.h): Q4_1 = fp16 scale d, fp16 min m, 16 bytes of nibbles (value
+// j in the low nibble of byte j, value j + 16 in its high nibble); Q8_1 = fp16 d, fp16 s (d times
+// the sum of the 32 values), 32 signed bytes.
+constexpr int64_t kQ4_1Bytes = 20;
+constexpr int64_t kQ8_1Bytes = 36;
+
+float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+// The 32 4-bit values of a Q4_1 block as bytes 0..15, in order.
+__m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(lo, 4), lo);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Sums of 4 neighbouring products of unsigned w and signed x bytes, as 8 floats (exact integers).
+__m256 dot_lanes(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(w, x);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+float sum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// One weight row against N consecutive x rows (N <= 4): the accumulators stay in registers.
+template <int N>
+void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const float* const* xd, const float* const* xs,
+                    int64_t blocks, float* const* out) {
+  __m256 acc[N];
+  float mins[N];
+  for (int j = 0; j < N; ++j) {
+    acc[j] = _mm256_setzero_ps();
+    mins[j] = 0.0f;
+  }
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ4_1Bytes;
+    const float d = half_at(wb);
+    const float m = half_at(wb + 2);
+    const __m256i q = unpack_nibbles(wb + 4);
+    for (int j = 0; j < N; ++j) {
+      // ggml's order: the min's term first, then the scaled lanes. A product of two fp16 values is
+      // exact in fp32, so whether a compiler fuses it into an FMA changes nothing.
+      mins[j] += m * xs[j][l];
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows[j] + l * kQ8_1Bytes + 4));
+      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j][l]), dot_lanes(q, xq), acc[j]);
+    }
+  }
+  for (int j = 0; j < N; ++j) *out[j] = sum8(acc[j]) + mins[j];
+}
+
+}  // namespace
+
+bool q4_1_tiles_available() { return true; }
+
+void q4_1_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                    int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  // x's scales as floats once, not once per weight row.
+  std::vector<float> d(static_cast<size_t>(M * blocks)), s(d.size());
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t l = 0; l < blocks; ++l) {
+      const uint8_t* b = x + i * x_row_bytes + l * kQ8_1Bytes;
+      d[static_cast<size_t>(i * blocks + l)] = half_at(b);
+      s[static_cast<size_t>(i * blocks + l)] = half_at(b + 2);
+    }
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wrow = w + r * row_bytes;
+    for (int64_t i0 = 0; i0 < M; i0 += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, M - i0));
+      const uint8_t* xr[4];
+      const float* xd[4];
+      const float* xs[4];
+      float* out[4];
+      for (int j = 0; j < n; ++j) {
+        xr[j] = x + (i0 + j) * x_row_bytes;
+        xd[j] = d.data() + (i0 + j) * blocks;
+        xs[j] = s.data() + (i0 + j) * blocks;
+        out[j] = y + (i0 + j) * ldy + r;
+      }
+      switch (n) {
+        case 4: row_times_rows<4>(wrow, xr, xd, xs, blocks, out); break;
+        case 3: row_times_rows<3>(wrow, xr, xd, xs, blocks, out); break;
+        case 2: row_times_rows<2>(wrow, xr, xd, xs, blocks, out); break;
+        default: row_times_rows<1>(wrow, xr, xd, xs, blocks, out); break;
+      }
+    }
+  }
+}
+
+#else
+
+bool q4_1_tiles_available() { return false; }
+
+void q4_1_tiled_dot(const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                    int64_t) {
+  KV_FAIL("internal: the Q4_1 tiles need AVX2 and FMA");
+}
+
+#endif
+
+}  // namespace kvserve
