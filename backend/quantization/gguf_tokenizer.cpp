@@ -53,6 +53,36 @@ json added_token(size_t id, const std::string& content, bool special) {
           {"normalized", false}, {"special", special}};
 }
 
+// tokenizer.json's BPE model; a SentencePiece vocabulary adds an unknown token and byte fallback.
+json bpe_model(json vocab, json merges, json unk, bool byte_fallback) {
+  return {{"type", "BPE"},
+          {"dropout", nullptr},
+          {"unk_token", std::move(unk)},
+          {"continuing_subword_prefix", nullptr},
+          {"end_of_word_suffix", nullptr},
+          {"fuse_unk", byte_fallback},
+          {"byte_fallback", byte_fallback},
+          {"ignore_merges", false},
+          {"vocab", std::move(vocab)},
+          {"merges", std::move(merges)}};
+}
+
+// tokenizer_config.json: the special tokens the metadata names, the context length and the chat template.
+std::string tokenizer_config(const GgufFile& f, const std::vector<std::string>& tokens, bool add_bos) {
+  json cfg = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+              {"add_bos_token", add_bos},
+              {"add_eos_token", false},
+              {"add_prefix_space", false},
+              {"bos_token", token_name(f, tokens, "tokenizer.ggml.bos_token_id")},
+              {"eos_token", token_name(f, tokens, "tokenizer.ggml.eos_token_id")},
+              {"pad_token", token_name(f, tokens, "tokenizer.ggml.padding_token_id")},
+              {"unk_token", token_name(f, tokens, "tokenizer.ggml.unknown_token_id")},
+              {"clean_up_tokenization_spaces", false}};
+  if (const auto n = f.get_int(f.architecture() + ".context_length")) cfg["model_max_length"] = *n;
+  if (const auto t = f.get_string("tokenizer.chat_template")) cfg["chat_template"] = *t;
+  return cfg.dump();
+}
+
 // Byte offsets where a UTF-8 string's code points start after the first (the places a piece splits).
 std::vector<size_t> code_point_splits(const std::string& s) {
   std::vector<size_t> at;
@@ -141,28 +171,8 @@ GgufTokenizerFiles sentencepiece_files(const GgufFile& f) {
                 {"decoders", json::array({{{"type", "Replace"}, {"pattern", marker}, {"content", " "}},
                                           {{"type", "ByteFallback"}},
                                           {{"type", "Fuse"}}})}}},
-              {"model",
-               {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", unk},
-                {"continuing_subword_prefix", nullptr},
-                {"end_of_word_suffix", nullptr},
-                {"fuse_unk", true},
-                {"byte_fallback", true},
-                {"ignore_merges", false},
-                {"vocab", vocab},
-                {"merges", merge_list}}}};
-  json cfg = {{"tokenizer_class", "PreTrainedTokenizerFast"},
-              {"add_bos_token", add_bos},
-              {"add_eos_token", false},
-              {"bos_token", bos},
-              {"eos_token", token_name(f, tokens, "tokenizer.ggml.eos_token_id")},
-              {"pad_token", token_name(f, tokens, "tokenizer.ggml.padding_token_id")},
-              {"unk_token", unk},
-              {"clean_up_tokenization_spaces", false}};
-  if (const auto n = f.get_int(f.architecture() + ".context_length")) cfg["model_max_length"] = *n;
-  if (const auto t = f.get_string("tokenizer.chat_template")) cfg["chat_template"] = *t;
-  return {tok.dump(), cfg.dump()};
+              {"model", bpe_model(std::move(vocab), std::move(merge_list), unk, true)}};
+  return {tok.dump(), tokenizer_config(f, tokens, add_bos)};
 }
 
 }  // namespace
@@ -208,29 +218,8 @@ GgufTokenizerFiles gguf_tokenizer_files(const GgufFile& f) {
               {"pre_tokenizer", pre_tokenizer(pre, where)},
               {"post_processor", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}}},
               {"decoder", byte_level(true, true)},
-              {"model",
-               {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", nullptr},
-                {"continuing_subword_prefix", nullptr},
-                {"end_of_word_suffix", nullptr},
-                {"fuse_unk", false},
-                {"byte_fallback", false},
-                {"ignore_merges", false},
-                {"vocab", vocab},
-                {"merges", merge_list}}}};
-
-  json cfg = {{"tokenizer_class", "PreTrainedTokenizerFast"},
-              {"add_bos_token", f.get_int("tokenizer.ggml.add_bos_token").value_or(0) != 0},
-              {"add_prefix_space", false},
-              {"bos_token", token_name(f, tokens, "tokenizer.ggml.bos_token_id")},
-              {"eos_token", token_name(f, tokens, "tokenizer.ggml.eos_token_id")},
-              {"pad_token", token_name(f, tokens, "tokenizer.ggml.padding_token_id")},
-              {"unk_token", token_name(f, tokens, "tokenizer.ggml.unknown_token_id")},
-              {"clean_up_tokenization_spaces", false}};
-  if (const auto n = f.get_int(f.architecture() + ".context_length")) cfg["model_max_length"] = *n;
-  if (const auto t = f.get_string("tokenizer.chat_template")) cfg["chat_template"] = *t;
-  return {tok.dump(), cfg.dump()};
+              {"model", bpe_model(std::move(vocab), std::move(merge_list), nullptr, false)}};
+  return {tok.dump(), tokenizer_config(f, tokens, f.get_int("tokenizer.ggml.add_bos_token").value_or(0) != 0)};
 }
 
 Tokenizer load_model_tokenizer(const std::string& model_path) {
