@@ -341,9 +341,26 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
   return y.view(out_shape);
 }
 
+namespace {
+thread_local int decode_scope_depth = 0;
+}  // namespace
+
+QuantizedDecodeScope::QuantizedDecodeScope() { ++decode_scope_depth; }
+QuantizedDecodeScope::~QuantizedDecodeScope() { --decode_scope_depth; }
+bool QuantizedDecodeScope::active() { return decode_scope_depth > 0; }
+
+bool QuantizedWeight::tiled() const {
+  if (!tiles_enabled()) return false;
+  return std::all_of(parts_.begin(), parts_.end(), [](const Part& p) {
+    const int act = cpu_traits(p.type).vec_dot_type;
+    return tiled_quant_matmul_supports(p.type, act) ||
+           (p.type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1 && q4_1_tiles_available());
+  });
+}
+
 torch::Tensor QuantizedWeight::matmul(const torch::Tensor& x, const torch::Tensor& b, CpuGemm gemm) const {
   const int64_t M = x.numel() / std::max<int64_t>(1, x.size(-1));
-  if (M <= kQuantDotMaxRows) return dot(x, b);
+  if (M <= kQuantDotMaxRows || (QuantizedDecodeScope::active() && tiled())) return dot(x, b);
   return dense(x, dequantize(), b, gemm);
 }
 

@@ -89,6 +89,32 @@ TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
   }
 }
 
+// A decode step (QuantizedDecodeScope) keeps more than kQuantDotMaxRows rows of tiled types on the
+// quantized products (each row as it is alone); outside it, and for types without tiles, they take
+// the float GEMM of the dequantized weight.
+TEST(QuantizedWeight, DecodeStepsOfManyRowsStayOnTheTiles) {
+  torch::manual_seed(8);
+  const auto x = torch::randn({kQuantDotMaxRows + 9, 256});
+  const auto one = [&](const QuantizedWeight& q, int64_t m) { return q.dot(x.narrow(0, m, 1))[0]; };
+  for (const char* name : {"q8_0", "q4_1"}) {
+    const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name(name), name);
+    ASSERT_TRUE(q.tiled()) << name;
+    EXPECT_TRUE(torch::equal(q.matmul(x), dense(x, q.dequantize(), {}))) << name;
+    torch::Tensor y;
+    {
+      const QuantizedDecodeScope decoding;
+      EXPECT_TRUE(QuantizedDecodeScope::active());
+      y = q.matmul(x);
+    }
+    EXPECT_FALSE(QuantizedDecodeScope::active());
+    for (int64_t m = 0; m < x.size(0); ++m) ASSERT_TRUE(torch::equal(y[m], one(q, m))) << name << " row " << m;
+  }
+  const QuantizedWeight k = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name("q4_K"), "q4_K");
+  EXPECT_FALSE(k.tiled());
+  const QuantizedDecodeScope decoding;
+  EXPECT_TRUE(torch::equal(k.matmul(x), dense(x, k.dequantize(), {})));
+}
+
 // Past kQuantDotMaxRows rows the weight is dequantized and multiplied by the float GEMM: exactly
 // what a float checkpoint of the dequantized weights computes.
 TEST(QuantizedWeight, PrefillSizedInputsEqualTheFloatGemmOfTheDequantizedWeight) {
