@@ -257,6 +257,13 @@ void record_usage(EngineStats& st, const KvUsage& usage) {
   st.conversation_cache_bytes = usage.parked_bytes;
 }
 
+// The running and waiting counts, as the scheduler has them now.
+void record_queues(EngineStats& st, const Scheduler& sched) {
+  st.running = sched.num_running();
+  st.running_high_water = std::max(st.running_high_water, st.running);
+  st.waiting = sched.num_waiting();
+}
+
 // The runner's own counters, as the last step left them.
 void record_runner(EngineStats& st, const ModelRunner& runner) {
   st.step_collectives_total = runner.step_collectives();
@@ -311,9 +318,7 @@ void Engine::loop() {
     if (!plan.empty()) {
       // A long prefill step takes seconds: /metrics shows its requests running while it runs.
       std::lock_guard<std::mutex> lk(im.mu);
-      im.stats.running = sched.num_running();
-      im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
-      im.stats.waiting = sched.num_waiting();
+      record_queues(im.stats, sched);
     }
     std::vector<Scheduler::Output> outputs;
     if (!plan.empty()) {
@@ -348,9 +353,7 @@ void Engine::loop() {
     const auto oldest = sched.oldest_waiting_arrival();
     std::lock_guard<std::mutex> lk(im.mu);
     im.oldest_waiting = oldest;
-    im.stats.running = sched.num_running();
-    im.stats.running_high_water = std::max(im.stats.running_high_water, im.stats.running);
-    im.stats.waiting = sched.num_waiting();
+    record_queues(im.stats, sched);
     record_usage(im.stats, usage);
     im.stats.prompt_tokens_total += prefilled;
     im.stats.generation_tokens_total += generated;

@@ -41,6 +41,15 @@ const ggml_type_traits_cpu& cpu_traits(int type) {
   return *ggml_get_type_traits_cpu(as_type(type));
 }
 
+// Which tiled product takes several rows of x for a weight type and its activation format.
+enum class Tiles { kNone, kLlamafile, kQ4_1 };
+Tiles tiles_for(int type, int act) {
+  if (!tiles_enabled()) return Tiles::kNone;
+  if (tiled_quant_matmul_supports(type, act)) return Tiles::kLlamafile;
+  if (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1 && q4_1_tiles_available()) return Tiles::kQ4_1;
+  return Tiles::kNone;
+}
+
 bool valid_type(int type) { return type >= 0 && type < GGML_TYPE_COUNT && ggml_get_type_traits(as_type(type))->blck_size > 0; }
 
 std::string served_list() {
@@ -303,7 +312,8 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const auto* wp = static_cast<const uint8_t*>(p.data.data_ptr());
     const auto* ap = a.type == GGML_TYPE_F32 ? reinterpret_cast<const uint8_t*>(xp) : static_cast<const uint8_t*>(a.data.data_ptr());
     const int64_t a_row = a.type == GGML_TYPE_F32 ? K * static_cast<int64_t>(sizeof(float)) : a.row_bytes;
-    if (M >= 2 && tiles_enabled() && tiled_quant_matmul_supports(p.type, a.type)) {
+    const Tiles tiles = M >= 2 ? tiles_for(p.type, a.type) : Tiles::kNone;
+    if (tiles == Tiles::kLlamafile) {
       // Several rows of x: llamafile's tiles decode each weight block once for up to 4 rows of x
       // (llama.cpp's own choice for these types), where the vec_dot loop decodes it once per row.
       const int nth = std::max(1, at::get_num_threads());
@@ -320,7 +330,7 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
       first += p.rows;
       continue;
     }
-    if (M >= 2 && tiles_enabled() && p.type == GGML_TYPE_Q4_1 && a.type == GGML_TYPE_Q8_1 && q4_1_tiles_available()) {
+    if (tiles == Tiles::kQ4_1) {
       // The same for Q4_1 (no ggml tile kernel): one unpacked weight block serves four rows of x.
       const int64_t blocks = K / ggml_blck_size(GGML_TYPE_Q4_1);
       at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
@@ -350,12 +360,8 @@ QuantizedDecodeScope::~QuantizedDecodeScope() { --decode_scope_depth; }
 bool QuantizedDecodeScope::active() { return decode_scope_depth > 0; }
 
 bool QuantizedWeight::tiled() const {
-  if (!tiles_enabled()) return false;
-  return std::all_of(parts_.begin(), parts_.end(), [](const Part& p) {
-    const int act = cpu_traits(p.type).vec_dot_type;
-    return tiled_quant_matmul_supports(p.type, act) ||
-           (p.type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1 && q4_1_tiles_available());
-  });
+  return std::all_of(parts_.begin(), parts_.end(),
+                     [](const Part& p) { return tiles_for(p.type, cpu_traits(p.type).vec_dot_type) != Tiles::kNone; });
 }
 
 torch::Tensor QuantizedWeight::matmul(const torch::Tensor& x, const torch::Tensor& b, CpuGemm gemm) const {
