@@ -511,7 +511,12 @@ struct Exchange {
 
   void finish() {
     done = true;
-    release();
+    // Out of the in-flight count only once the last bytes are handed to the channel: a draining
+    // server stops its connections when the count reaches 0, and a stream must not lose its end.
+    struct ReleaseAtEnd {
+      Exchange* ex;
+      ~ReleaseAtEnd() { ex->release(); }
+    } release_at_end{this};
     const double e2e = std::chrono::duration<double>(Clock::now() - arrival).count();
     metrics->observe_e2e(e2e, policy);
     if (req.stream) {

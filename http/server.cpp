@@ -199,8 +199,13 @@ class Session : public std::enable_shared_from_this<Session> {
     enqueue("0\r\n\r\n");
   }
 
+  // A response already complete is written out first (its last write closes the connection, the
+  // server being stopped); anything else is closed now, which aborts its request.
   void close_from_server() {
-    asio::post(stream_.get_executor(), [self = shared_from_this()] { self->do_close(); });
+    asio::post(stream_.get_executor(), [self = shared_from_this()] {
+      if (self->in_exchange_ && self->exchange_done_ && (self->writing_ || !self->pending_.empty())) return;
+      self->do_close();
+    });
   }
 
   beast::tcp_stream& stream() { return stream_; }
