@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backend/sampler.h"
+#include "backend/spec_decode/speculative_config.h"
 #include "backend/step_plan.h"
 #include "cache_manager/paged_kv_memory.h"
 
@@ -47,6 +48,11 @@ class ModelRunner {
   virtual bool speculative_decoding() const { return false; }
   // Whether it drafts with the model over its own KV (StepPlan::self_draft): one process only.
   virtual bool self_drafting() const { return false; }
+  // Self-drafting over a policy's kept set (SpeculativeConfig::draft_policy; PagedKvMemory::set_draft_policy).
+  virtual void set_draft_policy(const SpeculativeConfig& spec) {
+    (void)spec;
+    KV_FAIL("speculative_config.draft_policy: this runner does not self-draft");
+  }
   // Whether prompts may compress their context alone (PrefillWork::context_len).
   virtual bool compressed_contexts() const { return false; }
   // Whether a prefill can report prompt_logprobs (the logits of every prompt position). The sharded
@@ -87,6 +93,9 @@ class LocalRunner final : public ModelRunner {
   void set_cancel_check(CancelCheck check) override;
   bool speculative_decoding() const override { return true; }
   bool self_drafting() const override { return true; }
+  void set_draft_policy(const SpeculativeConfig& spec) override {
+    kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens);
+  }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
   bool reset_caches() override {

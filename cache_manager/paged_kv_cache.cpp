@@ -84,6 +84,7 @@ void PagedKvCache::release(int64_t seq_id) {
     t.layer(l).length = 0;
   }
   seqs_.erase(seq_id);
+  draft_blocks_.erase(seq_id);
   for (int64_t lane = 0; lane < lanes_; ++lane) dev_.remove(row_key(seq_id, lane));
   if (step_.active && std::find(step_.seq_ids.begin(), step_.seq_ids.end(), seq_id) != step_.seq_ids.end())
     step_.active = false;
@@ -115,7 +116,25 @@ void PagedKvCache::rename_sequence(int64_t from, int64_t to) {
   KV_CHECK(!node.empty(), "sequence " << from << " not in the KV cache");
   node.key() = to;
   seqs_.insert(std::move(node));
+  if (auto d = draft_blocks_.extract(from); !d.empty()) {
+    d.key() = to;
+    draft_blocks_.insert(std::move(d));
+  }
   for (int64_t lane = 0; lane < lanes_; ++lane) dev_.rename(row_key(from, lane), row_key(to, lane));
+}
+
+void PagedKvCache::set_draft_blocks(int64_t seq_id, int64_t layer, int64_t lane, std::vector<int32_t> blocks) {
+  (void)lane_of(seq_id, layer, lane);  // checks the sequence, layer and lane
+  auto& per = draft_blocks_[seq_id];
+  per.resize(static_cast<size_t>(num_layers_ * lanes_));
+  per[static_cast<size_t>(slot(layer, lane))] = std::move(blocks);
+}
+
+const std::vector<int32_t>* PagedKvCache::draft_blocks(int64_t seq_id, int64_t layer, int64_t lane) const {
+  auto it = draft_blocks_.find(seq_id);
+  if (it == draft_blocks_.end()) return nullptr;
+  const auto& b = it->second[static_cast<size_t>(slot(layer, lane))];
+  return b.empty() ? nullptr : &b;
 }
 
 LayerBlocks& PagedKvCache::lane_of(int64_t seq_id, int64_t layer, int64_t lane) {
@@ -500,6 +519,7 @@ void PagedKvCache::drop_leading_blocks(int64_t seq_id, int64_t layer, int64_t n)
   for (int64_t lane = 0; lane < lanes_; ++lane) {
     LayerBlocks& lb = lane_of(seq_id, layer, lane);
     KV_CHECK(n * bs_ <= lb.length, "drop_leading_blocks: " << n << " blocks of a lane holding " << lb.length << " slots");
+    if (draft_blocks(seq_id, layer, lane)) set_draft_blocks(seq_id, layer, lane, {});
     std::vector<int32_t> gone(lb.blocks.begin(), lb.blocks.begin() + n);
     lb.blocks.erase(lb.blocks.begin(), lb.blocks.begin() + n);
     lb.length -= n * bs_;
@@ -541,6 +561,8 @@ void PagedKvCache::compact(int64_t seq_id, int64_t layer, const torch::Tensor& k
            "compact: keep_slots must be [KV=" << heads_ << ", m], got " << keep_slots.sizes());
   const int64_t m = keep_slots.size(1);
   const std::vector<int64_t> counts = lane_lengths("compact", head_counts, m);
+  for (int64_t lane = 0; lane < lanes_; ++lane)
+    if (draft_blocks(seq_id, layer, lane)) set_draft_blocks(seq_id, layer, lane, {});
   const torch::Tensor keep = keep_slots.to(torch::kCPU, torch::kLong).contiguous();
   const int64_t* kp = keep.data_ptr<int64_t>();
   int64_t need = 0;
@@ -885,7 +907,14 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
                 .to(pool_.device())
           : dev_.lengths(layer).index_select(0, step_.rows);
   if (viewed) {
-    auto [vt, vl] = draft_view_tables(table.to(torch::kCPU), lens.to(torch::kCPU), bs_, step_.view);
+    // Entry e is sequence e / lanes' lane e % lanes (a draft step has one entry per sequence and lane).
+    std::vector<const std::vector<int32_t>*> chosen;
+    if (!draft_blocks_.empty()) {
+      chosen.resize(static_cast<size_t>(EP), nullptr);
+      for (int64_t e = 0; e < E; ++e)
+        chosen[static_cast<size_t>(e)] = draft_blocks(step_.seq_ids[static_cast<size_t>(e / lanes_)], layer, e % lanes_);
+    }
+    auto [vt, vl] = draft_view_tables(table.to(torch::kCPU), lens.to(torch::kCPU), bs_, step_.view, chosen);
     return unlane(stored_attention(qr, vt.to(pool_.device()), vl.to(pool_.device()), scale, window));
   }
   return unlane(stored_attention(qr, table, lens, scale, window));

@@ -179,6 +179,13 @@ class PagedKvCache {
   // by its next turn's request).
   void rename_sequence(int64_t from, int64_t to);
 
+  // Self-speculation with a draft policy (SpeculativeConfig::draft_policy): the blocks of a
+  // (sequence, layer, lane) table that its draft view keeps between the sinks and the window (block
+  // indices of the table, ascending; draft_view.h). Dropped with the sequence, and for a layer
+  // whose blocks move (compact, drop_leading_blocks). draft_blocks: null when none were set.
+  void set_draft_blocks(int64_t seq_id, int64_t layer, int64_t lane, std::vector<int32_t> blocks);
+  const std::vector<int32_t>* draft_blocks(int64_t seq_id, int64_t layer, int64_t lane) const;
+
   // --- inspection --------------------------------------------------------------------------------
   // The layer's length: the longest of its heads' (they are all equal in the per-layer layout).
   int64_t length(int64_t seq_id, int64_t layer) const;
@@ -326,6 +333,7 @@ class PagedKvCache {
   int64_t kv_, bs_, d_;      // kv_: heads per block (and per lane)
   std::vector<int32_t> pos_;  // [num_blocks, heads per block, block_size] original positions
   std::unordered_map<int64_t, SequenceBlockTable> seqs_;
+  std::unordered_map<int64_t, std::vector<std::vector<int32_t>>> draft_blocks_;  // [layers * lanes] per sequence
   // Mutable: flushing brings the device mirror up to date without changing what the cache holds.
   mutable DeviceBlockTables dev_;
   DecodePlan step_;

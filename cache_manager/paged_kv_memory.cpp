@@ -89,6 +89,53 @@ const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
   return it->second;
 }
 
+void PagedKvMemory::set_draft_policy(const std::string& name, int64_t budget, int64_t min_prompt_tokens,
+                                     int64_t sink_tokens) {
+  if (name.empty()) {
+    draft_policy_.reset();
+    return;
+  }
+  const std::string where = "speculative_config.draft_policy: policy '" + name + "'";
+  KV_CHECK(policies_.count(name), where << " is not one of the configured policies");
+  PolicyConfig cfg = policy(name);
+  KV_CHECK(!cfg.is_full(), where << " keeps every token; name a policy that selects (snapkv, pyramidkv, knorm, ...)");
+  KV_CHECK(chunkable(cfg), where << " (scorer " << to_string(cfg.scorer)
+                                 << ") scores after the prefill or with every query; its selection cannot run as a "
+                                    "prompt kept whole ends");
+  KV_CHECK(cfg.allocator != AllocatorKind::kDynamic && cfg.allocator != AllocatorKind::kGlobal,
+           where << " re-selects across layers (DynamicKV or a global top-k); name a per-layer policy");
+  KV_CHECK(budget > 0, "speculative_config.draft_budget must be > 0 tokens, got " << budget);
+  KV_CHECK(sink_tokens >= 0 && min_prompt_tokens >= 0, "speculative_config: negative draft_sink_tokens or "
+                                                       "draft_min_context_tokens");
+  cfg.budget = budget;
+  cfg.budget_ratio = 0.0;
+  cfg.budget_bytes = 0;
+  cfg.decode_budget = 0;
+  draft_policy_ = std::move(cfg);
+  draft_min_prompt_ = min_prompt_tokens;
+  draft_skip_blocks_ = blocks_for_tokens(sink_tokens, cache_.block_size());
+}
+
+void PagedKvMemory::draft_select(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k) {
+  SeqState& s = seqs_.at(seq_id);
+  const PolicyConfig& cfg = *draft_policy_;
+  // A prefix hit can leave fewer computed queries than the window: that sequence drafts over sinks
+  // and window alone.
+  if (scorer_needs_queries(cfg.scorer) && (!q.defined() || q.size(1) < cfg.window)) {
+    s.draft_selector.reset();
+    return;
+  }
+  const torch::Tensor kept = s.draft_selector->on_layer(layer, q, k);  // [KV, n] ascending positions
+  const std::vector<int64_t>& counts = s.draft_selector->last_head_counts();
+  const int64_t ll = local(layer), lanes = cache_.lanes(), per = cache_.num_kv_heads() / lanes;
+  for (int64_t lane = 0; lane < lanes; ++lane) {
+    std::vector<int64_t> c;
+    if (!counts.empty()) c.assign(counts.begin() + lane * per, counts.begin() + (lane + 1) * per);
+    cache_.set_draft_blocks(seq_id, ll, lane,
+                            blocks_of_kept(kept.narrow(0, lane * per, per), c, cache_.block_size(), draft_skip_blocks_));
+  }
+}
+
 PagedKvMemory::Geometry PagedKvMemory::geometry() const {
   return {shard_.first_layer, num_layers_, shard_.total_layers, cache_.num_kv_heads(), cache_.block_size(), rounds_kv_,
           prefix_caching(), cache_.head_blocks()};
@@ -233,6 +280,11 @@ void PagedKvMemory::begin_prefill(int64_t seq_id, int64_t prompt_len, const std:
   }
   if (cfg.decode_budget > 0) {
     for (int64_t l = 0; l < num_layers_; ++l) s.evictors.emplace_back(cfg, shard_.first_layer + l);
+  }
+  if (draft_policy_ && !(s.selector && s.selector->compresses()) && prompt_len >= draft_min_prompt_) {
+    s.draft_selector = std::make_unique<PrefillSelector>(*draft_policy_, shard_.total_layers, cache_.num_kv_heads(), prompt_len);
+    s.draft_selector->set_exchange(*shard_.exchange);
+    if (!s.draft_selector->compresses()) s.draft_selector.reset();  // within the budget: the view is the cache
   }
 }
 
@@ -462,6 +514,7 @@ void PagedKvMemory::store_prefill(int64_t seq_id, int64_t layer, const torch::Te
     // With a prefix cache the prompt's full blocks are published at end_prefill first; a local layer
     // of a prompt awaiting reconstruction scores holds its prompt for that pass (trimmed at end_prefill).
     if (!prefix_caching() && !(compresses && s.policy->scores_after_prefill())) trim_window(seq_id, ll);
+    if (!compresses && s.draft_selector && !windowed(ll)) draft_select(seq_id, layer, q, k);
     if (compresses) {
       copy_for_cache(seq_id, ll, k, v);
       s.awaiting_scores = s.policy->scores_after_prefill();
@@ -629,13 +682,22 @@ void PagedKvMemory::store_prefill_chunk(int64_t seq_id, int64_t layer, int64_t s
       copy_for_cache(seq_id, ll, pk, pv);
     }
     if (!prefix_caching()) trim_window(seq_id, ll);
-    if (compresses && !windowed(ll) && scorer_needs_queries(s.policy->scorer)) {
+    const bool drafts = !compresses && s.draft_selector && !s.resumed;  // a draft policy's selection ends this prompt
+    const PolicyConfig* scoring = compresses ? s.policy : drafts ? &*draft_policy_ : nullptr;
+    if (scoring && !windowed(ll) && scorer_needs_queries(scoring->scorer)) {
       // The last chunk's window may reach back into this one: keep the latest `window` queries.
       if (s.query_tail.empty()) s.query_tail.resize(static_cast<size_t>(num_layers_));
       torch::Tensor& tail = s.query_tail[static_cast<size_t>(ll)];
       tail = tail.defined() ? torch::cat({tail, q}, 1) : q;
-      const int64_t keep = std::min<int64_t>(s.policy->window, tail.size(1));
+      const int64_t keep = std::min<int64_t>(scoring->window, tail.size(1));
       tail = tail.narrow(1, tail.size(1) - keep, keep).contiguous();
+    }
+    if (drafts && last && !windowed(ll)) {
+      // The whole prompt's keys as the cache holds them; the draft view only proposes, so rounded
+      // keys (a quantized pool) may steer it but never change what is verified.
+      torch::Tensor qt;
+      if (!s.query_tail.empty()) std::swap(qt, s.query_tail[static_cast<size_t>(ll)]);
+      draft_select(seq_id, layer, qt, cache_.gather(seq_id, ll).first.to(k.scalar_type()));
     }
     return;
   }

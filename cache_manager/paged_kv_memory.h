@@ -3,6 +3,7 @@
 #include <map>
 #include <span>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <string>
 #include <unordered_map>
@@ -77,6 +78,15 @@ class PagedKvMemory final : public KvMemory {
   int64_t kept_tokens(int64_t seq_id) const override;
 
   const PolicyConfig& policy(const std::string& name) const;
+
+  // Self-speculation over a policy's kept set (SpeculativeConfig::draft_policy): a prompt of at
+  // least min_prompt_tokens whose own policy keeps it whole runs the named policy's selection with
+  // `budget` tokens per layer as its prefill ends, without dropping anything, and each layer's
+  // draft view (PagedKvCache::set_draft_blocks) keeps the blocks that hold most of what it chose.
+  // Throws naming the policy where its selection cannot run so (scores after the prefill,
+  // DynamicKV's re-selections, H2O's every query). The first sink_tokens' blocks are the view's
+  // sinks anyway and are not counted. An empty name turns it off.
+  void set_draft_policy(const std::string& name, int64_t budget, int64_t min_prompt_tokens, int64_t sink_tokens);
 
   // Sliding-window (local) layers: per layer of this shard, 0 = global, w > 0 = its queries see the
   // last w positions (the decode kernel masks the older slots within a block). A local layer is a
@@ -215,6 +225,8 @@ class PagedKvMemory final : public KvMemory {
     // Chunked prefill of a compressing policy: per layer the last `window` queries seen so far
     // (what window attention scores with at the last chunk); undefined when not needed.
     std::vector<torch::Tensor> query_tail;
+    // Self-speculation over a draft policy's kept set: its selection, run beside a whole prompt.
+    std::unique_ptr<PrefillSelector> draft_selector;
     // Prefix caching: the prompt's tokens told so far, the cache entries the sequence uses (a chain
     // from the prompt's first block), what its lookup found, whether it may copy its blocks into
     // the cache and, per layer, those copies (blocks [hit, prompt_len / block_size)).
@@ -259,6 +271,12 @@ class PagedKvMemory final : public KvMemory {
   KvShard shard_;
   PagedKvCache cache_;
   std::map<std::string, PolicyConfig> policies_;
+  std::optional<PolicyConfig> draft_policy_;  // set_draft_policy's, budget in tokens
+  int64_t draft_min_prompt_ = 0, draft_skip_blocks_ = 0;
+  // The draft policy's view blocks of one layer from its selection `kept` ([KV, n] positions).
+  void set_draft_view(int64_t seq_id, int64_t ll, const torch::Tensor& kept, const std::vector<int64_t>& counts);
+  // Runs the draft policy's selection of a layer whose whole prompt K (and the last queries) are here.
+  void draft_select(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k);
   std::string default_policy_;
   bool rounds_kv_ = false;  // Geometry::rounds_kv
   uint64_t context_salt_ = 0;

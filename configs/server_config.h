@@ -16,7 +16,8 @@
 //   default_policy: <name>
 //   speculative_config: {method: <none|ngram|self>, num_speculative_tokens, prompt_lookup_min,
 //               prompt_lookup_max, disable_by_batch_size, draft_sink_tokens, draft_window_tokens,
-//               draft_min_context_tokens} (vLLM's speculative_config; the draft_* keys for self)
+//               draft_min_context_tokens, draft_policy, draft_budget} (vLLM's speculative_config;
+//               the draft_* keys for self)
 //   rollout:   {default, allow_override, rules: [...]} (see rollout.h and configs/README.md)
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
 // (e.g. `rollout:`) add one entry there and one struct here.
@@ -135,6 +136,9 @@ struct SpeculativeSection {
   int64_t draft_sink_tokens = 16;     // self: the draft view's sinks and window
   int64_t draft_window_tokens = 496;
   int64_t draft_min_context_tokens = 4096;  // self: shorter sequences decode plainly
+  std::string draft_policy;                 // self: a policy whose kept set the view adds ("": none)
+  int64_t draft_budget = 512;               // ...with this budget (tokens per layer)
+  bool operator==(const SpeculativeSection&) const = default;
 };
 
 // A named KV policy: its parameters as given in YAML (scalars kept as text); the policies

@@ -18,8 +18,11 @@ void SpeculativeConfig::validate(const std::string& where) const {
     KV_CHECK(draft_window_tokens >= 1, where << ": draft_window_tokens must be >= 1, got " << draft_window_tokens);
     KV_CHECK(draft_min_context_tokens >= 0,
              where << ": draft_min_context_tokens must be >= 0, got " << draft_min_context_tokens);
+    KV_CHECK(draft_policy.empty() || draft_budget >= 1,
+             where << ": draft_budget must be >= 1 token per layer, got " << draft_budget);
     return;
   }
+  KV_CHECK(draft_policy.empty(), where << ": draft_policy '" << draft_policy << "' needs method 'self'");
   KV_CHECK(prompt_lookup_min >= 1, where << ": prompt_lookup_min must be >= 1, got " << prompt_lookup_min);
   KV_CHECK(prompt_lookup_max >= prompt_lookup_min,
            where << ": prompt_lookup_max (" << prompt_lookup_max << ") is below prompt_lookup_min (" << prompt_lookup_min
@@ -62,10 +65,15 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       c.draft_window_tokens = integer();
     } else if (k == "draft_min_context_tokens") {
       c.draft_min_context_tokens = integer();
+    } else if (k == "draft_policy") {
+      KV_CHECK(it->is_string() || it->is_null(), where << ": draft_policy must be a policy's name, got " << it->dump());
+      c.draft_policy = it->is_null() ? "" : it->get<std::string>();
+    } else if (k == "draft_budget") {
+      c.draft_budget = integer();
     } else {
       KV_FAIL(where << ": unknown key '" << k
                     << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, "
-                       "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens)");
+                       "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens, draft_policy, draft_budget)");
     }
   }
   // As vLLM: one bound given alone sets both.
@@ -84,6 +92,10 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
     j["draft_sink_tokens"] = c.draft_sink_tokens;
     j["draft_window_tokens"] = c.draft_window_tokens;
     j["draft_min_context_tokens"] = c.draft_min_context_tokens;
+    if (!c.draft_policy.empty()) {
+      j["draft_policy"] = c.draft_policy;
+      j["draft_budget"] = c.draft_budget;
+    }
   } else {
     j["prompt_lookup_min"] = c.prompt_lookup_min;
     j["prompt_lookup_max"] = c.prompt_lookup_max;

@@ -23,6 +23,12 @@ struct SpeculativeConfig {
   // "self": sequences whose context is shorter decode plainly. A draft step still reads every
   // weight, so it costs nearly a plain step until the KV it skips outweighs them.
   int64_t draft_min_context_tokens = 4096;
+  // "self": with a policy named here (one of the server's policies: snapkv, pyramidkv, knorm, ...),
+  // the view also keeps, per layer, the blocks that hold most of what that policy keeps of a prompt
+  // with draft_budget tokens per layer, chosen as the prompt's prefill ends (its own policy keeping
+  // it whole); "": sinks and window alone.
+  std::string draft_policy;
+  int64_t draft_budget = 512;
 
   bool enabled() const { return (method == "ngram" || method == "self") && num_speculative_tokens > 0; }
   bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }

@@ -35,13 +35,7 @@ std::vector<std::string> restart_only_changes(const config::ServerConfig& a, con
       a.scheduler.long_prefill_token_threshold != b.scheduler.long_prefill_token_threshold ||
       a.scheduler.max_waiting != b.scheduler.max_waiting || a.scheduler.max_queue_time_s != b.scheduler.max_queue_time_s)
     out.push_back("scheduler");
-  const auto& sa = a.speculative;
-  const auto& sb = b.speculative;
-  if (sa.method != sb.method || sa.num_speculative_tokens != sb.num_speculative_tokens ||
-      sa.prompt_lookup_min != sb.prompt_lookup_min || sa.prompt_lookup_max != sb.prompt_lookup_max ||
-      sa.disable_by_batch_size != sb.disable_by_batch_size || sa.draft_sink_tokens != sb.draft_sink_tokens ||
-      sa.draft_window_tokens != sb.draft_window_tokens || sa.draft_min_context_tokens != sb.draft_min_context_tokens)
-    out.push_back("speculative_config");
+  if (a.speculative != b.speculative) out.push_back("speculative_config");
   if (config::engine_policies(a) != config::engine_policies(b)) out.push_back("policies");
   return out;
 }

@@ -106,6 +106,39 @@ TEST(DraftView, KeepsTheFirstAndLastBlocksOfLongRows) {
   EXPECT_THROW(draft_view_tables(table, torch::tensor({25, 7}, torch::kInt32), 4, DraftView{1, 2}), std::exception);
 }
 
+TEST(DraftView, AddsTheChosenBlocksBetweenSinksAndWindow) {
+  const torch::Tensor table = torch::tensor({10, 11, 12, 13, 14, 15, 20, 21, 0, 0, 0, 0}, torch::kInt32).view({2, 6});
+  const torch::Tensor lengths = torch::tensor({21, 7}, torch::kInt32);
+  // Block 0 is a sink already, 4 and 5 are the window's: only 2 joins; row 1 fits whole.
+  const std::vector<int32_t> chosen{0, 2, 4, 5};
+  const std::vector<const std::vector<int32_t>*> rows{&chosen, &chosen};
+  auto [t, l] = draft_view_tables(table, lengths, 4, DraftView{1, 2}, rows);
+  ASSERT_EQ(t.sizes(), (std::vector<int64_t>{2, 4}));
+  EXPECT_TRUE(torch::equal(t[0], torch::tensor({10, 12, 14, 15}, torch::kInt32)));
+  EXPECT_EQ(l[0].item<int>(), 3 * 4 + 1);
+  EXPECT_TRUE(torch::equal(t[1].narrow(0, 0, 2), torch::tensor({20, 21}, torch::kInt32)));
+  EXPECT_EQ(l[1].item<int>(), 7);
+  // No choice for a row: sinks and window.
+  const std::vector<const std::vector<int32_t>*> none{nullptr, nullptr};
+  EXPECT_TRUE(torch::equal(draft_view_tables(table, lengths, 4, DraftView{1, 2}, none).first[0].narrow(0, 0, 3),
+                           torch::tensor({10, 14, 15}, torch::kInt32)));
+  const std::vector<int32_t> unsorted{3, 2};
+  const std::vector<const std::vector<int32_t>*> bad{&unsorted, nullptr};
+  EXPECT_THROW(draft_view_tables(table, lengths, 4, DraftView{1, 2}, bad), std::exception);
+  EXPECT_THROW(draft_view_tables(table, lengths, 4, DraftView{1, 2}, std::span(bad).first(1)), std::exception);
+}
+
+TEST(DraftView, BlocksOfKeptRankByKeptPositions) {
+  // Block size 4. Per block (both heads): 0 -> 3 (skipped: a sink), 2 -> 4, 3 -> 2, 5 -> 3.
+  const torch::Tensor kept = torch::tensor({0, 1, 9, 10, 11, 20, 2, 9, 12, 13, 21, 22}, torch::kInt64).view({2, 6});
+  EXPECT_EQ(blocks_of_kept(kept, {}, 4, 1), (std::vector<int32_t>{2, 5}));  // the best ceil(6 / 4) = 2
+  EXPECT_EQ(blocks_of_kept(kept, {}, 4, 0), (std::vector<int32_t>{0, 2}));
+  // Counts per head (head 0 keeps 3): blocks 0, 2, 3 and 5 hold two each; ties go to later blocks.
+  const std::vector<int64_t> counts{3, 6};
+  EXPECT_EQ(blocks_of_kept(kept, counts, 4, 1), (std::vector<int32_t>{3, 5}));
+  EXPECT_THROW(blocks_of_kept(kept, std::vector<int64_t>{3}, 4, 1), std::exception);
+}
+
 constexpr int64_t kKV = 2, kD = 8, kBS = 4, kH = 4, kLayers = 2;
 
 KvPoolOptions pool_options(bool head_blocks) {
@@ -217,6 +250,41 @@ TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) {
   c.begin_decode({7}, {n});
   EXPECT_FALSE(c.decode_planned({7}, 0, DraftView{1, 2}));
   EXPECT_TRUE(c.decode_planned({7}, 0));
+}
+
+// The same step with layer 0's draft blocks {2} (slots 8..11): layer 0 attends to them too, layer 1
+// (none set) to sinks and window; a step without the view still reads everything.
+TEST_P(DraftStep, AttendsToTheChosenBlocksToo) {
+  torch::manual_seed(6);
+  constexpr int64_t n = 22;
+  const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
+  PagedKvCache c(kLayers, pool_options(GetParam()));
+  c.add_sequence(7);
+  const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
+  for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, pk, pv, pos);
+  for (int64_t lane = 0; lane < c.lanes(); ++lane) c.set_draft_blocks(7, 0, lane, {2});
+  EXPECT_EQ(c.draft_blocks(7, 1, 0), nullptr);
+  const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
+  c.begin_decode({7}, {n}, 0, DraftView{1, 2});
+  const int64_t G = kH / kKV;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    std::vector<int64_t> seen;
+    for (int64_t i = 0; i < 4; ++i) seen.push_back(i);
+    if (l == 0)
+      for (int64_t i = 8; i < 12; ++i) seen.push_back(i);
+    for (int64_t i = 16; i <= n; ++i) seen.push_back(i);
+    const torch::Tensor idx = torch::tensor(seen);
+    const torch::Tensor K = torch::cat({pk, k.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
+    const torch::Tensor V = torch::cat({pv, v.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
+    const torch::Tensor out = c.decode_layer(l, q, k, v);
+    for (int64_t h = 0; h < kH; ++h) {
+      const torch::Tensor p = torch::softmax(K[h / G].matmul(q[0][h].to(torch::kFloat64)) / std::sqrt(double(kD)), 0);
+      EXPECT_TRUE(torch::allclose(out[0][h].to(torch::kFloat64), p.matmul(V[h / G]), 1e-5, 1e-5)) << "layer " << l << " head " << h;
+    }
+  }
+  c.truncate_last(7, 1);
+  c.release(7);
+  EXPECT_EQ(c.draft_blocks(7, 0, 0), nullptr);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, DraftStep, ::testing::Values(false, true),

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_manager/draft_view.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "common/check.h"
 
@@ -471,6 +472,66 @@ TEST(PagedKvMemory, PoolTooSmallIsAClearErrorAndOthersSurvive) {
   m.release(4);
   EXPECT_EQ(m.blocks_used(), 0);
   EXPECT_EQ(m.cache().free_blocks(), m.blocks_total());
+}
+
+// Self-speculation over a policy's kept set: a prompt kept whole runs the draft policy's selection
+// as its prefill ends and keeps everything; each layer's draft view holds the blocks with most of
+// what the policy chose (as blocks_of_kept ranks them), the same whether the prompt came whole or in
+// chunks whose last one is shorter than the policy's window.
+TEST(PagedKvMemory, DraftPolicyChoosesViewBlocksAndDropsNothing) {
+  auto m = make_memory(4096);
+  m.set_draft_policy("snap", 24, 0, 4);
+  const int64_t T = 100;
+  const Prompt p = make_prompt(T, 11);
+  m.begin_prefill(1, T, "full");
+  for (int64_t l = 0; l < kL; ++l) m.store_prefill(1, l, p.q[static_cast<size_t>(l)], p.k[static_cast<size_t>(l)], p.v[static_cast<size_t>(l)]);
+  m.end_prefill(1);
+  m.begin_prefill(2, T, "full");
+  for (auto [start, end] : {std::pair<int64_t, int64_t>{0, 49}, {49, 98}, {98, 100}}) {
+    for (int64_t l = 0; l < kL; ++l) {
+      const auto& q = p.q[static_cast<size_t>(l)];
+      m.store_prefill_chunk(2, l, start, q.narrow(1, start, end - start), p.k[static_cast<size_t>(l)].narrow(1, start, end - start),
+                            p.v[static_cast<size_t>(l)].narrow(1, start, end - start));
+    }
+  }
+  m.end_prefill(2);
+  PolicyConfig cfg = m.policy("snap");
+  cfg.budget = 24;
+  PrefillSelector want(cfg, kL, kKV, T);
+  for (int64_t l = 0; l < kL; ++l) {
+    EXPECT_EQ(m.cache().length(1, l), T);
+    const auto expected = blocks_of_kept(want.on_layer(l, p.q[static_cast<size_t>(l)], p.k[static_cast<size_t>(l)]), {}, kBS, 1);
+    ASSERT_FALSE(expected.empty());
+    EXPECT_LE(expected.size(), 6u);
+    EXPECT_GE(expected.front(), 1);  // the sink block is the view's anyway
+    const auto* whole = m.cache().draft_blocks(1, l, 0);
+    const auto* chunked = m.cache().draft_blocks(2, l, 0);
+    ASSERT_TRUE(whole && chunked) << "layer " << l;
+    EXPECT_EQ(*whole, expected) << "layer " << l;
+    EXPECT_EQ(*chunked, expected) << "layer " << l;
+  }
+  // A compressing sequence drafts over what it keeps: no draft blocks; nor does a short prompt.
+  m.begin_prefill(3, T, "snap");
+  for (int64_t l = 0; l < kL; ++l) m.store_prefill(3, l, p.q[static_cast<size_t>(l)], p.k[static_cast<size_t>(l)], p.v[static_cast<size_t>(l)]);
+  m.end_prefill(3);
+  EXPECT_EQ(m.cache().draft_blocks(3, 0, 0), nullptr);
+  m.set_draft_policy("snap", 24, T + 1, 4);
+  m.begin_prefill(4, T, "full");
+  for (int64_t l = 0; l < kL; ++l) m.store_prefill(4, l, p.q[static_cast<size_t>(l)], p.k[static_cast<size_t>(l)], p.v[static_cast<size_t>(l)]);
+  m.end_prefill(4);
+  EXPECT_EQ(m.cache().draft_blocks(4, 0, 0), nullptr);
+  for (int64_t id : {1, 2, 3, 4}) m.release(id);
+  EXPECT_EQ(m.blocks_used(), 0);
+  // Policies whose selection cannot run so are refused by name.
+  for (const char* bad : {"full", "dyn", "h2o", "nope"}) {
+    try {
+      m.set_draft_policy(bad, 24, 0, 4);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("'") + bad + "'"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(m.set_draft_policy("snap", 0, 0, 4), std::exception);
 }
 
 TEST(PagedKvMemory, UnknownPolicyAndDuplicateSequenceAreClearErrors) {
