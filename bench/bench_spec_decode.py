@@ -10,6 +10,9 @@ Workloads (paragraphs of the repository's docs and of ../shared/papers as passag
 - long:    a document of --long-tokens tokens (passages in a rotated order per prompt), then a request
            to continue it; every sequence makes all its tokens (ignore_eos), for self-drafting at long
            context.
+- quote:   the same documents, then a request to repeat a paragraph from the document's middle, named
+           by its first words (ignore_eos): what to copy lies far from the recent window, where a
+           draft view chosen by a policy (--spec with draft_policy) can reach and sinks + window cannot.
 For each row the runner's own clock gives a draft step's cost c and a verify step's cost v as
 multiples of a plain step (generate --json: draft_s / draft_steps, verify_s / verify_steps), and the
 ratio they predict, MAL / (draft steps per verify * c + v), beside the measured one.
@@ -77,6 +80,19 @@ def long_prompts(model: str, n: int, tokens: int) -> list[str]:
             doc.append(nxt)
             k += 1
         out.append("\n\n".join(doc) + "\n\nContinue the text above:")
+    return out
+
+
+def quote_prompts(model: str, n: int, tokens: int) -> list[str]:
+    """long_prompts' documents, each asking to repeat word for word a paragraph from its middle, named
+    by its first words: the answer is far from the recent window (a view of sinks and window misses
+    it; a policy that reads the question's attention finds it)."""
+    out = []
+    for doc in long_prompts(model, n, tokens - 64):
+        paras = doc.removesuffix("\n\nContinue the text above:").split("\n\n")
+        words = paras[len(paras) // 2].split()
+        out.append("\n\n".join(paras) + f"\n\nRepeat word for word the paragraph above that begins with "
+                   f"\"{' '.join(words[:8])}\":\n{' '.join(words[:4])}")
     return out
 
 
@@ -158,7 +174,7 @@ def main() -> None:
     ap.add_argument("--exactness", type=int, default=0, help="greedy prompts compared at batch 16 (0: skip)")
     ap.add_argument("--out", default="")
     ap.add_argument("--spec", default="", help="the --speculative-config JSON (default: prompt lookup, 5 drafts)")
-    ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long")
+    ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long, quote")
     ap.add_argument("--long-tokens", type=int, default=7600)
     a = ap.parse_args()
     global SPEC, IGNORE_EOS
@@ -173,10 +189,11 @@ def main() -> None:
     wanted = a.workloads.split(",")
     work = {"copy": lambda: [copy_prompt(p) for p in passages(a.prompts)],
             "nocopy": lambda: (QUESTIONS * (a.prompts // len(QUESTIONS) + 1))[:a.prompts],
-            "long": lambda: long_prompts(a.model, a.prompts, a.long_tokens)}
+            "long": lambda: long_prompts(a.model, a.prompts, a.long_tokens),
+            "quote": lambda: quote_prompts(a.model, a.prompts, a.long_tokens)}
     for name in wanted:
         prompts = work[name]()
-        IGNORE_EOS = name == "long"
+        IGNORE_EOS = name in ("long", "quote")
         for batch in [int(b) for b in a.batches.split(",")]:
             plain, spec, rep, same, n, (c, v, per) = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds)
             acc = rep["accepted_tokens"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0

@@ -96,15 +96,25 @@ void PagedKvMemory::set_draft_policy(const std::string& name, int64_t budget, in
     return;
   }
   const std::string where = "speculative_config.draft_policy: policy '" + name + "'";
-  KV_CHECK(policies_.count(name), where << " is not one of the configured policies");
-  PolicyConfig cfg = policy(name);
+  KV_CHECK(budget > 0, "speculative_config.draft_budget must be > 0 tokens, got " << budget);
+  // A configured policy's parameters, else the library method of that name with its defaults.
+  PolicyConfig cfg;
+  if (policies_.count(name)) {
+    cfg = policy(name);
+  } else {
+    try {
+      cfg = make_policy_config(name, {{"budget", std::to_string(budget)}});
+    } catch (const KvError& e) {
+      KV_FAIL(where << " is neither a configured policy nor a method: " << e.what());
+    }
+    cfg.local_layers = policy("full").local_layers;
+  }
   KV_CHECK(!cfg.is_full(), where << " keeps every token; name a policy that selects (snapkv, pyramidkv, knorm, ...)");
   KV_CHECK(chunkable(cfg), where << " (scorer " << to_string(cfg.scorer)
                                  << ") scores after the prefill or with every query; its selection cannot run as a "
                                     "prompt kept whole ends");
   KV_CHECK(cfg.allocator != AllocatorKind::kDynamic && cfg.allocator != AllocatorKind::kGlobal,
            where << " re-selects across layers (DynamicKV or a global top-k); name a per-layer policy");
-  KV_CHECK(budget > 0, "speculative_config.draft_budget must be > 0 tokens, got " << budget);
   KV_CHECK(sink_tokens >= 0 && min_prompt_tokens >= 0, "speculative_config: negative draft_sink_tokens or "
                                                        "draft_min_context_tokens");
   cfg.budget = budget;

@@ -79,7 +79,8 @@ class PagedKvMemory final : public KvMemory {
 
   const PolicyConfig& policy(const std::string& name) const;
 
-  // Self-speculation over a policy's kept set (SpeculativeConfig::draft_policy): a prompt of at
+  // Self-speculation over a policy's kept set (SpeculativeConfig::draft_policy: a configured
+  // policy's name, else a method's, e.g. snapkv, with its default parameters): a prompt of at
   // least min_prompt_tokens whose own policy keeps it whole runs the named policy's selection with
   // `budget` tokens per layer as its prefill ends, without dropping anything, and each layer's
   // draft view (PagedKvCache::set_draft_blocks) keeps the blocks that hold most of what it chose.

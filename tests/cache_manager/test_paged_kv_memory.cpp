@@ -532,6 +532,7 @@ TEST(PagedKvMemory, DraftPolicyChoosesViewBlocksAndDropsNothing) {
     }
   }
   EXPECT_THROW(m.set_draft_policy("snap", 0, 0, 4), std::exception);
+  m.set_draft_policy("pyramidkv", 24, 0, 4);  // not configured: the method with its defaults
 }
 
 TEST(PagedKvMemory, UnknownPolicyAndDuplicateSequenceAreClearErrors) {

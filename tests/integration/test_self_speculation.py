@@ -155,3 +155,36 @@ def test_short_contexts_decode_plainly_by_default():
     s = json.loads(out.stdout)["speculative"]
     assert s["config"]["draft_min_context_tokens"] == 4096
     assert s["drafts"] == 0 and s["draft_steps"] == 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_draft_view_from_a_policys_kept_set_changes_no_token(chunked):
+    # draft_policy: the view adds, per layer, the blocks holding most of what snapkv keeps of the
+    # prompt (budget 48 tokens), chosen as the prefill ends (whole, or at its last chunk of 40 tokens).
+    # Drafts only propose: every token must be plain decoding's.
+    yaml = SELF_YAML + "  draft_policy: snapkv\n  draft_budget: 48\n"
+    extra = ("--max-num-batched-tokens", "40", "--max-num-seqs", "4") if chunked else ()
+    s = Server(extra_yaml=yaml, model=str(DEFAULT_MODEL), kv_cache_bytes="256MiB", extra_args=extra)
+    try:
+        before = counts(s)
+        for p in PROMPTS + [STORY * 4 + "Quote the first sentence of the story:"]:
+            a, b = both(s, {"prompt": p, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+            assert tokens(a) == tokens(b), p[:40]
+        drafted, accepted = (x - y for x, y in zip(counts(s), before))
+        assert drafted > 0 and 0 <= accepted <= drafted
+        assert s.wait_idle()["kvserve:kv_cache_blocks_used"] == 0
+    finally:
+        s.close()
+
+
+def test_draft_policy_errors_name_the_field():
+    args = [kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x", "--speculative-config"]
+    bad = subprocess.run(args + ['{"method": "self", "num_speculative_tokens": 3, "draft_policy": "nope"}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "speculative_config.draft_policy: policy 'nope' is neither" in bad.stderr, bad.stderr
+    bad = subprocess.run(args + ['{"method": "self", "num_speculative_tokens": 3, "draft_policy": "kvzip"}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "policy 'kvzip'" in bad.stderr and "scores after the prefill" in bad.stderr, bad.stderr
+    bad = subprocess.run(args + ['{"method": "ngram", "num_speculative_tokens": 3, "draft_policy": "snapkv"}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "draft_policy 'snapkv' needs method 'self'" in bad.stderr, bad.stderr
