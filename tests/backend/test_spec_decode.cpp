@@ -151,11 +151,12 @@ KvPoolOptions pool_options(bool head_blocks) {
   return o;
 }
 
-// A cache holding one sequence's 6-token prompt in every layer.
+// A cache holding sequence 7's prompt (k, v [KV, n, D]) in every layer.
 PagedKvCache with_prompt(bool head_blocks, const torch::Tensor& k, const torch::Tensor& v) {
   PagedKvCache c(kLayers, pool_options(head_blocks));
   c.add_sequence(7);
-  const auto pos = torch::arange(6, torch::kLong).view({1, 6}).expand({kKV, 6}).contiguous();
+  const int64_t n = k.size(1);
+  const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
   for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, k, v, pos);
   return c;
 }
@@ -218,10 +219,7 @@ TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) {
   torch::manual_seed(5);
   constexpr int64_t n = 22;
   const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
-  PagedKvCache c(kLayers, pool_options(GetParam()));
-  c.add_sequence(7);
-  const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
-  for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, pk, pv, pos);
+  PagedKvCache c = with_prompt(GetParam(), pk, pv);
   const int64_t used = c.used_blocks();
   const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
   c.begin_decode({7}, {n}, 0, DraftView{1, 2});
@@ -258,10 +256,7 @@ TEST_P(DraftStep, AttendsToTheChosenBlocksToo) {
   torch::manual_seed(6);
   constexpr int64_t n = 22;
   const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
-  PagedKvCache c(kLayers, pool_options(GetParam()));
-  c.add_sequence(7);
-  const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
-  for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, pk, pv, pos);
+  PagedKvCache c = with_prompt(GetParam(), pk, pv);
   for (int64_t lane = 0; lane < c.lanes(); ++lane) c.set_draft_blocks(7, 0, lane, {2});
   EXPECT_EQ(c.draft_blocks(7, 1, 0), nullptr);
   const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
