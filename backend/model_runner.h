@@ -94,7 +94,8 @@ class LocalRunner final : public ModelRunner {
   bool speculative_decoding() const override { return true; }
   bool self_drafting() const override { return true; }
   void set_draft_policy(const SpeculativeConfig& spec) override {
-    kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens);
+    kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens,
+                          spec.draft_refresh_tokens);
   }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }

@@ -90,7 +90,7 @@ const PolicyConfig& PagedKvMemory::policy(const std::string& name) const {
 }
 
 void PagedKvMemory::set_draft_policy(const std::string& name, int64_t budget, int64_t min_prompt_tokens,
-                                     int64_t sink_tokens) {
+                                     int64_t sink_tokens, int64_t refresh_tokens) {
   if (name.empty()) {
     draft_policy_.reset();
     return;
@@ -115,8 +115,8 @@ void PagedKvMemory::set_draft_policy(const std::string& name, int64_t budget, in
                                     "prompt kept whole ends");
   KV_CHECK(cfg.allocator != AllocatorKind::kDynamic && cfg.allocator != AllocatorKind::kGlobal,
            where << " re-selects across layers (DynamicKV or a global top-k); name a per-layer policy");
-  KV_CHECK(sink_tokens >= 0 && min_prompt_tokens >= 0, "speculative_config: negative draft_sink_tokens or "
-                                                       "draft_min_context_tokens");
+  KV_CHECK(sink_tokens >= 0 && min_prompt_tokens >= 0 && refresh_tokens >= 0,
+           "speculative_config: negative draft_sink_tokens, draft_min_context_tokens or draft_refresh_tokens");
   cfg.budget = budget;
   cfg.budget_ratio = 0.0;
   cfg.budget_bytes = 0;
@@ -124,6 +124,7 @@ void PagedKvMemory::set_draft_policy(const std::string& name, int64_t budget, in
   draft_policy_ = std::move(cfg);
   draft_min_prompt_ = min_prompt_tokens;
   draft_skip_blocks_ = blocks_for_tokens(sink_tokens, cache_.block_size());
+  draft_refresh_ = refresh_tokens;
 }
 
 void PagedKvMemory::draft_select(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k) {
@@ -136,14 +137,65 @@ void PagedKvMemory::draft_select(int64_t seq_id, int64_t layer, const torch::Ten
     return;
   }
   const torch::Tensor kept = s.draft_selector->on_layer(layer, q, k);  // [KV, n] ascending positions
-  const std::vector<int64_t>& counts = s.draft_selector->last_head_counts();
-  const int64_t ll = local(layer), lanes = cache_.lanes(), per = cache_.num_kv_heads() / lanes;
+  const int64_t ll = local(layer);
+  set_draft_view(seq_id, ll, kept, s.draft_selector->last_head_counts());
+  if (draft_refresh_ == 0) return;
+  s.draft_live = true;
+  s.draft_tail_end = s.draft_chosen_at = k.size(1);
+  if (!scorer_needs_queries(cfg.scorer)) return;
+  if (s.draft_tail.empty()) s.draft_tail.resize(static_cast<size_t>(num_layers_));
+  const int64_t w = std::min<int64_t>(cfg.window, q.size(1));
+  s.draft_tail[static_cast<size_t>(ll)] = q.narrow(1, q.size(1) - w, w).contiguous().clone();
+}
+
+void PagedKvMemory::set_draft_view(int64_t seq_id, int64_t ll, const torch::Tensor& kept,
+                                   const std::vector<int64_t>& counts) {
+  const int64_t lanes = cache_.lanes(), per = cache_.num_kv_heads() / lanes;
   for (int64_t lane = 0; lane < lanes; ++lane) {
     std::vector<int64_t> c;
     if (!counts.empty()) c.assign(counts.begin() + lane * per, counts.begin() + (lane + 1) * per);
     cache_.set_draft_blocks(seq_id, ll, lane,
                             blocks_of_kept(kept.narrow(0, lane * per, per), c, cache_.block_size(), draft_skip_blocks_));
   }
+}
+
+void PagedKvMemory::record_draft_queries(int64_t ll, const DecodeBatch& batch, const torch::Tensor& q) {
+  if (!scorer_needs_queries(draft_policy_->scorer) || windowed(ll)) return;
+  const size_t B = batch.seq_ids.size();
+  for (size_t r0 = 0, r1 = 0; r0 < B; r0 = r1) {
+    // A verify step's rows of one sequence are consecutive.
+    for (r1 = r0 + 1; r1 < B && batch.seq_ids[r1] == batch.seq_ids[r0];) ++r1;
+    auto it = seqs_.find(batch.seq_ids[r0]);
+    if (it == seqs_.end() || !it->second.draft_live || it->second.draft_tail.empty()) continue;
+    SeqState& s = it->second;
+    torch::Tensor& tail = s.draft_tail[static_cast<size_t>(ll)];
+    const torch::Tensor rows = q.narrow(0, static_cast<int64_t>(r0), static_cast<int64_t>(r1 - r0)).transpose(0, 1);
+    tail = tail.defined() ? torch::cat({tail, rows.to(tail.scalar_type())}, 1) : rows.contiguous();
+    const int64_t keep = std::min<int64_t>(draft_policy_->window, tail.size(1));
+    tail = tail.narrow(1, tail.size(1) - keep, keep).contiguous();
+    s.draft_tail_end = batch.positions[r1 - 1] + 1;
+  }
+}
+
+void PagedKvMemory::rescore_draft_view(int64_t seq_id, int64_t len) {
+  SeqState& s = seqs_.at(seq_id);
+  const PolicyConfig& cfg = *draft_policy_;
+  const bool queries = scorer_needs_queries(cfg.scorer);
+  // A window scorer needs the window's queries of exactly the positions before `len`.
+  if (queries && s.draft_tail_end != len) return;
+  PrefillSelector sel(cfg, shard_.total_layers, cache_.num_kv_heads(), len);
+  if (!sel.compresses()) return;
+  sel.set_exchange(*shard_.exchange);
+  for (int64_t ll = 0; ll < num_layers_; ++ll) {
+    if (windowed(ll)) continue;
+    const torch::Tensor q = queries ? s.draft_tail[static_cast<size_t>(ll)] : torch::Tensor();
+    if (queries && (!q.defined() || q.size(1) < cfg.window)) return;
+    const torch::Tensor k = cache_.gather(seq_id, ll).first;
+    if (k.size(1) != len) return;  // not a whole prompt's cache (cannot happen for a sequence kept whole)
+    set_draft_view(seq_id, ll, sel.on_layer(shard_.first_layer + ll, q, queries ? k.to(q.scalar_type()) : k),
+                   sel.last_head_counts());
+  }
+  s.draft_chosen_at = len;
 }
 
 PagedKvMemory::Geometry PagedKvMemory::geometry() const {
@@ -974,6 +1026,8 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) 
              "decode: sequence " << id << " evicts during decode and cannot verify several tokens in one step");
     // A draft step's slots are truncated before the step that verifies it, whose rows may need what
     // a window left behind at the draft's later positions: nothing is evicted or dropped for it.
+    if (!repeated && batch.view.active() && s.draft_live && batch.positions[b] - s.draft_chosen_at >= draft_refresh_)
+      rescore_draft_view(id, batch.positions[b]);  // the draft step's token sits at the cache's length
     if (repeated || batch.view.active()) continue;
     for (int64_t ll = 0; ll < static_cast<int64_t>(s.evictors.size()); ++ll) {
       const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
@@ -991,6 +1045,7 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
                                               const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ll = local(layer);
   if (!cache_.decode_planned(batch.seq_ids, ll, batch.view)) begin_decode(batch);
+  if (draft_refresh_ > 0 && !batch.view.active() && q.device().is_cpu()) record_draft_queries(ll, batch, q);
   return cache_.decode_layer(ll, q, k, v, -1.0, windows_.empty() ? 0 : windows_[static_cast<size_t>(ll)]);
 }
 
@@ -1001,6 +1056,17 @@ void PagedKvMemory::reset_caches() {
 
 void PagedKvMemory::truncate(int64_t seq_id, int64_t n) {
   KV_CHECK(seqs_.count(seq_id) && cache_.has_sequence(seq_id), "truncate: sequence " << seq_id << " has no KV state");
+  SeqState& s = seqs_.at(seq_id);
+  if (s.draft_live && !s.draft_tail.empty()) {
+    // Rejected rows' queries go with them; a draft step's rows (past the recorded ones) had none.
+    int64_t len = 0;
+    for (int64_t ll = 0; ll < num_layers_ && len == 0; ++ll)
+      if (!windowed(ll)) len = cache_.length(seq_id, ll);
+    const int64_t drop = std::max<int64_t>(0, s.draft_tail_end - (len - n));
+    for (auto& t : s.draft_tail)
+      if (t.defined()) t = t.narrow(1, 0, std::max<int64_t>(0, t.size(1) - drop)).contiguous();
+    s.draft_tail_end -= drop;
+  }
   cache_.truncate_last(seq_id, n);
 }
 

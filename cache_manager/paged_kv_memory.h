@@ -86,8 +86,11 @@ class PagedKvMemory final : public KvMemory {
   // draft view (PagedKvCache::set_draft_blocks) keeps the blocks that hold most of what it chose.
   // Throws naming the policy where its selection cannot run so (scores after the prefill,
   // DynamicKV's re-selections, H2O's every query). The first sink_tokens' blocks are the view's
-  // sinks anyway and are not counted. An empty name turns it off.
-  void set_draft_policy(const std::string& name, int64_t budget, int64_t min_prompt_tokens, int64_t sink_tokens);
+  // sinks anyway and are not counted. Every `refresh_tokens` decoded tokens (0: never) the selection
+  // runs again over the sequence's whole cache, a window scorer with the latest decode queries (CPU
+  // pools: a CUDA decode step may be a graph, which records nothing). An empty name turns it off.
+  void set_draft_policy(const std::string& name, int64_t budget, int64_t min_prompt_tokens, int64_t sink_tokens,
+                        int64_t refresh_tokens = 0);
 
   // Sliding-window (local) layers: per layer of this shard, 0 = global, w > 0 = its queries see the
   // last w positions (the decode kernel masks the older slots within a block). A local layer is a
@@ -226,8 +229,14 @@ class PagedKvMemory final : public KvMemory {
     // Chunked prefill of a compressing policy: per layer the last `window` queries seen so far
     // (what window attention scores with at the last chunk); undefined when not needed.
     std::vector<torch::Tensor> query_tail;
-    // Self-speculation over a draft policy's kept set: its selection, run beside a whole prompt.
+    // Self-speculation over a draft policy's kept set: its selection, run beside a whole prompt;
+    // then (draft_live) re-run every draft_refresh tokens: per local layer the latest queries
+    // [H, <= window, D] of the positions before draft_tail_end (decode steps record them; a window
+    // scorer reads them), and the length the view was last chosen at.
     std::unique_ptr<PrefillSelector> draft_selector;
+    bool draft_live = false;
+    std::vector<torch::Tensor> draft_tail;
+    int64_t draft_tail_end = 0, draft_chosen_at = 0;
     // Prefix caching: the prompt's tokens told so far, the cache entries the sequence uses (a chain
     // from the prompt's first block), what its lookup found, whether it may copy its blocks into
     // the cache and, per layer, those copies (blocks [hit, prompt_len / block_size)).
@@ -273,11 +282,15 @@ class PagedKvMemory final : public KvMemory {
   PagedKvCache cache_;
   std::map<std::string, PolicyConfig> policies_;
   std::optional<PolicyConfig> draft_policy_;  // set_draft_policy's, budget in tokens
-  int64_t draft_min_prompt_ = 0, draft_skip_blocks_ = 0;
-  // The draft policy's view blocks of one layer from its selection `kept` ([KV, n] positions).
+  int64_t draft_min_prompt_ = 0, draft_skip_blocks_ = 0, draft_refresh_ = 0;
+  // The draft view's blocks of a layer from a selection's `kept` ([KV, n] positions).
   void set_draft_view(int64_t seq_id, int64_t ll, const torch::Tensor& kept, const std::vector<int64_t>& counts);
   // Runs the draft policy's selection of a layer whose whole prompt K (and the last queries) are here.
   void draft_select(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k);
+  // Decode steps (not draft steps) of a live draft view: the rows' queries of layer ll, kept per sequence.
+  void record_draft_queries(int64_t ll, const DecodeBatch& batch, const torch::Tensor& q);
+  // The draft policy's selection again over the sequence's whole cache of `len` positions.
+  void rescore_draft_view(int64_t seq_id, int64_t len);
   std::string default_policy_;
   bool rounds_kv_ = false;  // Geometry::rounds_kv
   uint64_t context_salt_ = 0;

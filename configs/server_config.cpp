@@ -628,7 +628,8 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"draft_window_tokens", p.int_of(s.draft_window_tokens, 1, int64_t{1} << 30)},
                                   {"draft_min_context_tokens", p.int_of(s.draft_min_context_tokens, 0, int64_t{1} << 30)},
                                   {"draft_policy", p.string_of(s.draft_policy)},
-                                  {"draft_budget", p.int_of(s.draft_budget, 1, int64_t{1} << 30)}});
+                                  {"draft_budget", p.int_of(s.draft_budget, 1, int64_t{1} << 30)},
+                                  {"draft_refresh_tokens", p.int_of(s.draft_refresh_tokens, 0, int64_t{1} << 30)}});
                    })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.parallel;

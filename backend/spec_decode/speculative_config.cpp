@@ -20,6 +20,7 @@ void SpeculativeConfig::validate(const std::string& where) const {
              where << ": draft_min_context_tokens must be >= 0, got " << draft_min_context_tokens);
     KV_CHECK(draft_policy.empty() || draft_budget >= 1,
              where << ": draft_budget must be >= 1 token per layer, got " << draft_budget);
+    KV_CHECK(draft_refresh_tokens >= 0, where << ": draft_refresh_tokens must be >= 0, got " << draft_refresh_tokens);
     return;
   }
   KV_CHECK(draft_policy.empty(), where << ": draft_policy '" << draft_policy << "' needs method 'self'");
@@ -70,10 +71,13 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       c.draft_policy = it->is_null() ? "" : it->get<std::string>();
     } else if (k == "draft_budget") {
       c.draft_budget = integer();
+    } else if (k == "draft_refresh_tokens") {
+      c.draft_refresh_tokens = integer();
     } else {
       KV_FAIL(where << ": unknown key '" << k
                     << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, "
-                       "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens, draft_policy, draft_budget)");
+                       "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens, draft_policy, draft_budget, "
+                       "draft_refresh_tokens)");
     }
   }
   // As vLLM: one bound given alone sets both.
@@ -95,6 +99,7 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
     if (!c.draft_policy.empty()) {
       j["draft_policy"] = c.draft_policy;
       j["draft_budget"] = c.draft_budget;
+      j["draft_refresh_tokens"] = c.draft_refresh_tokens;
     }
   } else {
     j["prompt_lookup_min"] = c.prompt_lookup_min;

@@ -29,6 +29,9 @@ struct SpeculativeConfig {
   // it whole); "": sinks and window alone.
   std::string draft_policy;
   int64_t draft_budget = 512;
+  // ...and re-run that selection every draft_refresh_tokens decoded tokens over the whole cache,
+  // a window scorer with the latest decode queries (0: the prompt's choice stays).
+  int64_t draft_refresh_tokens = 64;
 
   bool enabled() const { return (method == "ngram" || method == "self") && num_speculative_tokens > 0; }
   bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }

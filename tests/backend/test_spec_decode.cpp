@@ -132,7 +132,8 @@ TEST(DraftView, BlocksOfKeptRankByKeptPositions) {
   // Block size 4. Per block (both heads): 0 -> 3 (skipped: a sink), 2 -> 4, 3 -> 2, 5 -> 3.
   const torch::Tensor kept = torch::tensor({0, 1, 9, 10, 11, 20, 2, 9, 12, 13, 21, 22}, torch::kInt64).view({2, 6});
   EXPECT_EQ(blocks_of_kept(kept, {}, 4, 1), (std::vector<int32_t>{2, 5}));  // the best ceil(6 / 4) = 2
-  EXPECT_EQ(blocks_of_kept(kept, {}, 4, 0), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(blocks_of_kept(kept, {}, 4, 0), (std::vector<int32_t>{2, 5}));  // block 0 ties with 5: the later wins
+  EXPECT_EQ(blocks_of_kept(kept.narrow(1, 0, 3), {}, 4, 0), (std::vector<int32_t>{0}));  // 0 -> 3, 2 -> 2, 3 -> 1
   // Counts per head (head 0 keeps 3): blocks 0, 2, 3 and 5 hold two each; ties go to later blocks.
   const std::vector<int64_t> counts{3, 6};
   EXPECT_EQ(blocks_of_kept(kept, counts, 4, 1), (std::vector<int32_t>{3, 5}));

@@ -535,6 +535,74 @@ TEST(PagedKvMemory, DraftPolicyChoosesViewBlocksAndDropsNothing) {
   m.set_draft_policy("pyramidkv", 24, 0, 4);  // not configured: the method with its defaults
 }
 
+// With draft_refresh_tokens the draft policy's selection runs again over the whole cache with the
+// latest decode queries: here every 4 tokens, window 4. The queries of a verify step's rejected rows
+// leave with their K/V, and a draft step (its rows truncated) records none, so the re-scored view is
+// a fresh selection over the positions the sequence holds, with the queries of its last 4.
+TEST(PagedKvMemory, DraftViewIsChosenAgainFromTheLatestQueries) {
+  auto m = make_memory(4096);
+  m.set_draft_policy("snap", 24, 0, 4, 4);
+  const int64_t T = 100;
+  const Prompt p = make_prompt(T, 12);
+  m.begin_prefill(1, T, "full");
+  for (int64_t l = 0; l < kL; ++l) m.store_prefill(1, l, p.q[static_cast<size_t>(l)], p.k[static_cast<size_t>(l)], p.v[static_cast<size_t>(l)]);
+  m.end_prefill(1);
+  // Per layer what the sequence holds: queries [H, n, D] and keys [KV, n, D] by position.
+  std::vector<torch::Tensor> qs, ks;
+  for (int64_t l = 0; l < kL; ++l) {
+    qs.push_back(p.q[static_cast<size_t>(l)]);
+    ks.push_back(p.k[static_cast<size_t>(l)]);
+  }
+  torch::manual_seed(13);
+  auto step = [&](std::vector<int64_t> positions, bool draft) {
+    DecodeBatch b;
+    b.seq_ids.assign(positions.size(), 1);
+    b.positions = positions;
+    if (draft) b.view = DraftView{1, 2};
+    const auto R = static_cast<int64_t>(positions.size());
+    for (int64_t l = 0; l < kL; ++l) {
+      const torch::Tensor q = torch::randn({R, kH, kD}), k = torch::randn({R, kKV, kD});
+      m.decode_attention(l, b, q, k, torch::randn({R, kKV, kD}));
+      if (draft) continue;
+      qs[static_cast<size_t>(l)] = torch::cat({qs[static_cast<size_t>(l)], q.transpose(0, 1)}, 1);
+      ks[static_cast<size_t>(l)] = torch::cat({ks[static_cast<size_t>(l)], k.transpose(0, 1)}, 1);
+    }
+  };
+  auto drop = [&](int64_t n) {
+    m.truncate(1, n);
+    for (auto* v : {&qs, &ks})
+      for (auto& t : *v) t = t.narrow(1, 0, t.size(1) - n);
+  };
+  const std::vector<int32_t> chosen_at_prompt = *m.cache().draft_blocks(1, 3, 0);
+  step({100}, false);
+  step({101}, false);
+  step({102, 103, 104}, false);  // a verify step whose two drafts are rejected
+  drop(2);
+  step({103}, true);  // 103 - 100 < 4: the prompt's choice stays
+  m.truncate(1, 1);
+  EXPECT_EQ(*m.cache().draft_blocks(1, 3, 0), chosen_at_prompt);
+  step({103}, false);
+  step({104}, false);
+  step({105}, true);  // re-scored over 105 positions with the queries of 101..104
+  m.truncate(1, 1);
+  PolicyConfig cfg = m.policy("snap");
+  cfg.budget = 24;
+  PrefillSelector want(cfg, kL, kKV, 105);
+  bool moved = false;
+  for (int64_t l = 0; l < kL; ++l) {
+    const torch::Tensor& k = ks[static_cast<size_t>(l)];
+    ASSERT_EQ(k.size(1), 105);
+    const auto expected = blocks_of_kept(want.on_layer(l, qs[static_cast<size_t>(l)].narrow(1, 101, 4), k), {}, kBS, 1);
+    const auto* got = m.cache().draft_blocks(1, l, 0);
+    ASSERT_TRUE(got) << "layer " << l;
+    EXPECT_EQ(*got, expected) << "layer " << l;
+    moved = moved || (l == 3 && expected != chosen_at_prompt);
+  }
+  EXPECT_TRUE(moved) << "the decode queries were meant to choose other blocks than the prompt's";
+  m.release(1);
+  EXPECT_EQ(m.blocks_used(), 0);
+}
+
 TEST(PagedKvMemory, UnknownPolicyAndDuplicateSequenceAreClearErrors) {
   auto m = make_memory(64);
   try {
