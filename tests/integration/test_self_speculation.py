@@ -160,9 +160,10 @@ def test_short_contexts_decode_plainly_by_default():
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_draft_view_from_a_policys_kept_set_changes_no_token(chunked):
     # draft_policy: the view adds, per layer, the blocks holding most of what snapkv keeps of the
-    # prompt (budget 48 tokens), chosen as the prefill ends (whole, or at its last chunk of 40 tokens).
+    # prompt (budget 48 tokens), chosen as the prefill ends (whole, or at its last chunk of 40 tokens)
+    # and again every 8 tokens from the latest decode queries.
     # Drafts only propose: every token must be plain decoding's.
-    yaml = SELF_YAML + "  draft_policy: snapkv\n  draft_budget: 48\n"
+    yaml = SELF_YAML + "  draft_policy: snapkv\n  draft_budget: 48\n  draft_refresh_tokens: 8\n"
     extra = ("--max-num-batched-tokens", "40", "--max-num-seqs", "4") if chunked else ()
     s = Server(extra_yaml=yaml, model=str(DEFAULT_MODEL), kv_cache_bytes="256MiB", extra_args=extra)
     try:
