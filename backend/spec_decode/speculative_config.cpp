@@ -47,9 +47,12 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       KV_CHECK(it->is_number_integer(), where << ": " << k << " must be an integer, got " << it->dump());
       return it->get<int64_t>();
     };
+    auto text = [&](const char* what) {  // a string, or null for none
+      KV_CHECK(it->is_string() || it->is_null(), where << ": " << k << " must be " << what << ", got " << it->dump());
+      return it->is_null() ? std::string() : it->get<std::string>();
+    };
     if (k == "method") {
-      KV_CHECK(it->is_string() || it->is_null(), where << ": method must be a string, got " << it->dump());
-      c.method = it->is_null() ? "" : it->get<std::string>();
+      c.method = text("a string");
     } else if (k == "num_speculative_tokens") {
       c.num_speculative_tokens = integer();
     } else if (k == "prompt_lookup_min") {
@@ -67,8 +70,7 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
     } else if (k == "draft_min_context_tokens") {
       c.draft_min_context_tokens = integer();
     } else if (k == "draft_policy") {
-      KV_CHECK(it->is_string() || it->is_null(), where << ": draft_policy must be a policy's name, got " << it->dump());
-      c.draft_policy = it->is_null() ? "" : it->get<std::string>();
+      c.draft_policy = text("a policy's name");
     } else if (k == "draft_budget") {
       c.draft_budget = integer();
     } else if (k == "draft_refresh_tokens") {
