@@ -266,8 +266,9 @@ all)
   step() { echo "$1 rc=$2 at $(( $(date +%s) - t0 )) s" | tee -a "$sum"; }
   left() { echo $(( budget - ($(date +%s) - t0) )); }
   # The CUDA pytest cases at the default fused level only (the other two levels: `run` with
-  # GPU_PYTEST_K="torch-ops or fused-ops"); 324 s on an H100 on 2026-11-28.
-  GPU_PYTEST_K=${GPU_PYTEST_K-"not torch-ops and not fused-ops"} timeout 400 "$0" run > "$out/run.out" 2>&1; step run $?
+  # GPU_PYTEST_K="torch-ops or fused-ops"); 324 s on an H100 on 2026-11-28, before the three
+  # speculative-decoding cases (6 generate processes) joined test_cuda_serving.py.
+  GPU_PYTEST_K=${GPU_PYTEST_K-"not torch-ops and not fused-ops"} timeout 440 "$0" run > "$out/run.out" 2>&1; step run $?
   { tail -3 "$out/ctest.log"; grep -E "passed|failed" "$out/pytest.log" | tail -2;
     grep -E "^(FAILED|ERROR)" "$out/pytest.log" | head -20; } >> "$sum" 2>/dev/null
   # The acceptance rows next (the quick bench makes the 8B checkpoint the later steps reuse): ~120 s.

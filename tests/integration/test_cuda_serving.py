@@ -86,3 +86,32 @@ def test_cuda_compressed_context_matches_cpu(model):
     assert got["cuda"] == got["cpu"]
     cached = [c for _, c in got["cuda"]]
     assert cached[0] == 0 and cached[1] == cached[2] > 100, cached
+
+
+SPEC = {
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    "self": '{"method": "self", "num_speculative_tokens": 3, "draft_sink_tokens": 16, "draft_window_tokens": 32, '
+            '"draft_min_context_tokens": 0}',
+    "self-snapkv": '{"method": "self", "num_speculative_tokens": 3, "draft_sink_tokens": 16, '
+                   '"draft_window_tokens": 32, "draft_min_context_tokens": 0, "draft_policy": "snapkv", '
+                   '"draft_budget": 48}',
+}
+
+
+@pytest.mark.parametrize("method", list(SPEC))
+def test_speculative_decoding_on_cuda_changes_no_token(method):
+    # Speculation on the GPU: drafts as further rows of their sequences in one eager step (plain steps
+    # replay graphs), the verify through the multi-row decode path, rejected rows truncated. Greedy fp32:
+    # every token must be plain decoding's on the same device, and some drafts must be accepted.
+    import json
+    import subprocess
+    from kvserve_server import kvserve_bin
+    args = [kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--dtype", "float32", "--prompt",
+            TEXT + " " + CONTEXT + " Record 3: the", "--max-tokens", "32", "--ignore-eos", "--json"]
+    spec = subprocess.run(args + ["--speculative-config", SPEC[method]], capture_output=True, text=True, timeout=300)
+    assert spec.returncode == 0, spec.stderr[-3000:]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+    j, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert j["token_ids"] == p["token_ids"], (j["text"], p["text"])
+    s = j["speculative"]
+    assert s["drafts"] > 0 and s["accepted_tokens"] > 0, s
