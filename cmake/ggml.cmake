@@ -3,23 +3,32 @@
 # Only ggml-base (types, block formats, GGUF reader) and ggml-cpu (the CPU dot products per block
 # type) are built, static, CPU only: kvserve calls their type traits from its own quantized linear
 # layers (backend/quantization/). No llama.cpp, no ggml CUDA (kvserve has its own CUDA kernels).
-# Offline: -DKVSERVE_GGML_SDIST=/path/to/llama_cpp_python-0.3.36.tar.gz (the same hash is checked).
+# Offline: -DKVSERVE_GGML_SDIST=/path/to/llama_cpp_python-0.3.36.tar.gz (the same hash is checked),
+# or -DKVSERVE_GGML_SOURCE_DIR=/path/to/ggml: that sdist's vendor/llama.cpp/ggml already unpacked
+# (tools/gpu_check.sh carries its CPU part to a GPU machine, where the 77 MB sdist would not fit).
 include_guard(GLOBAL)
 include(FetchContent)
 
 set(KVSERVE_GGML_SDIST_VERSION 0.3.36)
 set(KVSERVE_GGML_SDIST_SHA256 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e)
 set(KVSERVE_GGML_SDIST "" CACHE FILEPATH "a local copy of the llama-cpp-python sdist (else it is fetched from pip's index)")
-include(${CMAKE_CURRENT_LIST_DIR}/pinned_sdist.cmake)
-kvserve_pinned_sdist(ggml_url llama_cpp_python ${KVSERVE_GGML_SDIST_VERSION} ${KVSERVE_GGML_SDIST_SHA256} "${KVSERVE_GGML_SDIST}")
-
-FetchContent_Declare(kvserve_ggml
-  URL "${ggml_url}"
-  URL_HASH SHA256=${KVSERVE_GGML_SDIST_SHA256}
-  DOWNLOAD_EXTRACT_TIMESTAMP TRUE
-  SOURCE_SUBDIR kvserve-unpack-only)
-FetchContent_MakeAvailable(kvserve_ggml)
-set(KVSERVE_GGML_ROOT ${kvserve_ggml_SOURCE_DIR}/vendor/llama.cpp/ggml)
+set(KVSERVE_GGML_SOURCE_DIR "" CACHE PATH "the sdist's vendor/llama.cpp/ggml, unpacked (instead of the sdist)")
+if(KVSERVE_GGML_SOURCE_DIR)
+  if(NOT EXISTS "${KVSERVE_GGML_SOURCE_DIR}/src/ggml-cpu/CMakeLists.txt")
+    message(FATAL_ERROR "KVSERVE_GGML_SOURCE_DIR=${KVSERVE_GGML_SOURCE_DIR} is not a ggml tree (no src/ggml-cpu/CMakeLists.txt)")
+  endif()
+  set(KVSERVE_GGML_ROOT ${KVSERVE_GGML_SOURCE_DIR})
+else()
+  include(${CMAKE_CURRENT_LIST_DIR}/pinned_sdist.cmake)
+  kvserve_pinned_sdist(ggml_url llama_cpp_python ${KVSERVE_GGML_SDIST_VERSION} ${KVSERVE_GGML_SDIST_SHA256} "${KVSERVE_GGML_SDIST}")
+  FetchContent_Declare(kvserve_ggml
+    URL "${ggml_url}"
+    URL_HASH SHA256=${KVSERVE_GGML_SDIST_SHA256}
+    DOWNLOAD_EXTRACT_TIMESTAMP TRUE
+    SOURCE_SUBDIR kvserve-unpack-only)
+  FetchContent_MakeAvailable(kvserve_ggml)
+  set(KVSERVE_GGML_ROOT ${kvserve_ggml_SOURCE_DIR}/vendor/llama.cpp/ggml)
+endif()
 
 # ggml's own CMake, told to build static CPU-only libraries for this machine. Its targets are
 # EXCLUDE_FROM_ALL: only ggml-base and ggml-cpu, which kvserve links, get built.

@@ -97,9 +97,12 @@ setup_env() {
 # xgrammar's sdist travels in .gpudeps/ too: the GPU machine cannot reach pip's index.
 build_kvserve() {
   sdist=$(ls "$PWD/$DEPS"/xgrammar-*.tar.gz 2>/dev/null | head -1 || true)
+  ggml=$(ls "$PWD/$DEPS"/ggml-*.tar.gz 2>/dev/null | head -1 || true)
+  if [ -n "$ggml" ]; then mkdir -p /tmp/kvserve-ggml && tar xzf "$ggml" -C /tmp/kvserve-ggml; ggml=/tmp/kvserve-ggml/ggml; fi
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$prefix/usr;$lib/cmake;$prefix/usr/share/cmake" \
-    ${sdist:+-DKVSERVE_XGRAMMAR_SDIST="$sdist"} > "$out/cmake.log" 2>&1
+    ${sdist:+-DKVSERVE_XGRAMMAR_SDIST="$sdist"} ${ggml:+-DKVSERVE_GGML_SOURCE_DIR="$ggml"} > "$out/cmake.log" 2>&1 \
+    || { tail -20 "$out/cmake.log"; return 1; }
   [ -z "${KVSERVE_CONFIGURE_ONLY:-}" ] || return 0
   cmake --build "$BUILD" -j "$(nproc)" --target kvserve > "$out/build.log" 2>&1
 }
@@ -111,6 +114,18 @@ fetch)
   v=$(sed -n 's/^set(KVSERVE_XGRAMMAR_VERSION \(.*\))/\1/p' cmake/xgrammar.cmake)
   h=$(sed -n 's/^set(KVSERVE_XGRAMMAR_SHA256 \(.*\))/\1/p' cmake/xgrammar.cmake)
   [ -f "$DEPS/xgrammar-$v.tar.gz" ] || python3 tools/fetch_sdist.py xgrammar "$v" "$h" "$DEPS/xgrammar-$v.tar.gz"
+  # ggml: the llama-cpp-python sdist (77 MB, over what travels to a GPU machine) checked here, and only
+  # its ggml tree without the other backends' sources carried (cmake/ggml.cmake, KVSERVE_GGML_SOURCE_DIR).
+  v=$(sed -n 's/^set(KVSERVE_GGML_SDIST_VERSION \(.*\))/\1/p' cmake/ggml.cmake)
+  h=$(sed -n 's/^set(KVSERVE_GGML_SDIST_SHA256 \(.*\))/\1/p' cmake/ggml.cmake)
+  if [ ! -f "$DEPS/ggml-$v.tar.gz" ]; then
+    tmp=$(mktemp -d)
+    python3 tools/fetch_sdist.py llama_cpp_python "$v" "$h" "$tmp/sdist.tar.gz"
+    tar xzf "$tmp/sdist.tar.gz" -C "$tmp" --strip-components=3 "llama_cpp_python-$v/vendor/llama.cpp/ggml"
+    (cd "$tmp/ggml/src" && find . -mindepth 1 -maxdepth 1 -type d ! -name ggml-cpu -exec rm -rf {} +)
+    tar czf "$DEPS/ggml-$v.tar.gz" -C "$tmp" ggml
+    rm -rf "$tmp"
+  fi
   for p in $WHEELS; do
     v=$(python3 -m pip show "$p" 2>/dev/null | awk '/^Version/{print $2}') || v=""
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
