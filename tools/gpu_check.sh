@@ -59,6 +59,9 @@
 # On 2026-11-27 (commit aad57f2) `run` needed more than 380 s (30 gtests in 36 s, 38 pytest cases in 134 s,
 # the rest building), so `all` gives it 450 s.
 #
+# On 2026-11-29 (H200, commit 33c3bc7) `all` with ALL_BUDGET_S=550 spent it all on `run` (395 s: configure and
+# build ~250 s, ctest 39 s, pytest 102 s) and `bench --quick` (125 s): `profile` and what follows need a call
+# of their own (PROFILE_CELLS etc. as below), which 15 minutes of device time do not leave.
 # `all` is the one call to make on a lent machine (device time is short and a machine goes back after
 # 30 s idle): run (the default fused level's pytest cases), bench --quick (the acceptance rows), the
 # profile of the two unmet 32K rows (<= 240 s, the cells in order until its time is spent), attention
