@@ -73,14 +73,16 @@ TEST(QuantizedWeight, DotIsBatchInvariantAndAddsTheBias) {
   EXPECT_TRUE(torch::allclose(all - b, q.dot(x), 1e-6, 1e-6));
 }
 
-// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights), and Q4_1 through kvserve's own
-// tiles, run several rows of x through them and one row through vec_dot: the two give every output
-// bit for bit, so a row's result still does not depend on its batch, whatever shape the tiles take.
+// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights), and Q4_1, Q4_K and Q6_K through
+// kvserve's own tiles, run several rows of x through them and one row through vec_dot: the two give
+// every output bit for bit, so a row's result still does not depend on its batch, whatever shape the
+// tiles take. 512 columns: two K-quant super-blocks a row.
 TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
   torch::manual_seed(6);
-  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1"}) {
-    const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({75, 256}), quant_type_from_name(name), name);
-    const auto x = torch::randn({kQuantDotMaxRows, 256});
+  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1", "q4_K", "q6_K"}) {
+    const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({75, 512}), quant_type_from_name(name), name);
+    ASSERT_TRUE(q.tiled()) << name;
+    const auto x = torch::randn({kQuantDotMaxRows, 512});
     for (int64_t M : std::vector<int64_t>{2, 3, 5, 8, 13, kQuantDotMaxRows}) {
       const auto all = q.dot(x.narrow(0, 0, M));
       for (int64_t m = 0; m < M; ++m)
@@ -96,7 +98,7 @@ TEST(QuantizedWeight, DecodeStepsOfManyRowsStayOnTheTiles) {
   torch::manual_seed(8);
   const auto x = torch::randn({kQuantDotMaxRows + 9, 256});
   const auto one = [&](const QuantizedWeight& q, int64_t m) { return q.dot(x.narrow(0, m, 1))[0]; };
-  for (const char* name : {"q8_0", "q4_1"}) {
+  for (const char* name : {"q8_0", "q4_1", "q4_K"}) {
     const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name(name), name);
     ASSERT_TRUE(q.tiled()) << name;
     EXPECT_TRUE(torch::equal(q.matmul(x), dense(x, q.dequantize(), {}))) << name;
@@ -109,7 +111,7 @@ TEST(QuantizedWeight, DecodeStepsOfManyRowsStayOnTheTiles) {
     EXPECT_FALSE(QuantizedDecodeScope::active());
     for (int64_t m = 0; m < x.size(0); ++m) ASSERT_TRUE(torch::equal(y[m], one(q, m))) << name << " row " << m;
   }
-  const QuantizedWeight k = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name("q4_K"), "q4_K");
+  const QuantizedWeight k = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name("q5_K"), "q5_K");
   EXPECT_FALSE(k.tiled());
   const QuantizedDecodeScope decoding;
   EXPECT_TRUE(torch::equal(k.matmul(x), dense(x, k.dequantize(), {})));

@@ -1,0 +1,230 @@
+#include "backend/quantization/k_quant_tiles.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#endif
+
+#include "common/check.h"
+
+namespace kvserve {
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+// ggml's block layouts (ggml-common.h), 256 values a super-block:
+// Q4_K = fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles;
+// Q6_K = 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 sub-block scales, fp16 d;
+// Q8_K = float d, 256 int8 values, 16 int16 sums of 16 values each.
+constexpr int64_t kQ4_KBytes = 144;
+constexpr int64_t kQ6_KBytes = 210;
+constexpr int64_t kQ8_KBytes = 292;
+constexpr int64_t kQ8_KSums = 260;
+
+float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _cvtsh_ss(h);
+}
+
+float float_at(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof f);
+  return f;
+}
+
+__m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+float sum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// Byte pair (2i, 2i + 1) of a 16-bit lane vector, broadcast: sub-block i's scale as 16-bit lanes.
+__m256i pair_shuffle(int i) {
+  const char a = static_cast<char>(2 * i), b = static_cast<char>(2 * i + 1);
+  return _mm256_setr_epi8(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b);
+}
+
+// Byte 2i in the low 8 lanes and 2i + 1 in the high 8: two 16-value sub-blocks' int8 scales.
+__m128i half_shuffle(int i) {
+  const char a = static_cast<char>(2 * i), b = static_cast<char>(2 * i + 1);
+  return _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+}
+
+// One Q4_K weight row against N consecutive x rows (N <= 4).
+template <int N>
+void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, float* const* out) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  __m256 acc[N];
+  __m128 acc_m[N];
+  for (int j = 0; j < N; ++j) {
+    acc[j] = _mm256_setzero_ps();
+    acc_m[j] = _mm_setzero_ps();
+  }
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ4_KBytes;
+    const float wd = half_at(wb);
+    const float wmin = half_at(wb + 2);
+    uint32_t utmp[4];
+    std::memcpy(utmp, wb + 4, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
+        static_cast<int>(utmp[3]), static_cast<int>(utmp[2]), static_cast<int>(utmp[1]), static_cast<int>(utmp[0])));
+    const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    float d[N];
+    __m256i sumi[N];
+    for (int j = 0; j < N; ++j) {
+      const uint8_t* xb = xrows[j] + l * kQ8_KBytes;
+      const float xd = float_at(xb);
+      d[j] = xd * wd;
+      const float dmin = -xd * wmin;
+      // ggml's order: the mins' term of the super-block first, then the scaled sub-blocks.
+      const __m256i q8sums = load256(xb + kQ8_KSums);
+      const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+      const __m128i prod = _mm_madd_epi16(mins, q8s);
+      acc_m[j] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[j]);
+      sumi[j] = _mm256_setzero_si256();
+    }
+    for (int s = 0; s < 4; ++s) {
+      const __m256i scale_l = _mm256_shuffle_epi8(scales, pair_shuffle(2 * s));
+      const __m256i scale_h = _mm256_shuffle_epi8(scales, pair_shuffle(2 * s + 1));
+      const __m256i q4bits = load256(wb + 16 + 32 * s);
+      const __m256i q4l = _mm256_and_si256(q4bits, m4);
+      const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+      for (int j = 0; j < N; ++j) {
+        const uint8_t* q8 = xrows[j] + l * kQ8_KBytes + 4 + 64 * s;
+        const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, load256(q8)));
+        const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, load256(q8 + 32)));
+        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p16l, p16h));
+      }
+    }
+    for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+  }
+  for (int j = 0; j < N; ++j) {
+    __m128 m = _mm_add_ps(acc_m[j], _mm_movehl_ps(acc_m[j], acc_m[j]));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    *out[j] = sum8(acc[j]) + _mm_cvtss_f32(m);
+  }
+}
+
+// One Q6_K weight row against N consecutive x rows (N <= 4).
+template <int N>
+void q6_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, float* const* out) {
+  const __m256i m3 = _mm256_set1_epi8(3);
+  const __m256i m15 = _mm256_set1_epi8(15);
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ6_KBytes;
+    const uint8_t* ql = wb;
+    const uint8_t* qh = wb + 128;
+    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192));
+    const float wd = half_at(wb + 208);
+    const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+    float d[N];
+    __m256i sumi[N], sub[N];
+    for (int j = 0; j < N; ++j) {
+      const uint8_t* xb = xrows[j] + l * kQ8_KBytes;
+      d[j] = float_at(xb) * wd;
+      sub[j] = _mm256_slli_epi32(_mm256_madd_epi16(load256(xb + kQ8_KSums), scales_16), 5);
+      sumi[j] = _mm256_setzero_si256();
+    }
+    for (int s = 0; s < 2; ++s) {
+      const __m256i bits1 = load256(ql + 64 * s);
+      const __m256i bits2 = load256(ql + 64 * s + 32);
+      const __m256i bitsH = load256(qh + 32 * s);
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bitsH, m3), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(12)), 2);
+      const __m256i h2 = _mm256_and_si256(bitsH, _mm256_set1_epi8(48));
+      const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2);
+      const __m256i q0 = _mm256_or_si256(_mm256_and_si256(bits1, m15), h0);
+      const __m256i q1 = _mm256_or_si256(_mm256_and_si256(bits2, m15), h1);
+      const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), h2);
+      const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15), h3);
+      const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, half_shuffle(4 * s + 0)));
+      const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, half_shuffle(4 * s + 1)));
+      const __m256i sc2 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, half_shuffle(4 * s + 2)));
+      const __m256i sc3 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, half_shuffle(4 * s + 3)));
+      for (int j = 0; j < N; ++j) {
+        const uint8_t* q8 = xrows[j] + l * kQ8_KBytes + 4 + 128 * s;
+        const __m256i p0 = _mm256_madd_epi16(sc0, _mm256_maddubs_epi16(q0, load256(q8)));
+        const __m256i p1 = _mm256_madd_epi16(sc1, _mm256_maddubs_epi16(q1, load256(q8 + 32)));
+        const __m256i p2 = _mm256_madd_epi16(sc2, _mm256_maddubs_epi16(q2, load256(q8 + 64)));
+        const __m256i p3 = _mm256_madd_epi16(sc3, _mm256_maddubs_epi16(q3, load256(q8 + 96)));
+        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p0, p1));
+        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p2, p3));
+      }
+    }
+    for (int j = 0; j < N; ++j)
+      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[j], sub[j])), acc[j]);
+  }
+  for (int j = 0; j < N; ++j) *out[j] = sum8(acc[j]);
+}
+
+using RowKernel = void (*)(const uint8_t*, const uint8_t* const*, int64_t, float* const*);
+
+// Rows [r0, r1) of W, each against x's rows four at a time.
+void tiled(const RowKernel* kernels, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+           int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wrow = w + r * row_bytes;
+    for (int64_t i0 = 0; i0 < M; i0 += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, M - i0));
+      const uint8_t* xr[4];
+      float* out[4];
+      for (int j = 0; j < n; ++j) {
+        xr[j] = x + (i0 + j) * x_row_bytes;
+        out[j] = y + (i0 + j) * ldy + r;
+      }
+      kernels[n - 1](wrow, xr, blocks, out);
+    }
+  }
+}
+
+constexpr RowKernel kQ4_K[4] = {q4_k_row<1>, q4_k_row<2>, q4_k_row<3>, q4_k_row<4>};
+constexpr RowKernel kQ6_K[4] = {q6_k_row<1>, q6_k_row<2>, q6_k_row<3>, q6_k_row<4>};
+
+}  // namespace
+
+bool k_quant_tiles_available() { return true; }
+
+void q4_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                    int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  tiled(kQ4_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
+}
+
+void q6_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                    int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  tiled(kQ6_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
+}
+
+#else
+
+bool k_quant_tiles_available() { return true; }
+
+void q4_k_tiled_dot(const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                    int64_t) {
+  KV_FAIL("internal: the K-quant tiles need AVX2 and FMA");
+}
+
+void q6_k_tiled_dot(const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                    int64_t) {
+  KV_FAIL("internal: the K-quant tiles need AVX2 and FMA");
+}
+
+#endif
+
+}  // namespace kvserve
