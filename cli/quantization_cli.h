@@ -12,9 +12,10 @@ namespace kvserve::cli {
 inline CLI::Option* add_quantization_option(CLI::App* cmd, std::string& value) {
   return cmd
       ->add_option("--quantization", value,
-                   "quantize a float checkpoint's linear layers at load (CPU): none, int8 (ggml Q8_0), int4 (ggml Q4_0), "
-                   "or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); a .gguf model is served in the blocks "
-                   "it ships")
+                   "quantize a float checkpoint's linear layers at load: on the CPU none, int8 (ggml Q8_0), int4 (ggml "
+                   "Q4_0), or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); fp8 (e4m3, a scale per output "
+                   "channel, per-token fp8 activations) on CUDA GPUs of compute capability 8.9+ (on the CPU a slow "
+                   "reference path); a .gguf model is served in the blocks it ships")
       ->check(CLI::IsMember(weight_quantization_names(), CLI::ignore_case));
 }
 

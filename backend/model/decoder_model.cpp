@@ -14,6 +14,7 @@
 
 #include "backend/checkpoint.h"
 #include "backend/model/weight_source.h"
+#include "backend/quantization/fp8_weight.h"
 #include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "ggml.h"
@@ -64,7 +65,8 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
 
   const auto source = WeightSource::open(model_dir, c);
   const int quant_type = weight_quantization_ggml_type(opt.quantization);
-  KV_CHECK(quant_type < 0 || source->format() == "safetensors",
+  const bool fp8 = weight_quantization_is_fp8(opt.quantization);
+  KV_CHECK((quant_type < 0 && !fp8) || source->format() == "safetensors",
            "quantization " << opt.quantization << ": " << model_dir << " is a GGUF file, served in the blocks it ships; "
                            << "quantization applies to float checkpoints");
   KV_CHECK(quant_type < 0 || m->device_.is_cpu(),
@@ -79,7 +81,14 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   };
   // A linear layer's weight; quantized at load when asked (the fused projections are quantized
   // after they are stacked: rows are quantized independently).
+  // fp8: a weight whose dimensions _scaled_mm cannot tile (not multiples of 16) stays dense.
+  int64_t fp8_dense = 0;
   auto quantized = [&](LinearWeight w, const std::string& what) {
+    if (fp8 && !w.quantized() && !w.is_fp8()) {
+      if (Fp8Weight::fits(w.rows(), w.cols())) return LinearWeight(Fp8Weight::quantize(w.dense, what));
+      ++fp8_dense;
+      return w;
+    }
     if (quant_type < 0 || w.quantized()) return w;
     return LinearWeight(QuantizedWeight::quantize(w.dense, quant_type, what));
   };
@@ -162,6 +171,24 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     const int64_t L = s.num_layers(), done = i + 1 - s.layer_begin;
     if (opt.progress && L >= 4 && done % ((L + 3) / 4) == 0 && done < L) {
       KV_LOG("loading " << model_dir << ": " << done << "/" << L << " layers");
+    }
+  }
+  if (fp8) {
+    if (fp8_dense > 0)
+      KV_LOG("quantization fp8: " << fp8_dense << " linear weights of " << model_dir
+                                  << " have a dimension that is not a multiple of 16 and stay " << dtype_name(m->dtype_));
+    if (m->device_.is_cpu()) {
+      KV_LOG("quantization fp8 on the CPU runs libtorch's reference fp8 products, slower than float32 (fp8 is for "
+             "GPUs of compute capability 8.9+; on the CPU use int8 or int4)");
+    } else {
+      // A GPU without fp8 products says so now, not at the first request.
+      try {
+        Fp8Weight::quantize(torch::ones({16, 16}, torch::TensorOptions().device(m->device_)), "probe")
+            .matmul(torch::ones({1, 16}, torch::TensorOptions().dtype(m->dtype_).device(m->device_)));
+      } catch (const std::exception& e) {
+        KV_FAIL("quantization fp8 on " << opt.device << ": this device has no fp8 matrix products (compute capability "
+                                       << "8.9+ is needed): " << e.what());
+      }
     }
   }
   // Every storage format the linear layers use, in order of first use ("q5_0+q8_0+q4_K+q6_K").

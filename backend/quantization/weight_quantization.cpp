@@ -20,11 +20,17 @@ int weight_quantization_ggml_type(const std::string& name_in, const std::string&
   if (name.empty() || name == "none") return -1;
   if (name == "int8") return GGML_TYPE_Q8_0;
   if (name == "int4") return GGML_TYPE_Q4_0;
-  if (name == "fp8") KV_FAIL(field << ": fp8 weights are not served yet (on the CPU use int8 or int4)");
+  if (name == "fp8") return -1;
   for (const std::string& n : weight_quantization_names())
     if (n == name) return quant_type_from_name(name);
   KV_FAIL(field << ": unknown weight quantization '" << name_in
                 << "' (use none, int8, int4, fp8, or a ggml type: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)");
+}
+
+bool weight_quantization_is_fp8(const std::string& name) {
+  std::string n = name;
+  for (char& ch : n) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return n == "fp8";
 }
 
 }  // namespace kvserve

@@ -10,10 +10,13 @@ namespace kvserve {
 // for who wants one exactly.
 const std::vector<std::string>& weight_quantization_names();
 
-// The ggml type a CPU linear layer is quantized to: -1 for "" / none; int8 = Q8_0 (a scale per 32
-// weights); int4 = Q4_0 (docs/architecture.md "Quantized weights" gives the measured choice); a
-// ggml type by its name (q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K). fp8 has no CPU kernel. Throws
-// naming `field` and the accepted values.
+// The ggml type a CPU linear layer is quantized to: -1 for "" / none and for fp8 (not a ggml type:
+// Fp8Weight); int8 = Q8_0 (a scale per 32 weights); int4 = Q4_0 (docs/architecture.md "Quantized
+// weights" gives the measured choice); a ggml type by its name (q4_1, q5_0, q5_1, q8_0, q4_K, q5_K,
+// q6_K). Throws naming `field` and the accepted values.
 int weight_quantization_ggml_type(const std::string& name, const std::string& field = "quantization");
+
+// Whether `name` asks for fp8 weights (e4m3, a scale per output channel, Fp8Weight).
+bool weight_quantization_is_fp8(const std::string& name);
 
 }  // namespace kvserve

@@ -182,9 +182,10 @@ TEST(WeightQuantization, NamesAndCpuTypes) {
   EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("int4")), "q4_0");
   EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("Q4_1")), "q4_1");
   EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("q5_k")), "q5_K");
+  EXPECT_EQ(weight_quantization_ggml_type("fp8"), -1);  // not a ggml type: Fp8Weight
   try {
-    weight_quantization_ggml_type("fp8", "model.quantization");
-    FAIL() << "fp8 on the CPU was accepted";
+    weight_quantization_ggml_type("fp4", "model.quantization");
+    FAIL() << "fp4 was accepted";
   } catch (const KvError& e) {
     EXPECT_NE(std::string(e.what()).find("model.quantization"), std::string::npos) << e.what();
   }

@@ -115,3 +115,30 @@ def test_speculative_decoding_on_cuda_changes_no_token(method):
     assert j["token_ids"] == p["token_ids"], (j["text"], p["text"])
     s = j["speculative"]
     assert s["drafts"] > 0 and s["accepted_tokens"] > 0, s
+
+
+def test_fp8_weights_on_cuda_track_the_cpu_reference(tmp_path):
+    # --quantization fp8: e4m3 weights, per-token e4m3 activations, at::_scaled_mm on the GPU (whose
+    # row-wise scaled products are written in bfloat16) against libtorch's CPU _scaled_mm (float32).
+    import json
+    import subprocess
+    import numpy as np
+    from safetensors.numpy import load_file
+    from kvserve_server import kvserve_bin
+    fixture = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", pathlib.Path(MODEL).parents[1] / ".fixtures")) / "llama-gqa"
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([(i * 37 + 11) % 2000 for i in range(40)]))
+    logits = {}
+    for dev in ("cuda", "cpu"):
+        out = tmp_path / f"{dev}.safetensors"
+        subprocess.run([kvserve_bin(), "forward", "--model", str(fixture), "--device", dev, "--dtype", "float32",
+                        "--quantization", "fp8", "--input-ids", str(ids), "--output", str(out)], check=True, timeout=300)
+        logits[dev] = load_file(str(out))["logits"]
+    a, b = logits["cuda"], logits["cpu"]
+    assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
+    gen = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--dtype", "bfloat16",
+                          "--quantization", "fp8", "--prompt", PROMPT, "--max-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    j = json.loads(gen.stdout.strip().splitlines()[-1])
+    assert j["weights"]["format"].startswith("float8_e4m3fn") and j["completion_tokens"] == 8
