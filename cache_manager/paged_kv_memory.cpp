@@ -891,6 +891,8 @@ void PagedKvMemory::end_prefill(int64_t seq_id) {
     s.context.clear();
   }
   for (int64_t ll = 0; ll < num_layers_; ++ll) trim_window(seq_id, ll);
+  // The draft view is chosen (a refresh makes a selector of its own): the prompt's scores can go.
+  s.draft_selector.reset();
 }
 
 void PagedKvMemory::park(int64_t seq_id) {
