@@ -7,7 +7,6 @@
 # or -DKVSERVE_GGML_SOURCE_DIR=/path/to/ggml: that sdist's vendor/llama.cpp/ggml already unpacked
 # (tools/gpu_check.sh carries its CPU part to a GPU machine, where the 77 MB sdist would not fit).
 include_guard(GLOBAL)
-include(FetchContent)
 
 set(KVSERVE_GGML_SDIST_VERSION 0.3.36)
 set(KVSERVE_GGML_SDIST_SHA256 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e)
@@ -20,14 +19,9 @@ if(KVSERVE_GGML_SOURCE_DIR)
   set(KVSERVE_GGML_ROOT ${KVSERVE_GGML_SOURCE_DIR})
 else()
   include(${CMAKE_CURRENT_LIST_DIR}/pinned_sdist.cmake)
-  kvserve_pinned_sdist(ggml_url llama_cpp_python ${KVSERVE_GGML_SDIST_VERSION} ${KVSERVE_GGML_SDIST_SHA256} "${KVSERVE_GGML_SDIST}")
-  FetchContent_Declare(kvserve_ggml
-    URL "${ggml_url}"
-    URL_HASH SHA256=${KVSERVE_GGML_SDIST_SHA256}
-    DOWNLOAD_EXTRACT_TIMESTAMP TRUE
-    SOURCE_SUBDIR kvserve-unpack-only)
-  FetchContent_MakeAvailable(kvserve_ggml)
-  set(KVSERVE_GGML_ROOT ${kvserve_ggml_SOURCE_DIR}/vendor/llama.cpp/ggml)
+  kvserve_pinned_sdist_source(ggml_sdist_dir kvserve_ggml llama_cpp_python ${KVSERVE_GGML_SDIST_VERSION}
+                              ${KVSERVE_GGML_SDIST_SHA256} "${KVSERVE_GGML_SDIST}")
+  set(KVSERVE_GGML_ROOT ${ggml_sdist_dir}/vendor/llama.cpp/ggml)
 endif()
 
 # ggml's own CMake, told to build static CPU-only libraries for this machine. Its targets are

@@ -20,3 +20,18 @@ function(kvserve_pinned_sdist var name version sha256 override)
   endif()
   set(${var} "${dest}" PARENT_SCOPE)
 endfunction()
+
+# kvserve_pinned_sdist_source(VAR FC_NAME NAME VERSION SHA256 OVERRIDE): the sdist above unpacked by
+# FetchContent as FC_NAME (its hash checked again), and VAR set to the unpacked tree. Only unpacked:
+# the package's own build (Python bindings, its CMake) is never run; the caller builds what it needs.
+macro(kvserve_pinned_sdist_source var fc_name name version sha256 override)
+  include(FetchContent)
+  kvserve_pinned_sdist(_kvserve_sdist_url ${name} ${version} ${sha256} "${override}")
+  FetchContent_Declare(${fc_name}
+    URL "${_kvserve_sdist_url}"
+    URL_HASH SHA256=${sha256}
+    DOWNLOAD_EXTRACT_TIMESTAMP TRUE
+    SOURCE_SUBDIR kvserve-unpack-only)
+  FetchContent_MakeAvailable(${fc_name})
+  set(${var} ${${fc_name}_SOURCE_DIR})
+endmacro()

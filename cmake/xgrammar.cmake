@@ -3,23 +3,15 @@
 # Only the C++ core is built (no Python bindings, no tvm-ffi), as the static target `xgrammar`.
 # Offline: -DKVSERVE_XGRAMMAR_SDIST=/path/to/xgrammar-0.2.8.tar.gz (the same hash is checked).
 include_guard(GLOBAL)
-include(FetchContent)
 
 set(KVSERVE_XGRAMMAR_VERSION 0.2.8)
 set(KVSERVE_XGRAMMAR_SHA256 8305646fd2b319d6c3003f51a1665e54cbbe9cba1fb636bc41d0b46434ccbb80)
 set(KVSERVE_XGRAMMAR_SDIST "" CACHE FILEPATH "a local copy of the xgrammar sdist (else it is fetched from pip's index)")
 include(${CMAKE_CURRENT_LIST_DIR}/pinned_sdist.cmake)
-kvserve_pinned_sdist(xgrammar_url xgrammar ${KVSERVE_XGRAMMAR_VERSION} ${KVSERVE_XGRAMMAR_SHA256} "${KVSERVE_XGRAMMAR_SDIST}")
-
-# SOURCE_SUBDIR names a folder without a CMakeLists.txt: unpack only, xgrammar's own CMake (Python
-# bindings, -Werror, LTO) is not run; the target below lists the core's sources instead.
-FetchContent_Declare(kvserve_xgrammar
-  URL "${xgrammar_url}"
-  URL_HASH SHA256=${KVSERVE_XGRAMMAR_SHA256}
-  DOWNLOAD_EXTRACT_TIMESTAMP TRUE
-  SOURCE_SUBDIR kvserve-unpack-only)
-FetchContent_MakeAvailable(kvserve_xgrammar)
-set(XGRAMMAR_ROOT ${kvserve_xgrammar_SOURCE_DIR})
+# Unpacked only: xgrammar's own CMake (Python bindings, -Werror, LTO) is not run; the target below
+# lists the core's sources instead.
+kvserve_pinned_sdist_source(XGRAMMAR_ROOT kvserve_xgrammar xgrammar ${KVSERVE_XGRAMMAR_VERSION} ${KVSERVE_XGRAMMAR_SHA256}
+                            "${KVSERVE_XGRAMMAR_SDIST}")
 
 file(GLOB_RECURSE xgrammar_sources ${XGRAMMAR_ROOT}/cpp/*.cc)
 list(FILTER xgrammar_sources EXCLUDE REGEX "/cpp/tvm_ffi/")

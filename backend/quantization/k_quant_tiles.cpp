@@ -1,5 +1,7 @@
 #include "backend/quantization/k_quant_tiles.h"
 
+#include "backend/quantization/tile_arith.h"
+
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -15,6 +17,9 @@ namespace kvserve {
 
 namespace {
 
+using tile::half_at;
+using tile::sum8;
+
 // ggml's block layouts (ggml-common.h), 256 values a super-block:
 // Q4_K = fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles;
 // Q6_K = 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 sub-block scales, fp16 d;
@@ -24,11 +29,6 @@ constexpr int64_t kQ6_KBytes = 210;
 constexpr int64_t kQ8_KBytes = 292;
 constexpr int64_t kQ8_KSums = 260;
 
-float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);
-}
 
 float float_at(const uint8_t* p) {
   float f;
@@ -38,12 +38,6 @@ float float_at(const uint8_t* p) {
 
 __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-float sum8(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
 
 // Byte pair (2i, 2i + 1) of a 16-bit lane vector, broadcast: sub-block i's scale as 16-bit lanes.
 __m256i pair_shuffle(int i) {

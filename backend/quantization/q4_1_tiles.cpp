@@ -1,5 +1,7 @@
 #include "backend/quantization/q4_1_tiles.h"
 
+#include "backend/quantization/tile_arith.h"
+
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -16,17 +18,15 @@ namespace kvserve {
 
 namespace {
 
+using tile::half_at;
+using tile::sum8;
+
 // ggml's block layouts (ggml-common.h): Q4_1 = fp16 scale d, fp16 min m, 16 bytes of nibbles (value
 // j in the low nibble of byte j, value j + 16 in its high nibble); Q8_1 = fp16 d, fp16 s (d times
 // the sum of the 32 values), 32 signed bytes.
 constexpr int64_t kQ4_1Bytes = 20;
 constexpr int64_t kQ8_1Bytes = 36;
 
-float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);
-}
 
 // The 32 4-bit values of a Q4_1 block as bytes 0..15, in order.
 __m256i unpack_nibbles(const uint8_t* qs) {
@@ -41,12 +41,6 @@ __m256 dot_lanes(__m256i w, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-float sum8(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
 
 // One weight row against N consecutive x rows (N <= 4): the accumulators stay in registers.
 template <int N>
