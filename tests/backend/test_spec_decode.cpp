@@ -142,19 +142,21 @@ TEST(DraftView, BlocksOfKeptRankByKeptPositions) {
 
 constexpr int64_t kKV = 2, kD = 8, kBS = 4, kH = 4, kLayers = 2;
 
-KvPoolOptions pool_options(bool head_blocks) {
+KvPoolOptions pool_options(bool head_blocks, torch::Device device = torch::kCPU) {
   KvPoolOptions o;
   o.num_kv_heads = kKV;
   o.head_dim = kD;
   o.block_size = kBS;
   o.num_blocks = 64;
   o.head_blocks = head_blocks;
+  o.device = device;
   return o;
 }
 
 // A cache holding sequence 7's prompt (k, v [KV, n, D]) in every layer.
-PagedKvCache with_prompt(bool head_blocks, const torch::Tensor& k, const torch::Tensor& v) {
-  PagedKvCache c(kLayers, pool_options(head_blocks));
+PagedKvCache with_prompt(bool head_blocks, const torch::Tensor& k, const torch::Tensor& v,
+                         torch::Device device = torch::kCPU) {
+  PagedKvCache c(kLayers, pool_options(head_blocks, device));
   c.add_sequence(7);
   const int64_t n = k.size(1);
   const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
@@ -212,15 +214,17 @@ INSTANTIATE_TEST_SUITE_P(Layouts, VerifyStep, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("head_blocks") : std::string("per_layer"); });
 
 class DraftStep : public ::testing::TestWithParam<bool> {};
+// The same steps on a CUDA pool: the device kernels read the view's tables (skipped without a GPU).
+class DraftStepCuda : public ::testing::TestWithParam<bool> {};
 
 // A draft step through the view {1 sink block, 2 window blocks} of a 22-token sequence attends to
 // slots 0..3 and 16..22 (its own new token included), exactly as softmax attention over those rows;
 // truncating it leaves the cache as before.
-TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) {
+void attends_to_the_sinks_and_the_window_only(bool head_blocks, torch::Device dev) {
   torch::manual_seed(5);
   constexpr int64_t n = 22;
   const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
-  PagedKvCache c = with_prompt(GetParam(), pk, pv);
+  PagedKvCache c = with_prompt(head_blocks, pk, pv, dev);
   const int64_t used = c.used_blocks();
   const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
   c.begin_decode({7}, {n}, 0, DraftView{1, 2});
@@ -232,7 +236,7 @@ TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) {
   const torch::Tensor V = torch::cat({pv, v.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
   const int64_t G = kH / kKV;
   for (int64_t l = 0; l < kLayers; ++l) {
-    const torch::Tensor out = c.decode_layer(l, q, k, v);
+    const torch::Tensor out = c.decode_layer(l, q.to(dev), k.to(dev), v.to(dev)).cpu();
     for (int64_t h = 0; h < kH; ++h) {
       const torch::Tensor qh = q[0][h].to(torch::kFloat64);
       const torch::Tensor p = torch::softmax(K[h / G].matmul(qh) / std::sqrt(double(kD)), 0);
@@ -253,11 +257,11 @@ TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) {
 
 // The same step with layer 0's draft blocks {2} (slots 8..11): layer 0 attends to them too, layer 1
 // (none set) to sinks and window; a step without the view still reads everything.
-TEST_P(DraftStep, AttendsToTheChosenBlocksToo) {
+void attends_to_the_chosen_blocks_too(bool head_blocks, torch::Device dev) {
   torch::manual_seed(6);
   constexpr int64_t n = 22;
   const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
-  PagedKvCache c = with_prompt(GetParam(), pk, pv);
+  PagedKvCache c = with_prompt(head_blocks, pk, pv, dev);
   for (int64_t lane = 0; lane < c.lanes(); ++lane) c.set_draft_blocks(7, 0, lane, {2});
   EXPECT_EQ(c.draft_blocks(7, 1, 0), nullptr);
   const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
@@ -272,7 +276,7 @@ TEST_P(DraftStep, AttendsToTheChosenBlocksToo) {
     const torch::Tensor idx = torch::tensor(seen);
     const torch::Tensor K = torch::cat({pk, k.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
     const torch::Tensor V = torch::cat({pv, v.transpose(0, 1)}, 1).index_select(1, idx).to(torch::kFloat64);
-    const torch::Tensor out = c.decode_layer(l, q, k, v);
+    const torch::Tensor out = c.decode_layer(l, q.to(dev), k.to(dev), v.to(dev)).cpu();
     for (int64_t h = 0; h < kH; ++h) {
       const torch::Tensor p = torch::softmax(K[h / G].matmul(q[0][h].to(torch::kFloat64)) / std::sqrt(double(kD)), 0);
       EXPECT_TRUE(torch::allclose(out[0][h].to(torch::kFloat64), p.matmul(V[h / G]), 1e-5, 1e-5)) << "layer " << l << " head " << h;
@@ -283,7 +287,20 @@ TEST_P(DraftStep, AttendsToTheChosenBlocksToo) {
   EXPECT_EQ(c.draft_blocks(7, 0, 0), nullptr);
 }
 
+TEST_P(DraftStep, AttendsToTheSinksAndTheWindowOnly) { attends_to_the_sinks_and_the_window_only(GetParam(), torch::kCPU); }
+TEST_P(DraftStep, AttendsToTheChosenBlocksToo) { attends_to_the_chosen_blocks_too(GetParam(), torch::kCPU); }
+TEST_P(DraftStepCuda, AttendsToTheSinksAndTheWindowOnly) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  attends_to_the_sinks_and_the_window_only(GetParam(), torch::kCUDA);
+}
+TEST_P(DraftStepCuda, AttendsToTheChosenBlocksToo) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  attends_to_the_chosen_blocks_too(GetParam(), torch::kCUDA);
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, DraftStep, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? std::string("head_blocks") : std::string("per_layer"); });
+INSTANTIATE_TEST_SUITE_P(Layouts, DraftStepCuda, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("head_blocks") : std::string("per_layer"); });
 
 TEST(VerifyStepBatch, RowsMustBeConsecutive) {
