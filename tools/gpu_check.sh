@@ -10,6 +10,7 @@
 #   tools/gpu_check.sh profile   # per-kernel tables of whole decode steps (Nsight Compute), see below
 #   tools/gpu_check.sh attention [bench_paged_decode_cuda options]   # the decode attention variants' sweep
 #   tools/gpu_check.sh fp8       # --quantization fp8 against bf16 weights, 8B shape, 1K x 1 / 8 / 64 (not run yet)
+#   tools/gpu_check.sh spec      # self-speculation against plain decoding, 8B shape, 32K x 16 (not run yet)
 #   tools/gpu_check.sh all       # all of the above in one call (~10 minutes on an H100; see below)
 #
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
@@ -230,6 +231,41 @@ fp8)
   done
   exit ${rc:-0}
   ;;
+spec)
+  # Issue 49's GPU row: self-speculation (sinks + window, gamma 4) against plain decoding on the 8B
+  # checkpoint, SPEC_BATCH prompts (16) of SPEC_CONTEXT random token ids (32768: 64 GiB of bf16 KV),
+  # 64 new tokens. The random weights make the acceptance meaningless; the step costs are not: c (a
+  # draft step / a plain step) and v (a verify step / a plain step) from generate --json.
+  shift
+  setup_env
+  [ -x "$BUILD/kvserve" ] || build_kvserve
+  model=/tmp/kvserve-bench-models/bench-8b
+  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
+  python3 -c 'import json,random,sys; r=random.Random(7); n,b=int(sys.argv[1]),int(sys.argv[2]); json.dump([[r.randrange(3,2000) for _ in range(n)] for _ in range(b)], open("/tmp/spec-prompts.json","w"))' \
+    "${SPEC_CONTEXT:-32768}" "${SPEC_BATCH:-16}"
+  : > "$out/spec.txt"
+  for mode in plain self; do
+    cfg=(); [ $mode = self ] && cfg=(--speculative-config '{"method": "self", "num_speculative_tokens": 4}')
+    timeout 240 "$BUILD/kvserve" generate --model "$model" --device cuda --dtype bfloat16 --prompts-file /tmp/spec-prompts.json \
+      --max-tokens 64 --ignore-eos --json "${cfg[@]}" "$@" 2>>"$out/spec.err" | tail -1 \
+      > "$out/spec-$mode.json" || rc=1
+  done
+  python3 - "$out/spec-plain.json" "$out/spec-self.json" <<'PY' | tee -a "$out/spec.txt" || rc=1
+import json, sys
+p, s = (json.load(open(f)) for f in sys.argv[1:3])
+def rate(j):
+    rs = j["results"]
+    return sum(r["completion_tokens"] - 1 for r in rs) / max(r["timings"]["decode_s"] for r in rs)
+plain_step = max(r["timings"]["decode_s"] / (r["completion_tokens"] - 1) for r in p["results"])
+sp = s.get("speculative", {})
+print(f"plain {rate(p):.0f} tok/s (step {plain_step * 1e3:.2f} ms); self {rate(s):.0f} tok/s = {rate(s) / rate(p):.2f}x; "
+      f"acceptance {sp.get('acceptance_rate')}, mean accepted length {sp.get('mean_acceptance_length')}")
+if sp.get("draft_steps"):
+    print(f"c = {sp['draft_s'] / sp['draft_steps'] / plain_step:.2f} (draft step {sp['draft_s'] / sp['draft_steps'] * 1e3:.2f} ms), "
+          f"v = {sp['verify_s'] / sp['verify_steps'] / plain_step:.2f} (verify step {sp['verify_s'] / sp['verify_steps'] * 1e3:.2f} ms)")
+PY
+  exit ${rc:-0}
+  ;;
 attention)
   # The decode attention variants' sweep (see the top of this file).
   shift
@@ -323,6 +359,9 @@ all)
   # fp8 weights against bf16 (issue 48): six short bench decode processes, ~60 s.
   [ "$(left)" -gt 60 ] && { timeout $(( $(left) < 90 ? $(left) : 90 )) "$0" fp8 > "$out/fp8.out" 2>&1; step fp8 $?; }
   grep -E "device copy|ms/step" "$out/fp8.txt" >> "$sum" 2>/dev/null
+  # Self-speculation against plain decoding at 32K x 16 (issue 49): two generate runs, ~2-3 minutes.
+  [ "$(left)" -gt 150 ] && { timeout $(( $(left) < 240 ? $(left) : 240 )) "$0" spec > "$out/spec.out" 2>&1; step spec $?; }
+  cat "$out/spec.txt" >> "$sum" 2>/dev/null
   # The per-kernel tables of the two unmet 32K rows at the default level, right after the rows
   # themselves (the 1K x 1 table ran on 2026-11-28 (commit 5834135); PROFILE_CELLS / PROFILE_LEVELS override); each
   # cell's processes have at most 120 s.
@@ -345,5 +384,5 @@ all)
   cat "$sum"
   ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|fp8|all [options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|fp8|spec|all [options]" >&2; exit 2 ;;
 esac
