@@ -924,7 +924,9 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     auto [vt, vl] = draft_view_tables(table, lens, bs_, step_.view, chosen_blocks());
     const auto dev = pool_.device();
     const torch::Tensor rows = torch::arange(E, torch::TensorOptions().dtype(torch::kInt32).device(dev));
-    return unlane(cuda::paged_decode_attention(qr, pool_.storage(), vt.to(dev), rows, vl.to(dev), vt.size(1), scale, window));
+    // Pinned, asynchronous: the host goes on to the next layer while the tables travel.
+    auto up = [&](const torch::Tensor& t) { return t.pin_memory().to(dev, torch::kInt32, /*non_blocking=*/true); };
+    return unlane(cuda::paged_decode_attention(qr, pool_.storage(), up(vt), rows, up(vl), vt.size(1), scale, window));
   }
   const int64_t* off = step_.slots.offset.data() + layer * E;
   write_slots(step_.slots.block.data() + layer * E, off, kr.narrow(0, 0, E), vr.narrow(0, 0, E));

@@ -11,6 +11,10 @@
 #   tools/gpu_check.sh attention [bench_paged_decode_cuda options]   # the decode attention variants' sweep
 #   tools/gpu_check.sh fp8       # --quantization fp8 against bf16 weights, 8B shape, 1K x 1 / 8 / 64 (not run yet)
 #   tools/gpu_check.sh spec      # self-speculation against plain decoding, 8B shape, 32K x 16 (not run yet)
+#   tools/gpu_check.sh ttft      # TTFT of 8 x 8K prompts at 1 / 2 / 4 / 8 prompts a prefill step (not run yet)
+# `all` fills its budget in the order below; on a 15-minute lease `run` and `bench --quick` take it all,
+# so the steps after them are for a second command on the same warm machine (e.g.
+# `tools/gpu_check.sh fp8; tools/gpu_check.sh spec; tools/gpu_check.sh ttft`, ~5 minutes).
 #   tools/gpu_check.sh all       # all of the above in one call (~10 minutes on an H100; see below)
 #
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
@@ -266,6 +270,25 @@ if sp.get("draft_steps"):
 PY
   exit ${rc:-0}
   ;;
+ttft)
+  # Issue 13's TTFT row (8 prompts of 8K tokens, full; kvserve 2.17 s against transformers' 2.14 s on an
+  # H200, 2026-11-29): time to first token of all 8 with 1, 2, 4 and 8 prompts' tokens per prefill step
+  # (--max-num-batched-tokens 8192 .. 65536; prefill_batch runs the prompts of a step in one forward).
+  shift
+  setup_env
+  [ -x "$BUILD/kvserve" ] || build_kvserve
+  model=/tmp/kvserve-bench-models/bench-8b
+  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
+  python3 -c 'import json,random; r=random.Random(3); json.dump([[r.randrange(3,2000) for _ in range(8192)] for _ in range(8)], open("/tmp/ttft-prompts.json","w"))'
+  : > "$out/ttft.txt"
+  for tokens in 8192 16384 32768 65536; do
+    timeout 120 "$BUILD/kvserve" generate --model "$model" --device cuda --dtype bfloat16 --prompts-file /tmp/ttft-prompts.json \
+      --max-tokens 4 --ignore-eos --json --max-num-batched-tokens $tokens "$@" 2>>"$out/ttft.err" | tail -1 > "$out/ttft-$tokens.json" || rc=1
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); t=[r["timings"]["time_to_first_token_s"] for r in j["results"]]; print("max_num_batched_tokens %s: TTFT first %.3f s, all %.3f s, load %.1f s" % (sys.argv[2], min(t), max(t), j["load_s"]))' \
+      "$out/ttft-$tokens.json" $tokens | tee -a "$out/ttft.txt" || rc=1
+  done
+  exit ${rc:-0}
+  ;;
 attention)
   # The decode attention variants' sweep (see the top of this file).
   shift
@@ -384,5 +407,5 @@ all)
   cat "$sum"
   ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|fp8|spec|all [options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|fp8|spec|ttft|all [options]" >&2; exit 2 ;;
 esac
