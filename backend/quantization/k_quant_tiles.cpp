@@ -22,9 +22,11 @@ using tile::sum8;
 
 // ggml's block layouts (ggml-common.h), 256 values a super-block:
 // Q4_K = fp16 d, fp16 dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles;
+// Q5_K = the same with 32 bytes of fifth bits (bit plane j for values 32j..32j+31) before the nibbles;
 // Q6_K = 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 sub-block scales, fp16 d;
 // Q8_K = float d, 256 int8 values, 16 int16 sums of 16 values each.
 constexpr int64_t kQ4_KBytes = 144;
+constexpr int64_t kQ5_KBytes = 176;
 constexpr int64_t kQ6_KBytes = 210;
 constexpr int64_t kQ8_KBytes = 292;
 constexpr int64_t kQ8_KSums = 260;
@@ -114,6 +116,75 @@ void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
   }
 }
 
+// One Q5_K weight row against N consecutive x rows (N <= 4): Q4_K's layout with a fifth bit per
+// value (32 bytes of bit planes before the nibbles) and the mins' term summed as a scalar.
+template <int N>
+void q5_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, float* const* out) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m128i mzero = _mm_setzero_si128();
+  const __m256i mone = _mm256_set1_epi8(1);
+  __m256 acc[N];
+  float summs[N];
+  for (int j = 0; j < N; ++j) {
+    acc[j] = _mm256_setzero_ps();
+    summs[j] = 0.0f;
+  }
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ5_KBytes;
+    const float wd = half_at(wb);
+    const float wmin = half_at(wb + 2);
+    uint32_t utmp[4];
+    std::memcpy(utmp, wb + 4, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
+        static_cast<int>(utmp[3]), static_cast<int>(utmp[2]), static_cast<int>(utmp[1]), static_cast<int>(utmp[0])));
+    const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    const __m256i hbits = load256(wb + 16);
+    float d[N];
+    __m256i sumi[N];
+    for (int j = 0; j < N; ++j) {
+      const uint8_t* xb = xrows[j] + l * kQ8_KBytes;
+      const float xd = float_at(xb);
+      d[j] = xd * wd;
+      const float dmin = -xd * wmin;
+      const __m256i q8sums = load256(xb + kQ8_KSums);
+      const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+      const __m128i prod = _mm_madd_epi16(mins, q8s);
+      const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+      summs[j] += dmin * static_cast<float>(_mm_extract_epi32(hsum, 0));
+      sumi[j] = _mm256_setzero_si256();
+    }
+    __m256i hmask = mone;
+    int bit = 0;
+    for (int s = 0; s < 4; ++s) {
+      const __m256i scale_0 = _mm256_shuffle_epi8(scales, pair_shuffle(2 * s));
+      const __m256i scale_1 = _mm256_shuffle_epi8(scales, pair_shuffle(2 * s + 1));
+      const __m256i q5bits = load256(wb + 48 + 32 * s);
+      const __m256i q5h_0 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+      const __m256i q5_0 = _mm256_add_epi8(_mm256_and_si256(q5bits, m4), q5h_0);
+      hmask = _mm256_slli_epi16(hmask, 1);
+      const __m256i q5h_1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
+      const __m256i q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4), q5h_1);
+      hmask = _mm256_slli_epi16(hmask, 1);
+      for (int j = 0; j < N; ++j) {
+        const uint8_t* q8 = xrows[j] + l * kQ8_KBytes + 4 + 64 * s;
+        const __m256i p0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, load256(q8)));
+        const __m256i p1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, load256(q8 + 32)));
+        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p0, p1));
+      }
+    }
+    for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
+  }
+  for (int j = 0; j < N; ++j) *out[j] = sum8(acc[j]) + summs[j];
+}
+
 // One Q6_K weight row against N consecutive x rows (N <= 4).
 template <int N>
 void q6_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, float* const* out) {
@@ -189,6 +260,7 @@ void tiled(const RowKernel* kernels, const uint8_t* w, int64_t row_bytes, int64_
 }
 
 constexpr RowKernel kQ4_K[4] = {q4_k_row<1>, q4_k_row<2>, q4_k_row<3>, q4_k_row<4>};
+constexpr RowKernel kQ5_K[4] = {q5_k_row<1>, q5_k_row<2>, q5_k_row<3>, q5_k_row<4>};
 constexpr RowKernel kQ6_K[4] = {q6_k_row<1>, q6_k_row<2>, q6_k_row<3>, q6_k_row<4>};
 
 }  // namespace
@@ -198,6 +270,11 @@ bool k_quant_tiles_available() { return true; }
 void q4_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
   tiled(kQ4_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
+}
+
+void q5_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                    int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  tiled(kQ5_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
 }
 
 void q6_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
@@ -210,6 +287,11 @@ void q6_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
 bool k_quant_tiles_available() { return true; }
 
 void q4_k_tiled_dot(const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                    int64_t) {
+  KV_FAIL("internal: the K-quant tiles need AVX2 and FMA");
+}
+
+void q5_k_tiled_dot(const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
                     int64_t) {
   KV_FAIL("internal: the K-quant tiles need AVX2 and FMA");
 }

@@ -43,13 +43,14 @@ const ggml_type_traits_cpu& cpu_traits(int type) {
 }
 
 // Which tiled product takes several rows of x for a weight type and its activation format.
-enum class Tiles { kNone, kLlamafile, kQ4_1, kQ4_K, kQ6_K };
+enum class Tiles { kNone, kLlamafile, kQ4_1, kQ4_K, kQ5_K, kQ6_K };
 Tiles tiles_for(int type, int act) {
   if (!tiles_enabled()) return Tiles::kNone;
   if (tiled_quant_matmul_supports(type, act)) return Tiles::kLlamafile;
   if (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1 && q4_1_tiles_available()) return Tiles::kQ4_1;
   if (act == GGML_TYPE_Q8_K && k_quant_tiles_available()) {
     if (type == GGML_TYPE_Q4_K) return Tiles::kQ4_K;
+    if (type == GGML_TYPE_Q5_K) return Tiles::kQ5_K;
     if (type == GGML_TYPE_Q6_K) return Tiles::kQ6_K;
   }
   return Tiles::kNone;
@@ -335,10 +336,13 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
       first += p.rows;
       continue;
     }
-    if (tiles == Tiles::kQ4_1 || tiles == Tiles::kQ4_K || tiles == Tiles::kQ6_K) {
+    if (tiles != Tiles::kNone) {
       // The same for Q4_1 and the K-quants (no ggml tile kernel): one unpacked weight block serves
       // four rows of x.
-      const auto kernel = tiles == Tiles::kQ4_1 ? q4_1_tiled_dot : tiles == Tiles::kQ4_K ? q4_k_tiled_dot : q6_k_tiled_dot;
+      const auto kernel = tiles == Tiles::kQ4_1   ? q4_1_tiled_dot
+                          : tiles == Tiles::kQ4_K ? q4_k_tiled_dot
+                          : tiles == Tiles::kQ5_K ? q5_k_tiled_dot
+                                                  : q6_k_tiled_dot;
       const int64_t blocks = K / ggml_blck_size(as_type(p.type));
       at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
         kernel(wp, p.row_bytes, r0, r1, ap, a_row, M, blocks, yp + first, N);

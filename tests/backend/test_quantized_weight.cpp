@@ -73,13 +73,13 @@ TEST(QuantizedWeight, DotIsBatchInvariantAndAddsTheBias) {
   EXPECT_TRUE(torch::allclose(all - b, q.dot(x), 1e-6, 1e-6));
 }
 
-// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights), and Q4_1, Q4_K and Q6_K through
+// The types llamafile's tiled GEMM takes (Q8_0, Q4_0, Q5_0 weights), and Q4_1 and the K-quants through
 // kvserve's own tiles, run several rows of x through them and one row through vec_dot: the two give
 // every output bit for bit, so a row's result still does not depend on its batch, whatever shape the
 // tiles take. 512 columns: two K-quant super-blocks a row.
 TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
   torch::manual_seed(6);
-  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1", "q4_K", "q6_K"}) {
+  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1", "q4_K", "q5_K", "q6_K"}) {
     const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({75, 512}), quant_type_from_name(name), name);
     ASSERT_TRUE(q.tiled()) << name;
     const auto x = torch::randn({kQuantDotMaxRows, 512});
@@ -111,7 +111,7 @@ TEST(QuantizedWeight, DecodeStepsOfManyRowsStayOnTheTiles) {
     EXPECT_FALSE(QuantizedDecodeScope::active());
     for (int64_t m = 0; m < x.size(0); ++m) ASSERT_TRUE(torch::equal(y[m], one(q, m))) << name << " row " << m;
   }
-  const QuantizedWeight k = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name("q5_K"), "q5_K");
+  const QuantizedWeight k = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name("q5_1"), "q5_1");
   EXPECT_FALSE(k.tiled());
   const QuantizedDecodeScope decoding;
   EXPECT_TRUE(torch::equal(k.matmul(x), dense(x, k.dequantize(), {})));
