@@ -116,6 +116,15 @@ build_kvserve() {
   cmake --build "$BUILD" -j "$(nproc)" --target kvserve > "$out/build.log" 2>&1
 }
 
+# The steps that run on the bench's 8B checkpoint: kvserve built (first, if `run` has not) and the
+# checkpoint made (as `bench` makes it) in $model.
+kvserve_and_8b() {
+  setup_env
+  [ -x "$BUILD/kvserve" ] || build_kvserve
+  model=/tmp/kvserve-bench-models/bench-8b
+  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
+}
+
 case "${1:-}" in
 fetch)
   mkdir -p "$DEPS/whl"
@@ -181,10 +190,7 @@ bench)
   ;;
 prefix)
   shift
-  setup_env
-  [ -x "$BUILD/kvserve" ] || build_kvserve
-  model=/tmp/kvserve-bench-models/bench-8b
-  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234
+  kvserve_and_8b
   python3 bench/bench_prefix_cache.py --kvserve "$BUILD/kvserve" --model "$model" --device cuda --dtype bfloat16 \
     --workloads doc,tier --policies full,pyramidkv --questions 5 --miss-questions 2 --tier-questions 2 \
     --pool 12GiB --tier-pool 1650MiB --tier-bytes 4GiB --json "$out/prefix.json" "$@" 2>&1 | tee "$out/prefix.log"
@@ -218,10 +224,7 @@ fp8)
   # activations, at::_scaled_mm) against bf16 weights on the 8B checkpoint, decode steps at 1K context,
   # batch 1 / 8 / 64, interleaved; the weights-only floors from a device copy's bandwidth.
   shift
-  setup_env
-  [ -x "$BUILD/kvserve" ] || build_kvserve
-  model=/tmp/kvserve-bench-models/bench-8b
-  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
+  kvserve_and_8b
   bw=$(python3 -c 'import torch; x=torch.empty(2**31, dtype=torch.uint8, device="cuda"); y=torch.empty_like(x); y.copy_(x); torch.cuda.synchronize(); e=[torch.cuda.Event(enable_timing=True) for _ in range(2)]; e[0].record(); [y.copy_(x) for _ in range(10)]; e[1].record(); torch.cuda.synchronize(); print("%.0f" % (2 * 2**31 * 10 / (e[0].elapsed_time(e[1]) / 1e3) / 1e9))')
   echo "device copy: $bw GB/s (read + write)" | tee "$out/fp8.txt"
   for batch in 1 8 64; do
@@ -241,10 +244,7 @@ spec)
   # 64 new tokens. The random weights make the acceptance meaningless; the step costs are not: c (a
   # draft step / a plain step) and v (a verify step / a plain step) from generate --json.
   shift
-  setup_env
-  [ -x "$BUILD/kvserve" ] || build_kvserve
-  model=/tmp/kvserve-bench-models/bench-8b
-  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
+  kvserve_and_8b
   python3 -c 'import json,random,sys; r=random.Random(7); n,b=int(sys.argv[1]),int(sys.argv[2]); json.dump([[r.randrange(3,2000) for _ in range(n)] for _ in range(b)], open("/tmp/spec-prompts.json","w"))' \
     "${SPEC_CONTEXT:-32768}" "${SPEC_BATCH:-16}"
   : > "$out/spec.txt"
@@ -275,10 +275,7 @@ ttft)
   # H200, 2026-11-29): time to first token of all 8 with 1, 2, 4 and 8 prompts' tokens per prefill step
   # (--max-num-batched-tokens 8192 .. 65536; prefill_batch runs the prompts of a step in one forward).
   shift
-  setup_env
-  [ -x "$BUILD/kvserve" ] || build_kvserve
-  model=/tmp/kvserve-bench-models/bench-8b
-  [ -f "$model/STAMP" ] || python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 > "$out/make8b.log" 2>&1
+  kvserve_and_8b
   python3 -c 'import json,random; r=random.Random(3); json.dump([[r.randrange(3,2000) for _ in range(8192)] for _ in range(8)], open("/tmp/ttft-prompts.json","w"))'
   : > "$out/ttft.txt"
   for tokens in 8192 16384 32768 65536; do

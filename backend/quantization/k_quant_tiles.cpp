@@ -53,10 +53,51 @@ __m128i half_shuffle(int i) {
   return _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
 }
 
+// A Q4_K / Q5_K super-block's 6-bit sub-block scales and mins (12 bytes at wb + 4), unpacked as
+// ggml does: the 8 mins as 16-bit lanes, and the 8 scales as 16-bit lanes in both halves.
+struct KScales {
+  __m128i mins;
+  __m256i scales;
+};
+KScales unpack_k_scales(const uint8_t* wb) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t utmp[4];
+  std::memcpy(utmp, wb + 4, 12);
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;
+  const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
+      static_cast<int>(utmp[3]), static_cast<int>(utmp[2]), static_cast<int>(utmp[1]), static_cast<int>(utmp[0])));
+  const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+  return {_mm256_extracti128_si256(mins_and_scales, 1), _mm256_set_m128i(sc128, sc128)};
+}
+
+// The mins' products with an x block's sums of 16 (4 int32 lanes, ggml's pairing of the sums).
+__m128i mins_times_sums(const __m128i& mins, const uint8_t* xb) {
+  const __m256i q8sums = load256(xb + kQ8_KSums);
+  const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+  return _mm_madd_epi16(mins, q8s);
+}
+
+// Two 32-value sub-blocks of weights (lo, hi: unsigned values as bytes) times each x row's 64 values
+// at byte `at` of its blocks, scaled per sub-block, added to that row's integer sums (ggml's Q4_K /
+// Q5_K inner step).
+template <int N>
+void add_sub_block_pair(const __m256i& lo, const __m256i& hi, const __m256i& scale_lo, const __m256i& scale_hi,
+                        const uint8_t* const* xrows, int64_t at, __m256i* sumi) {
+  for (int j = 0; j < N; ++j) {
+    const uint8_t* q8 = xrows[j] + at;
+    const __m256i p_lo = _mm256_madd_epi16(scale_lo, _mm256_maddubs_epi16(lo, load256(q8)));
+    const __m256i p_hi = _mm256_madd_epi16(scale_hi, _mm256_maddubs_epi16(hi, load256(q8 + 32)));
+    sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p_lo, p_hi));
+  }
+}
+
 // One Q4_K weight row against N consecutive x rows (N <= 4).
 template <int N>
 void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, float* const* out) {
-  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
   const __m256i m4 = _mm256_set1_epi8(0xF);
   __m256 acc[N];
   __m128 acc_m[N];
@@ -68,18 +109,7 @@ void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
     const uint8_t* wb = wrow + l * kQ4_KBytes;
     const float wd = half_at(wb);
     const float wmin = half_at(wb + 2);
-    uint32_t utmp[4];
-    std::memcpy(utmp, wb + 4, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
-    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
-        static_cast<int>(utmp[3]), static_cast<int>(utmp[2]), static_cast<int>(utmp[1]), static_cast<int>(utmp[0])));
-    const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    const auto [mins, scales] = unpack_k_scales(wb);
     float d[N];
     __m256i sumi[N];
     for (int j = 0; j < N; ++j) {
@@ -88,10 +118,7 @@ void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
       d[j] = xd * wd;
       const float dmin = -xd * wmin;
       // ggml's order: the mins' term of the super-block first, then the scaled sub-blocks.
-      const __m256i q8sums = load256(xb + kQ8_KSums);
-      const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-      const __m128i prod = _mm_madd_epi16(mins, q8s);
-      acc_m[j] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[j]);
+      acc_m[j] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_times_sums(mins, xb)), acc_m[j]);
       sumi[j] = _mm256_setzero_si256();
     }
     for (int s = 0; s < 4; ++s) {
@@ -100,12 +127,7 @@ void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
       const __m256i q4bits = load256(wb + 16 + 32 * s);
       const __m256i q4l = _mm256_and_si256(q4bits, m4);
       const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-      for (int j = 0; j < N; ++j) {
-        const uint8_t* q8 = xrows[j] + l * kQ8_KBytes + 4 + 64 * s;
-        const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, load256(q8)));
-        const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, load256(q8 + 32)));
-        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p16l, p16h));
-      }
+      add_sub_block_pair<N>(q4l, q4h, scale_l, scale_h, xrows, l * kQ8_KBytes + 4 + 64 * s, sumi);
     }
     for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
   }
@@ -120,7 +142,6 @@ void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
 // value (32 bytes of bit planes before the nibbles) and the mins' term summed as a scalar.
 template <int N>
 void q5_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, float* const* out) {
-  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
   const __m256i m4 = _mm256_set1_epi8(0xF);
   const __m128i mzero = _mm_setzero_si128();
   const __m256i mone = _mm256_set1_epi8(1);
@@ -134,18 +155,7 @@ void q5_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
     const uint8_t* wb = wrow + l * kQ5_KBytes;
     const float wd = half_at(wb);
     const float wmin = half_at(wb + 2);
-    uint32_t utmp[4];
-    std::memcpy(utmp, wb + 4, 12);
-    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-    const uint32_t uaux = utmp[1] & kmask1;
-    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-    utmp[2] = uaux;
-    utmp[0] &= kmask1;
-    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
-        static_cast<int>(utmp[3]), static_cast<int>(utmp[2]), static_cast<int>(utmp[1]), static_cast<int>(utmp[0])));
-    const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-    const __m256i scales = _mm256_set_m128i(sc128, sc128);
+    const auto [mins, scales] = unpack_k_scales(wb);
     const __m256i hbits = load256(wb + 16);
     float d[N];
     __m256i sumi[N];
@@ -154,10 +164,7 @@ void q5_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
       const float xd = float_at(xb);
       d[j] = xd * wd;
       const float dmin = -xd * wmin;
-      const __m256i q8sums = load256(xb + kQ8_KSums);
-      const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-      const __m128i prod = _mm_madd_epi16(mins, q8s);
-      const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(prod, mzero), mzero);
+      const __m128i hsum = _mm_hadd_epi32(_mm_hadd_epi32(mins_times_sums(mins, xb), mzero), mzero);
       summs[j] += dmin * static_cast<float>(_mm_extract_epi32(hsum, 0));
       sumi[j] = _mm256_setzero_si256();
     }
@@ -173,12 +180,7 @@ void q5_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
       const __m256i q5h_1 = _mm256_slli_epi16(_mm256_srli_epi16(_mm256_and_si256(hbits, hmask), bit++), 4);
       const __m256i q5_1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4), q5h_1);
       hmask = _mm256_slli_epi16(hmask, 1);
-      for (int j = 0; j < N; ++j) {
-        const uint8_t* q8 = xrows[j] + l * kQ8_KBytes + 4 + 64 * s;
-        const __m256i p0 = _mm256_madd_epi16(scale_0, _mm256_maddubs_epi16(q5_0, load256(q8)));
-        const __m256i p1 = _mm256_madd_epi16(scale_1, _mm256_maddubs_epi16(q5_1, load256(q8 + 32)));
-        sumi[j] = _mm256_add_epi32(sumi[j], _mm256_add_epi32(p0, p1));
-      }
+      add_sub_block_pair<N>(q5_0, q5_1, scale_0, scale_1, xrows, l * kQ8_KBytes + 4 + 64 * s, sumi);
     }
     for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d[j]), _mm256_cvtepi32_ps(sumi[j]), acc[j]);
   }
