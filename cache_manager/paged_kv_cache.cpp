@@ -895,41 +895,44 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     return unlane(cuda::paged_decode_attention(qr, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
                                                step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale, window));
   }
-  // Entry e is sequence e / lanes' lane e % lanes (a draft step has one entry per sequence and lane).
-  auto chosen_blocks = [&] {
-    std::vector<const std::vector<int32_t>*> chosen;
-    if (!draft_blocks_.empty()) {
-      chosen.resize(static_cast<size_t>(EP), nullptr);
-      for (int64_t e = 0; e < E; ++e)
-        chosen[static_cast<size_t>(e)] = draft_blocks(step_.seq_ids[static_cast<size_t>(e / lanes_)], layer, e % lanes_);
-    }
-    return chosen;
-  };
-  if (viewed && use_cuda_kernels(pool_) && !step_.slots.grouped && P == B) {
-    // A self-speculative draft step on the device kernels: the append as a plain step's; the view's
-    // table rows cut from the host's bookkeeping (which already counts this step's slot), so the
-    // step never waits for the device, then one copy over and the same attention kernel.
-    const auto opts = torch::TensorOptions().dtype(pool_.dtype());
-    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts));
+  // A self-speculative draft step's tables: each entry's blocks and length cut from the host's
+  // bookkeeping (which already counts this step's slot) to its view. Entry e is sequence e / lanes'
+  // lane e % lanes (a draft step has one entry per sequence and lane and is never padded).
+  auto view_tables = [&] {
+    KV_CHECK(P == B && !step_.slots.grouped, "internal: a draft step of " << B << " sequences padded to " << P
+                                                                          << " rows, or with several rows a sequence");
     const int64_t cols = std::max<int64_t>(1, max_blocks);
     torch::Tensor table = torch::zeros({E, cols}, torch::kInt32), lens = torch::empty({E}, torch::kInt32);
     int32_t* tp = table.data_ptr<int32_t>();
     int32_t* lp = lens.data_ptr<int32_t>();
+    std::vector<const std::vector<int32_t>*> chosen;
+    if (!draft_blocks_.empty()) chosen.resize(static_cast<size_t>(E), nullptr);
     for (int64_t e = 0; e < E; ++e) {
-      const LayerBlocks& lb = lane_of(step_.seq_ids[static_cast<size_t>(e / lanes_)], layer, e % lanes_);
-      const int64_t n = std::min<int64_t>(cols, static_cast<int64_t>(lb.blocks.size()));
-      std::copy_n(lb.blocks.begin(), n, tp + e * cols);
+      const int64_t seq = step_.seq_ids[static_cast<size_t>(e / lanes_)];
+      const LayerBlocks& lb = lane_of(seq, layer, e % lanes_);
+      std::copy_n(lb.blocks.begin(), std::min<int64_t>(cols, static_cast<int64_t>(lb.blocks.size())), tp + e * cols);
       lp[e] = static_cast<int32_t>(lb.length);
+      if (!chosen.empty()) chosen[static_cast<size_t>(e)] = draft_blocks(seq, layer, e % lanes_);
     }
-    auto [vt, vl] = draft_view_tables(table, lens, bs_, step_.view, chosen_blocks());
-    const auto dev = pool_.device();
+    return draft_view_tables(table, lens, bs_, step_.view, chosen);
+  };
+  const auto dev = pool_.device();
+  if (viewed && use_cuda_kernels(pool_)) {
+    // On the device kernels: the append as a plain step's, then the view's tables in one pinned,
+    // asynchronous copy (the host goes on to the next layer) and the same attention kernel.
+    const auto opts = torch::TensorOptions().dtype(pool_.dtype());
+    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts));
+    auto [vt, vl] = view_tables();
     const torch::Tensor rows = torch::arange(E, torch::TensorOptions().dtype(torch::kInt32).device(dev));
-    // Pinned, asynchronous: the host goes on to the next layer while the tables travel.
     auto up = [&](const torch::Tensor& t) { return t.pin_memory().to(dev, torch::kInt32, /*non_blocking=*/true); };
     return unlane(cuda::paged_decode_attention(qr, pool_.storage(), up(vt), rows, up(vl), vt.size(1), scale, window));
   }
   const int64_t* off = step_.slots.offset.data() + layer * E;
   write_slots(step_.slots.block.data() + layer * E, off, kr.narrow(0, 0, E), vr.narrow(0, 0, E));
+  if (viewed) {
+    auto [vt, vl] = view_tables();
+    return unlane(stored_attention(qr, vt.to(dev), vl.to(dev), scale, window));
+  }
   const int64_t cols = std::max<int64_t>(1, max_blocks);
   const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   // A speculative step's entries of one sequence share its table row; each sees the slots up to its
@@ -937,12 +940,8 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
   const torch::Tensor lens =
       step_.slots.grouped
           ? torch::from_blob(const_cast<int32_t*>(step_.slots.lengths.data()) + layer * E, {E}, torch::kInt32)
-                .to(pool_.device())
+                .to(dev)
           : dev_.lengths(layer).index_select(0, step_.rows);
-  if (viewed) {
-    auto [vt, vl] = draft_view_tables(table.to(torch::kCPU), lens.to(torch::kCPU), bs_, step_.view, chosen_blocks());
-    return unlane(stored_attention(qr, vt.to(pool_.device()), vl.to(pool_.device()), scale, window));
-  }
   return unlane(stored_attention(qr, table, lens, scale, window));
 }
 
