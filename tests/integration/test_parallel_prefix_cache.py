@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import random
+import time
 import urllib.request
 
 import pytest
@@ -103,7 +104,13 @@ def test_sharded_prefix_cache_equals_one_process_without_it(layout, reference):
             got, want = conversation(s.url, policy), reference["conversation"][policy]
             assert got["choices"][0]["text"] == want["choices"][0]["text"], (layout, policy)
             assert got["usage"]["kv_kept_tokens"] == want["usage"]["kv_kept_tokens"], (layout, policy)
+        # The last turn is parked in the engine step that sends its response; /metrics shows it once
+        # that step has recorded the pools' usage.
+        deadline = time.time() + 10
         m = s.metrics()
+        while m["kvserve:conversations_parked"] != len(POLICIES) - 1 and time.time() < deadline:
+            time.sleep(0.05)
+            m = s.metrics()
         assert m["kvserve:conversations_parked"] == len(POLICIES) - 1
         assert m['kvserve:prefix_cache_bytes{model_name="tiny",tier="conversation"}'] > 0
     finally:
