@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cache_manager/kv_quant_cuda.h"
+#include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -73,6 +75,11 @@ void encode_q4_1(const float* x, uint8_t* qs, uint8_t* scale) {
   }
   put_half(scale, d);
   put_half(scale + 2, lo);
+}
+
+// The dtypes the device twins (cache_manager/kv_quant_cuda.h) read and write.
+bool is_kernel_float(torch::ScalarType t) {
+  return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
 }
 
 int64_t scale_bytes(KvQuant q) { return q == KvQuant::q4_1 ? 4 : 2; }
@@ -162,9 +169,11 @@ void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float*
   }
 }
 
+float kv_quant_rotation_scale() { return 1.0f / std::sqrt(static_cast<float>(G)); }
+
 void kv_quant_rotate_row(float* x, int64_t head_dim) {
   // Butterflies in natural (Sylvester) order: the result is H32 x / sqrt(32), H32(i, j) = (-1)^popcount(i & j).
-  const float s = 1.0f / std::sqrt(static_cast<float>(G));
+  const float s = kv_quant_rotation_scale();
   for (int64_t g = 0; g < head_dim; g += G) {
     float* v = x + g;
     for (int64_t len = 1; len < G; len <<= 1) {
@@ -183,6 +192,7 @@ void kv_quant_rotate_row(float* x, int64_t head_dim) {
 torch::Tensor kv_quant_rotate(const torch::Tensor& x) {
   const int64_t D = x.size(-1);
   KV_CHECK(D % G == 0, "kv_quant_rotate: head_dim " << D << " is not a multiple of " << G);
+  if (x.is_cuda() && cuda::compiled() && is_kernel_float(x.scalar_type())) return cuda::kv_quant_rotate(x);
   torch::Tensor y = x.to(torch::kCPU, torch::kFloat32).contiguous().clone();
   float* p = y.data_ptr<float>();
   const int64_t rows = D == 0 ? 0 : y.numel() / D;
@@ -202,9 +212,10 @@ torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q, bool rotate) {
   KV_CHECK(x.dim() >= 1 && x.is_floating_point(), "kv_quant_encode: x must be a float tensor [..., D], got " << x.sizes());
   const int64_t D = x.size(-1);
   check_kv_quant_head_dim(q, D, "kv_quant_encode");
+  if (x.is_cuda() && cuda::compiled() && is_kernel_float(x.scalar_type())) return cuda::kv_quant_encode(x, q, rotate);
   const int64_t rb = kv_quant_row_bytes(q, D);
-  // Rows are few and short (a decode step's tokens, a prompt's kept ones): encoded on the host,
-  // with ggml's scalar rounding so the bytes equal the reference's.
+  // On the host with ggml's scalar rounding, so the bytes equal the reference's (CUDA tensors took
+  // the device twin above, which gives the same bytes).
   const torch::Tensor xc = x.to(torch::kCPU, torch::kFloat32).contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = rb;
@@ -225,6 +236,9 @@ torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head
   KV_CHECK(rows.dim() >= 1 && rows.size(-1) == rb && rows.scalar_type() == torch::kUInt8,
            "kv_quant_decode: rows must be uint8 [..., " << rb << "] for " << kv_quant_name(q) << " rows of head_dim "
                                                         << head_dim << ", got " << rows.scalar_type() << " " << rows.sizes());
+  if (rows.is_cuda() && cuda::compiled() && is_kernel_float(out_dtype)) {
+    return cuda::kv_quant_decode(rows, q, head_dim, out_dtype, rotate);
+  }
   const torch::Tensor rc = rows.to(torch::kCPU).contiguous();
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = head_dim;

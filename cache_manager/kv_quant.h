@@ -46,6 +46,8 @@ torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head
 torch::Tensor kv_quant_rotate(const torch::Tensor& x);
 // The same on one row of D floats, in place (a fast Walsh-Hadamard transform per group).
 void kv_quant_rotate_row(float* x, int64_t head_dim);
+// The transform's scale, 1 / sqrt(32) in fp32 (the device kernels take the host's value).
+float kv_quant_rotation_scale();
 // Whether quantized pools rotate (KVSERVE_KV_ROTATE=0 turns it off, for A/B runs; default on).
 bool kv_quant_rotation_enabled();
 

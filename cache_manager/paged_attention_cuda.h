@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "cache_manager/kv_quant.h"
+
 namespace kvserve::cuda {
 
 // True when this build has the CUDA kernels (KVSERVE_WITH_CUDA and nvcc found at configure time).
@@ -28,9 +30,15 @@ bool compiled();
 // must not run concurrently on two streams; the first launch that needs more counters than any
 // before grows that buffer, which throws if the stream is capturing a CUDA graph (run the step
 // once eagerly first, as DecodeGraphs does).
+// With `quant`, the pool holds uint8 rows [N, 2, KV, bs, row bytes] of that format (kv_quant.h),
+// read and dequantized in the kernel (q is converted to fp32 for it and the output back); `rotated`:
+// the rows are kv_quant_rotate()d (q is rotated the same way and the output rotated back). The
+// quantized kernel always merges splits with the second kernel (the tuning's fold and loads apply to
+// 16/32-bit pools) and needs head_dim a multiple of 32.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
                                      const torch::Tensor& rows, const torch::Tensor& lengths, int64_t max_blocks_hint,
-                                     double scale = -1.0, int64_t window = 0);
+                                     double scale = -1.0, int64_t window = 0, KvQuant quant = KvQuant::none,
+                                     bool rotated = false);
 
 // Variant of paged_decode_attention's kernel for the GPU bandwidth sweep (issue 34,
 // bench/bench_paged_decode_cuda.cpp); the defaults are the kernel as it was before the sweep.
@@ -65,9 +73,12 @@ DecodeSplitPlan decode_split_plan(int64_t batch, int64_t num_heads, int64_t num_
 torch::Tensor decode_split_counters(const torch::Device& device);
 
 // Writes this step's k, v [B, KV, D] (pool's dtype) into slot lengths[rows[b]] - 1 of table row
-// rows[b], for every KV head, on the current stream. Rows must be distinct.
+// rows[b], for every KV head, on the current stream. Rows must be distinct. With `quant`, k and v
+// (float32 / bfloat16 / float16) are encoded into the pool's rows as kv_quant_encode would (rotated
+// first with `rotate`), bit for bit.
 void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const torch::Tensor& rows,
-                  const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v);
+                  const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v,
+                  KvQuant quant = KvQuant::none, bool rotate = false);
 
 // Whether paged_append copies 16-byte vectors (every load before the first store) where D and the
 // pointers allow. On by default, as the fused ops' vectorized level (backend/fused_ops.h) is;

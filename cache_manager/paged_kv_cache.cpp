@@ -23,7 +23,8 @@ bool use_cuda_kernels(const KvBlockPool& pool) {
     const char* e = std::getenv("KVSERVE_PAGED_KERNEL");
     return e != nullptr && std::string(e) == "torch";
   }();
-  return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 && !pool.quantized() &&
+  // A quantized pool's rows are read by the quantized kernel, whatever the compute dtype's width.
+  return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 &&
          (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 || pool.dtype() == torch::kFloat16);
 }
 // The pool's own geometry: one KV head per block in the head-wise layout.
@@ -891,9 +892,11 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     // Both read the step's tables, rows and lengths in place on the device: nothing built on the host.
     // Padding entries read the null row: length 0, so no slot is written and the output row is zero.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
-    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts));
+    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts),
+                       pool_.quant(), rotates_);
     return unlane(cuda::paged_decode_attention(qr, pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer),
-                                               step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale, window));
+                                               step_.split_hint >= 0 ? step_.split_hint : max_blocks, scale, window,
+                                               pool_.quant(), rotates_));
   }
   // A self-speculative draft step's tables: each entry's blocks and length cut from the host's
   // bookkeeping (which already counts this step's slot) to its view. Entry e is sequence e / lanes'
@@ -921,11 +924,13 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     // On the device kernels: the append as a plain step's, then the view's tables in one pinned,
     // asynchronous copy (the host goes on to the next layer) and the same attention kernel.
     const auto opts = torch::TensorOptions().dtype(pool_.dtype());
-    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts));
+    cuda::paged_append(pool_.storage(), dev_.tables(layer), step_.rows, dev_.lengths(layer), kr.to(opts), vr.to(opts),
+                       pool_.quant(), rotates_);
     auto [vt, vl] = view_tables();
     const torch::Tensor rows = torch::arange(E, torch::TensorOptions().dtype(torch::kInt32).device(dev));
     auto up = [&](const torch::Tensor& t) { return t.pin_memory().to(dev, torch::kInt32, /*non_blocking=*/true); };
-    return unlane(cuda::paged_decode_attention(qr, pool_.storage(), up(vt), rows, up(vl), vt.size(1), scale, window));
+    return unlane(cuda::paged_decode_attention(qr, pool_.storage(), up(vt), rows, up(vl), vt.size(1), scale, window,
+                                               pool_.quant(), rotates_));
   }
   const int64_t* off = step_.slots.offset.data() + layer * E;
   write_slots(step_.slots.block.data() + layer * E, off, kr.narrow(0, 0, E), vr.narrow(0, 0, E));

@@ -106,7 +106,7 @@ std::string effective_api_key(const ServerSection& server) {
 namespace {
 
 const std::set<std::string> kDtypes = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"};
-// cache.kv_cache_dtype: the float dtypes, and the quantized formats (int8 = q8_0, int4 = q4_0; CPU).
+// cache.kv_cache_dtype: the float dtypes, and the quantized formats (int8 = q8_0, int4 = q4_0).
 const std::set<std::string> kQuantKvDtypes = {"int8", "int4", "q8_0", "q4_0", "q4_1"};
 const char* const kKvDtypeChoices = "auto, float32, bfloat16, float16, int8, int4, q8_0, q4_0, q4_1";
 std::string check_kv_cache_dtype(const std::string& s) {
@@ -422,10 +422,8 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
   if (c.cache.block_size <= 0) add("cache.block_size", "must be positive");
   if (const std::string why = check_kv_cache_dtype(c.cache.kv_cache_dtype); !why.empty()) {
     add("cache.kv_cache_dtype", why);
-  } else if (c.model.device.rfind("cuda", 0) == 0 && kQuantKvDtypes.count(c.cache.kv_cache_dtype)) {
-    add("cache.kv_cache_dtype", "'" + c.cache.kv_cache_dtype + "' on " + c.model.device +
-                                    ": quantized KV caches run on the CPU only so far (use auto)");
   } else if (c.model.device.rfind("cuda", 0) == 0 && c.cache.kv_cache_dtype != "auto" && kDtypes.count(c.model.dtype) &&
+             !kQuantKvDtypes.count(c.cache.kv_cache_dtype) &&
              canonical_dtype(c.cache.kv_cache_dtype) != canonical_dtype(c.model.dtype == "auto" ? "bfloat16" : c.model.dtype)) {
     add("cache.kv_cache_dtype", "'" + c.cache.kv_cache_dtype + "' differs from the compute dtype on " + c.model.device +
                                     ": CUDA pools take only model.dtype (use auto)");

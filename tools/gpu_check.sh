@@ -12,9 +12,10 @@
 #   tools/gpu_check.sh fp8       # --quantization fp8 against bf16 weights, 8B shape, 1K x 1 / 8 / 64 (not run yet)
 #   tools/gpu_check.sh spec      # self-speculation against plain decoding, 8B shape, 32K x 16 (not run yet)
 #   tools/gpu_check.sh ttft      # TTFT of 8 x 8K prompts at 1 / 2 / 4 / 8 prompts a prefill step (not run yet)
+#   tools/gpu_check.sh kvquant   # int8 / int4 KV pools against bf16, 8B shape, 1K x 8, 32K x 8, pyramidkv 32K x 64 (not run yet)
 # `all` fills its budget in the order below; on a 15-minute lease `run` and `bench --quick` take it all,
 # so the steps after them are for a second command on the same warm machine (e.g.
-# `tools/gpu_check.sh fp8; tools/gpu_check.sh spec; tools/gpu_check.sh ttft`, ~5 minutes).
+# `tools/gpu_check.sh fp8; tools/gpu_check.sh spec; tools/gpu_check.sh ttft; tools/gpu_check.sh kvquant`, ~7 minutes).
 #   tools/gpu_check.sh all       # all of the above in one call (~10 minutes on an H100; see below)
 #
 # `run` unpacks the .debs into a prefix (never into /), builds the kvserve target and any test
@@ -270,6 +271,26 @@ if sp.get("draft_steps"):
 PY
   exit ${rc:-0}
   ;;
+kvquant)
+  # Issue 47's GPU row: quantized KV pools (int8 = q8_0, int4 = q4_0 rows, read by the quantized decode
+  # kernel) against bf16 on the 8B checkpoint: full 1K x 8 and 32K x 8, pyramidkv-128 32K x 64, bench
+  # decode, interleaved. The floors with KV come from a device copy's bandwidth and each pool's bytes.
+  shift
+  kvserve_and_8b
+  bw=$(python3 -c 'import torch; x=torch.empty(2**31, dtype=torch.uint8, device="cuda"); y=torch.empty_like(x); y.copy_(x); torch.cuda.synchronize(); e=[torch.cuda.Event(enable_timing=True) for _ in range(2)]; e[0].record(); [y.copy_(x) for _ in range(10)]; e[1].record(); torch.cuda.synchronize(); print("%.0f" % (2 * 2**31 * 10 / (e[0].elapsed_time(e[1]) / 1e3) / 1e9))')
+  echo "device copy: $bw GB/s (read + write)" | tee "$out/kvquant.txt"
+  for cell in 1024:8:full 32768:8:full 32768:64:pyramidkv:128; do
+    IFS=: read -r ctx batch policy budget <<< "$cell"
+    for kv in auto int8 int4; do
+      timeout 150 "$BUILD/kvserve" bench decode --model "$model" --device cuda --dtype bfloat16 --kv-cache-dtype $kv \
+        --context $ctx --batch $batch --policy $policy ${budget:+--budget $budget} --steps 16 --warmup 4 \
+        --bandwidth-gbs "$bw" "$@" 2>>"$out/kvquant.err" | tail -1 > "$out/kvquant-$ctx-$batch-$policy-$kv.json" || rc=1
+      python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print("%s x %s %s, KV %s: %.3f ms/step, %.0f tok/s, floor with KV %.3f ms (step / floor %.2fx)" % (sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], j["step_s_median"]*1e3, j["decode_tokens_per_s"], j["floor_step_s"]*1e3, j["step_s_median"]/j["floor_step_s"]))' \
+        "$out/kvquant-$ctx-$batch-$policy-$kv.json" "$ctx" "$batch" "$policy" "$kv" | tee -a "$out/kvquant.txt" || rc=1
+    done
+  done
+  exit ${rc:-0}
+  ;;
 ttft)
   # Issue 13's TTFT row (8 prompts of 8K tokens, full; kvserve 2.17 s against transformers' 2.14 s on an
   # H200, 2026-11-29): time to first token of all 8 with 1, 2, 4 and 8 prompts' tokens per prefill step
@@ -404,5 +425,5 @@ all)
   cat "$sum"
   ;;
 *)
-  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|fp8|spec|ttft|all [options]" >&2; exit 2 ;;
+  echo "usage: tools/gpu_check.sh fetch|run|bench|prefix|kernels|attention|profile|fp8|spec|ttft|kvquant|all [options]" >&2; exit 2 ;;
 esac

@@ -44,9 +44,6 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   m->gemm_ = opt.cpu_gemm;
   m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
   m->kv_quant_ = kv_cache_quant_from_name(opt.kv_cache_dtype);
-  KV_CHECK(!m->device_.is_cuda() || m->kv_quant_ == KvQuant::none,
-           "KV cache dtype '" << opt.kv_cache_dtype << "' on " << opt.device << ": quantized KV caches run on the CPU only "
-                              << "so far (the CUDA decode kernels read the compute dtype; use kv_cache_dtype auto)");
   check_kv_quant_head_dim(m->kv_quant_, c.head_dim, "KV cache dtype '" + opt.kv_cache_dtype + "'");
   // The CUDA decode kernels read K/V in q's dtype; a narrower CUDA cache would need them to widen.
   KV_CHECK(!m->device_.is_cuda() || m->kv_dtype_ == m->dtype_,

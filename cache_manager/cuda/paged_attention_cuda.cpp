@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache_manager/kv_quant_cuda.h"
 #include "common/check.h"
 
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
@@ -19,6 +20,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "cache_manager/cuda/kv_quant_launch.h"
 #include "cache_manager/cuda/paged_decode.cuh"
 #endif
 
@@ -157,6 +159,115 @@ cuda_kernels::DType kernel_dtype(torch::ScalarType t) {
 }
 #endif
 
+// paged_decode_attention over a pool of `quant` rows: q in fp32 (rotated with the rows), the
+// quantized kernel, the output back in q's dtype.
+torch::Tensor paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
+                                           const torch::Tensor& rows, const torch::Tensor& lengths,
+                                           int64_t max_blocks_hint, double scale, int64_t window, KvQuant quant,
+                                           bool rotated) {
+  constexpr const char* what = "cuda paged decode attention (quantized pool)";
+  KV_CHECK(q.dim() == 3, what << ": q must be [B, H, D], got " << q.sizes());
+  KV_CHECK(is_kernel_dtype(q.scalar_type()), what << ": q must be float32, bfloat16 or float16, got " << q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  check_kv_quant_head_dim(quant, D, what);
+  KV_CHECK(D <= 256, what << ": head_dim " << D << " > 256 is not supported");
+  KV_CHECK(pool.dim() == 5 && pool.size(1) == 2 && pool.scalar_type() == torch::kUInt8 &&
+               pool.size(4) == kv_quant_row_bytes(quant, D) && pool.is_contiguous(),
+           what << ": a " << kv_quant_name(quant) << " pool of head_dim " << D << " is contiguous uint8 [N, 2, KV, bs, "
+                << kv_quant_row_bytes(quant, D) << "], got " << pool.scalar_type() << " " << pool.sizes());
+  const int64_t KV = pool.size(2);
+  KV_CHECK(KV > 0 && H % KV == 0, what << ": " << H << " query heads are not a multiple of " << KV << " KV heads");
+  check_table_args(what, tables, rows, lengths, B);
+  KV_CHECK(max_blocks_hint >= 0, what << ": max_blocks_hint must be >= 0, got " << max_blocks_hint);
+  KV_CHECK(window >= 0, what << ": window must be >= 0, got " << window);
+#ifndef KVSERVE_HAVE_CUDA_KERNELS
+  no_kernels(what);
+#else
+  check_device(what, q, {&pool, &tables, &rows, &lengths});
+  const c10::cuda::CUDAGuard guard(q.device());
+  torch::Tensor qf = q.to(torch::kFloat32).contiguous();
+  if (rotated) qf = kv_quant_rotate(qf);
+  const torch::Tensor rc = rows.contiguous(), lc = lengths.contiguous();
+  torch::Tensor out = torch::empty_like(qf);
+  if (B == 0 || H == 0) return out.to(q.scalar_type());
+  const int sms = at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount;
+  int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
+  if (window > 0) hint = std::min<int64_t>(hint, (window - 1 + pool.size(3) - 1) / pool.size(3) + 1);
+  const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms, decode_tuning().ctas_per_sm);
+  torch::Tensor workspace;
+  const size_t ws = cuda_kernels::workspace_floats(B, H, D, plan.num_splits);
+  if (ws > 0) workspace = torch::empty({static_cast<int64_t>(ws)}, qf.options());
+  cuda_kernels::QuantDecodeArgs a;
+  a.q = qf.data_ptr<float>();
+  a.pool = pool.data_ptr<uint8_t>();
+  set_tables(a, tables, rc, lc);
+  a.out = out.data_ptr<float>();
+  if (ws > 0) {
+    a.partial_acc = workspace.data_ptr<float>();
+    a.partial_ml = a.partial_acc + B * H * plan.num_splits * D;
+  }
+  a.batch = B;
+  a.num_heads = H;
+  a.num_kv_heads = KV;
+  a.head_dim = D;
+  a.num_blocks = pool.size(0);
+  a.block_size = pool.size(3);
+  a.num_splits = plan.num_splits;
+  a.blocks_per_split = plan.blocks_per_split;
+  a.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  a.window = window;
+  a.format = quant_format(quant);
+  const cudaError_t err = cuda_kernels::launch_paged_decode_quant(a, at::cuda::getCurrentCUDAStream(q.device().index()));
+  KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
+  if (rotated) out = kv_quant_rotate(out);
+  return out.to(q.scalar_type());
+#endif
+}
+
+// paged_append into a pool of `quant` rows: each row encoded on the device into its slot.
+void paged_append_quant(const torch::Tensor& pool, const torch::Tensor& tables, const torch::Tensor& rows,
+                        const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v, KvQuant quant,
+                        bool rotate) {
+  constexpr const char* what = "cuda paged append (quantized pool)";
+  KV_CHECK(k.dim() == 3, what << ": k must be [B, KV, D], got " << k.sizes());
+  const int64_t D = k.size(2);
+  check_kv_quant_head_dim(quant, D, what);
+  KV_CHECK(pool.dim() == 5 && pool.size(1) == 2 && pool.scalar_type() == torch::kUInt8 &&
+               pool.size(4) == kv_quant_row_bytes(quant, D) && pool.is_contiguous(),
+           what << ": a " << kv_quant_name(quant) << " pool of head_dim " << D << " is contiguous uint8 [N, 2, KV, bs, "
+                << kv_quant_row_bytes(quant, D) << "], got " << pool.scalar_type() << " " << pool.sizes());
+  KV_CHECK(k.size(1) == pool.size(2), what << ": k has " << k.size(1) << " KV heads, the pool " << pool.size(2));
+  KV_CHECK(v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type(),
+           what << ": v " << v.scalar_type() << " " << v.sizes() << " != k " << k.scalar_type() << " " << k.sizes());
+  KV_CHECK(is_kernel_dtype(k.scalar_type()), what << ": k/v must be float32, bfloat16 or float16, got " << k.scalar_type());
+  check_table_args(what, tables, rows, lengths, k.size(0));
+#ifndef KVSERVE_HAVE_CUDA_KERNELS
+  no_kernels(what);
+#else
+  check_device(what, pool, {&tables, &rows, &lengths, &k, &v});
+  if (k.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(pool.device());
+  const torch::Tensor kc = k.contiguous(), vc = v.contiguous();
+  const torch::Tensor rc = rows.contiguous(), lc = lengths.contiguous();
+  cuda_kernels::QuantAppendArgs a;
+  a.pool = pool.data_ptr<uint8_t>();
+  set_tables(a, tables, rc, lc);
+  a.k = kc.data_ptr();
+  a.v = vc.data_ptr();
+  a.dtype = quant_kernel_dtype(k.scalar_type());
+  a.batch = k.size(0);
+  a.num_kv_heads = pool.size(2);
+  a.head_dim = D;
+  a.num_blocks = pool.size(0);
+  a.block_size = pool.size(3);
+  a.format = quant_format(quant);
+  a.rotate = rotate;
+  a.rot_scale = kv_rotation_scale();
+  const cudaError_t err = cuda_kernels::launch_paged_append_quant(a, at::cuda::getCurrentCUDAStream(pool.device().index()));
+  KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
+#endif
+}
+
 }  // namespace
 
 bool compiled() {
@@ -169,7 +280,10 @@ bool compiled() {
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& pool, const torch::Tensor& tables,
                                      const torch::Tensor& rows, const torch::Tensor& lengths, int64_t max_blocks_hint,
-                                     double scale, int64_t window) {
+                                     double scale, int64_t window, KvQuant quant, bool rotated) {
+  if (quant != KvQuant::none) {
+    return paged_decode_attention_quant(q, pool, tables, rows, lengths, max_blocks_hint, scale, window, quant, rotated);
+  }
   constexpr const char* what = "cuda paged decode attention";
   KV_CHECK(q.dim() == 3, what << ": q must be [B, H, D], got " << q.sizes());
   check_pool(what, pool);
@@ -233,7 +347,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 }
 
 void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const torch::Tensor& rows,
-                  const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v) {
+                  const torch::Tensor& lengths, const torch::Tensor& k, const torch::Tensor& v, KvQuant quant,
+                  bool rotate) {
+  if (quant != KvQuant::none) return paged_append_quant(pool, tables, rows, lengths, k, v, quant, rotate);
   constexpr const char* what = "cuda paged append";
   check_pool(what, pool);
   const int64_t KV = pool.size(2), D = pool.size(4);

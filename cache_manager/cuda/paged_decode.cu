@@ -49,6 +49,7 @@
 //   takes the scalar path: one element per lane per step, TG = 32.
 // - fp32 accumulation everywhere; bf16/fp16 are converted on load.
 #include "cache_manager/cuda/paged_decode.cuh"
+#include "cache_manager/cuda/decode_common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -62,10 +63,6 @@
 namespace kvserve::cuda_kernels {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxSplits = kMaxFoldSplits;
 constexpr int kMinBlocksPerSplit = 4;  // one block per warp: fewer leaves warps idle for nothing
 
@@ -95,25 +92,6 @@ struct DecodeParams {
   int64_t window;  // 0: every slot
   int32_t* split_counters;  // FOLD: one zeroed int per (b, blockIdx.y)
 };
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half(x);
-}
 
 // VEC consecutive elements of one row, as loaded: one 16-byte load when VEC * sizeof(T) == 16 (the
 // caller guarantees alignment), else VEC scalar loads. Kept packed until used so that bf16/fp16
@@ -167,19 +145,6 @@ struct Packet<T, VEC, true> {
     }
   }
 };
-
-// Merges state (mo, lo, ao) into (m, l, a); a max of -inf on both sides means "nothing yet".
-template <int E>
-__device__ __forceinline__ void merge_state(float& m, float& l, float* a, float mo, float lo, const float* ao) {
-  const float mx = fmaxf(m, mo);
-  if (mx == -INFINITY) return;
-  const float cs = exp2f(m - mx);   // 0 when m == -inf
-  const float co = exp2f(mo - mx);  // 0 when mo == -inf
-  l = l * cs + lo * co;
-#pragma unroll
-  for (int e = 0; e < E; ++e) a[e] = a[e] * cs + ao[e] * co;
-  m = mx;
-}
 
 // The folded split merge, run by every CTA of a split launch once its partial (acc, m, l) is
 // written: the last CTA of this (b, KV head, head chunk) to arrive merges all num_splits partials
@@ -497,35 +462,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const DecodePara
   }
 }
 
-// Log-sum-exp merge of the splits: one CTA per (b, h).
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    merge_splits_kernel(const float* __restrict__ acc, const float* __restrict__ ml, T* __restrict__ out, int D,
-                        int splits) {
-  const int64_t bh = blockIdx.x;
-  const float* mlp = ml + bh * splits * 2;
-  float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, mlp[2 * s]);
-  float lsum = 0.0f;
-  if (mx != -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
-      const float ms = mlp[2 * s];
-      if (ms != -INFINITY) lsum += mlp[2 * s + 1] * exp2f(ms - mx);
-    }
-  }
-  const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.0f;
-    if (mx != -INFINITY) {
-      for (int s = 0; s < splits; ++s) {
-        const float ms = mlp[2 * s];
-        if (ms != -INFINITY) a += acc[(bh * splits + s) * D + d] * exp2f(ms - mx);  // never reads empty splits
-      }
-    }
-    out[bh * D + d] = from_float<T>(a * inv);
-  }
-}
-
 // One CTA per batch entry copies its K and V rows of every KV head into the slot lengths - 1.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads) paged_append_kernel(PagedAppendArgs a, int64_t num_rows) {
@@ -560,13 +496,6 @@ __global__ void __launch_bounds__(kThreads) paged_append_kernel(PagedAppendArgs 
       kdst[half + dst] = v[i];
     }
   }
-}
-
-int heads_per_cta(int64_t group) {
-  if (group <= 1) return 1;
-  if (group <= 2) return 2;
-  if (group <= 4) return 4;
-  return 8;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

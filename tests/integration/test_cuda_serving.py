@@ -142,3 +142,24 @@ def test_fp8_weights_on_cuda_track_the_cpu_reference(tmp_path):
                          capture_output=True, text=True, timeout=300, check=True)
     j = json.loads(gen.stdout.strip().splitlines()[-1])
     assert j["weights"]["format"].startswith("float8_e4m3fn") and j["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4", "q4_1"])
+def test_quantized_kv_on_cuda_matches_the_cpu_pool(kv):
+    # A quantized pool on the GPU: rows encoded on the device (the host's bytes), decode steps through
+    # the quantized kernel, prefill and compression through the device decode. Greedy fp32 tokens must be
+    # a CPU pool's of the same format, under full KV and a compressing policy.
+    import json
+    import subprocess
+    from kvserve_server import kvserve_bin
+    for policy in ("full", "snapkv"):
+        got = {}
+        for dev in ("cuda", "cpu"):
+            out = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", dev, "--dtype", "float32",
+                                  "--kv-cache-dtype", kv, "--policy", policy, "--prompt", TEXT + " " + CONTEXT,
+                                  "--max-tokens", "24", "--ignore-eos", "--json"],
+                                 capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-3000:]
+            got[dev] = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["cuda"]["token_ids"] == got["cpu"]["token_ids"], (kv, policy, got["cuda"]["text"], got["cpu"]["text"])
+        assert got["cuda"]["kv_cache_dtype"] == got["cpu"]["kv_cache_dtype"], got["cuda"]

@@ -124,10 +124,15 @@ def test_errors_name_what_is_wrong(tmp_path):
     proc = run_kvserve("config", "check", str(cfg), check=False)
     assert proc.returncode != 0
     assert "cache.kv_cache_dtype" in proc.stdout + proc.stderr and "fp8" in proc.stdout + proc.stderr
+    # A quantized pool on CUDA is read by the quantized decode kernel; a 16-bit pool there must still be
+    # the compute dtype.
     cfg.write_text("model:\n  device: cuda\ncache:\n  kv_cache_dtype: int8\n")
     proc = run_kvserve("config", "check", str(cfg), check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg.write_text("model:\n  device: cuda\n  dtype: bfloat16\ncache:\n  kv_cache_dtype: float16\n")
+    proc = run_kvserve("config", "check", str(cfg), check=False)
     assert proc.returncode != 0
-    assert "CPU only" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "cache.kv_cache_dtype" in proc.stdout + proc.stderr and "compute dtype" in proc.stdout + proc.stderr
 
 
 def test_budget_bytes_keeps_more_tokens_in_fewer_bits():
