@@ -40,9 +40,10 @@ KvQuant kv_cache_quant_from_name(const std::string& n) {
   if (n == "int8" || n == "q8_0") return KvQuant::q8_0;
   if (n == "int4" || n == "q4_0") return KvQuant::q4_0;
   if (n == "q4_1") return KvQuant::q4_1;
+  if (n == "fp8" || n == "fp8_e4m3") return KvQuant::fp8_e4m3;
   if (n.rfind("fp8", 0) == 0) {
-    KV_FAIL("KV cache dtype '" << n << "' is not available: kvserve has no fp8 KV cache yet; int8 stores the same "
-                               << "bytes per value (with a scale per 32) on CPU");
+    KV_FAIL("KV cache dtype '" << n << "' is not available: kvserve's fp8 KV cache is e4m3 (fp8 or fp8_e4m3); e5m2 "
+                               << "keeps 2 mantissa bits, which a scale per 32 values makes no better than int4");
   }
   return KvQuant::none;
 }

@@ -1,6 +1,7 @@
 #include "cache_manager/kv_quant.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -82,8 +83,21 @@ bool is_kernel_float(torch::ScalarType t) {
   return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
 }
 
+// q8_0's recipe with e4m3 values: the group's largest magnitude maps to e4m3's largest finite value,
+// and each x * (1 / d) is rounded to the nearest e4m3 (c10's conversion: round to nearest even).
+void encode_fp8_e4m3(const float* x, uint8_t* qs, uint8_t* scale) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < G; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 448.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t j = 0; j < G; ++j) qs[j] = c10::Float8_e4m3fn(x[j] * id).x;
+  put_half(scale, d);
+}
+
 int64_t scale_bytes(KvQuant q) { return q == KvQuant::q4_1 ? 4 : 2; }
-int64_t data_bytes(KvQuant q, int64_t head_dim) { return q == KvQuant::q8_0 ? head_dim : head_dim / 2; }
+int64_t data_bytes(KvQuant q, int64_t head_dim) {
+  return q == KvQuant::q8_0 || q == KvQuant::fp8_e4m3 ? head_dim : head_dim / 2;
+}
 
 }  // namespace
 
@@ -97,6 +111,7 @@ std::string kv_cache_dtype_label(torch::ScalarType dtype, KvQuant quant) {
     case KvQuant::q8_0: return "int8";
     case KvQuant::q4_0: return "int4";
     case KvQuant::q4_1: return "q4_1";
+    case KvQuant::fp8_e4m3: return "fp8";
     case KvQuant::none: break;
   }
   switch (dtype) {
@@ -113,6 +128,7 @@ const char* kv_quant_name(KvQuant q) {
     case KvQuant::q8_0: return "q8_0";
     case KvQuant::q4_0: return "q4_0";
     case KvQuant::q4_1: return "q4_1";
+    case KvQuant::fp8_e4m3: return "fp8_e4m3";
   }
   return "?";
 }
@@ -137,6 +153,7 @@ void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* r
       case KvQuant::q8_0: encode_q8_0(x + g * G, row + g * G, scale); break;
       case KvQuant::q4_0: encode_q4_0(x + g * G, row + g * G / 2, scale); break;
       case KvQuant::q4_1: encode_q4_1(x + g * G, row + g * G / 2, scale); break;
+      case KvQuant::fp8_e4m3: encode_fp8_e4m3(x + g * G, row + g * G, scale); break;
       case KvQuant::none: KV_FAIL("kv_quant_encode_row: not a quantized format");
     }
   }
@@ -154,6 +171,12 @@ void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float*
         for (int64_t j = 0; j < G; ++j) out[j] = static_cast<float>(qs[j]) * d;
         break;
       }
+      case KvQuant::fp8_e4m3: {
+        const uint8_t* qs = row + g * G;
+        const float* values = fp8_e4m3_values();
+        for (int64_t j = 0; j < G; ++j) out[j] = values[qs[j]] * d;
+        break;
+      }
       case KvQuant::q4_0:
       case KvQuant::q4_1: {
         const uint8_t* qs = row + g * G / 2;
@@ -167,6 +190,17 @@ void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float*
       case KvQuant::none: KV_FAIL("kv_quant_decode_row: not a quantized format");
     }
   }
+}
+
+const float* fp8_e4m3_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    }
+    return t;
+  }();
+  return table.data();
 }
 
 float kv_quant_rotation_scale() { return 1.0f / std::sqrt(static_cast<float>(G)); }

@@ -1,5 +1,5 @@
 #pragma once
-// KvQuant: the quantized row formats a KV pool may store (int8 / 4-bit), and their encode / decode.
+// KvQuant: the quantized row formats a KV pool may store (int8 / fp8 / 4-bit), and their encode / decode.
 //
 // A pool row is one (token, KV head)'s K or V: head_dim values. A quantized row keeps the values of
 // each group of 32 along the head dimension as small integers followed by the group's fp16 scales,
@@ -9,6 +9,9 @@
 //   q8_0: [D x int8 q][D/32 x fp16 d]             x = q * d,        d = amax / 127
 //   q4_0: [D/2 nibbles][D/32 x fp16 d]            x = (q - 8) * d,  d = (signed max) / -8
 //   q4_1: [D/2 nibbles][D/32 x (fp16 d, fp16 m)]  x = q * d + m,    d = (max - min) / 15, m = min
+//   fp8_e4m3: [D x e4m3 q][D/32 x fp16 d]         x = q * d,        d = amax / 448
+// (fp8_e4m3 is kvserve's: q8_0's layout with OCP e4m3 values, rounded to nearest even, in place of
+// int8; its reference is torch's float8_e4m3fn conversion.)
 // Nibbles as ggml packs them: byte j of a group holds element j (low) and j + 16 (high).
 // Why these and not others is in docs/architecture.md ("Quantized KV").
 #include <torch/torch.h>
@@ -18,14 +21,14 @@
 
 namespace kvserve {
 
-enum class KvQuant : uint8_t { none, q8_0, q4_0, q4_1 };
+enum class KvQuant : uint8_t { none, q8_0, q4_0, q4_1, fp8_e4m3 };
 
 constexpr int64_t kKvQuantGroup = 32;  // values per scale group along head_dim
 
 // Bytes of one quantized row of head_dim values (head_dim a multiple of 32).
 int64_t kv_quant_row_bytes(KvQuant q, int64_t head_dim);
 const char* kv_quant_name(KvQuant q);
-// How a KV cache dtype reads back in messages and --json: "float16", "int8", "int4", "q4_1", ...
+// How a KV cache dtype reads back in messages and --json: "float16", "int8", "int4", "q4_1", "fp8", ...
 std::string kv_cache_dtype_label(torch::ScalarType dtype, KvQuant quant);
 // Throws naming `what` unless head_dim suits the format (a multiple of 32).
 void check_kv_quant_head_dim(KvQuant q, int64_t head_dim, const std::string& what);
@@ -55,5 +58,7 @@ bool kv_quant_rotation_enabled();
 // rotate: the row is kv_quant_rotate_row()d (on a copy; x is left alone) before it is encoded.
 void kv_quant_encode_row(KvQuant q, const float* x, int64_t head_dim, uint8_t* row, bool rotate = false);
 void kv_quant_decode_row(KvQuant q, const uint8_t* row, int64_t head_dim, float* x);
+// The values of the 256 e4m3 bytes (OCP fp8, "fn": no infinities, 0x7F / 0xFF are NaN), indexed by byte.
+const float* fp8_e4m3_values();
 
 }  // namespace kvserve

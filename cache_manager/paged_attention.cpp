@@ -111,6 +111,7 @@ std::optional<paged_kernel::RowFormat> row_format(torch::ScalarType pool_dtype, 
     case KvQuant::q8_0: return F::q8_0;
     case KvQuant::q4_0: return F::q4_0;
     case KvQuant::q4_1: return F::q4_1;
+    case KvQuant::fp8_e4m3: return F::fp8_e4m3;
     case KvQuant::none: break;
   }
   switch (pool_dtype) {

@@ -7,14 +7,15 @@
 #include <cstdint>
 
 namespace kvserve {
-// cache_manager/kv_quant.h's: rotates one row of head_dim floats in place.
+// cache_manager/kv_quant.h's: rotates one row of head_dim floats in place; the e4m3 bytes' values.
 void kv_quant_rotate_row(float* x, int64_t head_dim);
+const float* fp8_e4m3_values();
 }  // namespace kvserve
 
 namespace kvserve::paged_kernel {
 
 // How a pool stores a (token, head) row: floats of a dtype, or one of kv_quant.h's formats.
-enum class RowFormat { f32, f16, bf16, q8_0, q4_0, q4_1 };
+enum class RowFormat { f32, f16, bf16, q8_0, q4_0, q4_1, fp8_e4m3 };
 constexpr int64_t kQuantGroup = 32;  // kv_quant.h's kKvQuantGroup
 
 struct Shapes {

@@ -150,7 +150,7 @@ void run_plan(const PlanArgs& a) {
   // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
   const std::string kv = a.kv_dtype.empty() || a.kv_dtype == "auto" ? compute : a.kv_dtype;
   // The quantized KV caches (cache_manager/kv_quant.h): bits per value, scale bytes per 32 values.
-  if (kv == "int8" || kv == "q8_0") {
+  if (kv == "int8" || kv == "q8_0" || kv == "fp8" || kv == "fp8_e4m3") {
     o.kv_quant_bits = 8, o.kv_quant_scale_bytes = 2;
   } else if (kv == "int4" || kv == "q4_0") {
     o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 2;

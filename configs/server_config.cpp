@@ -106,12 +106,13 @@ std::string effective_api_key(const ServerSection& server) {
 namespace {
 
 const std::set<std::string> kDtypes = {"float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "auto"};
-// cache.kv_cache_dtype: the float dtypes, and the quantized formats (int8 = q8_0, int4 = q4_0).
-const std::set<std::string> kQuantKvDtypes = {"int8", "int4", "q8_0", "q4_0", "q4_1"};
-const char* const kKvDtypeChoices = "auto, float32, bfloat16, float16, int8, int4, q8_0, q4_0, q4_1";
+// cache.kv_cache_dtype: the float dtypes, and the quantized formats (int8 = q8_0, int4 = q4_0, fp8 =
+// fp8_e4m3).
+const std::set<std::string> kQuantKvDtypes = {"int8", "int4", "q8_0", "q4_0", "q4_1", "fp8", "fp8_e4m3"};
+const char* const kKvDtypeChoices = "auto, float32, bfloat16, float16, int8, int4, fp8, q8_0, q4_0, q4_1, fp8_e4m3";
 std::string check_kv_cache_dtype(const std::string& s) {
   if (kDtypes.count(s) || kQuantKvDtypes.count(s)) return {};
-  if (s.rfind("fp8", 0) == 0) return "'" + s + "' is not available: kvserve has no fp8 KV cache yet (int8 stores the same bytes per value)";
+  if (s.rfind("fp8", 0) == 0) return "'" + s + "' is not available: kvserve's fp8 KV cache is e4m3 (fp8 or fp8_e4m3)";
   return std::string("must be one of ") + kKvDtypeChoices + "; got '" + s + "'";
 }
 const std::set<std::string> kCpuGemms = {"mkl", "onednn"};

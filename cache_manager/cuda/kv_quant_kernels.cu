@@ -1,4 +1,4 @@
-// CUDA kernels of quantized KV pools (cache_manager/kv_quant.h's rows: q8_0, q4_0, q4_1).
+// CUDA kernels of quantized KV pools (cache_manager/kv_quant.h's rows: q8_0, q4_0, q4_1, fp8_e4m3).
 //
 // Design, and why:
 // - Encode, decode and rotate give the host's bytes and values bit for bit, so a pool written on
@@ -11,21 +11,22 @@
 // - Decode attention: the structure of paged_decode.cu's kernel, simplified. One CTA per (batch
 //   entry, KV head, chunk of up to 8 query heads, split); four warps take the split's blocks
 //   round-robin; a group of TG lanes owns one token, each lane a chunk of 8 values of its row (8
-//   int8 bytes, or 4 bytes of nibbles: values j..j+3 and j+16..j+19 of a group, as ggml packs
+//   int8 or e4m3 bytes, or 4 bytes of nibbles: values j..j+3 and j+16..j+19 of a group, as ggml packs
 //   them), dequantized in registers with its group's fp16 scale. A token group keeps its own
 //   online-softmax state; groups, warps and splits are merged by the log-sum-exp rule
 //   (decode_common.cuh). A row is read once per step for every query head of its GQA group: the
 //   step reads the pool's small bytes, which is the point of a quantized pool.
 // - Rows are 2-byte aligned at least (D is a multiple of 32, so row bytes are even); where the row
-//   size is a multiple of 4 (D a multiple of 64: q8_0 rows are 17 D / 16 bytes, q4_0 9 D / 16,
+//   size is a multiple of 4 (D a multiple of 64: q8_0 and fp8_e4m3 rows are 17 D / 16 bytes, q4_0 9 D / 16,
 //   q4_1 5 D / 8) the lanes use 4-byte loads, else 2-byte ones.
 // - q and the output are fp32 here: the torch wrapper converts the [B, H, D] rows (a few KB), so
-//   the kernel is instantiated per format and head chunk only (12 variants), not per dtype too.
+//   the kernel is instantiated per format and head chunk only (16 variants), not per dtype too.
 // - Out-of-range table entries are skipped, masked slots never read (as paged_decode.cu).
 #include "cache_manager/cuda/kv_quant_kernels.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
@@ -41,8 +42,17 @@ constexpr int kChunk = 8;      // values per lane chunk in the attention kernel
 constexpr int kMaxDim = 256;   // the attention kernel's largest head_dim (32 lanes x 8 values)
 
 __host__ __device__ constexpr int scale_bytes(QuantFormat f) { return f == QuantFormat::kQ4_1 ? 4 : 2; }
-__host__ __device__ constexpr int64_t data_bytes(QuantFormat f, int64_t d) {
-  return f == QuantFormat::kQ8_0 ? d : d / 2;
+// A byte per value (q8_0, fp8_e4m3) or two values a byte (the 4-bit formats).
+__host__ __device__ constexpr bool byte_values(QuantFormat f) {
+  return f == QuantFormat::kQ8_0 || f == QuantFormat::kFp8E4M3;
+}
+__host__ __device__ constexpr int64_t data_bytes(QuantFormat f, int64_t d) { return byte_values(f) ? d : d / 2; }
+// A group's data bytes.
+__host__ __device__ constexpr int group_bytes(QuantFormat f) { return byte_values(f) ? kGroup : kGroup / 2; }
+
+// An e4m3 byte's value (exact in fp16, so in fp32).
+__device__ __forceinline__ float fp8_value(uint8_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
 }
 
 __device__ __forceinline__ float load_half(const uint8_t* p) { return __half2float(*reinterpret_cast<const __half*>(p)); }
@@ -79,6 +89,19 @@ __device__ __forceinline__ void encode_group(const float* x, uint8_t* qs, uint8_
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) {
       qs[j] = static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(roundf(__fmul_rn(x[j], id)))));
+    }
+    store_half(sc, d);
+  } else if constexpr (F == QuantFormat::kFp8E4M3) {
+    // c10's float8_e4m3fn conversion rounds to nearest even, as cvt with satfinite does; x * id never
+    // passes 448 by more than a rounding, which both take to 448.
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) amax = fmaxf(amax, fabsf(x[j]));
+    const float d = __fdiv_rn(amax, 448.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      qs[j] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(__fmul_rn(x[j], id), __NV_SATFINITE, __NV_E4M3));
     }
     store_half(sc, d);
   } else if constexpr (F == QuantFormat::kQ4_0) {
@@ -126,6 +149,9 @@ __device__ __forceinline__ void decode_group(const uint8_t* qs, const uint8_t* s
   if constexpr (F == QuantFormat::kQ8_0) {
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) x[j] = __fmul_rn(static_cast<float>(static_cast<int8_t>(qs[j])), d);
+  } else if constexpr (F == QuantFormat::kFp8E4M3) {
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) x[j] = __fmul_rn(fp8_value(qs[j]), d);
   } else {
     const float m = F == QuantFormat::kQ4_1 ? load_half(sc + 2) : __fmul_rn(-8.0f, d);
 #pragma unroll
@@ -154,7 +180,7 @@ __global__ void encode_kernel(const T* __restrict__ x, int64_t groups, int64_t D
   load_group(x + r * D + gi * kGroup, v);
   if (rotate) rotate_group(v, rs);
   uint8_t* row = out + r * rb;
-  encode_group<F>(v, row + gi * (F == QuantFormat::kQ8_0 ? kGroup : kGroup / 2), row + data_bytes(F, D) + gi * scale_bytes(F));
+  encode_group<F>(v, row + gi * group_bytes(F), row + data_bytes(F, D) + gi * scale_bytes(F));
 }
 
 template <typename T, QuantFormat F>
@@ -166,7 +192,7 @@ __global__ void decode_kernel(const uint8_t* __restrict__ in, int64_t groups, in
   const int64_t rb = data_bytes(F, D) + per_row * scale_bytes(F);
   const uint8_t* row = in + r * rb;
   float v[kGroup];
-  decode_group<F>(row + gi * (F == QuantFormat::kQ8_0 ? kGroup : kGroup / 2), row + data_bytes(F, D) + gi * scale_bytes(F), v);
+  decode_group<F>(row + gi * group_bytes(F), row + data_bytes(F, D) + gi * scale_bytes(F), v);
   if (rotate) rotate_group(v, rs);
   T* o = out + r * D + gi * kGroup;
 #pragma unroll
@@ -206,7 +232,7 @@ __global__ void __launch_bounds__(kThreads) append_quant_kernel(QuantAppendArgs 
     load_group(src, v);
     if (a.rotate) rotate_group(v, a.rot_scale);
     uint8_t* dst = a.pool + ((id * 2 + half) * KV + h) * a.block_size * rb + (slot % a.block_size) * rb;
-    encode_group<F>(v, dst + gi * (F == QuantFormat::kQ8_0 ? kGroup : kGroup / 2), dst + data_bytes(F, D) + gi * scale_bytes(F));
+    encode_group<F>(v, dst + gi * group_bytes(F), dst + data_bytes(F, D) + gi * scale_bytes(F));
   }
 }
 
@@ -242,7 +268,7 @@ struct QuantParams {
 // Value e (0..7) of lane chunk c is element chunk_elem(c, e) of the row.
 template <QuantFormat F>
 __device__ __forceinline__ int chunk_elem(int c, int e) {
-  if constexpr (F == QuantFormat::kQ8_0) {
+  if constexpr (byte_values(F)) {
     return c * kChunk + e;
   } else {
     return (c / 4) * kGroup + (c % 4) * 4 + (e < 4 ? e : 12 + e);
@@ -260,11 +286,16 @@ template <QuantFormat F>
 __device__ __forceinline__ void load_chunk(const uint8_t* row, int c, int data, bool wide, float* x) {
   const uint8_t* sc = row + data + (c / 4) * scale_bytes(F);
   const float d = load_half(sc);
-  if constexpr (F == QuantFormat::kQ8_0) {
+  if constexpr (byte_values(F)) {
     const uint32_t w[2] = {load_u32(row + c * kChunk, wide), load_u32(row + c * kChunk + 4, wide)};
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      x[e] = __fmul_rn(static_cast<float>(static_cast<int8_t>((w[e / 4] >> (8 * (e % 4))) & 0xFF)), d);
+      const uint8_t b = static_cast<uint8_t>((w[e / 4] >> (8 * (e % 4))) & 0xFF);
+      if constexpr (F == QuantFormat::kQ8_0) {
+        x[e] = __fmul_rn(static_cast<float>(static_cast<int8_t>(b)), d);
+      } else {
+        x[e] = __fmul_rn(fp8_value(b), d);
+      }
     }
   } else {
     const uint32_t w = load_u32(row + (c / 4) * (kGroup / 2) + (c % 4) * 4, wide);
@@ -461,6 +492,7 @@ cudaError_t with_format(QuantFormat f, Fn&& fn) {
     case QuantFormat::kQ8_0: return fn(std::integral_constant<QuantFormat, QuantFormat::kQ8_0>{});
     case QuantFormat::kQ4_0: return fn(std::integral_constant<QuantFormat, QuantFormat::kQ4_0>{});
     case QuantFormat::kQ4_1: return fn(std::integral_constant<QuantFormat, QuantFormat::kQ4_1>{});
+    case QuantFormat::kFp8E4M3: return fn(std::integral_constant<QuantFormat, QuantFormat::kFp8E4M3>{});
   }
   return cudaErrorInvalidValue;
 }

@@ -1,6 +1,6 @@
 #pragma once
 // Raw-pointer launchers of the CUDA kernels for quantized KV pools: rows in cache_manager/kv_quant.h's
-// q8_0 / q4_0 / q4_1 formats, encoded, decoded and rotated on the device bit for bit as the host
+// q8_0 / q4_0 / q4_1 / fp8_e4m3 formats, encoded, decoded and rotated on the device bit for bit as the host
 // does; a step's K/V encoded straight into its slots; decode attention that reads the pool's small
 // bytes. Plain CUDA, as paged_decode.cuh (the torch wrappers are compiled by the host compiler).
 #include <cuda_runtime.h>
@@ -11,7 +11,7 @@
 
 namespace kvserve::cuda_kernels {
 
-enum class QuantFormat { kQ8_0, kQ4_0, kQ4_1 };
+enum class QuantFormat { kQ8_0, kQ4_0, kQ4_1, kFp8E4M3 };
 
 // Bytes of one row of head_dim values (head_dim a multiple of 32), as kv_quant_row_bytes.
 int64_t quant_row_bytes(QuantFormat f, int64_t head_dim);

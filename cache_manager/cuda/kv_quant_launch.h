@@ -14,6 +14,7 @@ inline cuda_kernels::QuantFormat quant_format(KvQuant q) {
     case KvQuant::q8_0: return cuda_kernels::QuantFormat::kQ8_0;
     case KvQuant::q4_0: return cuda_kernels::QuantFormat::kQ4_0;
     case KvQuant::q4_1: return cuda_kernels::QuantFormat::kQ4_1;
+    case KvQuant::fp8_e4m3: return cuda_kernels::QuantFormat::kFp8E4M3;
     case KvQuant::none: break;
   }
   KV_FAIL("internal: no CUDA kernel format for KV quantization '" << kv_quant_name(q) << "'");

@@ -60,10 +60,10 @@ TEST(KvCacheDtype, LayoutBytesAndBlocks) {
     EXPECT_EQ(memory(*m, bytes)->blocks_total(), 2 * blocks32) << name;
   }
   try {
-    load(dir, "fp8");
-    FAIL() << "accepted kv_cache_dtype fp8";
+    load(dir, "fp8_e5m2");
+    FAIL() << "accepted kv_cache_dtype fp8_e5m2";
   } catch (const KvError& e) {
-    EXPECT_NE(std::string(e.what()).find("KV cache dtype 'fp8' is not available"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("KV cache dtype 'fp8_e5m2' is not available"), std::string::npos) << e.what();
   }
   try {
     load(dir, "int8");

@@ -63,6 +63,33 @@ TEST_P(KvQuantFormat, RoundTripErrorWithinHalfAStep) {
   EXPECT_TRUE((err <= step * slack + amax * (1.0 / 2048) * (q == KvQuant::q8_0 ? 127 : 16)).all().item<bool>());
 }
 
+// fp8_e4m3 rows: per group of 32, d = amax / 448 (stored in fp16) and each x / d rounded by torch's own
+// float8_e4m3fn conversion; decoding gives the e4m3 value times the stored scale.
+TEST(KvQuant, Fp8RowsEqualTorchsFloat8Conversion) {
+  torch::manual_seed(11);
+  torch::Tensor x = torch::randn({40, 3, 128}) * 2;
+  x.select(2, 7).mul_(60.0f);  // an outlier channel
+  x[0].zero_();                // a zero row: scale 0, every byte 0
+  const torch::Tensor rows = kv_quant_encode(x, KvQuant::fp8_e4m3);
+  ASSERT_EQ(rows.size(-1), 128 + 4 * 2);
+  const torch::Tensor g = x.view({40, 3, 4, 32});
+  const torch::Tensor d = g.abs().amax(-1, true) / 448.0f;
+  const torch::Tensor id = torch::where(d != 0, 1.0f / d, torch::zeros_like(d));
+  const torch::Tensor q = (g * id).to(torch::kFloat8_e4m3fn);
+  const torch::Tensor want_q = q.view(torch::kUInt8).reshape({40, 3, 128});
+  const torch::Tensor want_d = d.to(torch::kHalf).contiguous().view(torch::kUInt8).reshape({40, 3, 8});
+  EXPECT_TRUE(torch::equal(rows.narrow(2, 0, 128), want_q)) << "e4m3 bytes differ from torch's";
+  EXPECT_TRUE(torch::equal(rows.narrow(2, 128, 8), want_d)) << "scales differ";
+  const torch::Tensor dec = kv_quant_decode(rows, KvQuant::fp8_e4m3, 128);
+  const torch::Tensor want = (q.to(torch::kFloat32) * d.to(torch::kHalf).to(torch::kFloat32)).reshape({40, 3, 128});
+  EXPECT_TRUE(torch::equal(dec, want)) << (dec - want).abs().max();
+  // e4m3 keeps 3 mantissa bits: every value within 2^-4 of its own magnitude (plus the scale's fp16 rounding).
+  EXPECT_TRUE(((dec - x).abs() <= x.abs() / 16 + g.abs().amax(-1, true).expand({40, 3, 4, 32}).reshape({40, 3, 128}) *
+                                                      (1.0 / 1024))
+                  .all()
+                  .item<bool>());
+}
+
 // The rotation is orthonormal and its own inverse, group by group.
 TEST(KvQuant, RotationIsAnOrthonormalInvolution) {
   torch::manual_seed(4);
@@ -198,7 +225,8 @@ TEST_P(QuantCache, HostTierMovesBlocksAsBytes) {
 INSTANTIATE_TEST_SUITE_P(Layouts, QuantCache,
                          ::testing::Values(std::make_pair(KvQuant::q8_0, false), std::make_pair(KvQuant::q4_0, false),
                                            std::make_pair(KvQuant::q4_1, false), std::make_pair(KvQuant::q8_0, true),
-                                           std::make_pair(KvQuant::q4_0, true)),
+                                           std::make_pair(KvQuant::q4_0, true), std::make_pair(KvQuant::fp8_e4m3, false),
+                                           std::make_pair(KvQuant::fp8_e4m3, true)),
                          [](const auto& info) {
                            return std::string(kv_quant_name(info.param.first)) + (info.param.second ? "_head" : "_layer");
                          });

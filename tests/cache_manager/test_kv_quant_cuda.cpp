@@ -26,7 +26,7 @@ namespace {
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";  \
   } while (0)
 
-const KvQuant kFormats[] = {KvQuant::q8_0, KvQuant::q4_0, KvQuant::q4_1};
+const KvQuant kFormats[] = {KvQuant::q8_0, KvQuant::q4_0, KvQuant::q4_1, KvQuant::fp8_e4m3};
 const torch::ScalarType kTypes[] = {torch::kFloat32, torch::kBFloat16, torch::kFloat16};
 
 std::string label(KvQuant q, torch::ScalarType t, int64_t d, bool rotate) {

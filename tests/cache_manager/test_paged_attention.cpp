@@ -389,7 +389,8 @@ TEST_P(PagedAttentionQuant, SlidingWindow) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, PagedAttentionQuant, ::testing::Values(KvQuant::q8_0, KvQuant::q4_0, KvQuant::q4_1),
+INSTANTIATE_TEST_SUITE_P(Formats, PagedAttentionQuant,
+                         ::testing::Values(KvQuant::q8_0, KvQuant::q4_0, KvQuant::q4_1, KvQuant::fp8_e4m3),
                          [](const auto& info) { return std::string(kv_quant_name(info.param)); });
 
 TEST(PagedAttentionQuantArgs, RefusesAMismatchedPool) {

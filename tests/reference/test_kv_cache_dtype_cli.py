@@ -48,9 +48,10 @@ def test_bench_reports_half_the_kv_bytes():
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench", "decode"], ["serve", "--port", "0"],
                                      ["forward", "--input-ids", "ids.json", "--output", "out.safetensors"]])
 def test_unknown_value_names_the_flag(command):
-    proc = run_kvserve(*command, "--model", str(fixtures_dir() / "llama-gqa"), "--kv-cache-dtype", "fp8", check=False)
+    proc = run_kvserve(*command, "--model", str(fixtures_dir() / "llama-gqa"), "--kv-cache-dtype", "fp8_e5m2",
+                       check=False)
     assert proc.returncode != 0
-    assert "--kv-cache-dtype" in proc.stderr and "fp8" in proc.stderr, proc.stderr
+    assert "--kv-cache-dtype" in proc.stderr and "fp8_e5m2" in proc.stderr, proc.stderr
 
 
 def test_yaml_error_names_the_key(tmp_path):
