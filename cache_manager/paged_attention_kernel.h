@@ -7,9 +7,8 @@
 #include <cstdint>
 
 namespace kvserve {
-// cache_manager/kv_quant.h's: rotates one row of head_dim floats in place; the e4m3 bytes' values.
+// cache_manager/kv_quant.h's: rotates one row of head_dim floats in place.
 void kv_quant_rotate_row(float* x, int64_t head_dim);
-const float* fp8_e4m3_values();
 }  // namespace kvserve
 
 namespace kvserve::paged_kernel {
