@@ -78,6 +78,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// What one CTA of a decode launch reads of its batch entry: the entry's table row, its length
+// (clamped to the table), the first slot a sliding window sees, and the blocks of this split. A
+// sliding-window entry's splits start at its window's first block; slots before `lo` are masked.
+struct SplitRange {
+  int row;
+  int64_t len, lo, blk_begin, blk_end;
+};
+
+// P: the kernel's parameters (rows, lengths, num_rows, table_cols, block_size, window, num_splits,
+// blocks_per_split).
+template <typename P>
+__device__ __forceinline__ SplitRange split_range(const P& p, int64_t b, int split) {
+  SplitRange r;
+  r.row = p.rows[b];
+  int64_t len = 0;
+  if (r.row >= 0 && r.row < p.num_rows) len = p.lengths[r.row];
+  const int64_t bs = p.block_size;
+  r.len = max(int64_t{0}, min(len, p.table_cols * bs));
+  const int64_t nblocks = (r.len + bs - 1) / bs;
+  r.lo = p.window > 0 ? max(int64_t{0}, r.len - p.window) : 0;
+  r.blk_begin = r.lo / bs + static_cast<int64_t>(split) * p.blocks_per_split;
+  r.blk_end = split == p.num_splits - 1 ? nblocks
+                                         : min(nblocks, r.blk_begin + static_cast<int64_t>(p.blocks_per_split));
+  return r;
+}
+
 // Query heads of one GQA group a CTA takes (the rest go to further head chunks).
 inline int heads_per_cta(int64_t group) {
   if (group <= 1) return 1;

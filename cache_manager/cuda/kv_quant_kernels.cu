@@ -333,16 +333,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_quant_kernel(const Quan
   const int64_t H = p.num_heads;
   const int64_t h0 = static_cast<int64_t>(kvh) * p.group + g0;
 
-  const int row = p.rows[b];
-  int64_t len = 0;
-  if (row >= 0 && row < p.num_rows) len = p.lengths[row];
+  const SplitRange r = split_range(p, b, split);
+  const int row = r.row;
   const int64_t bs = p.block_size;
-  len = max(int64_t{0}, min(len, p.table_cols * bs));
-  const int64_t nblocks = (len + bs - 1) / bs;
-  const int64_t lo = p.window > 0 ? max(int64_t{0}, len - p.window) : 0;
-  const int64_t blk_begin = lo / bs + static_cast<int64_t>(split) * p.blocks_per_split;
-  const int64_t blk_end =
-      split == p.num_splits - 1 ? nblocks : min(nblocks, blk_begin + static_cast<int64_t>(p.blocks_per_split));
+  const int64_t len = r.len, lo = r.lo, blk_begin = r.blk_begin, blk_end = r.blk_end;
 
   if (blk_begin >= blk_end) {
     if (p.num_splits == 1) {

@@ -145,6 +145,38 @@ void set_tables(Args& a, const torch::Tensor& tables, const torch::Tensor& rows,
   a.num_rows = tables.size(0);
 }
 
+// The launch shape both decode kernels share: the split-K plan from the host's block hint (clamped to
+// the table, and to the blocks a window spans), its fp32 workspace (returned: it must outlive the
+// launch) and the shape fields of the kernel's arguments.
+template <typename Args>
+torch::Tensor plan_decode(Args& a, const torch::Tensor& pool, const torch::Tensor& tables, int64_t B, int64_t H,
+                          int64_t D, int64_t max_blocks_hint, double scale, int64_t window, const torch::Device& device) {
+  const int64_t KV = pool.size(2), bs = pool.size(3);
+  const int sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
+  int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
+  // A window of w slots spans at most ceil((w - 1) / bs) + 1 blocks, wherever it starts.
+  if (window > 0) hint = std::min<int64_t>(hint, (window - 1 + bs - 1) / bs + 1);
+  const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms, decode_tuning().ctas_per_sm);
+  torch::Tensor workspace;
+  const size_t ws = cuda_kernels::workspace_floats(B, H, D, plan.num_splits);
+  if (ws > 0) {
+    workspace = torch::empty({static_cast<int64_t>(ws)}, torch::TensorOptions().dtype(torch::kFloat32).device(device));
+    a.partial_acc = workspace.data_ptr<float>();
+    a.partial_ml = a.partial_acc + B * H * plan.num_splits * D;
+  }
+  a.batch = B;
+  a.num_heads = H;
+  a.num_kv_heads = KV;
+  a.head_dim = D;
+  a.num_blocks = pool.size(0);
+  a.block_size = bs;
+  a.num_splits = plan.num_splits;
+  a.blocks_per_split = plan.blocks_per_split;
+  a.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)));
+  a.window = window;
+  return workspace;
+}
+
 cuda_kernels::DType kernel_dtype(torch::ScalarType t) {
   switch (t) {
     case torch::kBFloat16: return cuda_kernels::DType::kBFloat16;
@@ -190,32 +222,12 @@ torch::Tensor paged_decode_attention_quant(const torch::Tensor& q, const torch::
   const torch::Tensor rc = rows.contiguous(), lc = lengths.contiguous();
   torch::Tensor out = torch::empty_like(qf);
   if (B == 0 || H == 0) return out.to(q.scalar_type());
-  const int sms = at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount;
-  int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
-  if (window > 0) hint = std::min<int64_t>(hint, (window - 1 + pool.size(3) - 1) / pool.size(3) + 1);
-  const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms, decode_tuning().ctas_per_sm);
-  torch::Tensor workspace;
-  const size_t ws = cuda_kernels::workspace_floats(B, H, D, plan.num_splits);
-  if (ws > 0) workspace = torch::empty({static_cast<int64_t>(ws)}, qf.options());
   cuda_kernels::QuantDecodeArgs a;
   a.q = qf.data_ptr<float>();
   a.pool = pool.data_ptr<uint8_t>();
   set_tables(a, tables, rc, lc);
   a.out = out.data_ptr<float>();
-  if (ws > 0) {
-    a.partial_acc = workspace.data_ptr<float>();
-    a.partial_ml = a.partial_acc + B * H * plan.num_splits * D;
-  }
-  a.batch = B;
-  a.num_heads = H;
-  a.num_kv_heads = KV;
-  a.head_dim = D;
-  a.num_blocks = pool.size(0);
-  a.block_size = pool.size(3);
-  a.num_splits = plan.num_splits;
-  a.blocks_per_split = plan.blocks_per_split;
-  a.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)));
-  a.window = window;
+  const torch::Tensor workspace = plan_decode(a, pool, tables, B, H, D, max_blocks_hint, scale, window, q.device());
   a.format = quant_format(quant);
   const cudaError_t err = cuda_kernels::launch_paged_decode_quant(a, at::cuda::getCurrentCUDAStream(q.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
@@ -307,38 +319,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   if (B == 0 || H == 0) return out;
 
   const DecodeTuning tuning = decode_tuning();
-  const int sms = at::cuda::getDeviceProperties(q.device().index())->multiProcessorCount;
-  int64_t hint = std::min<int64_t>(max_blocks_hint, tables.size(1));
-  // A window of w slots spans at most ceil((w - 1) / bs) + 1 blocks, wherever it starts.
-  if (window > 0) hint = std::min<int64_t>(hint, (window - 1 + pool.size(3) - 1) / pool.size(3) + 1);
-  const cuda_kernels::SplitPlan plan = cuda_kernels::plan_splits(B, H, KV, hint, sms, tuning.ctas_per_sm);
-  torch::Tensor workspace;
-  const size_t ws = cuda_kernels::workspace_floats(B, H, D, plan.num_splits);
-  if (ws > 0) workspace = torch::empty({static_cast<int64_t>(ws)}, q.options().dtype(torch::kFloat32));
-
   cuda_kernels::PagedDecodeArgs a;
   a.q = qc.data_ptr();
   a.pool = pool.data_ptr();
   set_tables(a, tables, rc, lc);
   a.out = out.data_ptr();
-  if (ws > 0) {
-    a.partial_acc = workspace.data_ptr<float>();
-    a.partial_ml = a.partial_acc + B * H * plan.num_splits * D;
-  }
-  a.batch = B;
-  a.num_heads = H;
-  a.num_kv_heads = KV;
-  a.head_dim = D;
-  a.num_blocks = pool.size(0);
-  a.block_size = pool.size(3);
-  a.num_splits = plan.num_splits;
-  a.blocks_per_split = plan.blocks_per_split;
-  a.scale = static_cast<float>(scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D)));
-  a.window = window;
+  const torch::Tensor workspace = plan_decode(a, pool, tables, B, H, D, max_blocks_hint, scale, window, q.device());
   a.dtype = kernel_dtype(q.scalar_type());
   a.loads = tuning.loads;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.device().index());
-  a.fold_merge = tuning.fold_merge && plan.num_splits > 1;
+  a.fold_merge = tuning.fold_merge && a.num_splits > 1;
   if (a.fold_merge) a.split_counters = split_counters(q.device(), cuda_kernels::split_counter_count(B, H, KV), stream);
   const cudaError_t err = cuda_kernels::launch_paged_decode(a, stream);
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
