@@ -49,6 +49,43 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* a, float 
   m = mx;
 }
 
+// The end of a decode CTA, after its warps published their states (red_*: [kWarps][GMAX][...], a
+// barrier passed): merges them per query head and writes its gn heads from row bh0 on, normalised
+// into out (one split) or as the split's partial (acc, max, sum). Every thread takes part.
+template <typename T, int GMAX, int DCAP, typename P>
+__device__ __forceinline__ void write_cta_result(const P& p, const float (&red_m)[kWarps][GMAX],
+                                                 const float (&red_l)[kWarps][GMAX],
+                                                 const float (&red_acc)[kWarps][GMAX][DCAP], int64_t bh0, int gn,
+                                                 int split, int D) {
+  for (int i = threadIdx.x; i < gn * D; i += kThreads) {
+    const int g = i / D;
+    const int d = i % D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][g]);
+    float lsum = 0.0f, a = 0.0f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = exp2f(red_m[w][g] - mx);
+        lsum += red_l[w][g] * c;
+        a += red_acc[w][g][d] * c;
+      }
+    }
+    const int64_t bh = bh0 + g;
+    if (p.num_splits == 1) {
+      static_cast<T*>(p.out)[bh * D + d] = from_float<T>(lsum > 0.0f ? a / lsum : 0.0f);
+    } else {
+      const int64_t ps = bh * p.num_splits + split;
+      p.partial_acc[ps * D + d] = a;
+      if (d == 0) {
+        p.partial_ml[ps * 2] = mx;
+        p.partial_ml[ps * 2 + 1] = lsum;
+      }
+    }
+  }
+}
+
 // Log-sum-exp merge of the splits: one CTA per (b, h).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)

@@ -448,33 +448,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_quant_kernel(const Quan
   }
   __syncthreads();
 
-  for (int i = threadIdx.x; i < gn * D; i += kThreads) {
-    const int g = i / D;
-    const int d = i % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][g]);
-    float lsum = 0.0f, a = 0.0f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float c = exp2f(red_m[w][g] - mx);
-        lsum += red_l[w][g] * c;
-        a += red_acc[w][g][d] * c;
-      }
-    }
-    const int64_t bh = b * H + h0 + g;
-    if (p.num_splits == 1) {
-      p.out[bh * D + d] = lsum > 0.0f ? a / lsum : 0.0f;
-    } else {
-      const int64_t ps = bh * p.num_splits + split;
-      p.partial_acc[ps * D + d] = a;
-      if (d == 0) {
-        p.partial_ml[ps * 2] = mx;
-        p.partial_ml[ps * 2 + 1] = lsum;
-      }
-    }
-  }
+  write_cta_result<float>(p, red_m, red_l, red_acc, b * H + h0, gn, split, D);
 }
 
 unsigned grid_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
