@@ -413,9 +413,10 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
   if (!kDtypes.count(c.model.dtype)) add("model.dtype", "must be one of float32, bfloat16, float16, auto; got '" + c.model.dtype + "'");
   if (!kQuantizations.count(c.model.quantization)) {
     add("model.quantization", "must be one of none, int8, int4, fp8 or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); got '" + c.model.quantization + "'");
-  } else if (c.model.quantization != "none" && c.model.quantization != "fp8" && c.model.device.rfind("cuda", 0) == 0) {
+  } else if (c.model.quantization != "none" && c.model.quantization != "fp8" && c.model.quantization != "int4" &&
+             c.model.device.rfind("cuda", 0) == 0) {
     add("model.quantization", "'" + c.model.quantization + "' on " + c.model.device +
-                                  ": ggml block types run on the CPU only (on CUDA use fp8)");
+                                  ": ggml block types run on the CPU only (on CUDA use fp8 or int4)");
   }
   if (!kCpuGemms.count(c.model.cpu_gemm)) add("model.cpu_gemm", "must be one of mkl, onednn; got '" + c.model.cpu_gemm + "'");
   if (c.server.host.empty()) add("server.host", "must not be empty");

@@ -37,7 +37,8 @@ struct ModelSection {
   // A directory with tokenizer.json (+ tokenizer_config.json); empty = the model directory, or the
   // directory a .gguf file sits in.
   std::string tokenizer;
-  // Weight quantization at load: none | int8 | int4 (CPU; a GGUF file's blocks are served as they are).
+  // Weight quantization at load: none | int8 | int4 | fp8 | a ggml type (ggml blocks on the CPU; fp8 and
+  // int4 on CUDA; a GGUF file's blocks are served as they are).
   std::string quantization = "none";
   std::string served_model_name;           // name in /v1/models; empty = last path component
   std::string device = "cpu";              // cpu | cuda | cuda:<index>

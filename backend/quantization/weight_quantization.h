@@ -1,6 +1,7 @@
 #pragma once
 // Weight quantization at load (`model.quantization`, `--quantization`, vLLM's names): which ggml
-// block type a float checkpoint's linear layers become on the CPU.
+// block type a float checkpoint's linear layers become on the CPU (on CUDA: fp8, or int4 as
+// Int4Weight).
 #include <string>
 #include <vector>
 
@@ -18,5 +19,7 @@ int weight_quantization_ggml_type(const std::string& name, const std::string& fi
 
 // Whether `name` asks for fp8 weights (e4m3, a scale per output channel, Fp8Weight).
 bool weight_quantization_is_fp8(const std::string& name);
+// Whether `name` is int4: ggml's Q4_0 on the CPU, Int4Weight (tinygemm) on a CUDA device.
+bool weight_quantization_is_int4(const std::string& name);
 
 }  // namespace kvserve

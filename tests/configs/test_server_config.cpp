@@ -144,6 +144,24 @@ TEST(ServerConfig, KvCacheDtype) {
   EXPECT_NO_THROW(parse_server_config("model:\n  device: cpu\ncache:\n  kv_cache_dtype: float16\n"));
 }
 
+TEST(ServerConfig, WeightQuantizationPerDevice) {
+  // ggml block types are CPU products; CUDA takes fp8 and int4 (tinygemm).
+  for (const char* q : {"int8", "int4", "fp8", "q4_k", "none"})
+    EXPECT_NO_THROW(parse_server_config(std::string("model:\n  quantization: ") + q + "\n")) << q;
+  for (const char* q : {"int4", "fp8", "none"})
+    EXPECT_NO_THROW(parse_server_config(std::string("model:\n  device: cuda\n  quantization: ") + q + "\n")) << q;
+  for (const char* q : {"int8", "q4_0", "q6_k"}) {
+    try {
+      parse_server_config(std::string("model:\n  device: cuda:0\n  quantization: ") + q + "\n", "gpu.yaml");
+      FAIL() << "accepted quantization " << q << " on CUDA";
+    } catch (const ConfigError& e) {
+      ASSERT_EQ(e.issues().size(), 1u) << e.what();
+      EXPECT_EQ(e.issues()[0].key, "model.quantization");
+      EXPECT_NE(e.issues()[0].message.find("on CUDA use fp8 or int4"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(ServerConfig, DefaultYamlIsValid) {
   auto c = kvserve::config::load_server_config(std::string(KVSERVE_SOURCE_DIR) + "/configs/default.yaml");
   EXPECT_EQ(c.server.host, "127.0.0.1");

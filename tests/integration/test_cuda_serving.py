@@ -144,6 +144,38 @@ def test_fp8_weights_on_cuda_track_the_cpu_reference(tmp_path):
     assert j["weights"]["format"].startswith("float8_e4m3fn") and j["completion_tokens"] == 8
 
 
+def test_int4_weights_on_cuda_track_the_dense_model(tmp_path):
+    # --quantization int4 on a GPU: 4-bit groups with bfloat16 scales and zeros, libtorch's tinygemm
+    # (bfloat16 activations), against the same checkpoint's dense bfloat16 logits on the GPU. The
+    # LM head stays dense; every other linear layer of llama-gqa tiles (rows % 8, columns % 32).
+    import json
+    import subprocess
+    import numpy as np
+    from safetensors.numpy import load_file
+    from kvserve_server import kvserve_bin
+    fixture = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", pathlib.Path(MODEL).parents[1] / ".fixtures")) / "llama-gqa"
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([(i * 37 + 11) % 2000 for i in range(40)]))
+    logits = {}
+    for name, extra in (("int4", ["--quantization", "int4"]), ("dense", [])):
+        out = tmp_path / f"{name}.safetensors"
+        subprocess.run([kvserve_bin(), "forward", "--model", str(fixture), "--device", "cuda", "--dtype", "bfloat16",
+                        *extra, "--input-ids", str(ids), "--output", str(out)], check=True, timeout=300)
+        logits[name] = load_file(str(out))["logits"].astype(np.float32)
+    a, b = logits["int4"], logits["dense"]
+    assert np.abs(a - b).max() <= 0.25 * np.abs(b).max()
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
+    gen = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--dtype", "bfloat16",
+                          "--quantization", "int4", "--prompt", PROMPT, "--max-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    j = json.loads(gen.stdout.strip().splitlines()[-1])
+    assert j["weights"]["format"].startswith("int4_g") and j["completion_tokens"] == 8
+    # ggml block types stay CPU products: refused on the GPU, naming what to use there.
+    bad = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--quantization", "int8",
+                          "--prompt", "hi"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "fp8" in bad.stderr and "int4" in bad.stderr, bad.stderr
+
+
 @pytest.mark.parametrize("kv", ["int8", "int4", "q4_1"])
 def test_quantized_kv_on_cuda_matches_the_cpu_pool(kv):
     # A quantized pool on the GPU: rows encoded on the device (the host's bytes), decode steps through

@@ -1,0 +1,123 @@
+#include "backend/quantization/int4_weight.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "common/check.h"
+
+namespace kvserve {
+
+namespace {
+
+// k tiles of 16 columns the kernel loads back to back (4, 8 or 16 bytes a lane): the most K allows.
+int64_t inner_k_tiles(int64_t cols) { return cols % 128 == 0 ? 8 : cols % 64 == 0 ? 4 : 2; }
+
+// The codes, scales and zeros of w [N, K] (before packing): q int32 [N, K] in [0, 15], scale and
+// zero bfloat16 [N, K / group].
+struct Codes {
+  torch::Tensor q, scale, zero;
+};
+
+Codes quantize_codes(const torch::Tensor& w, int64_t group) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const auto wg = w.to(torch::kFloat32).reshape({N, K / group, group});
+  const auto lo = wg.amin({2}), hi = wg.amax({2});
+  // Sixteen steps from the group's minimum to its maximum; code 8 stands for the zero.
+  const auto scale = ((hi - lo) / 15.0).to(torch::kBFloat16);
+  const auto zero = (lo + 8.0 * scale.to(torch::kFloat32)).to(torch::kBFloat16);
+  const auto s = scale.to(torch::kFloat32), z = zero.to(torch::kFloat32);
+  // A constant group (s = 0) is all code 8: its value is the zero.
+  const auto div = torch::where(s > 0, s, torch::ones_like(s));
+  const auto q = ((wg - z.unsqueeze(2)) / div.unsqueeze(2)).round().add_(8).clamp_(0, 15).to(torch::kInt32);
+  return {q.reshape({N, K}).contiguous(), scale, zero};
+}
+
+}  // namespace
+
+bool Int4Weight::fits(int64_t rows, int64_t cols) { return rows > 0 && cols > 0 && rows % 8 == 0 && cols % 32 == 0; }
+
+int64_t Int4Weight::group_for(int64_t cols) { return cols % 128 == 0 ? 128 : cols % 64 == 0 ? 64 : 32; }
+
+Int4Weight Int4Weight::quantize(const torch::Tensor& w, const std::string& what) {
+  KV_CHECK(w.dim() == 2, what << ": an int4 weight must be a matrix, got " << w.sizes());
+  KV_CHECK(fits(w.size(0), w.size(1)), what << ": int4 needs rows a multiple of 8 and columns a multiple of 32 "
+                                            << "(the tinygemm kernel's tiles), got " << w.sizes());
+  KV_CHECK(w.is_cpu() || w.is_cuda(), what << ": int4 weights live on the CPU or a CUDA device, not " << w.device());
+  KV_CHECK(w.is_cuda() || w.size(0) % 16 == 0, what << ": the CPU's int4 reference kernel needs rows a multiple of 16, got "
+                                                   << w.sizes());
+  Int4Weight f;
+  f.rows_ = w.size(0);
+  f.cols_ = w.size(1);
+  f.group_ = group_for(f.cols_);
+  const Codes c = quantize_codes(w, f.group_);
+  // Two codes a byte, the even column in the high nibble (the CUDA packing kernel's input order).
+  const auto hi = c.q.slice(1, 0, f.cols_, 2), lo = c.q.slice(1, 1, f.cols_, 2);
+  const auto bytes = hi.bitwise_left_shift(4).bitwise_or_(lo).to(torch::kUInt8).contiguous();
+  // The CPU keeps these bytes (its kernel's packing groups rows, so stacked parts could not be
+  // concatenated) and packs them at each product: a reference path.
+  f.packed_ = w.is_cuda() ? at::_convert_weight_to_int4pack(bytes, inner_k_tiles(f.cols_)) : bytes;
+  f.scales_zeros_ = torch::stack({c.scale.t(), c.zero.t()}, 2).contiguous();  // [K / group, N, 2]
+  return f;
+}
+
+Int4Weight Int4Weight::stack(const std::vector<Int4Weight>& parts) {
+  KV_CHECK(!parts.empty(), "internal: stacking no int4 weights");
+  if (parts.size() == 1) return parts.front();
+  std::vector<torch::Tensor> ps, ss;
+  Int4Weight f = parts.front();
+  f.rows_ = 0;
+  for (const Int4Weight& p : parts) {
+    KV_CHECK(p.cols_ == f.cols_, "internal: stacking int4 weights of " << p.cols_ << " and " << f.cols_ << " columns");
+    ps.push_back(p.packed_);  // both layouts keep whole rows along dimension 0 (CUDA: tiles of 8 rows)
+    ss.push_back(p.scales_zeros_);
+    f.rows_ += p.rows_;
+  }
+  f.packed_ = torch::cat(ps);
+  f.scales_zeros_ = torch::cat(ss, 1);
+  return f;
+}
+
+torch::Tensor Int4Weight::dequantize(torch::Dtype dtype) const {
+  const auto eye = torch::eye(cols_, torch::TensorOptions().dtype(torch::kFloat32).device(packed_.device()));
+  return matmul(eye).t().to(dtype);
+}
+
+torch::Tensor Int4Weight::matmul(const torch::Tensor& x, const torch::Tensor& b) const {
+  KV_CHECK(x.size(-1) == cols_, "internal: int4 product of x " << x.sizes() << " with a weight of " << cols_ << " columns");
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = rows_;
+  const auto x2 = x.reshape({-1, cols_});
+  torch::Tensor y;
+  if (x.is_cuda()) {
+    y = at::_weight_int4pack_mm(x2.to(torch::kBFloat16).contiguous(), packed_, group_, scales_zeros_);
+  } else {
+    const auto xc = x2.contiguous();
+    const auto codes = torch::stack({packed_.bitwise_right_shift(4), packed_.bitwise_and(15)}, 2).reshape({rows_, cols_});
+    const auto packed = at::_convert_weight_to_int4pack_for_cpu(codes.to(torch::kInt32), inner_k_tiles(cols_));
+    y = at::_weight_int4pack_mm_for_cpu(xc, packed, group_, scales_zeros_.to(xc.scalar_type()));
+  }
+  if (b.defined()) y = y.to(torch::kFloat32).add_(b.to(torch::kFloat32));
+  return y.to(x.scalar_type()).view(out_shape);
+}
+
+void Int4Weight::check_device(const torch::Device& device) {
+  // A generator of its own: the probe leaves the global random state alone.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
+  const auto w = torch::randn({64, 256}, gen).to(device);
+  const auto x = torch::randn({4, 256}, gen).to(torch::kBFloat16).to(torch::kFloat32).to(device);  // exact in bf16
+  const Int4Weight f = quantize(w, "int4 probe");
+  const auto y = f.matmul(x).to(torch::kFloat64).cpu();
+  const auto ref = torch::matmul(x.to(torch::kFloat64), w.to(torch::kFloat64).t()).cpu();
+  // Each weight is within half a step of its code's value, plus the bfloat16 roundings of the zero,
+  // of the dequantized weight and of the output.
+  const auto sz = f.scales_zeros_.to(torch::kFloat64).cpu();
+  const auto s = sz.select(2, 0), z = sz.select(2, 1);  // [K / group, N]
+  const auto per_weight = s / 2 + (z.abs() + 8 * s) * (1.0 / 128);
+  const auto xa = x.abs().to(torch::kFloat64).cpu().reshape({4, 256 / f.group_, f.group_}).sum(2);  // [M, K / group]
+  const auto bound = torch::matmul(xa, per_weight) + ref.abs() / 128 + 1e-3;
+  const auto over = ((y - ref).abs() - bound).max().item<double>();
+  KV_CHECK(over <= 0, "int4 weights on " << device << ": the tinygemm product is off by " << over
+                                         << " beyond what 4-bit rounding allows (a kernel or layout mismatch)");
+}
+
+}  // namespace kvserve
