@@ -49,7 +49,7 @@ torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q, bool rotate) {
   torch::Tensor out = torch::empty(shape, x.options().dtype(torch::kUInt8));
   const cudaError_t err = cuda_kernels::launch_kv_quant_encode(
       xc.data_ptr(), quant_kernel_dtype(xc.scalar_type()), D == 0 ? 0 : xc.numel() / D, D, quant_format(q), rotate,
-      kv_rotation_scale(), out.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream(x.device().index()));
+      kv_quant_rotation_scale(), out.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream(x.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
   return out;
 #endif
@@ -74,7 +74,7 @@ torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head
   const torch::Tensor rc = rows.contiguous();
   torch::Tensor out = torch::empty(shape, rows.options().dtype(out_dtype));
   const cudaError_t err = cuda_kernels::launch_kv_quant_decode(
-      rc.data_ptr<uint8_t>(), rc.numel() / rb, head_dim, quant_format(q), rotate, kv_rotation_scale(), out.data_ptr(),
+      rc.data_ptr<uint8_t>(), rc.numel() / rb, head_dim, quant_format(q), rotate, kv_quant_rotation_scale(), out.data_ptr(),
       quant_kernel_dtype(out_dtype), at::cuda::getCurrentCUDAStream(rows.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
   return out;
@@ -96,7 +96,7 @@ torch::Tensor kv_quant_rotate(const torch::Tensor& x) {
   const int64_t D = x.size(-1);
   const cudaError_t err =
       cuda_kernels::launch_kv_rotate(xc.data_ptr(), out.data_ptr(), quant_kernel_dtype(xc.scalar_type()),
-                                     D == 0 ? 0 : xc.numel() / D, D, kv_rotation_scale(),
+                                     D == 0 ? 0 : xc.numel() / D, D, kv_quant_rotation_scale(),
                                      at::cuda::getCurrentCUDAStream(x.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
   return out;

@@ -29,7 +29,4 @@ inline cuda_kernels::DType quant_kernel_dtype(torch::ScalarType t) {
   }
 }
 
-// The rotation's scale, as the host computes it.
-inline float kv_rotation_scale() { return kv_quant_rotation_scale(); }
-
 }  // namespace kvserve::cuda

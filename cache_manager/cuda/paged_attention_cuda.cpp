@@ -274,7 +274,7 @@ void paged_append_quant(const torch::Tensor& pool, const torch::Tensor& tables, 
   a.block_size = pool.size(3);
   a.format = quant_format(quant);
   a.rotate = rotate;
-  a.rot_scale = kv_rotation_scale();
+  a.rot_scale = kv_quant_rotation_scale();
   const cudaError_t err = cuda_kernels::launch_paged_append_quant(a, at::cuda::getCurrentCUDAStream(pool.device().index()));
   KV_CHECK(err == cudaSuccess, what << ": launch failed: " << cudaGetErrorString(err));
 #endif
