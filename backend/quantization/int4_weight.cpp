@@ -3,11 +3,44 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <atomic>
+#include <cstdlib>
+
 #include "common/check.h"
+#include "common/log.h"
+
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "backend/cuda/int4_dequant.cuh"
+#endif
 
 namespace kvserve {
 
 namespace {
+
+// Products of more rows than this expand the weight to bfloat16 and run one GEMM (tinygemm's tiles
+// are shaped for a few rows); KVSERVE_INT4_DENSE_ROWS sets it (0: tinygemm for every product).
+int64_t dense_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("KVSERVE_INT4_DENSE_ROWS");
+    return e && *e ? std::atoll(e) : int64_t{64};
+  }();
+  return rows;
+}
+
+// Cleared when the load-time probe finds the expansion kernel disagreeing with tinygemm.
+std::atomic<bool> g_expand_ok{true};
+
+bool can_expand(const torch::Tensor& packed) {
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  return packed.is_cuda() && g_expand_ok.load();
+#else
+  (void)packed;
+  return false;
+#endif
+}
 
 // k tiles of 16 columns the kernel loads back to back (4, 8 or 16 bytes a lane): the most K allows.
 int64_t inner_k_tiles(int64_t cols) { return cols % 128 == 0 ? 8 : cols % 64 == 0 ? 4 : 2; }
@@ -77,7 +110,23 @@ Int4Weight Int4Weight::stack(const std::vector<Int4Weight>& parts) {
   return f;
 }
 
+torch::Tensor Int4Weight::expand() const {
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  KV_CHECK(packed_.is_cuda(), "internal: expanding an int4 weight that is not on a CUDA device");
+  const c10::cuda::CUDAGuard guard(packed_.device());
+  auto out = torch::empty({rows_, cols_}, torch::TensorOptions().dtype(torch::kBFloat16).device(packed_.device()));
+  const cudaError_t err = int4_kernels::launch_int4_dequant(
+      packed_.data_ptr<int32_t>(), scales_zeros_.data_ptr(), out.data_ptr(), rows_, cols_, group_,
+      static_cast<int>(packed_.size(3) * 2), at::cuda::getCurrentCUDAStream(packed_.device().index()));
+  KV_CHECK(err == cudaSuccess, "int4 weight expansion on " << packed_.device() << ": " << cudaGetErrorString(err));
+  return out;
+#else
+  KV_FAIL("internal: int4 weight expansion needs kvserve's CUDA kernels");
+#endif
+}
+
 torch::Tensor Int4Weight::dequantize(torch::Dtype dtype) const {
+  if (can_expand(packed_)) return expand().to(dtype);
   const auto eye = torch::eye(cols_, torch::TensorOptions().dtype(torch::kFloat32).device(packed_.device()));
   return matmul(eye).t().to(dtype);
 }
@@ -89,7 +138,13 @@ torch::Tensor Int4Weight::matmul(const torch::Tensor& x, const torch::Tensor& b)
   const auto x2 = x.reshape({-1, cols_});
   torch::Tensor y;
   if (x.is_cuda()) {
-    y = at::_weight_int4pack_mm(x2.to(torch::kBFloat16).contiguous(), packed_, group_, scales_zeros_);
+    const auto xb = x2.to(torch::kBFloat16).contiguous();
+    const int64_t most = dense_rows();
+    if (most > 0 && xb.size(0) > most && can_expand(packed_)) {
+      y = torch::matmul(xb, expand().t());  // prefill: one bf16 GEMM over the expanded weight
+    } else {
+      y = at::_weight_int4pack_mm(xb, packed_, group_, scales_zeros_);
+    }
   } else {
     const auto xc = x2.contiguous();
     const auto codes = torch::stack({packed_.bitwise_right_shift(4), packed_.bitwise_and(15)}, 2).reshape({rows_, cols_});
@@ -100,24 +155,42 @@ torch::Tensor Int4Weight::matmul(const torch::Tensor& x, const torch::Tensor& b)
   return y.to(x.scalar_type()).view(out_shape);
 }
 
-void Int4Weight::check_device(const torch::Device& device) {
+namespace {
+
+// How far a product of `M` rows lands outside what 4-bit rounding allows against the float weight it
+// came from (<= 0 when inside): each weight within half a step of its code's value, plus the bfloat16
+// roundings of the zero, of the dequantized weight and of the output.
+double probe_excess(const torch::Device& device, int64_t M) {
   // A generator of its own: the probe leaves the global random state alone.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
-  const auto w = torch::randn({64, 256}, gen).to(device);
-  const auto x = torch::randn({4, 256}, gen).to(torch::kBFloat16).to(torch::kFloat32).to(device);  // exact in bf16
-  const Int4Weight f = quantize(w, "int4 probe");
+  const int64_t N = 64, K = 256;
+  const auto w = torch::randn({N, K}, gen).to(device);
+  const auto x = torch::randn({M, K}, gen).to(torch::kBFloat16).to(torch::kFloat32).to(device);  // exact in bf16
+  const Int4Weight f = Int4Weight::quantize(w, "int4 probe");
   const auto y = f.matmul(x).to(torch::kFloat64).cpu();
   const auto ref = torch::matmul(x.to(torch::kFloat64), w.to(torch::kFloat64).t()).cpu();
-  // Each weight is within half a step of its code's value, plus the bfloat16 roundings of the zero,
-  // of the dequantized weight and of the output.
-  const auto sz = f.scales_zeros_.to(torch::kFloat64).cpu();
+  const auto sz = f.scales_and_zeros().to(torch::kFloat64).cpu();
   const auto s = sz.select(2, 0), z = sz.select(2, 1);  // [K / group, N]
   const auto per_weight = s / 2 + (z.abs() + 8 * s) * (1.0 / 128);
-  const auto xa = x.abs().to(torch::kFloat64).cpu().reshape({4, 256 / f.group_, f.group_}).sum(2);  // [M, K / group]
+  const auto xa = x.abs().to(torch::kFloat64).cpu().reshape({M, K / f.group(), f.group()}).sum(2);  // [M, K / group]
   const auto bound = torch::matmul(xa, per_weight) + ref.abs() / 128 + 1e-3;
-  const auto over = ((y - ref).abs() - bound).max().item<double>();
+  return ((y - ref).abs() - bound).max().item<double>();
+}
+
+}  // namespace
+
+void Int4Weight::check_device(const torch::Device& device) {
+  const double over = probe_excess(device, 4);
   KV_CHECK(over <= 0, "int4 weights on " << device << ": the tinygemm product is off by " << over
                                          << " beyond what 4-bit rounding allows (a kernel or layout mismatch)");
+  if (!device.is_cuda() || !g_expand_ok.load() || dense_rows() <= 0) return;
+  // Many-row products expand the weight with kvserve's own kernel: if it disagrees, keep tinygemm.
+  const double dense_over = probe_excess(device, dense_rows() + 1);
+  if (dense_over > 0) {
+    g_expand_ok = false;
+    KV_LOG("int4 weights on " << device << ": the bf16 expansion for many-row products is off by " << dense_over
+                              << "; every product stays on tinygemm (slower prefill)");
+  }
 }
 
 }  // namespace kvserve

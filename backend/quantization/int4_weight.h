@@ -29,7 +29,8 @@ class Int4Weight {
   static Int4Weight stack(const std::vector<Int4Weight>& parts);
   // Runs a small product on `device` and checks it against the float weight it came from: throws
   // with the kernel's own error (e.g. a GPU older than compute capability 8.0) or when the result
-  // is off by more than the quantization allows.
+  // is off by more than the quantization allows. On CUDA it checks the many-row path too, and turns
+  // that path off (said in the log) if it disagrees.
   static void check_device(const torch::Device& device);
 
   int64_t rows() const { return rows_; }
@@ -39,13 +40,17 @@ class Int4Weight {
   int64_t bytes() const { return static_cast<int64_t>(packed_.nbytes() + scales_zeros_.nbytes()); }
   const torch::Tensor& scales_and_zeros() const { return scales_zeros_; }  // [K / group, N, 2] bfloat16
 
-  // The weight [N, K] as `dtype`, through the kernel (a product with the identity: O(K² N), for
-  // tests and rare fallbacks, never a decode step).
+  // The weight [N, K] as `dtype`: on CUDA expanded by kvserve's kernel; elsewhere a product with the
+  // identity (O(K² N), for tests and rare fallbacks).
   torch::Tensor dequantize(torch::Dtype dtype) const;
-  // y = x Wᵀ (+ b) in x's dtype, x: [..., K] on the weight's device (bfloat16 products on CUDA).
+  // y = x Wᵀ (+ b) in x's dtype, x: [..., K] on the weight's device. On CUDA: bfloat16 activations,
+  // tinygemm for up to 64 rows (decode), one bf16 GEMM over the expanded weight beyond (prefill).
   torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& b = {}) const;
 
  private:
+  // The weight as bfloat16 [N, K] (backend/cuda/int4_dequant.cuh; CUDA builds with kvserve's kernels).
+  torch::Tensor expand() const;
+
   torch::Tensor packed_, scales_zeros_;
   int64_t rows_ = 0, cols_ = 0, group_ = 0;
 };

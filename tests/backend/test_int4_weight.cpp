@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "backend/quantization/int4_tinygemm_layout.h"
 #include "backend/quantization/int4_weight.h"
 #include "backend/quantization/linear_weight.h"
 #include "backend/quantization/weight_quantization.h"
@@ -72,7 +74,7 @@ TEST(Int4Weight, ProductEqualsFp64OverTheDequantizedWeight) {
     const Int4Weight f = Int4Weight::quantize(torch::randn({48, 256}, opt), "w");
     const auto wref = f.dequantize(torch::kFloat64).cpu();
     const auto b = torch::randn({48}, opt);
-    for (int64_t M : {1, 5, 33}) {
+    for (int64_t M : {1, 5, 33, 100}) {  // 100 rows: CUDA expands the weight and runs one bf16 GEMM
       auto x = torch::randn({M, 256}, opt);
       if (dev.is_cuda()) x = x.to(torch::kBFloat16).to(torch::kFloat32);  // exact in the kernel's dtype
       const auto ref = torch::matmul(x.cpu().to(torch::kFloat64), wref.t()) + b.cpu().to(torch::kFloat64);
@@ -110,6 +112,58 @@ TEST(Int4Weight, StackingEqualsQuantizingTheStackedRows) {
     EXPECT_TRUE(torch::equal(linear(x, lw), whole.matmul(x))) << dev;
     const auto ids = torch::tensor({47, 0}, torch::TensorOptions().dtype(torch::kInt64).device(dev));
     EXPECT_TRUE(torch::equal(lw.lookup(ids, torch::kFloat32), whole.dequantize(torch::kFloat32).index_select(0, ids)));
+  }
+}
+
+// tinygemm's packing (at::_convert_weight_to_int4pack, as its CUDA kernel lays the words out) written
+// out on the host: codes [N, K] -> words [N / 8, K / (16 tiles), 32, tiles / 2].
+std::vector<uint32_t> tinygemm_pack(const std::vector<uint8_t>& codes, int64_t N, int64_t K, int tiles) {
+  auto byte = [&](int64_t n, int64_t kb) {  // two codes a byte, the even column high
+    return static_cast<uint32_t>(codes[n * K + 2 * kb] << 4 | codes[n * K + 2 * kb + 1]);
+  };
+  const int64_t k_super = K / (tiles * 16);
+  std::vector<uint32_t> out(static_cast<size_t>(N / 8 * k_super * 32 * (tiles / 2)));
+  for (int64_t nt = 0; nt < N / 8; ++nt)
+    for (int64_t ko = 0; ko < k_super; ++ko)
+      for (int64_t t = 0; t < 32; ++t)
+        for (int inner = 0; inner < tiles; inner += 2) {
+          const int64_t n = nt * 8 + t / 4, k0 = (ko * tiles + inner) * 8 + t % 4, k1 = k0 + 8;
+          const uint32_t v[4] = {byte(n, k0), byte(n, k0 + 4), byte(n, k1), byte(n, k1 + 4)};
+          const uint32_t word = (v[3] & 0xF) << 28 | (v[2] & 0xF) << 24 | (v[1] & 0xF) << 20 | (v[0] & 0xF) << 16 |
+                                (v[3] & 0xF0) << 8 | (v[2] & 0xF0) << 4 | (v[1] & 0xF0) | (v[0] & 0xF0) >> 4;
+          out[static_cast<size_t>(((nt * k_super + ko) * 32 + t) * (tiles / 2) + inner / 2)] = word;
+        }
+  return out;
+}
+
+// int4_layout::locate (what the CUDA expansion kernel reads) inverts that packing: every nibble of
+// every word is the code of the row and column it names, and every code is named once.
+TEST(Int4Weight, TheExpansionsLayoutInvertsTinygemmsPacking) {
+  torch::manual_seed(4);
+  for (int tiles : {2, 4, 8}) {
+    const int64_t N = 24, K = tiles * 16 * 3;
+    const auto q = torch::randint(0, 16, {N, K}, torch::kInt32);
+    std::vector<uint8_t> codes(static_cast<size_t>(N * K));
+    for (int64_t i = 0; i < N * K; ++i) codes[static_cast<size_t>(i)] = static_cast<uint8_t>(q.view(-1)[i].item<int>());
+    const std::vector<uint32_t> words = tinygemm_pack(codes, N, K, tiles);
+    std::vector<int> seen(codes.size(), 0);
+    for (size_t w = 0; w < words.size(); ++w)
+      for (int i = 0; i < 8; ++i) {
+        const auto at = int4_layout::locate(static_cast<int64_t>(w), i, K, tiles);
+        ASSERT_TRUE(at.row >= 0 && at.row < N && at.col >= 0 && at.col < K) << tiles << " " << w << " " << i;
+        EXPECT_EQ((words[w] >> (4 * i)) & 0xF, codes[static_cast<size_t>(at.row * K + at.col)]) << tiles;
+        ++seen[static_cast<size_t>(at.row * K + at.col)];
+      }
+    for (int c : seen) ASSERT_EQ(c, 1) << tiles;
+    // On a GPU, libtorch's own packing kernel writes these words.
+    if (torch::cuda::is_available()) {
+      const auto hi = q.slice(1, 0, K, 2), lo = q.slice(1, 1, K, 2);
+      const auto bytes = hi.bitwise_left_shift(4).bitwise_or(lo).to(torch::kUInt8).contiguous().to(torch::kCUDA);
+      const auto got = at::_convert_weight_to_int4pack(bytes, tiles).cpu().contiguous();
+      ASSERT_EQ(got.numel(), static_cast<int64_t>(words.size()));
+      const auto* g = reinterpret_cast<const uint32_t*>(got.data_ptr<int32_t>());
+      for (size_t w = 0; w < words.size(); ++w) ASSERT_EQ(g[w], words[w]) << tiles << " word " << w;
+    }
   }
 }
 
