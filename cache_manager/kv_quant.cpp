@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cache_manager/kernel_dtype.h"
 #include "cache_manager/kv_quant_cuda.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
@@ -76,11 +77,6 @@ void encode_q4_1(const float* x, uint8_t* qs, uint8_t* scale) {
   }
   put_half(scale, d);
   put_half(scale + 2, lo);
-}
-
-// The dtypes the device twins (cache_manager/kv_quant_cuda.h) read and write.
-bool is_kernel_float(torch::ScalarType t) {
-  return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
 }
 
 // q8_0's recipe with e4m3 values: the group's largest magnitude maps to e4m3's largest finite value,
@@ -226,7 +222,7 @@ void kv_quant_rotate_row(float* x, int64_t head_dim) {
 torch::Tensor kv_quant_rotate(const torch::Tensor& x) {
   const int64_t D = x.size(-1);
   KV_CHECK(D % G == 0, "kv_quant_rotate: head_dim " << D << " is not a multiple of " << G);
-  if (x.is_cuda() && cuda::compiled() && is_kernel_float(x.scalar_type())) return cuda::kv_quant_rotate(x);
+  if (x.is_cuda() && cuda::compiled() && is_cuda_kernel_dtype(x.scalar_type())) return cuda::kv_quant_rotate(x);
   torch::Tensor y = x.to(torch::kCPU, torch::kFloat32).contiguous().clone();
   float* p = y.data_ptr<float>();
   const int64_t rows = D == 0 ? 0 : y.numel() / D;
@@ -246,7 +242,7 @@ torch::Tensor kv_quant_encode(const torch::Tensor& x, KvQuant q, bool rotate) {
   KV_CHECK(x.dim() >= 1 && x.is_floating_point(), "kv_quant_encode: x must be a float tensor [..., D], got " << x.sizes());
   const int64_t D = x.size(-1);
   check_kv_quant_head_dim(q, D, "kv_quant_encode");
-  if (x.is_cuda() && cuda::compiled() && is_kernel_float(x.scalar_type())) return cuda::kv_quant_encode(x, q, rotate);
+  if (x.is_cuda() && cuda::compiled() && is_cuda_kernel_dtype(x.scalar_type())) return cuda::kv_quant_encode(x, q, rotate);
   const int64_t rb = kv_quant_row_bytes(q, D);
   // On the host with ggml's scalar rounding, so the bytes equal the reference's (CUDA tensors took
   // the device twin above, which gives the same bytes).
@@ -270,7 +266,7 @@ torch::Tensor kv_quant_decode(const torch::Tensor& rows, KvQuant q, int64_t head
   KV_CHECK(rows.dim() >= 1 && rows.size(-1) == rb && rows.scalar_type() == torch::kUInt8,
            "kv_quant_decode: rows must be uint8 [..., " << rb << "] for " << kv_quant_name(q) << " rows of head_dim "
                                                         << head_dim << ", got " << rows.scalar_type() << " " << rows.sizes());
-  if (rows.is_cuda() && cuda::compiled() && is_kernel_float(out_dtype)) {
+  if (rows.is_cuda() && cuda::compiled() && is_cuda_kernel_dtype(out_dtype)) {
     return cuda::kv_quant_decode(rows, q, head_dim, out_dtype, rotate);
   }
   const torch::Tensor rc = rows.to(torch::kCPU).contiguous();

@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "cache_manager/kernel_dtype.h"
 #include "cache_manager/paged_attention.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
@@ -25,7 +26,7 @@ bool use_cuda_kernels(const KvBlockPool& pool) {
   }();
   // A quantized pool's rows are read by the quantized kernel, whatever the compute dtype's width.
   return pool.device().is_cuda() && cuda::compiled() && !forced_torch && pool.head_dim() <= 256 &&
-         (pool.dtype() == torch::kFloat32 || pool.dtype() == torch::kBFloat16 || pool.dtype() == torch::kFloat16);
+         is_cuda_kernel_dtype(pool.dtype());
 }
 // The pool's own geometry: one KV head per block in the head-wise layout.
 KvPoolOptions block_options(KvPoolOptions o) {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cache_manager/kernel_dtype.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
 
@@ -18,8 +19,7 @@ namespace kvserve::cuda {
 namespace {
 
 void check_float(const char* what, const torch::Tensor& x) {
-  KV_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16 ||
-               x.scalar_type() == torch::kFloat16,
+  KV_CHECK(is_cuda_kernel_dtype(x.scalar_type()),
            what << ": rows must be float32, bfloat16 or float16, got " << x.scalar_type());
 }
 

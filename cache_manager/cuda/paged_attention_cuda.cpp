@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cache_manager/kernel_dtype.h"
 #include "cache_manager/kv_quant_cuda.h"
 #include "common/check.h"
 
@@ -57,9 +58,6 @@ TuningState& tuning_state() {
 
 bool unset(const char* v) { return v == nullptr || *v == '\0'; }
 
-bool is_kernel_dtype(torch::ScalarType t) {
-  return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
-}
 
 // Shape and dtype checks shared by both calls; they run before any device check, so bad arguments
 // are reported the same way on CPU tensors, with or without a GPU.
@@ -79,7 +77,7 @@ void check_table_args(const char* what, const torch::Tensor& tables, const torch
 void check_pool(const char* what, const torch::Tensor& pool) {
   KV_CHECK(pool.dim() == 5 && pool.size(1) == 2,
            what << ": pool must be [N, 2, KV, block_size, D], got " << pool.sizes());
-  KV_CHECK(is_kernel_dtype(pool.scalar_type()),
+  KV_CHECK(is_cuda_kernel_dtype(pool.scalar_type()),
            what << ": pool dtype must be float32, bfloat16 or float16, got " << pool.scalar_type());
   KV_CHECK(pool.size(2) > 0 && pool.size(3) > 0 && pool.size(4) > 0, what << ": empty pool dims " << pool.sizes());
   KV_CHECK(pool.size(4) <= 256, what << ": head_dim " << pool.size(4) << " > 256 is not supported");
@@ -199,7 +197,7 @@ torch::Tensor paged_decode_attention_quant(const torch::Tensor& q, const torch::
                                            bool rotated) {
   constexpr const char* what = "cuda paged decode attention (quantized pool)";
   KV_CHECK(q.dim() == 3, what << ": q must be [B, H, D], got " << q.sizes());
-  KV_CHECK(is_kernel_dtype(q.scalar_type()), what << ": q must be float32, bfloat16 or float16, got " << q.scalar_type());
+  KV_CHECK(is_cuda_kernel_dtype(q.scalar_type()), what << ": q must be float32, bfloat16 or float16, got " << q.scalar_type());
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   check_kv_quant_head_dim(quant, D, what);
   KV_CHECK(D <= 256, what << ": head_dim " << D << " > 256 is not supported");
@@ -251,7 +249,7 @@ void paged_append_quant(const torch::Tensor& pool, const torch::Tensor& tables, 
   KV_CHECK(k.size(1) == pool.size(2), what << ": k has " << k.size(1) << " KV heads, the pool " << pool.size(2));
   KV_CHECK(v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type(),
            what << ": v " << v.scalar_type() << " " << v.sizes() << " != k " << k.scalar_type() << " " << k.sizes());
-  KV_CHECK(is_kernel_dtype(k.scalar_type()), what << ": k/v must be float32, bfloat16 or float16, got " << k.scalar_type());
+  KV_CHECK(is_cuda_kernel_dtype(k.scalar_type()), what << ": k/v must be float32, bfloat16 or float16, got " << k.scalar_type());
   check_table_args(what, tables, rows, lengths, k.size(0));
 #ifndef KVSERVE_HAVE_CUDA_KERNELS
   no_kernels(what);
