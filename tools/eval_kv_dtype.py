@@ -39,9 +39,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import eval_multiquestion as mq  # noqa: E402
 
-# Bits per cached value (ggml block formats: 32 values share a scale, q4_1 also a minimum).
+# Bits per cached value (ggml block formats and fp8: 32 values share a scale, q4_1 also a minimum).
 BITS = {"float32": 32.0, "fp32": 32.0, "float16": 16.0, "fp16": 16.0, "bfloat16": 16.0, "bf16": 16.0,
-        "int8": 8.5, "q8_0": 8.5, "int4": 4.5, "q4_0": 4.5, "q4_1": 5.0}
+        "int8": 8.5, "q8_0": 8.5, "int4": 4.5, "q4_0": 4.5, "q4_1": 5.0, "fp8": 8.5, "fp8_e4m3": 8.5}
 POLICIES = ("kvzip", "kvzap", "snapkv", "pyramidkv")
 # (dtype, kept fraction) at about equal KV bytes, and the equal-token pair.
 EQUAL_BYTES = (("float16", 0.125), ("int8", 0.25), ("int4", 0.5))
