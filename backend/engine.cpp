@@ -334,45 +334,62 @@ void Engine::loop() {
     int64_t generated = 0;
     // A speculative step gives a sequence several tokens: those after the one that finished it are dropped.
     std::unordered_set<const Sequence*> finished;
+    // Sequences this step ended: their responses go out after the step's stats are recorded, so a
+    // client that reads /metrics after its last response finds its tokens counted. (Their blocks are
+    // freed, or a conversation parked, at the next plan: pool figures follow a step later.)
+    struct Ended {
+      std::unique_ptr<Sequence> seq;
+      std::string reason, error;
+    };
+    std::vector<Ended> ended;
     for (auto& o : outputs) {
       if (finished.count(o.seq)) continue;
       finished.insert(o.seq);  // until it is known to go on
       if (!o.error.empty()) {
         // A prefill stopped because its client left (the runner's cancel check) ends as the cancel would.
-        if (cancelled(*o.seq)) out.finish(*sched.finish(o.seq->id), "abort");
-        else out.finish(*sched.finish(o.seq->id), "error", o.error);
+        const bool abort = cancelled(*o.seq);
+        ended.push_back({sched.finish(o.seq->id), abort ? "abort" : "error", abort ? "" : o.error});
         continue;
       }
       ++generated;
       if (auto reason = out.on_token(*o.seq, *o.token))
-        out.finish(*sched.finish(o.seq->id, *reason == "stop" || *reason == "length"), *reason);
+        ended.push_back({sched.finish(o.seq->id, *reason == "stop" || *reason == "length"), *reason, ""});
       else
         finished.erase(o.seq);
     }
     int64_t prefilled = 0;
     for (const auto& p : plan.prefill) prefilled += static_cast<int64_t>(p.tokens.size());
-    const KvUsage usage = sched.usage();
-    const auto oldest = sched.oldest_waiting_arrival();
-    std::lock_guard<std::mutex> lk(im.mu);
-    im.oldest_waiting = oldest;
-    record_queues(im.stats, sched);
-    record_usage(im.stats, usage);
-    im.stats.prompt_tokens_total += prefilled;
-    im.stats.generation_tokens_total += generated;
-    im.stats.preemptions_total = sched.preemptions();
-    const Scheduler::SpecCounters& spec = sched.spec_counters();
-    im.stats.spec_decode_num_drafts = spec.drafts;
-    im.stats.spec_decode_num_draft_tokens = spec.draft_tokens;
-    im.stats.spec_decode_num_accepted_tokens = spec.accepted_tokens;
-    im.stats.spec_decode_accepted_per_pos = spec.accepted_per_pos;
-    im.stats.spec_decode_draft_steps = speculated.draft_steps;
-    im.stats.spec_decode_draft_seconds = speculated.draft_s;
-    im.stats.spec_decode_verify_steps = speculated.verify_steps;
-    im.stats.spec_decode_verify_seconds = speculated.verify_s;
-    im.stats.prefix_cache_queries_total = sched.prefix_queries();
-    im.stats.prefix_cache_hits_total = sched.prefix_hits();
-    if (!plan.empty()) ++im.stats.steps_total;
-    record_runner(im.stats, runner);
+    auto send_ended = [&] {
+      for (Ended& e : ended) out.finish(*e.seq, e.reason, e.error);
+    };
+    try {
+      const KvUsage usage = sched.usage();
+      const auto oldest = sched.oldest_waiting_arrival();
+      std::lock_guard<std::mutex> lk(im.mu);
+      im.oldest_waiting = oldest;
+      record_queues(im.stats, sched);
+      record_usage(im.stats, usage);
+      im.stats.prompt_tokens_total += prefilled;
+      im.stats.generation_tokens_total += generated;
+      im.stats.preemptions_total = sched.preemptions();
+      const Scheduler::SpecCounters& spec = sched.spec_counters();
+      im.stats.spec_decode_num_drafts = spec.drafts;
+      im.stats.spec_decode_num_draft_tokens = spec.draft_tokens;
+      im.stats.spec_decode_num_accepted_tokens = spec.accepted_tokens;
+      im.stats.spec_decode_accepted_per_pos = spec.accepted_per_pos;
+      im.stats.spec_decode_draft_steps = speculated.draft_steps;
+      im.stats.spec_decode_draft_seconds = speculated.draft_s;
+      im.stats.spec_decode_verify_steps = speculated.verify_steps;
+      im.stats.spec_decode_verify_seconds = speculated.verify_s;
+      im.stats.prefix_cache_queries_total = sched.prefix_queries();
+      im.stats.prefix_cache_hits_total = sched.prefix_hits();
+      if (!plan.empty()) ++im.stats.steps_total;
+      record_runner(im.stats, runner);
+    } catch (...) {
+      send_ended();  // they left the scheduler: the failed-step path cannot reach them
+      throw;
+    }
+    send_ended();
     return stopping && sched.idle() && !sched.has_pending();
   };
   // A dead job (a rank died or hung): every request gets the error, nothing runs any more.

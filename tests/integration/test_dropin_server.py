@@ -249,6 +249,20 @@ def test_metrics_under_vllm_names(srv):
     assert m['vllm:request_success_total{model_name="tiny",finished_reason="length"}'] >= 1
 
 
+def test_metrics_count_a_request_before_its_response(srv):
+    """A step records its counters before it hands finished requests their responses: a /metrics read
+    right after a response already counts that response's tokens."""
+    key = 'vllm:generation_tokens_total{model_name="tiny"}'
+    c = client(srv)
+    before = srv.metrics()[key]
+    for i in range(8):
+        r = c.completions.create(model="tiny", prompt=f"Count to {i}:", max_tokens=3, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        m = srv.metrics()
+        before += r.usage.completion_tokens
+        assert m[key] == before, (i, m[key], before)
+
+
 def test_return_token_ids_as_vllm_sends_them(srv):
     """return_token_ids: the prompt's ids and each choice's generated ids, streamed or not."""
     prompt = "The capital of France is"
