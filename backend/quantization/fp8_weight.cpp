@@ -2,13 +2,46 @@
 
 #include "common/check.h"
 
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "backend/cuda/fp8_quant.cuh"
+#endif
+
 namespace kvserve {
 
 namespace {
 constexpr double kE4m3Max = 448.0;
+
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+// The fused kernel (backend/cuda/fp8_quant.cuh) for a CUDA matrix whose rows are contiguous; false
+// leaves the torch chain to it.
+bool quantize_rows_fused(const torch::Tensor& x, torch::Tensor& q, torch::Tensor& scale) {
+  if (!x.is_cuda() || x.dim() != 2 || x.stride(1) != 1 || x.size(0) == 0 || x.size(1) == 0) return false;
+  fp8_kernels::DType dtype;
+  switch (x.scalar_type()) {
+    case torch::kFloat32: dtype = fp8_kernels::DType::kFloat32; break;
+    case torch::kBFloat16: dtype = fp8_kernels::DType::kBFloat16; break;
+    case torch::kFloat16: dtype = fp8_kernels::DType::kFloat16; break;
+    default: return false;
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  q = torch::empty(x.sizes(), x.options().dtype(torch::kFloat8_e4m3fn));
+  scale = torch::empty({x.size(0), 1}, x.options().dtype(torch::kFloat32));
+  const cudaError_t err = fp8_kernels::launch_fp8_quantize_rows(x.data_ptr(), x.stride(0), dtype, x.size(0), x.size(1),
+                                                                q.data_ptr(), scale.data_ptr<float>(),
+                                                                at::cuda::getCurrentCUDAStream(x.device().index()));
+  KV_CHECK(err == cudaSuccess, "fp8 activation quantization on " << x.device() << ": " << cudaGetErrorString(err));
+  return true;
+}
+#endif
 }  // namespace
 
 torch::Tensor fp8_quantize_rows(const torch::Tensor& x, torch::Tensor& scale) {
+#ifdef KVSERVE_HAVE_CUDA_KERNELS
+  if (torch::Tensor q; quantize_rows_fused(x, q, scale)) return q;
+#endif
   const auto xf = x.to(torch::kFloat32);
   const auto amax = xf.abs().amax({1}, /*keepdim=*/true);
   // A zero row would divide by zero; any scale gives it zeros.

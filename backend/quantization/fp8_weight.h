@@ -41,6 +41,7 @@ class Fp8Weight {
 
 // x [M, K] quantized per row as the products do: scale = max |x_row| / 448 (a row of zeros gets
 // scale 1), values = x / scale rounded to e4m3. Returns the fp8 values; `scale` gets [M, 1] float32.
+// On CUDA one fused kernel (backend/cuda/fp8_quant.cuh), bit for bit the torch chain's.
 torch::Tensor fp8_quantize_rows(const torch::Tensor& x, torch::Tensor& scale);
 
 }  // namespace kvserve

@@ -122,6 +122,32 @@ TEST(Fp8Weight, StackingKeepsEachRowsScale) {
   EXPECT_TRUE(torch::allclose(linear(x, lw), whole.matmul(x), 1e-6, 1e-6));
 }
 
+// On CUDA a product's activations are quantized by one fused kernel: its bytes and scales equal the
+// torch op chain's (the CPU's path) for every activation dtype, row strides and rows of zeros.
+TEST(Fp8Weight, FusedActivationQuantizationEqualsTheTorchChain) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  torch::manual_seed(5);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+    for (const int64_t M : {1, 7, 64}) {
+      for (const int64_t K : {16, 1000, 4096}) {
+        auto wide = torch::randn({M, K + 24}, torch::TensorOptions().device(torch::kCUDA)) *
+                    torch::pow(10.0, torch::arange(M, torch::TensorOptions().device(torch::kCUDA)).remainder(5) - 2).unsqueeze(1);
+        wide[0].zero_();
+        const auto x = wide.to(dtype).narrow(1, 3, K);  // rows K + 24 apart
+        torch::Tensor s;
+        const auto q = fp8_quantize_rows(x, s);
+        const auto xf = x.to(torch::kFloat32);
+        const auto amax = xf.abs().amax({1}, true);
+        const auto ref_s = torch::where(amax > 0, amax / 448.0, torch::ones_like(amax));
+        const auto ref_q = (xf / ref_s).clamp(-448.0, 448.0).to(torch::kFloat8_e4m3fn);
+        ASSERT_EQ(q.sizes(), x.sizes());
+        EXPECT_TRUE(torch::equal(s.cpu(), ref_s.cpu())) << dtype << " " << M << "x" << K;
+        EXPECT_TRUE(torch::equal(q.view(torch::kUInt8).cpu(), ref_q.view(torch::kUInt8).cpu())) << dtype << " " << M << "x" << K;
+      }
+    }
+  }
+}
+
 TEST(Fp8Weight, DimensionsThatAreNotMultiplesOf16AreNamed) {
   EXPECT_TRUE(Fp8Weight::fits(16, 4096));
   EXPECT_FALSE(Fp8Weight::fits(24, 32));
