@@ -4,18 +4,15 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "backend/cuda/element_load.cuh"
+
 namespace kvserve::fp8_kernels {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr float kE4m3Max = 448.0f;
 
-template <typename T> __device__ __forceinline__ float load(const T* p, int64_t i);
-template <> __device__ __forceinline__ float load<float>(const float* p, int64_t i) { return p[i]; }
-template <> __device__ __forceinline__ float load<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-template <> __device__ __forceinline__ float load<__half>(const __half* p, int64_t i) { return __half2float(p[i]); }
+using cuda_elements::load;
 
 // One block per row: the row's largest magnitude, then every value divided by its scale (IEEE
 // division, as torch's) and rounded to e4m3 (nearest even; the clamp to +-448 first, as the chain's).

@@ -21,17 +21,14 @@
 #include <cmath>
 #include <cstdint>
 
+#include "backend/cuda/element_load.cuh"
+
 namespace kvserve::fused_kernels {
 namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T> __device__ __forceinline__ float load(const T* p, int64_t i);
-template <> __device__ __forceinline__ float load<float>(const float* p, int64_t i) { return p[i]; }
-template <> __device__ __forceinline__ float load<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-template <> __device__ __forceinline__ float load<__half>(const __half* p, int64_t i) { return __half2float(p[i]); }
+using cuda_elements::load;
 
 template <typename T> __device__ __forceinline__ T cast(float v);
 template <> __device__ __forceinline__ float cast<float>(float v) { return v; }

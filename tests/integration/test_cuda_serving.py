@@ -117,9 +117,8 @@ def test_speculative_decoding_on_cuda_changes_no_token(method):
     assert s["drafts"] > 0 and s["accepted_tokens"] > 0, s
 
 
-def test_fp8_weights_on_cuda_track_the_cpu_reference(tmp_path):
-    # --quantization fp8: e4m3 weights, per-token e4m3 activations, at::_scaled_mm on the GPU (whose
-    # row-wise scaled products are written in bfloat16) against libtorch's CPU _scaled_mm (float32).
+def fixture_logits(tmp_path, name: str, *args: str):
+    """kvserve forward's logits (float32) on llama-gqa for 40 fixed token ids, with `args`."""
     import json
     import subprocess
     import numpy as np
@@ -128,19 +127,32 @@ def test_fp8_weights_on_cuda_track_the_cpu_reference(tmp_path):
     fixture = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", pathlib.Path(MODEL).parents[1] / ".fixtures")) / "llama-gqa"
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([(i * 37 + 11) % 2000 for i in range(40)]))
-    logits = {}
-    for dev in ("cuda", "cpu"):
-        out = tmp_path / f"{dev}.safetensors"
-        subprocess.run([kvserve_bin(), "forward", "--model", str(fixture), "--device", dev, "--dtype", "float32",
-                        "--quantization", "fp8", "--input-ids", str(ids), "--output", str(out)], check=True, timeout=300)
-        logits[dev] = load_file(str(out))["logits"]
-    a, b = logits["cuda"], logits["cpu"]
+    out = tmp_path / f"{name}.safetensors"
+    subprocess.run([kvserve_bin(), "forward", "--model", str(fixture), *args, "--input-ids", str(ids), "--output", str(out)],
+                   check=True, timeout=300)
+    return load_file(str(out))["logits"].astype(np.float32)
+
+
+def generate_on_cuda(*args: str) -> dict:
+    """generate --json on the GPU (bfloat16, 8 tokens of PROMPT) with `args`: its summary line."""
+    import json
+    import subprocess
+    from kvserve_server import kvserve_bin
+    gen = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--dtype", "bfloat16", *args,
+                          "--prompt", PROMPT, "--max-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(gen.stdout.strip().splitlines()[-1])
+
+
+def test_fp8_weights_on_cuda_track_the_cpu_reference(tmp_path):
+    # --quantization fp8: e4m3 weights, per-token e4m3 activations, at::_scaled_mm on the GPU (whose
+    # row-wise scaled products are written in bfloat16) against libtorch's CPU _scaled_mm (float32).
+    import numpy as np
+    a, b = (fixture_logits(tmp_path, dev, "--device", dev, "--dtype", "float32", "--quantization", "fp8")
+            for dev in ("cuda", "cpu"))
     assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
-    gen = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--dtype", "bfloat16",
-                          "--quantization", "fp8", "--prompt", PROMPT, "--max-tokens", "8", "--json"],
-                         capture_output=True, text=True, timeout=300, check=True)
-    j = json.loads(gen.stdout.strip().splitlines()[-1])
+    j = generate_on_cuda("--quantization", "fp8")
     assert j["weights"]["format"].startswith("float8_e4m3fn") and j["completion_tokens"] == 8
 
 
@@ -148,27 +160,15 @@ def test_int4_weights_on_cuda_track_the_dense_model(tmp_path):
     # --quantization int4 on a GPU: 4-bit groups with bfloat16 scales and zeros, libtorch's tinygemm
     # (bfloat16 activations), against the same checkpoint's dense bfloat16 logits on the GPU. The
     # LM head stays dense; every other linear layer of llama-gqa tiles (rows % 8, columns % 32).
-    import json
     import subprocess
     import numpy as np
-    from safetensors.numpy import load_file
     from kvserve_server import kvserve_bin
-    fixture = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", pathlib.Path(MODEL).parents[1] / ".fixtures")) / "llama-gqa"
-    ids = tmp_path / "ids.json"
-    ids.write_text(json.dumps([(i * 37 + 11) % 2000 for i in range(40)]))
-    logits = {}
-    for name, extra in (("int4", ["--quantization", "int4"]), ("dense", [])):
-        out = tmp_path / f"{name}.safetensors"
-        subprocess.run([kvserve_bin(), "forward", "--model", str(fixture), "--device", "cuda", "--dtype", "bfloat16",
-                        *extra, "--input-ids", str(ids), "--output", str(out)], check=True, timeout=300)
-        logits[name] = load_file(str(out))["logits"].astype(np.float32)
-    a, b = logits["int4"], logits["dense"]
+    gpu = ("--device", "cuda", "--dtype", "bfloat16")
+    a = fixture_logits(tmp_path, "int4", *gpu, "--quantization", "int4")
+    b = fixture_logits(tmp_path, "dense", *gpu)
     assert np.abs(a - b).max() <= 0.25 * np.abs(b).max()
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
-    gen = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--dtype", "bfloat16",
-                          "--quantization", "int4", "--prompt", PROMPT, "--max-tokens", "8", "--json"],
-                         capture_output=True, text=True, timeout=300, check=True)
-    j = json.loads(gen.stdout.strip().splitlines()[-1])
+    j = generate_on_cuda("--quantization", "int4")
     assert j["weights"]["format"].startswith("int4_g") and j["completion_tokens"] == 8
     # ggml block types stay CPU products: refused on the GPU, naming what to use there.
     bad = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--quantization", "int8",
