@@ -7,7 +7,7 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "backend/grammar_compiler.h"
+#include "backend/sampling/grammar_compiler.h"
 #include "backend/model/decoder_model.h"
 #include "backend/model_runner.h"
 #include "backend/output_processor.h"

@@ -18,7 +18,7 @@
 #include "backend/engine_types.h"
 #include "backend/spec_decode/speculative_config.h"
 #include "backend/model/model_config.h"
-#include "backend/structured_output_spec.h"
+#include "backend/sampling/structured_output_spec.h"
 #include "backend/warmup.h"
 
 namespace kvserve {

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend/sampling_params.h"
+#include "backend/sampling/sampling_params.h"
 
 namespace kvserve {
 

@@ -7,7 +7,7 @@
 #include <span>
 #include <string>
 
-#include "backend/sampler.h"
+#include "backend/sampling/sampler.h"
 #include "backend/spec_decode/speculative_config.h"
 #include "backend/step_plan.h"
 #include "cache_manager/paged_kv_memory.h"

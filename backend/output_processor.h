@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/sampler.h"
+#include "backend/sampling/sampler.h"
 #include "backend/sequence.h"
 
 namespace kvserve {

@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "backend/sampler.h"
-#include "backend/sampling_params.h"
+#include "backend/sampling/sampler.h"
+#include "backend/sampling/sampling_params.h"
 #include "cache_manager/kv_memory.h"
 #include "cache_manager/paged_kv_memory.h"
 

@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "backend/sampler.h"
+#include "backend/sampling/sampler.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include <memory>
 #include <string>
 
-#include "backend/grammar_compiler.h"
+#include "backend/sampling/grammar_compiler.h"
 #include "fuzz/fuzz_common.h"
 #include "text/tokenizer.h"
 

@@ -3,7 +3,7 @@
 
 #include "backend/engine.h"
 #include "backend/model/decoder_model.h"
-#include "backend/grammar_compiler.h"
+#include "backend/sampling/grammar_compiler.h"
 #include "http/request_parser.h"
 #include "http/serving_backend.h"
 #include "text/chat_template.h"

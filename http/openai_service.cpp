@@ -10,8 +10,8 @@
 #include <tuple>
 #include <utility>
 
-#include "backend/logits_processors.h"
-#include "backend/grammar_compiler.h"
+#include "backend/sampling/logits_processors.h"
+#include "backend/sampling/grammar_compiler.h"
 #include "common/check.h"
 #include "http/tokenize_routes.h"
 

@@ -10,8 +10,8 @@
 #include <string_view>
 #include <vector>
 
-#include "backend/sampling_params.h"
-#include "backend/structured_output_spec.h"
+#include "backend/sampling/sampling_params.h"
+#include "backend/sampling/structured_output_spec.h"
 #include "http/api_error.h"
 #include "http/tool_calls.h"
 

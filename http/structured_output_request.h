@@ -6,7 +6,7 @@
 
 #include <string_view>
 
-#include "backend/structured_output_spec.h"
+#include "backend/sampling/structured_output_spec.h"
 
 namespace kvserve::http {
 

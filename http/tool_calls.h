@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/structured_output_spec.h"
+#include "backend/sampling/structured_output_spec.h"
 
 namespace kvserve::http {
 

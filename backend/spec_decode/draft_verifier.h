@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "backend/sampler.h"
+#include "backend/sampling/sampler.h"
 #include "cache_manager/kv_memory.h"
 
 namespace kvserve {

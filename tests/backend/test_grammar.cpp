@@ -10,8 +10,8 @@
 #include <random>
 #include <regex>
 
-#include "backend/grammar_compiler.h"
-#include "backend/sampler.h"
+#include "backend/sampling/grammar_compiler.h"
+#include "backend/sampling/sampler.h"
 #include "tests/support/fixture_models.h"
 #include "text/tokenizer.h"
 

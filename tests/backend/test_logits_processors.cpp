@@ -6,8 +6,8 @@
 #include <limits>
 #include <map>
 
-#include "backend/logits_processors.h"
-#include "backend/sampler.h"
+#include "backend/sampling/logits_processors.h"
+#include "backend/sampling/sampler.h"
 
 using namespace kvserve;
 

@@ -9,7 +9,7 @@
 #include <numeric>
 #include <random>
 
-#include "backend/sampler.h"
+#include "backend/sampling/sampler.h"
 #include "tests/support/reference_sampler.h"
 
 using kvserve::ReferenceSampler;

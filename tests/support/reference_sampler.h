@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "backend/engine_types.h"
-#include "backend/sampling_params.h"
+#include "backend/sampling/sampling_params.h"
 
 namespace kvserve {
 

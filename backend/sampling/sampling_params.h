@@ -9,7 +9,7 @@
 
 namespace kvserve {
 
-struct StructuredGrammar;  // backend/grammar_compiler.h
+struct StructuredGrammar;  // backend/sampling/grammar_compiler.h
 
 struct SamplingParams {
   double temperature = 1.0;  // 0 = greedy
@@ -28,7 +28,7 @@ struct SamplingParams {
   bool include_stop_str_in_output = false;
   int64_t logprobs = -1;                  // -1: none; n >= 0: chosen token's logprob + top-n
   bool skip_special_tokens = true;
-  // Logit edits (backend/logits_processors.h), applied before penalties and sampling; token ids
+  // Logit edits (backend/sampling/logits_processors.h), applied before penalties and sampling; token ids
   // are checked against the vocabulary at the HTTP edge.
   std::vector<std::pair<int64_t, double>> logit_bias;  // token id -> added to its logit
   std::vector<int64_t> allowed_token_ids;              // non-empty: every other token is masked

@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/grammar_compiler.h"
+#include "backend/sampling/grammar_compiler.h"
 
 namespace xgrammar {
 class GrammarMatcher;

@@ -1,5 +1,5 @@
 // logit_bias, allowed_token_ids and bad_words on a batch of logits.
-#include "backend/logits_processors.h"
+#include "backend/sampling/logits_processors.h"
 
 #include <algorithm>
 #include <limits>

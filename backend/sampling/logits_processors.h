@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/sampling_params.h"
+#include "backend/sampling/sampling_params.h"
 
 namespace kvserve {
 

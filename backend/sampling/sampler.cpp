@@ -1,4 +1,4 @@
-#include "backend/sampler.h"
+#include "backend/sampling/sampler.h"
 
 #include <algorithm>
 #include <bit>
@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend/logits_processors.h"
+#include "backend/sampling/logits_processors.h"
 #include "common/check.h"
 
 namespace kvserve {

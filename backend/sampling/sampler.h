@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "backend/engine_types.h"
-#include "backend/grammar_mask.h"
-#include "backend/sampling_params.h"
+#include "backend/sampling/grammar_mask.h"
+#include "backend/sampling/sampling_params.h"
 
 namespace kvserve {
 
@@ -35,7 +35,7 @@ std::vector<SampledToken> prompt_logprobs(const torch::Tensor& logits, const std
 //
 // Per row, in this order: EOS masking (ban_eos), logprobs of that distribution (the model's own,
 // before penalties), the request's logit edits (logit_bias, allowed_token_ids, bad_words:
-// backend/logits_processors.h), the grammar mask of a structured-output request (GrammarMasks),
+// backend/sampling/logits_processors.h), the grammar mask of a structured-output request (GrammarMasks),
 // repetition penalty (prompt + output tokens), presence/frequency penalties (output counts), then
 // greedy (first maximum) or temperature with top-k, top-p, min-p and one uniform draw over the kept
 // mass. The arithmetic is the former per-row host sampler's (float64 probabilities over candidates

@@ -1,4 +1,4 @@
-#include "backend/grammar_compiler.h"
+#include "backend/sampling/grammar_compiler.h"
 
 #include <xgrammar/xgrammar.h>
 

@@ -1,4 +1,4 @@
-#include "backend/grammar_mask.h"
+#include "backend/sampling/grammar_mask.h"
 
 #include <xgrammar/xgrammar.h>
 
