@@ -116,8 +116,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
     KV_CHECK(!options_.speculative.self_draft() || impl_->runner->self_drafting(),
              "speculative_config: method 'self' drafts in one process; a tensor- or pipeline-parallel engine "
              "speculates with method 'ngram'");
-    if (options_.speculative.self_draft() && !options_.speculative.draft_policy.empty())
-      impl_->runner->set_draft_policy(options_.speculative);
+    if (options_.speculative.self_draft()) impl_->runner->configure_self_draft(options_.speculative);
     if (impl_->runner->speculative_decoding())
       so.speculative = speculative_ = options_.speculative;
     else

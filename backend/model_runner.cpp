@@ -55,8 +55,10 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       using clock = std::chrono::steady_clock;
       auto t0 = clock::now();
       std::vector<int64_t> tokens = plan.decode_tokens;
+      std::vector<SampledDraft> sampled;  // drafts drawn from their distribution (draft_sampling "sample")
       if (drafts && plan.self_draft.active()) {
-        r.draft_steps = draft_with_own_kv(*model_, *kv_, plan.decode, plan.self_draft, tokens);
+        r.draft_steps = draft_with_own_kv(*model_, *kv_, plan.decode, plan.self_draft, tokens,
+                                          sampled_drafts_ ? &samplers_ : nullptr, sampled_drafts_ ? &sampled : nullptr);
         const auto t1 = clock::now();
         r.draft_s = std::chrono::duration<double>(t1 - t0).count();
         t0 = t1;
@@ -64,7 +66,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       // Sampled where the logits are: only token ids (and asked-for logprobs) reach the host.
       torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, tokens)
                                                 : model_->decode(plan.decode, tokens, *kv_);
-      VerifiedTokens v = verify_drafts(samplers_, plan.decode, tokens, logits, plan.decode_ban_eos);
+      VerifiedTokens v = verify_drafts(samplers_, plan.decode, tokens, logits, plan.decode_ban_eos, sampled);
       if (drafts) r.verify_s = std::chrono::duration<double>(clock::now() - t0).count();
       r.decoded = std::move(v.tokens);
       r.decode_counts = std::move(v.counts);

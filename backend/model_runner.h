@@ -48,10 +48,11 @@ class ModelRunner {
   virtual bool speculative_decoding() const { return false; }
   // Whether it drafts with the model over its own KV (StepPlan::self_draft): one process only.
   virtual bool self_drafting() const { return false; }
-  // Self-drafting over a policy's kept set (SpeculativeConfig::draft_policy; PagedKvMemory::set_draft_policy).
-  virtual void set_draft_policy(const SpeculativeConfig& spec) {
+  // Self-drafting as configured: over a policy's kept set (SpeculativeConfig::draft_policy;
+  // PagedKvMemory::set_draft_policy), and how sampling requests draft (draft_sampling).
+  virtual void configure_self_draft(const SpeculativeConfig& spec) {
     (void)spec;
-    KV_FAIL("speculative_config.draft_policy: this runner does not self-draft");
+    KV_FAIL("speculative_config: method 'self': this runner does not self-draft");
   }
   // Whether prompts may compress their context alone (PrefillWork::context_len).
   virtual bool compressed_contexts() const { return false; }
@@ -93,9 +94,11 @@ class LocalRunner final : public ModelRunner {
   void set_cancel_check(CancelCheck check) override;
   bool speculative_decoding() const override { return true; }
   bool self_drafting() const override { return true; }
-  void set_draft_policy(const SpeculativeConfig& spec) override {
-    kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens,
-                          spec.draft_refresh_tokens);
+  void configure_self_draft(const SpeculativeConfig& spec) override {
+    if (!spec.draft_policy.empty())
+      kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens,
+                            spec.draft_refresh_tokens);
+    sampled_drafts_ = spec.draft_sampling == "sample";
   }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
@@ -118,6 +121,7 @@ class LocalRunner final : public ModelRunner {
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   size_t prefill_batch_tokens_ = 8192;
   SamplerBank samplers_;
+  bool sampled_drafts_ = false;  // draft_sampling "sample"
 };
 
 }  // namespace kvserve

@@ -17,7 +17,9 @@ For each row the runner's own clock gives a draft step's cost c and a verify ste
 multiples of a plain step (generate --json: draft_s / draft_steps, verify_s / verify_steps), and the
 ratio they predict, MAL / (draft steps per verify * c + v), beside the measured one.
 At batch 1 each prompt runs alone (decode tokens/s over the prompts); at batch B the prompts run
-together (`--prompts-file`). Every run is greedy; the tokens of both modes are compared (exactness).
+together (`--prompts-file`). Runs are greedy unless --temperature (seeded sampling; then sampled
+self-drafts, draft_sampling "sample", differ from plain tokens by design); the tokens of both
+modes are compared.
 
 Usage: python3 bench/bench_spec_decode.py [--model models/smollm2-135m-instruct] [--prompts 8]
            [--batches 1,8] [--exactness 200] [--out docs/benchmarks-speculative.md]
@@ -37,6 +39,7 @@ import tempfile
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 IGNORE_EOS = False
+TEMPERATURE = 0.0
 QUESTIONS = ["Write a short story about a dragon who learns to bake bread.",
              "List five ideas for a birthday party for a ten-year-old.",
              "Explain why the sky is blue to a child.",
@@ -100,7 +103,9 @@ def run(binary: str, model: str, prompts: list[str], max_tokens: int, spec: bool
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     cmd = [binary, "generate", "--model", model, "--prompts-file", f.name, "--max-tokens", str(max_tokens),
-           "--temperature", "0", "--json"]
+           "--temperature", str(TEMPERATURE), "--json"]
+    if TEMPERATURE > 0:
+        cmd += ["--seed", "1"]
     if spec:
         cmd += ["--speculative-config", json.dumps(SPEC)]
     if IGNORE_EOS:
@@ -176,11 +181,15 @@ def main() -> None:
     ap.add_argument("--spec", default="", help="the --speculative-config JSON (default: prompt lookup, 5 drafts)")
     ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long, quote")
     ap.add_argument("--long-tokens", type=int, default=7600)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: seeded sampling (acceptance of sampled vs argmax self-drafts, draft_sampling)")
     a = ap.parse_args()
-    global SPEC, IGNORE_EOS
+    global SPEC, IGNORE_EOS, TEMPERATURE
+    TEMPERATURE = a.temperature
     if a.spec:
         SPEC = json.loads(a.spec)
-    lines = [f"Config: `{json.dumps(SPEC)}`, greedy, {a.max_tokens} new tokens, {a.rounds} interleaved rounds "
+    lines = [f"Config: `{json.dumps(SPEC)}`, "
+             f"{'greedy' if not a.temperature else f'temperature {a.temperature}, seed 1'}, {a.max_tokens} new tokens, {a.rounds} interleaved rounds "
              f"(median), model `{pathlib.Path(a.model).name}`.", "",
              "| workload | batch | plain tok/s | speculative tok/s | ratio | drafts | draft tokens | accepted | "
              "acceptance | mean accepted length | identical outputs | draft step c | verify step v | "

@@ -17,7 +17,8 @@ inline CLI::Option* add_speculative_option(CLI::App* cmd, std::string& json) {
                          "\"num_speculative_tokens\": 4} (the model drafts over its KV's first draft_sink_tokens "
                          "(16) and last draft_window_tokens (496), for sequences of at least draft_min_context_tokens (4096), "
                          "and with draft_policy (a policy's name) the blocks holding what it keeps of the prompt with "
-                         "draft_budget (512) tokens per layer, chosen again every draft_refresh_tokens (64); one process); optional "
+                         "draft_budget (512) tokens per layer, chosen again every draft_refresh_tokens (64); one process; \"draft_sampling\": \"sample\" draws a "
+                         "sampling request's drafts from the draft distribution instead of taking its argmax); optional "
                          "disable_by_batch_size");
 }
 
@@ -34,13 +35,14 @@ inline SpeculativeConfig speculative_config(const config::SpeculativeSection& s)
   c.draft_policy = s.draft_policy;
   c.draft_budget = s.draft_budget;
   c.draft_refresh_tokens = s.draft_refresh_tokens;
+  c.draft_sampling = s.draft_sampling;
   return c;
 }
 
 inline config::SpeculativeSection speculative_section(const SpeculativeConfig& c) {
   return {c.method.empty() ? "none" : c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max,
           c.disable_by_batch_size, c.draft_sink_tokens, c.draft_window_tokens, c.draft_min_context_tokens,
-          c.draft_policy, c.draft_budget, c.draft_refresh_tokens};
+          c.draft_policy, c.draft_budget, c.draft_refresh_tokens, c.draft_sampling};
 }
 
 }  // namespace kvserve::cli

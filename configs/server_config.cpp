@@ -628,7 +628,13 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"draft_min_context_tokens", p.int_of(s.draft_min_context_tokens, 0, int64_t{1} << 30)},
                                   {"draft_policy", p.string_of(s.draft_policy)},
                                   {"draft_budget", p.int_of(s.draft_budget, 1, int64_t{1} << 30)},
-                                  {"draft_refresh_tokens", p.int_of(s.draft_refresh_tokens, 0, int64_t{1} << 30)}});
+                                  {"draft_refresh_tokens", p.int_of(s.draft_refresh_tokens, 0, int64_t{1} << 30)},
+                                  {"draft_sampling", p.string_of(s.draft_sampling,
+                                                                 [](const std::string& v) {
+                                                                   return v == "greedy" || v == "sample"
+                                                                              ? std::string()
+                                                                              : "must be greedy or sample; got '" + v + "'";
+                                                                 })}});
                    })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.parallel;

@@ -16,7 +16,8 @@
 //   default_policy: <name>
 //   speculative_config: {method: <none|ngram|self>, num_speculative_tokens, prompt_lookup_min,
 //               prompt_lookup_max, disable_by_batch_size, draft_sink_tokens, draft_window_tokens,
-//               draft_min_context_tokens, draft_policy, draft_budget, draft_refresh_tokens} (vLLM's speculative_config;
+//               draft_min_context_tokens, draft_policy, draft_budget, draft_refresh_tokens,
+//               draft_sampling} (vLLM's speculative_config;
 //               the draft_* keys for self)
 //   rollout:   {default, allow_override, rules: [...]} (see rollout.h and configs/README.md)
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
@@ -140,6 +141,7 @@ struct SpeculativeSection {
   std::string draft_policy;                 // self: a policy whose kept set the view adds ("": none)
   int64_t draft_budget = 512;               // ...with this budget (tokens per layer)
   int64_t draft_refresh_tokens = 64;        // ...chosen again every this many tokens (0: never)
+  std::string draft_sampling = "greedy";    // self: greedy | sample (a sampling request's drafts)
   bool operator==(const SpeculativeSection&) const = default;
 };
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "backend/sampling/logits_processors.h"
+#include "backend/sampling/speculative_sampling.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -353,12 +354,36 @@ int64_t SamplerBank::acquire_slot(int64_t vocab, const torch::Device& device) {
   return s;
 }
 
+bool SamplerBank::samples(int64_t seq_id) const {
+  auto it = entries_.find(seq_id);
+  KV_CHECK(it != entries_.end(), "internal: no sampler for sequence " << seq_id);
+  return it->second.params.temperature > 0.0;
+}
+
+SampledDraft SamplerBank::draft(int64_t seq_id, const float* logits, int64_t V) {
+  auto it = entries_.find(seq_id);
+  KV_CHECK(it != entries_.end() && it->second.params.temperature > 0.0,
+           "internal: no sampling sampler for sequence " << seq_id << " to draft with");
+  SampledDraft d;
+  d.q = kept_distribution(logits, V, it->second.params);
+  d.token = draw_by_id(d.q, std::uniform_real_distribution<double>(0.0, 1.0)(it->second.rng));
+  return d;
+}
+
 std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& seq_ids, const torch::Tensor& logits_in,
                                                     const std::vector<char>& ban_eos) {
+  return sample_batch(seq_ids, logits_in, ban_eos, {});
+}
+
+std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& seq_ids, const torch::Tensor& logits_in,
+                                                    const std::vector<char>& ban_eos,
+                                                    std::span<const SampledDraft* const> drafts) {
   const auto B = static_cast<int64_t>(seq_ids.size());
   KV_CHECK(logits_in.dim() == 2 && logits_in.size(0) == B && logits_in.size(1) > 0,
            "internal: sampler logits " << logits_in.sizes() << " for " << B << " sequences");
   KV_CHECK(ban_eos.size() == seq_ids.size(), "internal: " << ban_eos.size() << " ban_eos flags for " << B << " rows");
+  KV_CHECK(drafts.empty() || drafts.size() == seq_ids.size(),
+           "internal: " << drafts.size() << " draft slots for " << B << " rows");
   if (B == 0) return {};
   const int64_t V = logits_in.size(1);
   const torch::Device device = logits_in.device();
@@ -368,6 +393,9 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   bool penalised = false;
   std::vector<int64_t> ban, s_rows, s_nk, p_rows, p_slots, l_rows, new_slots, seen_init;
   std::vector<double> s_temp, s_top_p, s_min_p, s_u, p_rp, p_freq, p_pres;
+  // Rows that verify a draft drawn from q (speculative sampling on the host): row, two uniforms.
+  std::vector<int64_t> d_rows;
+  std::vector<std::pair<double, double>> d_u;
   int64_t top_n = 0;
   // Checks first, so that a bad batch changes no sequence's state.
   for (int64_t id : seq_ids) {
@@ -388,7 +416,16 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
     if (ban_eos[static_cast<size_t>(i)])
       for (int64_t t : e.eos_ids)
         if (t >= 0 && t < V) ban.push_back(i * V + t);
-    if (p.temperature > 0.0) {
+    const SampledDraft* d = drafts.empty() ? nullptr : drafts[static_cast<size_t>(i)];
+    if (p.temperature > 0.0 && d != nullptr && d->token >= 0) {
+      KV_CHECK(static_cast<int64_t>(d->q.size()) == V && d->token < V,
+               "internal: draft " << d->token << " of sequence " << seq_ids[static_cast<size_t>(i)] << " drawn from "
+                                  << d->q.size() << " probabilities, logits [" << V << "]");
+      d_rows.push_back(i);
+      std::uniform_real_distribution<double> uniform(0.0, 1.0);
+      const double u_accept = uniform(e.rng);
+      d_u.emplace_back(u_accept, uniform(e.rng));
+    } else if (p.temperature > 0.0) {
       s_rows.push_back(i);
       s_temp.push_back(p.temperature);
       s_top_p.push_back(p.top_p < 1.0 ? p.top_p : std::numeric_limits<double>::infinity());
@@ -492,7 +529,7 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
   }
 
   torch::Tensor tokens;
-  if (s_rows.size() < rows.size())
+  if (s_rows.size() + d_rows.size() < rows.size())
     tokens = l.argmax(1);  // greedy: the first maximum
   else
     tokens = torch::empty({B}, torch::TensorOptions().dtype(torch::kInt64).device(device));
@@ -509,6 +546,24 @@ std::vector<SampledToken> SamplerBank::sample_batch(const std::vector<int64_t>& 
                          sample_rows(l.index_select(0, s_idx), K, doubles(dev, w_temp), doubles(dev, w_top_p),
                                      longs(dev, w_s_nk), doubles(dev, w_min_p), doubles(dev, w_u)));
     }
+  }
+
+  if (!d_rows.empty()) {
+    // Whole distributions are compared on the host: these rows' logits come over once.
+    const torch::Tensor d_idx = torch::tensor(d_rows);
+    const torch::Tensor host_l = device.is_cpu() ? l : l.index_select(0, d_idx.to(device)).to(torch::kCPU).contiguous();
+    std::vector<int64_t> got(d_rows.size());
+    for (size_t j = 0; j < d_rows.size(); ++j) {
+      const auto i = static_cast<size_t>(d_rows[j]);
+      const SampledDraft& d = *drafts[i];
+      if (dead[i]) {  // the grammar allows nothing: the token is void, as a plain draw's would be
+        got[j] = d.token;
+        continue;
+      }
+      const float* row = host_l.data_ptr<float>() + (device.is_cpu() ? d_rows[j] : static_cast<int64_t>(j)) * V;
+      got[j] = accept_or_resample(kept_distribution(row, V, rows[i]->params), d.q, d.token, d_u[j].first, d_u[j].second);
+    }
+    tokens.index_copy_(0, d_idx.to(device), torch::tensor(got).to(device));
   }
 
   if (!p_rows.empty()) {

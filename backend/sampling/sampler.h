@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <random>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -23,6 +24,13 @@ struct SampledToken {
   // prompt token as `token`/`chosen` and the position's top-k.
   std::vector<SampledToken> prompt;
   bool grammar_dead_end = false;  // the request's grammar allowed no token: `token` is void
+};
+
+// A draft token drawn from a draft distribution (self-speculation with draft_sampling "sample"): the
+// row that verifies it keeps it by speculative sampling against the row's own distribution.
+struct SampledDraft {
+  int64_t token = -1;     // < 0: none
+  std::vector<double> q;  // [V]: the distribution it was drawn from
 };
 
 // The logprob of each prompt token after the first under the model's fp32 logits of every prompt
@@ -51,6 +59,18 @@ class SamplerBank {
   // one device-to-host copy of the results.
   std::vector<SampledToken> sample_batch(const std::vector<int64_t>& seq_ids, const torch::Tensor& logits,
                                          const std::vector<char>& ban_eos);
+  // ...where drafts[i] (when given and not null) is a token drawn from a draft distribution that row i
+  // verifies: a sampling row then keeps it with probability min(1, p / q) under its own distribution
+  // p, or draws from max(0, p - q) (backend/sampling/speculative_sampling.h); two uniforms of its
+  // stream. Greedy rows ignore it.
+  std::vector<SampledToken> sample_batch(const std::vector<int64_t>& seq_ids, const torch::Tensor& logits,
+                                         const std::vector<char>& ban_eos, std::span<const SampledDraft* const> drafts);
+  // Whether the sequence draws its tokens (temperature > 0); a greedy sequence's drafts are argmaxes.
+  bool samples(int64_t seq_id) const;
+  // Draws the sequence's draft token from fp32 host logits [V] under its temperature, top-k, top-p
+  // and min-p (not its penalties, edits or grammar: any q leaves the verified output exact); one
+  // uniform of its stream.
+  SampledDraft draft(int64_t seq_id, const float* logits, int64_t V);
   // One row: logits [V] or [1, V].
   SampledToken sample(int64_t seq_id, const torch::Tensor& logits, bool ban_eos);
   // The sequence's prompt_logprobs (-1: none, or no such sequence).

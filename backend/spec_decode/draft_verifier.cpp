@@ -26,11 +26,13 @@ RowRuns sequence_runs(const DecodeBatch& batch) {
 }
 
 VerifiedTokens verify_drafts(SamplerBank& samplers, const DecodeBatch& batch, const std::vector<int64_t>& tokens,
-                             const torch::Tensor& logits, const std::vector<char>& ban_eos) {
+                             const torch::Tensor& logits, const std::vector<char>& ban_eos,
+                             const std::vector<SampledDraft>& sampled) {
   const size_t R = batch.seq_ids.size();
-  KV_CHECK(tokens.size() == R && ban_eos.size() == R && logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(R),
+  KV_CHECK(tokens.size() == R && ban_eos.size() == R && logits.dim() == 2 && logits.size(0) == static_cast<int64_t>(R) &&
+               (sampled.empty() || sampled.size() == R),
            "internal: verifying " << R << " rows with " << tokens.size() << " tokens, " << ban_eos.size()
-                                  << " flags and logits " << logits.sizes());
+                                  << " flags, " << sampled.size() << " sampled drafts and logits " << logits.sizes());
   const RowRuns runs = sequence_runs(batch);
   const std::vector<size_t>& first = runs.first;
   const std::vector<size_t>& len = runs.rows;
@@ -41,14 +43,21 @@ VerifiedTokens verify_drafts(SamplerBank& samplers, const DecodeBatch& batch, co
   for (size_t r = 0; !alive.empty(); ++r) {
     std::vector<int64_t> ids, rows;
     std::vector<char> ban;
+    std::vector<const SampledDraft*> drafts;
     for (size_t g : alive) {
+      const size_t row = first[g] + r;
       ids.push_back(batch.seq_ids[first[g]]);
-      rows.push_back(static_cast<int64_t>(first[g] + r));
-      ban.push_back(ban_eos[first[g] + r]);
+      rows.push_back(static_cast<int64_t>(row));
+      ban.push_back(ban_eos[row]);
+      const bool drawn = !sampled.empty() && r + 1 < len[g] && sampled[row].token >= 0;
+      KV_CHECK(!drawn || sampled[row].token == tokens[row + 1],
+               "internal: row " << row << " verifies draft " << tokens[row + 1] << ", drawn as " << sampled[row].token);
+      drafts.push_back(drawn ? &sampled[row] : nullptr);
     }
     const torch::Tensor sel =
         rows.size() == R ? logits : logits.index_select(0, torch::tensor(rows).to(logits.device()));
-    std::vector<SampledToken> got = samplers.sample_batch(ids, sel, ban);
+    std::vector<SampledToken> got = sampled.empty() ? samplers.sample_batch(ids, sel, ban)
+                                                    : samplers.sample_batch(ids, sel, ban, drafts);
     std::vector<size_t> next;
     for (size_t j = 0; j < alive.size(); ++j) {
       const size_t g = alive[j];

@@ -37,7 +37,15 @@ RowRuns sequence_runs(const DecodeBatch& batch);
 // as plain decoding's, and with a seeded request it is the same token (one uniform per emitted
 // token, as plain decoding draws). logits: fp32 [rows, V] of the batch's rows; ban_eos per row.
 // A step without drafts is one sample_batch of every row.
+//
+// sampled (self-drafts with draft_sampling "sample"): per batch row, the draft that row's logits
+// verify (the token of the next row) when it was drawn from a distribution q rather than chosen as
+// an argmax; a sampling sequence's row then keeps it by speculative sampling (min(1, p / q), else a
+// draw from max(0, p - q)), so more drafts are kept at temperature > 0 and every emitted token is
+// still distributed as plain decoding's, though a seeded request no longer draws plain decoding's
+// tokens. Empty: every draft is one-hot.
 VerifiedTokens verify_drafts(SamplerBank& samplers, const DecodeBatch& batch, const std::vector<int64_t>& tokens,
-                             const torch::Tensor& logits, const std::vector<char>& ban_eos);
+                             const torch::Tensor& logits, const std::vector<char>& ban_eos,
+                             const std::vector<SampledDraft>& sampled = {});
 
 }  // namespace kvserve

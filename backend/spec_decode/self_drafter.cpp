@@ -9,10 +9,11 @@
 namespace kvserve {
 
 int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
-                          std::vector<int64_t>& tokens) {
+                          std::vector<int64_t>& tokens, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {
   const size_t R = batch.seq_ids.size();
-  KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active(),
+  KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active() && (samplers == nullptr) == (sampled == nullptr),
            "internal: self-drafting " << R << " rows with " << tokens.size() << " tokens");
+  if (sampled != nullptr) sampled->assign(R, SampledDraft{});
   // Each sequence's first row and how many drafts follow it.
   auto [first, drafts] = sequence_runs(batch);
   for (size_t& d : drafts) --d;
@@ -30,7 +31,26 @@ int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& 
       in.push_back(tokens[row]);
       rows.push_back(row + 1);
     }
-    const torch::Tensor best = model.decode(step, in, kv).argmax(-1).to(torch::kCPU).to(torch::kInt64).contiguous();
+    const torch::Tensor logits = model.decode(step, in, kv);
+    bool draws = false;
+    if (samplers != nullptr)
+      for (int64_t id : step.seq_ids) draws = draws || samplers->samples(id);
+    if (draws) {
+      const torch::Tensor host = logits.to(torch::kCPU, torch::kFloat32).contiguous();
+      const int64_t V = host.size(1);
+      for (size_t k = 0; k < rows.size(); ++k) {
+        const float* row = host.data_ptr<float>() + static_cast<int64_t>(k) * V;
+        if (samplers->samples(step.seq_ids[k])) {
+          SampledDraft d = samplers->draft(step.seq_ids[k], row, V);
+          tokens[rows[k]] = d.token;
+          (*sampled)[rows[k] - 1] = std::move(d);
+        } else {
+          tokens[rows[k]] = std::max_element(row, row + V) - row;  // the first maximum, as argmax
+        }
+      }
+      continue;
+    }
+    const torch::Tensor best = logits.argmax(-1).to(torch::kCPU).to(torch::kInt64).contiguous();
     const int64_t* b = best.data_ptr<int64_t>();
     for (size_t k = 0; k < rows.size(); ++k) tokens[rows[k]] = b[k];
   }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/sampling/sampler.h"
 #include "cache_manager/kv_memory.h"
 
 namespace kvserve {
@@ -18,7 +19,13 @@ class DecoderModel;
 // step then appends every row again with full attention. tokens: one per batch row, drafts
 // overwritten. Throws what a decode step throws (the caller's failed-step path releases the KV).
 // Returns the draft steps it ran (the most drafts any sequence had).
+//
+// sampled (draft_sampling "sample"): a sampling sequence's drafts are drawn from its draft logits
+// (SamplerBank::draft) instead of taken as their argmax; sampled is resized to the batch's rows and
+// its entry at row r holds the draft put at row r + 1 with the distribution it came from (token < 0:
+// an argmax draft). Null: every draft is an argmax.
 int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
-                          std::vector<int64_t>& tokens);
+                          std::vector<int64_t>& tokens, SamplerBank* samplers = nullptr,
+                          std::vector<SampledDraft>* sampled = nullptr);
 
 }  // namespace kvserve

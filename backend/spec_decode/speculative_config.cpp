@@ -21,8 +21,12 @@ void SpeculativeConfig::validate(const std::string& where) const {
     KV_CHECK(draft_policy.empty() || draft_budget >= 1,
              where << ": draft_budget must be >= 1 token per layer, got " << draft_budget);
     KV_CHECK(draft_refresh_tokens >= 0, where << ": draft_refresh_tokens must be >= 0, got " << draft_refresh_tokens);
+    KV_CHECK(draft_sampling == "greedy" || draft_sampling == "sample",
+             where << ": draft_sampling must be greedy or sample, got '" << draft_sampling << "'");
     return;
   }
+  KV_CHECK(draft_sampling == "greedy",
+           where << ": draft_sampling '" << draft_sampling << "' needs method 'self' (prompt lookup drafts one token)");
   KV_CHECK(draft_policy.empty(), where << ": draft_policy '" << draft_policy << "' needs method 'self'");
   KV_CHECK(prompt_lookup_min >= 1, where << ": prompt_lookup_min must be >= 1, got " << prompt_lookup_min);
   KV_CHECK(prompt_lookup_max >= prompt_lookup_min,
@@ -75,11 +79,14 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       c.draft_budget = integer();
     } else if (k == "draft_refresh_tokens") {
       c.draft_refresh_tokens = integer();
+    } else if (k == "draft_sampling") {
+      c.draft_sampling = text("greedy or sample");
+      if (c.draft_sampling.empty()) c.draft_sampling = "greedy";
     } else {
       KV_FAIL(where << ": unknown key '" << k
                     << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, "
                        "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens, draft_policy, draft_budget, "
-                       "draft_refresh_tokens)");
+                       "draft_refresh_tokens, draft_sampling)");
     }
   }
   // As vLLM: one bound given alone sets both.
@@ -98,6 +105,7 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
     j["draft_sink_tokens"] = c.draft_sink_tokens;
     j["draft_window_tokens"] = c.draft_window_tokens;
     j["draft_min_context_tokens"] = c.draft_min_context_tokens;
+    j["draft_sampling"] = c.draft_sampling;
     if (!c.draft_policy.empty()) {
       j["draft_policy"] = c.draft_policy;
       j["draft_budget"] = c.draft_budget;

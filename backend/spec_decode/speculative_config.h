@@ -32,6 +32,12 @@ struct SpeculativeConfig {
   // ...and re-run that selection every draft_refresh_tokens decoded tokens over the whole cache,
   // a window scorer with the latest decode queries (0: the prompt's choice stays).
   int64_t draft_refresh_tokens = 64;
+  // "self": how a sampling request's drafts are chosen. "greedy": the argmax of the draft logits
+  // (a seeded request draws plain decoding's tokens exactly); "sample": drawn from the draft's
+  // distribution and kept by speculative sampling (more drafts kept at temperature > 0; every token
+  // distributed as plain decoding's, but not the same tokens for a seed). Greedy requests draft
+  // argmaxes either way.
+  std::string draft_sampling = "greedy";
 
   bool enabled() const { return (method == "ngram" || method == "self") && num_speculative_tokens > 0; }
   bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }

@@ -83,9 +83,32 @@ TEST(SpeculativeConfig, SelfDraftKeys) {
   EXPECT_EQ(c.draft_sink_tokens, 4);
   EXPECT_EQ(c.draft_window_tokens, 64);
   EXPECT_EQ(speculative_config_json(c),
-            R"({"disable_by_batch_size":0,"draft_min_context_tokens":4096,"draft_sink_tokens":4,"draft_window_tokens":64,)"
-            R"("method":"self","num_speculative_tokens":4})");
+            R"({"disable_by_batch_size":0,"draft_min_context_tokens":4096,"draft_sampling":"greedy","draft_sink_tokens":4,)"
+            R"("draft_window_tokens":64,"method":"self","num_speculative_tokens":4})");
   EXPECT_FALSE(parse_speculative_config_json(R"({"method": "ngram", "num_speculative_tokens": 4})", "x").self_draft());
+  EXPECT_EQ(parse_speculative_config_json(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": "sample"})", "x")
+                .draft_sampling,
+            "sample");
+}
+
+TEST(SpeculativeConfig, DraftSamplingIsGreedyOrSampleAndOnlyForSelf) {
+  auto message = [](const std::string& json) {
+    try {
+      parse_speculative_config_json(json, "--speculative-config");
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": "top"})")
+                .find("--speculative-config: draft_sampling must be greedy or sample, got 'top'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 4, "draft_sampling": "sample"})")
+                .find("draft_sampling 'sample' needs method 'self'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": 1})")
+                .find("draft_sampling must be greedy or sample, got 1"),
+            std::string::npos);
 }
 
 TEST(DraftView, KeepsTheFirstAndLastBlocksOfLongRows) {

@@ -183,6 +183,11 @@ TEST(ServerConfig, SpeculativeConfigSection) {
   EXPECT_EQ(c.speculative.prompt_lookup_min, 1);
   EXPECT_EQ(c.speculative.prompt_lookup_max, 3);
   EXPECT_EQ(c.speculative.disable_by_batch_size, 16);
+  EXPECT_EQ(c.speculative.draft_sampling, "greedy");
+  EXPECT_EQ(parse_server_config("speculative_config:\n  method: self\n  num_speculative_tokens: 4\n  draft_sampling: sample\n",
+                                "spec.yaml")
+                .speculative.draft_sampling,
+            "sample");
 }
 
 struct BadCase {
@@ -233,6 +238,8 @@ const BadCase kBadCases[] = {
      "none, ngram, self; got 'eagle'"},
     {"spec_tokens", "speculative_config:\n  method: ngram\n  num_speculative_tokens: 65\n", 3,
      "speculative_config.num_speculative_tokens", "between 0"},
+    {"spec_draft_sampling", "speculative_config:\n  draft_sampling: top\n", 2, "speculative_config.draft_sampling",
+     "must be greedy or sample"},
     {"spec_key", "speculative_config:\n  draft_model: x\n", 2, "speculative_config.draft_model",
      "valid keys in 'speculative_config'"},
     {"bad_prefix_cache_bytes", "cache:\n  prefix_cache_bytes: lots\n", 2, "cache.prefix_cache_bytes", "is not a size"},

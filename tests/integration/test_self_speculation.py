@@ -6,10 +6,12 @@ under compressing and head-wise policies, seeded sampling, grammars, concurrency
 view is small (one sink block, two window blocks of 16) so that every prompt here is longer than it."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 
 import pytest
@@ -138,7 +140,8 @@ def test_generate_json_reports_self_drafts():
     assert j["token_ids"] == p["token_ids"]
     s = j["speculative"]
     assert s["config"] == {"method": "self", "num_speculative_tokens": 3, "disable_by_batch_size": 0,
-                           "draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0}
+                           "draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0,
+                           "draft_sampling": "greedy"}
     assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
     # Batch 1: every verify step follows at most num_speculative_tokens draft steps.
     assert 0 < s["verify_steps"] <= s["drafts"] and s["verify_steps"] <= s["draft_steps"] <= 3 * s["verify_steps"]
@@ -189,3 +192,74 @@ def test_draft_policy_errors_name_the_field():
     bad = subprocess.run(args + ['{"method": "ngram", "num_speculative_tokens": 3, "draft_policy": "snapkv"}'],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "draft_policy 'snapkv' needs method 'self'" in bad.stderr, bad.stderr
+
+
+def homogeneity(a: list, b: list) -> tuple[float, int]:
+    """Pearson's chi-square of two samples of categories (rare categories pooled) and its degrees of freedom."""
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    cats, rare = [], (0, 0)
+    for k in set(ca) | set(cb):
+        if ca[k] + cb[k] < 10:
+            rare = (rare[0] + ca[k], rare[1] + cb[k])
+        else:
+            cats.append((ca[k], cb[k]))
+    if sum(rare):
+        cats.append(rare)
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for oa, ob in cats:
+        t = oa + ob
+        ea, eb = t * na / (na + nb), t * nb / (na + nb)
+        stat += (oa - ea) ** 2 / ea + (ob - eb) ** 2 / eb
+    return stat, len(cats) - 1
+
+
+def chi2_critical(df: int, alpha: float) -> float:
+    """The chi-square quantile at 1 - alpha (Wilson-Hilferty)."""
+    z = statistics.NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_drafts_keep_plain_samplings_distribution():
+    # draft_sampling: sample draws a sampling request's drafts from the draft distribution and keeps
+    # them by speculative sampling. The draft sees only the last 16 tokens, and the prompt asks to
+    # repeat a list it cannot see, so its q is far from the full model's p: the first tokens of 480
+    # seeded streams (choice k of a request with seed s draws from stream s + k: the seeds are 1000
+    # apart) must still be distributed as those of 480 streams without speculation (a chi-square test
+    # of homogeneity over the first three tokens); greedy requests stay token-identical.
+    if not (DEFAULT_MODEL / "config.json").exists():
+        pytest.skip("the default model is not made")
+    yaml = SELF_YAML.replace("draft_sink_tokens: 16", "draft_sink_tokens: 0").replace(
+        "draft_window_tokens: 32", "draft_window_tokens: 16") + "  draft_sampling: sample\n"
+    s = Server(extra_yaml=yaml, model=str(DEFAULT_MODEL), kv_cache_bytes="256MiB")
+    prompt = ("Remember this list of numbers: 4 8 1 5 9 2 6 3 7 0.\n" + STORY +
+              "\nNow repeat the list of numbers exactly: 4 8")
+    try:
+        a, b = both(s, {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        assert tokens(a) == tokens(b)
+        before = counts(s)
+        fast, slow = [], []
+        for seed in range(30):
+            body = {"prompt": prompt, "max_tokens": 3, "temperature": 1.0, "top_k": 5, "n": 16, "seed": 1000 * seed,
+                    "ignore_eos": True}
+            x, y = both(s, body)
+            fast += [tuple(t) for t in tokens(x)]
+            slow += [tuple(t) for t in tokens(y)]
+        drafted, accepted = (p - q for p, q in zip(counts(s), before))
+        assert drafted > 0 and 0 < accepted <= drafted
+        stat, df = homogeneity(fast, slow)
+        assert df >= 2 and stat < chi2_critical(df, 1e-3), (stat, df, collections.Counter(fast).most_common(6),
+                                                            collections.Counter(slow).most_common(6))
+        assert s.wait_idle()["kvserve:kv_cache_blocks_used"] == 0
+    finally:
+        s.close()
+
+
+def test_draft_sampling_errors_name_the_field():
+    args = [kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x", "--speculative-config"]
+    bad = subprocess.run(args + ['{"method": "self", "num_speculative_tokens": 3, "draft_sampling": "nucleus"}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "draft_sampling must be greedy or sample, got 'nucleus'" in bad.stderr, bad.stderr
+    bad = subprocess.run(args + ['{"method": "ngram", "num_speculative_tokens": 3, "draft_sampling": "sample"}'],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "draft_sampling 'sample' needs method 'self'" in bad.stderr, bad.stderr
