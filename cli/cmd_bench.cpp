@@ -19,8 +19,8 @@
 #include <ATen/Parallel.h>
 
 #include "backend/checkpoint.h"
-#include "backend/cuda_profiler.h"
-#include "backend/decode_graphs.h"
+#include "backend/engine/cuda_profiler.h"
+#include "backend/engine/decode_graphs.h"
 #include "backend/model/decoder_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/commands.h"

@@ -7,7 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "backend/model/decoder_model.h"
 #include "backend/checkpoint.h"
 #include "backend/quantization/gguf_tokenizer.h"

@@ -9,9 +9,9 @@
 #include <optional>
 #include <thread>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "backend/quantization/gguf_tokenizer.h"
-#include "backend/scheduler.h"
+#include "backend/engine/scheduler.h"
 #include "backend/model/decoder_model.h"
 #include "cli/cli_files.h"
 #include "cli/commands.h"

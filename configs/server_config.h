@@ -48,7 +48,7 @@ struct ModelSection {
   std::string cpu_gemm = "mkl";            // mkl | onednn: the library for prefill-sized fp32 CPU products
   bool enforce_eager = false;              // no CUDA graphs for decode (vLLM's name); CUDA only
   // Prompt tokens of the warm-up run at start so the first request pays no device start-up
-  // (backend/warmup.h): -1 = auto (scheduler.max_num_batched_tokens on CUDA, none on CPU), 0 = off.
+  // (backend/engine/warmup.h): -1 = auto (scheduler.max_num_batched_tokens on CUDA, none on CPU), 0 = off.
   int64_t warmup_tokens = -1;
   // How the model writes tool calls: auto (read from the chat template) | hermes | llama3_json | mistral.
   std::string tool_call_parser = "auto";

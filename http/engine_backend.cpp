@@ -1,7 +1,7 @@
 // The ServingBackend over the real Engine, Tokenizer and ChatTemplate.
 #include <memory>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "backend/model/decoder_model.h"
 #include "backend/sampling/grammar_compiler.h"
 #include "http/request_parser.h"

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 
 namespace kvserve::http {
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/engine.h"
-#include "backend/engine_types.h"
+#include "backend/engine/engine.h"
+#include "backend/engine/engine_types.h"
 
 namespace kvserve {
 class Tokenizer;

@@ -18,7 +18,7 @@
 #include "backend/model/model_config.h"
 #include "backend/quantization/linear_weight.h"
 #include "backend/rope.h"
-#include "backend/step_profile.h"
+#include "backend/engine/step_profile.h"
 #include "parallel/shard_layout.h"
 #include "cache_manager/kv_memory.h"
 #include "cache_manager/kv_memory_factory.h"
@@ -127,7 +127,7 @@ class DecoderModel {
                        int64_t padded_rows = 0);
 
   // decode() in its two halves, so that the second can be captured in a CUDA graph
-  // (backend/decode_graphs.h). Whole model only (no pipeline stages).
+  // (backend/engine/decode_graphs.h). Whole model only (no pipeline stages).
   // The step's host work: checks the token ids, has `kv` plan the step (evictions, blocks, its
   // device tables; padded to padded_rows entries when that is larger than the batch) and grows the
   // RoPE tables to the step's positions.

@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/engine_types.h"
+#include "backend/engine/engine_types.h"
 #include "backend/sampling/grammar_mask.h"
 #include "backend/sampling/sampling_params.h"
 

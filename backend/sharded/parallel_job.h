@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "backend/model/decoder_model.h"
-#include "backend/model_runner.h"
+#include "backend/engine/model_runner.h"
 #include "backend/sharded/sharded_executor.h"
 
 namespace kvserve {

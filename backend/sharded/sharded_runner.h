@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "backend/model_runner.h"
+#include "backend/engine/model_runner.h"
 #include "backend/sharded/sharded_executor.h"
 
 namespace kvserve {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "backend/model/decoder_model.h"
-#include "backend/model_runner.h"
+#include "backend/engine/model_runner.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "tests/support/fixture_models.h"
 

@@ -1,4 +1,4 @@
-// Decode steps padded to a batch bucket and CUDA graphs of them (backend/decode_graphs.h).
+// Decode steps padded to a batch bucket and CUDA graphs of them (backend/engine/decode_graphs.h).
 // On CPU: the bucket and split-hint arithmetic, the padded step run eagerly (the padding's null row
 // reads nothing, writes nowhere, and changes neither the real rows' logits nor any cache state), and
 // DecodeGraphs in its capture-free mode over a schedule where sequences join and finish.
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/decode_graphs.h"
+#include "backend/engine/decode_graphs.h"
 #include "backend/model/decoder_model.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "cache_manager/paged_kv_cache.h"

@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "common/check.h"
 #include "backend/model/decoder_model.h"
-#include "backend/model_runner.h"
+#include "backend/engine/model_runner.h"
 #include "text/tokenizer.h"
 
 using namespace kvserve;

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/output_processor.h"
+#include "backend/engine/output_processor.h"
 
 namespace kvserve {
 namespace {

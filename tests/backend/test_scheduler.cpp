@@ -11,8 +11,8 @@
 #include <random>
 #include <tuple>
 
-#include "backend/model_runner.h"
-#include "backend/scheduler.h"
+#include "backend/engine/model_runner.h"
+#include "backend/engine/scheduler.h"
 #include "cache_manager/paged_kv_memory.h"
 
 namespace kvserve {

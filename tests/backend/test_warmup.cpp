@@ -1,4 +1,4 @@
-// The engine's warm-up (backend/warmup.h) runs real steps through the real runner and leaves nothing
+// The engine's warm-up (backend/engine/warmup.h) runs real steps through the real runner and leaves nothing
 // behind: an empty pool, an empty prefix cache, a high-water mark from zero, and requests that get
 // exactly the tokens and cache hits they get from an engine that never warmed up.
 #include <gtest/gtest.h>
@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "backend/model/decoder_model.h"
-#include "backend/model_runner.h"
-#include "backend/warmup.h"
+#include "backend/engine/model_runner.h"
+#include "backend/engine/warmup.h"
 #include "common/check.h"
 #include "text/tokenizer.h"
 

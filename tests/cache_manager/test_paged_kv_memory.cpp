@@ -60,7 +60,7 @@ PagedKvMemory make_memory(int64_t blocks) { return PagedKvMemory(kL, pool_opts(b
 
 int64_t blocks_for(int64_t tokens) { return (tokens + kBS - 1) / kBS; }
 
-// The scheduler's admission arithmetic (backend/scheduler.cpp) on one memory: the blocks a prompt
+// The scheduler's admission arithmetic (backend/engine/scheduler.cpp) on one memory: the blocks a prompt
 // takes at its peak, and whether the pool holds it now or ever.
 int64_t prompt_need(const PagedKvMemory& m, int64_t T, const std::string& key) {
   return PagedKvMemory::prompt_blocks(m.policy(key), m.geometry(), T);

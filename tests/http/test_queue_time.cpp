@@ -10,9 +10,9 @@
 #include <mutex>
 #include <vector>
 
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 #include "backend/model/decoder_model.h"
-#include "backend/model_runner.h"
+#include "backend/engine/model_runner.h"
 #include "text/tokenizer.h"
 
 using namespace kvserve;

@@ -20,7 +20,7 @@ import pytest
 from kvserve_server import REPO, Server, raw
 
 LONG = 3000
-THRESHOLD = 64  # kAutoLongPrefillTokensCpu (backend/scheduler.h)
+THRESHOLD = 64  # kAutoLongPrefillTokensCpu (backend/engine/scheduler.h)
 
 
 def stream(port: int, prompt: list[int], max_tokens: int, times: list[float], ready: threading.Event | None = None,

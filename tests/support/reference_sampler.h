@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend/engine_types.h"
+#include "backend/engine/engine_types.h"
 #include "backend/sampling/sampling_params.h"
 
 namespace kvserve {

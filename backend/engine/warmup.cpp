@@ -1,10 +1,10 @@
-#include "backend/warmup.h"
+#include "backend/engine/warmup.h"
 
 #include <algorithm>
 #include <chrono>
 
-#include "backend/model_runner.h"
-#include "backend/step_plan.h"
+#include "backend/engine/model_runner.h"
+#include "backend/engine/step_plan.h"
 #include "common/check.h"
 #include "common/log.h"
 

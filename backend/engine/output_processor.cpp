@@ -1,4 +1,4 @@
-#include "backend/output_processor.h"
+#include "backend/engine/output_processor.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "backend/step_plan.h"
+#include "backend/engine/step_plan.h"
 
 namespace kvserve {
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "backend/sampling/sampler.h"
-#include "backend/sequence.h"
+#include "backend/engine/sequence.h"
 
 namespace kvserve {
 

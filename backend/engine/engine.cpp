@@ -1,4 +1,4 @@
-#include "backend/engine.h"
+#include "backend/engine/engine.h"
 
 #include <algorithm>
 #include <chrono>
@@ -9,9 +9,9 @@
 
 #include "backend/sampling/grammar_compiler.h"
 #include "backend/model/decoder_model.h"
-#include "backend/model_runner.h"
-#include "backend/output_processor.h"
-#include "backend/scheduler.h"
+#include "backend/engine/model_runner.h"
+#include "backend/engine/output_processor.h"
+#include "backend/engine/scheduler.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "common/check.h"
 #include "common/log.h"
@@ -78,7 +78,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
                                               policies,
                                               options_.default_policy),
                                LocalRunnerOptions{options_.max_num_seqs, options_.enforce_eager, options_.max_num_batched_tokens});
-  // Before the loop starts, so the first request finds the device started (backend/warmup.h).
+  // Before the loop starts, so the first request finds the device started (backend/engine/warmup.h).
   WarmupOptions wo;
   wo.tokens = resolve_warmup_tokens(options_.warmup_tokens, model_->device().is_cuda(), options_.max_num_batched_tokens);
   wo.prompts = std::min<int64_t>(options_.max_num_seqs, 8);

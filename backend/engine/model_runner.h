@@ -9,7 +9,7 @@
 
 #include "backend/sampling/sampler.h"
 #include "backend/spec_decode/speculative_config.h"
-#include "backend/step_plan.h"
+#include "backend/engine/step_plan.h"
 #include "cache_manager/paged_kv_memory.h"
 
 namespace kvserve {

@@ -1,9 +1,9 @@
-#include "backend/model_runner.h"
+#include "backend/engine/model_runner.h"
 
 #include <algorithm>
 #include <chrono>
 
-#include "backend/decode_graphs.h"
+#include "backend/engine/decode_graphs.h"
 #include "backend/model/decoder_model.h"
 #include "backend/spec_decode/draft_verifier.h"
 #include "backend/spec_decode/self_drafter.h"

@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "backend/sequence.h"
+#include "backend/engine/sequence.h"
 #include "backend/spec_decode/speculative_config.h"
-#include "backend/step_plan.h"
+#include "backend/engine/step_plan.h"
 #include "cache_manager/conversation_cache.h"
 #include "policies/policy_config.h"
 

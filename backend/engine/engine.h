@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "cache_manager/kv_memory_factory.h"
-#include "backend/engine_types.h"
+#include "backend/engine/engine_types.h"
 #include "backend/spec_decode/speculative_config.h"
 #include "backend/model/model_config.h"
 #include "backend/sampling/structured_output_spec.h"
-#include "backend/warmup.h"
+#include "backend/engine/warmup.h"
 
 namespace kvserve {
 
@@ -49,7 +49,7 @@ struct EngineOptions {
   int64_t kv_cache_bytes = int64_t{1} << 30;
   int64_t block_size = 16;
   bool enforce_eager = false;  // no CUDA graphs for decode (model.enforce_eager, --enforce-eager)
-  // Prompt tokens of the warm-up run before the engine serves (backend/warmup.h; model.warmup_tokens,
+  // Prompt tokens of the warm-up run before the engine serves (backend/engine/warmup.h; model.warmup_tokens,
   // --warmup-tokens): -1 = max_num_batched_tokens on a CUDA device and none on a CPU, 0 = none.
   int64_t warmup_tokens = -1;
   // Automatic prefix caching (cache.enable_prefix_caching): full prompt blocks stay in the pool

@@ -1,4 +1,4 @@
-#include "backend/decode_graphs.h"
+#include "backend/engine/decode_graphs.h"
 
 #include <algorithm>
 #include <chrono>

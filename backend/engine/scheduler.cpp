@@ -1,4 +1,4 @@
-#include "backend/scheduler.h"
+#include "backend/engine/scheduler.h"
 
 #include <algorithm>
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/engine_types.h"
+#include "backend/engine/engine_types.h"
 #include "text/tokenizer.h"
 
 namespace kvserve {

@@ -1,4 +1,4 @@
-#include "backend/cuda_profiler.h"
+#include "backend/engine/cuda_profiler.h"
 
 #include "common/check.h"
 
