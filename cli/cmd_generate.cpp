@@ -236,6 +236,7 @@ void add_generate_command(CLI::App& app) {
         {"draft_s", stats.spec_decode_draft_seconds},
         {"verify_steps", stats.spec_decode_verify_steps},
         {"verify_s", stats.spec_decode_verify_seconds},
+        {"pauses", stats.spec_decode_pauses},
         {"acceptance_rate", stats.spec_decode_num_draft_tokens > 0
                                 ? static_cast<double>(stats.spec_decode_num_accepted_tokens) /
                                       static_cast<double>(stats.spec_decode_num_draft_tokens)

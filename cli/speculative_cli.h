@@ -19,7 +19,8 @@ inline CLI::Option* add_speculative_option(CLI::App* cmd, std::string& json) {
                          "and with draft_policy (a policy's name) the blocks holding what it keeps of the prompt with "
                          "draft_budget (512) tokens per layer, chosen again every draft_refresh_tokens (64); one process; \"draft_sampling\": \"sample\" draws a "
                          "sampling request's drafts from the draft distribution instead of taking its argmax); optional "
-                         "disable_by_batch_size");
+                         "disable_by_batch_size, and auto_disable (default true: speculation pauses while its steps emit fewer "
+                         "tokens per second than plain ones)");
 }
 
 inline SpeculativeConfig speculative_config(const config::SpeculativeSection& s) {
@@ -29,6 +30,7 @@ inline SpeculativeConfig speculative_config(const config::SpeculativeSection& s)
   c.prompt_lookup_min = s.prompt_lookup_min;
   c.prompt_lookup_max = s.prompt_lookup_max;
   c.disable_by_batch_size = s.disable_by_batch_size;
+  c.auto_disable = s.auto_disable;
   c.draft_sink_tokens = s.draft_sink_tokens;
   c.draft_window_tokens = s.draft_window_tokens;
   c.draft_min_context_tokens = s.draft_min_context_tokens;
@@ -41,7 +43,7 @@ inline SpeculativeConfig speculative_config(const config::SpeculativeSection& s)
 
 inline config::SpeculativeSection speculative_section(const SpeculativeConfig& c) {
   return {c.method.empty() ? "none" : c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max,
-          c.disable_by_batch_size, c.draft_sink_tokens, c.draft_window_tokens, c.draft_min_context_tokens,
+          c.disable_by_batch_size, c.auto_disable, c.draft_sink_tokens, c.draft_window_tokens, c.draft_min_context_tokens,
           c.draft_policy, c.draft_budget, c.draft_refresh_tokens, c.draft_sampling};
 }
 

@@ -623,6 +623,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"prompt_lookup_min", p.int_of(s.prompt_lookup_min, 1, 64)},
                                   {"prompt_lookup_max", p.int_of(s.prompt_lookup_max, 1, 64)},
                                   {"disable_by_batch_size", p.int_of(s.disable_by_batch_size, 0, 1 << 20)},
+                                  {"auto_disable", p.bool_of(s.auto_disable)},
                                   {"draft_sink_tokens", p.int_of(s.draft_sink_tokens, 0, int64_t{1} << 30)},
                                   {"draft_window_tokens", p.int_of(s.draft_window_tokens, 1, int64_t{1} << 30)},
                                   {"draft_min_context_tokens", p.int_of(s.draft_min_context_tokens, 0, int64_t{1} << 30)},

@@ -15,7 +15,7 @@
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
 //   speculative_config: {method: <none|ngram|self>, num_speculative_tokens, prompt_lookup_min,
-//               prompt_lookup_max, disable_by_batch_size, draft_sink_tokens, draft_window_tokens,
+//               prompt_lookup_max, disable_by_batch_size, auto_disable, draft_sink_tokens, draft_window_tokens,
 //               draft_min_context_tokens, draft_policy, draft_budget, draft_refresh_tokens,
 //               draft_sampling} (vLLM's speculative_config;
 //               the draft_* keys for self)
@@ -135,6 +135,7 @@ struct SpeculativeSection {
   int64_t prompt_lookup_min = 2;
   int64_t prompt_lookup_max = 4;
   int64_t disable_by_batch_size = 0;
+  bool auto_disable = true;           // pause while speculative steps are slower than plain ones
   int64_t draft_sink_tokens = 16;     // self: the draft view's sinks and window
   int64_t draft_window_tokens = 496;
   int64_t draft_min_context_tokens = 4096;  // self: shorter sequences decode plainly

@@ -235,6 +235,9 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
           static_cast<double>(s.spec_decode_verify_steps));
   counter("kvserve:spec_decode_verify_seconds_total",
           "Speculative decoding: seconds of the forwards and sampling that verified drafts.", s.spec_decode_verify_seconds);
+  counter("kvserve:spec_decode_pauses_total",
+          "Speculative decoding: pauses because steps with drafts emitted fewer tokens per second than plain ones.",
+          static_cast<double>(s.spec_decode_pauses));
   header(out, "kvserve:spec_decode_num_accepted_tokens_per_pos_total", "counter",
          "Speculative decoding: draft tokens accepted, per draft position (0 = the first draft).");
   for (size_t i = 0; i < s.spec_decode_accepted_per_pos.size(); ++i)

@@ -255,14 +255,15 @@ spec)
   # Issue 49's GPU row: self-speculation (sinks + window, gamma 4) against plain decoding on the 8B
   # checkpoint, SPEC_BATCH prompts (16) of SPEC_CONTEXT random token ids (32768: 64 GiB of bf16 KV),
   # 64 new tokens. The random weights make the acceptance meaningless; the step costs are not: c (a
-  # draft step / a plain step) and v (a verify step / a plain step) from generate --json.
+  # draft step / a plain step) and v (a verify step / a plain step) from generate --json. auto_disable
+  # is off so that the random drafts' rejections do not pause the steps being measured.
   shift
   kvserve_and_8b
   python3 -c 'import json,random,sys; r=random.Random(7); n,b=int(sys.argv[1]),int(sys.argv[2]); json.dump([[r.randrange(3,2000) for _ in range(n)] for _ in range(b)], open("/tmp/spec-prompts.json","w"))' \
     "${SPEC_CONTEXT:-32768}" "${SPEC_BATCH:-16}"
   : > "$out/spec.txt"
   for mode in plain self; do
-    cfg=(); [ $mode = self ] && cfg=(--speculative-config '{"method": "self", "num_speculative_tokens": 4}')
+    cfg=(); [ $mode = self ] && cfg=(--speculative-config '{"method": "self", "num_speculative_tokens": 4, "auto_disable": false}')
     timeout 240 "$BUILD/kvserve" generate --model "$model" --device cuda --dtype bfloat16 --prompts-file /tmp/spec-prompts.json \
       --max-tokens 64 --ignore-eos --json "${cfg[@]}" "$@" 2>>"$out/spec.err" | tail -1 \
       > "$out/spec-$mode.json" || rc=1

@@ -376,6 +376,7 @@ void Engine::loop() {
       im.stats.spec_decode_num_draft_tokens = spec.draft_tokens;
       im.stats.spec_decode_num_accepted_tokens = spec.accepted_tokens;
       im.stats.spec_decode_accepted_per_pos = spec.accepted_per_pos;
+      im.stats.spec_decode_pauses = spec.pauses;
       im.stats.spec_decode_draft_steps = speculated.draft_steps;
       im.stats.spec_decode_draft_seconds = speculated.draft_s;
       im.stats.spec_decode_verify_steps = speculated.verify_steps;

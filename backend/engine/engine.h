@@ -105,6 +105,7 @@ struct EngineStats {
   double spec_decode_draft_seconds = 0.0;
   int64_t spec_decode_verify_steps = 0;
   double spec_decode_verify_seconds = 0.0;
+  int64_t spec_decode_pauses = 0;  // times speculation paused because it did not pay (auto_disable)
   int64_t step_collectives_total = 0;  // control-path collectives of a sharded job's steps
   // CUDA graph captures of decode steps (the warm-up's included) and their host seconds.
   int64_t cuda_graph_captures_total = 0;

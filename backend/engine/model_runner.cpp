@@ -53,7 +53,8 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
         samplers_.prepare(plan.decode.seq_ids);  // grammar masks, beside the forward
       }
       using clock = std::chrono::steady_clock;
-      auto t0 = clock::now();
+      const auto start = clock::now();
+      auto t0 = start;
       std::vector<int64_t> tokens = plan.decode_tokens;
       std::vector<SampledDraft> sampled;  // drafts drawn from their distribution (draft_sampling "sample")
       if (drafts && plan.self_draft.active()) {
@@ -67,7 +68,9 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       torch::Tensor logits = graphs_ && !drafts ? graphs_->decode(plan.decode, tokens)
                                                 : model_->decode(plan.decode, tokens, *kv_);
       VerifiedTokens v = verify_drafts(samplers_, plan.decode, tokens, logits, plan.decode_ban_eos, sampled);
-      if (drafts) r.verify_s = std::chrono::duration<double>(clock::now() - t0).count();
+      const auto end = clock::now();
+      if (drafts) r.verify_s = std::chrono::duration<double>(end - t0).count();
+      r.decode_s = std::chrono::duration<double>(end - start).count();
       r.decoded = std::move(v.tokens);
       r.decode_counts = std::move(v.counts);
     } catch (const std::exception& e) {

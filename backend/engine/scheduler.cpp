@@ -238,8 +238,9 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   // beyond its one token's demand), before any prompt is admitted.
   const SpeculativeConfig& spec = options_.speculative;
   const auto decoding = std::count_if(running_.begin(), running_.end(), [](const auto& s) { return !s->prefilling(); });
-  const bool speculate = spec.enabled() && suspect == running_.end() &&
-                         (spec.disable_by_batch_size == 0 || decoding <= spec.disable_by_batch_size);
+  const bool speculate = spec.enabled() && suspect == running_.end() && decoding > 0 &&
+                         (spec.disable_by_batch_size == 0 || decoding <= spec.disable_by_batch_size) &&
+                         (!spec.auto_disable || governor_.allow(decoding));
   for (const auto& s : running_) {
     if (s->prefilling() || (suspect != running_.end() && s != *suspect)) continue;
     plan.decode.seq_ids.push_back(s->id);
@@ -392,6 +393,13 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
   for (auto& s : running_) by_id[s->id] = s.get();
   std::vector<Output> out;
   const size_t rows_decoded = plan.decode.seq_ids.size();
+  if (rows_decoded > 0 && result.decode_error.empty() && options_.speculative.enabled()) {
+    int64_t seqs = 1;  // a speculative step's sequences are runs of consecutive rows
+    for (size_t r = 1; r < rows_decoded; ++r) seqs += plan.decode.seq_ids[r] != plan.decode.seq_ids[r - 1];
+    governor_.record(seqs, static_cast<int64_t>(result.decoded.size()), result.decode_s,
+                     seqs < static_cast<int64_t>(rows_decoded));
+    spec_.pauses = governor_.pauses();
+  }
   if (!result.decode_error.empty() && rows_decoded > 1) {
     // Which sequence failed is unknown, and the step may have written part of their KV: all of them
     // start over from a recompute (as after a preemption), then decode alone.

@@ -18,8 +18,9 @@
 #include <vector>
 
 #include "backend/engine/sequence.h"
-#include "backend/spec_decode/speculative_config.h"
 #include "backend/engine/step_plan.h"
+#include "backend/spec_decode/speculation_governor.h"
+#include "backend/spec_decode/speculative_config.h"
 #include "cache_manager/conversation_cache.h"
 #include "policies/policy_config.h"
 
@@ -71,6 +72,7 @@ class Scheduler {
   struct SpecCounters {
     int64_t drafts = 0, draft_tokens = 0, accepted_tokens = 0;
     std::vector<int64_t> accepted_per_pos;
+    int64_t pauses = 0;  // times the governor paused speculation (auto_disable)
   };
   // A decision about one sequence the engine turns into events.
   struct Output {
@@ -150,6 +152,7 @@ class Scheduler {
   std::vector<int64_t> release_, remove_;           // for the next plan
   std::vector<std::pair<int64_t, int64_t>> truncate_;  // rejected drafts' KV, for the next plan
   SpecCounters spec_;
+  SpeculationGovernor governor_;  // auto_disable: pauses speculation while it does not pay
   std::vector<int64_t> park_;
   // Finished sequences whose KV stays in the pools for their conversations' next turns. Their
   // blocks count as used (Pool::held keeps them) until a prompt resumes them or they are evicted,

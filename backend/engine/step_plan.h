@@ -129,6 +129,9 @@ struct StepResult {
   // seconds of the forward and sampling that verified drafts (a step without drafts adds nothing).
   int64_t draft_steps = 0;
   double draft_s = 0.0, verify_s = 0.0;
+  // The decode part's seconds (drafting, forward, sampling) for the speculation governor; 0: untimed
+  // (the sharded runtime).
+  double decode_s = 0.0;
   std::vector<PrefillOutcome> prefilled;  // one per plan prefill
   std::vector<ShardUsage> shards;         // one per shard holding KV (one for a single process)
 };

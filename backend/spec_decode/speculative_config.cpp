@@ -67,6 +67,9 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       max_set = true;
     } else if (k == "disable_by_batch_size") {
       c.disable_by_batch_size = integer();
+    } else if (k == "auto_disable") {
+      KV_CHECK(it->is_boolean(), where << ": auto_disable must be true or false, got " << it->dump());
+      c.auto_disable = it->get<bool>();
     } else if (k == "draft_sink_tokens") {
       c.draft_sink_tokens = integer();
     } else if (k == "draft_window_tokens") {
@@ -84,7 +87,7 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
       if (c.draft_sampling.empty()) c.draft_sampling = "greedy";
     } else {
       KV_FAIL(where << ": unknown key '" << k
-                    << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, "
+                    << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, auto_disable, "
                        "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens, draft_policy, draft_budget, "
                        "draft_refresh_tokens, draft_sampling)");
     }
@@ -100,7 +103,8 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
   if (!c.enabled()) return "null";
   nlohmann::json j = {{"method", c.method},
                       {"num_speculative_tokens", c.num_speculative_tokens},
-                      {"disable_by_batch_size", c.disable_by_batch_size}};
+                      {"disable_by_batch_size", c.disable_by_batch_size},
+                      {"auto_disable", c.auto_disable}};
   if (c.self_draft()) {
     j["draft_sink_tokens"] = c.draft_sink_tokens;
     j["draft_window_tokens"] = c.draft_window_tokens;

@@ -16,6 +16,9 @@ struct SpeculativeConfig {
   // No drafts while more than this many sequences decode (0: no limit): a large batch's decode is
   // compute-bound, so verifying γ + 1 tokens per sequence costs about γ + 1 plain steps.
   int64_t disable_by_batch_size = 0;
+  // Pause speculation while its decode steps emit fewer tokens per second than plain steps of the
+  // same batch size (measured: backend/spec_decode/speculation_governor.h); false: speculate always.
+  bool auto_disable = true;
   // "self": the draft steps attend to the cache's first draft_sink_tokens and last
   // draft_window_tokens (each rounded up to whole blocks; the window's last block is the open one).
   int64_t draft_sink_tokens = 16;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/spec_decode/ngram_proposer.h"
+#include "backend/spec_decode/speculation_governor.h"
 #include "backend/spec_decode/speculative_config.h"
 #include "cache_manager/draft_view.h"
 #include "cache_manager/paged_kv_cache.h"
@@ -83,8 +84,8 @@ TEST(SpeculativeConfig, SelfDraftKeys) {
   EXPECT_EQ(c.draft_sink_tokens, 4);
   EXPECT_EQ(c.draft_window_tokens, 64);
   EXPECT_EQ(speculative_config_json(c),
-            R"({"disable_by_batch_size":0,"draft_min_context_tokens":4096,"draft_sampling":"greedy","draft_sink_tokens":4,)"
-            R"("draft_window_tokens":64,"method":"self","num_speculative_tokens":4})");
+            R"({"auto_disable":true,"disable_by_batch_size":0,"draft_min_context_tokens":4096,"draft_sampling":"greedy",)"
+            R"("draft_sink_tokens":4,"draft_window_tokens":64,"method":"self","num_speculative_tokens":4})");
   EXPECT_FALSE(parse_speculative_config_json(R"({"method": "ngram", "num_speculative_tokens": 4})", "x").self_draft());
   EXPECT_EQ(parse_speculative_config_json(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": "sample"})", "x")
                 .draft_sampling,
@@ -106,6 +107,11 @@ TEST(SpeculativeConfig, DraftSamplingIsGreedyOrSampleAndOnlyForSelf) {
   EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 4, "draft_sampling": "sample"})")
                 .find("draft_sampling 'sample' needs method 'self'"),
             std::string::npos);
+  EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 4, "auto_disable": 1})")
+                .find("auto_disable must be true or false, got 1"),
+            std::string::npos);
+  EXPECT_FALSE(parse_speculative_config_json(R"({"method": "ngram", "num_speculative_tokens": 4, "auto_disable": false})", "x")
+                   .auto_disable);
   EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": 1})")
                 .find("draft_sampling must be greedy or sample, got 1"),
             std::string::npos);
@@ -335,6 +341,71 @@ TEST(VerifyStepBatch, RowsMustBeConsecutive) {
   EXPECT_THROW(c.begin_decode({7, 7}, {6, 7}, 4), std::exception);     // a verify step is never padded
   c.check_invariants();
   EXPECT_EQ(c.length(7, 0), 6);
+}
+
+}  // namespace
+}  // namespace kvserve
+
+namespace kvserve {
+namespace {
+
+// Steps of `batch` sequences: plain ones emit `batch` tokens in `plain_s`, speculative ones
+// `spec_tokens` in `spec_s`; returns how many of `steps` the governor let speculate.
+int64_t run_governor(SpeculationGovernor& g, int64_t steps, int64_t batch, double plain_s, int64_t spec_tokens,
+                     double spec_s) {
+  int64_t speculated = 0;
+  for (int64_t i = 0; i < steps; ++i) {
+    const bool spec = g.allow(batch);
+    speculated += spec;
+    g.record(batch, spec ? spec_tokens : batch, spec ? spec_s : plain_s, spec);
+  }
+  return speculated;
+}
+
+TEST(SpeculationGovernor, KeepsSpeculatingWhileItPays) {
+  SpeculationGovernor g;
+  // Three plain steps first (as a sequence's first steps before it drafts), then drafts that give
+  // 3 tokens in 1.5 plain steps' time: 2x.
+  for (int i = 0; i < 3; ++i) g.record(1, 1, 0.01, false);
+  const int64_t spec = run_governor(g, 320, 1, 0.01, 3, 0.015);
+  EXPECT_EQ(g.pauses(), 0);
+  // One plain probe every 32 steps keeps the plain rate current; everything else speculates.
+  EXPECT_EQ(spec, 320 - 9);
+  EXPECT_NEAR(g.speculative_rate(1) / g.plain_rate(1), 2.0, 1e-9);
+}
+
+TEST(SpeculationGovernor, PausesWhileItLosesAndBacksOff) {
+  SpeculationGovernor g;
+  for (int i = 0; i < 3; ++i) g.record(1, 1, 0.01, false);
+  // 1.2 tokens per step at twice a plain step's time: 0.6x.
+  EXPECT_EQ(run_governor(g, 3, 1, 0.01, 12, 0.2), 3);  // three samples, then the verdict
+  EXPECT_TRUE(g.paused());
+  EXPECT_EQ(g.pauses(), 1);
+  EXPECT_EQ(run_governor(g, 64, 1, 0.01, 12, 0.2), 0);  // the first pause: 64 plain steps
+  EXPECT_EQ(run_governor(g, 3, 1, 0.01, 12, 0.2), 3);   // a probe of three steps
+  EXPECT_EQ(g.pauses(), 2);
+  EXPECT_EQ(run_governor(g, 128, 1, 0.01, 12, 0.2), 0);  // twice as long
+  EXPECT_EQ(run_governor(g, 3, 1, 0.01, 12, 0.2), 3);
+  EXPECT_EQ(run_governor(g, 256, 1, 0.01, 12, 0.2), 0);
+  // Over a long run it speculates in a few probes only.
+  EXPECT_LT(run_governor(g, 4000, 1, 0.01, 12, 0.2), 20);
+  EXPECT_LT(run_governor(g, 1024, 1, 0.01, 12, 0.2), 4);  // the pause stops doubling at 1024
+}
+
+TEST(SpeculationGovernor, JudgesEachBatchSizeOnItsOwnSteps) {
+  SpeculationGovernor g;
+  // A batch size's first steps are plain: the rate to beat.
+  EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 0);
+  EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 3);
+  // Plain steps of 8 sequences emit 8 tokens in 0.02 s (400 tokens/s); a speculative step of one
+  // sequence 3 tokens in 0.015 s (200/s) is not slower than a plain step of one (100/s).
+  for (int i = 0; i < 3; ++i) g.record(8, 8, 0.02, false);
+  for (int i = 0; i < 3; ++i) g.record(1, 1, 0.01, false);
+  EXPECT_EQ(run_governor(g, 16, 1, 0.01, 3, 0.015), 16);
+  EXPECT_EQ(g.pauses(), 0);
+  // Untimed steps (a sharded runtime) change nothing.
+  for (int i = 0; i < 10; ++i) g.record(8, 1, 0.0, true);
+  EXPECT_EQ(g.pauses(), 0);
 }
 
 }  // namespace

@@ -89,12 +89,13 @@ def test_cuda_compressed_context_matches_cpu(model):
 
 
 SPEC = {
-    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, '
+             '"auto_disable": false}',
     "self": '{"method": "self", "num_speculative_tokens": 3, "draft_sink_tokens": 16, "draft_window_tokens": 32, '
-            '"draft_min_context_tokens": 0}',
+            '"draft_min_context_tokens": 0, "auto_disable": false}',
     "self-snapkv": '{"method": "self", "num_speculative_tokens": 3, "draft_sink_tokens": 16, '
                    '"draft_window_tokens": 32, "draft_min_context_tokens": 0, "draft_policy": "snapkv", '
-                   '"draft_budget": 48}',
+                   '"draft_budget": 48, "auto_disable": false}',
 }
 
 

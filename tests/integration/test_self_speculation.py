@@ -19,12 +19,15 @@ import pytest
 from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
 
+# auto_disable off: on these small models and short contexts drafting does not pay on a CPU, and
+# the tests check what the speculative steps compute (test_auto_disable_* below: the governor).
 SELF_YAML = """speculative_config:
   method: self
   num_speculative_tokens: 4
   draft_sink_tokens: 16
   draft_window_tokens: 32
   draft_min_context_tokens: 0
+  auto_disable: false
 """
 HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -133,13 +136,14 @@ def test_generate_json_reports_self_drafts():
     args = [kvserve_bin(), "generate", "--model", model_dir(), "--prompt", PROMPTS[0], "--max-tokens", "32",
             "--ignore-eos", "--json"]
     spec = subprocess.run(args + ["--speculative-config", '{"method": "self", "num_speculative_tokens": 3, '
-                                  '"draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0}'],
+                                  '"draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0, '
+                                  '"auto_disable": false}'],
                           capture_output=True, text=True, timeout=300, check=True)
     plain = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
     j, p = json.loads(spec.stdout), json.loads(plain.stdout)
     assert j["token_ids"] == p["token_ids"]
     s = j["speculative"]
-    assert s["config"] == {"method": "self", "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+    assert s["config"] == {"method": "self", "num_speculative_tokens": 3, "disable_by_batch_size": 0, "auto_disable": False,
                            "draft_sink_tokens": 16, "draft_window_tokens": 16, "draft_min_context_tokens": 0,
                            "draft_sampling": "greedy"}
     assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
@@ -263,3 +267,24 @@ def test_draft_sampling_errors_name_the_field():
     bad = subprocess.run(args + ['{"method": "ngram", "num_speculative_tokens": 3, "draft_sampling": "sample"}'],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "draft_sampling 'sample' needs method 'self'" in bad.stderr, bad.stderr
+
+
+def test_auto_disable_pauses_self_drafts_that_do_not_pay():
+    # On this CPU a draft step of the default model at a few hundred tokens costs nearly a plain
+    # step, so a speculative step (drafts, then a verify step of several rows) emits fewer tokens per
+    # second than a plain one: with auto_disable (the default) the engine measures that and pauses
+    # speculation; the tokens stay plain decoding's.
+    if not (DEFAULT_MODEL / "config.json").exists():
+        pytest.skip("the default model is not made")
+    args = [kvserve_bin(), "generate", "--model", str(DEFAULT_MODEL), "--prompt", STORY * 4 + "What happened next?",
+            "--max-tokens", "96", "--ignore-eos", "--json"]
+    spec = subprocess.run(args + ["--speculative-config", '{"method": "self", "num_speculative_tokens": 4, '
+                                  '"draft_sink_tokens": 16, "draft_window_tokens": 32, "draft_min_context_tokens": 0}'],
+                          capture_output=True, text=True, timeout=300, check=True)
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+    j, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert j["token_ids"] == p["token_ids"]
+    s = j["speculative"]
+    assert s["config"]["auto_disable"] is True
+    assert s["drafts"] > 0 and s["pauses"] >= 1, s
+    assert p["speculative"]["pauses"] == 0

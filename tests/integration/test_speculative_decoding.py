@@ -18,11 +18,14 @@ import pytest
 from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
 
+# auto_disable off: these tests check what speculative steps compute, and on the tiny fixture the
+# governor may well find that they do not pay (test_self_speculation.py tests the governor).
 SPEC_YAML = """speculative_config:
   method: ngram
   num_speculative_tokens: 5
   prompt_lookup_min: 1
   prompt_lookup_max: 3
+  auto_disable: false
 """
 PASSAGE = ("The river runs past the old mill, under the stone bridge, and into the lake. "
            "Children play on the bridge in summer and skate on the lake in winter. ")
@@ -167,7 +170,7 @@ def test_rollout_rules_turn_speculation_off_or_cap_it_and_models_names_the_confi
         status, _, data = raw(s, "GET", "/v1/models")
         assert status == 200
         assert json.loads(data)["data"][0]["speculative_config"] == {
-            "method": "ngram", "num_speculative_tokens": 5, "disable_by_batch_size": 0,
+            "method": "ngram", "num_speculative_tokens": 5, "disable_by_batch_size": 0, "auto_disable": False,
             "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
         def send(tenant: str | None) -> list[list[int]]:
@@ -224,7 +227,8 @@ def test_request_field_and_config_errors(srv, tmp_path):
 
 def test_generate_json_reports_acceptance():
     out = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", COPY, "--max-tokens", "48",
-                          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+                          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+                          '"auto_disable": false}',
                           "--json"], capture_output=True, text=True, timeout=300, check=True)
     plain = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", COPY, "--max-tokens", "48",
                             "--json"], capture_output=True, text=True, timeout=300, check=True)
