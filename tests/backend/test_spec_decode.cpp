@@ -17,6 +17,16 @@ namespace {
 
 using V = std::vector<int64_t>;
 
+// What parse_speculative_config_json throws for `json` as --speculative-config ("": it parses).
+std::string message(const std::string& json) {
+  try {
+    parse_speculative_config_json(json, "--speculative-config");
+  } catch (const std::exception& e) {
+    return std::string(e.what());
+  }
+  return std::string();
+}
+
 TEST(NgramProposer, LatestOccurrenceOfTheLongestSuffix) {
   // Suffix "7 8" occurs at 1 and 5; the latest (5) is followed by 30 31 7 8.
   const V prompt{1, 7, 8, 20, 21, 7, 8, 30, 31};
@@ -51,14 +61,6 @@ TEST(SpeculativeConfig, ParsesVllmJson) {
 }
 
 TEST(SpeculativeConfig, ErrorsNameTheFlagAndKey) {
-  auto message = [](const std::string& json) {
-    try {
-      parse_speculative_config_json(json, "--speculative-config");
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
   EXPECT_NE(message("{nope").find("--speculative-config: not JSON"), std::string::npos);
   EXPECT_NE(message(R"({"method": "eagle", "num_speculative_tokens": 3})").find("method 'eagle' is not served"),
             std::string::npos);
@@ -93,14 +95,6 @@ TEST(SpeculativeConfig, SelfDraftKeys) {
 }
 
 TEST(SpeculativeConfig, DraftSamplingIsGreedyOrSampleAndOnlyForSelf) {
-  auto message = [](const std::string& json) {
-    try {
-      parse_speculative_config_json(json, "--speculative-config");
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
   EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": "top"})")
                 .find("--speculative-config: draft_sampling must be greedy or sample, got 'top'"),
             std::string::npos);
