@@ -21,6 +21,11 @@ bool SpeculationGovernor::allow(int64_t batch) {
     --pause_left_;
     return false;
   }
+  // Until a step reports its time (never, on the sharded runtime) there is nothing to judge: the
+  // governor stays out of the way instead of holding every step plain for a rate it never gets.
+  bool timed = false;
+  for (const Bucket& b : buckets_) timed = timed || b.plain.samples > 0 || b.spec.samples > 0 || b.since_plain > 0;
+  if (!timed) return true;
   // The first steps of a batch size are plain (the rate to beat), and a plain step now and then keeps
   // that rate current as contexts grow (record() of it resets the count).
   const Bucket& b = at(batch);

@@ -388,17 +388,30 @@ TEST(SpeculationGovernor, PausesWhileItLosesAndBacksOff) {
 
 TEST(SpeculationGovernor, JudgesEachBatchSizeOnItsOwnSteps) {
   SpeculationGovernor g;
-  // A batch size's first steps are plain: the rate to beat.
-  EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 0);
-  EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 3);
   // Plain steps of 8 sequences emit 8 tokens in 0.02 s (400 tokens/s); a speculative step of one
   // sequence 3 tokens in 0.015 s (200/s) is not slower than a plain step of one (100/s).
   for (int i = 0; i < 3; ++i) g.record(8, 8, 0.02, false);
   for (int i = 0; i < 3; ++i) g.record(1, 1, 0.01, false);
   EXPECT_EQ(run_governor(g, 16, 1, 0.01, 3, 0.015), 16);
   EXPECT_EQ(g.pauses(), 0);
+  // A batch size's first steps are plain: the rate to beat.
+  EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 0);
+  EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 3);
   // Untimed steps (a sharded runtime) change nothing.
   for (int i = 0; i < 10; ++i) g.record(8, 1, 0.0, true);
+  EXPECT_EQ(g.pauses(), 0);
+}
+
+TEST(SpeculationGovernor, AnUntimedRuntimeSpeculatesAlways) {
+  // The sharded runtime reports no decode time: nothing is ever judged, nothing is held plain.
+  SpeculationGovernor g;
+  int64_t allowed = 0;
+  for (int i = 0; i < 200; ++i) {
+    const bool spec = g.allow(4);
+    allowed += spec;
+    g.record(4, spec ? 8 : 4, 0.0, spec);
+  }
+  EXPECT_EQ(allowed, 200);
   EXPECT_EQ(g.pauses(), 0);
 }
 
