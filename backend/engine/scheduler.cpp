@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "backend/spec_decode/draft_verifier.h"
 #include "backend/spec_decode/ngram_proposer.h"
 #include "common/check.h"
 #include "common/log.h"
@@ -394,8 +395,7 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
   std::vector<Output> out;
   const size_t rows_decoded = plan.decode.seq_ids.size();
   if (rows_decoded > 0 && result.decode_error.empty() && options_.speculative.enabled()) {
-    int64_t seqs = 1;  // a speculative step's sequences are runs of consecutive rows
-    for (size_t r = 1; r < rows_decoded; ++r) seqs += plan.decode.seq_ids[r] != plan.decode.seq_ids[r - 1];
+    const auto seqs = static_cast<int64_t>(sequence_runs(plan.decode).first.size());
     governor_.record(seqs, static_cast<int64_t>(result.decoded.size()), result.decode_s,
                      seqs < static_cast<int64_t>(rows_decoded));
     spec_.pauses = governor_.pauses();

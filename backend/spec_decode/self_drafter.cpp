@@ -32,15 +32,15 @@ int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& 
       rows.push_back(row + 1);
     }
     const torch::Tensor logits = model.decode(step, in, kv);
-    bool draws = false;
+    std::vector<char> drawn(rows.size(), 0);  // rows whose sequence samples: drafts drawn from q
     if (samplers != nullptr)
-      for (int64_t id : step.seq_ids) draws = draws || samplers->samples(id);
-    if (draws) {
+      for (size_t k = 0; k < rows.size(); ++k) drawn[k] = samplers->samples(step.seq_ids[k]);
+    if (std::find(drawn.begin(), drawn.end(), 1) != drawn.end()) {
       const torch::Tensor host = logits.to(torch::kCPU, torch::kFloat32).contiguous();
       const int64_t V = host.size(1);
       for (size_t k = 0; k < rows.size(); ++k) {
         const float* row = host.data_ptr<float>() + static_cast<int64_t>(k) * V;
-        if (samplers->samples(step.seq_ids[k])) {
+        if (drawn[k]) {
           SampledDraft d = samplers->draft(step.seq_ids[k], row, V);
           tokens[rows[k]] = d.token;
           (*sampled)[rows[k] - 1] = std::move(d);
