@@ -40,6 +40,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SPEC = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 IGNORE_EOS = False
 TEMPERATURE = 0.0
+EXTRA_ARGS: list[str] = []  # --kv-cache-dtype for both modes
 QUESTIONS = ["Write a short story about a dragon who learns to bake bread.",
              "List five ideas for a birthday party for a ten-year-old.",
              "Explain why the sky is blue to a child.",
@@ -110,6 +111,7 @@ def run(binary: str, model: str, prompts: list[str], max_tokens: int, spec: bool
         cmd += ["--speculative-config", json.dumps(SPEC)]
     if IGNORE_EOS:
         cmd += ["--ignore-eos"]
+    cmd += EXTRA_ARGS
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     os.unlink(f.name)
     return json.loads(out.stdout)
@@ -123,8 +125,9 @@ def decode_rate(results: list[dict]) -> float:
     return toks / (end - first) if end > first else 0.0
 
 
-def measure(binary, model, prompts, batch, max_tokens, rounds):
-    """Per mode: median tokens/s over rounds, the last round's token ids and speculation report."""
+def measure(binary, model, prompts, batch, max_tokens, rounds, batch1_prompts=0):
+    """Per mode: median tokens/s over rounds, the last round's token ids and speculation report.
+    batch1_prompts > 0: batch 1 runs only that many of the prompts (a long prefill each)."""
     rates = {False: [], True: []}
     steps = {False: [], True: []}  # plain: seconds a step; speculative: (draft s/step, verify s/step, drafts/verify)
     ids, spec_report = {}, None
@@ -135,7 +138,7 @@ def measure(binary, model, prompts, batch, max_tokens, rounds):
                 got = []
                 drafts = draft_tokens = accepted = 0
                 cost = [0.0, 0, 0.0, 0]
-                for p in prompts:
+                for p in prompts[:batch1_prompts or len(prompts)]:
                     j = run(binary, model, [p], max_tokens, spec)
                     r = j["results"][0]
                     got.append(r["token_ids"])
@@ -181,16 +184,22 @@ def main() -> None:
     ap.add_argument("--spec", default="", help="the --speculative-config JSON (default: prompt lookup, 5 drafts)")
     ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long, quote")
     ap.add_argument("--long-tokens", type=int, default=7600)
+    ap.add_argument("--batch1-prompts", type=int, default=0,
+                    help="> 0: batch 1 runs only the first N prompts (long contexts: each prefill costs minutes)")
+    ap.add_argument("--kv-cache-dtype", default="", help="passed to generate in both modes")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: seeded sampling (acceptance of sampled vs argmax self-drafts, draft_sampling)")
     a = ap.parse_args()
-    global SPEC, IGNORE_EOS, TEMPERATURE
+    global SPEC, IGNORE_EOS, TEMPERATURE, EXTRA_ARGS
     TEMPERATURE = a.temperature
+    EXTRA_ARGS = ["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else []
     if a.spec:
         SPEC = json.loads(a.spec)
     lines = [f"Config: `{json.dumps(SPEC)}`, "
              f"{'greedy' if not a.temperature else f'temperature {a.temperature}, seed 1'}, {a.max_tokens} new tokens, {a.rounds} interleaved rounds "
-             f"(median), model `{pathlib.Path(a.model).name}`.", "",
+             f"(median), model `{pathlib.Path(a.model).name}`"
+             f"{f', KV cache {a.kv_cache_dtype}' if a.kv_cache_dtype else ''}"
+             f"{f', batch 1 over the first {a.batch1_prompts} prompts' if a.batch1_prompts else ''}.", "",
              "| workload | batch | plain tok/s | speculative tok/s | ratio | drafts | draft tokens | accepted | "
              "acceptance | mean accepted length | identical outputs | draft step c | verify step v | "
              "draft steps per verify | predicted ratio |",
@@ -204,7 +213,8 @@ def main() -> None:
         prompts = work[name]()
         IGNORE_EOS = name in ("long", "quote")
         for batch in [int(b) for b in a.batches.split(",")]:
-            plain, spec, rep, same, n, (c, v, per) = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds)
+            plain, spec, rep, same, n, (c, v, per) = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds,
+                                                               a.batch1_prompts)
             acc = rep["accepted_tokens"] / rep["draft_tokens"] if rep["draft_tokens"] else 0.0
             mal = 1 + rep["accepted_tokens"] / rep["drafts"] if rep["drafts"] else 0.0
             pred = mal / (per * c + v) if v else 0.0

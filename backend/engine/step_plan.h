@@ -129,8 +129,8 @@ struct StepResult {
   // seconds of the forward and sampling that verified drafts (a step without drafts adds nothing).
   int64_t draft_steps = 0;
   double draft_s = 0.0, verify_s = 0.0;
-  // The decode part's seconds (drafting, forward, sampling) for the speculation governor; 0: untimed
-  // (the sharded runtime).
+  // The decode part's seconds (drafting, forward, sampling) for the speculation governor; 0: untimed.
+  // A sharded job's are the sampling rank's.
   double decode_s = 0.0;
   std::vector<PrefillOutcome> prefilled;  // one per plan prefill
   std::vector<ShardUsage> shards;         // one per shard holding KV (one for a single process)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <iostream>
 
 #include "backend/model/decoder_model.h"
@@ -154,7 +155,7 @@ struct ShardCommand {
 namespace {
 
 constexpr int kSampledTag = 9;
-constexpr int kVerifiedTag = 10;  // a speculative step's tokens per sequence, before the tokens
+constexpr int kVerifiedTag = 10;  // a decode step's tokens per sequence (speculative) and its time, before the tokens
 
 template <typename... Args>
 ShardCommand command(ShardOp op, const Args&... args) {
@@ -291,13 +292,20 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   std::vector<SampledToken> sampled;
   // A speculative step: the sampler verifies the drafts; rank 0 learns each sequence's count first.
   const bool drafts = has_drafts(plan.decode);
+  const bool decodes = !plan.decode.seq_ids.empty();
   std::vector<int64_t> counts;
-  if (!plan.decode.seq_ids.empty()) {
+  // The decode part's time on the sampler's clock: from this step's start on that rank to its
+  // verified tokens, i.e. the whole pipeline's forward (the last stage waits for the others) and the
+  // sampling. It reaches rank 0 with the counts, for the speculation governor.
+  int64_t decode_ns = 0;
+  if (decodes) {
+    const auto start = std::chrono::steady_clock::now();
     auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
     if (sampler) {
       VerifiedTokens v = verify_drafts(samplers, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
       sampled = std::move(v.tokens);
       counts = std::move(v.counts);
+      decode_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     }
   }
   const std::vector<int64_t> hits = agree_prefix_hits(plan, kv, world);
@@ -323,14 +331,22 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     if (sampler && w.sample) sampled.push_back(samplers.sample(w.seq_id, logits[0], w.ban_eos));
   }
   if (sampler && me != 0) {
-    if (drafts) world.send_tensor(torch::tensor(counts, torch::kInt64), 0, kVerifiedTag);
+    if (decodes) {
+      std::vector<int64_t> head = counts;  // [counts per sequence (speculative steps only)..., decode_ns]
+      head.push_back(decode_ns);
+      world.send_tensor(torch::tensor(head, torch::kInt64), 0, kVerifiedTag);
+    }
     world.send_tensor(pack(sampled), 0, kSampledTag);
     world.wait_sends();
   } else if (me == 0 && !sampler) {
     size_t rows = plan.decode.seq_ids.size();
-    if (drafts) {
+    if (decodes) {
       const torch::Tensor c = world.recv_tensor(src, kVerifiedTag, torch::kCPU);
-      counts.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+      KV_CHECK(c.numel() >= 1, "internal: a decode step's counts and time came without the time");
+      counts.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel() - 1);
+      decode_ns = c.data_ptr<int64_t>()[c.numel() - 1];
+    }
+    if (drafts) {
       rows = 0;
       for (int64_t n : counts) rows += static_cast<size_t>(n);
     }
@@ -366,6 +382,8 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   if (me != 0) return {};
 
   StepResult result;
+  result.decode_s = static_cast<double>(decode_ns) * 1e-9;
+  if (drafts) result.verify_s = result.decode_s;  // no draft steps here: prompt lookup drafts on rank 0's host
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int64_t> kept(static_cast<size_t>(R), 0);
   std::vector<PagedKvMemory::HeadKeptStats> heads(static_cast<size_t>(R));

@@ -21,11 +21,9 @@ bool SpeculationGovernor::allow(int64_t batch) {
     --pause_left_;
     return false;
   }
-  // Until a step reports its time (never, on the sharded runtime) there is nothing to judge: the
-  // governor stays out of the way instead of holding every step plain for a rate it never gets.
-  bool timed = false;
-  for (const Bucket& b : buckets_) timed = timed || b.plain.samples > 0 || b.spec.samples > 0 || b.since_plain > 0;
-  if (!timed) return true;
+  // A runtime whose steps come untimed gives nothing to judge: it is not held plain for a rate it
+  // never gets.
+  if (timed_ == 0 && untimed_ > 0) return true;
   // The first steps of a batch size are plain (the rate to beat), and a plain step now and then keeps
   // that rate current as contexts grow (record() of it resets the count).
   const Bucket& b = at(batch);
@@ -33,7 +31,12 @@ bool SpeculationGovernor::allow(int64_t batch) {
 }
 
 void SpeculationGovernor::record(int64_t batch, int64_t tokens, double seconds, bool speculative) {
-  if (seconds <= 0.0 || tokens <= 0 || batch <= 0) return;
+  if (tokens <= 0 || batch <= 0) return;
+  if (seconds <= 0.0) {
+    ++untimed_;
+    return;
+  }
+  ++timed_;
   Bucket& b = at(batch);
   const double rate = static_cast<double>(tokens) / seconds;
   if (!speculative) {
@@ -43,8 +46,12 @@ void SpeculationGovernor::record(int64_t batch, int64_t tokens, double seconds, 
   }
   ++b.since_plain;
   b.spec.add(rate, options_.weight);
-  if (b.spec.samples < options_.min_samples || b.plain.samples < options_.min_samples) return;
-  if (b.spec.rate >= options_.min_speedup * b.plain.rate) {
+  if (b.plain.samples < options_.min_samples) return;
+  const double bar = options_.min_speedup * b.plain.rate;
+  if (b.spec.samples < options_.min_samples) {
+    // A probe's first steps: only a loss beyond doubt is a verdict before min_samples.
+    if (rate >= options_.clear_loss * bar) return;
+  } else if (b.spec.rate >= bar) {
     backoff_ = 0;  // it pays: a later loss pauses briefly first
     return;
   }

@@ -386,6 +386,31 @@ TEST(SpeculationGovernor, PausesWhileItLosesAndBacksOff) {
   EXPECT_LT(run_governor(g, 1024, 1, 0.01, 12, 0.2), 4);  // the pause stops doubling at 1024
 }
 
+TEST(SpeculationGovernor, ALossBeyondDoubtEndsAProbeAtItsFirstStep) {
+  SpeculationGovernor g;
+  for (int i = 0; i < 3; ++i) g.record(1, 1, 0.01, false);
+  // One token in four plain steps' time (a self-draft whose first token is rejected): 0.25x.
+  EXPECT_EQ(run_governor(g, 1, 1, 0.01, 1, 0.04), 1);
+  EXPECT_TRUE(g.paused());
+  EXPECT_EQ(g.pauses(), 1);
+  EXPECT_EQ(run_governor(g, 64, 1, 0.01, 1, 0.04), 0);
+  EXPECT_EQ(run_governor(g, 1, 1, 0.01, 1, 0.04), 1);  // the next probe: one step again
+  EXPECT_EQ(g.pauses(), 2);
+  EXPECT_EQ(run_governor(g, 128, 1, 0.01, 1, 0.04), 0);
+}
+
+TEST(SpeculationGovernor, OneSlowStepDoesNotPauseSpeculationThatPays) {
+  SpeculationGovernor g;
+  for (int i = 0; i < 3; ++i) g.record(1, 1, 0.01, false);
+  EXPECT_EQ(run_governor(g, 10, 1, 0.01, 3, 0.015), 10);  // 2x
+  // A disturbed step at 0.1x after the probe: the weighted rate still pays.
+  ASSERT_TRUE(g.allow(1));
+  g.record(1, 1, 0.1, true);
+  EXPECT_EQ(g.pauses(), 0);
+  EXPECT_EQ(run_governor(g, 10, 1, 0.01, 3, 0.015), 10);
+  EXPECT_EQ(g.pauses(), 0);
+}
+
 TEST(SpeculationGovernor, JudgesEachBatchSizeOnItsOwnSteps) {
   SpeculationGovernor g;
   // Plain steps of 8 sequences emit 8 tokens in 0.02 s (400 tokens/s); a speculative step of one
@@ -397,13 +422,14 @@ TEST(SpeculationGovernor, JudgesEachBatchSizeOnItsOwnSteps) {
   // A batch size's first steps are plain: the rate to beat.
   EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 0);
   EXPECT_EQ(run_governor(g, 3, 2, 0.01, 6, 0.015), 3);
-  // Untimed steps (a sharded runtime) change nothing.
+  // Untimed steps change nothing.
   for (int i = 0; i < 10; ++i) g.record(8, 1, 0.0, true);
   EXPECT_EQ(g.pauses(), 0);
 }
 
 TEST(SpeculationGovernor, AnUntimedRuntimeSpeculatesAlways) {
-  // The sharded runtime reports no decode time: nothing is ever judged, nothing is held plain.
+  // A runtime that reports no decode time: after its first step (plain, as any fresh governor's)
+  // nothing is ever judged, nothing is held plain.
   SpeculationGovernor g;
   int64_t allowed = 0;
   for (int i = 0; i < 200; ++i) {
@@ -411,7 +437,7 @@ TEST(SpeculationGovernor, AnUntimedRuntimeSpeculatesAlways) {
     allowed += spec;
     g.record(4, spec ? 8 : 4, 0.0, spec);
   }
-  EXPECT_EQ(allowed, 200);
+  EXPECT_EQ(allowed, 199);
   EXPECT_EQ(g.pauses(), 0);
 }
 

@@ -249,7 +249,8 @@ def test_sharded_speculation_matches_plain(layout):
     fixtures = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
     if not (fixtures / "llama-kvfew" / "config.json").exists():
         pytest.skip("no llama-kvfew fixture")
-    # The governor on (the default): the sharded runtime does not time its steps, so it never pauses.
+    # The governor on (the default): the sampling rank times each step's decode part and rank 0
+    # reports it (kvserve:spec_decode_verify_seconds_total), which the governor judges.
     s = Server(model=str(fixtures / "llama-kvfew"), extra_yaml=SPEC_YAML.replace("  auto_disable: false\n", ""),
                extra_args=layout)
     try:
@@ -265,6 +266,8 @@ def test_sharded_speculation_matches_plain(layout):
         assert fast == slow
         m = s.wait_idle()
         assert m["vllm:spec_decode_num_drafts_total"] > 0
+        assert m["kvserve:spec_decode_verify_steps_total"] > 0
+        assert m["kvserve:spec_decode_verify_seconds_total"] > 0
     finally:
         s.close()
 
