@@ -10,6 +10,9 @@ Workloads (paragraphs of the repository's docs and of ../shared/papers as passag
 - long:    a document of --long-tokens tokens (passages in a rotated order per prompt), then a request
            to continue it; every sequence makes all its tokens (ignore_eos), for self-drafting at long
            context.
+- shared:  one document of --long-tokens tokens, then a different passage per prompt and a request
+           to continue (ignore_eos): a batch shares the document's blocks through the prefix cache,
+           so it is admitted after one long prefill and decodes together.
 - quote:   the same documents, then a request to repeat a paragraph from the document's middle, named
            by its first words (ignore_eos): what to copy lies far from the recent window, where a
            draft view chosen by a policy (--spec with draft_policy) can reach and sinks + window cannot.
@@ -85,6 +88,16 @@ def long_prompts(model: str, n: int, tokens: int) -> list[str]:
             k += 1
         out.append("\n\n".join(doc) + "\n\nContinue the text above:")
     return out
+
+
+def shared_prompts(model: str, n: int, tokens: int) -> list[str]:
+    """One document of about `tokens` tokens, then a different passage per prompt and a request to
+    continue: a batch's sequences share the document's blocks through the prefix cache, so the batch
+    is admitted after one long prefill and all of it decodes together (distinct long prompts are
+    prefilled one after another while the first ones already decode, and the KV pool may not hold
+    them all)."""
+    doc = long_prompts(model, 1, tokens - 400)[0].removesuffix("\n\nContinue the text above:")
+    return [f"{doc}\n\n{p}\n\nContinue the text above:" for p in passages(40)[-n:]]
 
 
 def quote_prompts(model: str, n: int, tokens: int) -> list[str]:
@@ -182,23 +195,27 @@ def main() -> None:
     ap.add_argument("--exactness", type=int, default=0, help="greedy prompts compared at batch 16 (0: skip)")
     ap.add_argument("--out", default="")
     ap.add_argument("--spec", default="", help="the --speculative-config JSON (default: prompt lookup, 5 drafts)")
-    ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long, quote")
+    ap.add_argument("--workloads", default="copy,nocopy", help="copy, nocopy, long, quote, shared")
     ap.add_argument("--long-tokens", type=int, default=7600)
     ap.add_argument("--batch1-prompts", type=int, default=0,
                     help="> 0: batch 1 runs only the first N prompts (long contexts: each prefill costs minutes)")
     ap.add_argument("--kv-cache-dtype", default="", help="passed to generate in both modes")
+    ap.add_argument("--kv-cache", default="", help="KV pool size passed to generate (default 1 GiB: a batch of long "
+                                                   "prompts beyond it runs a few at a time)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: seeded sampling (acceptance of sampled vs argmax self-drafts, draft_sampling)")
     a = ap.parse_args()
     global SPEC, IGNORE_EOS, TEMPERATURE, EXTRA_ARGS
     TEMPERATURE = a.temperature
-    EXTRA_ARGS = ["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else []
+    EXTRA_ARGS = (["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else []) + \
+                 (["--kv-cache", a.kv_cache] if a.kv_cache else [])
     if a.spec:
         SPEC = json.loads(a.spec)
     lines = [f"Config: `{json.dumps(SPEC)}`, "
              f"{'greedy' if not a.temperature else f'temperature {a.temperature}, seed 1'}, {a.max_tokens} new tokens, {a.rounds} interleaved rounds "
              f"(median), model `{pathlib.Path(a.model).name}`"
              f"{f', KV cache {a.kv_cache_dtype}' if a.kv_cache_dtype else ''}"
+             f"{f', a {a.kv_cache} KV pool' if a.kv_cache else ''}"
              f"{f', batch 1 over the first {a.batch1_prompts} prompts' if a.batch1_prompts else ''}.", "",
              "| workload | batch | plain tok/s | speculative tok/s | ratio | drafts | draft tokens | accepted | "
              "acceptance | mean accepted length | identical outputs | draft step c | verify step v | "
@@ -208,10 +225,11 @@ def main() -> None:
     work = {"copy": lambda: [copy_prompt(p) for p in passages(a.prompts)],
             "nocopy": lambda: (QUESTIONS * (a.prompts // len(QUESTIONS) + 1))[:a.prompts],
             "long": lambda: long_prompts(a.model, a.prompts, a.long_tokens),
-            "quote": lambda: quote_prompts(a.model, a.prompts, a.long_tokens)}
+            "quote": lambda: quote_prompts(a.model, a.prompts, a.long_tokens),
+            "shared": lambda: shared_prompts(a.model, a.prompts, a.long_tokens)}
     for name in wanted:
         prompts = work[name]()
-        IGNORE_EOS = name in ("long", "quote")
+        IGNORE_EOS = name in ("long", "quote", "shared")
         for batch in [int(b) for b in a.batches.split(",")]:
             plain, spec, rep, same, n, (c, v, per) = measure(a.binary, a.model, prompts, batch, a.max_tokens, a.rounds,
                                                                a.batch1_prompts)
