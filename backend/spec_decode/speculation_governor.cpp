@@ -23,7 +23,7 @@ bool SpeculationGovernor::allow(int64_t batch) {
   }
   // A runtime whose steps come untimed gives nothing to judge: it is not held plain for a rate it
   // never gets.
-  if (timed_ == 0 && untimed_ > 0) return true;
+  if (!timed_ && untimed_) return true;
   // The first steps of a batch size are plain (the rate to beat), and a plain step now and then keeps
   // that rate current as contexts grow (record() of it resets the count).
   const Bucket& b = at(batch);
@@ -33,10 +33,10 @@ bool SpeculationGovernor::allow(int64_t batch) {
 void SpeculationGovernor::record(int64_t batch, int64_t tokens, double seconds, bool speculative) {
   if (tokens <= 0 || batch <= 0) return;
   if (seconds <= 0.0) {
-    ++untimed_;
+    untimed_ = true;
     return;
   }
-  ++timed_;
+  timed_ = true;
   Bucket& b = at(batch);
   const double rate = static_cast<double>(tokens) / seconds;
   if (!speculative) {

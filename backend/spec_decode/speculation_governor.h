@@ -64,7 +64,7 @@ class SpeculationGovernor {
   const Bucket& at(int64_t batch) const { return const_cast<SpeculationGovernor*>(this)->at(batch); }
   Options options_;
   Bucket buckets_[kBuckets];
-  int64_t timed_ = 0, untimed_ = 0;  // steps recorded with and without a time
+  bool timed_ = false, untimed_ = false;  // whether a step was recorded with / without a time
   int64_t pause_left_ = 0;
   int64_t backoff_ = 0;  // the next pause (0: first_backoff)
   int64_t pauses_ = 0;
