@@ -214,6 +214,16 @@ void add_generate_command(CLI::App& app) {
       cv.wait(lk, [&] { return finished == prompts.size(); });
     }
     const EngineStats stats = engine.stats();
+    // A batch the pool cannot hold runs a few sequences at a time, so its timings are not those of
+    // the batch asked for: say so (the pool filled up, or sequences were preempted).
+    const int64_t wanted_together = std::min<int64_t>(static_cast<int64_t>(prompts.size()), eo.max_num_seqs);
+    if (stats.running_high_water < wanted_together &&
+        (stats.kv_admission_waits_total > 0 || stats.preemptions_total > 0))
+      std::cerr << "generate: warning: at most " << stats.running_high_water << " of " << prompts.size()
+                << " prompts decoded together: the KV cache (--kv-cache " << a->kv_cache << ", "
+                << stats.kv_blocks_total << " blocks) held prompts back for " << stats.kv_admission_waits_total
+                << " steps and preempted " << stats.preemptions_total
+                << " sequences; a larger --kv-cache runs more of them at once\n";
     // KV bytes a kept token costs in one layer, all KV heads of the model, in the cache's dtype.
     const int64_t token_layer_bytes = 2 * model->config().num_key_value_heads *
                                       KvBlockPool::row_bytes(model->config().head_dim, model->kv_dtype(), model->kv_quant());
@@ -282,7 +292,10 @@ void add_generate_command(CLI::App& app) {
         out["speculative"] = spec_json;
       } else {
         out = {{"results", nlohmann::json::array()}, {"max_running", stats.running_high_water},
-               {"steps", stats.steps_total}, {"load_s", secs(t_loaded - t0).count()}, {"warmup_s", warmup.seconds},
+               {"steps", stats.steps_total}, {"kv_blocks_total", stats.kv_blocks_total},
+               {"kv_blocks_high_water", stats.kv_blocks_high_water}, {"kv_admission_waits", stats.kv_admission_waits_total},
+               {"preemptions", stats.preemptions_total},
+               {"load_s", secs(t_loaded - t0).count()}, {"warmup_s", warmup.seconds},
                {"warmup", warmup_json}, {"cuda_graphs", graphs_json}, {"speculative", spec_json}};
         for (const auto& r : results) out["results"].push_back(as_json(r));
       }

@@ -220,6 +220,8 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   counter("kvserve:prompt_tokens_total", "Prefilled prompt tokens.", static_cast<double>(s.prompt_tokens_total));
   counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
   counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));
+  counter("kvserve:kv_cache_admission_waits_total", "Steps whose next waiting prompt did not fit the KV cache.",
+          static_cast<double>(s.kv_admission_waits_total));
   counter("kvserve:engine_steps_total", "Engine scheduler steps.", static_cast<double>(s.steps_total));
   counter("kvserve:spec_decode_num_drafts_total", "Speculative decoding: verify steps of a sequence with drafts.",
           static_cast<double>(s.spec_decode_num_drafts));

@@ -371,6 +371,7 @@ void Engine::loop() {
       im.stats.prompt_tokens_total += prefilled;
       im.stats.generation_tokens_total += generated;
       im.stats.preemptions_total = sched.preemptions();
+      im.stats.kv_admission_waits_total = sched.kv_admission_waits();
       const Scheduler::SpecCounters& spec = sched.spec_counters();
       im.stats.spec_decode_num_drafts = spec.drafts;
       im.stats.spec_decode_num_draft_tokens = spec.draft_tokens;

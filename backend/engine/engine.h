@@ -93,6 +93,7 @@ struct EngineStats {
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
   int64_t preemptions_total = 0;
+  int64_t kv_admission_waits_total = 0;  // steps whose next waiting prompt did not fit the KV pool
   int64_t steps_total = 0;
   // Speculative decoding (vLLM's spec_decode counters): verify steps with drafts (per sequence),
   // draft tokens, accepted ones, and accepted per draft position.

@@ -340,7 +340,10 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       fits = fits && need[i] <= free[i];
     }
     if (!fits && evict_parked()) continue;
-    if (!fits) break;
+    if (!fits) {
+      ++kv_admission_waits_;
+      break;
+    }
     // A compressing policy's prompt also goes into the prefix cache, as a full-precision copy,
     // where every shard has room for it besides the prompt's peak.
     bool keep_copy = !from;

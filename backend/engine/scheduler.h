@@ -112,6 +112,8 @@ class Scheduler {
   // When the longest-waiting request that has not started yet arrived (none: nothing waits).
   std::optional<std::chrono::steady_clock::time_point> oldest_waiting_arrival() const;
   int64_t preemptions() const { return preemptions_; }
+  // Steps in which the next waiting prompt stayed waiting because the KV pool could not hold it.
+  int64_t kv_admission_waits() const { return kv_admission_waits_; }
   // Prefix cache lookups so far, in prompt tokens: looked up, and found (vLLM's queries and hits).
   int64_t prefix_queries() const { return prefix_queries_; }
   int64_t prefix_hits() const { return prefix_hits_; }
@@ -160,6 +162,7 @@ class Scheduler {
   ConversationCache parked_;
   std::vector<Pool> shards_;
   int64_t preemptions_ = 0;
+  int64_t kv_admission_waits_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
 };
 

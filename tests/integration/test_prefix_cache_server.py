@@ -130,21 +130,26 @@ def test_requests_sharing_a_cached_document_are_admitted_for_what_they_add(tmp_p
     """Admission counts a `full` prompt's cached blocks that running requests already use as shared,
     not new: in a pool (tiny-llama, 40 blocks of 16 tokens a layer) where one 336-token request
     takes 22 blocks a layer, four questions on one 320-token document run together with the cache
-    and one at a time without it, with the same greedy tokens."""
+    and one at a time without it, with the same greedy tokens; the run the pool held to one at a time
+    says so on stderr and counts more steps that held a prompt back (`kv_admission_waits`); the other
+    prints no warning."""
     import subprocess
     doc = tokens(77, 320)
     prompts = [doc + tokens(900 + i, 16) for i in range(4)]
     path = tmp_path / "prompts.json"
     path.write_text(json.dumps(prompts))
 
-    def generate(*flags: str) -> dict:
+    def generate(*flags: str) -> tuple[dict, str]:
         cmd = [kvserve_bin(), "generate", "--model", model_dir(), "--prompts-file", str(path), "--max-tokens", "16",
                "--ignore-eos", "--kv-cache", "1280KiB", "--json", *flags]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
-    on, off = generate(), generate("--no-enable-prefix-caching")
+    (on, on_err), (off, off_err) = generate(), generate("--no-enable-prefix-caching")
     assert [r["token_ids"] for r in on["results"]] == [r["token_ids"] for r in off["results"]]
     assert off["max_running"] == 1, off["max_running"]
     assert on["max_running"] == 4, on["max_running"]
+    assert "at most 1 of 4 prompts decoded together" in off_err and "--kv-cache 1280KiB" in off_err, off_err[-2000:]
+    assert "decoded together" not in on_err, on_err[-2000:]
+    assert off["kv_admission_waits"] > on["kv_admission_waits"], (off["kv_admission_waits"], on["kv_admission_waits"])
