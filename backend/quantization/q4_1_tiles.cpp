@@ -54,6 +54,7 @@ void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const floa
   }
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ4_1Bytes;
+    tile::prefetch_ahead(wb);
     const float d = half_at(wb);
     const float m = half_at(wb + 2);
     const __m256i q = unpack_nibbles(wb + 4);

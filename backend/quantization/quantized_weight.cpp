@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "backend/quantization/gemv_tiles.h"
 #include "backend/quantization/ggml_sgemm.h"
 #include "backend/quantization/k_quant_tiles.h"
 #include "backend/quantization/q4_1_tiles.h"
@@ -346,6 +347,15 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
       const int64_t blocks = K / ggml_blck_size(as_type(p.type));
       at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
         kernel(wp, p.row_bytes, r0, r1, ap, a_row, M, blocks, yp + first, N);
+      });
+      first += p.rows;
+      continue;
+    }
+    if (M == 1 && tiles_enabled() && gemv_tiles_support(p.type, a.type)) {
+      // One row of x (a one-sequence decode step): four weight rows at a time against it.
+      const int64_t blocks = K / ggml_blck_size(as_type(p.type));
+      at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
+        gemv_tiled_dot(p.type, wp, p.row_bytes, r0, r1, ap, blocks, yp + first);
       });
       first += p.rows;
       continue;

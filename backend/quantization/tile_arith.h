@@ -10,6 +10,14 @@
 
 namespace kvserve::tile {
 
+// How far ahead of the block being read a weight row is prefetched. A decode step streams every
+// weight from DRAM once, and without software prefetch the tiles wait on memory: on a 2-vCPU Xeon
+// VM the default model's layers ran at 7 GB/s from DRAM against 13 GB/s a core from L2. 8 KiB
+// ahead measured best there (0.5-16 KiB tried), 1.5x the one-row vec_dot loop.
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0); }
+
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);

@@ -12,6 +12,8 @@
 #include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "common/check.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
 
 namespace kvserve {
 namespace {
@@ -87,6 +89,42 @@ TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
       const auto all = q.dot(x.narrow(0, 0, M));
       for (int64_t m = 0; m < M; ++m)
         ASSERT_TRUE(torch::equal(all[m], q.dot(x.narrow(0, m, 1))[0])) << name << " M=" << M << " row " << m;
+    }
+  }
+}
+
+// One row of x (a one-sequence decode step) takes the one-row tiles for Q4_1, Q4_0 and Q8_0: four
+// weight rows at a time, each output equal bit for bit to ggml's own vec_dot of that row, called
+// here directly. Row counts that leave 1-3 rows after the groups of four, and row slices that start
+// mid-group, are covered.
+TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
+  torch::manual_seed(11);
+  ggml_cpu_init();
+  for (const char* name : {"q4_1", "q4_0", "q8_0", "q4_K"}) {
+    const int type = quant_type_from_name(name);
+    for (int64_t N : std::vector<int64_t>{1, 7, 64, 75}) {
+      const int64_t K = std::string(name) == "q4_K" ? 512 : 576;
+      const auto w = torch::randn({N, K}) * 0.05;
+      const QuantizedWeight q = QuantizedWeight::quantize(w, type, name);
+      const auto x = torch::randn({1, K}) * 3.0;
+      const auto y = q.dot(x);
+      // ggml's reference: x in the type's activation format, then vec_dot row by row.
+      const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
+      const auto act = traits->vec_dot_type;
+      std::vector<uint8_t> xq(ggml_row_size(act, K));
+      ggml_get_type_traits_cpu(act)->from_float(x.data_ptr<float>(), xq.data(), K);
+      std::vector<uint8_t> wq(ggml_row_size(static_cast<ggml_type>(type), K) * N);
+      ggml_quantize_chunk(static_cast<ggml_type>(type), w.contiguous().data_ptr<float>(), wq.data(), 0, N, K, nullptr);
+      const size_t row = ggml_row_size(static_cast<ggml_type>(type), K);
+      for (int64_t r = 0; r < N; ++r) {
+        float ref = 0.0f;
+        traits->vec_dot(static_cast<int>(K), &ref, 0, wq.data() + r * row, 0, xq.data(), 0, 1);
+        ASSERT_EQ(y[0][r].item<float>(), ref) << name << " N=" << N << " row " << r;
+      }
+      if (N > 5) {
+        const auto part = q.slice_rows(3, N - 5).dot(x);
+        ASSERT_TRUE(torch::equal(part[0], y[0].narrow(0, 3, N - 5))) << name << " N=" << N;
+      }
     }
   }
 }

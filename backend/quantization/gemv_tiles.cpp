@@ -1,0 +1,148 @@
+#include "backend/quantization/gemv_tiles.h"
+
+#include "backend/quantization/tile_arith.h"
+#include "common/check.h"
+#include "ggml.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+#endif
+
+namespace kvserve {
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+
+namespace {
+
+using tile::half_at;
+using tile::sum8;
+
+// ggml's block layouts (ggml-common.h): Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles (value j in the
+// low nibble of byte j, value j + 16 in the high one); Q4_0 = fp16 d and the same nibbles, each value
+// offset by 8; Q8_0 = fp16 d, 32 signed bytes; Q8_1 = fp16 d, fp16 s (d times the values' sum),
+// 32 signed bytes.
+enum class Kind { kQ4_1, kQ4_0, kQ8_0 };
+constexpr int64_t block_bytes(Kind k) { return k == Kind::kQ4_1 ? 20 : k == Kind::kQ4_0 ? 18 : 34; }
+constexpr int64_t quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : 2; }
+constexpr int64_t x_block_bytes(Kind k) { return k == Kind::kQ4_1 ? 36 : 34; }
+constexpr int64_t x_quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : 2; }
+
+__m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(lo, 4), lo);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Sums of 4 neighbouring products of unsigned bytes u and signed bytes s as 8 int32 lanes (exact:
+// every pair sum fits in int16 for the ranges used here).
+__m256i lane_sums(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// x's per-block values used by every weight row: its quants, its scale and (Q8_1) sum term as
+// floats [d, s, 0, 0], and for Q4_0 the lane sums of its quants times 8 (the weights' offset).
+struct XBlock {
+  __m256i q;
+  __m128 ds;
+  __m256i offset;
+};
+
+// A weight block's fp16 scale (and Q4_1's min after it) times x's [d, s]: [d * x.d, m * x.s, ..].
+// Each lane is the one float product ggml's vec_dot computes; one conversion serves both halves.
+template <Kind K>
+__m128 block_scales(const uint8_t* wb, __m128 xds) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, wb, K == Kind::kQ4_1 ? 4 : 2);
+  return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits))), xds);
+}
+
+// R weight rows (R <= 4) against x: R accumulators in registers.
+template <Kind K, int R>
+void rows_times_x(const uint8_t* const* wrows, const std::vector<XBlock>& xb, float* out) {
+  __m256 acc[R];
+  __m128 mins[R];  // lane 1: the sum of the blocks' min terms, in block order as ggml adds them
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = _mm_setzero_ps();
+  }
+  const int64_t blocks = static_cast<int64_t>(xb.size());
+  for (int64_t l = 0; l < blocks; ++l) {
+    const XBlock& x = xb[static_cast<size_t>(l)];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wb = wrows[r] + l * block_bytes(K);
+      tile::prefetch_ahead(wb);
+      const __m128 scales = block_scales<K>(wb, x.ds);
+      __m256i lanes;
+      if constexpr (K == Kind::kQ4_1) {
+        // ggml adds the min's term first; a product of two fp16 values is exact in fp32.
+        mins[r] = _mm_add_ps(mins[r], scales);
+        lanes = lane_sums(unpack_nibbles(wb + quants_at(K)), x.q);
+      } else if constexpr (K == Kind::kQ4_0) {
+        // (q - 8) . y = q . y - 8 * sum(y), lane by lane, in exact integers.
+        lanes = _mm256_sub_epi32(lane_sums(unpack_nibbles(wb + quants_at(K)), x.q), x.offset);
+      } else {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quants_at(K)));
+        lanes = lane_sums(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x.q, w));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(lanes), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = K == Kind::kQ4_1 ? sum8(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[r])) : sum8(acc[r]);
+}
+
+template <Kind K>
+void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x, int64_t blocks,
+              float* y) {
+  // x's blocks decoded once for all of this thread's rows.
+  std::vector<XBlock> xb(static_cast<size_t>(blocks));
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* b = x + l * x_block_bytes(K);
+    XBlock& o = xb[static_cast<size_t>(l)];
+    o.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + x_quants_at(K)));
+    o.ds = _mm_setr_ps(half_at(b), K == Kind::kQ4_1 ? half_at(b + 2) : 0.0f, 0.0f, 0.0f);
+    o.offset = K == Kind::kQ4_0 ? _mm256_slli_epi32(lane_sums(_mm256_set1_epi8(1), o.q), 3) : _mm256_setzero_si256();
+  }
+  int64_t r = r0;
+  const uint8_t* rows[4];
+  for (; r + 4 <= r1; r += 4) {
+    for (int i = 0; i < 4; ++i) rows[i] = w + (r + i) * row_bytes;
+    rows_times_x<K, 4>(rows, xb, y + r);
+  }
+  for (; r < r1; ++r) {
+    rows[0] = w + r * row_bytes;
+    rows_times_x<K, 1>(rows, xb, y + r);
+  }
+}
+
+}  // namespace
+
+bool gemv_tiles_support(int type, int act) {
+  return (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1) || (type == GGML_TYPE_Q4_0 && act == GGML_TYPE_Q8_0) ||
+         (type == GGML_TYPE_Q8_0 && act == GGML_TYPE_Q8_0);
+}
+
+void gemv_tiled_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                    int64_t blocks, float* y) {
+  switch (type) {
+    case GGML_TYPE_Q4_1: return rows_dot<Kind::kQ4_1>(w, row_bytes, r0, r1, x, blocks, y);
+    case GGML_TYPE_Q4_0: return rows_dot<Kind::kQ4_0>(w, row_bytes, r0, r1, x, blocks, y);
+    case GGML_TYPE_Q8_0: return rows_dot<Kind::kQ8_0>(w, row_bytes, r0, r1, x, blocks, y);
+    default: KV_FAIL("internal: no one-row tiles for ggml type " << type);
+  }
+}
+
+#else
+
+bool gemv_tiles_support(int, int) { return false; }
+
+void gemv_tiled_dot(int, const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, float*) {
+  KV_FAIL("internal: the one-row tiles need AVX2, FMA and F16C");
+}
+
+#endif
+
+}  // namespace kvserve
