@@ -2,6 +2,8 @@
 // the default model's shapes (SmolLM2-135M: 30 layers, hidden 576, MLP 1536, GQA 9/3 heads, tied
 // 49152-token LM head in Q8_0, the rest in the benchmark's type). Reports weight bytes read per
 // call as GB/s and multiply-adds per second, to set against the float32 GEMV of bench_dense.
+// BENCH_LAYERS=N times N layers and no LM head instead: with N = 1 the weights stay in L2, which
+// shows the kernels' compute rate apart from DRAM.
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 

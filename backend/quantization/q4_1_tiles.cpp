@@ -43,30 +43,33 @@ __m256 dot_lanes(__m256i w, __m256i x) {
 
 
 // One weight row against N consecutive x rows (N <= 4): the accumulators stay in registers.
+// xds[j][l] = [d, s, 0, 0] of x row j's block l.
 template <int N>
-void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const float* const* xd, const float* const* xs,
-                    int64_t blocks, float* const* out) {
+void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const __m128* const* xds, int64_t blocks,
+                    float* const* out) {
   __m256 acc[N];
-  float mins[N];
+  __m128 mins[N];  // lane 1: the blocks' min terms summed in block order, as ggml adds them
   for (int j = 0; j < N; ++j) {
     acc[j] = _mm256_setzero_ps();
-    mins[j] = 0.0f;
+    mins[j] = _mm_setzero_ps();
   }
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ4_1Bytes;
     tile::prefetch_ahead(wb);
-    const float d = half_at(wb);
-    const float m = half_at(wb + 2);
+    uint32_t dm_bits;
+    std::memcpy(&dm_bits, wb, sizeof dm_bits);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, m, 0, 0]
     const __m256i q = unpack_nibbles(wb + 4);
     for (int j = 0; j < N; ++j) {
-      // ggml's order: the min's term first, then the scaled lanes. A product of two fp16 values is
-      // exact in fp32, so whether a compiler fuses it into an FMA changes nothing.
-      mins[j] += m * xs[j][l];
+      // ggml's order: the min's term first, then the scaled lanes. Both lanes of the product are
+      // ggml's own float products (d * x.d, and m * x.s, exact in fp32).
+      const __m128 scales = _mm_mul_ps(dm, xds[j][l]);
+      mins[j] = _mm_add_ps(mins[j], scales);
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows[j] + l * kQ8_1Bytes + 4));
-      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[j][l]), dot_lanes(q, xq), acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), dot_lanes(q, xq), acc[j]);
     }
   }
-  for (int j = 0; j < N; ++j) *out[j] = sum8(acc[j]) + mins[j];
+  for (int j = 0; j < N; ++j) *out[j] = sum8(acc[j]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[j]));
 }
 
 }  // namespace
@@ -76,32 +79,29 @@ bool q4_1_tiles_available() { return true; }
 void q4_1_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
   // x's scales as floats once, not once per weight row.
-  std::vector<float> d(static_cast<size_t>(M * blocks)), s(d.size());
+  std::vector<__m128> ds(static_cast<size_t>(M * blocks));
   for (int64_t i = 0; i < M; ++i)
     for (int64_t l = 0; l < blocks; ++l) {
       const uint8_t* b = x + i * x_row_bytes + l * kQ8_1Bytes;
-      d[static_cast<size_t>(i * blocks + l)] = half_at(b);
-      s[static_cast<size_t>(i * blocks + l)] = half_at(b + 2);
+      ds[static_cast<size_t>(i * blocks + l)] = _mm_setr_ps(half_at(b), half_at(b + 2), 0.0f, 0.0f);
     }
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wrow = w + r * row_bytes;
     for (int64_t i0 = 0; i0 < M; i0 += 4) {
       const int n = static_cast<int>(std::min<int64_t>(4, M - i0));
       const uint8_t* xr[4];
-      const float* xd[4];
-      const float* xs[4];
+      const __m128* xds[4];
       float* out[4];
       for (int j = 0; j < n; ++j) {
         xr[j] = x + (i0 + j) * x_row_bytes;
-        xd[j] = d.data() + (i0 + j) * blocks;
-        xs[j] = s.data() + (i0 + j) * blocks;
+        xds[j] = ds.data() + (i0 + j) * blocks;
         out[j] = y + (i0 + j) * ldy + r;
       }
       switch (n) {
-        case 4: row_times_rows<4>(wrow, xr, xd, xs, blocks, out); break;
-        case 3: row_times_rows<3>(wrow, xr, xd, xs, blocks, out); break;
-        case 2: row_times_rows<2>(wrow, xr, xd, xs, blocks, out); break;
-        default: row_times_rows<1>(wrow, xr, xd, xs, blocks, out); break;
+        case 4: row_times_rows<4>(wrow, xr, xds, blocks, out); break;
+        case 3: row_times_rows<3>(wrow, xr, xds, blocks, out); break;
+        case 2: row_times_rows<2>(wrow, xr, xds, blocks, out); break;
+        default: row_times_rows<1>(wrow, xr, xds, blocks, out); break;
       }
     }
   }
