@@ -42,10 +42,15 @@ __m256 dot_lanes(__m256i w, __m256i x) {
 }
 
 
+// An x block's [d, s, 0, 0] (a struct: a vector of bare __m128 drops its alignment attribute).
+struct XScales {
+  __m128 ds;
+};
+
 // One weight row against N consecutive x rows (N <= 4): the accumulators stay in registers.
-// xds[j][l] = [d, s, 0, 0] of x row j's block l.
+// xds[j][l].ds = [d, s, 0, 0] of x row j's block l.
 template <int N>
-void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const __m128* const* xds, int64_t blocks,
+void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const XScales* const* xds, int64_t blocks,
                     float* const* out) {
   __m256 acc[N];
   __m128 mins[N];  // lane 1: the blocks' min terms summed in block order, as ggml adds them
@@ -63,7 +68,7 @@ void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const __m1
     for (int j = 0; j < N; ++j) {
       // ggml's order: the min's term first, then the scaled lanes. Both lanes of the product are
       // ggml's own float products (d * x.d, and m * x.s, exact in fp32).
-      const __m128 scales = _mm_mul_ps(dm, xds[j][l]);
+      const __m128 scales = _mm_mul_ps(dm, xds[j][l].ds);
       mins[j] = _mm_add_ps(mins[j], scales);
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows[j] + l * kQ8_1Bytes + 4));
       acc[j] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), dot_lanes(q, xq), acc[j]);
@@ -79,18 +84,18 @@ bool q4_1_tiles_available() { return true; }
 void q4_1_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
   // x's scales as floats once, not once per weight row.
-  std::vector<__m128> ds(static_cast<size_t>(M * blocks));
+  std::vector<XScales> ds(static_cast<size_t>(M * blocks));
   for (int64_t i = 0; i < M; ++i)
     for (int64_t l = 0; l < blocks; ++l) {
       const uint8_t* b = x + i * x_row_bytes + l * kQ8_1Bytes;
-      ds[static_cast<size_t>(i * blocks + l)] = _mm_setr_ps(half_at(b), half_at(b + 2), 0.0f, 0.0f);
+      ds[static_cast<size_t>(i * blocks + l)].ds = _mm_setr_ps(half_at(b), half_at(b + 2), 0.0f, 0.0f);
     }
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wrow = w + r * row_bytes;
     for (int64_t i0 = 0; i0 < M; i0 += 4) {
       const int n = static_cast<int>(std::min<int64_t>(4, M - i0));
       const uint8_t* xr[4];
-      const __m128* xds[4];
+      const XScales* xds[4];
       float* out[4];
       for (int j = 0; j < n; ++j) {
         xr[j] = x + (i0 + j) * x_row_bytes;
