@@ -82,14 +82,14 @@ VARIANTS = {
                     "(8.5 bits a weight), the same split between quantized dot products and dequantize + float GEMM"),
     "int4": Variant("kvserve int4", MODEL, ("--quantization", "int4"),
                     "`--quantization int4` on the fp32 directory: ggml Q4_0 (4.5 bits a weight), the same split"),
-    # A/B of the tiled products (llamafile's for Q8_0 / Q4_0, kvserve's for Q4_1): the same weights
-    # with several rows on the vec_dot loop again.
+    # A/B of the tiled products (llamafile's for Q8_0 / Q4_0, kvserve's for Q4_1, and kvserve's
+    # one-row tiles for all three): the same weights with every row on the vec_dot loop again.
     "gguf-vecdot": Variant("kvserve Q4_1 GGUF vec_dot", GGUF, (),
-                           "the Q4_1 GGUF with `KVSERVE_QUANT_TILES=0`: 2 to 32 rows run one vec_dot a "
-                           "(weight row, input row) instead of the Q4_1 tiles", (("KVSERVE_QUANT_TILES", "0"),)),
+                           "the Q4_1 GGUF with `KVSERVE_QUANT_TILES=0`: 1 to 32 rows run one vec_dot a "
+                           "(weight row, input row) instead of the one-row and Q4_1 tiles", (("KVSERVE_QUANT_TILES", "0"),)),
     "int8-vecdot": Variant("kvserve int8 vec_dot", MODEL, ("--quantization", "int8"),
-                           "`--quantization int8` with `KVSERVE_QUANT_TILES=0`: 2 to 32 rows run one vec_dot a "
-                           "(weight row, input row) instead of llamafile's tiled GEMM", (("KVSERVE_QUANT_TILES", "0"),)),
+                           "`--quantization int8` with `KVSERVE_QUANT_TILES=0`: 1 to 32 rows run one vec_dot a "
+                           "(weight row, input row) instead of the one-row tiles and llamafile's tiled GEMM", (("KVSERVE_QUANT_TILES", "0"),)),
     "int4-vecdot": Variant("kvserve int4 vec_dot", MODEL, ("--quantization", "int4"),
                            "`--quantization int4` with `KVSERVE_QUANT_TILES=0`", (("KVSERVE_QUANT_TILES", "0"),)),
 }

@@ -29,7 +29,8 @@ void init_ggml_cpu() {
 
 ggml_type as_type(int type) { return static_cast<ggml_type>(type); }
 
-// KVSERVE_QUANT_TILES=0 keeps several rows on the vec_dot loop (A/B runs of the tiled GEMM).
+// KVSERVE_QUANT_TILES=0 keeps every row on the vec_dot loop (A/B runs of the one-row tiles and
+// the tiled GEMM).
 bool tiles_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("KVSERVE_QUANT_TILES");
