@@ -164,16 +164,26 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   }
 
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t total_blocks = 0;
   // A windowed row reads only the blocks from its window's first slot on.
   auto first_slot = [&](int64_t b) -> int64_t { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
+  // Each row's split-K chunk follows from its own length alone (enough chunks to spread that one row
+  // over the threads), never from the rest of the batch: how a row is split sets how its partial
+  // softmaxes round, so a row's output is the same whatever it is batched with. That keeps greedy
+  // outputs identical across batch compositions, which a speculative verify step (several rows a
+  // sequence) and quantized weights (8-bit activations turn a last-bit difference into a visible
+  // one) both rely on.
+  int64_t total_blocks = 0;
   for (int64_t b = 0; b < s.B; ++b) total_blocks += ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
-  const int64_t chunk = std::max<int64_t>(kMinChunkBlocks, (total_blocks + 4 * nthreads - 1) / (4 * nthreads));
+  auto chunk_of = [&](int64_t b) {
+    const int64_t row_blocks = ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
+    return std::max<int64_t>(kMinChunkBlocks, (row_blocks + 4 * nthreads - 1) / (4 * nthreads));
+  };
 
   std::vector<WorkItem> items;
   std::vector<int64_t> first_item(static_cast<size_t>(s.B * s.KV) + 1, 0);
   for (int64_t b = 0; b < s.B; ++b) {
     const int64_t nb = (lens[b] + s.bs - 1) / s.bs;
+    const int64_t chunk = chunk_of(b);
     for (int64_t h = 0; h < s.KV; ++h) {
       first_item[b * s.KV + h] = static_cast<int64_t>(items.size());
       for (int64_t c = first_slot(b) / s.bs; c < nb; c += chunk) {

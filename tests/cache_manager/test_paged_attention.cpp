@@ -516,5 +516,44 @@ TEST(PagedAttentionVerifyRuns, SplitKChunkAnEarlierRowCannotSee) {
   run_verify_case(1, 2, 64, {{1026, 3}, {5001, 6}}, torch::kFloat32, KvQuant::none, 8);
 }
 
+// A row's output does not depend on what it is batched with: the split-K chunks follow from the
+// row's own length, so alone, beside much longer or shorter rows, or repeated (a verify run), it
+// is the same bit for bit. Greedy outputs under speculation and with quantized weights rely on it.
+TEST(PagedAttention, ARowsOutputIsTheSameInAnyBatch) {
+  for (const KvQuant quant : {KvQuant::none, KvQuant::q8_0}) {
+    torch::manual_seed(9);
+    const int64_t kv = 3, g = 3, d = 64, bs = 16;
+    const std::vector<int64_t> lens{5001, 17, 300, 2048, 1};
+    KvPoolOptions o;
+    o.num_kv_heads = kv;
+    o.head_dim = d;
+    o.block_size = bs;
+    o.num_blocks = 600;
+    o.quant = quant;
+    PagedKvCache cache(1, o);
+    std::vector<int64_t> ids;
+    for (size_t i = 0; i < lens.size(); ++i) {
+      const int64_t id = 20 + static_cast<int64_t>(i), n = lens[i];
+      cache.add_sequence(id);
+      cache.write(id, 0, torch::randn({kv, n, d}), torch::randn({kv, n, d}), torch::zeros({kv, n}, torch::kLong));
+      ids.push_back(id);
+    }
+    const DecodeTables t = cache.decode_tables(0, ids);
+    const auto& pool = cache.pool().storage();
+    const torch::Tensor q = torch::randn({static_cast<int64_t>(lens.size()), kv * g, d});
+    const torch::Tensor all = paged_attention(q, pool, t.block_table, t.lengths, -1.0, 0, quant);
+    for (int64_t i = 0; i < static_cast<int64_t>(lens.size()); ++i) {
+      const torch::Tensor one = paged_attention(q.narrow(0, i, 1), pool, t.block_table.narrow(0, i, 1),
+                                                t.lengths.narrow(0, i, 1), -1.0, 0, quant);
+      EXPECT_TRUE(torch::equal(one[0], all[i])) << "row " << i << " of " << lens[i] << " slots";
+      // Beside the longest row alone, and twice over.
+      const auto pair = torch::tensor({i, int64_t{0}, i});
+      const torch::Tensor three = paged_attention(q.index_select(0, pair), pool, t.block_table.index_select(0, pair),
+                                                  t.lengths.index_select(0, pair), -1.0, 0, quant);
+      EXPECT_TRUE(torch::equal(three[0], all[i]) && torch::equal(three[2], all[i])) << "row " << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvserve
