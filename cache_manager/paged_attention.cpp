@@ -140,7 +140,8 @@ ChunkFn select_kernel(torch::ScalarType pool_dtype, KvQuant quant, int64_t D, in
   return choose_kernel(pool_dtype, quant, D, G).fn;
 }
 
-// Tokens per split-K chunk are at least this many blocks, so the merge stays negligible.
+// Tokens per split-K chunk are at least this many blocks (a power of two), so the merge stays
+// negligible.
 constexpr int64_t kMinChunkBlocks = 16;
 // Below this many (block, KV head) tiles in a call, one thread does all of them.
 constexpr int64_t kMinParallelBlocks = 64;
@@ -166,17 +167,22 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
   // A windowed row reads only the blocks from its window's first slot on.
   auto first_slot = [&](int64_t b) -> int64_t { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
-  // Each row's split-K chunk follows from its own length alone (enough chunks to spread that one row
-  // over the threads), never from the rest of the batch: how a row is split sets how its partial
-  // softmaxes round, so a row's output is the same whatever it is batched with. That keeps greedy
-  // outputs identical across batch compositions, which a speculative verify step (several rows a
-  // sequence) and quantized weights (8-bit activations turn a last-bit difference into a visible
-  // one) both rely on.
+  // Each row's split-K chunk follows from its own length alone (4-8 chunks a thread for that one
+  // row), never from the rest of the batch: how a row is split sets how its partial softmaxes
+  // round, so a row's output is the same whatever it is batched with. That keeps greedy outputs
+  // identical across batch compositions, which a speculative verify step (a run of rows of one
+  // sequence, split as its longest row) and quantized weights (8-bit activations turn a last-bit
+  // difference into a visible one) both rely on. A power of two, so that rows a few slots apart
+  // (a verify run's, and the plain steps it stands for) almost always split alike: the chunk
+  // changes only where a row's block count crosses 2^k * 8 * threads / KV heads.
   int64_t total_blocks = 0;
   for (int64_t b = 0; b < s.B; ++b) total_blocks += ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
   auto chunk_of = [&](int64_t b) {
     const int64_t row_blocks = ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
-    return std::max<int64_t>(kMinChunkBlocks, (row_blocks + 4 * nthreads - 1) / (4 * nthreads));
+    const int64_t target = (row_blocks + 8 * nthreads - 1) / (8 * nthreads);
+    int64_t chunk = kMinChunkBlocks;
+    while (chunk < target) chunk *= 2;
+    return chunk;
   };
 
   std::vector<WorkItem> items;
