@@ -18,7 +18,9 @@ namespace kvserve {
 namespace {
 
 using tile::half_at;
+using tile::lane_sums;
 using tile::sum8;
+using tile::unpack_nibbles;
 
 // ggml's block layouts (ggml-common.h): Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles (value j in the
 // low nibble of byte j, value j + 16 in the high one); Q4_0 = fp16 d and the same nibbles, each value
@@ -29,18 +31,6 @@ constexpr int64_t block_bytes(Kind k) { return k == Kind::kQ4_1 ? 20 : k == Kind
 constexpr int64_t quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : 2; }
 constexpr int64_t x_block_bytes(Kind k) { return k == Kind::kQ4_1 ? 36 : 34; }
 constexpr int64_t x_quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : 2; }
-
-__m256i unpack_nibbles(const uint8_t* qs) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(lo, 4), lo);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// Sums of 4 neighbouring products of unsigned bytes u and signed bytes s as 8 int32 lanes (exact:
-// every pair sum fits in int16 for the ranges used here).
-__m256i lane_sums(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
 
 // x's per-block values used by every weight row: its quants, its scale and (Q8_1) sum term as
 // floats [d, s, 0, 0], and for Q4_0 the lane sums of its quants times 8 (the weights' offset).

@@ -19,7 +19,9 @@ namespace kvserve {
 namespace {
 
 using tile::half_at;
+using tile::lane_sums;
 using tile::sum8;
+using tile::unpack_nibbles;
 
 // ggml's block layouts (ggml-common.h): Q4_1 = fp16 scale d, fp16 min m, 16 bytes of nibbles (value
 // j in the low nibble of byte j, value j + 16 in its high nibble); Q8_1 = fp16 d, fp16 s (d times
@@ -27,20 +29,8 @@ using tile::sum8;
 constexpr int64_t kQ4_1Bytes = 20;
 constexpr int64_t kQ8_1Bytes = 36;
 
-
-// The 32 4-bit values of a Q4_1 block as bytes 0..15, in order.
-__m256i unpack_nibbles(const uint8_t* qs) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(lo, 4), lo);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// Sums of 4 neighbouring products of unsigned w and signed x bytes, as 8 floats (exact integers).
-__m256 dot_lanes(__m256i w, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
+// The block's lane sums as 8 floats (exact integers).
+__m256 dot_lanes(__m256i w, __m256i x) { return _mm256_cvtepi32_ps(lane_sums(w, x)); }
 
 // An x block's [d, s, 0, 0] (a struct: a vector of bare __m128 drops its alignment attribute).
 struct XScales {

@@ -1,6 +1,6 @@
 #pragma once
 // Arithmetic the quantized tiles (q4_1_tiles.cpp, k_quant_tiles.cpp) share with ggml's AVX2 dot
-// products: reading a block's fp16 scale, and the horizontal sum of 8 floats in ggml's order, so
+// products: reading a block's fp16 scale, unpacking nibbles, integer lane sums, and the horizontal sum of 8 floats in ggml's order, so
 // that a tile's output equals the one-row vec_dot bit for bit. x86 with AVX2, FMA and F16C only.
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -22,6 +22,20 @@ inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
   return _cvtsh_ss(h);
+}
+
+// The 32 4-bit values of a Q4_0 / Q4_1 block's 16 bytes as bytes 0..15, in order (value j in the
+// low nibble of byte j, value j + 16 in its high nibble).
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(lo, 4), lo);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Sums of 4 neighbouring products of unsigned bytes u and signed bytes s as 8 int32 lanes (exact:
+// every pair sum fits in int16 for the ranges the tiles use), the lanes of ggml's dot products.
+inline __m256i lane_sums(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
 // ggml's hsum_float_8: high half plus low half, then pairs, then the last two.
