@@ -175,11 +175,12 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   // difference into a visible one) both rely on. A power of two, so that rows a few slots apart
   // (a verify run's, and the plain steps it stands for) almost always split alike: the chunk
   // changes only where a row's block count crosses 2^k * 8 * threads / KV heads.
+  // (block, KV head) tiles row b reads.
+  auto row_blocks = [&](int64_t b) { return ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV; };
   int64_t total_blocks = 0;
-  for (int64_t b = 0; b < s.B; ++b) total_blocks += ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
+  for (int64_t b = 0; b < s.B; ++b) total_blocks += row_blocks(b);
   auto chunk_of = [&](int64_t b) {
-    const int64_t row_blocks = ((lens[b] + s.bs - 1) / s.bs - first_slot(b) / s.bs) * s.KV;
-    const int64_t target = (row_blocks + 8 * nthreads - 1) / (8 * nthreads);
+    const int64_t target = (row_blocks(b) + 8 * nthreads - 1) / (8 * nthreads);
     int64_t chunk = kMinChunkBlocks;
     while (chunk < target) chunk *= 2;
     return chunk;

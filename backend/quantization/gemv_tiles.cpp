@@ -7,7 +7,6 @@
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#include <cstring>
 #include <vector>
 #endif
 
@@ -44,9 +43,7 @@ struct XBlock {
 // Each lane is the one float product ggml's vec_dot computes; one conversion serves both halves.
 template <Kind K>
 __m128 block_scales(const uint8_t* wb, __m128 xds) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, wb, K == Kind::kQ4_1 ? 4 : 2);
-  return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits))), xds);
+  return _mm_mul_ps(tile::halves_at(wb, K == Kind::kQ4_1 ? 2 : 1), xds);
 }
 
 // R weight rows (R <= 4) against x: R accumulators in registers.

@@ -6,7 +6,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 #endif
 
@@ -51,9 +50,7 @@ void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const XSca
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ4_1Bytes;
     tile::prefetch_ahead(wb);
-    uint32_t dm_bits;
-    std::memcpy(&dm_bits, wb, sizeof dm_bits);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, m, 0, 0]
+    const __m128 dm = tile::halves_at(wb, 2);  // [d, m, 0, 0]
     const __m256i q = unpack_nibbles(wb + 4);
     for (int j = 0; j < N; ++j) {
       // ggml's order: the min's term first, then the scaled lanes. Both lanes of the product are

@@ -1,7 +1,8 @@
 #pragma once
-// Arithmetic the quantized tiles (q4_1_tiles.cpp, k_quant_tiles.cpp) share with ggml's AVX2 dot
-// products: reading a block's fp16 scale, unpacking nibbles, integer lane sums, and the horizontal sum of 8 floats in ggml's order, so
-// that a tile's output equals the one-row vec_dot bit for bit. x86 with AVX2, FMA and F16C only.
+// Arithmetic the quantized tiles (q4_1_tiles.cpp, k_quant_tiles.cpp, gemv_tiles.cpp) share with
+// ggml's AVX2 dot products: reading a block's fp16 scales, unpacking nibbles, integer lane sums, and
+// the horizontal sum of 8 floats in ggml's order, so that a tile's output equals the one-row
+// vec_dot bit for bit. x86 with AVX2, FMA and F16C only.
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -22,6 +23,14 @@ inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
   return _cvtsh_ss(h);
+}
+
+// The first `n` (1 or 2) fp16 values at p as [v0, v1 or 0, 0, 0]: a block's scale, or its scale
+// and min, in one conversion.
+inline __m128 halves_at(const uint8_t* p, size_t n) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, p, n * sizeof(uint16_t));
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
 }
 
 // The 32 4-bit values of a Q4_0 / Q4_1 block's 16 bytes as bytes 0..15, in order (value j in the
