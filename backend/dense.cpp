@@ -7,6 +7,7 @@
 #include <atomic>
 #include <vector>
 
+#include "backend/decode_scope.h"
 #include "backend/dense_kernel.h"
 #include "common/check.h"
 
@@ -94,7 +95,10 @@ torch::Tensor onednn_dense(const torch::Tensor& x, const torch::Tensor& w, const
 torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, CpuGemm gemm) {
   if (small_batch_applies(x, w, b)) {
     const int64_t rows = x.numel() / std::max<int64_t>(1, x.size(-1));
-    if (rows <= kSmallBatchMaxRows) return small_batch_dense(x, w, b);
+    // A decode step's rows (any number: plain, draft or verify) all take the small-batch kernel, whose
+    // per-row result does not depend on the row count; it also beats MKL's sgemm up to 256 rows of
+    // decode on the 2-core box (bench_dense), where MKL re-packs W on every call.
+    if (rows <= kSmallBatchMaxRows || DecodeScope::active()) return small_batch_dense(x, w, b);
     if (gemm == CpuGemm::kOneDnn) return onednn_dense(x, w, b);
   }
   return b.defined() ? torch::linear(x, w, b) : torch::linear(x, w);

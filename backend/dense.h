@@ -20,8 +20,8 @@ enum class CpuGemm { kMkl, kOneDnn };
 CpuGemm cpu_gemm_from_name(const std::string& name);
 
 // y = x Wᵀ (+ b) for x [M, K], W [N, K], b [N] or undefined. fp32 CPU inputs with
-// M <= kSmallBatchMaxRows run small_batch_dense; longer fp32 CPU inputs go to `gemm`; everything
-// else is torch::linear. Why: with few rows, MKL's sgemm copies and re-packs all of W on every call
+// M <= kSmallBatchMaxRows, or of any M inside a DecodeScope, run small_batch_dense; longer fp32 CPU
+// inputs go to `gemm`; everything else is torch::linear. Why: with few rows, MKL's sgemm copies and re-packs all of W on every call
 // (over half of a batch-8 decode step in perf), so W crosses the memory bus three times instead of
 // once.
 torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b = {},

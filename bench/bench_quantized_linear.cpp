@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/quantization/quantized_weight.h"
+#include "backend/decode_scope.h"
 
 namespace {
 
@@ -46,7 +47,7 @@ void BM_Step(benchmark::State& state) {
   const int64_t M = state.range(1);
   std::vector<torch::Tensor> xs;
   for (const auto& w : W.w) xs.push_back(torch::randn({M, w.cols()}));
-  kvserve::QuantizedDecodeScope scope;
+  kvserve::DecodeScope scope;
   for (auto _ : state) {
     for (size_t i = 0; i < W.w.size(); ++i) {
       auto y = W.w[i].matmul(xs[i]);

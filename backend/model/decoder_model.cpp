@@ -19,6 +19,7 @@
 #include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "ggml.h"
+#include "backend/decode_scope.h"
 #include "backend/dense.h"
 #include "backend/fused_ops.h"
 #include "backend/model/block_ops.h"
@@ -588,7 +589,7 @@ torch::Tensor DecoderModel::run_decode_layers(const DecodeBatch& batch, torch::T
   const int64_t B = x.size(0);  // the step's entries, padding included
   const int64_t H = layout_.q_heads, D = config_.head_dim;
   StepProfile* p = profile_;
-  const QuantizedDecodeScope decoding;
+  const DecodeScope decoding;
   // Each residual add waits in `pending` for the norm after it (add_norm); the last one is added
   // after the loop.
   torch::Tensor pending;
@@ -780,7 +781,7 @@ torch::Tensor DecoderModel::decode_planned(const DecodeBatch& batch, const torch
            "decode: ids " << ids.sizes() << " and positions " << positions.sizes() << " for a batch of "
                           << batch.seq_ids.size());
   StepProfile* p = profile_;
-  const QuantizedDecodeScope decoding;  // the LM head too
+  const DecodeScope decoding;  // the LM head too
   auto x = StepProfile::time(p, StepProfile::kEmbed, [&] { return embed_ids(ids); });
   x = run_decode_layers(batch, x, rope_->lookup(positions, x.scalar_type()),
                         local_rope_ ? local_rope_->lookup(positions, x.scalar_type()) : RopeAngles{}, kv);

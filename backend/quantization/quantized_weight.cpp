@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "backend/decode_scope.h"
 #include "backend/quantization/gemv_tiles.h"
 #include "backend/quantization/ggml_sgemm.h"
 #include "backend/quantization/k_quant_tiles.h"
@@ -373,14 +374,6 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
   return y.view(out_shape);
 }
 
-namespace {
-thread_local int decode_scope_depth = 0;
-}  // namespace
-
-QuantizedDecodeScope::QuantizedDecodeScope() { ++decode_scope_depth; }
-QuantizedDecodeScope::~QuantizedDecodeScope() { --decode_scope_depth; }
-bool QuantizedDecodeScope::active() { return decode_scope_depth > 0; }
-
 bool QuantizedWeight::tiled() const {
   return std::all_of(parts_.begin(), parts_.end(),
                      [](const Part& p) { return tiles_for(p.type, cpu_traits(p.type).vec_dot_type) != Tiles::kNone; });
@@ -388,7 +381,7 @@ bool QuantizedWeight::tiled() const {
 
 torch::Tensor QuantizedWeight::matmul(const torch::Tensor& x, const torch::Tensor& b, CpuGemm gemm) const {
   const int64_t M = x.numel() / std::max<int64_t>(1, x.size(-1));
-  if (M <= kQuantDotMaxRows || (QuantizedDecodeScope::active() && tiled())) return dot(x, b);
+  if (M <= kQuantDotMaxRows || (DecodeScope::active() && tiled())) return dot(x, b);
   return dense(x, dequantize(), b, gemm);
 }
 

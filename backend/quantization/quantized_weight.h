@@ -29,19 +29,6 @@ bool quant_type_served(int type);
 int64_t quant_row_bytes(int type, int64_t cols, const std::string& what);
 int64_t quant_block_size(int type);
 
-// Marks a decode step (its layers and LM head) on this thread: inside it, weights whose every part
-// has a tiled product (Q8_0, Q4_0, Q5_0, IQ4_NL, Q4_1) take the quantized products for any number of
-// rows, so a batch of more than kQuantDotMaxRows sequences no longer dequantizes every weight each
-// step. Prefill stays outside, on the float GEMM past kQuantDotMaxRows (its exactness).
-class QuantizedDecodeScope {
- public:
-  QuantizedDecodeScope();
-  ~QuantizedDecodeScope();
-  QuantizedDecodeScope(const QuantizedDecodeScope&) = delete;
-  QuantizedDecodeScope& operator=(const QuantizedDecodeScope&) = delete;
-  static bool active();
-};
-
 class QuantizedWeight {
  public:
   QuantizedWeight() = default;
@@ -74,7 +61,7 @@ class QuantizedWeight {
   // Rows `ids` (int64, in range) as fp32 [n, K]: an embedding lookup.
   torch::Tensor dequantize_rows(const torch::Tensor& ids) const;
   // y = x Wᵀ (+ b) for fp32 CPU x [.., K]: up to kQuantDotMaxRows rows (any number in a
-  // QuantizedDecodeScope, where every part is tiled) by ggml's dot products against x quantized to
+  // DecodeScope, where every part is tiled) by ggml's dot products against x quantized to
   // each type's activation format; more rows by the dequantized W through dense().
   torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& b = {}, CpuGemm gemm = CpuGemm::kMkl) const;
   // The vec_dot path alone (any number of rows): each output is one ggml dot product, so a row's

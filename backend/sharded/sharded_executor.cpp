@@ -5,6 +5,7 @@
 #include "backend/after_prefill_selection.h"
 #include "backend/model/decoder_model.h"
 #include "backend/quantization/quantized_weight.h"
+#include "backend/decode_scope.h"
 #include "common/check.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_score_exchange.h"
@@ -145,7 +146,7 @@ torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vecto
     if (!s.last_stage()) {
       data.send_tensor(x, static_cast<int>(next_rank()), kDecodeHidden + static_cast<int>(m));
     } else {
-      const QuantizedDecodeScope decoding;  // a decode step's LM head
+      const DecodeScope decoding;  // a decode step's LM head
       auto lg = model_->logits(x);
       if (rank == 0 || !to_rank0) {
         out.push_back(lg);

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/decode_scope.h"
 #include "backend/dense.h"
 #include "backend/dense_kernel.h"
 
@@ -112,6 +113,28 @@ TEST(Dense, RoutesLongInputsAndOtherDtypesToTorchLinear) {
   EXPECT_TRUE(torch::equal(dense(xd.narrow(0, 0, 2), wd, bd), torch::linear(xd.narrow(0, 0, 2), wd, bd)));
   auto xs = x.narrow(0, 0, 4);
   EXPECT_TRUE(torch::equal(dense(xs, w, b), small_batch_dense(xs, w, b)));
+}
+
+// Inside a decode step every row count takes the small-batch kernel (either GEMM choice), so a
+// verify step's 40 rows give each row the bits it gets in a step of its own; outside, 40 rows are
+// a prefill and go to MKL.
+TEST(Dense, ADecodeStepsRowsAreTheSameInAnyRowCount) {
+  torch::manual_seed(13);
+  auto w = torch::randn({72, 96}), b = torch::randn({72});
+  auto x = torch::randn({40, 96});
+  for (const CpuGemm gemm : {CpuGemm::kMkl, CpuGemm::kOneDnn}) {
+    torch::Tensor all;
+    {
+      const DecodeScope decoding;
+      all = dense(x, w, b, gemm);
+      for (int64_t m : {0, 17, 39}) EXPECT_TRUE(torch::equal(dense(x.narrow(0, m, 1), w, b, gemm), all.narrow(0, m, 1))) << m;
+      EXPECT_TRUE(torch::equal(dense(x.narrow(0, 3, 20), w, b, gemm), all.narrow(0, 3, 20)));
+    }
+    EXPECT_FALSE(DecodeScope::active());
+    EXPECT_TRUE(torch::equal(all, small_batch_dense(x, w, b)));
+    EXPECT_TRUE(torch::allclose(all, reference(x, w, b), 1e-4, 1e-3));
+  }
+  EXPECT_TRUE(torch::equal(dense(x, w, b), torch::linear(x, w, b)));
 }
 
 TEST(Dense, OneDnnMatchesTheReferenceAndRoutesOnlyLongInputs) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/decode_scope.h"
 #include "backend/dense.h"
 #include "backend/quantization/linear_weight.h"
 #include "backend/quantization/quantized_weight.h"
@@ -129,7 +130,7 @@ TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
   }
 }
 
-// A decode step (QuantizedDecodeScope) keeps more than kQuantDotMaxRows rows of tiled types on the
+// A decode step (DecodeScope) keeps more than kQuantDotMaxRows rows of tiled types on the
 // quantized products (each row as it is alone); outside it, and for types without tiles, they take
 // the float GEMM of the dequantized weight.
 TEST(QuantizedWeight, DecodeStepsOfManyRowsStayOnTheTiles) {
@@ -142,16 +143,16 @@ TEST(QuantizedWeight, DecodeStepsOfManyRowsStayOnTheTiles) {
     EXPECT_TRUE(torch::equal(q.matmul(x), dense(x, q.dequantize(), {}))) << name;
     torch::Tensor y;
     {
-      const QuantizedDecodeScope decoding;
-      EXPECT_TRUE(QuantizedDecodeScope::active());
+      const DecodeScope decoding;
+      EXPECT_TRUE(DecodeScope::active());
       y = q.matmul(x);
     }
-    EXPECT_FALSE(QuantizedDecodeScope::active());
+    EXPECT_FALSE(DecodeScope::active());
     for (int64_t m = 0; m < x.size(0); ++m) ASSERT_TRUE(torch::equal(y[m], one(q, m))) << name << " row " << m;
   }
   const QuantizedWeight k = QuantizedWeight::quantize(torch::randn({40, 256}), quant_type_from_name("q5_1"), "q5_1");
   EXPECT_FALSE(k.tiled());
-  const QuantizedDecodeScope decoding;
+  const DecodeScope decoding;
   EXPECT_TRUE(torch::equal(k.matmul(x), dense(x, k.dequantize(), {})));
 }
 

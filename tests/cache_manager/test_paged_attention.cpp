@@ -552,10 +552,9 @@ TEST(PagedAttention, ARowsOutputIsTheSameInAnyBatch) {
                                                   t.lengths.index_select(0, pair), -1.0, 0, quant);
       EXPECT_TRUE(torch::equal(three[0], all[i]) && torch::equal(three[2], all[i])) << "row " << i;
     }
-    // A verify run of 2 rows (one kernel row of 2 * 3 query heads, a register-blocked group size)
-    // against each of its rows alone. Longer runs (9, 12, 15 heads: the generic kernel, whose P.V
-    // sums alternate tokens over two accumulators) differ from their rows alone in the last bits.
-    for (const int64_t r : {int64_t{2}}) for (const int64_t L : {lens[0], lens[2], int64_t{40}, int64_t{47}}) {
+    // A verify run of r rows (one kernel row of r * 3 query heads: a register-blocked group size for
+    // 2, the generic kernel for 9, 12 and 15 heads) against each of its rows alone.
+    for (const int64_t r : {2, 3, 4, 5}) for (const int64_t L : {lens[0], lens[2], int64_t{40}, int64_t{47}}) {
       const auto run_rows = torch::zeros({r}, torch::kLong);
       std::vector<int32_t> run_lens;
       for (int64_t j = 0; j < r; ++j) run_lens.push_back(static_cast<int32_t>(L - r + 1 + j));
