@@ -13,13 +13,13 @@
 #include <utility>
 
 #include "backend/checkpoint.h"
+#include "backend/decode_scope.h"
 #include "backend/model/weight_source.h"
 #include "backend/quantization/fp8_weight.h"
 #include "backend/quantization/int4_weight.h"
 #include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "ggml.h"
-#include "backend/decode_scope.h"
 #include "backend/dense.h"
 #include "backend/fused_ops.h"
 #include "backend/model/block_ops.h"

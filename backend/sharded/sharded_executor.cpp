@@ -3,9 +3,9 @@
 #include <algorithm>
 
 #include "backend/after_prefill_selection.h"
+#include "backend/decode_scope.h"
 #include "backend/model/decoder_model.h"
 #include "backend/quantization/quantized_weight.h"
-#include "backend/decode_scope.h"
 #include "common/check.h"
 #include "parallel/communicator.h"
 #include "parallel/shard_score_exchange.h"
