@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,8 +27,12 @@ struct Weights {
     const int t = kvserve::quant_type_from_name(type);
     const char* env = std::getenv("BENCH_LAYERS");
     const int layers = env ? std::atoi(env) : 30;
+    // A K-quant row is whole super-blocks of 256 values: 576-wide inputs become 768 for those types.
+    const bool k_quant = type.size() == 4 && type[3] == 'k';
+    const int64_t hidden_in = k_quant ? 768 : 576;
     for (int l = 0; l < layers; ++l)
-      for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{{960, 576}, {576, 576}, {3072, 576}, {576, 1536}})
+      for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{
+               {960, hidden_in}, {576, hidden_in}, {3072, hidden_in}, {576, 1536}})
         w.push_back(kvserve::QuantizedWeight::quantize(torch::randn({n, k}) * 0.02, t, type));
     if (!env) w.push_back(kvserve::QuantizedWeight::quantize(torch::randn({49152, 576}) * 0.02,
                                                    kvserve::quant_type_from_name("q8_0"), "lm_head"));
@@ -38,8 +44,11 @@ struct Weights {
 };
 
 const Weights& weights(int type_index) {
-  static const Weights q4_1("q4_1"), q8_0("q8_0"), q4_0("q4_0");
-  return type_index == 0 ? q4_1 : type_index == 1 ? q8_0 : q4_0;
+  static const char* const kTypes[] = {"q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"};
+  static std::map<int, std::unique_ptr<Weights>> made;  // built on first use: 30 layers each
+  auto& w = made[type_index];
+  if (!w) w = std::make_unique<Weights>(kTypes[type_index]);
+  return *w;
 }
 
 void BM_Step(benchmark::State& state) {
@@ -61,8 +70,9 @@ void BM_Step(benchmark::State& state) {
 
 }  // namespace
 
-// type: 0 = Q4_1 (the default model's GGUF), 1 = Q8_0 (--quantization int8), 2 = Q4_0 (int4).
-BENCHMARK(BM_Step)->ArgNames({"type", "M"})->ArgsProduct({{0, 1, 2}, {1, 2, 4, 8}})->Unit(benchmark::kMillisecond)->UseRealTime();
+// type: 0 = Q4_1 (the default model's GGUF), 1 = Q8_0 (--quantization int8), 2 = Q4_0 (int4),
+// 3-5 = Q4_K, Q5_K, Q6_K (a Q4_K_M GGUF's types, e.g. Gemma 3's; inputs of 576 widened to 768).
+BENCHMARK(BM_Step)->ArgNames({"type", "M"})->ArgsProduct({{0, 1, 2, 3, 4, 5}, {1, 2, 4, 8}})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);

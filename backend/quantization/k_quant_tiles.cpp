@@ -107,6 +107,7 @@ void q4_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
   }
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ4_KBytes;
+    tile::prefetch_block_ahead(wb, kQ4_KBytes);
     const float wd = half_at(wb);
     const float wmin = half_at(wb + 2);
     const auto [mins, scales] = unpack_k_scales(wb);
@@ -153,6 +154,7 @@ void q5_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
   }
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ5_KBytes;
+    tile::prefetch_block_ahead(wb, kQ5_KBytes);
     const float wd = half_at(wb);
     const float wmin = half_at(wb + 2);
     const auto [mins, scales] = unpack_k_scales(wb);
@@ -196,6 +198,7 @@ void q6_k_row(const uint8_t* wrow, const uint8_t* const* xrows, int64_t blocks, 
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ6_KBytes;
+    tile::prefetch_block_ahead(wb, kQ6_KBytes);
     const uint8_t* ql = wb;
     const uint8_t* qh = wb + 128;
     const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192));
@@ -286,7 +289,7 @@ void q6_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
 
 #else
 
-bool k_quant_tiles_available() { return true; }
+bool k_quant_tiles_available() { return false; }
 
 void q4_k_tiled_dot(const uint8_t*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
                     int64_t) {

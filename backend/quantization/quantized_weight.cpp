@@ -321,7 +321,11 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const auto* wp = static_cast<const uint8_t*>(p.data.data_ptr());
     const auto* ap = a.type == GGML_TYPE_F32 ? reinterpret_cast<const uint8_t*>(xp) : static_cast<const uint8_t*>(a.data.data_ptr());
     const int64_t a_row = a.type == GGML_TYPE_F32 ? K * static_cast<int64_t>(sizeof(float)) : a.row_bytes;
-    const Tiles tiles = M >= 2 ? tiles_for(p.type, a.type) : Tiles::kNone;
+    // One row of x takes the K-quant tiles too (their prefetch is what one row gains from; the other
+    // types have one-row tiles below).
+    const Tiles for_type = tiles_for(p.type, a.type);
+    const bool k_quant = for_type == Tiles::kQ4_K || for_type == Tiles::kQ5_K || for_type == Tiles::kQ6_K;
+    const Tiles tiles = M >= 2 || k_quant ? for_type : Tiles::kNone;
     if (tiles == Tiles::kLlamafile) {
       // Several rows of x: llamafile's tiles decode each weight block once for up to 4 rows of x
       // (llama.cpp's own choice for these types), where the vec_dot loop decodes it once per row.

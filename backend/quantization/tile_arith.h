@@ -19,6 +19,13 @@ constexpr int64_t kPrefetchBytes = 8192;
 
 inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0); }
 
+// prefetch_ahead for a block of `bytes` (a K-quant super-block spans 3-4 cache lines, and a block
+// need not start on a line): every line from p + kPrefetchBytes to its last byte.
+inline void prefetch_block_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_ahead(p + off);
+  prefetch_ahead(p + bytes - 1);
+}
+
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof h);
