@@ -139,7 +139,7 @@ void BM_PagedKernelOneSequence(benchmark::State& state) {
 
 BENCHMARK(BM_PagedKernelOneSequence)
     ->ArgNames({"ctx", "kv_dtype"})
-    ->ArgsProduct({{1024, 4096}, {0, 1, 3}})
+    ->ArgsProduct({{256, 512, 1024, 2048, 4096}, {0, 1, 3}})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(0.5);
 BENCHMARK(BM_PagedGatherLibtorch)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond)->MinTime(1.0);
