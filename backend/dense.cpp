@@ -52,9 +52,19 @@ torch::Tensor small_batch_dense(const torch::Tensor& x_in, const torch::Tensor& 
   // Threads take contiguous slices of W's rows, in whole tiles.
   constexpr int64_t kRowsPerTask = 64;
   const int64_t tasks = (N + kRowsPerTask - 1) / kRowsPerTask;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    kernel(xp, M, K, wp, bp, yp, N, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask));
-  });
+  // Each W tile meets every row of x in turn; x rows go in passes small enough to stay in L2 (0.4-1
+  // MB at decode widths), where otherwise every W tile streamed all of x from L3 again (512 rows:
+  // 0.74x the time; 64-256 rows per pass measured alike, 128 best). W is read once a pass, little
+  // next to the arithmetic of that many rows. An output is one dot product in an order fixed by K,
+  // so how the rows are split does not change it.
+  constexpr int64_t kRowsPerPass = 128;
+  const int64_t pass = kRowsPerPass;
+  for (int64_t m0 = 0; m0 < M; m0 += pass) {
+    const int64_t rows = std::min(pass, M - m0);
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      kernel(xp + m0 * K, rows, K, wp, bp, yp + m0 * N, N, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask));
+    });
+  }
   return y.view(out_shape);
 }
 

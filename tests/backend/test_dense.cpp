@@ -121,14 +121,17 @@ TEST(Dense, RoutesLongInputsAndOtherDtypesToTorchLinear) {
 TEST(Dense, ADecodeStepsRowsAreTheSameInAnyRowCount) {
   torch::manual_seed(13);
   auto w = torch::randn({72, 96}), b = torch::randn({72});
-  auto x = torch::randn({40, 96});
+  // 301 rows: three passes over W (128 rows each, the last 45), none a multiple of the row tile.
+  auto x = torch::randn({301, 96});
   for (const CpuGemm gemm : {CpuGemm::kMkl, CpuGemm::kOneDnn}) {
     torch::Tensor all;
     {
       const DecodeScope decoding;
       all = dense(x, w, b, gemm);
-      for (int64_t m : {0, 17, 39}) EXPECT_TRUE(torch::equal(dense(x.narrow(0, m, 1), w, b, gemm), all.narrow(0, m, 1))) << m;
+      for (int64_t m : {0, 17, 39, 127, 128, 300})
+        EXPECT_TRUE(torch::equal(dense(x.narrow(0, m, 1), w, b, gemm), all.narrow(0, m, 1))) << m;
       EXPECT_TRUE(torch::equal(dense(x.narrow(0, 3, 20), w, b, gemm), all.narrow(0, 3, 20)));
+      EXPECT_TRUE(torch::equal(dense(x.narrow(0, 100, 150), w, b, gemm), all.narrow(0, 100, 150)));
     }
     EXPECT_FALSE(DecodeScope::active());
     EXPECT_TRUE(torch::equal(all, small_batch_dense(x, w, b)));
