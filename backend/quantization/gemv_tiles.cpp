@@ -7,6 +7,7 @@
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
+#include <cstring>
 #include <vector>
 #endif
 
@@ -23,11 +24,29 @@ using tile::unpack_nibbles;
 
 // ggml's block layouts (ggml-common.h): Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles (value j in the
 // low nibble of byte j, value j + 16 in the high one); Q4_0 = fp16 d and the same nibbles, each value
-// offset by 8; Q8_0 = fp16 d, 32 signed bytes; Q8_1 = fp16 d, fp16 s (d times the values' sum),
-// 32 signed bytes.
-enum class Kind { kQ4_1, kQ4_0, kQ8_0 };
-constexpr int64_t block_bytes(Kind k) { return k == Kind::kQ4_1 ? 20 : k == Kind::kQ4_0 ? 18 : 34; }
-constexpr int64_t quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : 2; }
+// offset by 8; Q5_0 = fp16 d, 4 bytes of fifth bits (bit j of the little-endian word for value j),
+// then Q4_0's nibbles, each value offset by 16; Q8_0 = fp16 d, 32 signed bytes; Q8_1 = fp16 d,
+// fp16 s (d times the values' sum), 32 signed bytes.
+enum class Kind { kQ4_1, kQ4_0, kQ5_0, kQ8_0 };
+constexpr int64_t block_bytes(Kind k) {
+  return k == Kind::kQ4_1 ? 20 : k == Kind::kQ4_0 ? 18 : k == Kind::kQ5_0 ? 22 : 34;
+}
+constexpr int64_t quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : k == Kind::kQ5_0 ? 6 : 2; }
+
+// A Q5_0 block's 32 values as signed bytes in [-16, 15]: a nibble whose fifth bit is clear is
+// nibble - 16, i.e. the nibble with its byte's top four bits set.
+__m256i q5_0_values(const uint8_t* wb) {
+  uint32_t bits;
+  std::memcpy(&bits, wb + 2, sizeof bits);
+  // Byte j of the result looks at source byte j / 8 (each 128-bit half shuffles its own copy of the
+  // word) and keeps bit j % 8 of it: 0xFF where the fifth bit is set.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(unpack_nibbles(wb + quants_at(Kind::kQ5_0)), _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+}
 constexpr int64_t x_block_bytes(Kind k) { return k == Kind::kQ4_1 ? 36 : 34; }
 constexpr int64_t x_quants_at(Kind k) { return k == Kind::kQ4_1 ? 4 : 2; }
 
@@ -71,7 +90,9 @@ void rows_times_x(const uint8_t* const* wrows, const std::vector<XBlock>& xb, fl
         // (q - 8) . y = q . y - 8 * sum(y), lane by lane, in exact integers.
         lanes = _mm256_sub_epi32(lane_sums(unpack_nibbles(wb + quants_at(K)), x.q), x.offset);
       } else {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quants_at(K)));
+        // Signed weights times signed x as ggml pairs them: |w| times x with w's sign.
+        const __m256i w = K == Kind::kQ5_0 ? q5_0_values(wb)
+                                           : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + quants_at(K)));
         lanes = lane_sums(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x.q, w));
       }
       acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(scales), _mm256_cvtepi32_ps(lanes), acc[r]);
@@ -108,8 +129,8 @@ void rows_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const
 }  // namespace
 
 bool gemv_tiles_support(int type, int act) {
-  return (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1) || (type == GGML_TYPE_Q4_0 && act == GGML_TYPE_Q8_0) ||
-         (type == GGML_TYPE_Q8_0 && act == GGML_TYPE_Q8_0);
+  return (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1) ||
+         ((type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q8_0) && act == GGML_TYPE_Q8_0);
 }
 
 void gemv_tiled_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
@@ -117,6 +138,7 @@ void gemv_tiled_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, i
   switch (type) {
     case GGML_TYPE_Q4_1: return rows_dot<Kind::kQ4_1>(w, row_bytes, r0, r1, x, blocks, y);
     case GGML_TYPE_Q4_0: return rows_dot<Kind::kQ4_0>(w, row_bytes, r0, r1, x, blocks, y);
+    case GGML_TYPE_Q5_0: return rows_dot<Kind::kQ5_0>(w, row_bytes, r0, r1, x, blocks, y);
     case GGML_TYPE_Q8_0: return rows_dot<Kind::kQ8_0>(w, row_bytes, r0, r1, x, blocks, y);
     default: KV_FAIL("internal: no one-row tiles for ggml type " << type);
   }
