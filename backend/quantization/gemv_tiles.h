@@ -1,7 +1,7 @@
 #pragma once
 // One activation row times several weight rows at once (the decode step of one sequence) for the
 // block types of the default model, of --quantization and of K-quant files' smaller tensors (Q4_1,
-// Q8_0, Q4_0, Q5_0): x's block is loaded
+// Q8_0, Q4_0, Q5_0, Q5_1): x's block is loaded
 // once for four weight rows, and the four rows' accumulations run side by side, where ggml's
 // vec_dot takes one row at a time and waits on its one accumulator. Each output repeats ggml's AVX2
 // vec_dot arithmetic in the same order (integer lane sums, then one FMA a block, then ggml's
@@ -11,7 +11,7 @@
 namespace kvserve {
 
 // Whether this build has the kernels (x86 with AVX2, FMA and F16C) and they take `type` (a ggml
-// weight type) against `act` (its activation format): Q4_1 x Q8_1, and Q8_0, Q4_0, Q5_0 x Q8_0.
+// weight type) against `act` (its activation format): Q4_1, Q5_1 x Q8_1, and Q8_0, Q4_0, Q5_0 x Q8_0.
 bool gemv_tiles_support(int type, int act);
 
 // y[r] = dot(W row r, x) for r in [r0, r1). W: rows of `blocks` blocks of `type`, row_bytes apart;

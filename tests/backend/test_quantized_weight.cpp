@@ -94,15 +94,15 @@ TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
   }
 }
 
-// One row of x (a one-sequence decode step) takes the one-row tiles for Q4_1, Q4_0, Q5_0 and Q8_0 (four
-// weight rows at a time) and the K-quant tiles for Q4_K, Q5_K and Q6_K (prefetching ahead in the
-// row); each output equals bit for bit ggml's own vec_dot of that row, called here directly. Row
-// counts that leave 1-3 rows after the groups of four, and row slices that start mid-group, are
-// covered.
+// One row of x (a one-sequence decode step) takes the one-row tiles for Q4_1, Q4_0, Q5_0, Q5_1 and
+// Q8_0 (four weight rows at a time) and the K-quant tiles for Q4_K, Q5_K and Q6_K (prefetching
+// ahead in the row); each output equals bit for bit ggml's own vec_dot of that row, called here
+// directly. Row counts that leave 1-3 rows after the groups of four, and row slices that start
+// mid-group, are covered.
 TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(11);
   ggml_cpu_init();
-  for (const char* name : {"q4_1", "q4_0", "q5_0", "q8_0", "q4_K", "q5_K", "q6_K"}) {
+  for (const char* name : {"q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K"}) {
     const int type = quant_type_from_name(name);
     for (int64_t N : std::vector<int64_t>{1, 7, 64, 75}) {
       const int64_t K = std::string(name).back() == 'K' ? 512 : 576;
