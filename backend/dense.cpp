@@ -58,9 +58,8 @@ torch::Tensor small_batch_dense(const torch::Tensor& x_in, const torch::Tensor& 
   // next to the arithmetic of that many rows. An output is one dot product in an order fixed by K,
   // so how the rows are split does not change it.
   constexpr int64_t kRowsPerPass = 128;
-  const int64_t pass = kRowsPerPass;
-  for (int64_t m0 = 0; m0 < M; m0 += pass) {
-    const int64_t rows = std::min(pass, M - m0);
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, M - m0);
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       kernel(xp + m0 * K, rows, K, wp, bp, yp + m0 * N, N, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask));
     });

@@ -37,6 +37,8 @@ constexpr int64_t block_bytes(Kind k) {
 constexpr int64_t quants_at(Kind k) {
   return k == Kind::kQ4_1 ? 4 : k == Kind::kQ5_0 ? 6 : k == Kind::kQ5_1 ? 8 : 2;
 }
+constexpr int64_t x_block_bytes(Kind k) { return with_min(k) ? 36 : 34; }
+constexpr int64_t x_quants_at(Kind k) { return with_min(k) ? 4 : 2; }
 
 // The 32 fifth bits of a Q5_0 / Q5_1 block (at p) as bytes: 0xFF where the bit is set.
 __m256i fifth_bits(const uint8_t* p) {
@@ -63,8 +65,6 @@ __m256i q5_1_values(const uint8_t* wb) {
   const __m256i high = _mm256_and_si256(fifth_bits(wb + 4), _mm256_set1_epi8(0x10));
   return _mm256_or_si256(unpack_nibbles(wb + quants_at(Kind::kQ5_1)), high);
 }
-constexpr int64_t x_block_bytes(Kind k) { return with_min(k) ? 36 : 34; }
-constexpr int64_t x_quants_at(Kind k) { return with_min(k) ? 4 : 2; }
 
 // x's per-block values used by every weight row: its quants, its scale and (Q8_1) sum term as
 // floats [d, s, 0, 0], and for Q4_0 the lane sums of its quants times 8 (the weights' offset).

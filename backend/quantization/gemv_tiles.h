@@ -1,11 +1,11 @@
 #pragma once
 // One activation row times several weight rows at once (the decode step of one sequence) for the
 // block types of the default model, of --quantization and of K-quant files' smaller tensors (Q4_1,
-// Q8_0, Q4_0, Q5_0, Q5_1): x's block is loaded
-// once for four weight rows, and the four rows' accumulations run side by side, where ggml's
-// vec_dot takes one row at a time and waits on its one accumulator. Each output repeats ggml's AVX2
-// vec_dot arithmetic in the same order (integer lane sums, then one FMA a block, then ggml's
-// horizontal sum), so it equals the one-row dot product bit for bit.
+// Q8_0, Q4_0, Q5_0, Q5_1): x's block is loaded once for four weight rows, and the four rows'
+// accumulations run side by side, where ggml's vec_dot takes one row at a time and waits on its one
+// accumulator. Each output repeats ggml's AVX2 vec_dot arithmetic in the same order (integer lane
+// sums, then one FMA a block, then ggml's horizontal sum), so it equals the one-row dot product bit
+// for bit.
 #include <cstdint>
 
 namespace kvserve {
