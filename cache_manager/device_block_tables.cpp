@@ -170,6 +170,18 @@ torch::Tensor DeviceBlockTables::lengths(int64_t layer) const {
   return state_.narrow(0, tables_size() + layer * row_cap_, row_cap_);
 }
 
+const int32_t* DeviceBlockTables::host_tables(int64_t layer) const {
+  KV_CHECK(layer >= 0 && layer < layers_, "layer " << layer << " out of range [0, " << layers_ << ")");
+  KV_CHECK(state_.device().is_cpu(), "internal: host_tables of block tables on " << state_.device());
+  return state_.data_ptr<int32_t>() + layer * row_cap_ * block_cap_;
+}
+
+const int32_t* DeviceBlockTables::host_lengths(int64_t layer) const {
+  KV_CHECK(layer >= 0 && layer < layers_, "layer " << layer << " out of range [0, " << layers_ << ")");
+  KV_CHECK(state_.device().is_cpu(), "internal: host_lengths of block tables on " << state_.device());
+  return state_.data_ptr<int32_t>() + tables_size() + layer * row_cap_;
+}
+
 torch::Tensor DeviceBlockTables::batch_rows(int64_t batch) const {
   KV_CHECK(batch >= 0 && batch <= row_cap_, "batch of " << batch << " rows past the capacity " << row_cap_);
   return state_.narrow(0, tables_size() + layers_ * row_cap_, batch);

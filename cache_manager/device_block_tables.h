@@ -52,6 +52,10 @@ class DeviceBlockTables {
   torch::Tensor tables(int64_t layer) const;  // int32 [row_cap, block_cap]
   torch::Tensor lengths(int64_t layer) const;  // int32 [row_cap]
   torch::Tensor batch_rows(int64_t batch) const;  // int32 [batch]
+  // The same tables and lengths as raw host memory, for a CPU pool's decode step (a tensor view
+  // per layer costs more than the copy of a few rows); throws on a device buffer.
+  const int32_t* host_tables(int64_t layer) const;   // [row_cap, block_cap]
+  const int32_t* host_lengths(int64_t layer) const;  // [row_cap]
   torch::Tensor batch_positions(int64_t batch) const;  // int32 [batch]
 
   int64_t num_layers() const { return layers_; }

@@ -216,12 +216,16 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
   const int64_t n_items = static_cast<int64_t>(items.size());
   // Waking the other threads costs tens of microseconds: small caches (a compressed layer) run here.
   const int64_t workers = total_blocks < kMinParallelBlocks ? 1 : std::min(nthreads, std::max<int64_t>(n_items, 1));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  auto work = [&](int64_t, int64_t) {
     // One scratch area, each part 64 floats past a 4 KiB multiple from the last: tiles of 4 KiB
     // allocated apart would start at equal page offsets, and a load from one then waits on stores
-    // to the other (4K aliasing) while a quantized block is decoded into them.
+    // to the other (4K aliasing) while a quantized block is decoded into them. Kept per thread
+    // across calls: every part is written before it is read, and allocating and zeroing ~25 KB
+    // on every call was a good part of a short layer's cost.
     auto padded = [](int64_t n) { return (n + 1023) / 1024 * 1024 + 64; };
-    std::vector<float> scratch(padded(G * D) + padded(G * s.bs) + padded(s.bs * D) + padded(s.bs * D));
+    thread_local std::vector<float> scratch;
+    const size_t need = static_cast<size_t>(padded(G * D) + padded(G * s.bs) + padded(s.bs * D) + padded(s.bs * D));
+    if (scratch.size() < need) scratch.resize(need);
     float* qs = scratch.data();
     float* sc = qs + padded(G * D);
     float* kbuf = sc + padded(G * s.bs);
@@ -232,7 +236,13 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
       fn(s, qp, qscale, pp, tab + w.b * s.max_blocks, first_slot(w.b), lens[w.b], w, part_acc.data() + i * G * D,
          part_m.data() + i * G, part_l.data() + i * G, qs, sc, kbuf, vbuf);
     }
-  });
+  };
+  // One worker runs here: an OpenMP region of one thread still costs its fork and join.
+  if (workers == 1) {
+    work(0, 1);
+  } else {
+    at::parallel_for(0, workers, 1, work);
+  }
 
   torch::Tensor out = torch::empty({s.B, s.H, D}, torch::kFloat32);
   float* op = out.data_ptr<float>();

@@ -940,14 +940,34 @@ torch::Tensor PagedKvCache::decode_layer(int64_t layer, const torch::Tensor& q, 
     return unlane(stored_attention(qr, vt.to(dev), vl.to(dev), scale, window));
   }
   const int64_t cols = std::max<int64_t>(1, max_blocks);
-  const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
   // A speculative step's entries of one sequence share its table row; each sees the slots up to its
   // own (causal within the run), so each carries its own length (such a step is never padded).
-  const torch::Tensor lens =
+  const torch::Tensor grouped_lens =
       step_.slots.grouped
           ? torch::from_blob(const_cast<int32_t*>(step_.slots.lengths.data()) + layer * E, {E}, torch::kInt32)
-                .to(dev)
-          : dev_.lengths(layer).index_select(0, step_.rows);
+          : torch::Tensor();
+  if (dev.is_cpu()) {
+    // The step's rows copied straight out of the host tables: two index_selects and their views
+    // cost ~7 µs a layer, more than the attention over a short context at batch 1.
+    const int64_t n = step_.rows.numel();
+    const int32_t* rows = step_.rows.data_ptr<int32_t>();
+    const int32_t* tables = dev_.host_tables(layer);
+    const int32_t* lengths = dev_.host_lengths(layer);
+    torch::Tensor table = torch::empty({n, cols}, torch::kInt32);
+    int32_t* tp = table.data_ptr<int32_t>();
+    for (int64_t e = 0; e < n; ++e)
+      std::memcpy(tp + e * cols, tables + static_cast<int64_t>(rows[e]) * dev_.block_capacity(),
+                  static_cast<size_t>(cols) * sizeof(int32_t));
+    torch::Tensor lens = grouped_lens;
+    if (!lens.defined()) {
+      lens = torch::empty({n}, torch::kInt32);
+      int32_t* lp = lens.data_ptr<int32_t>();
+      for (int64_t e = 0; e < n; ++e) lp[e] = lengths[rows[e]];
+    }
+    return unlane(stored_attention(qr, table, lens, scale, window));
+  }
+  const torch::Tensor table = dev_.tables(layer).index_select(0, step_.rows).narrow(1, 0, cols);
+  const torch::Tensor lens = grouped_lens.defined() ? grouped_lens.to(dev) : dev_.lengths(layer).index_select(0, step_.rows);
   return unlane(stored_attention(qr, table, lens, scale, window));
 }
 
