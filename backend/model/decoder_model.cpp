@@ -63,23 +63,24 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   }
 
   const auto source = WeightSource::open(model_dir, c);
-  // On a CUDA device int4 is Int4Weight (tinygemm), not ggml blocks (those run on the CPU only).
+  // On a CUDA device int4 is Int4Weight (tinygemm) and int8 Int8Weight, not ggml blocks (those run
+  // on the CPU only).
   const bool int4_cuda = m->device_.is_cuda() && weight_quantization_is_int4(opt.quantization);
-  const int quant_type = int4_cuda ? -1 : weight_quantization_ggml_type(opt.quantization);
+  const bool int8_cuda = m->device_.is_cuda() && weight_quantization_is_int8(opt.quantization);
+  const int quant_type = int4_cuda || int8_cuda ? -1 : weight_quantization_ggml_type(opt.quantization);
   const bool fp8 = weight_quantization_is_fp8(opt.quantization);
-  KV_CHECK((quant_type < 0 && !fp8 && !int4_cuda) || source->format() == "safetensors",
+  KV_CHECK((quant_type < 0 && !fp8 && !int4_cuda && !int8_cuda) || source->format() == "safetensors",
            "quantization " << opt.quantization << ": " << model_dir << " is a GGUF file, served in the blocks it ships; "
                            << "quantization applies to float checkpoints");
   KV_CHECK(quant_type < 0 || m->device_.is_cpu(),
            "quantization " << opt.quantization << " on " << opt.device << ": ggml block types run on the CPU only; "
-                           << "on CUDA use fp8 (compute capability 8.9+) or int4 (tinygemm, 8.0+)");
-  if (int4_cuda) {
-    // A GPU the kernel does not run on (or a layout mismatch) fails here, not at the first request.
-    try {
-      Int4Weight::check_device(m->device_);
-    } catch (const std::exception& e) {
-      KV_FAIL("quantization int4 on " << opt.device << ": " << e.what());
-    }
+                           << "on CUDA use fp8 (compute capability 8.9+), int8 or int4 (tinygemm, 8.0+)");
+  // A GPU the kernel does not run on (or a layout mismatch) fails here, not at the first request.
+  try {
+    if (int4_cuda) Int4Weight::check_device(m->device_);
+    if (int8_cuda) Int8Weight::check_device(m->device_);
+  } catch (const std::exception& e) {
+    KV_FAIL("quantization " << opt.quantization << " on " << opt.device << ": " << e.what());
   }
   KV_CHECK(quant_type < 0 || m->dtype_ == torch::kFloat32,
            "quantization " << opt.quantization << " needs the float32 compute dtype on the CPU, got " << dtype_name(m->dtype_));
@@ -92,8 +93,9 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   // A linear layer's weight; quantized at load when asked (the fused projections are quantized
   // after they are stacked: rows are quantized independently).
   // fp8: a weight whose dimensions _scaled_mm cannot tile (not multiples of 16) stays dense.
-  // int4 on CUDA: one whose rows are not a multiple of 8 or columns of 32 stays dense.
-  int64_t fp8_dense = 0, int4_dense = 0;
+  // int4 on CUDA: one whose rows are not a multiple of 8 or columns of 32 stays dense; int8 on CUDA:
+  // one whose columns are not a multiple of 32.
+  int64_t fp8_dense = 0, int4_dense = 0, int8_dense = 0;
   auto quantized = [&](LinearWeight w, const std::string& what) {
     if (fp8 && !w.quantized() && !w.is_fp8()) {
       if (Fp8Weight::fits(w.rows(), w.cols())) return LinearWeight(Fp8Weight::quantize(w.dense, what));
@@ -103,6 +105,11 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     if (int4_cuda && w.dense.defined()) {
       if (Int4Weight::fits(w.rows(), w.cols())) return LinearWeight(Int4Weight::quantize(w.dense, what));
       ++int4_dense;
+      return w;
+    }
+    if (int8_cuda && w.dense.defined()) {
+      if (Int8Weight::fits(w.rows(), w.cols())) return LinearWeight(Int8Weight::quantize(w.dense, what));
+      ++int8_dense;
       return w;
     }
     if (quant_type < 0 || w.quantized()) return w;
@@ -192,6 +199,9 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   if (int4_cuda && int4_dense > 0)
     KV_LOG("quantization int4: " << int4_dense << " linear weights of " << model_dir
                                  << " have rows that are not a multiple of 8 or columns not of 32 and stay " << dtype_name(m->dtype_));
+  if (int8_cuda && int8_dense > 0)
+    KV_LOG("quantization int8: " << int8_dense << " linear weights of " << model_dir
+                                 << " have columns that are not a multiple of 32 and stay " << dtype_name(m->dtype_));
   if (fp8) {
     if (fp8_dense > 0)
       KV_LOG("quantization fp8: " << fp8_dense << " linear weights of " << model_dir

@@ -9,6 +9,7 @@ std::string LinearWeight::format() const {
   if (quant) return quant->type_names();
   if (fp8) return "float8_e4m3fn";
   if (int4) return "int4_g" + std::to_string(int4->group());
+  if (int8) return "int8_g" + std::to_string(int8->group());
   return dense.defined() ? dtype_name(dense.scalar_type()) : "undefined";
 }
 
@@ -16,16 +17,23 @@ torch::Tensor LinearWeight::lookup(const torch::Tensor& ids, torch::Dtype dtype)
   if (quant) return quant->dequantize_rows(ids).to(dtype);
   if (fp8) return fp8->dequantize_rows(ids, dtype);
   if (int4) return int4->dequantize(dtype).index_select(0, ids);  // not a decode path: int4 never holds an embedding
+  if (int8) return int8->dequantize_rows(ids, dtype);
   return dense.index_select(0, ids);
 }
 
 LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
   KV_CHECK(!parts.empty(), "internal: stacking no weights");
-  bool all_quantized = true, all_fp8 = true, all_int4 = true;
+  bool all_quantized = true, all_fp8 = true, all_int4 = true, all_int8 = true;
   for (const LinearWeight& p : parts) {
     all_quantized = all_quantized && p.quantized();
     all_fp8 = all_fp8 && p.is_fp8();
     all_int4 = all_int4 && p.is_int4();
+    all_int8 = all_int8 && p.is_int8();
+  }
+  if (all_int8) {
+    std::vector<Int8Weight> fs;
+    for (const LinearWeight& p : parts) fs.push_back(*p.int8);
+    return LinearWeight(Int8Weight::stack(fs));
   }
   if (all_int4) {
     std::vector<Int4Weight> fs;
@@ -44,6 +52,7 @@ LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
       ts.push_back(p.quantized() ? p.quant->dequantize()
                    : p.is_fp8()  ? p.fp8->dequantize(torch::kFloat32)
                    : p.is_int4() ? p.int4->dequantize(torch::kFloat32)
+                   : p.is_int8() ? p.int8->dequantize(torch::kFloat32)
                                  : p.dense);
     return LinearWeight(ts.size() == 1 ? ts.front() : torch::cat(ts));
   }
@@ -55,6 +64,7 @@ LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
 torch::Tensor linear(const torch::Tensor& x, const LinearWeight& w, const torch::Tensor& b, CpuGemm gemm) {
   if (w.fp8) return w.fp8->matmul(x, b);
   if (w.int4) return w.int4->matmul(x, b);
+  if (w.int8) return w.int8->matmul(x, b);
   if (w.quant) {
     if (x.scalar_type() == torch::kFloat32) return w.quant->matmul(x, b, gemm);
     return w.quant->matmul(x.to(torch::kFloat32), b.defined() ? b.to(torch::kFloat32) : b, gemm).to(x.scalar_type());

@@ -37,4 +37,6 @@ bool weight_quantization_is_fp8(const std::string& name) { return lower(name) ==
 
 bool weight_quantization_is_int4(const std::string& name) { return lower(name) == "int4"; }
 
+bool weight_quantization_is_int8(const std::string& name) { return lower(name) == "int8"; }
+
 }  // namespace kvserve

@@ -1,7 +1,7 @@
 #pragma once
 // Weight quantization at load (`model.quantization`, `--quantization`, vLLM's names): which ggml
-// block type a float checkpoint's linear layers become on the CPU (on CUDA: fp8, or int4 as
-// Int4Weight).
+// block type a float checkpoint's linear layers become on the CPU (on CUDA: fp8, int8 as Int8Weight,
+// or int4 as Int4Weight).
 #include <string>
 #include <vector>
 
@@ -21,5 +21,7 @@ int weight_quantization_ggml_type(const std::string& name, const std::string& fi
 bool weight_quantization_is_fp8(const std::string& name);
 // Whether `name` is int4: ggml's Q4_0 on the CPU, Int4Weight (tinygemm) on a CUDA device.
 bool weight_quantization_is_int4(const std::string& name);
+// Whether `name` is int8: ggml's Q8_0 on the CPU, Int8Weight (int8 groups of 128) on a CUDA device.
+bool weight_quantization_is_int8(const std::string& name);
 
 }  // namespace kvserve

@@ -1,0 +1,53 @@
+#pragma once
+// Int8Weight: a linear layer's weight as int8 codes with a float32 scale per group of input columns
+// (`--quantization int8` on a CUDA device; the CPU's int8 is ggml's Q8_0, QuantizedWeight). Each
+// group's scale is its largest magnitude / 127 and a code q in [-127, 127] stands for q * scale: half
+// the bytes of a bfloat16 weight on any GPU (no fp8 tensor cores needed, unlike Fp8Weight).
+// Products of a few rows (decode) run kvserve's kernel (backend/cuda/int8_gemv.cuh), which reads the
+// codes as they are stored; more rows expand the weight to the activations' dtype and run one GEMM.
+// On the CPU the product is the expansion's: a reference path for tests.
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace kvserve {
+
+class Int8Weight {
+ public:
+  // Whether a [N, K] weight can be stored: K a multiple of 32 (the smallest group; the kernel's
+  // 16-byte loads).
+  static bool fits(int64_t rows, int64_t cols);
+  // The group a K-column weight gets: 128 (8.25 bits a weight with its scale), or 64 / 32 where K is
+  // not a multiple of 128.
+  static int64_t group_for(int64_t cols);
+  // w: [N, K] float weights (any float dtype) on the CPU or a CUDA device; the result lives there.
+  // Throws naming `what` when the shape does not fit.
+  static Int8Weight quantize(const torch::Tensor& w, const std::string& what);
+  // The rows of several weights with the same columns, in order (a fused projection).
+  static Int8Weight stack(const std::vector<Int8Weight>& parts);
+  // Runs small products on `device` (the kernel's one-pass and several-pass row counts, and the
+  // expansion) against fp64 over the stored codes; throws with the kernel's error or the excess.
+  static void check_device(const torch::Device& device);
+
+  int64_t rows() const { return codes_.size(0); }
+  int64_t cols() const { return codes_.size(1); }
+  int64_t group() const { return group_; }
+  int64_t bytes() const { return static_cast<int64_t>(codes_.nbytes() + scales_.nbytes()); }
+  const torch::Tensor& codes() const { return codes_; }    // [N, K] int8
+  const torch::Tensor& scales() const { return scales_; }  // [N, K / group] float32
+
+  // The weight [N, K] as `dtype` (each code times its group's scale in fp32, rounded once; exact in
+  // fp64); rows
+  // `ids` only for a lookup.
+  torch::Tensor dequantize(torch::Dtype dtype) const;
+  torch::Tensor dequantize_rows(const torch::Tensor& ids, torch::Dtype dtype) const;
+  // y = x Wᵀ (+ b) in x's dtype, x: [..., K] on the weight's device.
+  torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& b = {}) const;
+
+ private:
+  torch::Tensor codes_, scales_;
+  int64_t group_ = 0;
+};
+
+}  // namespace kvserve
