@@ -44,12 +44,13 @@ int64_t dtype_bytes(const std::string& d) {
   KV_FAIL("unknown dtype '" << d << "' (bfloat16, float16, float32, fp8)");
 }
 
-// Weights in a ggml block format (what --quantization and GGUF files serve; int4: a GPU's tinygemm groups): bits per weight with
+// Weights in a ggml block format (what --quantization and GGUF files serve; int8 and int4: a GPU's groups of
+// 128, int8 codes with a float32 scale / tinygemm's codes with a bf16 scale and zero): bits per weight with
 // the block's scales (q8_0: 32 int8 + an fp16 scale = 34 bytes per 32; q4_k: 144 bytes per 256 ...).
 // 0 for a plain dtype.
 double quantized_weight_bits(const std::string& d) {
   static const std::map<std::string, double> bits = {
-      {"int8", 8.5}, {"q8_0", 8.5}, {"int4", 4.25}, {"q4_0", 4.5}, {"q4_1", 5.0},   {"q5_0", 5.5},
+      {"int8", 8.25}, {"q8_0", 8.5}, {"int4", 4.25}, {"q4_0", 4.5}, {"q4_1", 5.0},   {"q5_0", 5.5},
       {"q5_1", 6.0}, {"q2_k", 2.625}, {"q3_k", 3.4375}, {"q4_k", 4.5}, {"q5_k", 5.5}, {"q6_k", 6.5625}};
   const auto it = bits.find(d);
   return it == bits.end() ? 0.0 : it->second;
@@ -194,7 +195,8 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
   cmd->add_option("--dtype", a->dtype, "weights: bfloat16, float16, float32, fp8, or a block format as --quantization and GGUF files serve "
-                  "it (int8 = q8_0, q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k), or int4 (a GPU's tinygemm groups of 128: 4.25 bits)")->capture_default_str();
+                  "it (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k), or a GPU's groups of 128: int8 (8.25 bits), int4 "
+                  "(tinygemm, 4.25 bits)")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype: auto (= --dtype, the default), bfloat16, float16, float32, fp8, int8 (q8_0), "
                   "int4 (q4_0), q4_1");
   cmd->add_option("--gpu-reserve-fraction", a->reserve, "fraction of GPU memory kept for activations/workspace")

@@ -9,7 +9,7 @@
 #   tools/gpu_check.sh kernels   # fused-kernel A/B of the decode step
 #   tools/gpu_check.sh profile   # per-kernel tables of whole decode steps (Nsight Compute), see below
 #   tools/gpu_check.sh attention [bench_paged_decode_cuda options]   # the decode attention variants' sweep
-#   tools/gpu_check.sh fp8       # --quantization fp8 and int4 against bf16 weights, 8B shape, 1K x 1 / 8 / 64 (not run yet)
+#   tools/gpu_check.sh fp8       # --quantization fp8, int8 and int4 against bf16 weights, 8B shape, 1K x 1 / 8 / 64 (not run yet)
 #   tools/gpu_check.sh spec      # self-speculation against plain decoding, 8B shape, 32K x 16 (not run yet)
 #   tools/gpu_check.sh ttft      # TTFT of 8 x 8K prompts at 1 / 2 / 4 / 8 prompts a prefill step (not run yet)
 #   tools/gpu_check.sh kvquant   # int8 / int4 KV pools against bf16, 8B shape, 1K x 8, 32K x 8, pyramidkv 32K x 64 (not run yet)
@@ -164,11 +164,11 @@ run)
   # with the CPU padding tests of the same file) targets.
   cuda_targets=$(cmake --build "$BUILD" --target help 2>/dev/null | sed -e 's/^\.\.\. //' -e 's/:.*//' \
     | grep -i -e cuda -e '^backend_test_sampler$' -e '^cache_manager_test_device_block_tables$' \
-      -e '^backend_test_decode_graphs$' -e '^backend_test_fp8_weight$' -e '^backend_test_int4_weight$' -e '^backend_test_spec_decode$' | grep -v -e '[/.]' -e '^bench_' || true)
+      -e '^backend_test_decode_graphs$' -e '^backend_test_fp8_weight$' -e '^backend_test_int4_weight$' -e '^backend_test_int8_weight$' -e '^backend_test_spec_decode$' | grep -v -e '[/.]' -e '^bench_' || true)
   if [ -n "$cuda_targets" ]; then
     echo "CUDA gtest targets: $cuda_targets"
     cmake --build "$BUILD" -j "$(nproc)" --target $cuda_targets >> "$out/build.log" 2>&1
-    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]|OnTheDevice|DeviceBlockTables|DecodeGraph|PaddedDecode|Fp8Weight' --output-on-failure) 2>&1 \
+    (cd "$BUILD" && ctest -R '[Cc][Uu][Dd][Aa]|OnTheDevice|DeviceBlockTables|DecodeGraph|PaddedDecode|Fp8Weight|Int4Weight|Int8Weight' --output-on-failure) 2>&1 \
       | tee "$out/ctest.log" || rc=1
   else
     echo "no CUDA gtest targets" | tee "$out/ctest.log"
@@ -222,15 +222,15 @@ kernels)
   ;;
 fp8)
   # Issue 48's GPU row: `--quantization fp8` (e4m3 weights, a scale per output channel, per-token fp8
-  # activations, at::_scaled_mm) and `int4` (4-bit groups of 128, tinygemm) against bf16 weights on the
-  # 8B checkpoint, decode steps at 1K context, batch 1 / 8 / 64, interleaved; the weights-only floors
+  # activations, at::_scaled_mm), `int8` (int8 groups of 128, kvserve's few-row kernel) and `int4`
+  # (4-bit groups of 128, tinygemm) against bf16 weights on the 8B checkpoint, decode steps at 1K context, batch 1 / 8 / 64, interleaved; the weights-only floors
   # from a device copy's bandwidth.
   shift
   kvserve_and_8b
   bw=$(python3 -c 'import torch; x=torch.empty(2**31, dtype=torch.uint8, device="cuda"); y=torch.empty_like(x); y.copy_(x); torch.cuda.synchronize(); e=[torch.cuda.Event(enable_timing=True) for _ in range(2)]; e[0].record(); [y.copy_(x) for _ in range(10)]; e[1].record(); torch.cuda.synchronize(); print("%.0f" % (2 * 2**31 * 10 / (e[0].elapsed_time(e[1]) / 1e3) / 1e9))')
   echo "device copy: $bw GB/s (read + write)" | tee "$out/fp8.txt"
   for batch in 1 8 64; do
-    for q in none fp8 int4; do
+    for q in none fp8 int8 int4; do
       timeout 120 "$BUILD/kvserve" bench decode --model "$model" --device cuda --dtype bfloat16 --quantization $q \
         --context 1024 --batch $batch --steps 16 --warmup 4 --bandwidth-gbs "$bw" "$@" 2>>"$out/fp8.err" | tail -1 \
         > "$out/fp8-b$batch-$q.json" || rc=1
@@ -239,9 +239,10 @@ fp8)
     done
   done
   # Prefill: TTFT of one 8K-token prompt per weight format; int4 also with every product on tinygemm
-  # (KVSERVE_INT4_DENSE_ROWS=0), the A/B for expanding the weight to bf16 past 64 rows.
+  # (KVSERVE_INT4_DENSE_ROWS=0), the A/B for expanding the weight to bf16 past 64 rows (int8 expands
+  # past 16 rows).
   python3 -c 'import json,random; r=random.Random(5); json.dump([[r.randrange(3,2000) for _ in range(8192)]], open("/tmp/fp8-prompt.json","w"))'
-  for q in none fp8 int4 int4-tinygemm; do
+  for q in none fp8 int8 int4 int4-tinygemm; do
     rows=64; [ $q = int4-tinygemm ] && rows=0
     KVSERVE_INT4_DENSE_ROWS=$rows timeout 120 "$BUILD/kvserve" generate --model "$model" --device cuda --dtype bfloat16 \
       --quantization "${q%-tinygemm}" --prompts-file /tmp/fp8-prompt.json --max-tokens 2 --ignore-eos --json "$@" \
@@ -410,9 +411,9 @@ all)
   model=/tmp/kvserve-bench-models/bench-8b
   [ -f "$model/STAMP" ] || timeout 150 python3 bench/bench_gpu.py --child make-model 8b "$model" cuda 1234 \
     > "$out/make8b.log" 2>&1; step make8b $?
-  # fp8 and int4 weights against bf16 (issue 48): nine short bench decode processes and four 8K
-  # prefills, ~150 s.
-  [ "$(left)" -gt 60 ] && { timeout $(( $(left) < 180 ? $(left) : 180 )) "$0" fp8 > "$out/fp8.out" 2>&1; step fp8 $?; }
+  # fp8, int8 and int4 weights against bf16 (issue 48): twelve short bench decode processes and five
+  # 8K prefills, ~190 s.
+  [ "$(left)" -gt 60 ] && { timeout $(( $(left) < 220 ? $(left) : 220 )) "$0" fp8 > "$out/fp8.out" 2>&1; step fp8 $?; }
   grep -E "device copy|ms/step|TTFT" "$out/fp8.txt" >> "$sum" 2>/dev/null
   # Self-speculation against plain decoding at 32K x 16 (issue 49): two generate runs, ~2-3 minutes.
   [ "$(left)" -gt 150 ] && { timeout $(( $(left) < 240 ? $(left) : 240 )) "$0" spec > "$out/spec.out" 2>&1; step spec $?; }

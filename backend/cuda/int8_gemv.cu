@@ -90,9 +90,9 @@ __global__ void __launch_bounds__(kWarps * 32) int8_product_kernel(const T* __re
     }
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      if (m >= rows) break;
+      // A missing last row reads row 0 again (uniform across the warp) and is never stored.
       float xv[kChunk];
-      load16(x + (m0 + m) * K + k, xv);
+      load16(x + (m0 + (m < rows ? m : 0)) * K + k, xv);
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
         float part = 0.0f;

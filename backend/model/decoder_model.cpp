@@ -252,7 +252,7 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
 int64_t DecoderModel::weight_bytes() const {
   int64_t n = final_norm_.defined() ? static_cast<int64_t>(final_norm_.nbytes()) : 0;
   if (embed_.defined()) n += embed_.bytes();
-  if (lm_head_.defined() && !(lm_head_.quant && lm_head_.quant == embed_.quant) &&
+  if (lm_head_.defined() && !(lm_head_.quant && lm_head_.quant == embed_.quant) && !(lm_head_.int8 && lm_head_.int8 == embed_.int8) &&
       !(lm_head_.dense.defined() && embed_.dense.defined() && lm_head_.dense.is_same(embed_.dense)))
     n += lm_head_.bytes();
   for (const Layer& l : layers_) {

@@ -3,6 +3,8 @@
 #include <regex>
 
 #include "backend/quantization/gguf_file.h"
+#include "backend/quantization/int8_weight.h"
+#include "ggml.h"
 #include "common/check.h"
 #include "common/model_path.h"
 
@@ -60,7 +62,9 @@ class GgufSource final : public WeightSource {
                            const torch::Device& device, std::optional<TensorSlice> slice) const override {
     const std::string g = checked(name, shape);
     const int type = f_.tensor_type(g);
-    if (!device.is_cpu() || type == 0 /* F32 */) return LinearWeight(load(name, shape, dtype, device, slice));
+    // On CUDA a Q8_0 tensor keeps its codes (Int8Weight); other block types are dequantized there.
+    const bool int8_cuda = device.is_cuda() && type == GGML_TYPE_Q8_0;
+    if ((!device.is_cpu() && !int8_cuda) || type == 0 /* F32 */) return LinearWeight(load(name, shape, dtype, device, slice));
     QuantizedWeight q = f_.load_blocks(g);
     const auto order = row_order(name);
     if (!order.empty()) q = q.permute_rows(order);
@@ -68,6 +72,7 @@ class GgufSource final : public WeightSource {
       q = slice->dim == 0 ? q.slice_rows(slice->start, slice->length)
                           : q.slice_cols(slice->start, slice->length, f_.path() + ": tensor '" + g + "'");
     }
+    if (int8_cuda) return LinearWeight(Int8Weight::from_q8_0(q).to(device));
     return LinearWeight(std::move(q));
   }
 

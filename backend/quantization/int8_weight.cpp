@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "common/check.h"
+#include "ggml.h"
 
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
@@ -70,6 +71,26 @@ Int8Weight Int8Weight::quantize(const torch::Tensor& w, const std::string& what)
   const auto div = torch::where(scale > 0, scale, torch::ones_like(scale));
   f.codes_ = (wg / div.unsqueeze(2)).round().clamp_(-127, 127).to(torch::kInt8).reshape({N, K}).contiguous();
   f.scales_ = scale.contiguous();
+  return f;
+}
+
+Int8Weight Int8Weight::from_q8_0(const QuantizedWeight& q) {
+  KV_CHECK(q.single_type() == GGML_TYPE_Q8_0, "internal: an int8 weight from " << q.type_names() << " blocks, not q8_0");
+  const int64_t N = q.rows(), K = q.cols(), blocks = K / 32;
+  // ggml's Q8_0 block: an fp16 scale, then 32 int8 codes.
+  KV_CHECK(quant_row_bytes(GGML_TYPE_Q8_0, 32, "q8_0") == 34, "internal: a Q8_0 block is not 34 bytes");
+  const auto b = q.block_bytes().view({N, blocks, 34});
+  Int8Weight f;
+  f.group_ = 32;
+  f.scales_ = b.narrow(2, 0, 2).contiguous().view(torch::kFloat16).view({N, blocks}).to(torch::kFloat32);
+  f.codes_ = b.narrow(2, 2, 32).contiguous().view(torch::kInt8).view({N, K});
+  return f;
+}
+
+Int8Weight Int8Weight::to(const torch::Device& device) const {
+  Int8Weight f = *this;
+  f.codes_ = codes_.to(device);
+  f.scales_ = scales_.to(device);
   return f;
 }
 

@@ -2,7 +2,8 @@
 // Int8Weight: a linear layer's weight as int8 codes with a float32 scale per group of input columns
 // (`--quantization int8` on a CUDA device; the CPU's int8 is ggml's Q8_0, QuantizedWeight). Each
 // group's scale is its largest magnitude / 127 and a code q in [-127, 127] stands for q * scale: half
-// the bytes of a bfloat16 weight on any GPU (no fp8 tensor cores needed, unlike Fp8Weight).
+// the bytes of a bfloat16 weight on any GPU (no fp8 tensor cores needed, unlike Fp8Weight). A GGUF's
+// Q8_0 tensors are served on CUDA in this form too (groups of 32, from_q8_0).
 // Products of a few rows (decode) run kvserve's kernel (backend/cuda/int8_gemv.cuh), which reads the
 // codes as they are stored; more rows expand the weight to the activations' dtype and run one GEMM.
 // On the CPU the product is the expansion's: a reference path for tests.
@@ -10,6 +11,8 @@
 
 #include <string>
 #include <vector>
+
+#include "backend/quantization/quantized_weight.h"
 
 namespace kvserve {
 
@@ -24,8 +27,13 @@ class Int8Weight {
   // w: [N, K] float weights (any float dtype) on the CPU or a CUDA device; the result lives there.
   // Throws naming `what` when the shape does not fit.
   static Int8Weight quantize(const torch::Tensor& w, const std::string& what);
+  // A Q8_0 weight (a GGUF's blocks: 32 int8 codes and an fp16 scale) as it stands: groups of 32, each
+  // scale widened to float32, so every value dequantizes bit for bit as ggml's. On the CPU.
+  static Int8Weight from_q8_0(const QuantizedWeight& q);
   // The rows of several weights with the same columns, in order (a fused projection).
   static Int8Weight stack(const std::vector<Int8Weight>& parts);
+  // The same weight on `device`.
+  Int8Weight to(const torch::Device& device) const;
   // Runs small products on `device` (the kernel's one-pass and several-pass row counts, and the
   // expansion) against fp64 over the stored codes; throws with the kernel's error or the excess.
   static void check_device(const torch::Device& device);

@@ -179,6 +179,20 @@ int64_t QuantizedWeight::bytes() const {
   return n;
 }
 
+int QuantizedWeight::single_type() const {
+  if (parts_.empty()) return -1;
+  for (const Part& p : parts_)
+    if (p.type != parts_.front().type) return -1;
+  return parts_.front().type;
+}
+
+torch::Tensor QuantizedWeight::block_bytes() const {
+  KV_CHECK(single_type() >= 0, "internal: the blocks of a weight stacked from " << type_names());
+  std::vector<torch::Tensor> ds;
+  for (const Part& p : parts_) ds.push_back(p.data.view({p.rows, p.row_bytes}));
+  return ds.size() == 1 ? ds.front() : torch::cat(ds);
+}
+
 std::string QuantizedWeight::type_names() const {
   std::string s;
   for (const Part& p : parts_) {

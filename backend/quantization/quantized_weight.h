@@ -69,6 +69,10 @@ class QuantizedWeight {
   torch::Tensor dot(const torch::Tensor& x, const torch::Tensor& b = {}) const;
   // Whether every part runs tiled products for several rows (and the tiles are enabled).
   bool tiled() const;
+  // The ggml type of every row, or -1 when stacked parts differ.
+  int single_type() const;
+  // The blocks as stored: uint8 [N, row bytes] (a copy when the weight was stacked from parts).
+  torch::Tensor block_bytes() const;
 
  private:
   struct Part {

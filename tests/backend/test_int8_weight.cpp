@@ -11,8 +11,10 @@
 
 #include "backend/quantization/int8_weight.h"
 #include "backend/quantization/linear_weight.h"
+#include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "common/check.h"
+#include "ggml.h"
 
 namespace kvserve {
 namespace {
@@ -117,6 +119,31 @@ TEST(Int8Weight, StackingEqualsQuantizingTheStackedRows) {
     const LinearWeight mixed = LinearWeight::stack({LinearWeight(Int8Weight::quantize(a, "a")), LinearWeight(b)});
     EXPECT_FALSE(mixed.is_int8());
     EXPECT_TRUE(torch::equal(mixed.dense.narrow(0, 16, 24).cpu(), b.cpu()));
+  }
+}
+
+// A GGUF's Q8_0 tensor as Int8Weight (how CUDA serves it): groups of 32 whose values are ggml's
+// dequantization bit for bit, for one part and for parts stacked as a fused projection.
+TEST(Int8Weight, Q8_0BlocksKeepTheirValuesBitForBit) {
+  torch::manual_seed(4);
+  const QuantizedWeight a = QuantizedWeight::quantize(torch::randn({24, 96}) * 0.05, GGML_TYPE_Q8_0, "a");
+  const QuantizedWeight b = QuantizedWeight::quantize(torch::randn({8, 96}) * 3, GGML_TYPE_Q8_0, "b");
+  for (const QuantizedWeight& q : {a, QuantizedWeight::stack({a, b})}) {
+    const Int8Weight f = Int8Weight::from_q8_0(q);
+    EXPECT_EQ(f.group(), 32);
+    EXPECT_EQ(f.rows(), q.rows());
+    EXPECT_EQ(f.bytes(), q.rows() * 96 + q.rows() * 3 * 4);
+    EXPECT_TRUE(torch::equal(f.dequantize(torch::kFloat32), q.dequantize()));
+    const auto x = torch::randn({3, 96});
+    const auto ref = torch::matmul(x.to(torch::kFloat64), q.dequantize().to(torch::kFloat64).t());
+    EXPECT_LT((f.matmul(x).to(torch::kFloat64) - ref).abs().max().item<double>(), 1e-5);
+    EXPECT_TRUE(torch::equal(f.to(torch::kCPU).codes(), f.codes()));
+  }
+  try {
+    Int8Weight::from_q8_0(QuantizedWeight::quantize(torch::randn({8, 64}), GGML_TYPE_Q4_0, "q4"));
+    FAIL() << "Q4_0 blocks were taken as int8";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("q4_0"), std::string::npos) << e.what();
   }
 }
 

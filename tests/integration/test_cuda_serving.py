@@ -172,9 +172,58 @@ def test_int4_weights_on_cuda_track_the_dense_model(tmp_path):
     j = generate_on_cuda("--quantization", "int4")
     assert j["weights"]["format"].startswith("int4_g") and j["completion_tokens"] == 8
     # ggml block types stay CPU products: refused on the GPU, naming what to use there.
-    bad = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--quantization", "int8",
+    bad = subprocess.run([kvserve_bin(), "generate", "--model", MODEL, "--device", "cuda", "--quantization", "q8_0",
                           "--prompt", "hi"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "fp8" in bad.stderr and "int4" in bad.stderr, bad.stderr
+    assert bad.returncode != 0 and "fp8" in bad.stderr and "int8" in bad.stderr and "int4" in bad.stderr, bad.stderr
+
+
+def test_int8_weights_on_cuda_track_the_dense_model(tmp_path, monkeypatch):
+    # --quantization int8 on a GPU: int8 codes with a float32 scale per group of columns. A 40-token
+    # forward expands the weights for one GEMM (more than 16 rows); with KVSERVE_INT8_DENSE_ROWS=0 every
+    # product runs kvserve's few-row kernel instead (five passes of 8 rows): the two must agree to fp32
+    # sums, and both track the dense float32 model as 8-bit rounding allows. generate decodes on the kernel.
+    import numpy as np
+    gpu = ("--device", "cuda", "--dtype", "float32")
+    expanded = fixture_logits(tmp_path, "int8", *gpu, "--quantization", "int8")
+    monkeypatch.setenv("KVSERVE_INT8_DENSE_ROWS", "0")
+    kernel = fixture_logits(tmp_path, "int8-kernel", *gpu, "--quantization", "int8")
+    monkeypatch.delenv("KVSERVE_INT8_DENSE_ROWS")
+    dense = fixture_logits(tmp_path, "dense", *gpu)
+    assert np.abs(kernel - expanded).max() <= 1e-3 * np.abs(expanded).max()
+    assert np.abs(expanded - dense).max() <= 0.05 * np.abs(dense).max()
+    assert (expanded.argmax(-1) == dense.argmax(-1)).mean() >= 0.9
+    j = generate_on_cuda("--quantization", "int8")
+    assert j["weights"]["format"].startswith("int8_g") and j["completion_tokens"] == 8
+
+
+def test_gguf_q8_0_tensors_keep_their_codes_on_cuda(tmp_path):
+    # The default model's Q4_1 GGUF on a GPU: its Q8_0 embedding (tied to the LM head) stays int8 codes
+    # with their fp16 scales widened (Int8Weight, groups of 32, the LM head's product on kvserve's kernel),
+    # the Q4_1 layers are dequantized. The float32 directory is that file's dequantization, so float32
+    # logits on the GPU must match it to fp32 sums.
+    import json
+    import subprocess
+    import numpy as np
+    from safetensors.numpy import load_file
+    from kvserve_server import kvserve_bin
+    d = pathlib.Path(MODEL).parents[0] / "smollm2-135m-instruct"
+    gguf = d / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} not made (make model)")
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([(i * 37 + 11) % 49152 for i in range(12)]))
+    logits = {}
+    for name, model in (("gguf", gguf), ("f32", d)):
+        out = tmp_path / f"{name}.safetensors"
+        subprocess.run([kvserve_bin(), "forward", "--model", str(model), "--device", "cuda", "--dtype", "float32",
+                        "--input-ids", str(ids), "--output", str(out)], check=True, timeout=300)
+        logits[name] = load_file(str(out))["logits"].astype(np.float32)
+    assert np.abs(logits["gguf"] - logits["f32"]).max() <= 1e-3 * np.abs(logits["f32"]).max()
+    gen = subprocess.run([kvserve_bin(), "generate", "--model", str(gguf), "--device", "cuda", "--dtype", "bfloat16",
+                          "--prompt", PROMPT, "--max-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    j = json.loads(gen.stdout.strip().splitlines()[-1])
+    assert "int8_g32" in j["weights"]["format"] and j["completion_tokens"] == 8, j["weights"]
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4", "q4_1"])

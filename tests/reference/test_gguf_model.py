@@ -326,20 +326,23 @@ def test_a_gguf_tokenizer_kvserve_does_not_build_is_named(tmp_path):
 
 
 def test_plan_counts_quantized_weight_bytes():
-    """`kvserve plan --dtype q4_1` (the default GGUF's format) and `int8` (--quantization's q8_0):
-    the weights' bytes at the format's bits per weight, scales included, and the KV cache takes the
-    rest of the memory in bfloat16 (the compute dtype of quantized weights on a GPU)."""
+    """`kvserve plan --dtype q4_1` (the default GGUF's format), `q8_0` and `int8` (a GPU's int8 groups
+    of 128 with a float32 scale): the weights' bytes at the format's bits per weight, scales included,
+    and the KV cache takes the rest of the memory in bfloat16 (the compute dtype of quantized weights
+    on a GPU)."""
     cfg = str(default_model_dir() / "config.json")
 
     def plan(dtype):
         return json.loads(run_kvserve("plan", "--model-config", cfg, "--gpu-memory", "1GiB", "--context", "4096",
                                       "--dtype", dtype, "--json").stdout)
-    bf16, q41, q80 = plan("bfloat16"), plan("q4_1"), plan("int8")
+    bf16, q41, q80, i8 = plan("bfloat16"), plan("q4_1"), plan("q8_0"), plan("int8")
     params = bf16["stages"][0]["weight_params_per_gpu"]
     assert q41["weight_bits"] == 5.0 and q80["weight_bits"] == 8.5 and bf16["weight_bits"] == 16.0
+    assert i8["weight_bits"] == 8.25
     assert q41["stages"][0]["weight_bytes_per_gpu"] == -(-params * 5 // 8)
     assert q80["stages"][0]["weight_bytes_per_gpu"] == -(-params * 17 // 16)
-    for p in (q41, q80):
+    assert i8["stages"][0]["weight_bytes_per_gpu"] == -(-params * 33 // 32)
+    for p in (q41, q80, i8):
         assert p["stages"][0]["kv_bytes_per_token"] == bf16["stages"][0]["kv_bytes_per_token"]
         assert p["policies"][0]["max_seqs"] > bf16["policies"][0]["max_seqs"]
 
