@@ -4,9 +4,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <atomic>
-#include <cstdlib>
 
 #include "common/check.h"
+#include "common/env_int.h"
 #include "common/log.h"
 
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
@@ -23,10 +23,7 @@ namespace {
 // Products of more rows than this expand the weight to bfloat16 and run one GEMM (tinygemm's tiles
 // are shaped for a few rows); KVSERVE_INT4_DENSE_ROWS sets it (0: tinygemm for every product).
 int64_t dense_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("KVSERVE_INT4_DENSE_ROWS");
-    return e && *e ? std::atoll(e) : int64_t{64};
-  }();
+  static const int64_t rows = env_int("KVSERVE_INT4_DENSE_ROWS", 64);
   return rows;
 }
 

@@ -2,9 +2,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include <cstdlib>
 
 #include "common/check.h"
+#include "common/env_int.h"
 #include "ggml.h"
 
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
@@ -21,10 +21,7 @@ namespace {
 // Products of more rows than this expand the weight and run one GEMM (the kernel reads the codes
 // once per 8 rows); KVSERVE_INT8_DENSE_ROWS sets it (0: the kernel for every product).
 int64_t dense_rows() {
-  static const int64_t rows = [] {
-    const char* e = std::getenv("KVSERVE_INT8_DENSE_ROWS");
-    return e && *e ? std::atoll(e) : int64_t{16};
-  }();
+  static const int64_t rows = env_int("KVSERVE_INT8_DENSE_ROWS", 16);
   return rows;
 }
 
