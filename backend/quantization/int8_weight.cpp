@@ -145,8 +145,9 @@ torch::Tensor Int8Weight::matmul(const torch::Tensor& x, const torch::Tensor& b)
 
 namespace {
 
-// How far products of `M` rows land outside what fp32 sums and one rounding to `dtype` allow
-// against fp64 over the stored codes (<= 0 when inside).
+// How far products of `M` rows land outside what `dtype` allows against fp64 over the stored codes
+// (<= 0 when inside): the output's rounding, and, where the weight is expanded to `dtype` for a GEMM,
+// each weight's rounding, bounded together by a unit of `dtype` times sum |x| |w|.
 double probe_excess(const torch::Device& device, int64_t M, torch::Dtype dtype) {
   // A generator of its own: the probe leaves the global random state alone.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
@@ -155,9 +156,10 @@ double probe_excess(const torch::Device& device, int64_t M, torch::Dtype dtype) 
   const auto x = torch::randn({M, K}, gen).to(dtype).to(device);
   const Int8Weight f = Int8Weight::quantize(w, "int8 probe");
   const auto y = f.matmul(x).to(torch::kFloat64).cpu();
-  const auto ref = torch::matmul(x.to(torch::kFloat64).cpu(), f.dequantize(torch::kFloat64).cpu().t());
-  const double unit = dtype == torch::kBFloat16 ? 1.0 / 256 : dtype == torch::kFloat16 ? 1.0 / 2048 : 1e-6;
-  const auto bound = ref.abs() * unit + 1e-3;
+  const auto x64 = x.to(torch::kFloat64).cpu(), w64 = f.dequantize(torch::kFloat64).cpu();
+  const auto ref = torch::matmul(x64, w64.t());
+  const double unit = dtype == torch::kBFloat16 ? 1.0 / 128 : dtype == torch::kFloat16 ? 1.0 / 1024 : 1e-5;
+  const auto bound = (ref.abs() + torch::matmul(x64.abs(), w64.abs().t())) * unit + 1e-3;
   return ((y - ref).abs() - bound).max().item<double>();
 }
 
