@@ -10,9 +10,31 @@ constexpr int kWarps = 4;        // a block's warps
 constexpr int kRowsPerWarp = 2;  // weight rows a warp computes: x's loads serve both
 constexpr int kChunk = 16;       // weight bytes (one 16-byte load) a lane takes at a time
 
+// Two 16-bit values as fp32, and the pair type each 16-bit dtype loads in.
+__device__ __forceinline__ float2 widen2(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+__device__ __forceinline__ float2 widen2(__half2 h) { return __half22float2(h); }
+template <typename T> struct PairOf;
+template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct PairOf<__half> { using type = __half2; };
+
 // Sixteen consecutive elements of x as fp32 (p 16-byte aligned: 16-byte loads).
-template <typename T> __device__ __forceinline__ void load16(const T* p, float (&v)[kChunk]);
-template <> __device__ __forceinline__ void load16<float>(const float* p, float (&v)[kChunk]) {
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&v)[kChunk]) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint4 u = q[i];
+    const auto* h = reinterpret_cast<const typename PairOf<T>::type*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = widen2(h[j]);
+      v[8 * i + 2 * j] = f.x;
+      v[8 * i + 2 * j + 1] = f.y;
+    }
+  }
+}
+template <>
+__device__ __forceinline__ void load16<float>(const float* p, float (&v)[kChunk]) {
   const float4* q = reinterpret_cast<const float4*>(p);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -21,34 +43,6 @@ template <> __device__ __forceinline__ void load16<float>(const float* p, float 
     v[4 * i + 1] = f.y;
     v[4 * i + 2] = f.z;
     v[4 * i + 3] = f.w;
-  }
-}
-template <> __device__ __forceinline__ void load16<__nv_bfloat16>(const __nv_bfloat16* p, float (&v)[kChunk]) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint4 u = q[i];
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      v[8 * i + 2 * j] = f.x;
-      v[8 * i + 2 * j + 1] = f.y;
-    }
-  }
-}
-template <> __device__ __forceinline__ void load16<__half>(const __half* p, float (&v)[kChunk]) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint4 u = q[i];
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(h[j]);
-      v[8 * i + 2 * j] = f.x;
-      v[8 * i + 2 * j + 1] = f.y;
-    }
   }
 }
 

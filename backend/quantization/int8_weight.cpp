@@ -96,8 +96,9 @@ Int8Weight Int8Weight::stack(const std::vector<Int8Weight>& parts) {
   if (parts.size() == 1) return parts.front();
   std::vector<torch::Tensor> cs, ss;
   for (const Int8Weight& p : parts) {
-    KV_CHECK(p.cols() == parts.front().cols(), "internal: stacking int8 weights of " << p.cols() << " and "
-                                                                                    << parts.front().cols() << " columns");
+    KV_CHECK(p.cols() == parts.front().cols() && p.group_ == parts.front().group_,
+             "internal: stacking int8 weights of " << p.cols() << " columns in groups of " << p.group_ << " and "
+                                                   << parts.front().cols() << " in groups of " << parts.front().group_);
     cs.push_back(p.codes_);
     ss.push_back(p.scales_);
   }

@@ -46,13 +46,17 @@ LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
     return LinearWeight(Fp8Weight::stack(fs));
   }
   if (!all_quantized) {
-    // A file that stores one projection in floats and another in blocks: the fused one is dense.
+    // A file that stores one projection in floats and another in blocks (on CUDA: a GGUF's Q8_0
+    // tensor beside dequantized ones): the fused one is dense, in the dense parts' dtype.
+    torch::Dtype dtype = torch::kFloat32;
+    for (const LinearWeight& p : parts)
+      if (p.dense.defined()) dtype = p.dense.scalar_type();
     std::vector<torch::Tensor> ts;
     for (const LinearWeight& p : parts)
-      ts.push_back(p.quantized() ? p.quant->dequantize()
-                   : p.is_fp8()  ? p.fp8->dequantize(torch::kFloat32)
-                   : p.is_int4() ? p.int4->dequantize(torch::kFloat32)
-                   : p.is_int8() ? p.int8->dequantize(torch::kFloat32)
+      ts.push_back(p.quantized() ? p.quant->dequantize().to(dtype)
+                   : p.is_fp8()  ? p.fp8->dequantize(dtype)
+                   : p.is_int4() ? p.int4->dequantize(dtype)
+                   : p.is_int8() ? p.int8->dequantize(dtype)
                                  : p.dense);
     return LinearWeight(ts.size() == 1 ? ts.front() : torch::cat(ts));
   }

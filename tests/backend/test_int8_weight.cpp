@@ -120,10 +120,15 @@ TEST(Int8Weight, StackingEqualsQuantizingTheStackedRows) {
     EXPECT_TRUE(torch::equal(lw.int8->scales().cpu(), whole.scales().cpu()));
     const auto x = torch::randn({4, 128}).to(dev);
     EXPECT_TRUE(torch::allclose(linear(x, lw).cpu(), whole.matmul(x).cpu(), 1e-6, 1e-6)) << dev;
-    // Mixed with a dense part the fused weight is dense: the int8 rows expanded.
-    const LinearWeight mixed = LinearWeight::stack({LinearWeight(Int8Weight::quantize(a, "a")), LinearWeight(b)});
+    // Mixed with a dense part the fused weight is dense, in the dense part's dtype: the int8 rows
+    // expanded (a GGUF on CUDA whose q projection is Q8_0 and whose k projection is dequantized).
+    const auto bh = b.to(torch::kBFloat16);
+    const LinearWeight mixed = LinearWeight::stack({LinearWeight(Int8Weight::quantize(a, "a")), LinearWeight(bh)});
     EXPECT_FALSE(mixed.is_int8());
-    EXPECT_TRUE(torch::equal(mixed.dense.narrow(0, 16, 24).cpu(), b.cpu()));
+    EXPECT_EQ(mixed.dense.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(mixed.dense.narrow(0, 16, 24).cpu(), bh.cpu()));
+    EXPECT_TRUE(torch::equal(mixed.dense.narrow(0, 0, 16).cpu(),
+                             Int8Weight::quantize(a, "a").dequantize(torch::kBFloat16).cpu()));
   }
 }
 
