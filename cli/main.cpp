@@ -1,4 +1,5 @@
 // kvserve: command-line entry point.
+#include <csignal>
 #include <iostream>
 
 #include "cli/commands.h"
@@ -7,6 +8,9 @@
 #include "parallel/launcher.h"
 
 int main(int argc, char** argv) {
+  // A peer that dies (a worker rank, a client) must fail the write to its socket with EPIPE, which
+  // the caller turns into an error, not kill the server with SIGPIPE.
+  std::signal(SIGPIPE, SIG_IGN);
   kvserve::parallel::set_command_line(argc, argv);  // workers of a sharded job re-run this command
   CLI::App app{"kvserve: an LLM serving engine with per-layer KV-cache compression"};
   app.require_subcommand(1);

@@ -175,8 +175,12 @@ def test_request_right_after_a_rank_died_gets_503_naming_it(delay_s):
         for attempt in range(2):
             req = urllib.request.Request(s.url + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(req, timeout=30)
+            try:
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    urllib.request.urlopen(req, timeout=30)
+            except Exception as exc:  # the server must answer: say how it ended if it did not
+                raise AssertionError(f"attempt {attempt}: {exc!r}; server exit {s.proc.poll()}; "
+                                     f"log:\n{s.log()[-4000:]}") from exc
             message = e.value.read().decode()
             assert e.value.code == 503, (attempt, message)
             assert e.value.headers.get("Retry-After"), attempt
