@@ -347,6 +347,7 @@ void Engine::loop() {
       if (!o.error.empty()) {
         // A prefill stopped because its client left (the runner's cancel check) ends as the cancel would.
         const bool abort = cancelled(*o.seq);
+        if (abort) KV_LOG("request " << o.seq->req.request_id << " left during its prefill: " << o.error);
         ended.push_back({sched.finish(o.seq->id), abort ? "abort" : "error", abort ? "" : o.error});
         continue;
       }

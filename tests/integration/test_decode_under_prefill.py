@@ -106,10 +106,12 @@ def test_disconnect_in_a_long_prefill_leaves_within_a_second(tmp_path, policy):
         sock = socket.create_connection(("127.0.0.1", srv.port))
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-        deadline = time.time() + 60
+        sent = time.time()
+        deadline = sent + 60
         while srv.metrics()["kvserve:num_requests_running"] < 1:
             assert time.time() < deadline
             time.sleep(0.01)
+        running = time.time()
         time.sleep(1.0)  # well inside the first step's forward
         sock.close()
         closed = time.time()
@@ -120,7 +122,10 @@ def test_disconnect_in_a_long_prefill_leaves_within_a_second(tmp_path, policy):
         m = srv.wait_idle()
         assert m['kvserve:request_success_total{model_name="smollm2-135m-instruct",finished_reason="abort"}'] == 1
         assert m["kvserve:kv_cache_blocks_used"] == 0  # cached prompt blocks count as free
-        assert left < 1.5, f"the request left num_requests_running {left:.2f} s after its client"
+        # On a miss, say when the request was seen running (after its submission) and what the server said.
+        assert left < 1.5, (f"the request left num_requests_running {left:.2f} s after its client (seen running "
+                            f"{running - sent:.2f} s after it was sent, closed {closed - running:.2f} s later); "
+                            f"server log:\n{srv.log()[-3000:]}")
         # The server goes on: the same prompt, not cancelled, is answered.
         status, _, data = raw(srv, "POST", "/v1/completions", json.dumps(
             {"model": "smollm2-135m-instruct", "prompt": prompt[:200], "max_tokens": 2,
