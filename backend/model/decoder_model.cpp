@@ -44,7 +44,13 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   if (m->device_.is_cuda()) KV_CHECK(torch::cuda::is_available(), "device " << opt.device << " requested but CUDA is not available");
   m->dtype_ = opt.dtype.empty() ? (m->device_.is_cuda() ? torch::kBFloat16 : torch::kFloat32) : dtype_from_name(opt.dtype);
   m->gemm_ = opt.cpu_gemm;
-  m->kv_dtype_ = kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
+  const auto source = WeightSource::open(model_dir, c);
+  // A GGUF file served on the CPU keeps its KV in float16 unless told otherwise, as llama.cpp does
+  // (-ctk/-ctv f16): its weights are already quantized, float16 K/V measure as exact as float32 on
+  // the default model, and the cache is half the bytes.
+  const bool gguf_on_cpu = source->format() == "gguf" && m->device_.is_cpu() && m->dtype_ == torch::kFloat32;
+  const bool kv_auto = opt.kv_cache_dtype.empty() || opt.kv_cache_dtype == "auto";
+  m->kv_dtype_ = gguf_on_cpu && kv_auto ? torch::kFloat16 : kv_cache_dtype_from_name(opt.kv_cache_dtype, m->dtype_);
   m->kv_quant_ = kv_cache_quant_from_name(opt.kv_cache_dtype);
   check_kv_quant_head_dim(m->kv_quant_, c.head_dim, "KV cache dtype '" + opt.kv_cache_dtype + "'");
   // The CUDA decode kernels read K/V in q's dtype; a narrower CUDA cache would need them to widen.
@@ -62,7 +68,6 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     m->tp_ = opt.tp_group;
   }
 
-  const auto source = WeightSource::open(model_dir, c);
   // On a CUDA device int4 is Int4Weight (tinygemm) and int8 Int8Weight, not ggml blocks (those run
   // on the CPU only).
   const bool int4_cuda = m->device_.is_cuda() && weight_quantization_is_int4(opt.quantization);

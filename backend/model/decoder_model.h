@@ -66,7 +66,8 @@ struct LoadOptions {
   std::string dtype;  // empty = device default
   bool progress;
   CpuGemm cpu_gemm = CpuGemm::kMkl;  // prefill-sized fp32 CPU products
-  // Storage dtype of the KV cache built from kv_layout(): "" or "auto" = the compute dtype; on CPU
+  // Storage dtype of the KV cache built from kv_layout(): "" or "auto" = the compute dtype (float16 for
+  // a GGUF file under fp32 compute on the CPU, as llama.cpp); on CPU
   // float16 / bfloat16 under fp32 compute halve the cache (CUDA takes only the compute dtype).
   std::string kv_cache_dtype;
   // Weight quantization at load (vLLM's --quantization): "" / "none" keeps the checkpoint's weights

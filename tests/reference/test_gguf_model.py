@@ -63,10 +63,14 @@ def forward_logits(tmp_path, model, ids, *flags, name="out"):
 def test_prefill_logits_equal_the_float32_conversion_bit_for_bit(tmp_path):
     # llama.cpp's converter stores Llama's q/k rows interleaved per head; kvserve reorders them as
     # transformers' GGUF loader does, so the dequantized weights are the float32 checkpoint's.
+    # A GGUF's KV cache is float16 by default (as llama.cpp's): float32 here, as the directory's.
     ids = random_ids(40, 49152, 11)
-    from_gguf = forward_logits(tmp_path, default_gguf(), ids, name="gguf")
+    from_gguf = forward_logits(tmp_path, default_gguf(), ids, "--kv-cache-dtype", "float32", name="gguf")
     from_f32 = forward_logits(tmp_path, default_model_dir(), ids, name="f32")
     np.testing.assert_array_equal(from_gguf, from_f32)
+    # The default float16 cache rounds the prompt's K/V once: the logits move in their last digits.
+    half = forward_logits(tmp_path, default_gguf(), ids, name="gguf16")
+    assert 0 < np.abs(half - from_f32).max() < 0.1 and (half.argmax(-1) == from_f32.argmax(-1)).mean() > 0.9
 
 
 def generate(model, *flags, n=24):
@@ -79,6 +83,9 @@ def test_decode_runs_on_the_blocks_and_reports_them():
     q = generate(default_gguf())
     f = generate(default_model_dir())
     assert q["weights"]["format"] == "q4_1+q8_0" and f["weights"]["format"] == "float32"
+    # llama.cpp's default KV cache for a GGUF (f16); the float32 directory keeps its compute dtype.
+    assert q["kv_cache_dtype"] == "float16" and f["kv_cache_dtype"] == "float32"
+    assert generate(default_gguf(), "--kv-cache-dtype", "float32", n=1)["kv_cache_dtype"] == "float32"
     # 5 bits a weight (and an 8-bit embedding) against 32.
     assert q["weights"]["bytes"] * 4 < f["weights"]["bytes"]
     # The first token comes from the prefill's logits, which equal the float32 model's.
@@ -357,7 +364,7 @@ def test_gemma3_q4_k_m_prefill_equals_its_float32_conversion(tmp_path):
     info = json.loads(run_kvserve("gguf", "inspect", "--model", str(path), "--json").stdout)
     assert {"q4_K", "q6_K", "q8_0"} <= set(info["bytes_by_type"])
     ids = [2] + random_ids(39, 262144, 3)
-    np.testing.assert_array_equal(forward_logits(tmp_path, path, ids, name="gguf"),
+    np.testing.assert_array_equal(forward_logits(tmp_path, path, ids, "--kv-cache-dtype", "float32", name="gguf"),
                                   forward_logits(tmp_path, GEMMA3, ids, name="f32"))
     r = generate(path, n=8)
     assert r["completion_tokens"] == 8 and "q4_K" in r["weights"]["format"]
@@ -366,9 +373,10 @@ def test_gemma3_q4_k_m_prefill_equals_its_float32_conversion(tmp_path):
 def test_tensor_parallel_shards_of_the_blocks_equal_one_process(tmp_path):
     # TP 3: q/k/v and gate/up split by rows, o_proj and down_proj by whole blocks of columns (192
     # and 512 values), the vocabulary by rows; only the partial sums' order differs from one process.
+    # A float32 cache: float16 would round a K value that the order moved across a half-way point.
     ids = random_ids(40, 49152, 21)
-    one = forward_logits(tmp_path, default_gguf(), ids, name="tp1")
-    three = forward_logits(tmp_path, default_gguf(), ids, "--tp", "3", name="tp3")
+    one = forward_logits(tmp_path, default_gguf(), ids, "--kv-cache-dtype", "float32", name="tp1")
+    three = forward_logits(tmp_path, default_gguf(), ids, "--tp", "3", "--kv-cache-dtype", "float32", name="tp3")
     np.testing.assert_allclose(three, one, atol=1e-3, rtol=0)
     assert (three.argmax(-1) == one.argmax(-1)).all()
 
