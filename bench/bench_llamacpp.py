@@ -549,7 +549,9 @@ def render(meta: dict, res: dict) -> str:
          f"built by `bench/llamacpp_build.sh`: CPU, GGML_NATIVE), on {v['cpu']}, {v['cores']} cores, "
          f"{meta['threads']} thread(s) for each engine. The machine is shared: the load average (1/5/15 min) is "
          f"beside every row; other jobs were running, so absolute figures are low and noisy, the ratios less so.", "",
-         "The rows (kvserve's KV cache is fp32, llama.cpp's f16, its default):", ""]
+         "The rows (kvserve's KV cache is float16 for the GGUF, its default for a GGUF file on the CPU since "
+         "2026-12-01, as llama.cpp's; float32 for the float32 directory and its --quantization rows; llama.cpp's f16, "
+         "its default):", ""]
     L += [f"- **llama.cpp {n}**: {LLAMACPP_ABOUT[n]}." for n in meta["llamacpp"]]
     L += [f"- **{VARIANTS[x].label}**: {VARIANTS[x].about}." for x in meta["variants"]]
     if meta.get("q4_1_files_identical") is False:
