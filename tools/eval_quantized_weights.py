@@ -6,7 +6,9 @@ products) and quantized at load (`--quantization int8` = ggml Q8_0), side by sid
   questions each over chat, greedy; 95 % Wilson intervals) under `--policies` (default full and
   kvzip at 25 %), one server per format;
 - perplexity with the full cache (`kvserve perplexity`, tools/eval_perplexity.py's held-out
-  "continue" documents, the same token ids for every format, KV cache float32).
+  "continue" documents, the same token ids for every format).
+Every format runs with its default KV cache, as it is served: float32 for the float32 directory and
+--quantization, float16 for the GGUF (kvserve's default for a GGUF file on the CPU, as llama.cpp's).
 
 Prints a markdown table to stdout (progress to stderr); `--out` writes every answer as JSON.
 
@@ -61,8 +63,7 @@ def main() -> None:
         for label, model, flags in FORMATS:
             rows = mq.run_policies(str(model), docs, names, serve_args=tuple(flags))
             answers[label] = rows
-            cmd = [a.kvserve, "perplexity", "--model", str(model), "--input-ids", str(ids), "--kv-cache-dtype",
-                   "float32", *flags]
+            cmd = [a.kvserve, "perplexity", "--model", str(model), "--input-ids", str(ids), *flags]
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 raise SystemExit(f"{shlex.join(cmd)} failed ({p.returncode}):\n{p.stderr[-4000:]}")
