@@ -1,8 +1,7 @@
 #include "backend/quantization/q4_1_tiles.h"
 
-#include "backend/quantization/q4_1_pairs_kernel.h"
+#include "backend/quantization/pair_tiles.h"
 #include "backend/quantization/tile_arith.h"
-#include "common/env_int.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -13,6 +12,7 @@
 #endif
 
 #include "common/check.h"
+#include "ggml.h"
 
 namespace kvserve {
 
@@ -67,62 +67,19 @@ void row_times_rows(const uint8_t* wrow, const uint8_t* const* xrows, const XSca
   for (int j = 0; j < N; ++j) *out[j] = sum8(acc[j]) + _mm_cvtss_f32(_mm_movehdup_ps(mins[j]));
 }
 
-// AVX-512 VNNI's pair kernel where the CPU has it; KVSERVE_Q4_1_PAIRS=0 keeps the AVX2 tiles (A/B).
-q4_1_pairs::PairsFn pairs_kernel() {
-  static const q4_1_pairs::PairsFn fn = env_int("KVSERVE_Q4_1_PAIRS", 1) != 0 ? q4_1_pairs::kernel() : nullptr;
-  return fn;
-}
-
-// x's rows in pairs as the pair kernel reads them (q4_1_pairs_kernel.h), in one 64-byte-aligned
-// buffer (a 64-byte load that straddles two cache lines costs two).
-struct PackedPairs {
-  const uint8_t* quants;
-  const float* d_lanes;
-  const float* s_rows;
-};
-PackedPairs pack_pairs(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, std::vector<uint8_t>& buf) {
-  using q4_1_pairs::kPassPairs;
-  const int64_t passes = (pairs + kPassPairs - 1) / kPassPairs;
-  const int64_t q_bytes = pairs * blocks * 64, d_bytes = pairs * blocks * 64, s_bytes = passes * blocks * 32;
-  buf.resize(static_cast<size_t>(q_bytes + d_bytes + s_bytes + 64));
-  uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
-  uint8_t* quants = base;
-  auto* d_lanes = reinterpret_cast<float*>(base + q_bytes);
-  auto* s_rows = reinterpret_cast<float*>(base + q_bytes + d_bytes);
-  std::fill(s_rows, s_rows + passes * blocks * 8, 0.0f);
-  for (int64_t p = 0; p < pairs; ++p)
-    for (int64_t l = 0; l < blocks; ++l) {
-      const uint8_t* a = x + (2 * p) * x_row_bytes + l * kQ8_1Bytes;
-      const uint8_t* b = a + x_row_bytes;
-      uint8_t* q = quants + (p * blocks + l) * 64;
-      std::memcpy(q, a + 4, 32);
-      std::memcpy(q + 32, b + 4, 32);
-      float* d = d_lanes + (p * blocks + l) * 16;
-      std::fill(d, d + 8, half_at(a));
-      std::fill(d + 8, d + 16, half_at(b));
-      float* s = s_rows + ((p / kPassPairs) * blocks + l) * 8 + 2 * (p % kPassPairs);
-      s[0] = half_at(a + 2);
-      s[1] = half_at(b + 2);
-    }
-  return {quants, d_lanes, s_rows};
-}
-
 }  // namespace
 
 bool q4_1_tiles_available() { return true; }
 
 void q4_1_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
-  if (const auto kernel = pairs_kernel(); kernel && M >= 2) {
-    // Rows in pairs through AVX-512; an odd last row takes the AVX2 tile below.
-    thread_local std::vector<uint8_t> buf;
-    const int64_t pairs = M / 2;
-    const PackedPairs packed = pack_pairs(x, x_row_bytes, pairs, blocks, buf);
-    kernel(w, row_bytes, r0, r1, packed.quants, packed.d_lanes, packed.s_rows, pairs, blocks, y, ldy);
-    if (M % 2 == 0) return;
-    x += (M - 1) * x_row_bytes;
-    y += (M - 1) * ldy;
-    M = 1;
+  if (M >= 2 && pair_tiles_available(GGML_TYPE_Q4_1, GGML_TYPE_Q8_1)) {
+    // Rows in pairs through AVX-512 VNNI (pair_tiles.h); an odd last row takes the AVX2 tile below.
+    const int64_t done = pair_tiles_dot(GGML_TYPE_Q4_1, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
+    if (done == M) return;
+    x += done * x_row_bytes;
+    y += done * ldy;
+    M -= done;
   }
   // x's scales as floats once, not once per weight row.
   std::vector<XScales> ds(static_cast<size_t>(M * blocks));

@@ -14,6 +14,7 @@
 #include "backend/quantization/gemv_tiles.h"
 #include "backend/quantization/ggml_sgemm.h"
 #include "backend/quantization/k_quant_tiles.h"
+#include "backend/quantization/pair_tiles.h"
 #include "backend/quantization/q4_1_tiles.h"
 #include "common/check.h"
 #include "ggml-cpu.h"
@@ -340,6 +341,23 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const Tiles for_type = tiles_for(p.type, a.type);
     const bool k_quant = for_type == Tiles::kQ4_K || for_type == Tiles::kQ5_K || for_type == Tiles::kQ6_K;
     const Tiles tiles = M >= 2 || k_quant ? for_type : Tiles::kNone;
+    if (p.type == GGML_TYPE_Q8_0 && M >= 2 && tiles_enabled() && pair_tiles_available(p.type, a.type)) {
+      // Q8_0 on AVX-512 VNNI: two rows of x per instruction (pair_tiles.h; Q4_1's tiles pair their
+      // rows the same way); an odd last row takes the one-row tiles. Both equal vec_dot bit for bit.
+      const int64_t blocks = K / ggml_blck_size(as_type(p.type));
+      const bool odd = M % 2 != 0;
+      at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
+        pair_tiles_dot(p.type, wp, p.row_bytes, r0, r1, ap, a_row, M, blocks, yp + first, N);
+        if (odd && gemv_tiles_support(p.type, a.type)) {
+          gemv_tiled_dot(p.type, wp, p.row_bytes, r0, r1, ap + (M - 1) * a_row, blocks, yp + (M - 1) * N + first);
+        } else if (odd) {
+          for (int64_t r = r0; r < r1; ++r)
+            vec_dot(static_cast<int>(K), yp + (M - 1) * N + first + r, 0, wp + r * p.row_bytes, 0, ap + (M - 1) * a_row, 0, 1);
+        }
+      });
+      first += p.rows;
+      continue;
+    }
     if (tiles == Tiles::kLlamafile) {
       // Several rows of x: llamafile's tiles decode each weight block once for up to 4 rows of x
       // (llama.cpp's own choice for these types), where the vec_dot loop decodes it once per row.

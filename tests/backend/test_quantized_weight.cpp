@@ -11,7 +11,7 @@
 #include "backend/decode_scope.h"
 #include "backend/dense.h"
 #include "backend/quantization/linear_weight.h"
-#include "backend/quantization/q4_1_pairs_kernel.h"
+#include "backend/quantization/pair_tiles.h"
 #include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "common/check.h"
@@ -133,34 +133,41 @@ TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
   }
 }
 
-// Several rows of x through the Q4_1 tiles (the default model's GGUF): on a CPU with AVX-512 VNNI
-// rows go in pairs through q4_1_pairs_avx512.cpp, an odd last row through the AVX2 tile; every
-// output equals ggml's vec_dot of its (weight row, x row) bit for bit, called here directly.
-TEST(QuantizedWeight, Q4_1RowsInPairsEqualGgmlsVecDotBitForBit) {
+// Several rows of x through the Q4_1 tiles (the default model's GGUF) and Q8_0's (--quantization
+// int8, and the GGUF's tied LM head): on a CPU with AVX-512 VNNI rows go in pairs through
+// pair_tiles_avx512.cpp, an odd last row through the one-row tiles; every output equals ggml's
+// vec_dot of its (weight row, x row) bit for bit, called here directly. Weights and activations with
+// zeros, negatives and the largest codes (±127) included.
+TEST(QuantizedWeight, RowsInPairsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(12);
   ggml_cpu_init();
-  const int type = quant_type_from_name("q4_1");
-  const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
-  const auto act = traits->vec_dot_type;
-  if (!q4_1_pairs::kernel()) std::cout << "[ note ] no AVX-512 VNNI here: the AVX2 tiles alone are checked\n";
-  const int64_t N = 37, K = 576;
-  const auto w = torch::randn({N, K}) * 0.05;
-  const QuantizedWeight q = QuantizedWeight::quantize(w, type, "q4_1");
-  std::vector<uint8_t> wq(ggml_row_size(static_cast<ggml_type>(type), K) * N);
-  ggml_quantize_chunk(static_cast<ggml_type>(type), w.contiguous().data_ptr<float>(), wq.data(), 0, N, K, nullptr);
-  const size_t row = ggml_row_size(static_cast<ggml_type>(type), K), xrow = ggml_row_size(act, K);
-  for (int64_t M : std::vector<int64_t>{2, 3, 7, 8, 9, 11, kQuantDotMaxRows}) {
-    const auto x = torch::randn({M, K}) * 3.0;
-    const auto y = q.dot(x);
-    std::vector<uint8_t> xq(xrow * M);
-    for (int64_t m = 0; m < M; ++m)
-      ggml_get_type_traits_cpu(act)->from_float(x[m].data_ptr<float>(), xq.data() + m * xrow, K);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t r = 0; r < N; ++r) {
-        float ref = 0.0f;
-        traits->vec_dot(static_cast<int>(K), &ref, 0, wq.data() + r * row, 0, xq.data() + m * xrow, 0, 1);
-        ASSERT_EQ(y[m][r].item<float>(), ref) << "M=" << M << " x row " << m << " weight row " << r;
-      }
+  for (const char* name : {"q4_1", "q8_0"}) {
+    const int type = quant_type_from_name(name);
+    const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
+    const auto act = traits->vec_dot_type;
+    if (!pair_tiles_available(type, act)) std::cout << "[ note ] no AVX-512 VNNI here: " << name << " without pairs\n";
+    const int64_t N = 37, K = 576;
+    auto w = torch::randn({N, K}) * 0.05;
+    w[3].zero_();
+    w[4].narrow(0, 0, 64).zero_();
+    const QuantizedWeight q = QuantizedWeight::quantize(w, type, name);
+    std::vector<uint8_t> wq(ggml_row_size(static_cast<ggml_type>(type), K) * N);
+    ggml_quantize_chunk(static_cast<ggml_type>(type), w.contiguous().data_ptr<float>(), wq.data(), 0, N, K, nullptr);
+    const size_t row = ggml_row_size(static_cast<ggml_type>(type), K), xrow = ggml_row_size(act, K);
+    for (int64_t M : std::vector<int64_t>{2, 3, 7, 8, 9, 11, kQuantDotMaxRows}) {
+      auto x = torch::randn({M, K}) * 3.0;
+      x[M - 1].narrow(0, 32, 32).zero_();
+      const auto y = q.dot(x);
+      std::vector<uint8_t> xq(xrow * M);
+      for (int64_t m = 0; m < M; ++m)
+        ggml_get_type_traits_cpu(act)->from_float(x[m].data_ptr<float>(), xq.data() + m * xrow, K);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < N; ++r) {
+          float ref = 0.0f;
+          traits->vec_dot(static_cast<int>(K), &ref, 0, wq.data() + r * row, 0, xq.data() + m * xrow, 0, 1);
+          ASSERT_EQ(y[m][r].item<float>(), ref) << name << " M=" << M << " x row " << m << " weight row " << r;
+        }
+    }
   }
 }
 

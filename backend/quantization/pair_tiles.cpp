@@ -1,0 +1,92 @@
+#include "backend/quantization/pair_tiles.h"
+
+#include <cstring>
+#include <vector>
+
+#include "backend/quantization/pair_tiles_kernel.h"
+#include "common/check.h"
+#include "common/env_int.h"
+#include "ggml.h"
+
+#if defined(__x86_64__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+namespace {
+
+pair_tiles::PairsFn kernel_for(int type, int act) {
+  static const bool on = env_int("KVSERVE_PAIR_TILES", 1) != 0;
+  if (!on) return nullptr;
+  static const pair_tiles::PairsFn q4_1 = pair_tiles::q4_1_kernel(), q8_0 = pair_tiles::q8_0_kernel();
+  if (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1) return q4_1;
+  if (type == GGML_TYPE_Q8_0 && act == GGML_TYPE_Q8_0) return q8_0;
+  return nullptr;
+}
+
+float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__x86_64__) && defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return ggml_fp16_to_fp32(h);
+#endif
+}
+
+// x's rows in pairs as the kernels read them (pair_tiles_kernel.h), in one 64-byte-aligned buffer (a
+// 64-byte load that straddles two cache lines costs two). Q8_1 blocks: fp16 d, fp16 s, 32 quants;
+// Q8_0: fp16 d, 32 quants.
+struct Packed {
+  const uint8_t* quants;
+  const float* d_lanes;
+  const float* s_rows;
+};
+Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, bool q8_1, std::vector<uint8_t>& buf) {
+  using pair_tiles::kPassPairs;
+  const int64_t block_bytes = q8_1 ? 36 : 34, quants_at = q8_1 ? 4 : 2;
+  const int64_t passes = (pairs + kPassPairs - 1) / kPassPairs;
+  const int64_t q_bytes = pairs * blocks * 64, d_bytes = pairs * blocks * 64, s_bytes = q8_1 ? passes * blocks * 32 : 0;
+  buf.resize(static_cast<size_t>(q_bytes + d_bytes + s_bytes + 64));
+  uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+  uint8_t* quants = base;
+  auto* d_lanes = reinterpret_cast<float*>(base + q_bytes);
+  auto* s_rows = q8_1 ? reinterpret_cast<float*>(base + q_bytes + d_bytes) : nullptr;
+  if (s_rows) std::fill(s_rows, s_rows + passes * blocks * 8, 0.0f);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t l = 0; l < blocks; ++l) {
+      const uint8_t* a = x + (2 * p) * x_row_bytes + l * block_bytes;
+      const uint8_t* b = a + x_row_bytes;
+      uint8_t* q = quants + (p * blocks + l) * 64;
+      std::memcpy(q, a + quants_at, 32);
+      std::memcpy(q + 32, b + quants_at, 32);
+      float* d = d_lanes + (p * blocks + l) * 16;
+      std::fill(d, d + 8, half_at(a));
+      std::fill(d + 8, d + 16, half_at(b));
+      if (s_rows) {
+        float* s = s_rows + ((p / kPassPairs) * blocks + l) * 8 + 2 * (p % kPassPairs);
+        s[0] = half_at(a + 2);
+        s[1] = half_at(b + 2);
+      }
+    }
+  return {quants, d_lanes, s_rows};
+}
+
+}  // namespace
+
+bool pair_tiles_available(int type, int act) { return kernel_for(type, act) != nullptr; }
+
+int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                       int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;
+  const pair_tiles::PairsFn kernel = kernel_for(type, act);
+  KV_CHECK(kernel != nullptr, "internal: no pair kernel for ggml type " << type << " here");
+  const int64_t pairs = M / 2;
+  if (pairs == 0) return 0;
+  thread_local std::vector<uint8_t> buf;
+  const Packed p = pack(x, x_row_bytes, pairs, blocks, act == GGML_TYPE_Q8_1, buf);
+  kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.s_rows, pairs, blocks, y, ldy);
+  return 2 * pairs;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,19 @@
+#pragma once
+// Several rows of x times Q4_1 or Q8_0 weights two rows at a time, on CPUs with AVX-512 VNNI
+// (pair_tiles_kernel.h): x is packed once a call, pair by pair, and each weight block is multiplied
+// with two rows per instruction. Every output equals ggml's one-row vec_dot bit for bit.
+#include <cstdint>
+
+namespace kvserve {
+
+// Whether the pair kernel serves these ggml types (Q4_1 weights with Q8_1 activations, Q8_0 with
+// Q8_0) on this CPU. KVSERVE_PAIR_TILES=0 in the environment turns it off (the A/B).
+bool pair_tiles_available(int type, int act);
+
+// y[m * ldy + r] = dot(W row r, x row m) for r in [r0, r1) and m below M rounded down to even; returns
+// that many rows (the caller takes an odd last row). W: rows of `blocks` blocks of `type`, row_bytes
+// apart; x: M rows of `blocks` blocks of its activation type, x_row_bytes apart.
+int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
+                       int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy);
+
+}  // namespace kvserve

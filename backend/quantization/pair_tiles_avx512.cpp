@@ -1,0 +1,158 @@
+// The quantized tiles' pair kernels (pair_tiles_kernel.h), compiled with AVX-512 F/BW/VL/VNNI
+// (backend/CMakeLists.txt). It includes nothing but intrinsics and its own declarations.
+//
+// ggml's AVX2 vec_dot_q4_1_q8_1 and vec_dot_q8_0_q8_0 keep 8 float lanes per output: per block, lane
+// k gets fma(d * x.d, float(sum of the 4 products of bytes 4k..4k+3), acc); Q4_1 also adds the block's
+// m * x.s to a scalar; the result is hsum_float_8(acc) (+ that scalar). Here one 512-bit register
+// holds the 8 lanes of two rows of x: VNNI's dpbusd makes both rows' lane sums from the weight block
+// (copied into both halves) in one instruction, and every lane sees ggml's operations in ggml's
+// order, so each output equals the one-row dot product bit for bit.
+#include "backend/quantization/pair_tiles_kernel.h"
+
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+
+// GCC 12's AVX-512 headers make "undefined" vectors by self-assignment, which -Wmaybe-uninitialized
+// flags wherever an extract inlines; no value here is read uninitialised.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace kvserve::pair_tiles {
+namespace {
+
+constexpr int64_t kPrefetchBytes = 8192;  // as tile_arith.h's prefetch_ahead (the weights stream from DRAM)
+
+// ggml's hsum_float_8 of 8 lanes.
+inline float sum8(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+inline __m512i both_halves(__m256i v) { return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1); }
+
+// Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (value j in the low nibble of byte j, j + 16 in its high
+// nibble); unsigned values, so dpbusd takes them as they are.
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kMins = true;
+  __m512 d, m;
+  __m512i u;  // the block's 32 values in both halves
+  explicit Q4_1(const uint8_t* wb) {
+    uint32_t dm_bits;
+    __builtin_memcpy(&dm_bits, wb, sizeof dm_bits);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, m, 0, 0]
+    d = _mm512_broadcastss_ps(dm);
+    m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 4));
+    u = both_halves(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F)));
+  }
+  __m512i lane_sums(__m512i xq) const { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq); }
+};
+
+// Q8_0: fp16 d, 32 signed bytes. dpbusd wants one unsigned side: |w| against x with w's signs, as
+// ggml's mul_sum_i8_pairs_float does (x's bytes lie in [-127, 127], so negating one cannot overflow).
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kMins = false;
+  __m512 d, m;
+  __m512i u;         // |w| in both halves
+  __mmask64 negative;  // w's sign bits
+  explicit Q8_0(const uint8_t* wb) {
+    uint16_t d_bits;
+    __builtin_memcpy(&d_bits, wb, sizeof d_bits);
+    d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
+    m = _mm512_setzero_ps();
+    const __m512i w = both_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2)));
+    u = _mm512_abs_epi8(w);
+    negative = _mm512_movepi8_mask(w);
+  }
+  __m512i lane_sums(__m512i xq) const {
+    const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, signed_x);
+  }
+};
+
+// One weight row against P pairs of x rows (the pointers at the pass's first pair, block 0).
+template <int P, typename B>
+inline void row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const float* s_rows,
+                            int64_t blocks, float* y, int64_t ldy) {
+  __m512 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  __m256 mins = _mm256_setzero_ps();  // lane j: x row j of the pass's min terms, summed in block order
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * B::kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes), _MM_HINT_T0);
+    const B w(wb);
+    if constexpr (B::kMins) {
+      // ggml's order: each block's min term (m * x.s, exact in fp32) into its sum, then the scaled lanes.
+      mins = _mm256_add_ps(mins, _mm256_mul_ps(_mm512_castps512_ps256(w.m), _mm256_loadu_ps(s_rows + l * 8)));
+    }
+    for (int p = 0; p < P; ++p) {
+      const int64_t pb = p * blocks + l;
+      const __m512 lanes = _mm512_cvtepi32_ps(w.lane_sums(_mm512_load_si512(quants + pb * 64)));
+      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(w.d, _mm512_load_ps(d_lanes + pb * 16)), lanes, acc[p]);
+    }
+  }
+  alignas(32) float m[8];
+  _mm256_store_ps(m, mins);
+  for (int p = 0; p < P; ++p) {
+    const __m256 a0 = _mm512_castps512_ps256(acc[p]);
+    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1));
+    if constexpr (B::kMins) {
+      y[(2 * p) * ldy] = sum8(a0) + m[2 * p];
+      y[(2 * p + 1) * ldy] = sum8(a1) + m[2 * p + 1];
+    } else {
+      y[(2 * p) * ldy] = sum8(a0);
+      y[(2 * p + 1) * ldy] = sum8(a1);
+    }
+  }
+}
+
+template <typename B>
+void pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
+           const float* s_rows, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
+  // Up to 4 pairs a pass (8 accumulators; a weight block is prepared once a pass). The pass's x
+  // (~25 KB at 1,536 columns) stays in L1 while the weight rows go by; the rows are read again for
+  // the next pass, from L2, rather than all of x for every row.
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
+    const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
+    const uint8_t* qp = quants + p0 * blocks * 64;
+    const float* dp = d_lanes + p0 * blocks * 16;
+    const float* sp = B::kMins ? s_rows + (p0 / kPassPairs) * blocks * 8 : nullptr;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = w + r * row_bytes;
+      float* yp = y + (2 * p0) * ldy + r;
+      switch (n) {
+        case 4: row_times_pairs<4, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
+        case 3: row_times_pairs<3, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
+        case 2: row_times_pairs<2, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
+        default: row_times_pairs<1, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
+      }
+    }
+  }
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+}  // namespace
+
+PairsFn q4_1_kernel() { return cpu_has_vnni() ? &pairs<Q4_1> : nullptr; }
+PairsFn q8_0_kernel() { return cpu_has_vnni() ? &pairs<Q8_0> : nullptr; }
+
+}  // namespace kvserve::pair_tiles
+
+#else
+
+namespace kvserve::pair_tiles {
+PairsFn q4_1_kernel() { return nullptr; }
+PairsFn q8_0_kernel() { return nullptr; }
+}  // namespace kvserve::pair_tiles
+
+#endif

@@ -1,0 +1,28 @@
+#pragma once
+// The AVX-512 VNNI pair kernels of the quantized tiles (Q4_1 weights x Q8_1 activations, Q8_0 x
+// Q8_0): one 512-bit register holds the 8 accumulator lanes of two activation rows, so each weight
+// block is multiplied with two rows of x per instruction. Declarations only: pair_tiles_avx512.cpp is
+// compiled for AVX-512 and must share no inline code with the baseline build (an inline function
+// compiled there could replace the baseline copy at link time). Packing lives in pair_tiles.h.
+#include <cstdint>
+
+namespace kvserve::pair_tiles {
+
+// A kernel takes x's rows in passes of kPassPairs pairs (rows 2p and 2p + 1), packed as:
+//   quants  [pairs][blocks][64] bytes, 64-byte aligned: block l's 32 quants of row 2p, then row 2p + 1's;
+//   d_lanes [pairs][blocks][16] floats, 64-byte aligned: row 2p's x.d in lanes 0-7, row 2p + 1's in 8-15;
+//   s_rows  [passes][blocks][8] floats: the x.s of the pass's rows (Q8_1's, for Q4_1; lanes past the
+//           pass's last row unused; null for Q8_0).
+// y[(2p + i) * ldy + r] = dot(W row r, x row 2p + i) for r in [r0, r1), p < pairs, i < 2, each
+// equal bit for bit to ggml's AVX2 vec_dot of the types (the same integer lane sums, float products
+// and order).
+constexpr int64_t kPassPairs = 4;
+using PairsFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants,
+                         const float* d_lanes, const float* s_rows, int64_t pairs, int64_t blocks, float* y,
+                         int64_t ldy);
+
+// Null unless this CPU has AVX-512 F, BW, VL and VNNI (and the build is x86-64).
+PairsFn q4_1_kernel();
+PairsFn q8_0_kernel();
+
+}  // namespace kvserve::pair_tiles
