@@ -1,5 +1,8 @@
 #include "backend/quantization/k_quant_tiles.h"
 
+#include "backend/quantization/pair_tiles.h"
+#include "backend/quantization/pair_tiles_kernel.h"
+
 #include "backend/quantization/tile_arith.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
@@ -10,6 +13,7 @@
 #endif
 
 #include "common/check.h"
+#include "ggml.h"
 
 namespace kvserve {
 
@@ -60,16 +64,9 @@ struct KScales {
   __m256i scales;
 };
 KScales unpack_k_scales(const uint8_t* wb) {
-  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-  uint32_t utmp[4];
-  std::memcpy(utmp, wb + 4, 12);
-  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-  const uint32_t uaux = utmp[1] & kmask1;
-  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-  utmp[2] = uaux;
-  utmp[0] &= kmask1;
-  const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(
-      static_cast<int>(utmp[3]), static_cast<int>(utmp[2]), static_cast<int>(utmp[1]), static_cast<int>(utmp[0])));
+  alignas(16) uint8_t sm[16];
+  pair_tiles::k_scales_and_mins(wb, sm);
+  const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
   const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
   return {_mm256_extracti128_si256(mins_and_scales, 1), _mm256_set_m128i(sc128, sc128)};
 }
@@ -272,8 +269,30 @@ constexpr RowKernel kQ6_K[4] = {q6_k_row<1>, q6_k_row<2>, q6_k_row<3>, q6_k_row<
 
 bool k_quant_tiles_available() { return true; }
 
+namespace pair_tiles {
+void k_scales_and_mins(const uint8_t* wb, uint8_t* out) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t utmp[4];
+  std::memcpy(utmp, wb + 4, 12);
+  utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+  const uint32_t uaux = utmp[1] & kmask1;
+  utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+  utmp[2] = uaux;
+  utmp[0] &= kmask1;
+  std::memcpy(out, utmp, 16);
+}
+}  // namespace pair_tiles
+
 void q4_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  if (M >= 2 && pair_tiles_available(GGML_TYPE_Q4_K, GGML_TYPE_Q8_K)) {
+    // Rows in pairs through AVX-512 VNNI (pair_tiles.h); an odd last row takes the AVX2 tile.
+    const int64_t done = pair_tiles_dot(GGML_TYPE_Q4_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
+    if (done == M) return;
+    x += done * x_row_bytes;
+    y += done * ldy;
+    M -= done;
+  }
   tiled(kQ4_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
 }
 

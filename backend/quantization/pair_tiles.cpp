@@ -72,12 +72,65 @@ Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks
   return {quants, d_lanes, s_rows};
 }
 
+pair_tiles::KPairsFn q4_k_kernel() {
+  static const pair_tiles::KPairsFn fn = env_int("KVSERVE_PAIR_TILES", 1) != 0 ? pair_tiles::q4_k_kernel() : nullptr;
+  return fn;
+}
+
+// Q8_K rows in pairs for the Q4_K kernel (pair_tiles_kernel.h). Q8_K blocks: float d, 256 quants,
+// 16 int16 sums of 16 quants.
+struct PackedK {
+  const uint8_t* quants;
+  const float* d_lanes;
+  const float* d4_lanes;
+  const int16_t* bsums;
+};
+PackedK pack_k(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, std::vector<uint8_t>& buf) {
+  constexpr int64_t kQ8_KBytes = 292, kSumsAt = 260;
+  const int64_t n = pairs * blocks;
+  const int64_t q_bytes = n * 512, d_bytes = n * 64, d4_bytes = n * 32, s_bytes = n * 32;
+  buf.resize(static_cast<size_t>(q_bytes + d_bytes + d4_bytes + s_bytes + 64));
+  uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+  auto* d_lanes = reinterpret_cast<float*>(base + q_bytes);
+  auto* d4_lanes = reinterpret_cast<float*>(base + q_bytes + d_bytes);
+  auto* bsums = reinterpret_cast<int16_t*>(base + q_bytes + d_bytes + d4_bytes);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t l = 0; l < blocks; ++l) {
+      const int64_t pb = p * blocks + l;
+      for (int i = 0; i < 2; ++i) {
+        const uint8_t* xb = x + (2 * p + i) * x_row_bytes + l * kQ8_KBytes;
+        float xd;
+        std::memcpy(&xd, xb, sizeof xd);
+        for (int k = 0; k < 8; ++k) std::memcpy(base + (pb * 8 + k) * 64 + 32 * i, xb + 4 + 32 * k, 32);
+        std::fill(d_lanes + pb * 16 + 8 * i, d_lanes + pb * 16 + 8 * i + 8, xd);
+        std::fill(d4_lanes + pb * 8 + 4 * i, d4_lanes + pb * 8 + 4 * i + 4, xd);
+        int16_t sums[16];
+        std::memcpy(sums, xb + kSumsAt, sizeof sums);
+        for (int k = 0; k < 8; ++k) bsums[pb * 16 + 8 * i + k] = static_cast<int16_t>(sums[2 * k] + sums[2 * k + 1]);
+      }
+    }
+  return {base, d_lanes, d4_lanes, bsums};
+}
+
 }  // namespace
 
-bool pair_tiles_available(int type, int act) { return kernel_for(type, act) != nullptr; }
+bool pair_tiles_available(int type, int act) {
+  if (type == GGML_TYPE_Q4_K && act == GGML_TYPE_Q8_K) return q4_k_kernel() != nullptr;
+  return kernel_for(type, act) != nullptr;
+}
 
 int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                        int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  if (type == GGML_TYPE_Q4_K) {
+    const pair_tiles::KPairsFn kernel = q4_k_kernel();
+    KV_CHECK(kernel != nullptr, "internal: no Q4_K pair kernel here");
+    const int64_t pairs = M / 2;
+    if (pairs == 0) return 0;
+    thread_local std::vector<uint8_t> kbuf;
+    const PackedK p = pack_k(x, x_row_bytes, pairs, blocks, kbuf);
+    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.d4_lanes, p.bsums, pairs, blocks, y, ldy);
+    return 2 * pairs;
+  }
   const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;
   const pair_tiles::PairsFn kernel = kernel_for(type, act);
   KV_CHECK(kernel != nullptr, "internal: no pair kernel for ggml type " << type << " here");

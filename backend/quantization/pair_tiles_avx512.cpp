@@ -135,6 +135,98 @@ void pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const ui
   }
 }
 
+// ggml's AVX2 vec_dot_q4_K_q8_K per super-block: lanes of 8 int32 sums of the sub-blocks' products
+// times their 6-bit scales (exact integers, so dpwssd's order cannot change them), then
+// acc = fma(x.d * d, float(sums), acc); and, in a 4-lane accumulator of its own,
+// fma(-x.d * dmin, float(the mins times Q8_K's paired sums), acc_m). The result is
+// hsum_float_8(acc) + the 4 lanes of acc_m summed as ggml does.
+constexpr int64_t kQ4_KBytes = 144;
+
+inline float sum4(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_movehdup_ps(v));
+  return _mm_cvtss_f32(v);
+}
+
+template <int P>
+inline void q4_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const float* d4_lanes,
+                                 const int16_t* bsums, int64_t blocks, float* y, int64_t ldy) {
+  __m512 acc[P];
+  __m256 acc_m[P];  // lanes 0-3: row 2p's mins accumulator, 4-7: row 2p + 1's
+  for (int p = 0; p < P; ++p) {
+    acc[p] = _mm512_setzero_ps();
+    acc_m[p] = _mm256_setzero_ps();
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ4_KBytes;
+    for (int64_t off = 0; off < kQ4_KBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + kQ4_KBytes - 1), _MM_HINT_T0);
+    uint32_t dm_bits;
+    __builtin_memcpy(&dm_bits, wb, sizeof dm_bits);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, dmin, 0, 0]
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    const __m256 neg_dmin = _mm256_broadcastss_ps(_mm_xor_ps(_mm_movehdup_ps(dm), _mm_set1_ps(-0.0f)));
+    alignas(16) uint8_t sm[16];
+    k_scales_and_mins(wb, sm);
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
+    const __m256i mins = _mm256_set_m128i(mins16, mins16);
+    __m512i sumi[P];
+    for (int p = 0; p < P; ++p) {
+      const int64_t pb = p * blocks + l;
+      // ggml's order: the super-block's mins term first (-x.d * dmin, a product of x.d and -dmin).
+      const __m256i prod = _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + pb * 16)));
+      acc_m[p] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(d4_lanes + pb * 8), neg_dmin), _mm256_cvtepi32_ps(prod),
+                                 acc_m[p]);
+      sumi[p] = _mm512_setzero_si512();
+    }
+    for (int s = 0; s < 4; ++s) {
+      const __m512i scale_l = _mm512_set1_epi16(static_cast<int16_t>(sm[2 * s]));
+      const __m512i scale_h = _mm512_set1_epi16(static_cast<int16_t>(sm[2 * s + 1]));
+      const __m256i q4bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16 + 32 * s));
+      const __m512i q4l = both_halves(_mm256_and_si256(q4bits, low4));
+      const __m512i q4h = both_halves(_mm256_and_si256(_mm256_srli_epi16(q4bits, 4), low4));
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* xq = quants + ((p * blocks + l) * 8 + 2 * s) * 64;
+        sumi[p] = _mm512_dpwssd_epi32(sumi[p], scale_l, _mm512_maddubs_epi16(q4l, _mm512_load_si512(xq)));
+        sumi[p] = _mm512_dpwssd_epi32(sumi[p], scale_h, _mm512_maddubs_epi16(q4h, _mm512_load_si512(xq + 64)));
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 xd = _mm512_load_ps(d_lanes + (p * blocks + l) * 16);
+      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(sumi[p]), acc[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const __m256 a0 = _mm512_castps512_ps256(acc[p]);
+    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1));
+    y[(2 * p) * ldy] = sum8(a0) + sum4(_mm256_castps256_ps128(acc_m[p]));
+    y[(2 * p + 1) * ldy] = sum8(a1) + sum4(_mm256_extractf128_ps(acc_m[p], 1));
+  }
+}
+
+void q4_k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
+                const float* d4_lanes, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
+    const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
+    const uint8_t* qp = quants + p0 * blocks * 512;
+    const float* dp = d_lanes + p0 * blocks * 16;
+    const float* d4 = d4_lanes + p0 * blocks * 8;
+    const int16_t* bs = bsums + p0 * blocks * 16;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = w + r * row_bytes;
+      float* yp = y + (2 * p0) * ldy + r;
+      switch (n) {
+        case 4: q4_k_row_times_pairs<4>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+        case 3: q4_k_row_times_pairs<3>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+        case 2: q4_k_row_times_pairs<2>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+        default: q4_k_row_times_pairs<1>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+      }
+    }
+  }
+}
+
 bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -145,6 +237,7 @@ bool cpu_has_vnni() {
 
 PairsFn q4_1_kernel() { return cpu_has_vnni() ? &pairs<Q4_1> : nullptr; }
 PairsFn q8_0_kernel() { return cpu_has_vnni() ? &pairs<Q8_0> : nullptr; }
+KPairsFn q4_k_kernel() { return cpu_has_vnni() ? &q4_k_pairs : nullptr; }
 
 }  // namespace kvserve::pair_tiles
 
@@ -153,6 +246,7 @@ PairsFn q8_0_kernel() { return cpu_has_vnni() ? &pairs<Q8_0> : nullptr; }
 namespace kvserve::pair_tiles {
 PairsFn q4_1_kernel() { return nullptr; }
 PairsFn q8_0_kernel() { return nullptr; }
+KPairsFn q4_k_kernel() { return nullptr; }
 }  // namespace kvserve::pair_tiles
 
 #endif

@@ -21,8 +21,23 @@ using PairsFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_
                          const float* d_lanes, const float* s_rows, int64_t pairs, int64_t blocks, float* y,
                          int64_t ldy);
 
+// Q4_K weights x Q8_K activations (256-value super-blocks), packed per (pair, super-block):
+//   quants   [pairs][blocks][8][64] bytes, 64-byte aligned: sub-block k's 32 quants of row 2p, then row 2p + 1's;
+//   d_lanes  [pairs][blocks][16] floats, 64-byte aligned: x.d of row 2p in lanes 0-7, row 2p + 1's in 8-15;
+//   d4_lanes [pairs][blocks][8] floats: x.d of row 2p in lanes 0-3, row 2p + 1's in 4-7;
+//   bsums    [pairs][blocks][16] int16: Q8_K's sums of 16 quants added two by two (ggml's hadd):
+//            row 2p's 8, then row 2p + 1's.
+using KPairsFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants,
+                          const float* d_lanes, const float* d4_lanes, const int16_t* bsums, int64_t pairs,
+                          int64_t blocks, float* y, int64_t ldy);
+
 // Null unless this CPU has AVX-512 F, BW, VL and VNNI (and the build is x86-64).
 PairsFn q4_1_kernel();
 PairsFn q8_0_kernel();
+KPairsFn q4_k_kernel();
+
+// A Q4_K / Q5_K super-block's 12 bytes of 6-bit sub-block scales and mins (at wb + 4) as ggml
+// unpacks them: out[0..7] the 8 scales, out[8..15] the 8 mins (k_quant_tiles.cpp, baseline code).
+void k_scales_and_mins(const uint8_t* wb, uint8_t* out);
 
 }  // namespace kvserve::pair_tiles

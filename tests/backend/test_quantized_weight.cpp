@@ -133,20 +133,20 @@ TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
   }
 }
 
-// Several rows of x through the Q4_1 tiles (the default model's GGUF) and Q8_0's (--quantization
-// int8, and the GGUF's tied LM head): on a CPU with AVX-512 VNNI rows go in pairs through
+// Several rows of x through the Q4_1 tiles (the default model's GGUF), Q8_0's (--quantization
+// int8, and the GGUF's tied LM head) and Q4_K's (Q4_K_M files): on a CPU with AVX-512 VNNI rows go in pairs through
 // pair_tiles_avx512.cpp, an odd last row through the one-row tiles; every output equals ggml's
 // vec_dot of its (weight row, x row) bit for bit, called here directly. Weights and activations with
 // zeros, negatives and the largest codes (±127) included.
 TEST(QuantizedWeight, RowsInPairsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(12);
   ggml_cpu_init();
-  for (const char* name : {"q4_1", "q8_0"}) {
+  for (const char* name : {"q4_1", "q8_0", "q4_K"}) {
     const int type = quant_type_from_name(name);
     const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
     const auto act = traits->vec_dot_type;
     if (!pair_tiles_available(type, act)) std::cout << "[ note ] no AVX-512 VNNI here: " << name << " without pairs\n";
-    const int64_t N = 37, K = 576;
+    const int64_t N = 37, K = std::string(name) == "q4_K" ? 768 : 576;
     auto w = torch::randn({N, K}) * 0.05;
     w[3].zero_();
     w[4].narrow(0, 0, 64).zero_();
