@@ -285,14 +285,8 @@ void k_scales_and_mins(const uint8_t* wb, uint8_t* out) {
 
 void q4_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
-  if (M >= 2 && pair_tiles_available(GGML_TYPE_Q4_K, GGML_TYPE_Q8_K)) {
-    // Rows in pairs through AVX-512 VNNI (pair_tiles.h); an odd last row takes the AVX2 tile.
-    const int64_t done = pair_tiles_dot(GGML_TYPE_Q4_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
-    if (done == M) return;
-    x += done * x_row_bytes;
-    y += done * ldy;
-    M -= done;
-  }
+  // Rows in pairs through AVX-512 VNNI where the CPU has it (pair_tiles.h); an odd last row stays here.
+  if (pair_tiles_take(GGML_TYPE_Q4_K, GGML_TYPE_Q8_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy)) return;
   tiled(kQ4_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
 }
 

@@ -142,4 +142,14 @@ int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0
   return 2 * pairs;
 }
 
+bool pair_tiles_take(int type, int act, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t*& x,
+                     int64_t x_row_bytes, int64_t& M, int64_t blocks, float*& y, int64_t ldy) {
+  if (M < 2 || !pair_tiles_available(type, act)) return false;
+  const int64_t done = pair_tiles_dot(type, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
+  x += done * x_row_bytes;
+  y += done * ldy;
+  M -= done;
+  return M == 0;
+}
+
 }  // namespace kvserve

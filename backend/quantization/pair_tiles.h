@@ -16,4 +16,10 @@ bool pair_tiles_available(int type, int act);
 int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                        int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy);
 
+// For a tiled product's caller: where the pair kernel serves (type, act) and M >= 2, runs it over
+// x's first rows (M rounded down to even) and moves x, y and M past them. True when no row is left
+// (an odd last row stays for the caller's own tile).
+bool pair_tiles_take(int type, int act, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t*& x,
+                     int64_t x_row_bytes, int64_t& M, int64_t blocks, float*& y, int64_t ldy);
+
 }  // namespace kvserve

@@ -73,14 +73,8 @@ bool q4_1_tiles_available() { return true; }
 
 void q4_1_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
-  if (M >= 2 && pair_tiles_available(GGML_TYPE_Q4_1, GGML_TYPE_Q8_1)) {
-    // Rows in pairs through AVX-512 VNNI (pair_tiles.h); an odd last row takes the AVX2 tile below.
-    const int64_t done = pair_tiles_dot(GGML_TYPE_Q4_1, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
-    if (done == M) return;
-    x += done * x_row_bytes;
-    y += done * ldy;
-    M -= done;
-  }
+  // Rows in pairs through AVX-512 VNNI where the CPU has it (pair_tiles.h); an odd last row stays here.
+  if (pair_tiles_take(GGML_TYPE_Q4_1, GGML_TYPE_Q8_1, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy)) return;
   // x's scales as floats once, not once per weight row.
   std::vector<XScales> ds(static_cast<size_t>(M * blocks));
   for (int64_t i = 0; i < M; ++i)
