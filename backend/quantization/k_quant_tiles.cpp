@@ -2,7 +2,6 @@
 
 #include "backend/quantization/pair_tiles.h"
 #include "backend/quantization/pair_tiles_kernel.h"
-
 #include "backend/quantization/tile_arith.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
