@@ -201,6 +201,10 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
       KV_LOG("loading " << model_dir << ": " << done << "/" << L << " layers");
     }
   }
+  if (const std::string types = source->dequantized_types(); !types.empty())
+    KV_LOG(model_dir << ": its " << types << " linear tensors are dequantized to " << dtype_name(m->dtype_) << " on "
+                     << m->device_ << " (kvserve's CUDA kernels keep only Q8_0 blocks as codes), so they take "
+                     << c10::elementSize(m->dtype_) * 8 << " bits a weight there; on the CPU they run as they ship");
   if (int4_cuda && int4_dense > 0)
     KV_LOG("quantization int4: " << int4_dense << " linear weights of " << model_dir
                                  << " have rows that are not a multiple of 8 or columns not of 32 and stay " << dtype_name(m->dtype_));

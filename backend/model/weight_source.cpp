@@ -1,6 +1,8 @@
 #include "backend/model/weight_source.h"
 
+#include <mutex>
 #include <regex>
+#include <set>
 
 #include "backend/quantization/gguf_file.h"
 #include "backend/quantization/int8_weight.h"
@@ -64,7 +66,13 @@ class GgufSource final : public WeightSource {
     const int type = f_.tensor_type(g);
     // On CUDA a Q8_0 tensor keeps its codes (Int8Weight); other block types are dequantized there.
     const bool int8_cuda = device.is_cuda() && type == GGML_TYPE_Q8_0;
-    if ((!device.is_cpu() && !int8_cuda) || type == 0 /* F32 */) return LinearWeight(load(name, shape, dtype, device, slice));
+    if ((!device.is_cpu() && !int8_cuda) || type == 0 /* F32 */) {
+      if (type != 0 && type != 1 /* F16 */ && type != GGML_TYPE_BF16) {
+        std::lock_guard<std::mutex> lk(mu_);
+        dequantized_.insert(ggml_type_name(static_cast<ggml_type>(type)));
+      }
+      return LinearWeight(load(name, shape, dtype, device, slice));
+    }
     QuantizedWeight q = f_.load_blocks(g);
     const auto order = row_order(name);
     if (!order.empty()) q = q.permute_rows(order);
@@ -78,6 +86,12 @@ class GgufSource final : public WeightSource {
 
   size_t num_tensors() const override { return f_.tensor_names().size(); }
   std::string format() const override { return "gguf"; }
+  std::string dequantized_types() const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string out;
+    for (const auto& t : dequantized_) out += (out.empty() ? "" : ", ") + t;
+    return out;
+  }
 
  private:
   static bool ends_with(const std::string& s, const std::string& suffix) {
@@ -139,6 +153,8 @@ class GgufSource final : public WeightSource {
   GgufFile f_;
   ModelConfig c_;
   std::string arch_;
+  mutable std::mutex mu_;  // load_linear is const and may be called from several threads
+  mutable std::set<std::string> dequantized_;
 };
 
 }  // namespace

@@ -36,6 +36,9 @@ class WeightSource {
   virtual size_t num_tensors() const = 0;
   // "safetensors" or "gguf".
   virtual std::string format() const = 0;
+  // The block types (ggml names, e.g. "q4_1, q6_K") of the linear tensors load_linear dequantized
+  // because the device has no kernel for them (a GGUF on CUDA keeps only Q8_0 as codes); "" if none.
+  virtual std::string dequantized_types() const { return ""; }
 };
 
 }  // namespace kvserve

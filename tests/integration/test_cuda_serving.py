@@ -224,6 +224,8 @@ def test_gguf_q8_0_tensors_keep_their_codes_on_cuda(tmp_path):
                          capture_output=True, text=True, timeout=300, check=True)
     j = json.loads(gen.stdout.strip().splitlines()[-1])
     assert "int8_g32" in j["weights"]["format"] and j["completion_tokens"] == 8, j["weights"]
+    # The load says which blocks it widened, and to what.
+    assert "its q4_1 linear tensors are dequantized to bfloat16" in gen.stderr, gen.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4", "q4_1"])
