@@ -67,7 +67,7 @@ class GgufSource final : public WeightSource {
     // On CUDA a Q8_0 tensor keeps its codes (Int8Weight); other block types are dequantized there.
     const bool int8_cuda = device.is_cuda() && type == GGML_TYPE_Q8_0;
     if ((!device.is_cpu() && !int8_cuda) || type == 0 /* F32 */) {
-      if (type != 0 && type != 1 /* F16 */ && type != GGML_TYPE_BF16) {
+      if (type != GGML_TYPE_F32 && type != GGML_TYPE_F16 && type != GGML_TYPE_BF16) {
         std::lock_guard<std::mutex> lk(mu_);
         dequantized_.insert(ggml_type_name(static_cast<ggml_type>(type)));
       }

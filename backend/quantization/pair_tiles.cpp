@@ -8,30 +8,33 @@
 #include "common/env_int.h"
 #include "ggml.h"
 
-#if defined(__x86_64__) && defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 namespace kvserve {
 namespace {
 
-pair_tiles::PairsFn kernel_for(int type, int act) {
+// KVSERVE_PAIR_TILES=0 turns every pair kernel off (the A/B).
+bool pairs_on() {
   static const bool on = env_int("KVSERVE_PAIR_TILES", 1) != 0;
-  if (!on) return nullptr;
+  return on;
+}
+
+pair_tiles::PairsFn kernel_for(int type, int act) {
+  if (!pairs_on()) return nullptr;
   static const pair_tiles::PairsFn q4_1 = pair_tiles::q4_1_kernel(), q8_0 = pair_tiles::q8_0_kernel();
   if (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1) return q4_1;
   if (type == GGML_TYPE_Q8_0 && act == GGML_TYPE_Q8_0) return q8_0;
   return nullptr;
 }
 
+pair_tiles::KPairsFn q4_k_kernel() {
+  static const pair_tiles::KPairsFn fn = pairs_on() ? pair_tiles::q4_k_kernel() : nullptr;
+  return fn;
+}
+
+// An fp16 scale as float (exact).
 float half_at(const uint8_t* p) {
-  uint16_t h;
+  ggml_fp16_t h;
   std::memcpy(&h, p, sizeof h);
-#if defined(__x86_64__) && defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
   return ggml_fp16_to_fp32(h);
-#endif
 }
 
 // x's rows in pairs as the kernels read them (pair_tiles_kernel.h), in one 64-byte-aligned buffer (a
@@ -70,11 +73,6 @@ Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks
       }
     }
   return {quants, d_lanes, s_rows};
-}
-
-pair_tiles::KPairsFn q4_k_kernel() {
-  static const pair_tiles::KPairsFn fn = env_int("KVSERVE_PAIR_TILES", 1) != 0 ? pair_tiles::q4_k_kernel() : nullptr;
-  return fn;
 }
 
 // Q8_K rows in pairs for the Q4_K kernel (pair_tiles_kernel.h). Q8_K blocks: float d, 256 quants,
@@ -121,24 +119,21 @@ bool pair_tiles_available(int type, int act) {
 
 int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                        int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
-  if (type == GGML_TYPE_Q4_K) {
-    const pair_tiles::KPairsFn kernel = q4_k_kernel();
-    KV_CHECK(kernel != nullptr, "internal: no Q4_K pair kernel here");
-    const int64_t pairs = M / 2;
-    if (pairs == 0) return 0;
-    thread_local std::vector<uint8_t> kbuf;
-    const PackedK p = pack_k(x, x_row_bytes, pairs, blocks, kbuf);
-    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.d4_lanes, p.bsums, pairs, blocks, y, ldy);
-    return 2 * pairs;
-  }
-  const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;
-  const pair_tiles::PairsFn kernel = kernel_for(type, act);
-  KV_CHECK(kernel != nullptr, "internal: no pair kernel for ggml type " << type << " here");
   const int64_t pairs = M / 2;
   if (pairs == 0) return 0;
   thread_local std::vector<uint8_t> buf;
-  const Packed p = pack(x, x_row_bytes, pairs, blocks, act == GGML_TYPE_Q8_1, buf);
-  kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.s_rows, pairs, blocks, y, ldy);
+  if (type == GGML_TYPE_Q4_K) {
+    const pair_tiles::KPairsFn kernel = q4_k_kernel();
+    KV_CHECK(kernel != nullptr, "internal: no Q4_K pair kernel here");
+    const PackedK p = pack_k(x, x_row_bytes, pairs, blocks, buf);
+    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.d4_lanes, p.bsums, pairs, blocks, y, ldy);
+  } else {
+    const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;
+    const pair_tiles::PairsFn kernel = kernel_for(type, act);
+    KV_CHECK(kernel != nullptr, "internal: no pair kernel for ggml type " << type << " here");
+    const Packed p = pack(x, x_row_bytes, pairs, blocks, act == GGML_TYPE_Q8_1, buf);
+    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.s_rows, pairs, blocks, y, ldy);
+  }
   return 2 * pairs;
 }
 

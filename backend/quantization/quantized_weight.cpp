@@ -345,14 +345,15 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
       // Q8_0 on AVX-512 VNNI: two rows of x per instruction (pair_tiles.h; Q4_1's tiles pair their
       // rows the same way); an odd last row takes the one-row tiles. Both equal vec_dot bit for bit.
       const int64_t blocks = K / ggml_blck_size(as_type(p.type));
-      const bool odd = M % 2 != 0;
       at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
-        pair_tiles_dot(p.type, wp, p.row_bytes, r0, r1, ap, a_row, M, blocks, yp + first, N);
-        if (odd && gemv_tiles_support(p.type, a.type)) {
-          gemv_tiled_dot(p.type, wp, p.row_bytes, r0, r1, ap + (M - 1) * a_row, blocks, yp + (M - 1) * N + first);
-        } else if (odd) {
-          for (int64_t r = r0; r < r1; ++r)
-            vec_dot(static_cast<int>(K), yp + (M - 1) * N + first + r, 0, wp + r * p.row_bytes, 0, ap + (M - 1) * a_row, 0, 1);
+        const uint8_t* xr = ap;
+        float* yr = yp + first;
+        int64_t rows = M;
+        if (pair_tiles_take(p.type, a.type, wp, p.row_bytes, r0, r1, xr, a_row, rows, blocks, yr, N)) return;
+        if (gemv_tiles_support(p.type, a.type)) {
+          gemv_tiled_dot(p.type, wp, p.row_bytes, r0, r1, xr, blocks, yr);
+        } else {
+          for (int64_t r = r0; r < r1; ++r) vec_dot(static_cast<int>(K), yr + r, 0, wp + r * p.row_bytes, 0, xr, 0, 1);
         }
       });
       first += p.rows;
