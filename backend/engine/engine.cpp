@@ -114,8 +114,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   options_.speculative.validate("speculative_config");
   if (options_.speculative.enabled()) {
     KV_CHECK(!options_.speculative.self_draft() || impl_->runner->self_drafting(),
-             "speculative_config: method 'self' drafts in one process; a tensor- or pipeline-parallel engine "
-             "speculates with method 'ngram'");
+             "speculative_config: method 'self': this runner does not draft with its own KV; use method 'ngram'");
     if (options_.speculative.self_draft()) impl_->runner->configure_self_draft(options_.speculative);
     if (impl_->runner->speculative_decoding())
       so.speculative = speculative_ = options_.speculative;

@@ -46,7 +46,7 @@ class ModelRunner {
   virtual void set_cancel_check(CancelCheck check) { (void)check; }
   // Whether it verifies drafts (a sequence in several decode rows, StepPlan::truncate).
   virtual bool speculative_decoding() const { return false; }
-  // Whether it drafts with the model over its own KV (StepPlan::self_draft): one process only.
+  // Whether it drafts with the model over its own KV (StepPlan::self_draft).
   virtual bool self_drafting() const { return false; }
   // Self-drafting as configured: over a policy's kept set (SpeculativeConfig::draft_policy;
   // PagedKvMemory::set_draft_policy), and how sampling requests draft (draft_sampling).

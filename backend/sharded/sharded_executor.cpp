@@ -139,6 +139,7 @@ torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vecto
     DecodeBatch mb;
     mb.seq_ids.assign(batch.seq_ids.begin() + lo, batch.seq_ids.begin() + hi);
     mb.positions.assign(batch.positions.begin() + lo, batch.positions.begin() + hi);
+    mb.view = batch.view;
     torch::Tensor x = s.first_stage()
                           ? model_->embed(std::vector<int64_t>(tokens.begin() + lo, tokens.begin() + hi))
                           : data.recv_tensor(static_cast<int>(prev_rank()), kDecodeHidden + static_cast<int>(m), dev);

@@ -7,6 +7,8 @@
 
 #include "backend/model/decoder_model.h"
 #include "backend/spec_decode/draft_verifier.h"
+#include "backend/spec_decode/self_drafter.h"
+#include "backend/spec_decode/speculative_config.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
@@ -18,6 +20,7 @@ enum class ShardOp : int64_t {
   kStep = 1,
   kPing,
   kShutdown,
+  kSelfDraft,  // every rank's draft setup (ShardedRunner::configure_self_draft), between two steps
 };
 
 // A command: op + int64 payload (strings as one byte per element).
@@ -98,6 +101,7 @@ struct ShardCommand {
     put(static_cast<int64_t>(p.start.size()));
     for (const auto& s : p.start) put(s.seq_id), put(static_cast<int64_t>(s.seed)), put(s.eos_ids), put(s.prompt), put(s.sampling);
     put(p.decode.seq_ids), put(p.decode.positions), put(p.decode_tokens), put(p.decode_ban_eos);
+    put(p.self_draft.sink_blocks), put(p.self_draft.window_blocks);
     put(static_cast<int64_t>(p.prefill.size()));
     for (const auto& w : p.prefill) {
       KV_CHECK(!w.chunked(), "internal: a sharded job prefills whole prompts (chunked prefill is local only)");
@@ -130,6 +134,9 @@ struct ShardCommand {
     p.decode.positions = get_vector();
     p.decode_tokens = get_vector();
     p.decode_ban_eos = get_flags();
+    p.self_draft.sink_blocks = get();
+    p.self_draft.window_blocks = get();
+    KV_CHECK(p.self_draft.sink_blocks >= 0 && p.self_draft.window_blocks >= 0, "malformed command from rank 0");
     const int64_t prefills = get();
     KV_CHECK(prefills >= 0 && prefills <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
     for (int64_t i = 0; i < prefills; ++i) {
@@ -153,6 +160,30 @@ struct ShardCommand {
 };
 
 namespace {
+
+// A rank's self-draft setup, as rank 0's configure_self_draft sent it to every rank.
+struct DraftSetup {
+  bool sampled = false;  // draft_sampling "sample": the sampler rank draws a sampling sequence's drafts
+};
+
+ShardCommand draft_command(const SpeculativeConfig& spec) {
+  ShardCommand c;
+  c.op = ShardOp::kSelfDraft;
+  c.put(spec.draft_policy);
+  for (int64_t v : {spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens, spec.draft_refresh_tokens,
+                    int64_t{spec.draft_sampling == "sample"}})
+    c.put(v);
+  return c;
+}
+
+// Sets this rank's memory up as the command says (a draft policy's selection runs on every shard,
+// through the shards' score exchange, so every rank must have it from the same step on).
+DraftSetup apply_draft_command(ShardCommand& c, PagedKvMemory& kv) {
+  const std::string policy = c.get_string();
+  const int64_t budget = c.get(), min_context = c.get(), sink = c.get(), refresh = c.get(), sampled = c.get();
+  if (!policy.empty()) kv.set_draft_policy(policy, budget, min_context, sink, refresh);
+  return {sampled != 0};
+}
 
 constexpr int kSampledTag = 9;
 constexpr int kVerifiedTag = 10;  // a decode step's tokens per sequence (speculative) and its time, before the tokens
@@ -278,7 +309,7 @@ std::vector<int64_t> agree_prefix_hits(const StepPlan& plan, const PagedKvMemory
 // sampler rank samples and sends rank 0 the tokens; one all-reduce brings every rank's pool (its
 // slot of [geometry, occupancy, per row: held, demand, kept]) to every rank. Rank 0 gets the result.
 StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& kv, SamplerBank& samplers,
-                    parallel::ProcessGroup& world) {
+                    parallel::ProcessGroup& world, const DraftSetup& setup) {
   const ShardLayout& layout = exec.layout();
   const int me = world.rank(), src = sampler_rank(layout);
   const bool sampler = me == src;
@@ -298,11 +329,34 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   // verified tokens, i.e. the whole pipeline's forward (the last stage waits for the others) and the
   // sampling. It reaches rank 0 with the counts, for the speculation governor.
   int64_t decode_ns = 0;
+  // Self-drafts: every rank runs the draft steps on its shard (through the view); the sampler rank
+  // chooses each step's drafts and one broadcast gives them to every rank for the next step.
+  int64_t draft_steps_run = 0;
+  double draft_s = 0.0;
+  std::vector<int64_t> tokens = plan.decode_tokens;
+  std::vector<SampledDraft> sampled_drafts;
+  if (decodes && drafts && plan.self_draft.active()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    DraftStepFns fns;
+    fns.forward = [&](const DecodeBatch& step, const std::vector<int64_t>& in) {
+      torch::Tensor lg = exec.decode(step, in, /*to_rank0=*/false);
+      return sampler ? lg : torch::Tensor();
+    };
+    fns.share = [&](std::vector<int64_t>& chosen) {
+      auto t = torch::tensor(chosen, torch::kInt64);
+      world.broadcast(t, src);
+      chosen.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+    };
+    const bool draws = sampler && setup.sampled;
+    draft_steps_run = draft_steps(fns, kv, plan.decode, plan.self_draft, tokens, draws ? &samplers : nullptr,
+                                  draws ? &sampled_drafts : nullptr);
+    draft_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   if (decodes) {
     const auto start = std::chrono::steady_clock::now();
-    auto logits = exec.decode(plan.decode, plan.decode_tokens, /*to_rank0=*/false);
+    auto logits = exec.decode(plan.decode, tokens, /*to_rank0=*/false);
     if (sampler) {
-      VerifiedTokens v = verify_drafts(samplers, plan.decode, plan.decode_tokens, logits, plan.decode_ban_eos);
+      VerifiedTokens v = verify_drafts(samplers, plan.decode, tokens, logits, plan.decode_ban_eos, sampled_drafts);
       sampled = std::move(v.tokens);
       counts = std::move(v.counts);
       decode_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
@@ -382,8 +436,13 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   if (me != 0) return {};
 
   StepResult result;
-  result.decode_s = static_cast<double>(decode_ns) * 1e-9;
-  if (drafts) result.verify_s = result.decode_s;  // no draft steps here: prompt lookup drafts on rank 0's host
+  // The verify part on the sampler's clock; the draft steps on rank 0's, which takes part in each
+  // step's broadcast of drafts and so ends its loop with the last of them. Prompt lookup drafts on
+  // rank 0's host, before the step.
+  result.decode_s = static_cast<double>(decode_ns) * 1e-9 + draft_s;
+  if (drafts) result.verify_s = static_cast<double>(decode_ns) * 1e-9;
+  result.draft_s = draft_s;
+  result.draft_steps = draft_steps_run;
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int64_t> kept(static_cast<size_t>(R), 0);
   std::vector<PagedKvMemory::HeadKeptStats> heads(static_cast<size_t>(R));
@@ -507,9 +566,20 @@ StepResult ShardedRunner::execute(const StepPlan& plan) {
                      : KvMemory::kNoLookup;
     }
     send_command(*groups_.world, command(ShardOp::kStep, sent));
-    StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world);
+    StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world, {sampled_drafts_});
     step_collectives_ += groups_.world->collectives() - before;
     return r;
+  });
+}
+
+void ShardedRunner::configure_self_draft(const SpeculativeConfig& spec) {
+  ShardCommand c = draft_command(spec);
+  // Rank 0 first: a configuration error (an unknown draft policy) stops the start before any
+  // worker changes.
+  sampled_drafts_ = apply_draft_command(c, *kv_).sampled;
+  guarded([&] {
+    send_command(*groups_.world, c);
+    return 0;
   });
 }
 
@@ -524,13 +594,17 @@ int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderM
                      int64_t micro_batches) {
   ShardedExecutor exec(std::move(model), *kv, groups, micro_batches);
   SamplerBank samplers;  // used on the sampler rank only
+  DraftSetup setup;
   auto& world = *groups.world;
   try {
     for (;;) {
       ShardCommand c = receive_command(world);
       switch (c.op) {
         case ShardOp::kStep:
-          run_step(c.get_plan(), exec, *kv, samplers, world);
+          run_step(c.get_plan(), exec, *kv, samplers, world, setup);
+          break;
+        case ShardOp::kSelfDraft:
+          setup = apply_draft_command(c, *kv);
           break;
         case ShardOp::kPing:
           break;

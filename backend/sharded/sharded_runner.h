@@ -31,6 +31,10 @@ class ShardedRunner final : public ModelRunner {
   bool compressed_contexts() const override { return true; }
   // Every shard appends a verify step's rows and drops the rejected ones; the sampler rank verifies.
   bool speculative_decoding() const override { return true; }
+  // Every rank runs the draft steps over its shard's view; the sampler rank chooses the drafts.
+  bool self_drafting() const override { return true; }
+  // Sets up rank 0's memory and sends the same setup to every worker (one command between steps).
+  void configure_self_draft(const SpeculativeConfig& spec) override;
 
  private:
   template <typename F>
@@ -40,6 +44,7 @@ class ShardedRunner final : public ModelRunner {
   ShardedExecutor exec_;
   std::function<void(const std::string&)> on_comm_failure_;
   SamplerBank samplers_;  // used when rank 0 is also the last stage (no pipeline)
+  bool sampled_drafts_ = false;  // draft_sampling "sample"
   int64_t step_collectives_ = 0;
   bool dead_ = false;
   bool stopped_ = false;

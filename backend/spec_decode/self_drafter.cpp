@@ -8,8 +8,46 @@
 
 namespace kvserve {
 
+namespace {
+
+// A draft step's tokens from its logits: the argmax, or for a sampling sequence with a sampler bank
+// a draw from its draft distribution (recorded in sampled at the row the draft goes to, minus one).
+void choose_drafts(const torch::Tensor& logits, const DecodeBatch& step, const std::vector<size_t>& rows,
+                   std::vector<int64_t>& chosen, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {
+  std::vector<char> drawn(rows.size(), 0);  // rows whose sequence samples: drafts drawn from q
+  if (samplers != nullptr)
+    for (size_t k = 0; k < rows.size(); ++k) drawn[k] = samplers->samples(step.seq_ids[k]);
+  if (std::find(drawn.begin(), drawn.end(), 1) != drawn.end()) {
+    const torch::Tensor host = logits.to(torch::kCPU, torch::kFloat32).contiguous();
+    const int64_t V = host.size(1);
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const float* row = host.data_ptr<float>() + static_cast<int64_t>(k) * V;
+      if (drawn[k]) {
+        SampledDraft d = samplers->draft(step.seq_ids[k], row, V);
+        chosen[k] = d.token;
+        (*sampled)[rows[k] - 1] = std::move(d);
+      } else {
+        chosen[k] = std::max_element(row, row + V) - row;  // the first maximum, as argmax
+      }
+    }
+    return;
+  }
+  const torch::Tensor best = logits.argmax(-1).to(torch::kCPU).to(torch::kInt64).contiguous();
+  const int64_t* b = best.data_ptr<int64_t>();
+  for (size_t k = 0; k < rows.size(); ++k) chosen[k] = b[k];
+}
+
+}  // namespace
+
 int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
                           std::vector<int64_t>& tokens, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {
+  DraftStepFns fns;
+  fns.forward = [&](const DecodeBatch& step, const std::vector<int64_t>& in) { return model.decode(step, in, kv); };
+  return draft_steps(fns, kv, batch, view, tokens, samplers, sampled);
+}
+
+int64_t draft_steps(const DraftStepFns& fns, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
+                    std::vector<int64_t>& tokens, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {
   const size_t R = batch.seq_ids.size();
   KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active() && (samplers == nullptr) == (sampled == nullptr),
            "internal: self-drafting " << R << " rows with " << tokens.size() << " tokens");
@@ -31,28 +69,11 @@ int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& 
       in.push_back(tokens[row]);
       rows.push_back(row + 1);
     }
-    const torch::Tensor logits = model.decode(step, in, kv);
-    std::vector<char> drawn(rows.size(), 0);  // rows whose sequence samples: drafts drawn from q
-    if (samplers != nullptr)
-      for (size_t k = 0; k < rows.size(); ++k) drawn[k] = samplers->samples(step.seq_ids[k]);
-    if (std::find(drawn.begin(), drawn.end(), 1) != drawn.end()) {
-      const torch::Tensor host = logits.to(torch::kCPU, torch::kFloat32).contiguous();
-      const int64_t V = host.size(1);
-      for (size_t k = 0; k < rows.size(); ++k) {
-        const float* row = host.data_ptr<float>() + static_cast<int64_t>(k) * V;
-        if (drawn[k]) {
-          SampledDraft d = samplers->draft(step.seq_ids[k], row, V);
-          tokens[rows[k]] = d.token;
-          (*sampled)[rows[k] - 1] = std::move(d);
-        } else {
-          tokens[rows[k]] = std::max_element(row, row + V) - row;  // the first maximum, as argmax
-        }
-      }
-      continue;
-    }
-    const torch::Tensor best = logits.argmax(-1).to(torch::kCPU).to(torch::kInt64).contiguous();
-    const int64_t* b = best.data_ptr<int64_t>();
-    for (size_t k = 0; k < rows.size(); ++k) tokens[rows[k]] = b[k];
+    const torch::Tensor logits = fns.forward(step, in);
+    std::vector<int64_t> chosen(rows.size(), 0);
+    if (logits.defined()) choose_drafts(logits, step, rows, chosen, samplers, sampled);
+    if (fns.share) fns.share(chosen);
+    for (size_t k = 0; k < rows.size(); ++k) tokens[rows[k]] = chosen[k];
   }
   for (size_t g = 0; g < first.size(); ++g)
     if (drafts[g] > 0) kv.truncate(batch.seq_ids[first[g]], static_cast<int64_t>(drafts[g]));

@@ -3,6 +3,7 @@
 // through a compressed view of the sequence's own paged KV (sinks + recent window) instead of all of
 // it, so that a draft step reads little KV while the verify step reads everything.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "backend/sampling/sampler.h"
@@ -27,5 +28,18 @@ class DecoderModel;
 int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
                           std::vector<int64_t>& tokens, SamplerBank* samplers = nullptr,
                           std::vector<SampledDraft>* sampled = nullptr);
+
+// The same loop where one step's forward spans processes (a tensor x pipeline parallel job: every
+// rank runs every draft step on its shard). forward runs a draft step and returns its fp32 logits
+// [rows, V] on the one rank that chooses the drafts (the sampler rank), an undefined tensor on the
+// others; share then gives every rank the drafts that rank chose (the same vector on return;
+// in-out, one token per step row). samplers / sampled: on the choosing rank only, as above.
+struct DraftStepFns {
+  std::function<torch::Tensor(const DecodeBatch& step, const std::vector<int64_t>& tokens)> forward;
+  std::function<void(std::vector<int64_t>& chosen)> share;
+};
+int64_t draft_steps(const DraftStepFns& fns, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
+                    std::vector<int64_t>& tokens, SamplerBank* samplers = nullptr,
+                    std::vector<SampledDraft>* sampled = nullptr);
 
 }  // namespace kvserve

@@ -118,18 +118,59 @@ def test_concurrent_chunked_and_preempted_match():
         s.close()
 
 
-def test_sharded_engine_refuses_self_drafts_by_name(tmp_path):
+@pytest.mark.parametrize("layout, draft_policy", [
+    (("--tp", "2"), False),
+    (("--pp", "2", "--micro-batches", "2"), False),
+    (("--tp", "2"), True),
+])
+def test_sharded_self_drafts_match_plain(layout, draft_policy):
+    # Every rank runs each draft step on its shard through the view (a pipeline's stages in turn);
+    # the sampling rank chooses the drafts and broadcasts them for the next step; every shard then
+    # verifies and drops what was rejected. With draft_policy every shard also selects the view's
+    # blocks of its own layers and heads (through the shards' score exchange).
     fixture = FIXTURES / "llama-kvfew"
     if not (fixture / "config.json").exists():
         pytest.skip("no llama-kvfew fixture")
-    bad = subprocess.run([kvserve_bin(), "generate", "--model", str(fixture), "--prompt", "x", "--tp", "2",
-                          "--speculative-config", '{"method": "self", "num_speculative_tokens": 3}'],
-                         capture_output=True, text=True, timeout=180)
-    assert bad.returncode != 0 and "method 'self' drafts in one process" in bad.stderr, bad.stderr[-2000:]
+    yaml = SELF_YAML + ("  draft_policy: snapkv\n  draft_budget: 48\n  draft_refresh_tokens: 8\n" if draft_policy else "")
+    s = Server(model=str(fixture), extra_yaml=yaml, extra_args=layout)
+    try:
+        prompts = [f"{i}: " + STORY * (1 + i % 2) for i in range(4)]
+
+        def run(i_spec):
+            i, spec = i_spec
+            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                       "speculative": spec}))
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            fast = list(pool.map(run, [(i, True) for i in range(4)]))
+        slow = [run((i, False)) for i in range(4)]
+        assert fast == slow
+        for extra in ({"temperature": 0.9, "seed": 5}, {"temperature": 0, "kv_policy": "snapkv"}):
+            a, b = both(s, {"prompt": prompts[1], "max_tokens": 16, "ignore_eos": True, **extra})
+            assert tokens(a) == tokens(b), extra
+        m = s.wait_idle()
+        assert m["kvserve:spec_decode_draft_steps_total"] >= m["kvserve:spec_decode_verify_steps_total"] > 0
+        assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert m["kvserve:spec_decode_draft_seconds_total"] > 0 and m["kvserve:spec_decode_verify_seconds_total"] > 0
+        assert m["kvserve:kv_cache_blocks_used"] == 0
+    finally:
+        s.close()
+
+
+def test_self_draft_config_errors_name_the_field():
     bad = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x", "--speculative-config",
                           '{"method": "self", "num_speculative_tokens": 3, "draft_window_tokens": 0}'],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--speculative-config: draft_window_tokens must be >= 1" in bad.stderr
+    fixture = FIXTURES / "llama-kvfew"
+    if not (fixture / "config.json").exists():
+        return
+    # A sharded job checks the draft policy on rank 0 before any worker changes.
+    bad = subprocess.run([kvserve_bin(), "generate", "--model", str(fixture), "--prompt", "x", "--tp", "2",
+                          "--speculative-config", '{"method": "self", "num_speculative_tokens": 3, "draft_policy": "nope"}'],
+                         capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0 and "speculative_config.draft_policy: policy 'nope' is neither" in bad.stderr, \
+        bad.stderr[-2000:]
 
 
 def test_generate_json_reports_self_drafts():
