@@ -224,7 +224,9 @@ torch::Tensor paged_attention_cpu_avx2(const Shapes& s, ChunkFn fn, const torch:
     // on every call was a good part of a short layer's cost.
     auto padded = [](int64_t n) { return (n + 1023) / 1024 * 1024 + 64; };
     thread_local std::vector<float> scratch;
-    const size_t need = static_cast<size_t>(padded(G * D) + padded(G * s.bs) + padded(s.bs * D) + padded(s.bs * D));
+    // The V tile, or a direct-V block's scales and scaled probabilities ([1 + G, D / 32, bs]).
+    const int64_t vtile = std::max(s.bs * D, (1 + G) * (D / paged_kernel::kQuantGroup) * s.bs);
+    const size_t need = static_cast<size_t>(padded(G * D) + padded(G * s.bs) + padded(s.bs * D) + padded(vtile));
     if (scratch.size() < need) scratch.resize(need);
     float* qs = scratch.data();
     float* sc = qs + padded(G * D);

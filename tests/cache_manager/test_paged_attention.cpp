@@ -520,7 +520,7 @@ TEST(PagedAttentionVerifyRuns, SplitKChunkAnEarlierRowCannotSee) {
 // row's own length, so alone, beside much longer or shorter rows, or repeated (a verify run), it
 // is the same bit for bit. Greedy outputs under speculation and with quantized weights rely on it.
 TEST(PagedAttention, ARowsOutputIsTheSameInAnyBatch) {
-  for (const KvQuant quant : {KvQuant::none, KvQuant::q8_0}) {
+  for (const KvQuant quant : {KvQuant::none, KvQuant::q8_0, KvQuant::q4_0}) {
     torch::manual_seed(9);
     const int64_t kv = 3, g = 3, d = 64, bs = 16;
     const std::vector<int64_t> lens{5001, 17, 300, 2048, 1};
