@@ -19,9 +19,13 @@ bool pairs_on() {
 
 pair_tiles::PairsFn kernel_for(int type, int act) {
   if (!pairs_on()) return nullptr;
-  static const pair_tiles::PairsFn q4_1 = pair_tiles::q4_1_kernel(), q8_0 = pair_tiles::q8_0_kernel();
+  static const pair_tiles::PairsFn q4_1 = pair_tiles::q4_1_kernel(), q8_0 = pair_tiles::q8_0_kernel(),
+                                   q4_0 = pair_tiles::q4_0_kernel(), q5_0 = pair_tiles::q5_0_kernel();
   if (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1) return q4_1;
-  if (type == GGML_TYPE_Q8_0 && act == GGML_TYPE_Q8_0) return q8_0;
+  if (act != GGML_TYPE_Q8_0) return nullptr;
+  if (type == GGML_TYPE_Q8_0) return q8_0;
+  if (type == GGML_TYPE_Q4_0) return q4_0;
+  if (type == GGML_TYPE_Q5_0) return q5_0;
   return nullptr;
 }
 
@@ -40,21 +44,26 @@ float half_at(const uint8_t* p) {
 // x's rows in pairs as the kernels read them (pair_tiles_kernel.h), in one 64-byte-aligned buffer (a
 // 64-byte load that straddles two cache lines costs two). Q8_1 blocks: fp16 d, fp16 s, 32 quants;
 // Q8_0: fp16 d, 32 quants.
+// offset_scale: c of the Q4_0 (8) / Q5_0 (16) kernels' offset lanes, 0 for none.
 struct Packed {
   const uint8_t* quants;
   const float* d_lanes;
   const float* s_rows;
+  const int32_t* offsets;
 };
-Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, bool q8_1, std::vector<uint8_t>& buf) {
+Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, bool q8_1, int offset_scale,
+            std::vector<uint8_t>& buf) {
   using pair_tiles::kPassPairs;
   const int64_t block_bytes = q8_1 ? 36 : 34, quants_at = q8_1 ? 4 : 2;
   const int64_t passes = (pairs + kPassPairs - 1) / kPassPairs;
-  const int64_t q_bytes = pairs * blocks * 64, d_bytes = pairs * blocks * 64, s_bytes = q8_1 ? passes * blocks * 32 : 0;
-  buf.resize(static_cast<size_t>(q_bytes + d_bytes + s_bytes + 64));
+  const int64_t q_bytes = pairs * blocks * 64, d_bytes = pairs * blocks * 64, o_bytes = offset_scale ? d_bytes : 0,
+                s_bytes = q8_1 ? passes * blocks * 32 : 0;
+  buf.resize(static_cast<size_t>(q_bytes + d_bytes + o_bytes + s_bytes + 64));
   uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
   uint8_t* quants = base;
   auto* d_lanes = reinterpret_cast<float*>(base + q_bytes);
-  auto* s_rows = q8_1 ? reinterpret_cast<float*>(base + q_bytes + d_bytes) : nullptr;
+  auto* offsets = offset_scale ? reinterpret_cast<int32_t*>(base + q_bytes + d_bytes) : nullptr;
+  auto* s_rows = q8_1 ? reinterpret_cast<float*>(base + q_bytes + d_bytes + o_bytes) : nullptr;
   if (s_rows) std::fill(s_rows, s_rows + passes * blocks * 8, 0.0f);
   for (int64_t p = 0; p < pairs; ++p)
     for (int64_t l = 0; l < blocks; ++l) {
@@ -71,8 +80,17 @@ Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks
         s[0] = half_at(a + 2);
         s[1] = half_at(b + 2);
       }
+      if (offsets) {
+        int32_t* o = offsets + (p * blocks + l) * 16;
+        const auto* qa = reinterpret_cast<const int8_t*>(a + quants_at);
+        const auto* qb = reinterpret_cast<const int8_t*>(b + quants_at);
+        for (int k = 0; k < 8; ++k) {
+          o[k] = -offset_scale * (qa[4 * k] + qa[4 * k + 1] + qa[4 * k + 2] + qa[4 * k + 3]);
+          o[8 + k] = -offset_scale * (qb[4 * k] + qb[4 * k + 1] + qb[4 * k + 2] + qb[4 * k + 3]);
+        }
+      }
     }
-  return {quants, d_lanes, s_rows};
+  return {quants, d_lanes, s_rows, offsets};
 }
 
 // Q8_K rows in pairs for the Q4_K kernel (pair_tiles_kernel.h). Q8_K blocks: float d, 256 quants,
@@ -131,8 +149,9 @@ int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0
     const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;
     const pair_tiles::PairsFn kernel = kernel_for(type, act);
     KV_CHECK(kernel != nullptr, "internal: no pair kernel for ggml type " << type << " here");
-    const Packed p = pack(x, x_row_bytes, pairs, blocks, act == GGML_TYPE_Q8_1, buf);
-    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.s_rows, pairs, blocks, y, ldy);
+    const int offset_scale = type == GGML_TYPE_Q4_0 ? 8 : type == GGML_TYPE_Q5_0 ? 16 : 0;
+    const Packed p = pack(x, x_row_bytes, pairs, blocks, act == GGML_TYPE_Q8_1, offset_scale, buf);
+    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.s_rows, p.offsets, pairs, blocks, y, ldy);
   }
   return 2 * pairs;
 }

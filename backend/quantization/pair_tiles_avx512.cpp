@@ -33,6 +33,13 @@ inline float sum8(__m256 v) {
 
 inline __m512i both_halves(__m256i v) { return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1); }
 
+// A block's leading fp16 d in every lane.
+inline __m512 half_d(const uint8_t* wb) {
+  uint16_t d_bits;
+  __builtin_memcpy(&d_bits, wb, sizeof d_bits);
+  return _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
+}
+
 // Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (value j in the low nibble of byte j, j + 16 in its high
 // nibble); unsigned values, so dpbusd takes them as they are.
 struct Q4_1 {
@@ -49,7 +56,7 @@ struct Q4_1 {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 4));
     u = both_halves(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F)));
   }
-  __m512i lane_sums(__m512i xq) const { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq); }
+  __m512i lane_sums(__m512i xq, const int32_t*) const { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq); }
 };
 
 // Q8_0: fp16 d, 32 signed bytes. dpbusd wants one unsigned side: |w| against x with w's signs, as
@@ -58,27 +65,52 @@ struct Q8_0 {
   static constexpr int64_t kBytes = 34;
   static constexpr bool kMins = false;
   __m512 d, m;
-  __m512i u;         // |w| in both halves
+  __m512i u;           // |w| in both halves
   __mmask64 negative;  // w's sign bits
   explicit Q8_0(const uint8_t* wb) {
-    uint16_t d_bits;
-    __builtin_memcpy(&d_bits, wb, sizeof d_bits);
-    d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
+    d = half_d(wb);
     m = _mm512_setzero_ps();
     const __m512i w = both_halves(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2)));
     u = _mm512_abs_epi8(w);
     negative = _mm512_movepi8_mask(w);
   }
-  __m512i lane_sums(__m512i xq) const {
+  __m512i lane_sums(__m512i xq, const int32_t*) const {
     const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, signed_x);
+  }
+};
+
+// Q4_0 (fp16 d, 16 bytes of nibbles: value j low in byte j, j + 16 high; w = q - 8) and Q5_0 (fp16
+// d, 4 bytes of fifth bits, bit j for value j, then the nibbles; w = q - 16) against Q8_0: dpbusd
+// takes the unsigned q as it is, starting from the x block's offset lanes (-8 or -16 times the sum
+// of each lane's 4 x bytes, packed with x), so every lane is ggml's sum of (q - c) * x exactly.
+template <bool kFifthBit>
+struct OffsetBlock {
+  static constexpr int64_t kBytes = kFifthBit ? 22 : 18;
+  static constexpr bool kMins = false;
+  __m512 d, m;
+  __m512i u;  // q in both halves
+  explicit OffsetBlock(const uint8_t* wb) {
+    d = half_d(wb);
+    m = _mm512_setzero_ps();
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + (kFifthBit ? 6 : 2)));
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+    if constexpr (kFifthBit) {
+      uint32_t qh;
+      __builtin_memcpy(&qh, wb + 2, sizeof qh);
+      q = _mm256_or_si256(q, _mm256_maskz_mov_epi8(static_cast<__mmask32>(qh), _mm256_set1_epi8(0x10)));
+    }
+    u = both_halves(q);
+  }
+  __m512i lane_sums(__m512i xq, const int32_t* offsets) const {
+    return _mm512_dpbusd_epi32(_mm512_load_si512(offsets), u, xq);
   }
 };
 
 // One weight row against P pairs of x rows (the pointers at the pass's first pair, block 0).
 template <int P, typename B>
 inline void row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const float* s_rows,
-                            int64_t blocks, float* y, int64_t ldy) {
+                            const int32_t* offsets, int64_t blocks, float* y, int64_t ldy) {
   __m512 acc[P];
   for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
   __m256 mins = _mm256_setzero_ps();  // lane j: x row j of the pass's min terms, summed in block order
@@ -92,7 +124,8 @@ inline void row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const fl
     }
     for (int p = 0; p < P; ++p) {
       const int64_t pb = p * blocks + l;
-      const __m512 lanes = _mm512_cvtepi32_ps(w.lane_sums(_mm512_load_si512(quants + pb * 64)));
+      const __m512 lanes =
+          _mm512_cvtepi32_ps(w.lane_sums(_mm512_load_si512(quants + pb * 64), offsets ? offsets + pb * 16 : nullptr));
       acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(w.d, _mm512_load_ps(d_lanes + pb * 16)), lanes, acc[p]);
     }
   }
@@ -113,7 +146,7 @@ inline void row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const fl
 
 template <typename B>
 void pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
-           const float* s_rows, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
+           const float* s_rows, const int32_t* offsets, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
   // Up to 4 pairs a pass (8 accumulators; a weight block is prepared once a pass). The pass's x
   // (~25 KB at 1,536 columns) stays in L1 while the weight rows go by; the rows are read again for
   // the next pass, from L2, rather than all of x for every row.
@@ -122,14 +155,15 @@ void pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const ui
     const uint8_t* qp = quants + p0 * blocks * 64;
     const float* dp = d_lanes + p0 * blocks * 16;
     const float* sp = B::kMins ? s_rows + (p0 / kPassPairs) * blocks * 8 : nullptr;
+    const int32_t* op = offsets ? offsets + p0 * blocks * 16 : nullptr;
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* wrow = w + r * row_bytes;
       float* yp = y + (2 * p0) * ldy + r;
       switch (n) {
-        case 4: row_times_pairs<4, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
-        case 3: row_times_pairs<3, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
-        case 2: row_times_pairs<2, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
-        default: row_times_pairs<1, B>(wrow, qp, dp, sp, blocks, yp, ldy); break;
+        case 4: row_times_pairs<4, B>(wrow, qp, dp, sp, op, blocks, yp, ldy); break;
+        case 3: row_times_pairs<3, B>(wrow, qp, dp, sp, op, blocks, yp, ldy); break;
+        case 2: row_times_pairs<2, B>(wrow, qp, dp, sp, op, blocks, yp, ldy); break;
+        default: row_times_pairs<1, B>(wrow, qp, dp, sp, op, blocks, yp, ldy); break;
       }
     }
   }
@@ -237,6 +271,8 @@ bool cpu_has_vnni() {
 
 PairsFn q4_1_kernel() { return cpu_has_vnni() ? &pairs<Q4_1> : nullptr; }
 PairsFn q8_0_kernel() { return cpu_has_vnni() ? &pairs<Q8_0> : nullptr; }
+PairsFn q4_0_kernel() { return cpu_has_vnni() ? &pairs<OffsetBlock<false>> : nullptr; }
+PairsFn q5_0_kernel() { return cpu_has_vnni() ? &pairs<OffsetBlock<true>> : nullptr; }
 KPairsFn q4_k_kernel() { return cpu_has_vnni() ? &q4_k_pairs : nullptr; }
 
 }  // namespace kvserve::pair_tiles
@@ -246,6 +282,8 @@ KPairsFn q4_k_kernel() { return cpu_has_vnni() ? &q4_k_pairs : nullptr; }
 namespace kvserve::pair_tiles {
 PairsFn q4_1_kernel() { return nullptr; }
 PairsFn q8_0_kernel() { return nullptr; }
+PairsFn q4_0_kernel() { return nullptr; }
+PairsFn q5_0_kernel() { return nullptr; }
 KPairsFn q4_k_kernel() { return nullptr; }
 }  // namespace kvserve::pair_tiles
 

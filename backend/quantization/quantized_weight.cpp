@@ -341,9 +341,11 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const Tiles for_type = tiles_for(p.type, a.type);
     const bool k_quant = for_type == Tiles::kQ4_K || for_type == Tiles::kQ5_K || for_type == Tiles::kQ6_K;
     const Tiles tiles = M >= 2 || k_quant ? for_type : Tiles::kNone;
-    if (p.type == GGML_TYPE_Q8_0 && M >= 2 && tiles_enabled() && pair_tiles_available(p.type, a.type)) {
-      // Q8_0 on AVX-512 VNNI: two rows of x per instruction (pair_tiles.h; Q4_1's tiles pair their
-      // rows the same way); an odd last row takes the one-row tiles. Both equal vec_dot bit for bit.
+    const bool signed_pairs = p.type == GGML_TYPE_Q8_0 || p.type == GGML_TYPE_Q4_0 || p.type == GGML_TYPE_Q5_0;
+    if (signed_pairs && M >= 2 && tiles_enabled() && pair_tiles_available(p.type, a.type)) {
+      // Q8_0, Q4_0 and Q5_0 on AVX-512 VNNI: two rows of x per instruction (pair_tiles.h; Q4_1's
+      // tiles pair their rows the same way), before llamafile's tiles; an odd last row takes the
+      // one-row tiles. Both equal vec_dot bit for bit.
       const int64_t blocks = K / ggml_blck_size(as_type(p.type));
       at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
         const uint8_t* xr = ap;

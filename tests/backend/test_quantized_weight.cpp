@@ -141,7 +141,7 @@ TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
 TEST(QuantizedWeight, RowsInPairsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(12);
   ggml_cpu_init();
-  for (const char* name : {"q4_1", "q8_0", "q4_K"}) {
+  for (const char* name : {"q4_1", "q8_0", "q4_0", "q5_0", "q4_K"}) {
     const int type = quant_type_from_name(name);
     const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
     const auto act = traits->vec_dot_type;
