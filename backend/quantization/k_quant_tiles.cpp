@@ -291,11 +291,13 @@ void q4_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1,
 
 void q5_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  if (pair_tiles_take(GGML_TYPE_Q5_K, GGML_TYPE_Q8_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy)) return;
   tiled(kQ5_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
 }
 
 void q6_k_tiled_dot(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* x,
                     int64_t x_row_bytes, int64_t M, int64_t blocks, float* y, int64_t ldy) {
+  if (pair_tiles_take(GGML_TYPE_Q6_K, GGML_TYPE_Q8_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy)) return;
   tiled(kQ6_K, w, row_bytes, r0, r1, x, x_row_bytes, M, blocks, y, ldy);
 }
 

@@ -29,9 +29,11 @@ pair_tiles::PairsFn kernel_for(int type, int act) {
   return nullptr;
 }
 
-pair_tiles::KPairsFn q4_k_kernel() {
-  static const pair_tiles::KPairsFn fn = pairs_on() ? pair_tiles::q4_k_kernel() : nullptr;
-  return fn;
+pair_tiles::KPairsFn k_kernel(int type) {
+  static const pair_tiles::KPairsFn q4_k = pairs_on() ? pair_tiles::q4_k_kernel() : nullptr,
+                                    q5_k = pairs_on() ? pair_tiles::q5_k_kernel() : nullptr,
+                                    q6_k = pairs_on() ? pair_tiles::q6_k_kernel() : nullptr;
+  return type == GGML_TYPE_Q4_K ? q4_k : type == GGML_TYPE_Q5_K ? q5_k : type == GGML_TYPE_Q6_K ? q6_k : nullptr;
 }
 
 // An fp16 scale as float (exact).
@@ -93,18 +95,18 @@ Packed pack(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks
   return {quants, d_lanes, s_rows, offsets};
 }
 
-// Q8_K rows in pairs for the Q4_K kernel (pair_tiles_kernel.h). Q8_K blocks: float d, 256 quants,
-// 16 int16 sums of 16 quants.
+// Q8_K rows in pairs for the K-quant kernels (pair_tiles_kernel.h). Q8_K blocks: float d, 256
+// quants, 16 int16 sums of 16 quants (Q4_K and Q5_K take them added two by two, Q6_K as they are).
 struct PackedK {
   const uint8_t* quants;
   const float* d_lanes;
   const float* d4_lanes;
   const int16_t* bsums;
 };
-PackedK pack_k(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, std::vector<uint8_t>& buf) {
+PackedK pack_k(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blocks, bool q6_k, std::vector<uint8_t>& buf) {
   constexpr int64_t kQ8_KBytes = 292, kSumsAt = 260;
   const int64_t n = pairs * blocks;
-  const int64_t q_bytes = n * 512, d_bytes = n * 64, d4_bytes = n * 32, s_bytes = n * 32;
+  const int64_t q_bytes = n * 512, d_bytes = n * 64, d4_bytes = n * 32, s_bytes = n * (q6_k ? 64 : 32);
   buf.resize(static_cast<size_t>(q_bytes + d_bytes + d4_bytes + s_bytes + 64));
   uint8_t* base = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
   auto* d_lanes = reinterpret_cast<float*>(base + q_bytes);
@@ -122,7 +124,10 @@ PackedK pack_k(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blo
         std::fill(d4_lanes + pb * 8 + 4 * i, d4_lanes + pb * 8 + 4 * i + 4, xd);
         int16_t sums[16];
         std::memcpy(sums, xb + kSumsAt, sizeof sums);
-        for (int k = 0; k < 8; ++k) bsums[pb * 16 + 8 * i + k] = static_cast<int16_t>(sums[2 * k] + sums[2 * k + 1]);
+        if (q6_k)
+          std::memcpy(bsums + pb * 32 + 16 * i, sums, sizeof sums);
+        else
+          for (int k = 0; k < 8; ++k) bsums[pb * 16 + 8 * i + k] = static_cast<int16_t>(sums[2 * k] + sums[2 * k + 1]);
       }
     }
   return {base, d_lanes, d4_lanes, bsums};
@@ -131,7 +136,7 @@ PackedK pack_k(const uint8_t* x, int64_t x_row_bytes, int64_t pairs, int64_t blo
 }  // namespace
 
 bool pair_tiles_available(int type, int act) {
-  if (type == GGML_TYPE_Q4_K && act == GGML_TYPE_Q8_K) return q4_k_kernel() != nullptr;
+  if (act == GGML_TYPE_Q8_K) return k_kernel(type) != nullptr;
   return kernel_for(type, act) != nullptr;
 }
 
@@ -140,10 +145,10 @@ int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0
   const int64_t pairs = M / 2;
   if (pairs == 0) return 0;
   thread_local std::vector<uint8_t> buf;
-  if (type == GGML_TYPE_Q4_K) {
-    const pair_tiles::KPairsFn kernel = q4_k_kernel();
-    KV_CHECK(kernel != nullptr, "internal: no Q4_K pair kernel here");
-    const PackedK p = pack_k(x, x_row_bytes, pairs, blocks, buf);
+  if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K) {
+    const pair_tiles::KPairsFn kernel = k_kernel(type);
+    KV_CHECK(kernel != nullptr, "internal: no pair kernel for K-quant type " << type << " here");
+    const PackedK p = pack_k(x, x_row_bytes, pairs, blocks, type == GGML_TYPE_Q6_K, buf);
     kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.d4_lanes, p.bsums, pairs, blocks, y, ldy);
   } else {
     const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;

@@ -1,5 +1,5 @@
 #pragma once
-// Several rows of x times Q4_1, Q8_0, Q4_0, Q5_0 or Q4_K weights two rows at a time, on CPUs with AVX-512 VNNI
+// Several rows of x times Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K or Q6_K weights two rows at a time, on CPUs with AVX-512 VNNI
 // (pair_tiles_kernel.h): x is packed once a call, pair by pair, and each weight block is multiplied
 // with two rows per instruction. Every output equals ggml's one-row vec_dot bit for bit.
 #include <cstdint>
@@ -7,7 +7,7 @@
 namespace kvserve {
 
 // Whether the pair kernel serves these ggml types (Q4_1 weights with Q8_1 activations, Q8_0, Q4_0
-// and Q5_0 with Q8_0, Q4_K with Q8_K) on this CPU. KVSERVE_PAIR_TILES=0 in the environment turns it off (the A/B).
+// and Q5_0 with Q8_0, Q4_K, Q5_K and Q6_K with Q8_K) on this CPU. KVSERVE_PAIR_TILES=0 in the environment turns it off (the A/B).
 bool pair_tiles_available(int type, int act);
 
 // y[m * ldy + r] = dot(W row r, x row m) for r in [r0, r1) and m below M rounded down to even; returns

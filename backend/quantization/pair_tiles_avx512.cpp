@@ -33,6 +33,13 @@ inline float sum8(__m256 v) {
 
 inline __m512i both_halves(__m256i v) { return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1); }
 
+// A Q6_K super-block's scales for chunk c (values 32c..32c+31) as ggml's madd takes them: 8 int16
+// copies of scale 2c, then 8 of scale 2c + 1, in both halves.
+inline __m512i chunk_scales(__m128i scales, int c) {
+  const char a = static_cast<char>(2 * c), b = static_cast<char>(2 * c + 1);
+  return both_halves(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b))));
+}
+
 // A block's leading fp16 d in every lane.
 inline __m512 half_d(const uint8_t* wb) {
   uint16_t d_bits;
@@ -267,6 +274,177 @@ bool cpu_has_vnni() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+// ggml's AVX2 vec_dot_q5_K_q8_K per super-block: Q4_K's sub-block sums with a fifth bit per value
+// (32 bytes of bit planes at wb + 16, the nibbles at wb + 48), and the mins' term as a scalar per
+// row: summs += (-x.d * dmin) * float(the 4 int32 products summed), added to hsum_float_8(acc) at
+// the end.
+constexpr int64_t kQ5_KBytes = 176;
+
+template <int P>
+inline void q5_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const int16_t* bsums,
+                                 int64_t blocks, float* y, int64_t ldy) {
+  __m512 acc[P];
+  float summs[2 * P];
+  for (int p = 0; p < P; ++p) {
+    acc[p] = _mm512_setzero_ps();
+    summs[2 * p] = summs[2 * p + 1] = 0.0f;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ5_KBytes;
+    for (int64_t off = 0; off < kQ5_KBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + kQ5_KBytes - 1), _MM_HINT_T0);
+    uint32_t dm_bits;
+    __builtin_memcpy(&dm_bits, wb, sizeof dm_bits);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, dmin, 0, 0]
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    const float wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    alignas(16) uint8_t sm[16];
+    k_scales_and_mins(wb, sm);
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
+    const __m256i mins = _mm256_set_m128i(mins16, mins16);
+    __m512i sumi[P];
+    for (int p = 0; p < P; ++p) {
+      const int64_t pb = p * blocks + l;
+      // ggml's order: the super-block's mins term first.
+      alignas(32) int32_t prod[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prod),
+                         _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsums + pb * 16))));
+      for (int i = 0; i < 2; ++i) {
+        const float dmin = -d_lanes[pb * 16 + 8 * i] * wmin;
+        const int32_t isum = (prod[4 * i] + prod[4 * i + 1]) + (prod[4 * i + 2] + prod[4 * i + 3]);
+        summs[2 * p + i] += dmin * static_cast<float>(isum);
+      }
+      sumi[p] = _mm512_setzero_si512();
+    }
+    const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 16));
+    for (int s = 0; s < 4; ++s) {
+      const __m512i scale_l = _mm512_set1_epi16(static_cast<int16_t>(sm[2 * s]));
+      const __m512i scale_h = _mm512_set1_epi16(static_cast<int16_t>(sm[2 * s + 1]));
+      const __m256i q5bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 48 + 32 * s));
+      const __m256i h_lo = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * s), _mm256_set1_epi8(1)), 4);
+      const __m256i h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * s + 1), _mm256_set1_epi8(1)), 4);
+      const __m512i q5l = both_halves(_mm256_add_epi8(_mm256_and_si256(q5bits, low4), h_lo));
+      const __m512i q5h = both_halves(_mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), low4), h_hi));
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* xq = quants + ((p * blocks + l) * 8 + 2 * s) * 64;
+        sumi[p] = _mm512_dpwssd_epi32(sumi[p], scale_l, _mm512_maddubs_epi16(q5l, _mm512_load_si512(xq)));
+        sumi[p] = _mm512_dpwssd_epi32(sumi[p], scale_h, _mm512_maddubs_epi16(q5h, _mm512_load_si512(xq + 64)));
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 xd = _mm512_load_ps(d_lanes + (p * blocks + l) * 16);
+      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(sumi[p]), acc[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    y[(2 * p) * ldy] = sum8(_mm512_castps512_ps256(acc[p])) + summs[2 * p];
+    y[(2 * p + 1) * ldy] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1))) + summs[2 * p + 1];
+  }
+}
+
+void q5_k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
+                const float*, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
+    const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
+    const uint8_t* qp = quants + p0 * blocks * 512;
+    const float* dp = d_lanes + p0 * blocks * 16;
+    const int16_t* bs = bsums + p0 * blocks * 16;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = w + r * row_bytes;
+      float* yp = y + (2 * p0) * ldy + r;
+      switch (n) {
+        case 4: q5_k_row_times_pairs<4>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        case 3: q5_k_row_times_pairs<3>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        case 2: q5_k_row_times_pairs<2>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        default: q5_k_row_times_pairs<1>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+      }
+    }
+  }
+}
+
+// ggml's AVX2 vec_dot_q6_K_q8_K per super-block: the 6-bit codes q (ql's nibbles with two bits of
+// qh above them) times x by maddubs, each 16 values' pair sums times their int8 scale by madd, summed
+// into 8 int32 lanes; less 32 times (Q8_K's 16 sums of 16 quants times the scales, madd'ed), shifted
+// left by 5; then acc = fma(x.d * d, float(that), acc) and hsum_float_8(acc). Here dpwssd adds each
+// chunk's scaled pair sums (exact integers: the same lanes, any order).
+constexpr int64_t kQ6_KBytes = 210;
+
+template <int P>
+inline void q6_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const int16_t* bsums,
+                                 int64_t blocks, float* y, int64_t ldy) {
+  __m512 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+  for (int64_t l = 0; l < blocks; ++l) {
+    const uint8_t* wb = wrow + l * kQ6_KBytes;
+    for (int64_t off = 0; off < kQ6_KBytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + kQ6_KBytes - 1), _MM_HINT_T0);
+    uint16_t d_bits;
+    __builtin_memcpy(&d_bits, wb + 208, sizeof d_bits);
+    const __m512 d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
+    const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192));
+    const __m512i scales_16 = both_halves(_mm256_cvtepi8_epi16(scales));
+    __m512i sumi[P];
+    for (int p = 0; p < P; ++p) sumi[p] = _mm512_setzero_si512();
+    for (int s = 0; s < 2; ++s) {
+      const __m256i bits1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s));
+      const __m256i bits2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * s + 32));
+      const __m256i bitsH = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * s));
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(bitsH, m3), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(12)), 2);
+      const __m256i h2 = _mm256_and_si256(bitsH, _mm256_set1_epi8(48));
+      const __m256i h3 = _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2);
+      const __m512i q[4] = {both_halves(_mm256_or_si256(_mm256_and_si256(bits1, m15), h0)),
+                            both_halves(_mm256_or_si256(_mm256_and_si256(bits2, m15), h1)),
+                            both_halves(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), h2)),
+                            both_halves(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15), h3))};
+      for (int j = 0; j < 4; ++j) {
+        // Chunk c = 4s + j: values 32c..32c+31, scale 2c for its first 16 and 2c + 1 for the rest.
+        const int c = 4 * s + j;
+        const __m512i sc = chunk_scales(scales, c);
+        for (int p = 0; p < P; ++p) {
+          const uint8_t* xq = quants + ((p * blocks + l) * 8 + c) * 64;
+          sumi[p] = _mm512_dpwssd_epi32(sumi[p], sc, _mm512_maddubs_epi16(q[j], _mm512_load_si512(xq)));
+        }
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const int64_t pb = p * blocks + l;
+      const __m512i sub =
+          _mm512_slli_epi32(_mm512_madd_epi16(_mm512_loadu_si512(bsums + pb * 32), scales_16), 5);
+      const __m512 xd = _mm512_load_ps(d_lanes + pb * 16);
+      acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi[p], sub)), acc[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    y[(2 * p) * ldy] = sum8(_mm512_castps512_ps256(acc[p]));
+    y[(2 * p + 1) * ldy] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1)));
+  }
+}
+
+void q6_k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
+                const float*, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
+  for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
+    const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
+    const uint8_t* qp = quants + p0 * blocks * 512;
+    const float* dp = d_lanes + p0 * blocks * 16;
+    const int16_t* bs = bsums + p0 * blocks * 32;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = w + r * row_bytes;
+      float* yp = y + (2 * p0) * ldy + r;
+      switch (n) {
+        case 4: q6_k_row_times_pairs<4>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        case 3: q6_k_row_times_pairs<3>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        case 2: q6_k_row_times_pairs<2>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        default: q6_k_row_times_pairs<1>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 PairsFn q4_1_kernel() { return cpu_has_vnni() ? &pairs<Q4_1> : nullptr; }
@@ -274,6 +452,8 @@ PairsFn q8_0_kernel() { return cpu_has_vnni() ? &pairs<Q8_0> : nullptr; }
 PairsFn q4_0_kernel() { return cpu_has_vnni() ? &pairs<OffsetBlock<false>> : nullptr; }
 PairsFn q5_0_kernel() { return cpu_has_vnni() ? &pairs<OffsetBlock<true>> : nullptr; }
 KPairsFn q4_k_kernel() { return cpu_has_vnni() ? &q4_k_pairs : nullptr; }
+KPairsFn q5_k_kernel() { return cpu_has_vnni() ? &q5_k_pairs : nullptr; }
+KPairsFn q6_k_kernel() { return cpu_has_vnni() ? &q6_k_pairs : nullptr; }
 
 }  // namespace kvserve::pair_tiles
 
@@ -285,6 +465,8 @@ PairsFn q8_0_kernel() { return nullptr; }
 PairsFn q4_0_kernel() { return nullptr; }
 PairsFn q5_0_kernel() { return nullptr; }
 KPairsFn q4_k_kernel() { return nullptr; }
+KPairsFn q5_k_kernel() { return nullptr; }
+KPairsFn q6_k_kernel() { return nullptr; }
 }  // namespace kvserve::pair_tiles
 
 #endif

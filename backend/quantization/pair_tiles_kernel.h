@@ -1,6 +1,6 @@
 #pragma once
 // The AVX-512 VNNI pair kernels of the quantized tiles (Q4_1 weights x Q8_1 activations; Q8_0, Q4_0
-// and Q5_0 x Q8_0; Q4_K x Q8_K): one 512-bit register holds the 8 accumulator lanes of two activation rows, so each weight
+// and Q5_0 x Q8_0; Q4_K, Q5_K and Q6_K x Q8_K): one 512-bit register holds the 8 accumulator lanes of two activation rows, so each weight
 // block is multiplied with two rows of x per instruction. Declarations only: pair_tiles_avx512.cpp is
 // compiled for AVX-512 and must share no inline code with the baseline build (an inline function
 // compiled there could replace the baseline copy at link time). Packing lives in pair_tiles.h.
@@ -33,12 +33,17 @@ using KPairsFn = void (*)(const uint8_t* w, int64_t row_bytes, int64_t r0, int64
                           const float* d_lanes, const float* d4_lanes, const int16_t* bsums, int64_t pairs,
                           int64_t blocks, float* y, int64_t ldy);
 
+// Q6_K weights x Q8_K activations: quants and d_lanes as for Q4_K; d4_lanes unused (null); bsums
+// [pairs][blocks][32] int16: Q8_K's 16 sums of 16 quants of row 2p, then row 2p + 1's.
+
 // Null unless this CPU has AVX-512 F, BW, VL and VNNI (and the build is x86-64).
 PairsFn q4_1_kernel();
 PairsFn q8_0_kernel();
 PairsFn q4_0_kernel();  // Q4_0 x Q8_0
 PairsFn q5_0_kernel();  // Q5_0 x Q8_0
 KPairsFn q4_k_kernel();
+KPairsFn q5_k_kernel();  // Q5_K: as Q4_K (d4_lanes unused)
+KPairsFn q6_k_kernel();
 
 // A Q4_K / Q5_K super-block's 12 bytes of 6-bit sub-block scales and mins (at wb + 4) as ggml
 // unpacks them: out[0..7] the 8 scales, out[8..15] the 8 mins (k_quant_tiles.cpp, baseline code).

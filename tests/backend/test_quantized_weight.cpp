@@ -141,12 +141,12 @@ TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
 TEST(QuantizedWeight, RowsInPairsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(12);
   ggml_cpu_init();
-  for (const char* name : {"q4_1", "q8_0", "q4_0", "q5_0", "q4_K"}) {
+  for (const char* name : {"q4_1", "q8_0", "q4_0", "q5_0", "q4_K", "q5_K", "q6_K"}) {
     const int type = quant_type_from_name(name);
     const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
     const auto act = traits->vec_dot_type;
     if (!pair_tiles_available(type, act)) std::cout << "[ note ] no AVX-512 VNNI here: " << name << " without pairs\n";
-    const int64_t N = 37, K = std::string(name) == "q4_K" ? 768 : 576;
+    const int64_t N = 37, K = std::string(name).back() == 'K' ? 768 : 576;
     auto w = torch::randn({N, K}) * 0.05;
     w[3].zero_();
     w[4].narrow(0, 0, 64).zero_();
