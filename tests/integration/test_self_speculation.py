@@ -157,6 +157,25 @@ def test_sharded_self_drafts_match_plain(layout, draft_policy):
         s.close()
 
 
+def test_default_model_sharded_self_drafts_equal_one_process():
+    # The trained model over 6 ranks (3 KV heads split 3 ways, 2 stages) with a snapkv draft view:
+    # the tokens are the one-process plain run's, and most drafts are accepted.
+    if not (DEFAULT_MODEL / "config.json").exists():
+        pytest.skip("the default model is not made (make model)")
+    args = [kvserve_bin(), "generate", "--model", str(DEFAULT_MODEL), "--prompt", STORY * 3 + "Quote the first sentence:",
+            "--max-tokens", "32", "--ignore-eos", "--json"]
+    plain = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=300, check=True).stdout)
+    spec = json.loads(subprocess.run(
+        args + ["--tp", "3", "--pp", "2", "--speculative-config",
+                '{"method": "self", "num_speculative_tokens": 4, "draft_sink_tokens": 16, "draft_window_tokens": 32, '
+                '"draft_min_context_tokens": 0, "auto_disable": false, "draft_policy": "snapkv", "draft_budget": 48}'],
+        capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    s = spec["speculative"]
+    assert s["draft_steps"] >= s["verify_steps"] > 0 and s["draft_tokens"] > 0
+    assert s["accepted_tokens"] / s["draft_tokens"] > 0.3, s
+
+
 def test_self_draft_config_errors_name_the_field():
     bad = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x", "--speculative-config",
                           '{"method": "self", "num_speculative_tokens": 3, "draft_window_tokens": 0}'],
