@@ -247,27 +247,6 @@ inline void q4_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   }
 }
 
-void q4_k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
-                const float* d4_lanes, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
-  for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
-    const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
-    const uint8_t* qp = quants + p0 * blocks * 512;
-    const float* dp = d_lanes + p0 * blocks * 16;
-    const float* d4 = d4_lanes + p0 * blocks * 8;
-    const int16_t* bs = bsums + p0 * blocks * 16;
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* wrow = w + r * row_bytes;
-      float* yp = y + (2 * p0) * ldy + r;
-      switch (n) {
-        case 4: q4_k_row_times_pairs<4>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
-        case 3: q4_k_row_times_pairs<3>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
-        case 2: q4_k_row_times_pairs<2>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
-        default: q4_k_row_times_pairs<1>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
-      }
-    }
-  }
-}
-
 bool cpu_has_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -344,26 +323,6 @@ inline void q5_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   }
 }
 
-void q5_k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
-                const float*, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
-  for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
-    const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
-    const uint8_t* qp = quants + p0 * blocks * 512;
-    const float* dp = d_lanes + p0 * blocks * 16;
-    const int16_t* bs = bsums + p0 * blocks * 16;
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* wrow = w + r * row_bytes;
-      float* yp = y + (2 * p0) * ldy + r;
-      switch (n) {
-        case 4: q5_k_row_times_pairs<4>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-        case 3: q5_k_row_times_pairs<3>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-        case 2: q5_k_row_times_pairs<2>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-        default: q5_k_row_times_pairs<1>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-      }
-    }
-  }
-}
-
 // ggml's AVX2 vec_dot_q6_K_q8_K per super-block: the 6-bit codes q (ql's nibbles with two bits of
 // qh above them) times x by maddubs, each 16 values' pair sums times their int8 scale by madd, summed
 // into 8 int32 lanes; less 32 times (Q8_K's 16 sums of 16 quants times the scales, madd'ed), shifted
@@ -425,21 +384,51 @@ inline void q6_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   }
 }
 
-void q6_k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
-                const float*, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
+// The K-quant kernels' rows as one type each, for k_pairs: K::row<P> multiplies one weight row by P
+// pairs of x (the pointers at the pass's first pair); K::kSums: int16 sums per (pair, block).
+struct Q4K {
+  static constexpr int64_t kSums = 16;
+  template <int P>
+  static void row(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const float* d4_lanes,
+                  const int16_t* bsums, int64_t blocks, float* y, int64_t ldy) {
+    q4_k_row_times_pairs<P>(wrow, quants, d_lanes, d4_lanes, bsums, blocks, y, ldy);
+  }
+};
+struct Q5K {
+  static constexpr int64_t kSums = 16;
+  template <int P>
+  static void row(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const float*, const int16_t* bsums,
+                  int64_t blocks, float* y, int64_t ldy) {
+    q5_k_row_times_pairs<P>(wrow, quants, d_lanes, bsums, blocks, y, ldy);
+  }
+};
+struct Q6K {
+  static constexpr int64_t kSums = 32;
+  template <int P>
+  static void row(const uint8_t* wrow, const uint8_t* quants, const float* d_lanes, const float*, const int16_t* bsums,
+                  int64_t blocks, float* y, int64_t ldy) {
+    q6_k_row_times_pairs<P>(wrow, quants, d_lanes, bsums, blocks, y, ldy);
+  }
+};
+
+// Passes of up to kPassPairs pairs, as pairs() does for the 32-value blocks.
+template <typename K>
+void k_pairs(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint8_t* quants, const float* d_lanes,
+             const float* d4_lanes, const int16_t* bsums, int64_t pairs, int64_t blocks, float* y, int64_t ldy) {
   for (int64_t p0 = 0; p0 < pairs; p0 += kPassPairs) {
     const int64_t n = pairs - p0 < kPassPairs ? pairs - p0 : kPassPairs;
     const uint8_t* qp = quants + p0 * blocks * 512;
     const float* dp = d_lanes + p0 * blocks * 16;
-    const int16_t* bs = bsums + p0 * blocks * 32;
+    const float* d4 = d4_lanes ? d4_lanes + p0 * blocks * 8 : nullptr;
+    const int16_t* bs = bsums + p0 * blocks * K::kSums;
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* wrow = w + r * row_bytes;
       float* yp = y + (2 * p0) * ldy + r;
       switch (n) {
-        case 4: q6_k_row_times_pairs<4>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-        case 3: q6_k_row_times_pairs<3>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-        case 2: q6_k_row_times_pairs<2>(wrow, qp, dp, bs, blocks, yp, ldy); break;
-        default: q6_k_row_times_pairs<1>(wrow, qp, dp, bs, blocks, yp, ldy); break;
+        case 4: K::template row<4>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+        case 3: K::template row<3>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+        case 2: K::template row<2>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
+        default: K::template row<1>(wrow, qp, dp, d4, bs, blocks, yp, ldy); break;
       }
     }
   }
@@ -451,9 +440,9 @@ PairsFn q4_1_kernel() { return cpu_has_vnni() ? &pairs<Q4_1> : nullptr; }
 PairsFn q8_0_kernel() { return cpu_has_vnni() ? &pairs<Q8_0> : nullptr; }
 PairsFn q4_0_kernel() { return cpu_has_vnni() ? &pairs<OffsetBlock<false>> : nullptr; }
 PairsFn q5_0_kernel() { return cpu_has_vnni() ? &pairs<OffsetBlock<true>> : nullptr; }
-KPairsFn q4_k_kernel() { return cpu_has_vnni() ? &q4_k_pairs : nullptr; }
-KPairsFn q5_k_kernel() { return cpu_has_vnni() ? &q5_k_pairs : nullptr; }
-KPairsFn q6_k_kernel() { return cpu_has_vnni() ? &q6_k_pairs : nullptr; }
+KPairsFn q4_k_kernel() { return cpu_has_vnni() ? &k_pairs<Q4K> : nullptr; }
+KPairsFn q5_k_kernel() { return cpu_has_vnni() ? &k_pairs<Q5K> : nullptr; }
+KPairsFn q6_k_kernel() { return cpu_has_vnni() ? &k_pairs<Q6K> : nullptr; }
 
 }  // namespace kvserve::pair_tiles
 
