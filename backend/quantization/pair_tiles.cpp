@@ -145,11 +145,9 @@ int64_t pair_tiles_dot(int type, const uint8_t* w, int64_t row_bytes, int64_t r0
   const int64_t pairs = M / 2;
   if (pairs == 0) return 0;
   thread_local std::vector<uint8_t> buf;
-  if (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K) {
-    const pair_tiles::KPairsFn kernel = k_kernel(type);
-    KV_CHECK(kernel != nullptr, "internal: no pair kernel for K-quant type " << type << " here");
+  if (const pair_tiles::KPairsFn k_quant = k_kernel(type)) {
     const PackedK p = pack_k(x, x_row_bytes, pairs, blocks, type == GGML_TYPE_Q6_K, buf);
-    kernel(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.d4_lanes, p.bsums, pairs, blocks, y, ldy);
+    k_quant(w, row_bytes, r0, r1, p.quants, p.d_lanes, p.d4_lanes, p.bsums, pairs, blocks, y, ldy);
   } else {
     const int act = type == GGML_TYPE_Q4_1 ? GGML_TYPE_Q8_1 : GGML_TYPE_Q8_0;
     const pair_tiles::PairsFn kernel = kernel_for(type, act);

@@ -33,6 +33,15 @@ inline float sum8(__m256 v) {
 
 inline __m512i both_halves(__m256i v) { return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1); }
 
+// The upper 8 lanes of an accumulator (a pair's second row; the first row's are its cast to 256 bits).
+inline __m256 high_lanes(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// 16 bytes of nibbles (value j low in byte j, j + 16 high) as the 32 values, one a byte.
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+
 // A Q6_K super-block's scales for chunk c (values 32c..32c+31) as ggml's madd takes them: 8 int16
 // copies of scale 2c, then 8 of scale 2c + 1, in both halves.
 inline __m512i chunk_scales(__m128i scales, int c) {
@@ -40,12 +49,38 @@ inline __m512i chunk_scales(__m128i scales, int c) {
   return both_halves(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_setr_epi8(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b))));
 }
 
-// A block's leading fp16 d in every lane.
+// A block's fp16 d (at wb) in every lane.
 inline __m512 half_d(const uint8_t* wb) {
   uint16_t d_bits;
   __builtin_memcpy(&d_bits, wb, sizeof d_bits);
   return _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
 }
+
+// A block's two leading fp16 values as [d, m, 0, 0] (Q4_1's d and m; a K-quant's d and dmin).
+inline __m128 half_pair(const uint8_t* wb) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, wb, sizeof bits);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+}
+
+// A K-quant super-block's lines, kPrefetchBytes ahead (its last line too: blocks straddle lines).
+inline void prefetch_super_block(const uint8_t* wb, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + bytes - 1), _MM_HINT_T0);
+}
+
+// A Q4_K / Q5_K super-block's 6-bit scales and mins as ggml unpacks them (sm: 8 scales, 8 mins) and
+// its mins as 16-bit lanes in both 128-bit halves (one per row of a pair).
+struct KScalesMins {
+  alignas(16) uint8_t sm[16];
+  __m256i mins;
+  explicit KScalesMins(const uint8_t* wb) {
+    k_scales_and_mins(wb, sm);
+    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
+    mins = _mm256_set_m128i(mins16, mins16);
+  }
+};
 
 // Q4_1: fp16 d, fp16 m, 16 bytes of nibbles (value j in the low nibble of byte j, j + 16 in its high
 // nibble); unsigned values, so dpbusd takes them as they are.
@@ -55,13 +90,10 @@ struct Q4_1 {
   __m512 d, m;
   __m512i u;  // the block's 32 values in both halves
   explicit Q4_1(const uint8_t* wb) {
-    uint32_t dm_bits;
-    __builtin_memcpy(&dm_bits, wb, sizeof dm_bits);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, m, 0, 0]
+    const __m128 dm = half_pair(wb);  // [d, m, 0, 0]
     d = _mm512_broadcastss_ps(dm);
     m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 4));
-    u = both_halves(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(lo, 4), lo), _mm256_set1_epi8(0x0F)));
+    u = both_halves(nibbles(wb + 4));
   }
   __m512i lane_sums(__m512i xq, const int32_t*) const { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq); }
 };
@@ -100,8 +132,7 @@ struct OffsetBlock {
   explicit OffsetBlock(const uint8_t* wb) {
     d = half_d(wb);
     m = _mm512_setzero_ps();
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + (kFifthBit ? 6 : 2)));
-    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+    __m256i q = nibbles(wb + (kFifthBit ? 6 : 2));
     if constexpr (kFifthBit) {
       uint32_t qh;
       __builtin_memcpy(&qh, wb + 2, sizeof qh);
@@ -140,7 +171,7 @@ inline void row_times_pairs(const uint8_t* wrow, const uint8_t* quants, const fl
   _mm256_store_ps(m, mins);
   for (int p = 0; p < P; ++p) {
     const __m256 a0 = _mm512_castps512_ps256(acc[p]);
-    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1));
+    const __m256 a1 = high_lanes(acc[p]);
     if constexpr (B::kMins) {
       y[(2 * p) * ldy] = sum8(a0) + m[2 * p];
       y[(2 * p + 1) * ldy] = sum8(a1) + m[2 * p + 1];
@@ -201,18 +232,13 @@ inline void q4_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ4_KBytes;
-    for (int64_t off = 0; off < kQ4_KBytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + kQ4_KBytes - 1), _MM_HINT_T0);
-    uint32_t dm_bits;
-    __builtin_memcpy(&dm_bits, wb, sizeof dm_bits);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, dmin, 0, 0]
+    prefetch_super_block(wb, kQ4_KBytes);
+    const __m128 dm = half_pair(wb);  // [d, dmin, 0, 0]
     const __m512 d = _mm512_broadcastss_ps(dm);
     const __m256 neg_dmin = _mm256_broadcastss_ps(_mm_xor_ps(_mm_movehdup_ps(dm), _mm_set1_ps(-0.0f)));
-    alignas(16) uint8_t sm[16];
-    k_scales_and_mins(wb, sm);
-    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
-    const __m256i mins = _mm256_set_m128i(mins16, mins16);
+    const KScalesMins k(wb);
+    const uint8_t* sm = k.sm;
+    const __m256i mins = k.mins;
     __m512i sumi[P];
     for (int p = 0; p < P; ++p) {
       const int64_t pb = p * blocks + l;
@@ -241,7 +267,7 @@ inline void q4_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   }
   for (int p = 0; p < P; ++p) {
     const __m256 a0 = _mm512_castps512_ps256(acc[p]);
-    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1));
+    const __m256 a1 = high_lanes(acc[p]);
     y[(2 * p) * ldy] = sum8(a0) + sum4(_mm256_castps256_ps128(acc_m[p]));
     y[(2 * p + 1) * ldy] = sum8(a1) + sum4(_mm256_extractf128_ps(acc_m[p], 1));
   }
@@ -271,18 +297,13 @@ inline void q5_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ5_KBytes;
-    for (int64_t off = 0; off < kQ5_KBytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + kQ5_KBytes - 1), _MM_HINT_T0);
-    uint32_t dm_bits;
-    __builtin_memcpy(&dm_bits, wb, sizeof dm_bits);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm_bits)));  // [d, dmin, 0, 0]
+    prefetch_super_block(wb, kQ5_KBytes);
+    const __m128 dm = half_pair(wb);  // [d, dmin, 0, 0]
     const __m512 d = _mm512_broadcastss_ps(dm);
     const float wmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    alignas(16) uint8_t sm[16];
-    k_scales_and_mins(wb, sm);
-    const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)));
-    const __m256i mins = _mm256_set_m128i(mins16, mins16);
+    const KScalesMins k(wb);
+    const uint8_t* sm = k.sm;
+    const __m256i mins = k.mins;
     __m512i sumi[P];
     for (int p = 0; p < P; ++p) {
       const int64_t pb = p * blocks + l;
@@ -319,7 +340,7 @@ inline void q5_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   }
   for (int p = 0; p < P; ++p) {
     y[(2 * p) * ldy] = sum8(_mm512_castps512_ps256(acc[p])) + summs[2 * p];
-    y[(2 * p + 1) * ldy] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1))) + summs[2 * p + 1];
+    y[(2 * p + 1) * ldy] = sum8(high_lanes(acc[p])) + summs[2 * p + 1];
   }
 }
 
@@ -338,12 +359,8 @@ inline void q6_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
   for (int64_t l = 0; l < blocks; ++l) {
     const uint8_t* wb = wrow + l * kQ6_KBytes;
-    for (int64_t off = 0; off < kQ6_KBytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + off), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + kQ6_KBytes - 1), _MM_HINT_T0);
-    uint16_t d_bits;
-    __builtin_memcpy(&d_bits, wb + 208, sizeof d_bits);
-    const __m512 d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits)));
+    prefetch_super_block(wb, kQ6_KBytes);
+    const __m512 d = half_d(wb + 208);
     const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 192));
     const __m512i scales_16 = both_halves(_mm256_cvtepi8_epi16(scales));
     __m512i sumi[P];
@@ -380,7 +397,7 @@ inline void q6_k_row_times_pairs(const uint8_t* wrow, const uint8_t* quants, con
   }
   for (int p = 0; p < P; ++p) {
     y[(2 * p) * ldy] = sum8(_mm512_castps512_ps256(acc[p]));
-    y[(2 * p + 1) * ldy] = sum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[p]), 1)));
+    y[(2 * p + 1) * ldy] = sum8(high_lanes(acc[p]));
   }
 }
 

@@ -341,22 +341,17 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const Tiles for_type = tiles_for(p.type, a.type);
     const bool k_quant = for_type == Tiles::kQ4_K || for_type == Tiles::kQ5_K || for_type == Tiles::kQ6_K;
     const Tiles tiles = M >= 2 || k_quant ? for_type : Tiles::kNone;
-    const bool signed_pairs = p.type == GGML_TYPE_Q8_0 || p.type == GGML_TYPE_Q4_0 || p.type == GGML_TYPE_Q5_0;
-    if (signed_pairs && M >= 2 && tiles_enabled() && pair_tiles_available(p.type, a.type)) {
-      // Q8_0, Q4_0 and Q5_0 on AVX-512 VNNI: two rows of x per instruction (pair_tiles.h; Q4_1's
-      // tiles pair their rows the same way), before llamafile's tiles; an odd last row takes the
-      // one-row tiles. Both equal vec_dot bit for bit.
+    if (a.type == GGML_TYPE_Q8_0 && M >= 2 && tiles_enabled() && pair_tiles_available(p.type, a.type)) {
+      // Q8_0, Q4_0 and Q5_0 on AVX-512 VNNI: two rows of x per instruction (pair_tiles.h; the Q4_1
+      // and K-quant tiles pair their rows the same way), before llamafile's tiles; an odd last row
+      // takes the one-row tiles (every such CPU has them). Both equal vec_dot bit for bit.
       const int64_t blocks = K / ggml_blck_size(as_type(p.type));
       at::parallel_for(0, p.rows, 16, [&](int64_t r0, int64_t r1) {
         const uint8_t* xr = ap;
         float* yr = yp + first;
         int64_t rows = M;
-        if (pair_tiles_take(p.type, a.type, wp, p.row_bytes, r0, r1, xr, a_row, rows, blocks, yr, N)) return;
-        if (gemv_tiles_support(p.type, a.type)) {
+        if (!pair_tiles_take(p.type, a.type, wp, p.row_bytes, r0, r1, xr, a_row, rows, blocks, yr, N))
           gemv_tiled_dot(p.type, wp, p.row_bytes, r0, r1, xr, blocks, yr);
-        } else {
-          for (int64_t r = r0; r < r1; ++r) vec_dot(static_cast<int>(K), yr + r, 0, wp + r * p.row_bytes, 0, xr, 0, 1);
-        }
       });
       first += p.rows;
       continue;

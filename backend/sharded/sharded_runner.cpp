@@ -335,7 +335,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   double draft_s = 0.0;
   std::vector<int64_t> tokens = plan.decode_tokens;
   std::vector<SampledDraft> sampled_drafts;
-  if (decodes && drafts && plan.self_draft.active()) {
+  if (drafts && plan.self_draft.active()) {
     const auto t0 = std::chrono::steady_clock::now();
     DraftStepFns fns;
     fns.forward = [&](const DecodeBatch& step, const std::vector<int64_t>& in) {
