@@ -22,6 +22,10 @@ struct DecodeBatch {
   // A self-speculative draft step attends through this view of each sequence's cache (inactive:
   // everything it holds); what the step appends is the draft's, truncated before verification.
   DraftView view;
+  // A draft step (through a view, or a draft model's over the whole cache): its appends are
+  // truncated before the step that verifies them, so nothing is evicted or trimmed for it.
+  bool draft = false;
+  bool drafting() const { return draft || view.active(); }
 };
 
 // prefix_reuse: compressed: the parked sequence (a finished request of the same conversation) whose

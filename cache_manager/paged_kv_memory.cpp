@@ -1030,7 +1030,7 @@ void PagedKvMemory::begin_decode(const DecodeBatch& batch, int64_t padded_rows) 
     // a window left behind at the draft's later positions: nothing is evicted or dropped for it.
     if (!repeated && batch.view.active() && s.draft_live && batch.positions[b] - s.draft_chosen_at >= draft_refresh_)
       rescore_draft_view(id, batch.positions[b]);  // the draft step's token sits at the cache's length
-    if (repeated || batch.view.active()) continue;
+    if (repeated || batch.drafting()) continue;
     for (int64_t ll = 0; ll < static_cast<int64_t>(s.evictors.size()); ++ll) {
       const DecodeEvictor& ev = s.evictors[static_cast<size_t>(ll)];
       if (!ev.needs_eviction(cache_.length(id, ll) + 1)) continue;
@@ -1047,7 +1047,7 @@ torch::Tensor PagedKvMemory::decode_attention(int64_t layer, const DecodeBatch& 
                                               const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t ll = local(layer);
   if (!cache_.decode_planned(batch.seq_ids, ll, batch.view)) begin_decode(batch);
-  if (draft_refresh_ > 0 && !batch.view.active() && q.device().is_cpu()) record_draft_queries(ll, batch, q);
+  if (draft_refresh_ > 0 && !batch.drafting() && q.device().is_cpu()) record_draft_queries(ll, batch, q);
   return cache_.decode_layer(ll, q, k, v, -1.0, windows_.empty() ? 0 : windows_[static_cast<size_t>(ll)]);
 }
 

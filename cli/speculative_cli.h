@@ -18,7 +18,9 @@ inline CLI::Option* add_speculative_option(CLI::App* cmd, std::string& json) {
                          "(16) and last draft_window_tokens (496), for sequences of at least draft_min_context_tokens (4096), "
                          "and with draft_policy (a policy's name) the blocks holding what it keeps of the prompt with "
                          "draft_budget (512) tokens per layer, chosen again every draft_refresh_tokens (64); one process; \"draft_sampling\": \"sample\" draws a "
-                         "sampling request's drafts from the draft distribution instead of taking its argmax); optional "
+                         "sampling request's drafts from the draft distribution instead of taking its argmax), or {\"method\": "
+                         "\"draft_model\", \"num_speculative_tokens\": 4, \"quantization\": \"int4\"} (a quantized copy of the model, "
+                         "or \"model\": a file or directory of the same KV layout, drafts over the whole KV; one process); optional "
                          "disable_by_batch_size, and auto_disable (default true: speculation pauses while its steps emit fewer "
                          "tokens per second than plain ones)");
 }
@@ -38,13 +40,15 @@ inline SpeculativeConfig speculative_config(const config::SpeculativeSection& s)
   c.draft_budget = s.draft_budget;
   c.draft_refresh_tokens = s.draft_refresh_tokens;
   c.draft_sampling = s.draft_sampling;
+  c.model = s.model;
+  c.quantization = s.quantization;
   return c;
 }
 
 inline config::SpeculativeSection speculative_section(const SpeculativeConfig& c) {
   return {c.method.empty() ? "none" : c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max,
           c.disable_by_batch_size, c.auto_disable, c.draft_sink_tokens, c.draft_window_tokens, c.draft_min_context_tokens,
-          c.draft_policy, c.draft_budget, c.draft_refresh_tokens, c.draft_sampling};
+          c.draft_policy, c.draft_budget, c.draft_refresh_tokens, c.draft_sampling, c.model, c.quantization};
 }
 
 }  // namespace kvserve::cli

@@ -615,9 +615,9 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                      p.parse_map(n, path,
                                  {{"method", p.string_of(s.method,
                                                          [](const std::string& v) {
-                                                           return v == "none" || v == "ngram" || v == "self"
+                                                           return v == "none" || v == "ngram" || v == "self" || v == "draft_model"
                                                                       ? std::string()
-                                                                      : "must be one of none, ngram, self; got '" + v + "'";
+                                                                      : "must be one of none, ngram, self, draft_model; got '" + v + "'";
                                                          })},
                                   {"num_speculative_tokens", p.int_of(s.num_speculative_tokens, 0, 64)},
                                   {"prompt_lookup_min", p.int_of(s.prompt_lookup_min, 1, 64)},
@@ -635,7 +635,9 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                                                    return v == "greedy" || v == "sample"
                                                                               ? std::string()
                                                                               : "must be greedy or sample; got '" + v + "'";
-                                                                 })}});
+                                                                 })},
+                                  {"model", p.string_of(s.model)},
+                                  {"quantization", p.string_of(s.quantization)}});
                    })},
                   {"parallel", H([&](const YAML::Node& n, const std::string& path) {
                      auto& s = c.parallel;

@@ -14,11 +14,11 @@
 //   policies:  {<name>: {method: <full|snapkv|pyramidkv|...>, <param>: <scalar>, ...}, ...}
 //              (method defaults to <name>; params are validated by policies/make_policy_config)
 //   default_policy: <name>
-//   speculative_config: {method: <none|ngram|self>, num_speculative_tokens, prompt_lookup_min,
+//   speculative_config: {method: <none|ngram|self|draft_model>, num_speculative_tokens, prompt_lookup_min,
 //               prompt_lookup_max, disable_by_batch_size, auto_disable, draft_sink_tokens, draft_window_tokens,
 //               draft_min_context_tokens, draft_policy, draft_budget, draft_refresh_tokens,
-//               draft_sampling} (vLLM's speculative_config;
-//               the draft_* keys for self)
+//               draft_sampling, model, quantization} (vLLM's speculative_config;
+//               the draft_* keys for self, model and quantization for draft_model)
 //   rollout:   {default, allow_override, rules: [...]} (see rollout.h and configs/README.md)
 // Sections are parsed by a table of section parsers (server_config.cpp), so later sections
 // (e.g. `rollout:`) add one entry there and one struct here.
@@ -130,7 +130,7 @@ struct ParallelSection {
 // Speculative decoding as vLLM's speculative_config (backend/spec_decode/speculative_config.h
 // checks the combination when the engine starts).
 struct SpeculativeSection {
-  std::string method = "none";  // none | ngram | self
+  std::string method = "none";  // none | ngram | self | draft_model
   int64_t num_speculative_tokens = 0;
   int64_t prompt_lookup_min = 2;
   int64_t prompt_lookup_max = 4;
@@ -142,7 +142,9 @@ struct SpeculativeSection {
   std::string draft_policy;                 // self: a policy whose kept set the view adds ("": none)
   int64_t draft_budget = 512;               // ...with this budget (tokens per layer)
   int64_t draft_refresh_tokens = 64;        // ...chosen again every this many tokens (0: never)
-  std::string draft_sampling = "greedy";    // self: greedy | sample (a sampling request's drafts)
+  std::string draft_sampling = "greedy";    // self, draft_model: greedy | sample (a sampling request's drafts)
+  std::string model;                        // draft_model: its checkpoint or GGUF ("": the served model's)
+  std::string quantization;                 // draft_model: its quantization at load ("": as stored)
   bool operator==(const SpeculativeSection&) const = default;
 };
 

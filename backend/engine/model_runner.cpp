@@ -57,8 +57,11 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       auto t0 = start;
       std::vector<int64_t> tokens = plan.decode_tokens;
       std::vector<SampledDraft> sampled;  // drafts drawn from their distribution (draft_sampling "sample")
-      if (drafts && plan.self_draft.active()) {
-        r.draft_steps = draft_with_own_kv(*model_, *kv_, plan.decode, plan.self_draft, tokens,
+      if (drafts && (plan.self_draft.active() || plan.model_draft)) {
+        KV_CHECK(!plan.model_draft || draft_model_, "internal: a plan for a draft model, and none is loaded");
+        // A draft model reads the whole cache; the model itself drafts through the plan's view.
+        DecoderModel& drafter = plan.model_draft ? *draft_model_ : *model_;
+        r.draft_steps = draft_with_own_kv(drafter, *kv_, plan.decode, plan.self_draft, tokens,
                                           sampled_drafts_ ? &samplers_ : nullptr, sampled_drafts_ ? &sampled : nullptr);
         const auto t1 = clock::now();
         r.draft_s = std::chrono::duration<double>(t1 - t0).count();

@@ -48,6 +48,8 @@ class ModelRunner {
   virtual bool speculative_decoding() const { return false; }
   // Whether it drafts with the model over its own KV (StepPlan::self_draft).
   virtual bool self_drafting() const { return false; }
+  // Whether it holds a draft model (speculative_config method "draft_model"; StepPlan::model_draft).
+  virtual bool model_drafting() const { return false; }
   // Self-drafting as configured: over a policy's kept set (SpeculativeConfig::draft_policy;
   // PagedKvMemory::set_draft_policy), and how sampling requests draft (draft_sampling).
   virtual void configure_self_draft(const SpeculativeConfig& spec) {
@@ -100,6 +102,10 @@ class LocalRunner final : public ModelRunner {
                             spec.draft_refresh_tokens);
     sampled_drafts_ = spec.draft_sampling == "sample";
   }
+  // The draft model of method "draft_model" (backend/spec_decode/draft_model.h), loaded and checked
+  // against this runner's model by the caller.
+  void set_draft_model(std::shared_ptr<DecoderModel> draft) { draft_model_ = std::move(draft); }
+  bool model_drafting() const override { return draft_model_ != nullptr; }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
   bool reset_caches() override {
@@ -117,6 +123,7 @@ class LocalRunner final : public ModelRunner {
 
  private:
   std::shared_ptr<DecoderModel> model_;
+  std::shared_ptr<DecoderModel> draft_model_;  // null: no draft model
   std::unique_ptr<PagedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   size_t prefill_batch_tokens_ = 8192;

@@ -161,8 +161,9 @@ std::optional<std::chrono::steady_clock::time_point> Scheduler::oldest_waiting_a
 
 std::vector<int64_t> Scheduler::propose(const Sequence& s, int64_t k) const {
   const SpeculativeConfig& c = options_.speculative;
-  // Self-drafts are made by the runner at the step (StepPlan::self_draft): placeholders here.
-  if (c.self_draft()) return std::vector<int64_t>(static_cast<size_t>(k), -1);
+  // Self-drafts and a draft model's are made by the runner at the step (StepPlan::self_draft,
+  // model_draft): placeholders here.
+  if (c.runner_drafts()) return std::vector<int64_t>(static_cast<size_t>(k), -1);
   return propose_ngram(s.req.prompt_ids, s.output, k, c.prompt_lookup_min, c.prompt_lookup_max);
 }
 
@@ -269,6 +270,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     if (!room) continue;
     const std::vector<int64_t> draft = propose(*s, k);
     if (draft.empty()) continue;
+    plan.model_draft = plan.model_draft || spec.model_draft();
     if (spec.self_draft()) {
       const int64_t bs = shards_.front().usage.geometry.block_size;
       plan.self_draft = {blocks_for_tokens(spec.draft_sink_tokens, bs),

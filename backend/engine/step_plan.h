@@ -73,6 +73,9 @@ struct StepPlan {
   // Active: the decode rows after a sequence's last token are placeholders for self-speculative
   // drafts, which the runner drafts through this view of the sequence's KV before verifying them.
   DraftView self_draft;
+  // The decode rows after a sequence's last token are placeholders that the runner's draft model
+  // drafts over the whole cache (speculative_config method "draft_model").
+  bool model_draft = false;
   std::vector<PrefillWork> prefill;
 
   bool empty() const {

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "backend/sharded/sharded_runner.h"
+#include "backend/spec_decode/draft_model.h"
 #include "common/check.h"
 #include "common/fresh_thread.h"
 #include "common/log.h"
@@ -20,6 +21,8 @@ namespace kvserve {
 std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const std::string& model_dir, LoadOptions load) {
   std::unique_ptr<ParallelJob> job(new ParallelJob());
   job->options_ = o;
+  job->model_dir_ = model_dir;
+  job->load_ = load;
   KV_CHECK(o.tensor_parallel_size >= 1, "tensor parallel size must be >= 1, got " << o.tensor_parallel_size);
   KV_CHECK(o.pipeline_parallel_size >= 1, "pipeline parallel size must be >= 1, got " << o.pipeline_parallel_size);
   KV_CHECK(o.timeout_s > 0, "parallel timeout must be > 0 s, got " << o.timeout_s);
@@ -118,9 +121,19 @@ std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& req
 
 std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {
   KV_CHECK(is_driver(), "internal: only rank 0 drives the engine");
-  if (!sharded())
-    return std::make_unique<LocalRunner>(model_, make_memory(options),
-                                         LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
+  if (!sharded()) {
+    auto runner = std::make_unique<LocalRunner>(
+        model_, make_memory(options), LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
+    if (options.speculative.model_draft()) {
+      options.speculative.validate("speculative_config");
+      auto draft = run_on_fresh_thread([&] { return load_draft_model(options.speculative, *model_, model_dir_, load_); });
+      KV_LOG("speculative_config: a draft model drafts over the served model's KV: "
+             << (options.speculative.model.empty() ? model_dir_ : options.speculative.model) << " ("
+             << draft->weight_format() << ", " << draft->weight_bytes() / (1 << 20) << " MiB of weights)");
+      runner->set_draft_model(std::move(draft));
+    }
+    return runner;
+  }
   return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
                                          [this](const std::string&) { stop_workers(); });
 }

@@ -53,7 +53,8 @@ class ParallelJob {
   // The score exchange that makes this rank's policies decide as one process would (none when the
   // job is one process).
   KvShard kv_shard() const;
-  // Driver: the engine's runner (a LocalRunner when not sharded).
+  // Driver: the engine's runner (a LocalRunner when not sharded, with the draft model of
+  // speculative_config method "draft_model" loaded as the model was).
   std::unique_ptr<ModelRunner> make_runner(const EngineOptions& options);
   // Non-driver ranks: serve rank 0's commands until told to stop; returns the exit status.
   int run_worker(const EngineOptions& options);
@@ -73,6 +74,8 @@ class ParallelJob {
   std::shared_ptr<parallel::Communicator> comm_;
   parallel::ParallelGroups groups_;
   std::shared_ptr<DecoderModel> model_;
+  std::string model_dir_;  // what was loaded, and how: a draft model is loaded alike
+  LoadOptions load_;
 };
 
 }  // namespace kvserve

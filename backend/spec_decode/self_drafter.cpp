@@ -49,7 +49,7 @@ int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& 
 int64_t draft_steps(const DraftStepFns& fns, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
                     std::vector<int64_t>& tokens, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {
   const size_t R = batch.seq_ids.size();
-  KV_CHECK(tokens.size() == R && batch.positions.size() == R && view.active() && (samplers == nullptr) == (sampled == nullptr),
+  KV_CHECK(tokens.size() == R && batch.positions.size() == R && (samplers == nullptr) == (sampled == nullptr),
            "internal: self-drafting " << R << " rows with " << tokens.size() << " tokens");
   if (sampled != nullptr) sampled->assign(R, SampledDraft{});
   // Each sequence's first row and how many drafts follow it.
@@ -59,6 +59,7 @@ int64_t draft_steps(const DraftStepFns& fns, KvMemory& kv, const DecodeBatch& ba
   for (size_t j = 0; j < most; ++j) {
     DecodeBatch step;
     step.view = view;
+    step.draft = true;
     std::vector<int64_t> in;
     std::vector<size_t> rows;
     for (size_t g = 0; g < first.size(); ++g) {

@@ -7,9 +7,11 @@
 namespace kvserve {
 
 void SpeculativeConfig::validate(const std::string& where) const {
-  KV_CHECK(method.empty() || method == "none" || method == "ngram" || method == "self",
-           where << ": method '" << method << "' is not served (ngram, self, or none)");
-  if (method != "ngram" && method != "self") return;
+  KV_CHECK(method.empty() || method == "none" || method == "ngram" || method == "self" || method == "draft_model",
+           where << ": method '" << method << "' is not served (ngram, self, draft_model, or none)");
+  if (method != "ngram" && method != "self" && method != "draft_model") return;
+  KV_CHECK(method == "draft_model" || (model.empty() && quantization.empty()),
+           where << ": model and quantization name a draft model: they need method 'draft_model'");
   KV_CHECK(num_speculative_tokens >= 1 && num_speculative_tokens <= 64,
            where << ": num_speculative_tokens must be in [1, 64], got " << num_speculative_tokens);
   KV_CHECK(disable_by_batch_size >= 0, where << ": disable_by_batch_size must be >= 0, got " << disable_by_batch_size);
@@ -25,8 +27,18 @@ void SpeculativeConfig::validate(const std::string& where) const {
              where << ": draft_sampling must be greedy or sample, got '" << draft_sampling << "'");
     return;
   }
-  KV_CHECK(draft_sampling == "greedy",
-           where << ": draft_sampling '" << draft_sampling << "' needs method 'self' (prompt lookup drafts one token)");
+  if (method == "draft_model") {
+    KV_CHECK(!model.empty() || (!quantization.empty() && quantization != "none"),
+             where << ": method 'draft_model' needs a model (a checkpoint or GGUF file of the served model's KV "
+                      "layout) or a quantization of the served model (int8, int4, a ggml type)");
+    KV_CHECK(draft_policy.empty(), where << ": draft_policy '" << draft_policy
+                                         << "' needs method 'self' (a draft model reads the whole KV)");
+    KV_CHECK(draft_sampling == "greedy" || draft_sampling == "sample",
+             where << ": draft_sampling must be greedy or sample, got '" << draft_sampling << "'");
+    return;
+  }
+  KV_CHECK(draft_sampling == "greedy", where << ": draft_sampling '" << draft_sampling
+                                             << "' needs method 'self' or 'draft_model' (prompt lookup drafts one token)");
   KV_CHECK(draft_policy.empty(), where << ": draft_policy '" << draft_policy << "' needs method 'self'");
   KV_CHECK(prompt_lookup_min >= 1, where << ": prompt_lookup_min must be >= 1, got " << prompt_lookup_min);
   KV_CHECK(prompt_lookup_max >= prompt_lookup_min,
@@ -85,11 +97,15 @@ SpeculativeConfig parse_speculative_config_json(const std::string& text, const s
     } else if (k == "draft_sampling") {
       c.draft_sampling = text("greedy or sample");
       if (c.draft_sampling.empty()) c.draft_sampling = "greedy";
+    } else if (k == "model") {
+      c.model = text("a path");
+    } else if (k == "quantization") {
+      c.quantization = text("int8, int4 or a ggml type");
     } else {
       KV_FAIL(where << ": unknown key '" << k
                     << "' (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size, auto_disable, "
                        "draft_sink_tokens, draft_window_tokens, draft_min_context_tokens, draft_policy, draft_budget, "
-                       "draft_refresh_tokens, draft_sampling)");
+                       "draft_refresh_tokens, draft_sampling, model, quantization)");
     }
   }
   // As vLLM: one bound given alone sets both.
@@ -115,6 +131,10 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
       j["draft_budget"] = c.draft_budget;
       j["draft_refresh_tokens"] = c.draft_refresh_tokens;
     }
+  } else if (c.model_draft()) {
+    j["model"] = c.model;
+    j["quantization"] = c.quantization;
+    j["draft_sampling"] = c.draft_sampling;
   } else {
     j["prompt_lookup_min"] = c.prompt_lookup_min;
     j["prompt_lookup_max"] = c.prompt_lookup_max;

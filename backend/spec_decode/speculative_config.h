@@ -8,7 +8,10 @@ namespace kvserve {
 
 struct SpeculativeConfig {
   // "" / "none": no speculation; "ngram": prompt lookup over the sequence's prompt and output;
-  // "self": the model drafts over a compressed view of the sequence's own KV (self_drafter.h).
+  // "self": the model drafts over a compressed view of the sequence's own KV (self_drafter.h);
+  // "draft_model": a second set of weights for the same KV layout (a quantized copy of the served
+  // model) drafts over the sequence's whole KV, which it reads and never writes for good
+  // (backend/spec_decode/draft_model.h).
   std::string method;
   int64_t num_speculative_tokens = 0;  // drafts per step at most (the adaptive γ starts here)
   int64_t prompt_lookup_min = 2;       // the shortest suffix n-gram matched
@@ -41,9 +44,19 @@ struct SpeculativeConfig {
   // distributed as plain decoding's, but not the same tokens for a seed). Greedy requests draft
   // argmaxes either way.
   std::string draft_sampling = "greedy";
+  // "draft_model" (vLLM's names): the draft's checkpoint or GGUF file ("": the served model's own),
+  // and its quantization at load (LoadOptions::quantization: int8, int4, a ggml type; "": as stored).
+  // The served model's checkpoint needs a quantization (the same weights would draft what they verify).
+  std::string model;
+  std::string quantization;
 
-  bool enabled() const { return (method == "ngram" || method == "self") && num_speculative_tokens > 0; }
+  bool enabled() const {
+    return (method == "ngram" || method == "self" || method == "draft_model") && num_speculative_tokens > 0;
+  }
   bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }
+  bool model_draft() const { return method == "draft_model" && num_speculative_tokens > 0; }
+  // The runner makes the drafts at the step (self or a draft model); the scheduler leaves placeholders.
+  bool runner_drafts() const { return self_draft() || model_draft(); }
   // Throws naming `where` and the field when a value is out of range or the method is unknown.
   void validate(const std::string& where) const;
 };

@@ -111,6 +111,35 @@ TEST(SpeculativeConfig, DraftSamplingIsGreedyOrSampleAndOnlyForSelf) {
             std::string::npos);
 }
 
+TEST(SpeculativeConfig, DraftModelKeys) {
+  const SpeculativeConfig c = parse_speculative_config_json(
+      R"({"method": "draft_model", "num_speculative_tokens": 5, "model": "d.gguf", "draft_sampling": "sample"})", "--x");
+  EXPECT_TRUE(c.enabled() && c.model_draft() && c.runner_drafts());
+  EXPECT_FALSE(c.self_draft());
+  EXPECT_EQ(speculative_config_json(c),
+            R"({"auto_disable":true,"disable_by_batch_size":0,"draft_sampling":"sample","method":"draft_model",)"
+            R"("model":"d.gguf","num_speculative_tokens":5,"quantization":""})");
+  EXPECT_EQ(parse_speculative_config_json(R"({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int4"})", "x")
+                .quantization,
+            "int4");
+  // The served model's own weights would draft exactly what they verify: a quantization is needed.
+  EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4})").find("needs a model"), std::string::npos);
+  EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4, "quantization": null})").find("needs a model"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "model": "d"})")
+                .find("--speculative-config: model and quantization name a draft model: they need method 'draft_model'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4, "model": "d", "draft_policy": "snapkv"})")
+                .find("draft_policy 'snapkv' needs method 'self'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 0, "model": "d"})")
+                .find("num_speculative_tokens must be in [1, 64], got 0"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4, "quantization": ["int8"]})")
+                .find("quantization must be int8, int4 or a ggml type, got [\"int8\"]"),
+            std::string::npos);
+}
+
 TEST(DraftView, KeepsTheFirstAndLastBlocksOfLongRows) {
   // Block size 4; row 0 holds 21 slots (6 blocks, the last with 1), row 1 holds 7 (2 blocks).
   const torch::Tensor table = torch::tensor({10, 11, 12, 13, 14, 15, 20, 21, 0, 0, 0, 0}, torch::kInt32).view({2, 6});

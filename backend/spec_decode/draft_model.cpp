@@ -1,0 +1,65 @@
+#include "backend/spec_decode/draft_model.h"
+
+#include <sstream>
+
+#include "common/check.h"
+
+namespace kvserve {
+
+namespace {
+
+template <typename T>
+void differ(std::ostringstream& out, const char* what, const T& target, const T& draft) {
+  if (target == draft) return;
+  out << (out.tellp() > 0 ? "; " : "") << what << " " << draft << " (the served model: " << target << ")";
+}
+
+std::string windows(const std::vector<int64_t>& w) {
+  std::ostringstream s;
+  for (size_t i = 0; i < w.size(); ++i) s << (i ? "," : "[") << w[i];
+  s << (w.empty() ? "[]" : "]");
+  return s.str();
+}
+
+}  // namespace
+
+std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel& draft) {
+  const ModelConfig& t = target.config();
+  const ModelConfig& d = draft.config();
+  std::ostringstream out;
+  differ(out, "num_hidden_layers", t.num_hidden_layers, d.num_hidden_layers);
+  differ(out, "num_key_value_heads", t.num_key_value_heads, d.num_key_value_heads);
+  differ(out, "head_dim", t.head_dim, d.head_dim);
+  differ(out, "vocab_size", t.vocab_size, d.vocab_size);
+  differ(out, "layer windows", windows(t.layer_windows), windows(d.layer_windows));
+  differ(out, "rope_theta", t.rope_theta, d.rope_theta);
+  differ(out, "local_rope_theta", t.local_rope_theta, d.local_rope_theta);
+  differ(out, "rope_scaling kind", static_cast<int>(t.rope_scaling.kind), static_cast<int>(d.rope_scaling.kind));
+  differ(out, "rope_scaling factor", t.rope_scaling.factor, d.rope_scaling.factor);
+  differ(out, "compute dtype", std::string(c10::toString(target.dtype())), std::string(c10::toString(draft.dtype())));
+  differ(out, "device", target.device().str(), draft.device().str());
+  return out.str();
+}
+
+std::shared_ptr<DecoderModel> load_draft_model(const SpeculativeConfig& spec, const DecoderModel& target,
+                                               const std::string& target_path, LoadOptions load) {
+  KV_CHECK(spec.model_draft(), "internal: load_draft_model without method 'draft_model'");
+  const std::string path = spec.model.empty() ? target_path : spec.model;
+  const std::string field = spec.model.empty() ? "speculative_config.quantization" : "speculative_config.model";
+  load.quantization = spec.quantization;
+  load.layout = ShardLayout{};
+  load.tp_group.reset();
+  std::shared_ptr<DecoderModel> draft;
+  try {
+    draft = DecoderModel::load(path, load);
+  } catch (const std::exception& e) {
+    KV_FAIL(field << ": the draft model " << path << " did not load: " << e.what());
+  }
+  const std::string why = draft_model_mismatch(target, *draft);
+  KV_CHECK(why.empty(), "speculative_config.model: " << path << " cannot draft over the served model's KV: " << why
+                                                     << " (a draft model shares the served model's cache: a quantized copy "
+                                                        "of it, or a model of the same KV layout and tokenizer)");
+  return draft;
+}
+
+}  // namespace kvserve

@@ -1,0 +1,218 @@
+"""Speculative decoding with a draft model (issue 49, `method: draft_model`): a quantized copy of the
+served model (`quantization: int8 | int4`, or the default model's own Q4_1 GGUF file as `model`) drafts
+over the sequence's whole KV, which the served model wrote, and the served model verifies. Its draft
+slots are truncated before the verify step, so the output must be plain decoding's exactly: every
+request here is compared with the same request sent with `"speculative": false`."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from kvserve_server import REPO, Server, kvserve_bin, model_dir
+from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
+
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
+GGUF = DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
+STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
+         "the fishing boats returning, the gulls circling the harbour, and the storm clouds gathering far "
+         "out over the grey sea. One night the lamp would not light, and he had to decide what to do. ")
+PROMPTS = [STORY + "What happened next?", "Write a short poem about autumn leaves and rain on the window.",
+           STORY * 2 + "Summarise the story in one sentence:", "List five facts about the moon."]
+
+
+def spec_yaml(**fields) -> str:
+    # auto_disable off: the tests check what the speculative steps compute, not whether they pay.
+    lines = ["speculative_config:", "  method: draft_model", "  num_speculative_tokens: 4", "  auto_disable: false"]
+    lines += [f"  {k}: {v}" for k, v in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def counts(srv) -> tuple[float, float]:
+    m = srv.metrics()
+    return m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+@pytest.fixture(scope="module", params=["tiny-int8", "default-gguf", "gemma3-int4"])
+def srv(request):
+    model, fields = {
+        "tiny-int8": (None, {"quantization": "int8"}),
+        "default-gguf": (DEFAULT_MODEL, {"model": str(GGUF)}),
+        "gemma3-int4": (FIXTURES / "gemma3", {"quantization": "int4"}),
+    }[request.param]
+    if model is not None and not (model / "config.json").exists():
+        pytest.skip(f"{model} is not made")
+    if "model" in fields and not pathlib.Path(fields["model"]).exists():
+        pytest.skip(f"{fields['model']} is not made")
+    s = Server(extra_yaml="  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
+               + spec_yaml(**fields), model=str(model) if model else None, kv_cache_bytes="256MiB")
+    s.param = request.param
+    yield s
+    s.close()
+
+
+def test_greedy_is_token_identical_and_drafts_are_accepted(srv):
+    before = counts(srv)
+    for p in PROMPTS:
+        a, b = both(srv, {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+        assert tokens(a) == tokens(b), p[:40]
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    drafted, accepted = (x - y for x, y in zip(counts(srv), before))
+    assert drafted > 0 and 0 <= accepted <= drafted
+    if srv.param == "default-gguf":
+        # The GGUF holds the weights the float32 checkpoint was converted from: only the 8-bit
+        # activations of its products and the cache's rounding part the two.
+        assert accepted / drafted > 0.7, (drafted, accepted)
+    assert srv.wait_idle()["kvserve:kv_cache_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("extra", [
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 1.0, "seed": 100, "n": 4, "max_tokens": 24},
+    {"temperature": 0, "logprobs": 2},
+    {"temperature": 0, "stop": ["the"]},
+    {"temperature": 0, "max_tokens": 5},
+    {"temperature": 0, "repetition_penalty": 1.2},
+    {"temperature": 0, "kv_policy": "snapkv"},
+    {"temperature": 0, "kv_policy": "pyramidkv"},
+    {"temperature": 0, "kv_policy": "snap_ada"},
+    {"temperature": 0, "guided_regex": "[a-z ]{4,40}\\."},
+])
+def test_same_tokens_as_plain_decoding(srv, extra):
+    body = {"prompt": PROMPTS[2], "max_tokens": 32, **extra}
+    a, b = both(srv, body)
+    assert tokens(a) == tokens(b), extra
+    for ca, cb in zip(a["choices"], b["choices"]):
+        assert ca["text"] == cb["text"] and ca["finish_reason"] == cb["finish_reason"]
+        if "logprobs" in extra:
+            assert ca["logprobs"]["token_logprobs"] == pytest.approx(cb["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_concurrent_chunked_and_preempted_match():
+    # Mixed draft counts in one step, chunked prefill beside draft steps, and preemption of sequences
+    # that draft, in a pool too small for all of them; prefix caching on (the default).
+    s = Server(extra_yaml=spec_yaml(quantization="int4"), kv_cache_bytes="2MiB",
+               extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
+    try:
+        prompts = [f"{i}: " + (STORY * 3)[: 400 + 80 * i] for i in range(8)]
+
+        def run(i_spec):
+            i, spec = i_spec
+            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 160, "temperature": 0,
+                                       "ignore_eos": True, "speculative": spec}))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            fast = list(pool.map(run, [(i, True) for i in range(8)]))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        assert fast == slow
+        m = s.wait_idle()
+        assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
+        assert m["kvserve:kv_cache_blocks_used"] == 0
+        assert m["kvserve:spec_decode_draft_steps_total"] >= m["kvserve:spec_decode_verify_steps_total"] > 0
+    finally:
+        s.close()
+
+
+def test_generate_json_reports_the_draft_model():
+    args = [kvserve_bin(), "generate", "--model", model_dir(), "--prompt", PROMPTS[0], "--max-tokens", "32",
+            "--ignore-eos", "--json"]
+    spec = subprocess.run(args + ["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 3, '
+                                  '"quantization": "int8", "auto_disable": false}'],
+                          capture_output=True, text=True, timeout=300)
+    assert spec.returncode == 0, spec.stderr[-2000:]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+    j, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert j["token_ids"] == p["token_ids"]
+    s = j["speculative"]
+    assert s["config"] == {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 0,
+                           "auto_disable": False, "model": "", "quantization": "int8", "draft_sampling": "greedy"}
+    assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
+    assert 0 < s["verify_steps"] <= s["draft_steps"] <= 3 * s["verify_steps"]
+    assert s["draft_s"] > 0 and s["verify_s"] > 0
+    assert "a draft model drafts over the served model's KV" in spec.stderr and "(q8_0+" in spec.stderr
+
+
+def run_bad(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([kvserve_bin(), "generate", "--prompt", "x", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("config, fragments", [
+    ('{"method": "draft_model", "num_speculative_tokens": 3}',
+     ["--speculative-config: method 'draft_model' needs a model"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "none"}',
+     ["method 'draft_model' needs a model"]),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}',
+     ["model and quantization name a draft model: they need method 'draft_model'"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8", "draft_policy": "snapkv"}',
+     ["draft_policy 'snapkv' needs method 'self'"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 3, "model": "/nonexistent/draft"}',
+     ["speculative_config.model: the draft model /nonexistent/draft did not load"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int3"}',
+     ["speculative_config.quantization: the draft model", "int3"]),
+    ('{"method": "draft_model", "num_speculative_tokens": 3, "model": 5}',
+     ["--speculative-config: model must be a path, got 5"]),
+])
+def test_draft_model_errors_name_the_field(config, fragments):
+    bad = run_bad("--model", model_dir(), "--speculative-config", config)
+    assert bad.returncode != 0 and all(f in bad.stderr for f in fragments), bad.stderr[-2000:]
+
+
+def test_a_draft_of_another_kv_layout_is_refused():
+    other = FIXTURES / "llama-mha"
+    if not (other / "config.json").exists():
+        pytest.skip("no llama-mha fixture")
+    bad = run_bad("--model", model_dir(), "--speculative-config",
+                  json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(other)}))
+    assert bad.returncode != 0, bad.stderr[-2000:]
+    assert f"speculative_config.model: {other} cannot draft over the served model's KV: num_hidden_layers" in bad.stderr, \
+        bad.stderr[-2000:]
+    assert "num_key_value_heads 4" in bad.stderr
+
+
+def test_sharded_jobs_refuse_a_draft_model():
+    fixture = FIXTURES / "llama-kvfew"
+    if not (fixture / "config.json").exists():
+        pytest.skip("no llama-kvfew fixture")
+    bad = run_bad("--model", str(fixture), "--pp", "2", "--speculative-config",
+                  '{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int8"}')
+    assert bad.returncode != 0 and "method 'draft_model': this runner holds no draft model" in bad.stderr, \
+        bad.stderr[-2000:]
+
+
+def test_yaml_speculative_config_takes_a_draft_model(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(f"model:\n  path: {model_dir()}\nspeculative_config:\n  method: drafts\n  model: 3\n")
+    out = subprocess.run([kvserve_bin(), "config", "check", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "must be one of none, ngram, self, draft_model; got 'drafts'" in out.stdout + out.stderr
+
+
+def test_sampled_drafts_keep_plain_samplings_distribution():
+    # draft_sampling: sample draws a sampling request's drafts from the int4 draft's distribution and
+    # keeps them by speculative sampling: the first three tokens of 480 seeded streams must be
+    # distributed as those of 480 streams without speculation (chi-square test of homogeneity).
+    from test_self_speculation import chi2_critical, homogeneity
+    s = Server(extra_yaml=spec_yaml(quantization="int4", draft_sampling="sample"), kv_cache_bytes="256MiB")
+    try:
+        before = counts(s)
+        fast, slow = [], []
+        for seed in range(30):
+            body = {"prompt": STORY, "max_tokens": 3, "temperature": 1.0, "top_k": 5, "n": 16, "seed": 1000 * seed,
+                    "ignore_eos": True}
+            x, y = both(s, body)
+            fast += [tuple(t) for t in tokens(x)]
+            slow += [tuple(t) for t in tokens(y)]
+        drafted, accepted = (p - q for p, q in zip(counts(s), before))
+        assert drafted > 0 and 0 < accepted < drafted
+        stat, df = homogeneity(fast, slow)
+        assert df >= 2 and stat < chi2_critical(df, 1e-3), (stat, df)
+        assert s.wait_idle()["kvserve:kv_cache_blocks_used"] == 0
+    finally:
+        s.close()
