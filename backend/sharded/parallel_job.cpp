@@ -22,7 +22,6 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   std::unique_ptr<ParallelJob> job(new ParallelJob());
   job->options_ = o;
   job->model_dir_ = model_dir;
-  job->load_ = load;
   KV_CHECK(o.tensor_parallel_size >= 1, "tensor parallel size must be >= 1, got " << o.tensor_parallel_size);
   KV_CHECK(o.pipeline_parallel_size >= 1, "pipeline parallel size must be >= 1, got " << o.pipeline_parallel_size);
   KV_CHECK(o.timeout_s > 0, "parallel timeout must be > 0 s, got " << o.timeout_s);
@@ -45,6 +44,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   // casts and copies start goes with it, instead of idling beside the engine thread's for the
   // process's life. Only the load: a rank spawned below dies with the thread that spawned it.
   if (env.world_size == 1) {
+    job->load_ = load;
     job->model_ = run_on_fresh_thread([&] { return DecoderModel::load(model_dir, load); });
     return job;
   }
@@ -79,6 +79,7 @@ std::unique_ptr<ParallelJob> ParallelJob::start(const ParallelOptions& o, const 
   load.layout = make_shard_layout(model_shape(cfg), tp, tp_rank, o.pipeline_parallel_size, stage, o.pipeline_layers);
   load.tp_group = job->groups_.tp;
   load.progress = load.progress && env.rank == 0;
+  job->load_ = load;
   job->model_ = run_on_fresh_thread([&] { return DecoderModel::load(model_dir, load); });
   KV_LOG("rank " << env.rank << "/" << env.world_size << " ready: " << load.layout.describe());
   return job;
@@ -124,23 +125,29 @@ std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& optio
   if (!sharded()) {
     auto runner = std::make_unique<LocalRunner>(
         model_, make_memory(options), LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
-    if (options.speculative.model_draft()) {
-      options.speculative.validate("speculative_config");
-      auto draft = run_on_fresh_thread([&] { return load_draft_model(options.speculative, *model_, model_dir_, load_); });
-      KV_LOG("speculative_config: a draft model drafts over the served model's KV: "
-             << (options.speculative.model.empty() ? model_dir_ : options.speculative.model) << " ("
-             << draft->weight_format() << ", " << draft->weight_bytes() / (1 << 20) << " MiB of weights)");
-      runner->set_draft_model(std::move(draft));
-    }
+    runner->set_draft_model(load_draft(options));
     return runner;
   }
   return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
-                                         [this](const std::string&) { stop_workers(); });
+                                         [this](const std::string&) { stop_workers(); }, load_draft(options));
+}
+
+std::shared_ptr<DecoderModel> ParallelJob::load_draft(const EngineOptions& options) const {
+  if (!options.speculative.model_draft()) return nullptr;
+  options.speculative.validate("speculative_config");
+  // Every rank loads its slice of the draft, split as the served model is (its layers and heads).
+  auto draft = run_on_fresh_thread([&] { return load_draft_model(options.speculative, *model_, model_dir_, load_); });
+  if (rank_ == 0)
+    KV_LOG("speculative_config: a draft model drafts over the served model's KV: "
+           << (options.speculative.model.empty() ? model_dir_ : options.speculative.model) << " ("
+           << draft->weight_format() << ", " << draft->weight_bytes() / (1 << 20) << " MiB of weights"
+           << (sharded() ? " on rank 0" : "") << ")");
+  return draft;
 }
 
 int ParallelJob::run_worker(const EngineOptions& options) {
   KV_CHECK(!is_driver() && sharded(), "internal: run_worker is for ranks other than 0");
-  const int rc = run_shard_worker(make_memory(options), model_, groups_, options_.micro_batches);
+  const int rc = run_shard_worker(make_memory(options), model_, groups_, options_.micro_batches, load_draft(options));
   if (rc == 0) {
     join_workers();
   } else {

@@ -68,6 +68,8 @@ class ParallelJob {
 
  private:
   ParallelJob() = default;
+  // This rank's draft model (speculative_config method "draft_model"), or null.
+  std::shared_ptr<DecoderModel> load_draft(const EngineOptions& options) const;
   ParallelOptions options_;
   int rank_ = 0, world_size_ = 1;
   std::unique_ptr<parallel::WorkerGroup> workers_;

@@ -122,8 +122,11 @@ torch::Tensor ShardedExecutor::run_prefill(int64_t seq_id, std::span<const int64
   return rank == 0 ? logits.to(torch::kCPU) : torch::Tensor();
 }
 
-torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0) {
+torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0,
+                                      bool with_draft) {
   torch::NoGradGuard ng;
+  KV_CHECK(!with_draft || draft_, "internal: a draft model's step on a rank that holds none");
+  DecoderModel& model = with_draft ? *draft_ : *model_;
   const ShardLayout& s = layout();
   const int64_t B = static_cast<int64_t>(tokens.size());
   KV_CHECK(B > 0 && batch.seq_ids.size() == tokens.size() && batch.positions.size() == tokens.size(),
@@ -141,14 +144,15 @@ torch::Tensor ShardedExecutor::decode(const DecodeBatch& batch, const std::vecto
     mb.positions.assign(batch.positions.begin() + lo, batch.positions.begin() + hi);
     mb.view = batch.view;
     torch::Tensor x = s.first_stage()
-                          ? model_->embed(std::vector<int64_t>(tokens.begin() + lo, tokens.begin() + hi))
+                          ? model.embed(std::vector<int64_t>(tokens.begin() + lo, tokens.begin() + hi))
                           : data.recv_tensor(static_cast<int>(prev_rank()), kDecodeHidden + static_cast<int>(m), dev);
-    x = model_->decode_layers(mb, x, kv_);
+    mb.draft = batch.draft;
+    x = model.decode_layers(mb, x, kv_);
     if (!s.last_stage()) {
       data.send_tensor(x, static_cast<int>(next_rank()), kDecodeHidden + static_cast<int>(m));
     } else {
       const DecodeScope decoding;  // a decode step's LM head
-      auto lg = model_->logits(x);
+      auto lg = model.logits(x);
       if (rank == 0 || !to_rank0) {
         out.push_back(lg);
       } else if (s.tp_rank == 0) {

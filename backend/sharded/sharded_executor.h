@@ -46,8 +46,13 @@ class ShardedExecutor {
                      bool cached, bool keep_copy);
   torch::Tensor run_context(int64_t seq_id, std::span<const int64_t> prompt, int64_t context_len, bool cached,
                             bool to_rank0 = true);
-  // [B, V], placed as for prefill.
-  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0 = true);
+  // [B, V], placed as for prefill. with_draft: the draft model's shard runs the step (a draft step
+  // of speculative_config method "draft_model"; set_draft_model).
+  torch::Tensor decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, bool to_rank0 = true,
+                       bool with_draft = false);
+  // This rank's shard of the draft model (the same layers and KV heads as the served model's).
+  void set_draft_model(std::shared_ptr<DecoderModel> draft) { draft_ = std::move(draft); }
+  bool has_draft_model() const { return draft_ != nullptr; }
 
   const ShardLayout& layout() const;
 
@@ -56,6 +61,7 @@ class ShardedExecutor {
   int64_t next_rank() const;
   int64_t last_stage_head() const;  // TP rank 0 of the last stage: sends logits to rank 0
   std::shared_ptr<DecoderModel> model_;
+  std::shared_ptr<DecoderModel> draft_;  // null: no draft model
   KvMemory& kv_;
   parallel::ParallelGroups g_;
   int64_t micro_batches_;

@@ -101,7 +101,7 @@ struct ShardCommand {
     put(static_cast<int64_t>(p.start.size()));
     for (const auto& s : p.start) put(s.seq_id), put(static_cast<int64_t>(s.seed)), put(s.eos_ids), put(s.prompt), put(s.sampling);
     put(p.decode.seq_ids), put(p.decode.positions), put(p.decode_tokens), put(p.decode_ban_eos);
-    put(p.self_draft.sink_blocks), put(p.self_draft.window_blocks);
+    put(p.self_draft.sink_blocks), put(p.self_draft.window_blocks), put(static_cast<int64_t>(p.model_draft));
     put(static_cast<int64_t>(p.prefill.size()));
     for (const auto& w : p.prefill) {
       KV_CHECK(!w.chunked(), "internal: a sharded job prefills whole prompts (chunked prefill is local only)");
@@ -136,6 +136,7 @@ struct ShardCommand {
     p.decode_ban_eos = get_flags();
     p.self_draft.sink_blocks = get();
     p.self_draft.window_blocks = get();
+    p.model_draft = get() != 0;
     KV_CHECK(p.self_draft.sink_blocks >= 0 && p.self_draft.window_blocks >= 0, "malformed command from rank 0");
     const int64_t prefills = get();
     KV_CHECK(prefills >= 0 && prefills <= static_cast<int64_t>(payload.size()), "malformed command from rank 0");
@@ -329,17 +330,18 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   // verified tokens, i.e. the whole pipeline's forward (the last stage waits for the others) and the
   // sampling. It reaches rank 0 with the counts, for the speculation governor.
   int64_t decode_ns = 0;
-  // Self-drafts: every rank runs the draft steps on its shard (through the view); the sampler rank
-  // chooses each step's drafts and one broadcast gives them to every rank for the next step.
+  // Self-drafts and a draft model's: every rank runs the draft steps on its shard (of the model,
+  // through the view, or of the draft model, over the whole cache); the sampler rank chooses each
+  // step's drafts and one broadcast gives them to every rank for the next step.
   int64_t draft_steps_run = 0;
   double draft_s = 0.0;
   std::vector<int64_t> tokens = plan.decode_tokens;
   std::vector<SampledDraft> sampled_drafts;
-  if (drafts && plan.self_draft.active()) {
+  if (drafts && (plan.self_draft.active() || plan.model_draft)) {
     const auto t0 = std::chrono::steady_clock::now();
     DraftStepFns fns;
     fns.forward = [&](const DecodeBatch& step, const std::vector<int64_t>& in) {
-      torch::Tensor lg = exec.decode(step, in, /*to_rank0=*/false);
+      torch::Tensor lg = exec.decode(step, in, /*to_rank0=*/false, /*with_draft=*/plan.model_draft);
       return sampler ? lg : torch::Tensor();
     };
     fns.share = [&](std::vector<int64_t>& chosen) {
@@ -507,9 +509,11 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
 }  // namespace
 
 ShardedRunner::ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
-                             int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure)
+                             int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure,
+                             std::shared_ptr<DecoderModel> draft)
     : kv_(std::move(kv)), groups_(groups), exec_(std::move(model), *kv_, groups, micro_batches),
       on_comm_failure_(std::move(on_comm_failure)) {
+  exec_.set_draft_model(std::move(draft));
   KV_CHECK(groups_.world->rank() == 0, "internal: the sharded runner lives on rank 0");
 }
 
@@ -591,8 +595,9 @@ void ShardedRunner::idle() {
 }
 
 int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
-                     int64_t micro_batches) {
+                     int64_t micro_batches, std::shared_ptr<DecoderModel> draft) {
   ShardedExecutor exec(std::move(model), *kv, groups, micro_batches);
+  exec.set_draft_model(std::move(draft));
   SamplerBank samplers;  // used on the sampler rank only
   DraftSetup setup;
   auto& world = *groups.world;

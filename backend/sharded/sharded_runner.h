@@ -17,8 +17,10 @@ namespace kvserve {
 class ShardedRunner final : public ModelRunner {
  public:
   // on_comm_failure runs once when the job fails (a transfer failed, or the ranks fell out of step).
+  // draft: this rank's shard of speculative_config's draft model (method "draft_model"), or null.
   ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
-                int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure);
+                int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure,
+                std::shared_ptr<DecoderModel> draft = nullptr);
   ~ShardedRunner() override;  // tells the workers to exit
 
   StepResult execute(const StepPlan& plan) override;
@@ -33,6 +35,8 @@ class ShardedRunner final : public ModelRunner {
   bool speculative_decoding() const override { return true; }
   // Every rank runs the draft steps over its shard's view; the sampler rank chooses the drafts.
   bool self_drafting() const override { return true; }
+  // Every rank runs a draft model's steps on its shard of it, as for self-drafts.
+  bool model_drafting() const override { return exec_.has_draft_model(); }
   // Sets up rank 0's memory and sends the same setup to every worker (one command between steps).
   void configure_self_draft(const SpeculativeConfig& spec) override;
 
@@ -53,6 +57,6 @@ class ShardedRunner final : public ModelRunner {
 // A worker rank's loop: runs the plans rank 0 broadcasts until told to stop. Returns the process
 // exit status (0 = clean stop, 1 = the job failed; the error is printed).
 int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
-                     int64_t micro_batches);
+                     int64_t micro_batches, std::shared_ptr<DecoderModel> draft = nullptr);
 
 }  // namespace kvserve

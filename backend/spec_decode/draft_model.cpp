@@ -47,8 +47,6 @@ std::shared_ptr<DecoderModel> load_draft_model(const SpeculativeConfig& spec, co
   const std::string path = spec.model.empty() ? target_path : spec.model;
   const std::string field = spec.model.empty() ? "speculative_config.quantization" : "speculative_config.model";
   load.quantization = spec.quantization;
-  load.layout = ShardLayout{};
-  load.tp_group.reset();
   std::shared_ptr<DecoderModel> draft;
   try {
     draft = DecoderModel::load(path, load);

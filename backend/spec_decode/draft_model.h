@@ -17,8 +17,8 @@ namespace kvserve {
 std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel& draft);
 
 // Loads spec.model (or the served model's own `target_path` when empty) with spec.quantization, as
-// `target` was loaded (`load`: device, compute dtype, KV cache dtype), and checks it against
-// `target`. Errors name speculative_config and the field.
+// `target` was loaded (`load`: device, compute dtype, KV cache dtype, and a sharded job's slice and
+// tensor-parallel group), and checks it against `target`. Errors name speculative_config and the field.
 std::shared_ptr<DecoderModel> load_draft_model(const SpeculativeConfig& spec, const DecoderModel& target,
                                                const std::string& target_path, LoadOptions load);
 

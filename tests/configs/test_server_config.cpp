@@ -235,7 +235,7 @@ const BadCase kBadCases[] = {
     {"bad_bytes", "cache:\n  kv_cache_bytes: 2 gigs\n", 2, "cache.kv_cache_bytes", "unknown unit"},
     {"zero_block", "cache:\n  block_size: 0\n", 2, "cache.block_size", "between 1"},
     {"spec_method", "speculative_config:\n  method: eagle\n", 2, "speculative_config.method",
-     "none, ngram, self; got 'eagle'"},
+     "none, ngram, self, draft_model; got 'eagle'"},
     {"spec_tokens", "speculative_config:\n  method: ngram\n  num_speculative_tokens: 65\n", 3,
      "speculative_config.num_speculative_tokens", "between 0"},
     {"spec_draft_sampling", "speculative_config:\n  draft_sampling: top\n", 2, "speculative_config.draft_sampling",
