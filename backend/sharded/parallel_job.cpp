@@ -122,14 +122,16 @@ std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& req
 
 std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {
   KV_CHECK(is_driver(), "internal: only rank 0 drives the engine");
+  // The draft's weights first: a KV pool sized by the device's free memory leaves them none.
+  auto draft = load_draft(options);
   if (!sharded()) {
     auto runner = std::make_unique<LocalRunner>(
         model_, make_memory(options), LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
-    runner->set_draft_model(load_draft(options));
+    runner->set_draft_model(std::move(draft));
     return runner;
   }
   return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
-                                         [this](const std::string&) { stop_workers(); }, load_draft(options));
+                                         [this](const std::string&) { stop_workers(); }, std::move(draft));
 }
 
 std::shared_ptr<DecoderModel> ParallelJob::load_draft(const EngineOptions& options) const {
@@ -147,7 +149,8 @@ std::shared_ptr<DecoderModel> ParallelJob::load_draft(const EngineOptions& optio
 
 int ParallelJob::run_worker(const EngineOptions& options) {
   KV_CHECK(!is_driver() && sharded(), "internal: run_worker is for ranks other than 0");
-  const int rc = run_shard_worker(make_memory(options), model_, groups_, options_.micro_batches, load_draft(options));
+  auto draft = load_draft(options);  // before the pool, as on rank 0
+  const int rc = run_shard_worker(make_memory(options), model_, groups_, options_.micro_batches, std::move(draft));
   if (rc == 0) {
     join_workers();
   } else {
