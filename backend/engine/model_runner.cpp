@@ -5,7 +5,9 @@
 
 #include "backend/engine/decode_graphs.h"
 #include "backend/model/decoder_model.h"
+#include "backend/spec_decode/draft_model.h"
 #include "backend/spec_decode/draft_verifier.h"
+#include "backend/spec_decode/separate_kv_drafter.h"
 #include "backend/spec_decode/self_drafter.h"
 #include "common/log.h"
 
@@ -27,6 +29,42 @@ LocalRunner::LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<Pa
 
 LocalRunner::~LocalRunner() = default;
 
+void LocalRunner::set_draft_model(std::shared_ptr<DecoderModel> draft) {
+  draft_model_.reset();
+  separate_.reset();
+  if (!draft) return;
+  const std::string why = draft_model_mismatch(*model_, *draft);
+  if (why.empty()) {
+    draft_model_ = std::move(draft);
+    return;
+  }
+  // Its own cache, holding as many tokens as this runner's pool: blocks per layer and lane alike.
+  const PagedKvMemory::Geometry g = kv_->geometry();
+  const int64_t per_layer = kv_->blocks_total() / std::max<int64_t>(1, g.num_layers * g.lanes());
+  const KvMemoryLayout layout = draft->kv_layout();
+  KvPoolSize size;
+  size.block_size = g.block_size;
+  size.num_blocks = per_layer * layout.num_layers;
+  size.layout = KvLayout::kLayer;
+  std::unique_ptr<PagedKvMemory> memory;
+  // A pool sized by the device's free memory may have left less: halve until it fits (a sequence
+  // the draft's cache cannot hold decodes without drafts).
+  while (!memory) {
+    try {
+      memory = make_kv_memory(layout, size, {});
+    } catch (const std::exception& e) {
+      KV_CHECK(size.num_blocks > 16 * layout.num_layers,
+               "speculative_config.model: no room for the draft model's cache (" << e.what() << ")");
+      size.num_blocks /= 2;
+    }
+  }
+  KV_LOG("speculative_config: the draft model's KV layout differs (" << why << "): it drafts over a cache of its own, "
+                                                                      << size.num_blocks << " blocks of " << g.block_size
+                                                                      << " tokens (" << memory->cache().block_bytes() * size.num_blocks / (1 << 20)
+                                                                      << " MiB)");
+  separate_ = std::make_unique<SeparateKvDrafter>(std::move(draft), std::move(memory));
+}
+
 int64_t LocalRunner::graph_captures() const { return graphs_ ? graphs_->stats().captures : 0; }
 
 double LocalRunner::graph_capture_s() const { return graphs_ ? graphs_->stats().capture_s : 0; }
@@ -38,6 +76,10 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
   for (int64_t id : plan.release) kv_->release(id);
   for (int64_t id : plan.park) kv_->park(id);
+  if (separate_) {
+    for (int64_t id : plan.release) separate_->release(id);
+    for (int64_t id : plan.park) separate_->release(id);
+  }
   for (int64_t id : plan.remove) samplers_.remove(id);
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
@@ -57,7 +99,13 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       auto t0 = start;
       std::vector<int64_t> tokens = plan.decode_tokens;
       std::vector<SampledDraft> sampled;  // drafts drawn from their distribution (draft_sampling "sample")
-      if (drafts && (plan.self_draft.active() || plan.model_draft)) {
+      if (drafts && plan.model_draft && separate_) {
+        r.draft_steps = separate_->draft(plan.decode, tokens, sampled_drafts_ ? &samplers_ : nullptr,
+                                         sampled_drafts_ ? &sampled : nullptr);
+        const auto t1 = clock::now();
+        r.draft_s = std::chrono::duration<double>(t1 - t0).count();
+        t0 = t1;
+      } else if (drafts && (plan.self_draft.active() || plan.model_draft)) {
         KV_CHECK(!plan.model_draft || draft_model_, "internal: a plan for a draft model, and none is loaded");
         // A draft model reads the whole cache; the model itself drafts through the plan's view.
         DecoderModel& drafter = plan.model_draft ? *draft_model_ : *model_;
@@ -74,9 +122,11 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       const auto end = clock::now();
       if (drafts) r.verify_s = std::chrono::duration<double>(end - t0).count();
       r.decode_s = std::chrono::duration<double>(end - start).count();
+      if (separate_) separate_->after_decode(plan.decode, tokens, v.counts, /*failed=*/false);
       r.decoded = std::move(v.tokens);
       r.decode_counts = std::move(v.counts);
     } catch (const std::exception& e) {
+      if (separate_) separate_->after_decode(plan.decode, {}, {}, /*failed=*/true);
       r.decoded.clear();
       r.decode_counts.clear();
       r.decode_error = e.what();
@@ -186,6 +236,10 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
     }
     g = end;
   }
+  // A draft model with its own cache prefills what the model prefilled (after it: the first token
+  // waits for the model only).
+  if (separate_)
+    for (const PrefillWork& p : plan.prefill) separate_->follow_prefill(p);
   r.shards.push_back(shard_usage(*kv_, plan));
   return r;
 }

@@ -16,6 +16,7 @@ namespace kvserve {
 
 class DecodeGraphs;
 class DecoderModel;
+class SeparateKvDrafter;
 
 class ModelRunner {
  public:
@@ -102,10 +103,11 @@ class LocalRunner final : public ModelRunner {
                             spec.draft_refresh_tokens);
     sampled_drafts_ = spec.draft_sampling == "sample";
   }
-  // The draft model of method "draft_model" (backend/spec_decode/draft_model.h), loaded and checked
-  // against this runner's model by the caller.
-  void set_draft_model(std::shared_ptr<DecoderModel> draft) { draft_model_ = std::move(draft); }
-  bool model_drafting() const override { return draft_model_ != nullptr; }
+  // The draft model of method "draft_model" (backend/spec_decode/draft_model.h), loaded by the
+  // caller: it drafts over this runner's cache where it shares the model's KV layout, else over a
+  // cache of its own for as many tokens as this runner's (SeparateKvDrafter). Null: none.
+  void set_draft_model(std::shared_ptr<DecoderModel> draft);
+  bool model_drafting() const override { return draft_model_ != nullptr || separate_ != nullptr; }
   bool compressed_contexts() const override { return true; }
   bool prompt_logprobs() const override { return true; }
   bool reset_caches() override {
@@ -123,7 +125,8 @@ class LocalRunner final : public ModelRunner {
 
  private:
   std::shared_ptr<DecoderModel> model_;
-  std::shared_ptr<DecoderModel> draft_model_;  // null: no draft model
+  std::shared_ptr<DecoderModel> draft_model_;      // a draft model over kv_, or null
+  std::unique_ptr<SeparateKvDrafter> separate_;  // a draft model over its own cache, or null
   std::unique_ptr<PagedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   size_t prefill_batch_tokens_ = 8192;

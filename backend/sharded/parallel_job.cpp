@@ -139,8 +139,12 @@ std::shared_ptr<DecoderModel> ParallelJob::load_draft(const EngineOptions& optio
   options.speculative.validate("speculative_config");
   // Every rank loads its slice of the draft, split as the served model is (its layers and heads).
   auto draft = run_on_fresh_thread([&] { return load_draft_model(options.speculative, *model_, model_dir_, load_); });
+  const std::string why = sharded() ? draft_model_mismatch(*model_, *draft) : std::string();
+  KV_CHECK(why.empty(), "speculative_config.model: under tensor or pipeline parallelism a draft model must share the "
+                        "served model's KV layout (a quantized copy of it): "
+                            << why);
   if (rank_ == 0)
-    KV_LOG("speculative_config: a draft model drafts over the served model's KV: "
+    KV_LOG("speculative_config: the draft model is "
            << (options.speculative.model.empty() ? model_dir_ : options.speculative.model) << " ("
            << draft->weight_format() << ", " << draft->weight_bytes() / (1 << 20) << " MiB of weights"
            << (sharded() ? " on rank 0" : "") << ")");

@@ -53,10 +53,13 @@ std::shared_ptr<DecoderModel> load_draft_model(const SpeculativeConfig& spec, co
   } catch (const std::exception& e) {
     KV_FAIL(field << ": the draft model " << path << " did not load: " << e.what());
   }
-  const std::string why = draft_model_mismatch(target, *draft);
-  KV_CHECK(why.empty(), "speculative_config.model: " << path << " cannot draft over the served model's KV: " << why
-                                                     << " (a draft model shares the served model's cache: a quantized copy "
-                                                        "of it, or a model of the same KV layout and tokenizer)");
+  // Token ids must mean the same; the rest decides whether the draft shares the served model's cache.
+  KV_CHECK(draft->config().vocab_size == target.config().vocab_size,
+           "speculative_config.model: " << path << " has vocab_size " << draft->config().vocab_size
+                                        << " (the served model: " << target.config().vocab_size
+                                        << "); a draft model needs the served model's tokenizer");
+  KV_CHECK(draft->device() == target.device(), "speculative_config.model: " << path << " loaded on " << draft->device()
+                                                                            << ", the served model on " << target.device());
   return draft;
 }
 

@@ -11,14 +11,16 @@
 
 namespace kvserve {
 
-// Why `draft` cannot draft over `target`'s KV ("" when it can): the layers, KV heads, head size,
+// Why `draft` cannot draft over `target`'s KV ("" when it can; otherwise it drafts over a cache of its
+// own, backend/spec_decode/separate_kv_drafter.h): the layers, KV heads, head size,
 // sliding windows and vocabulary must be equal, and the RoPE too (a draft's queries meet keys the
 // target rotated), the compute dtype and the device.
 std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel& draft);
 
 // Loads spec.model (or the served model's own `target_path` when empty) with spec.quantization, as
 // `target` was loaded (`load`: device, compute dtype, KV cache dtype, and a sharded job's slice and
-// tensor-parallel group), and checks it against `target`. Errors name speculative_config and the field.
+// tensor-parallel group), and checks that its token ids are the served model's (vocab_size) and that
+// it sits on the same device. Errors name speculative_config and the field.
 std::shared_ptr<DecoderModel> load_draft_model(const SpeculativeConfig& spec, const DecoderModel& target,
                                                const std::string& target_path, LoadOptions load);
 

@@ -8,10 +8,6 @@
 
 namespace kvserve {
 
-namespace {
-
-// A draft step's tokens from its logits: the argmax, or for a sampling sequence with a sampler bank
-// a draw from its draft distribution (recorded in sampled at the row the draft goes to, minus one).
 void choose_drafts(const torch::Tensor& logits, const DecodeBatch& step, const std::vector<size_t>& rows,
                    std::vector<int64_t>& chosen, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {
   std::vector<char> drawn(rows.size(), 0);  // rows whose sequence samples: drafts drawn from q
@@ -36,8 +32,6 @@ void choose_drafts(const torch::Tensor& logits, const DecodeBatch& step, const s
   const int64_t* b = best.data_ptr<int64_t>();
   for (size_t k = 0; k < rows.size(); ++k) chosen[k] = b[k];
 }
-
-}  // namespace
 
 int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& batch, const DraftView& view,
                           std::vector<int64_t>& tokens, SamplerBank* samplers, std::vector<SampledDraft>* sampled) {

@@ -29,6 +29,12 @@ int64_t draft_with_own_kv(DecoderModel& model, KvMemory& kv, const DecodeBatch& 
                           std::vector<int64_t>& tokens, SamplerBank* samplers = nullptr,
                           std::vector<SampledDraft>* sampled = nullptr);
 
+// A draft step's tokens from its logits [rows.size(), V] (row k: the sequence step.seq_ids[k]): the
+// argmax, or with a sampler bank a draw from a sampling sequence's draft distribution, recorded in
+// sampled at rows[k] - 1 (rows: the batch rows the drafts go to).
+void choose_drafts(const torch::Tensor& logits, const DecodeBatch& step, const std::vector<size_t>& rows,
+                   std::vector<int64_t>& chosen, SamplerBank* samplers, std::vector<SampledDraft>* sampled);
+
 // The same loop where one step's forward spans processes (a tensor x pipeline parallel job: every
 // rank runs every draft step on its shard). forward runs a draft step and returns its fp32 logits
 // [rows, V] on the one rank that chooses the drafts (the sampler rank), an undefined tensor on the

@@ -136,7 +136,8 @@ def test_generate_json_reports_the_draft_model():
     assert s["drafts"] > 0 and s["draft_tokens"] >= s["drafts"]
     assert 0 < s["verify_steps"] <= s["draft_steps"] <= 3 * s["verify_steps"]
     assert s["draft_s"] > 0 and s["verify_s"] > 0
-    assert "a draft model drafts over the served model's KV" in spec.stderr and "(q8_0+" in spec.stderr
+    assert "the draft model is" in spec.stderr and "(q8_0+" in spec.stderr
+    assert "a cache of its own" not in spec.stderr  # a quantized copy shares the served model's cache
 
 
 def run_bad(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -165,16 +166,95 @@ def test_draft_model_errors_name_the_field(config, fragments):
     assert bad.returncode != 0 and all(f in bad.stderr for f in fragments), bad.stderr[-2000:]
 
 
-def test_a_draft_of_another_kv_layout_is_refused():
-    other = FIXTURES / "llama-mha"
+def test_a_draft_of_another_vocabulary_is_refused():
+    other = FIXTURES / "qwen3"
     if not (other / "config.json").exists():
-        pytest.skip("no llama-mha fixture")
+        pytest.skip("no qwen3 fixture")
     bad = run_bad("--model", model_dir(), "--speculative-config",
                   json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(other)}))
     assert bad.returncode != 0, bad.stderr[-2000:]
-    assert f"speculative_config.model: {other} cannot draft over the served model's KV: num_hidden_layers" in bad.stderr, \
-        bad.stderr[-2000:]
-    assert "num_key_value_heads 4" in bad.stderr
+    assert f"speculative_config.model: {other} has vocab_size 1577 (the served model: 2119)" in bad.stderr, bad.stderr[-2000:]
+
+
+def mha_copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    """The same model with every query head its own KV head (k / v rows repeated per group): it
+    computes what `src` computes, with another KV layout, so it drafts over a cache of its own and
+    should predict `src`'s tokens almost always, if that cache follows the sequence right."""
+    import shutil
+    import torch
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((src / "config.json").read_text())
+    g = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w = load_file(str(src / "model.safetensors"))
+    for k in list(w):
+        if k.endswith(("k_proj.weight", "v_proj.weight")):
+            t = w[k]
+            w[k] = t.view(-1, d, t.shape[1]).repeat_interleave(g, dim=0).reshape(-1, t.shape[1]).contiguous()
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / f).exists():
+            shutil.copy(src / f, dst / f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mha_draft(tmp_path_factory):
+    src = pathlib.Path(model_dir())
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg["num_attention_heads"] == cfg["num_key_value_heads"]:
+        pytest.skip("the test model has one KV head per query head already")
+    return mha_copy(src, tmp_path_factory.mktemp("mha-draft"))
+
+
+def test_a_draft_of_another_shape_drafts_over_its_own_cache(mha_draft):
+    # Mixed draft counts, chunked prefill beside draft steps, preemption (the draft's cache is
+    # released and prefilled again with the recomputed prompt), plain steps while the governor would
+    # pause, seeded sampling: the output is plain decoding's, and the draft (the same function with
+    # another KV layout) keeps predicting the served model, which it cannot if its cache lags or leads.
+    # disable_by_batch_size: while more than 3 sequences decode the steps are plain, so the draft
+    # runs their tokens when drafting resumes.
+    s = Server(extra_yaml=spec_yaml(model=str(mha_draft), disable_by_batch_size=3), kv_cache_bytes="2MiB",
+               extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
+    try:
+        assert "it drafts over a cache of its own" in s.log()
+        prompts = [f"{i}: " + (STORY * 3)[: 400 + 80 * i] for i in range(8)]
+
+        def run(i_spec):
+            i, spec = i_spec
+            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 120, "temperature": 0,
+                                       "ignore_eos": True, "speculative": spec}))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            fast = list(pool.map(run, [(i, True) for i in range(8)]))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        assert fast == slow
+        m = s.wait_idle()
+        drafted, accepted = m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and accepted / drafted > 0.9, (drafted, accepted)
+        # ...and no sequence stopped drafting for a cache out of step.
+        assert accepted > 200, (drafted, accepted)
+        assert "lost track" not in s.log() and "could not prefill" not in s.log()
+        assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
+        assert m["kvserve:kv_cache_blocks_used"] == 0
+        for extra in ({"temperature": 0.9, "seed": 3, "n": 3}, {"temperature": 0, "stop": ["the"]},
+                      {"temperature": 0, "kv_policy": "snapkv"}):
+            a, b = both(s, {"prompt": PROMPTS[2], "max_tokens": 32, **extra})
+            assert tokens(a) == tokens(b), extra
+    finally:
+        s.close()
+
+
+def test_a_draft_of_another_shape_is_refused_under_parallelism(mha_draft):
+    bad = run_bad("--model", model_dir(), "--pp", "2", "--speculative-config",
+                  json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(mha_draft)}))
+    assert bad.returncode != 0, bad.stderr[-2000:]
+    assert ("under tensor or pipeline parallelism a draft model must share the served model's KV layout" in bad.stderr
+            and "num_key_value_heads 4 (the served model: 2)" in bad.stderr), bad.stderr[-2000:]
 
 
 @pytest.mark.parametrize("layout", [("--pp", "2"), ("--pp", "2", "--micro-batches", "2")])

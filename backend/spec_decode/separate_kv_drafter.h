@@ -1,0 +1,60 @@
+#pragma once
+// SeparateKvDrafter: a draft model of another shape than the served model (fewer layers, other heads;
+// the same vocabulary) drafting over a KV cache of its own. The draft follows the served model: it
+// prefills every prompt chunk the served model prefills, takes the tokens of plain steps and the
+// accepted drafts as they come, and drops what the verify step rejected, so that at each speculative
+// step its cache holds the sequence's positions before the last token, as the served model's does.
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/engine/step_plan.h"
+#include "backend/sampling/sampler.h"
+#include "cache_manager/paged_kv_memory.h"
+
+namespace kvserve {
+
+class DecoderModel;
+
+class SeparateKvDrafter {
+ public:
+  SeparateKvDrafter(std::shared_ptr<DecoderModel> draft, std::unique_ptr<PagedKvMemory> kv);
+  ~SeparateKvDrafter();
+
+  // The sequence is over, preempted or parked: its draft KV goes.
+  void release(int64_t seq_id);
+  // After the served model ran a prompt chunk: the draft prefills the same tokens. A chunk the draft
+  // cannot take (its pool is full, a resumed conversation whose earlier KV it never saw) leaves the
+  // sequence without drafts; the served model's prefill is not affected.
+  void follow_prefill(const PrefillWork& w);
+  // Fills the draft rows of a speculative decode batch (placeholders after each sequence's last
+  // token), as draft_with_own_kv does, with the draft model over its own cache: its first step also
+  // runs the tokens the draft has not seen yet (plain steps' tokens, a fully accepted draft's last).
+  // A sequence the draft cannot serve gets its last token repeated as drafts (the verify step
+  // rejects them). Returns the draft steps run.
+  int64_t draft(const DecodeBatch& batch, std::vector<int64_t>& tokens, SamplerBank* samplers,
+                std::vector<SampledDraft>* sampled);
+  // After the step's decode: `tokens` the rows' tokens (drafts included), `counts` the tokens each
+  // sequence emitted (empty: one each, a plain step), or failed: the step's sequences lose their
+  // draft KV (the served model's step left no state the draft could follow).
+  void after_decode(const DecodeBatch& batch, const std::vector<int64_t>& tokens, const std::vector<int64_t>& counts,
+                    bool failed);
+
+  const PagedKvMemory& memory() const { return *kv_; }
+
+ private:
+  struct Seq {
+    int64_t length = 0;  // positions [0, length) are in the draft's cache
+    std::vector<int64_t> missing;  // the tokens of positions [length, length + missing.size()), not run yet
+    bool broken = false;           // no drafts (its KV is gone)
+    int64_t drafted_at = -1;       // this step: the position of the first draft (its cache holds up to
+                                   // drafted_at + drafts - 2)
+  };
+  void drop(int64_t seq_id, Seq& s);
+  std::shared_ptr<DecoderModel> draft_;
+  std::unique_ptr<PagedKvMemory> kv_;
+  std::unordered_map<int64_t, Seq> seqs_;
+};
+
+}  // namespace kvserve
