@@ -73,6 +73,11 @@ void LocalRunner::set_cancel_check(CancelCheck check) { model_->set_cancel_check
 
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
+  if (separate_) {
+    // Before this plan's releases, which release the draft's copies too.
+    for (const PrefillWork& p : separate_pending_) separate_->follow_prefill(p);
+    separate_pending_.clear();
+  }
   for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
   for (int64_t id : plan.release) kv_->release(id);
   for (int64_t id : plan.park) kv_->park(id);
@@ -236,10 +241,9 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
     }
     g = end;
   }
-  // A draft model with its own cache prefills what the model prefilled (after it: the first token
-  // waits for the model only).
-  if (separate_)
-    for (const PrefillWork& p : plan.prefill) separate_->follow_prefill(p);
+  // A draft model with its own cache prefills what the model prefilled at the next step's start,
+  // so that a prompt's first token waits for the model only.
+  if (separate_) separate_pending_ = plan.prefill;
   r.shards.push_back(shard_usage(*kv_, plan));
   return r;
 }

@@ -127,6 +127,7 @@ class LocalRunner final : public ModelRunner {
   std::shared_ptr<DecoderModel> model_;
   std::shared_ptr<DecoderModel> draft_model_;      // a draft model over kv_, or null
   std::unique_ptr<SeparateKvDrafter> separate_;  // a draft model over its own cache, or null
+  std::vector<PrefillWork> separate_pending_;    // the last step's prompt chunks, for separate_ to follow
   std::unique_ptr<PagedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   size_t prefill_batch_tokens_ = 8192;
