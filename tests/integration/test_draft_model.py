@@ -15,13 +15,11 @@ import pytest
 
 from kvserve_server import REPO, Server, kvserve_bin, model_dir
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
+from speculation_cases import SAME_TOKEN_CASES, STORY, assert_same_as_plain, chi2_critical, concurrent_runs, homogeneity
 
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 GGUF = DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
-STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
-         "the fishing boats returning, the gulls circling the harbour, and the storm clouds gathering far "
-         "out over the grey sea. One night the lamp would not light, and he had to decide what to do. ")
 PROMPTS = [STORY + "What happened next?", "Write a short poem about autumn leaves and rain on the window.",
            STORY * 2 + "Summarise the story in one sentence:", "List five facts about the moon."]
 
@@ -71,26 +69,9 @@ def test_greedy_is_token_identical_and_drafts_are_accepted(srv):
     assert srv.wait_idle()["kvserve:kv_cache_blocks_used"] == 0
 
 
-@pytest.mark.parametrize("extra", [
-    {"temperature": 0.9, "seed": 11},
-    {"temperature": 1.0, "seed": 100, "n": 4, "max_tokens": 24},
-    {"temperature": 0, "logprobs": 2},
-    {"temperature": 0, "stop": ["the"]},
-    {"temperature": 0, "max_tokens": 5},
-    {"temperature": 0, "repetition_penalty": 1.2},
-    {"temperature": 0, "kv_policy": "snapkv"},
-    {"temperature": 0, "kv_policy": "pyramidkv"},
-    {"temperature": 0, "kv_policy": "snap_ada"},
-    {"temperature": 0, "guided_regex": "[a-z ]{4,40}\\."},
-])
+@pytest.mark.parametrize("extra", SAME_TOKEN_CASES)
 def test_same_tokens_as_plain_decoding(srv, extra):
-    body = {"prompt": PROMPTS[2], "max_tokens": 32, **extra}
-    a, b = both(srv, body)
-    assert tokens(a) == tokens(b), extra
-    for ca, cb in zip(a["choices"], b["choices"]):
-        assert ca["text"] == cb["text"] and ca["finish_reason"] == cb["finish_reason"]
-        if "logprobs" in extra:
-            assert ca["logprobs"]["token_logprobs"] == pytest.approx(cb["logprobs"]["token_logprobs"], abs=1e-4)
+    assert_same_as_plain(srv, PROMPTS[2], extra)
 
 
 def test_concurrent_chunked_and_preempted_match():
@@ -99,17 +80,7 @@ def test_concurrent_chunked_and_preempted_match():
     s = Server(extra_yaml=spec_yaml(quantization="int4"), kv_cache_bytes="2MiB",
                extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
     try:
-        prompts = [f"{i}: " + (STORY * 3)[: 400 + 80 * i] for i in range(8)]
-
-        def run(i_spec):
-            i, spec = i_spec
-            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 160, "temperature": 0,
-                                       "ignore_eos": True, "speculative": spec}))
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            fast = list(pool.map(run, [(i, True) for i in range(8)]))
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        fast, slow = concurrent_runs(s, 8, 160)
         assert fast == slow
         m = s.wait_idle()
         assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
@@ -181,7 +152,6 @@ def mha_copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
     computes what `src` computes, with another KV layout, so it drafts over a cache of its own and
     should predict `src`'s tokens almost always, if that cache follows the sequence right."""
     import shutil
-    import torch
     from safetensors.torch import load_file, save_file
     cfg = json.loads((src / "config.json").read_text())
     g = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
@@ -221,17 +191,7 @@ def test_a_draft_of_another_shape_drafts_over_its_own_cache(mha_draft):
                extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
     try:
         assert "it drafts over a cache of its own" in s.log()
-        prompts = [f"{i}: " + (STORY * 3)[: 400 + 80 * i] for i in range(8)]
-
-        def run(i_spec):
-            i, spec = i_spec
-            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 120, "temperature": 0,
-                                       "ignore_eos": True, "speculative": spec}))
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            fast = list(pool.map(run, [(i, True) for i in range(8)]))
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        fast, slow = concurrent_runs(s, 8, 120)
         assert fast == slow
         m = s.wait_idle()
         drafted, accepted = m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
@@ -318,7 +278,6 @@ def test_sampled_drafts_keep_plain_samplings_distribution():
     # draft_sampling: sample draws a sampling request's drafts from the int4 draft's distribution and
     # keeps them by speculative sampling: the first three tokens of 480 seeded streams must be
     # distributed as those of 480 streams without speculation (chi-square test of homogeneity).
-    from test_self_speculation import chi2_critical, homogeneity
     s = Server(extra_yaml=spec_yaml(quantization="int4", draft_sampling="sample"), kv_cache_bytes="256MiB")
     try:
         before = counts(s)

@@ -11,13 +11,13 @@ import concurrent.futures
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 
 import pytest
 
 from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
+from speculation_cases import SAME_TOKEN_CASES, STORY, assert_same_as_plain, chi2_critical, concurrent_runs, homogeneity
 
 # auto_disable off: on these small models and short contexts drafting does not pay on a CPU, and
 # the tests check what the speculative steps compute (test_auto_disable_* below: the governor).
@@ -32,9 +32,6 @@ SELF_YAML = """speculative_config:
 HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
-STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
-         "the fishing boats returning, the gulls circling the harbour, and the storm clouds gathering far "
-         "out over the grey sea. One night the lamp would not light, and he had to decide what to do. ")
 PROMPTS = [STORY + "What happened next?", "Write a short poem about autumn leaves and rain on the window.\n" * 3,
            STORY * 2 + "Summarise the story in one sentence:", "List five facts about the moon. " * 5]
 
@@ -68,26 +65,9 @@ def test_greedy_is_token_identical_and_drafts_are_accepted(srv):
         assert accepted / drafted > 0.3, (drafted, accepted)
 
 
-@pytest.mark.parametrize("extra", [
-    {"temperature": 0.9, "seed": 11},
-    {"temperature": 1.0, "seed": 100, "n": 6, "max_tokens": 24},
-    {"temperature": 0, "logprobs": 2},
-    {"temperature": 0, "stop": ["the"]},
-    {"temperature": 0, "max_tokens": 5},
-    {"temperature": 0, "repetition_penalty": 1.2},
-    {"temperature": 0, "kv_policy": "snapkv"},
-    {"temperature": 0, "kv_policy": "pyramidkv"},
-    {"temperature": 0, "kv_policy": "snap_ada"},
-    {"temperature": 0, "guided_regex": "[a-z ]{4,40}\\."},
-])
+@pytest.mark.parametrize("extra", SAME_TOKEN_CASES)
 def test_same_tokens_as_plain_decoding(srv, extra):
-    body = {"prompt": PROMPTS[2], "max_tokens": 32, **extra}
-    a, b = both(srv, body)
-    assert tokens(a) == tokens(b), extra
-    for ca, cb in zip(a["choices"], b["choices"]):
-        assert ca["text"] == cb["text"] and ca["finish_reason"] == cb["finish_reason"]
-        if "logprobs" in extra:
-            assert ca["logprobs"]["token_logprobs"] == pytest.approx(cb["logprobs"]["token_logprobs"], abs=1e-4)
+    assert_same_as_plain(srv, PROMPTS[2], extra)
 
 
 def test_concurrent_chunked_and_preempted_match():
@@ -96,17 +76,7 @@ def test_concurrent_chunked_and_preempted_match():
     s = Server(extra_yaml=SELF_YAML, kv_cache_bytes="2MiB",
                extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
     try:
-        prompts = [f"{i}: " + (STORY * 3)[: 400 + 80 * i] for i in range(8)]
-
-        def run(i_spec):
-            i, spec = i_spec
-            return tokens(complete(s, {"prompt": prompts[i], "max_tokens": 160, "temperature": 0,
-                                       "ignore_eos": True, "speculative": spec}))
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            fast = list(pool.map(run, [(i, True) for i in range(8)]))
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            slow = list(pool.map(run, [(i, False) for i in range(8)]))
+        fast, slow = concurrent_runs(s, 8, 160)
         assert fast == slow
         m = s.wait_idle()
         assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
@@ -261,32 +231,6 @@ def test_self_draft_errors_name_the_field(config, fragments):
     bad = subprocess.run([kvserve_bin(), "generate", "--model", model_dir(), "--prompt", "x", "--speculative-config",
                           config], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and all(f in bad.stderr for f in fragments), bad.stderr
-
-
-def homogeneity(a: list, b: list) -> tuple[float, int]:
-    """Pearson's chi-square of two samples of categories (rare categories pooled) and its degrees of freedom."""
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    cats, rare = [], (0, 0)
-    for k in set(ca) | set(cb):
-        if ca[k] + cb[k] < 10:
-            rare = (rare[0] + ca[k], rare[1] + cb[k])
-        else:
-            cats.append((ca[k], cb[k]))
-    if sum(rare):
-        cats.append(rare)
-    na, nb = len(a), len(b)
-    stat = 0.0
-    for oa, ob in cats:
-        t = oa + ob
-        ea, eb = t * na / (na + nb), t * nb / (na + nb)
-        stat += (oa - ea) ** 2 / ea + (ob - eb) ** 2 / eb
-    return stat, len(cats) - 1
-
-
-def chi2_critical(df: int, alpha: float) -> float:
-    """The chi-square quantile at 1 - alpha (Wilson-Hilferty)."""
-    z = statistics.NormalDist().inv_cdf(1 - alpha)
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
 
 
 def test_sampled_drafts_keep_plain_samplings_distribution():
