@@ -20,7 +20,8 @@ inline CLI::Option* add_speculative_option(CLI::App* cmd, std::string& json) {
                          "draft_budget (512) tokens per layer, chosen again every draft_refresh_tokens (64); one process; \"draft_sampling\": \"sample\" draws a "
                          "sampling request's drafts from the draft distribution instead of taking its argmax), or {\"method\": "
                          "\"draft_model\", \"num_speculative_tokens\": 4, \"quantization\": \"int4\"} (a quantized copy of the model, "
-                         "or \"model\": a file or directory of the same KV layout, drafts over the whole KV; one process); optional "
+                         "or \"model\": a checkpoint or GGUF file with the same tokenizer, drafts; one of the served model's KV layout "
+                         "reads its cache, another keeps its own); optional "
                          "disable_by_batch_size, and auto_disable (default true: speculation pauses while its steps emit fewer "
                          "tokens per second than plain ones)");
 }

@@ -29,8 +29,8 @@ void SpeculativeConfig::validate(const std::string& where) const {
   }
   if (method == "draft_model") {
     KV_CHECK(!model.empty() || (!quantization.empty() && quantization != "none"),
-             where << ": method 'draft_model' needs a model (a checkpoint or GGUF file of the served model's KV "
-                      "layout) or a quantization of the served model (int8, int4, a ggml type)");
+             where << ": method 'draft_model' needs a model (a checkpoint or GGUF file with the served model's "
+                      "tokenizer) or a quantization of the served model (int8, int4, a ggml type)");
     KV_CHECK(draft_policy.empty(), where << ": draft_policy '" << draft_policy
                                          << "' needs method 'self' (a draft model reads the whole KV)");
     KV_CHECK(draft_sampling == "greedy" || draft_sampling == "sample",

@@ -9,9 +9,9 @@ namespace kvserve {
 struct SpeculativeConfig {
   // "" / "none": no speculation; "ngram": prompt lookup over the sequence's prompt and output;
   // "self": the model drafts over a compressed view of the sequence's own KV (self_drafter.h);
-  // "draft_model": a second set of weights for the same KV layout (a quantized copy of the served
-  // model) drafts over the sequence's whole KV, which it reads and never writes for good
-  // (backend/spec_decode/draft_model.h).
+  // "draft_model": a second model with the same tokenizer drafts: one of the served model's KV layout
+  // (a quantized copy of it) over the sequence's own KV, which it reads and never writes for good
+  // (backend/spec_decode/draft_model.h), another over a cache of its own (separate_kv_drafter.h).
   std::string method;
   int64_t num_speculative_tokens = 0;  // drafts per step at most (the adaptive γ starts here)
   int64_t prompt_lookup_min = 2;       // the shortest suffix n-gram matched
