@@ -17,7 +17,7 @@ import pytest
 
 from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
-from speculation_cases import SAME_TOKEN_CASES, STORY, assert_same_as_plain, chi2_critical, concurrent_runs, homogeneity
+from speculation_cases import SAME_TOKEN_CASES, STORY, assert_same_as_plain, chi2_critical, concurrent_rounds, homogeneity
 
 # auto_disable off: on these small models and short contexts drafting does not pay on a CPU, and
 # the tests check what the speculative steps compute (test_auto_disable_* below: the governor).
@@ -76,9 +76,7 @@ def test_concurrent_chunked_and_preempted_match():
     s = Server(extra_yaml=SELF_YAML, kv_cache_bytes="2MiB",
                extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
     try:
-        fast, slow = concurrent_runs(s, 8, 160)
-        assert fast == slow
-        m = s.wait_idle()
+        m = concurrent_rounds(s, 8, 160)
         assert m["vllm:spec_decode_num_draft_tokens_total"] > 0
         assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
         assert m["kvserve:kv_cache_blocks_used"] == 0

@@ -140,12 +140,17 @@ def test_concurrent_requests_chunked_and_preempted_match(srv):
             return tokens(complete(small, {"prompt": prompts[i], "max_tokens": 40, "temperature": 0,
                                            "speculative": spec}))
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            fast = list(pool.map(run, [(i, True) for i in range(8)]))
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            slow = list(pool.map(run, [(i, False) for i in range(8)]))
-        assert fast == slow
-        m = small.wait_idle()
+        # Whether the requests overlap enough to preempt depends on when they arrive: on a loaded
+        # machine one round may not, so up to three rounds run (each compared as a whole).
+        for _ in range(3):
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                fast = list(pool.map(run, [(i, True) for i in range(8)]))
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                slow = list(pool.map(run, [(i, False) for i in range(8)]))
+            assert fast == slow
+            m = small.wait_idle()
+            if m["kvserve:num_preemptions_total"] > 0:
+                break
         assert m["vllm:spec_decode_num_accepted_tokens_total"] > 0
         assert m["kvserve:num_preemptions_total"] > 0, "the pool was meant to preempt"
     finally:
