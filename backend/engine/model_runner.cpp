@@ -81,10 +81,9 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
   for (int64_t id : plan.release) kv_->release(id);
   for (int64_t id : plan.park) kv_->park(id);
-  if (separate_) {
-    for (int64_t id : plan.release) separate_->release(id);
-    for (int64_t id : plan.park) separate_->release(id);
-  }
+  if (separate_)  // a parked sequence's next turn is a new sequence the draft cannot continue
+    for (const auto* ids : {&plan.release, &plan.park})
+      for (int64_t id : *ids) separate_->release(id);
   for (int64_t id : plan.remove) samplers_.remove(id);
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
@@ -104,18 +103,17 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
       auto t0 = start;
       std::vector<int64_t> tokens = plan.decode_tokens;
       std::vector<SampledDraft> sampled;  // drafts drawn from their distribution (draft_sampling "sample")
-      if (drafts && plan.model_draft && separate_) {
-        r.draft_steps = separate_->draft(plan.decode, tokens, sampled_drafts_ ? &samplers_ : nullptr,
-                                         sampled_drafts_ ? &sampled : nullptr);
-        const auto t1 = clock::now();
-        r.draft_s = std::chrono::duration<double>(t1 - t0).count();
-        t0 = t1;
-      } else if (drafts && (plan.self_draft.active() || plan.model_draft)) {
-        KV_CHECK(!plan.model_draft || draft_model_, "internal: a plan for a draft model, and none is loaded");
-        // A draft model reads the whole cache; the model itself drafts through the plan's view.
-        DecoderModel& drafter = plan.model_draft ? *draft_model_ : *model_;
-        r.draft_steps = draft_with_own_kv(drafter, *kv_, plan.decode, plan.self_draft, tokens,
-                                          sampled_drafts_ ? &samplers_ : nullptr, sampled_drafts_ ? &sampled : nullptr);
+      if (drafts && (plan.self_draft.active() || plan.model_draft)) {
+        SamplerBank* draws = sampled_drafts_ ? &samplers_ : nullptr;
+        std::vector<SampledDraft>* drawn = sampled_drafts_ ? &sampled : nullptr;
+        if (plan.model_draft && separate_) {
+          r.draft_steps = separate_->draft(plan.decode, tokens, draws, drawn);
+        } else {
+          KV_CHECK(!plan.model_draft || draft_model_, "internal: a plan for a draft model, and none is loaded");
+          // A draft model reads the whole cache; the model itself drafts through the plan's view.
+          DecoderModel& drafter = plan.model_draft ? *draft_model_ : *model_;
+          r.draft_steps = draft_with_own_kv(drafter, *kv_, plan.decode, plan.self_draft, tokens, draws, drawn);
+        }
         const auto t1 = clock::now();
         r.draft_s = std::chrono::duration<double>(t1 - t0).count();
         t0 = t1;

@@ -21,6 +21,15 @@ void SeparateKvDrafter::drop(int64_t seq_id, Seq& s) {
   s.broken = true;
 }
 
+bool SeparateKvDrafter::follows(int64_t seq_id, Seq& s, int64_t position) {
+  if (s.length + static_cast<int64_t>(s.missing.size()) == position) return true;
+  KV_LOG("internal: the draft model lost track of sequence " << seq_id << " (" << s.length << " + " << s.missing.size()
+                                                             << " positions, a step at " << position
+                                                             << "); it decodes without drafts");
+  drop(seq_id, s);
+  return false;
+}
+
 void SeparateKvDrafter::release(int64_t seq_id) {
   kv_->release(seq_id);
   seqs_.erase(seq_id);
@@ -64,15 +73,7 @@ int64_t SeparateKvDrafter::draft(const DecodeBatch& batch, std::vector<int64_t>&
     if (rows[g] < 2) continue;
     auto it = seqs_.find(batch.seq_ids[f]);
     if (it == seqs_.end() || it->second.broken) continue;
-    Seq& s = it->second;
-    if (s.length + static_cast<int64_t>(s.missing.size()) != batch.positions[f]) {
-      KV_LOG("internal: the draft model lost track of sequence " << batch.seq_ids[f] << " (" << s.length << " + "
-                                                                 << s.missing.size() << " positions, the step at "
-                                                                 << batch.positions[f] << "); it decodes without drafts");
-      drop(batch.seq_ids[f], s);
-      continue;
-    }
-    runs.push_back(g);
+    if (follows(batch.seq_ids[f], it->second, batch.positions[f])) runs.push_back(g);
   }
   if (runs.empty()) return 0;
   size_t most = 0;
@@ -148,14 +149,7 @@ void SeparateKvDrafter::after_decode(const DecodeBatch& batch, const std::vector
     if (drafted_at != last + 1) {
       // No drafts of its own this step: the served model ran the last token only (a plain row, or
       // drafts the draft could not make, all rejected but the first row's bonus).
-      if (s.length + static_cast<int64_t>(s.missing.size()) == last) {
-        s.missing.push_back(tokens[f]);
-      } else {
-        KV_LOG("internal: the draft model lost track of sequence " << batch.seq_ids[f] << " (" << s.length << " + "
-                                                                   << s.missing.size() << " positions, a step at "
-                                                                   << last << "); it decodes without drafts");
-        drop(batch.seq_ids[f], s);
-      }
+      if (follows(batch.seq_ids[f], s, last)) s.missing.push_back(tokens[f]);
       continue;
     }
     // Emitted: the accepted drafts and one more. The draft keeps the positions the served model

@@ -52,6 +52,8 @@ class SeparateKvDrafter {
                                    // drafted_at + drafts - 2)
   };
   void drop(int64_t seq_id, Seq& s);
+  // Whether s holds or knows every position before `position` (a step's last token); else it drops it.
+  bool follows(int64_t seq_id, Seq& s, int64_t position);
   std::shared_ptr<DecoderModel> draft_;
   std::unique_ptr<PagedKvMemory> kv_;
   std::unordered_map<int64_t, Seq> seqs_;
