@@ -138,13 +138,13 @@ struct SpeculativeSection {
   bool auto_disable = true;           // pause while speculative steps are slower than plain ones
   int64_t draft_sink_tokens = 16;     // self: the draft view's sinks and window
   int64_t draft_window_tokens = 496;
-  int64_t draft_min_context_tokens = 4096;  // self: shorter sequences decode plainly
+  int64_t draft_min_context_tokens = -1;  // self: shorter sequences decode plainly (-1: 4096, 0 with a draft model)
   std::string draft_policy;                 // self: a policy whose kept set the view adds ("": none)
   int64_t draft_budget = 512;               // ...with this budget (tokens per layer)
   int64_t draft_refresh_tokens = 64;        // ...chosen again every this many tokens (0: never)
   std::string draft_sampling = "greedy";    // self, draft_model: greedy | sample (a sampling request's drafts)
-  std::string model;                        // draft_model: its checkpoint or GGUF ("": the served model's)
-  std::string quantization;                 // draft_model: its quantization at load ("": as stored)
+  std::string model;                        // draft_model (self: optional): its checkpoint or GGUF ("": the served model's)
+  std::string quantization;                 // draft_model (self: optional): its quantization at load ("": as stored)
   bool operator==(const SpeculativeSection&) const = default;
 };
 

@@ -115,9 +115,10 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   if (options_.speculative.enabled()) {
     KV_CHECK(!options_.speculative.self_draft() || impl_->runner->self_drafting(),
              "speculative_config: method 'self': this runner does not draft with its own KV; use method 'ngram'");
-    KV_CHECK(!options_.speculative.model_draft() || impl_->runner->model_drafting(),
-             "speculative_config: method 'draft_model': this runner holds no draft model (ParallelJob::make_runner "
-             "loads it)");
+    KV_CHECK(!options_.speculative.loads_draft_model() || impl_->runner->model_drafting(),
+             "speculative_config: method '" << options_.speculative.method
+                                             << "' with a draft model: this runner holds none (ParallelJob::make_runner "
+                                                "loads it)");
     if (options_.speculative.runner_drafts()) impl_->runner->configure_self_draft(options_.speculative);
     if (impl_->runner->speculative_decoding())
       so.speculative = speculative_ = options_.speculative;

@@ -38,31 +38,7 @@ void LocalRunner::set_draft_model(std::shared_ptr<DecoderModel> draft) {
     draft_model_ = std::move(draft);
     return;
   }
-  // Its own cache, holding as many tokens as this runner's pool: blocks per layer and lane alike.
-  const PagedKvMemory::Geometry g = kv_->geometry();
-  const int64_t per_layer = kv_->blocks_total() / std::max<int64_t>(1, g.num_layers * g.lanes());
-  const KvMemoryLayout layout = draft->kv_layout();
-  KvPoolSize size;
-  size.block_size = g.block_size;
-  size.num_blocks = per_layer * layout.num_layers;
-  size.layout = KvLayout::kLayer;
-  std::unique_ptr<PagedKvMemory> memory;
-  // A pool sized by the device's free memory may have left less: halve until it fits (a sequence
-  // the draft's cache cannot hold decodes without drafts).
-  while (!memory) {
-    try {
-      memory = make_kv_memory(layout, size, {});
-    } catch (const std::exception& e) {
-      KV_CHECK(size.num_blocks > 16 * layout.num_layers,
-               "speculative_config.model: no room for the draft model's cache (" << e.what() << ")");
-      size.num_blocks /= 2;
-    }
-  }
-  KV_LOG("speculative_config: the draft model's KV layout differs (" << why << "): it drafts over a cache of its own, "
-                                                                      << size.num_blocks << " blocks of " << g.block_size
-                                                                      << " tokens (" << memory->cache().block_bytes() * size.num_blocks / (1 << 20)
-                                                                      << " MiB)");
-  separate_ = std::make_unique<SeparateKvDrafter>(std::move(draft), std::move(memory));
+  separate_ = make_separate_kv_drafter(std::move(draft), *kv_, why);
 }
 
 int64_t LocalRunner::graph_captures() const { return graphs_ ? graphs_->stats().captures : 0; }
@@ -73,17 +49,10 @@ void LocalRunner::set_cancel_check(CancelCheck check) { model_->set_cancel_check
 
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
-  if (separate_) {
-    // Before this plan's releases, which release the draft's copies too.
-    for (const PrefillWork& p : separate_pending_) separate_->follow_prefill(p);
-    separate_pending_.clear();
-  }
+  if (separate_) separate_->begin_step(plan);
   for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
   for (int64_t id : plan.release) kv_->release(id);
   for (int64_t id : plan.park) kv_->park(id);
-  if (separate_)  // a parked sequence's next turn is a new sequence the draft cannot continue
-    for (const auto* ids : {&plan.release, &plan.park})
-      for (int64_t id : *ids) separate_->release(id);
   for (int64_t id : plan.remove) samplers_.remove(id);
   for (const auto& s : plan.start) samplers_.add(s.seq_id, s.sampling, s.prompt, s.seed, s.eos_ids);
   if (!plan.decode.seq_ids.empty()) {
@@ -241,7 +210,7 @@ StepResult LocalRunner::execute(const StepPlan& plan) {
   }
   // A draft model with its own cache prefills what the model prefilled at the next step's start,
   // so that a prompt's first token waits for the model only.
-  if (separate_) separate_pending_ = plan.prefill;
+  if (separate_) separate_->defer_prefills(plan.prefill);
   r.shards.push_back(shard_usage(*kv_, plan));
   return r;
 }

@@ -99,7 +99,7 @@ class LocalRunner final : public ModelRunner {
   bool self_drafting() const override { return true; }
   void configure_self_draft(const SpeculativeConfig& spec) override {
     if (!spec.draft_policy.empty())
-      kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens,
+      kv_->set_draft_policy(spec.draft_policy, spec.draft_budget, spec.min_context_tokens(), spec.draft_sink_tokens,
                             spec.draft_refresh_tokens);
     sampled_drafts_ = spec.draft_sampling == "sample";
   }
@@ -127,7 +127,6 @@ class LocalRunner final : public ModelRunner {
   std::shared_ptr<DecoderModel> model_;
   std::shared_ptr<DecoderModel> draft_model_;      // a draft model over kv_, or null
   std::unique_ptr<SeparateKvDrafter> separate_;  // a draft model over its own cache, or null
-  std::vector<PrefillWork> separate_pending_;    // the last step's prompt chunks, for separate_ to follow
   std::unique_ptr<PagedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   size_t prefill_batch_tokens_ = 8192;

@@ -54,6 +54,12 @@ int64_t Scheduler::max_drafts(const Sequence& s) const {
   return s.req.max_draft_tokens >= 0 ? std::min(most, s.req.max_draft_tokens) : most;
 }
 
+bool Scheduler::may_draft(const Sequence& s) const {
+  // Policies that evict during decode pick victims by length, and a parked conversation keeps its
+  // KV as the request left it: their sequences decode plainly.
+  return max_drafts(s) > 0 && options_.policies.at(s.req.kv_policy).decode_budget == 0 && !reuses_compressed(s);
+}
+
 const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const std::vector<int64_t>& prompt) const {
   // A request's first prefill only (a preempted one recomputes exactly), and never when every
   // prompt position's logits are asked for.
@@ -148,6 +154,7 @@ void Scheduler::plan_chunk(Sequence& s, int64_t budget, StepPlan& plan) const {
   // Chunked, its peak counts every position of every layer, the cached ones too.
   w.reuse_prefix = w.chunked() || options_.policies.at(s.req.kv_policy).is_full() || s.keep_copy;
   w.context_len = context_len(s, s.prefill_len);
+  w.drafts = options_.speculative.enabled() && may_draft(s);
   plan.prefill.push_back(std::move(w));
   s.prefill_done = start + n;
 }
@@ -249,14 +256,11 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     plan.decode.positions.push_back(s->next_position());
     plan.decode_tokens.push_back(s->output.back());
     plan.decode_ban_eos.push_back(s->ban_eos());
-    // Policies that evict during decode pick victims by length, and a parked conversation keeps
-    // its KV as the request left it: their sequences decode plainly.
+    if (!speculate || !may_draft(*s)) continue;
     const int64_t most = max_drafts(*s);
-    if (!speculate || most == 0 || options_.policies.at(s->req.kv_policy).decode_budget > 0 || reuses_compressed(*s))
-      continue;
     const auto made = static_cast<int64_t>(s->output.size());
     const int64_t k = std::min(s->spec_k > 0 ? s->spec_k : most, s->req.sampling.max_tokens - made - 1);
-    if (k <= 0 || (spec.self_draft() && s->next_position() < spec.draft_min_context_tokens)) continue;
+    if (k <= 0 || (spec.self_draft() && s->next_position() < spec.min_context_tokens())) continue;
     if (s->spec_pause > 0) {
       --s->spec_pause;
       continue;
@@ -270,7 +274,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     if (!room) continue;
     const std::vector<int64_t> draft = propose(*s, k);
     if (draft.empty()) continue;
-    plan.model_draft = plan.model_draft || spec.model_draft();
+    plan.model_draft = plan.model_draft || spec.loads_draft_model();
     if (spec.self_draft()) {
       const int64_t bs = shards_.front().usage.geometry.block_size;
       plan.self_draft = {blocks_for_tokens(spec.draft_sink_tokens, bs),

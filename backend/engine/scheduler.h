@@ -132,6 +132,8 @@ class Scheduler {
   // The most draft tokens `s` may carry a step: the engine's num_speculative_tokens, capped by its
   // request (0 = it decodes plainly).
   int64_t max_drafts(const Sequence& s) const;
+  // Whether the sequence drafts when speculation is on (it asked for it, and its KV allows it).
+  bool may_draft(const Sequence& s) const;
   // The parked conversation a waiting sequence's prompt continues, if any.
   const ConversationCache::Entry* resumable(const Sequence& s, const std::vector<int64_t>& prompt) const;
   // Why a prompt of `n` tokens under `policy` can never fit some shard's whole pool, if it cannot.

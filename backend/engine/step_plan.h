@@ -50,6 +50,9 @@ struct PrefillWork {
   // Compressed contexts: the (whole) prompt's first context_len tokens are compressed alone, from
   // or into the memory's cache (PrefillInput::context_len). 0 = none.
   int64_t context_len = 0;
+  // Whether the sequence may ever draft (Scheduler::may_draft): a draft model with a cache of its
+  // own follows only those that may.
+  bool drafts = true;
 
   int64_t total() const { return prompt_len > 0 ? prompt_len : static_cast<int64_t>(tokens.size()); }
   bool last_chunk() const { return start + static_cast<int64_t>(tokens.size()) == total(); }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "backend/sharded/sharded_runner.h"
@@ -123,37 +124,78 @@ std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& req
 std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {
   KV_CHECK(is_driver(), "internal: only rank 0 drives the engine");
   // The draft's weights first: a KV pool sized by the device's free memory leaves them none.
-  auto draft = load_draft(options);
+  ShardDraft draft = load_draft(options);
   if (!sharded()) {
     auto runner = std::make_unique<LocalRunner>(
         model_, make_memory(options), LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
-    runner->set_draft_model(std::move(draft));
+    runner->set_draft_model(std::move(draft.model));
     return runner;
   }
   return std::make_unique<ShardedRunner>(make_memory(options), model_, groups_, options_.micro_batches,
                                          [this](const std::string&) { stop_workers(); }, std::move(draft));
 }
 
-std::shared_ptr<DecoderModel> ParallelJob::load_draft(const EngineOptions& options) const {
-  if (!options.speculative.model_draft()) return nullptr;
-  options.speculative.validate("speculative_config");
-  // Every rank loads its slice of the draft, split as the served model is (its layers and heads).
-  auto draft = run_on_fresh_thread([&] { return load_draft_model(options.speculative, *model_, model_dir_, load_); });
-  const std::string why = sharded() ? draft_model_mismatch(*model_, *draft) : std::string();
-  KV_CHECK(why.empty(), "speculative_config.model: under tensor or pipeline parallelism a draft model must share the "
-                        "served model's KV layout (a quantized copy of it): "
-                            << why);
-  if (rank_ == 0)
-    KV_LOG("speculative_config: the draft model is "
-           << (options.speculative.model.empty() ? model_dir_ : options.speculative.model) << " ("
-           << draft->weight_format() << ", " << draft->weight_bytes() / (1 << 20) << " MiB of weights"
-           << (sharded() ? " on rank 0" : "") << ")");
-  return draft;
+ShardDraft ParallelJob::load_draft(const EngineOptions& options) const {
+  const SpeculativeConfig& spec = options.speculative;
+  if (!spec.loads_draft_model()) return {};
+  spec.validate("speculative_config");
+  const std::string path = spec.model.empty() ? model_dir_ : spec.model;
+  const std::string field = spec.model.empty() ? "speculative_config.quantization" : "speculative_config.model";
+  // A self-draft reads the served model's cache through its view.
+  auto refuse_for_self = [&](const std::string& why) {
+    KV_CHECK(!spec.self_draft() || why.empty(), "speculative_config.model: method 'self' drafts over the served model's KV, "
+                                                "so its draft model must share the served model's KV layout (a "
+                                                "quantized copy of it): "
+                                                    << why);
+  };
+  ShardDraft d;
+  // A draft of the served model's KV layout reads its cache: every rank loads its slice of it, split
+  // as the served model is (its layers and heads). One of another shape drafts over a cache of its
+  // own: under parallelism the sampler rank alone holds the whole of it. Every rank decides alike,
+  // from the configs.
+  if (sharded()) {
+    ModelConfig dc;
+    try {
+      dc = read_model_config(path);
+    } catch (const std::exception& e) {
+      KV_FAIL(field << ": the draft model " << path << " did not load: " << e.what());
+    }
+    d.why = draft_layout_mismatch(model_->config(), dc);
+    d.own_cache = !d.why.empty();
+    refuse_for_self(d.why);
+  }
+  const int sampler = sampler_rank(load_.layout);
+  if (!d.own_cache || rank_ == sampler) {
+    LoadOptions load = load_;
+    if (d.own_cache) {
+      load.layout = ShardLayout{};
+      load.tp_group = nullptr;
+      load.progress = false;
+    }
+    d.model = run_on_fresh_thread([&] { return load_draft_model(spec, *model_, model_dir_, load); });
+    if (!d.own_cache) {
+      const std::string why = draft_model_mismatch(*model_, *d.model);
+      refuse_for_self(why);
+      KV_CHECK(!sharded() || why.empty(), field << ": under tensor or pipeline parallelism a draft of the served model's KV "
+                                                   "layout must also have its compute dtype and device: "
+                                                << why);
+    }
+  }
+  if (rank_ == 0) {
+    std::ostringstream what;
+    if (d.model)
+      what << d.model->weight_format() << ", " << d.model->weight_bytes() / (1 << 20) << " MiB of weights"
+           << (sharded() ? " on rank 0" : "");
+    else
+      what << "all of it on rank " << sampler << ", which samples";
+    KV_LOG("speculative_config: the draft model is " << path << " (" << what.str() << ")");
+  }
+  return d;
 }
 
 int ParallelJob::run_worker(const EngineOptions& options) {
   KV_CHECK(!is_driver() && sharded(), "internal: run_worker is for ranks other than 0");
-  auto draft = load_draft(options);  // before the pool, as on rank 0
+  ShardDraft draft = load_draft(options);  // before the pool, as on rank 0
   const int rc = run_shard_worker(make_memory(options), model_, groups_, options_.micro_batches, std::move(draft));
   if (rc == 0) {
     join_workers();

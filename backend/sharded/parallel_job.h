@@ -10,6 +10,7 @@
 #include "backend/model/decoder_model.h"
 #include "backend/engine/model_runner.h"
 #include "backend/sharded/sharded_executor.h"
+#include "backend/sharded/sharded_runner.h"
 
 namespace kvserve {
 
@@ -68,8 +69,8 @@ class ParallelJob {
 
  private:
   ParallelJob() = default;
-  // This rank's draft model (speculative_config method "draft_model"), or null.
-  std::shared_ptr<DecoderModel> load_draft(const EngineOptions& options) const;
+  // This rank's part of speculative_config's draft model (none: no model).
+  ShardDraft load_draft(const EngineOptions& options) const;
   ParallelOptions options_;
   int rank_ = 0, world_size_ = 1;
   std::unique_ptr<parallel::WorkerGroup> workers_;

@@ -8,6 +8,7 @@
 #include "backend/model/decoder_model.h"
 #include "backend/spec_decode/draft_verifier.h"
 #include "backend/spec_decode/self_drafter.h"
+#include "backend/spec_decode/separate_kv_drafter.h"
 #include "backend/spec_decode/speculative_config.h"
 #include "common/check.h"
 #include "common/log.h"
@@ -109,7 +110,7 @@ struct ShardCommand {
     for (const auto& w : p.prefill)
       put(w.seq_id), put(w.policy), put(w.tokens), put(static_cast<int64_t>(w.sample)), put(static_cast<int64_t>(w.ban_eos)),
           put(static_cast<int64_t>(w.keep_copy)), put(w.cached), put(w.resume.seq_id), put(w.resume.length),
-          put(w.context_len);
+          put(w.context_len), put(static_cast<int64_t>(w.drafts));
   }
   StepPlan get_plan() {
     StepPlan p;
@@ -152,6 +153,7 @@ struct ShardCommand {
       w.resume.seq_id = get();
       w.resume.length = get();
       w.context_len = get();
+      w.drafts = get() != 0;
       KV_CHECK(w.context_len == 0 || (w.context_len > 0 && w.context_len < static_cast<int64_t>(w.tokens.size())),
                "malformed command from rank 0");
       p.prefill.push_back(std::move(w));
@@ -171,7 +173,7 @@ ShardCommand draft_command(const SpeculativeConfig& spec) {
   ShardCommand c;
   c.op = ShardOp::kSelfDraft;
   c.put(spec.draft_policy);
-  for (int64_t v : {spec.draft_budget, spec.draft_min_context_tokens, spec.draft_sink_tokens, spec.draft_refresh_tokens,
+  for (int64_t v : {spec.draft_budget, spec.min_context_tokens(), spec.draft_sink_tokens, spec.draft_refresh_tokens,
                     int64_t{spec.draft_sampling == "sample"}})
     c.put(v);
   return c;
@@ -247,9 +249,6 @@ int64_t kept_divisor(const PagedKvMemory& kv, const ShardLayout& s) {
   return kv.geometry().head_blocks ? s.kv_heads * s.tp_size / s.kv_replicas : 1;
 }
 
-// The rank that samples: the last stage's first TP rank (every TP rank there has the full logits).
-int sampler_rank(const ShardLayout& s) { return static_cast<int>(s.global_rank(s.pp_size - 1, 0)); }
-
 // Sampled tokens travel to rank 0 as float64: token, chosen logprob, top count, (id, logprob)...
 torch::Tensor pack(const std::vector<SampledToken>& v) {
   std::vector<double> d;
@@ -310,10 +309,12 @@ std::vector<int64_t> agree_prefix_hits(const StepPlan& plan, const PagedKvMemory
 // sampler rank samples and sends rank 0 the tokens; one all-reduce brings every rank's pool (its
 // slot of [geometry, occupancy, per row: held, demand, kept]) to every rank. Rank 0 gets the result.
 StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& kv, SamplerBank& samplers,
-                    parallel::ProcessGroup& world, const DraftSetup& setup) {
+                    parallel::ProcessGroup& world, const DraftSetup& setup, OwnCacheDraft& own) {
   const ShardLayout& layout = exec.layout();
   const int me = world.rank(), src = sampler_rank(layout);
   const bool sampler = me == src;
+  KV_CHECK(!own.active || !sampler || own.drafter, "internal: the sampler rank holds no draft model of its own");
+  if (own.drafter) own.drafter->begin_step(plan);
   for (const auto& [id, n] : plan.truncate) kv.truncate(id, n);
   for (int64_t id : plan.release) kv.release(id);
   for (int64_t id : plan.park) kv.park(id);
@@ -337,7 +338,21 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   double draft_s = 0.0;
   std::vector<int64_t> tokens = plan.decode_tokens;
   std::vector<SampledDraft> sampled_drafts;
-  if (drafts && (plan.self_draft.active() || plan.model_draft)) {
+  const bool draws = sampler && setup.sampled;
+  if (drafts && plan.model_draft && own.active) {
+    // A draft of another shape: the sampler rank drafts alone, and one broadcast gives every rank
+    // the rows' tokens (and rank 0 the draft steps run).
+    const auto t0 = std::chrono::steady_clock::now();
+    if (sampler)
+      draft_steps_run = own.drafter->draft(plan.decode, tokens, draws ? &samplers : nullptr, draws ? &sampled_drafts : nullptr);
+    std::vector<int64_t> shared = tokens;
+    shared.push_back(draft_steps_run);
+    auto t = torch::tensor(shared, torch::kInt64);
+    world.broadcast(t, src);
+    tokens.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel() - 1);
+    draft_steps_run = t.data_ptr<int64_t>()[t.numel() - 1];
+    draft_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } else if (drafts && (plan.self_draft.active() || plan.model_draft)) {
     const auto t0 = std::chrono::steady_clock::now();
     DraftStepFns fns;
     fns.forward = [&](const DecodeBatch& step, const std::vector<int64_t>& in) {
@@ -349,7 +364,6 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
       world.broadcast(t, src);
       chosen.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
     };
-    const bool draws = sampler && setup.sampled;
     draft_steps_run = draft_steps(fns, kv, plan.decode, plan.self_draft, tokens, draws ? &samplers : nullptr,
                                   draws ? &sampled_drafts : nullptr);
     draft_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -359,11 +373,14 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     auto logits = exec.decode(plan.decode, tokens, /*to_rank0=*/false);
     if (sampler) {
       VerifiedTokens v = verify_drafts(samplers, plan.decode, tokens, logits, plan.decode_ban_eos, sampled_drafts);
+      if (own.drafter) own.drafter->after_decode(plan.decode, tokens, v.counts, /*failed=*/false);
       sampled = std::move(v.tokens);
       counts = std::move(v.counts);
       decode_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     }
   }
+  // The draft of another shape follows this step's prompts at the next step's start.
+  if (own.drafter) own.drafter->defer_prefills(plan.prefill);
   const std::vector<int64_t> hits = agree_prefix_hits(plan, kv, world);
   // Every prompt takes its agreed hit before any of them allocates. A compressed context taken from
   // the cache allocates as it starts (its partly filled blocks' copies, a copy back from the host
@@ -506,15 +523,34 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   return result;
 }
 
+// This rank's part of a draft: a slice for the executor, or (a draft of another shape) the sampler
+// rank's drafter over a cache of its own.
+OwnCacheDraft set_up_draft(ShardDraft draft, ShardedExecutor& exec, const PagedKvMemory& kv) {
+  OwnCacheDraft own;
+  if (!draft.own_cache) {
+    exec.set_draft_model(std::move(draft.model));
+    return own;
+  }
+  own.active = true;
+  if (draft.model) own.drafter = make_separate_kv_drafter(std::move(draft.model), kv, draft.why);
+  return own;
+}
+
 }  // namespace
 
+int sampler_rank(const ShardLayout& s) { return static_cast<int>(s.global_rank(s.pp_size - 1, 0)); }
+
+OwnCacheDraft::OwnCacheDraft() = default;
+OwnCacheDraft::OwnCacheDraft(OwnCacheDraft&&) noexcept = default;
+OwnCacheDraft& OwnCacheDraft::operator=(OwnCacheDraft&&) noexcept = default;
+OwnCacheDraft::~OwnCacheDraft() = default;
+
 ShardedRunner::ShardedRunner(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
-                             int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure,
-                             std::shared_ptr<DecoderModel> draft)
+                             int64_t micro_batches, std::function<void(const std::string&)> on_comm_failure, ShardDraft draft)
     : kv_(std::move(kv)), groups_(groups), exec_(std::move(model), *kv_, groups, micro_batches),
       on_comm_failure_(std::move(on_comm_failure)) {
-  exec_.set_draft_model(std::move(draft));
   KV_CHECK(groups_.world->rank() == 0, "internal: the sharded runner lives on rank 0");
+  own_draft_ = set_up_draft(std::move(draft), exec_, *kv_);
 }
 
 ShardedRunner::~ShardedRunner() { stop(); }
@@ -570,7 +606,7 @@ StepResult ShardedRunner::execute(const StepPlan& plan) {
                      : KvMemory::kNoLookup;
     }
     send_command(*groups_.world, command(ShardOp::kStep, sent));
-    StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world, {sampled_drafts_});
+    StepResult r = run_step(sent, exec_, *kv_, samplers_, *groups_.world, {sampled_drafts_}, own_draft_);
     step_collectives_ += groups_.world->collectives() - before;
     return r;
   });
@@ -595,9 +631,9 @@ void ShardedRunner::idle() {
 }
 
 int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderModel> model, parallel::ParallelGroups groups,
-                     int64_t micro_batches, std::shared_ptr<DecoderModel> draft) {
+                     int64_t micro_batches, ShardDraft draft) {
   ShardedExecutor exec(std::move(model), *kv, groups, micro_batches);
-  exec.set_draft_model(std::move(draft));
+  OwnCacheDraft own = set_up_draft(std::move(draft), exec, *kv);
   SamplerBank samplers;  // used on the sampler rank only
   DraftSetup setup;
   auto& world = *groups.world;
@@ -606,7 +642,7 @@ int run_shard_worker(std::unique_ptr<PagedKvMemory> kv, std::shared_ptr<DecoderM
       ShardCommand c = receive_command(world);
       switch (c.op) {
         case ShardOp::kStep:
-          run_step(c.get_plan(), exec, *kv, samplers, world, setup);
+          run_step(c.get_plan(), exec, *kv, samplers, world, setup, own);
           break;
         case ShardOp::kSelfDraft:
           setup = apply_draft_command(c, *kv);

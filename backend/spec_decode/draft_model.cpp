@@ -14,6 +14,18 @@ void differ(std::ostringstream& out, const char* what, const T& target, const T&
   out << (out.tellp() > 0 ? "; " : "") << what << " " << draft << " (the served model: " << target << ")";
 }
 
+const char* rope_kind(RopeScaling::Kind k) {
+  switch (k) {
+    case RopeScaling::Kind::kDefault: return "default";
+    case RopeScaling::Kind::kLinear: return "linear";
+    case RopeScaling::Kind::kLlama3: return "llama3";
+    case RopeScaling::Kind::kYarn: return "yarn";
+    case RopeScaling::Kind::kDynamic: return "dynamic";
+    case RopeScaling::Kind::kLongRope: return "longrope";
+  }
+  return "?";
+}
+
 std::string windows(const std::vector<int64_t>& w) {
   std::ostringstream s;
   for (size_t i = 0; i < w.size(); ++i) s << (i ? "," : "[") << w[i];
@@ -23,9 +35,7 @@ std::string windows(const std::vector<int64_t>& w) {
 
 }  // namespace
 
-std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel& draft) {
-  const ModelConfig& t = target.config();
-  const ModelConfig& d = draft.config();
+std::string draft_layout_mismatch(const ModelConfig& t, const ModelConfig& d) {
   std::ostringstream out;
   differ(out, "num_hidden_layers", t.num_hidden_layers, d.num_hidden_layers);
   differ(out, "num_key_value_heads", t.num_key_value_heads, d.num_key_value_heads);
@@ -34,8 +44,14 @@ std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel&
   differ(out, "layer windows", windows(t.layer_windows), windows(d.layer_windows));
   differ(out, "rope_theta", t.rope_theta, d.rope_theta);
   differ(out, "local_rope_theta", t.local_rope_theta, d.local_rope_theta);
-  differ(out, "rope_scaling kind", static_cast<int>(t.rope_scaling.kind), static_cast<int>(d.rope_scaling.kind));
+  differ(out, "rope_scaling kind", std::string(rope_kind(t.rope_scaling.kind)), std::string(rope_kind(d.rope_scaling.kind)));
   differ(out, "rope_scaling factor", t.rope_scaling.factor, d.rope_scaling.factor);
+  return out.str();
+}
+
+std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel& draft) {
+  std::ostringstream out;
+  out << draft_layout_mismatch(target.config(), draft.config());
   differ(out, "compute dtype", std::string(c10::toString(target.dtype())), std::string(c10::toString(draft.dtype())));
   differ(out, "device", target.device().str(), draft.device().str());
   return out.str();
@@ -43,7 +59,7 @@ std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel&
 
 std::shared_ptr<DecoderModel> load_draft_model(const SpeculativeConfig& spec, const DecoderModel& target,
                                                const std::string& target_path, LoadOptions load) {
-  KV_CHECK(spec.model_draft(), "internal: load_draft_model without method 'draft_model'");
+  KV_CHECK(spec.loads_draft_model(), "internal: load_draft_model without a draft model configured");
   const std::string path = spec.model.empty() ? target_path : spec.model;
   const std::string field = spec.model.empty() ? "speculative_config.quantization" : "speculative_config.model";
   load.quantization = spec.quantization;

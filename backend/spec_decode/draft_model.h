@@ -16,6 +16,8 @@ namespace kvserve {
 // sliding windows and vocabulary must be equal, and the RoPE too (a draft's queries meet keys the
 // target rotated), the compute dtype and the device.
 std::string draft_model_mismatch(const DecoderModel& target, const DecoderModel& draft);
+// The part of that its configs decide (all but the dtype and device), before either is loaded.
+std::string draft_layout_mismatch(const ModelConfig& target, const ModelConfig& draft);
 
 // Loads spec.model (or the served model's own `target_path` when empty) with spec.quantization, as
 // `target` was loaded (`load`: device, compute dtype, KV cache dtype, and a sharded job's slice and

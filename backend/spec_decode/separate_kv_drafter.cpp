@@ -5,6 +5,7 @@
 #include "backend/model/decoder_model.h"
 #include "backend/spec_decode/draft_verifier.h"
 #include "backend/spec_decode/self_drafter.h"
+#include "cache_manager/kv_memory_factory.h"
 #include "common/check.h"
 #include "common/log.h"
 
@@ -35,8 +36,16 @@ void SeparateKvDrafter::release(int64_t seq_id) {
   seqs_.erase(seq_id);
 }
 
+void SeparateKvDrafter::begin_step(const StepPlan& plan) {
+  for (const PrefillWork& p : pending_) follow_prefill(p);
+  pending_.clear();
+  for (const auto* ids : {&plan.release, &plan.park})
+    for (int64_t id : *ids) release(id);
+}
+
 void SeparateKvDrafter::follow_prefill(const PrefillWork& w) {
   if (w.start == 0) release(w.seq_id);  // a new prompt, or a preempted one computed again
+  if (!w.drafts) return;                // it never drafts (opted out; its KV policy evicts)
   Seq& s = seqs_[w.seq_id];
   if (s.broken) return;
   // A resumed conversation's earlier turns are in the served model's cache only (and its sequences
@@ -164,6 +173,34 @@ void SeparateKvDrafter::after_decode(const DecodeBatch& batch, const std::vector
       s.missing.push_back(tokens[f + rows[g] - 1]);
     }
   }
+}
+
+std::unique_ptr<SeparateKvDrafter> make_separate_kv_drafter(std::shared_ptr<DecoderModel> draft, const PagedKvMemory& served,
+                                                            const std::string& why) {
+  const PagedKvMemory::Geometry g = served.geometry();
+  const int64_t per_layer = served.blocks_total() / std::max<int64_t>(1, g.num_layers * g.lanes());
+  const KvMemoryLayout layout = draft->kv_layout();
+  KvPoolSize size;
+  size.block_size = g.block_size;
+  size.num_blocks = per_layer * layout.num_layers;
+  size.layout = KvLayout::kLayer;
+  std::unique_ptr<PagedKvMemory> memory;
+  // A sequence the draft's cache cannot hold decodes without drafts.
+  while (!memory) {
+    try {
+      memory = make_kv_memory(layout, size, {});
+    } catch (const std::exception& e) {
+      KV_CHECK(size.num_blocks > 16 * layout.num_layers,
+               "speculative_config.model: no room for the draft model's cache (" << e.what() << ")");
+      size.num_blocks /= 2;
+    }
+  }
+  KV_LOG("speculative_config: the draft model's KV layout differs (" << why << "): it drafts over a cache of its own, "
+                                                                      << size.num_blocks << " blocks of " << g.block_size
+                                                                      << " tokens ("
+                                                                      << memory->cache().block_bytes() * size.num_blocks / (1 << 20)
+                                                                      << " MiB)");
+  return std::make_unique<SeparateKvDrafter>(std::move(draft), std::move(memory));
 }
 
 }  // namespace kvserve

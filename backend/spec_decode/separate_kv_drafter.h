@@ -1,7 +1,7 @@
 #pragma once
 // SeparateKvDrafter: a draft model of another shape than the served model (fewer layers, other heads;
 // the same vocabulary) drafting over a KV cache of its own. The draft follows the served model: it
-// prefills every prompt chunk the served model prefills, takes the tokens of plain steps and the
+// prefills every prompt chunk the served model prefills for a sequence that may draft (PrefillWork::drafts), takes the tokens of plain steps and the
 // accepted drafts as they come, and drops what the verify step rejected, so that at each speculative
 // step its cache holds the sequence's positions before the last token, as the served model's does.
 #include <cstdint>
@@ -42,6 +42,12 @@ class SeparateKvDrafter {
                     bool failed);
 
   const PagedKvMemory& memory() const { return *kv_; }
+  // After a step: its prefills, which the draft follows at the next step's start (so that a
+  // prompt's first token waits for the served model only).
+  void defer_prefills(const std::vector<PrefillWork>& work) { pending_ = work; }
+  // At a step's start: follows the deferred prefills, then lets go of the sequences the plan
+  // releases or parks (a parked sequence's next turn is a new sequence the draft cannot continue).
+  void begin_step(const StepPlan& plan);
 
  private:
   struct Seq {
@@ -57,6 +63,13 @@ class SeparateKvDrafter {
   std::shared_ptr<DecoderModel> draft_;
   std::unique_ptr<PagedKvMemory> kv_;
   std::unordered_map<int64_t, Seq> seqs_;
+  std::vector<PrefillWork> pending_;
 };
+
+// A drafter for `draft` (whose KV layout differs from the served model's as `why` says) with a cache
+// holding as many tokens as `served`, the served model's memory (blocks per layer and lane alike),
+// halved until it fits where a pool sized by free device memory left less.
+std::unique_ptr<SeparateKvDrafter> make_separate_kv_drafter(std::shared_ptr<DecoderModel> draft, const PagedKvMemory& served,
+                                                            const std::string& why);
 
 }  // namespace kvserve

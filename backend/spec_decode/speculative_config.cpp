@@ -10,16 +10,17 @@ void SpeculativeConfig::validate(const std::string& where) const {
   KV_CHECK(method.empty() || method == "none" || method == "ngram" || method == "self" || method == "draft_model",
            where << ": method '" << method << "' is not served (ngram, self, draft_model, or none)");
   if (method != "ngram" && method != "self" && method != "draft_model") return;
-  KV_CHECK(method == "draft_model" || (model.empty() && quantization.empty()),
-           where << ": model and quantization name a draft model: they need method 'draft_model'");
+  KV_CHECK(method != "ngram" || (model.empty() && quantization.empty()),
+           where << ": model and quantization name a draft model: they need method 'draft_model' or 'self'");
   KV_CHECK(num_speculative_tokens >= 1 && num_speculative_tokens <= 64,
            where << ": num_speculative_tokens must be in [1, 64], got " << num_speculative_tokens);
   KV_CHECK(disable_by_batch_size >= 0, where << ": disable_by_batch_size must be >= 0, got " << disable_by_batch_size);
   if (method == "self") {
     KV_CHECK(draft_sink_tokens >= 0, where << ": draft_sink_tokens must be >= 0, got " << draft_sink_tokens);
     KV_CHECK(draft_window_tokens >= 1, where << ": draft_window_tokens must be >= 1, got " << draft_window_tokens);
-    KV_CHECK(draft_min_context_tokens >= 0,
-             where << ": draft_min_context_tokens must be >= 0, got " << draft_min_context_tokens);
+    KV_CHECK(draft_min_context_tokens >= -1,
+             where << ": draft_min_context_tokens must be >= 0 (or -1: 4096, 0 with a draft model), got "
+                   << draft_min_context_tokens);
     KV_CHECK(draft_policy.empty() || draft_budget >= 1,
              where << ": draft_budget must be >= 1 token per layer, got " << draft_budget);
     KV_CHECK(draft_refresh_tokens >= 0, where << ": draft_refresh_tokens must be >= 0, got " << draft_refresh_tokens);
@@ -124,8 +125,12 @@ std::string speculative_config_json(const SpeculativeConfig& c) {
   if (c.self_draft()) {
     j["draft_sink_tokens"] = c.draft_sink_tokens;
     j["draft_window_tokens"] = c.draft_window_tokens;
-    j["draft_min_context_tokens"] = c.draft_min_context_tokens;
+    j["draft_min_context_tokens"] = c.min_context_tokens();
     j["draft_sampling"] = c.draft_sampling;
+    if (c.loads_draft_model()) {
+      j["model"] = c.model;
+      j["quantization"] = c.quantization;
+    }
     if (!c.draft_policy.empty()) {
       j["draft_policy"] = c.draft_policy;
       j["draft_budget"] = c.draft_budget;

@@ -26,9 +26,10 @@ struct SpeculativeConfig {
   // draft_window_tokens (each rounded up to whole blocks; the window's last block is the open one).
   int64_t draft_sink_tokens = 16;
   int64_t draft_window_tokens = 496;
-  // "self": sequences whose context is shorter decode plainly. A draft step still reads every
-  // weight, so it costs nearly a plain step until the KV it skips outweighs them.
-  int64_t draft_min_context_tokens = 4096;
+  // "self": sequences whose context is shorter decode plainly. A draft step with the model's own
+  // weights still reads every weight, so it costs nearly a plain step until the KV it skips outweighs
+  // them; a quantized copy's steps are cheap at any length. -1: that choice (min_context_tokens()).
+  int64_t draft_min_context_tokens = -1;
   // "self": with a policy named here (one of the server's policies: snapkv, pyramidkv, knorm, ...),
   // the view also keeps, per layer, the blocks that hold most of what that policy keeps of a prompt
   // with draft_budget tokens per layer, chosen as the prompt's prefill ends (its own policy keeping
@@ -47,6 +48,8 @@ struct SpeculativeConfig {
   // "draft_model" (vLLM's names): the draft's checkpoint or GGUF file ("": the served model's own),
   // and its quantization at load (LoadOptions::quantization: int8, int4, a ggml type; "": as stored).
   // The served model's checkpoint needs a quantization (the same weights would draft what they verify).
+  // "self" with either: those weights draft through the view instead of the served model's (a
+  // quantized copy: small weights and little KV per draft step); they must share its KV layout.
   std::string model;
   std::string quantization;
 
@@ -55,6 +58,15 @@ struct SpeculativeConfig {
   }
   bool self_draft() const { return method == "self" && num_speculative_tokens > 0; }
   bool model_draft() const { return method == "draft_model" && num_speculative_tokens > 0; }
+  // Weights other than the served model's draft (draft_model, or self with model / quantization).
+  bool loads_draft_model() const {
+    return model_draft() || (self_draft() && (!model.empty() || (!quantization.empty() && quantization != "none")));
+  }
+  // draft_min_context_tokens as it applies: its value, or unset 4096 when the model's own weights
+  // draft and 0 when a draft model's do.
+  int64_t min_context_tokens() const {
+    return draft_min_context_tokens >= 0 ? draft_min_context_tokens : loads_draft_model() ? 0 : 4096;
+  }
   // The runner makes the drafts at the step (self or a draft model); the scheduler leaves placeholders.
   bool runner_drafts() const { return self_draft() || model_draft(); }
   // Throws naming `where` and the field when a value is out of range or the method is unknown.

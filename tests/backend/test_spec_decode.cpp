@@ -94,6 +94,31 @@ TEST(SpeculativeConfig, SelfDraftKeys) {
             "sample");
 }
 
+TEST(SpeculativeConfig, SelfDraftWithAQuantizedCopy) {
+  // A copy's draft steps are cheap at any length: unset, draft_min_context_tokens means 0 then.
+  const SpeculativeConfig c = parse_speculative_config_json(
+      R"({"method": "self", "num_speculative_tokens": 4, "quantization": "int8"})", "--x");
+  EXPECT_TRUE(c.self_draft() && c.loads_draft_model() && c.runner_drafts());
+  EXPECT_FALSE(c.model_draft());
+  EXPECT_EQ(c.min_context_tokens(), 0);
+  EXPECT_EQ(speculative_config_json(c),
+            R"({"auto_disable":true,"disable_by_batch_size":0,"draft_min_context_tokens":0,"draft_sampling":"greedy",)"
+            R"("draft_sink_tokens":16,"draft_window_tokens":496,"method":"self","model":"","num_speculative_tokens":4,)"
+            R"("quantization":"int8"})");
+  EXPECT_EQ(parse_speculative_config_json(
+                R"({"method": "self", "num_speculative_tokens": 4, "model": "d.gguf", "draft_min_context_tokens": 1024})", "x")
+                .min_context_tokens(),
+            1024);
+  // Without one the model's own weights draft, and only from 4096 tokens unless told otherwise.
+  const SpeculativeConfig own = parse_speculative_config_json(
+      R"({"method": "self", "num_speculative_tokens": 4, "quantization": "none"})", "x");
+  EXPECT_FALSE(own.loads_draft_model());
+  EXPECT_EQ(own.min_context_tokens(), 4096);
+  EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "draft_min_context_tokens": -2})")
+                .find("draft_min_context_tokens must be >= 0"),
+            std::string::npos);
+}
+
 TEST(SpeculativeConfig, DraftSamplingIsGreedyOrSampleAndOnlyForSelf) {
   EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "draft_sampling": "top"})")
                 .find("--speculative-config: draft_sampling must be greedy or sample, got 'top'"),
@@ -126,8 +151,8 @@ TEST(SpeculativeConfig, DraftModelKeys) {
   EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4})").find("needs a model"), std::string::npos);
   EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4, "quantization": null})").find("needs a model"),
             std::string::npos);
-  EXPECT_NE(message(R"({"method": "self", "num_speculative_tokens": 4, "model": "d"})")
-                .find("--speculative-config: model and quantization name a draft model: they need method 'draft_model'"),
+  EXPECT_NE(message(R"({"method": "ngram", "num_speculative_tokens": 4, "model": "d"})")
+                .find("--speculative-config: model and quantization name a draft model: they need method 'draft_model' or 'self'"),
             std::string::npos);
   EXPECT_NE(message(R"({"method": "draft_model", "num_speculative_tokens": 4, "model": "d", "draft_policy": "snapkv"})")
                 .find("draft_policy 'snapkv' needs method 'self'"),

@@ -205,12 +205,38 @@ def test_a_draft_of_another_shape_drafts_over_its_own_cache(mha_draft):
         s.close()
 
 
-def test_a_draft_of_another_shape_is_refused_under_parallelism(mha_draft):
+@pytest.mark.parametrize("layout", [("--pp", "2"), ("--tp", "2")])
+def test_a_draft_of_another_shape_drafts_on_the_sampling_rank(mha_draft, layout):
+    # Under parallelism the rank that samples holds the whole draft and its cache, drafts alone and
+    # broadcasts the drafts; every shard verifies. The draft predicts the served model, so a cache
+    # out of step there shows as rejected drafts.
+    s = Server(extra_yaml=spec_yaml(model=str(mha_draft)), kv_cache_bytes="64MiB", extra_args=layout)
+    try:
+        # Under --tp the sampling rank is rank 0; under --pp the last stage's.
+        assert "it drafts over a cache of its own" in s.log()
+        assert ("which samples" in s.log()) == (layout[0] == "--pp")
+        before = counts(s)
+        for p in PROMPTS[:3]:
+            a, b = both(s, {"prompt": p, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
+            assert tokens(a) == tokens(b), p[:40]
+        drafted, accepted = (x - y for x, y in zip(counts(s), before))
+        assert drafted > 0 and accepted / drafted > 0.9, (drafted, accepted)
+        # Seeded sampling (greedy drafts, so fewer are kept).
+        a, b = both(s, {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 3})
+        assert tokens(a) == tokens(b)
+        assert "lost track" not in s.log()
+        m = s.wait_idle()
+        assert m["kvserve:kv_cache_blocks_used"] == 0
+    finally:
+        s.close()
+
+
+def test_self_with_a_draft_of_another_shape_is_refused_under_parallelism(mha_draft):
     bad = run_bad("--model", model_dir(), "--pp", "2", "--speculative-config",
-                  json.dumps({"method": "draft_model", "num_speculative_tokens": 3, "model": str(mha_draft)}))
+                  json.dumps({"method": "self", "num_speculative_tokens": 3, "model": str(mha_draft)}))
     assert bad.returncode != 0, bad.stderr[-2000:]
-    assert ("under tensor or pipeline parallelism a draft model must share the served model's KV layout" in bad.stderr
-            and "num_key_value_heads 4 (the served model: 2)" in bad.stderr), bad.stderr[-2000:]
+    assert ("method 'self' drafts over the served model's KV, so its draft model must share the served model's KV layout"
+            in bad.stderr and "num_key_value_heads 4 (the served model: 2)" in bad.stderr), bad.stderr[-2000:]
 
 
 @pytest.mark.parametrize("layout", [("--pp", "2"), ("--pp", "2", "--micro-batches", "2")])
