@@ -1,15 +1,63 @@
 """What the speculative-decoding tests share: prompts, the request variants each method must decode
-as plain decoding does, a concurrent run with and without speculation, and a chi-square test of
-two samples of tokens."""
+as plain decoding does, the servers whose drafts come from a quantized copy of the model, greedy and
+concurrent runs with and without speculation, and a chi-square test of two samples of tokens."""
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
+import pathlib
 import statistics
 
 import pytest
 
+from kvserve_server import REPO, Server
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
+
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
+GGUF = DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
+HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
+
+# A model and its quantized copy: the tiny model at int8, the default model with its own Q4_1 GGUF,
+# Gemma 3 (sliding-window layers) at int4.
+COPY_DRAFTS = ["tiny-int8", "default-gguf", "gemma3-int4"]
+
+
+def copy_draft_server(param: str, spec_yaml) -> Server:
+    """A server for one of COPY_DRAFTS, with the head-wise policy snap_ada and spec_yaml(**the copy's
+    fields) as its speculative_config; skips when the model is not made."""
+    model, fields = {
+        "tiny-int8": (None, {"quantization": "int8"}),
+        "default-gguf": (DEFAULT_MODEL, {"model": str(GGUF)}),
+        "gemma3-int4": (FIXTURES / "gemma3", {"quantization": "int4"}),
+    }[param]
+    if model is not None and not (model / "config.json").exists():
+        pytest.skip(f"{model} is not made")
+    if "model" in fields and not pathlib.Path(fields["model"]).exists():
+        pytest.skip(f"{fields['model']} is not made")
+    s = Server(extra_yaml=HEADWISE + spec_yaml(**fields), model=str(model) if model else None, kv_cache_bytes="256MiB")
+    s.param = param
+    return s
+
+
+def counts(srv) -> tuple[float, float]:
+    """Draft tokens proposed and accepted so far (the server's counters)."""
+    m = srv.metrics()
+    return m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+def greedy_runs_match(srv, prompts, max_tokens: int = 40) -> tuple[float, float]:
+    """Each prompt greedy with and without speculation: the same tokens and texts. Returns the draft
+    tokens proposed and accepted meanwhile (some proposed)."""
+    before = counts(srv)
+    for p in prompts:
+        a, b = both(srv, {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+        assert tokens(a) == tokens(b), p[:40]
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    drafted, accepted = (x - y for x, y in zip(counts(srv), before))
+    assert drafted > 0 and 0 <= accepted <= drafted
+    return drafted, accepted
 
 STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
          "the fishing boats returning, the gulls circling the harbour, and the storm clouds gathering far "

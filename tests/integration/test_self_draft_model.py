@@ -8,22 +8,18 @@ block, two window blocks of 16) so that every prompt here is longer than it."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 
 import pytest
 
-from kvserve_server import REPO, Server, kvserve_bin, model_dir
+from kvserve_server import Server, kvserve_bin, model_dir
 from kvserve_server import choice_ids as tokens, with_and_without_speculation as both
-from speculation_cases import SAME_TOKEN_CASES, STORY, assert_same_as_plain, concurrent_rounds
+from speculation_cases import (COPY_DRAFTS, SAME_TOKEN_CASES, STORY, assert_same_as_plain, concurrent_rounds,
+                               copy_draft_server, greedy_runs_match)
 
-DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
-GGUF = DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
-FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
 PROMPTS = [STORY + "What happened next?", "Write a short poem about autumn leaves and rain on the window.\n" * 3,
            STORY * 2 + "Summarise the story in one sentence:", "List five facts about the moon. " * 5]
-HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
 
 
 def spec_yaml(**fields) -> str:
@@ -35,38 +31,16 @@ def spec_yaml(**fields) -> str:
     return "\n".join(lines) + "\n"
 
 
-def counts(srv) -> tuple[float, float]:
-    m = srv.metrics()
-    return m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
-
-
-@pytest.fixture(scope="module", params=["tiny-int8", "default-gguf", "gemma3-int4"])
+@pytest.fixture(scope="module", params=COPY_DRAFTS)
 def srv(request):
-    if request.param == "tiny-int8":
-        model, fields = None, {"quantization": "int8"}
-    elif request.param == "default-gguf":
-        if not GGUF.exists():
-            pytest.skip("the default model is not made")
-        model, fields = DEFAULT_MODEL, {"model": str(GGUF)}
-    else:
-        model, fields = FIXTURES / "gemma3", {"quantization": "int4"}
-        if not (model / "config.json").exists():
-            pytest.skip(f"{model} is not made")
-    s = Server(extra_yaml=HEADWISE + spec_yaml(**fields), model=str(model) if model else None, kv_cache_bytes="256MiB")
-    s.param = request.param
+    s = copy_draft_server(request.param, spec_yaml)
     yield s
     s.close()
 
 
 def test_greedy_is_token_identical_and_drafts_are_accepted(srv):
     assert "the draft model is" in srv.log() and "a cache of its own" not in srv.log()
-    before = counts(srv)
-    for p in PROMPTS:
-        a, b = both(srv, {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
-        assert tokens(a) == tokens(b), p[:40]
-        assert a["choices"][0]["text"] == b["choices"][0]["text"]
-    drafted, accepted = (x - y for x, y in zip(counts(srv), before))
-    assert drafted > 0 and 0 <= accepted <= drafted
+    drafted, accepted = greedy_runs_match(srv, PROMPTS)
     if srv.param == "default-gguf":
         # The trained model's own GGUF over sinks + window mostly agrees with full attention.
         assert accepted / drafted > 0.3, (drafted, accepted)
@@ -97,12 +71,7 @@ def test_a_policys_view_with_a_quantized_copy_changes_no_token(chunked):
     s = Server(extra_yaml=spec_yaml(quantization="int8", draft_policy="snapkv", draft_budget=48, draft_refresh_tokens=8),
                kv_cache_bytes="256MiB", extra_args=extra)
     try:
-        before = counts(s)
-        for p in PROMPTS[:3]:
-            a, b = both(s, {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
-            assert tokens(a) == tokens(b), p[:40]
-        drafted, accepted = (x - y for x, y in zip(counts(s), before))
-        assert drafted > 0 and 0 <= accepted <= drafted
+        greedy_runs_match(s, PROMPTS[:3])
         assert s.wait_idle()["kvserve:kv_cache_blocks_used"] == 0
     finally:
         s.close()
@@ -133,14 +102,9 @@ def test_sharded_self_draft_with_a_copy_matches_plain(layout):
     # model's 176-wide MLP split over two tensor-parallel ranks would cut int8's 32-value blocks.)
     s = Server(extra_yaml=spec_yaml(quantization="int8"), extra_args=layout)
     try:
-        before = counts(s)
-        for p in PROMPTS[:3]:
-            a, b = both(s, {"prompt": p, "max_tokens": 32, "temperature": 0, "ignore_eos": True})
-            assert tokens(a) == tokens(b), p[:40]
+        greedy_runs_match(s, PROMPTS[:3], 32)
         a, b = both(s, {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.9, "seed": 5, "n": 3})
         assert tokens(a) == tokens(b)
-        drafted, accepted = (x - y for x, y in zip(counts(s), before))
-        assert drafted > 0 and 0 <= accepted <= drafted
         m = s.wait_idle()
         assert m["kvserve:kv_cache_blocks_used"] == 0
         assert m["kvserve:spec_decode_draft_steps_total"] >= m["kvserve:spec_decode_verify_steps_total"] > 0

@@ -9,15 +9,14 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
-import os
-import pathlib
 import subprocess
 
 import pytest
 
-from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
+from kvserve_server import Server, kvserve_bin, model_dir
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
-from speculation_cases import SAME_TOKEN_CASES, STORY, assert_same_as_plain, chi2_critical, concurrent_rounds, homogeneity
+from speculation_cases import (DEFAULT_MODEL, FIXTURES, HEADWISE, SAME_TOKEN_CASES, STORY, assert_same_as_plain,
+                               chi2_critical, concurrent_rounds, counts, greedy_runs_match, homogeneity)
 
 # auto_disable off: on these small models and short contexts drafting does not pay on a CPU, and
 # the tests check what the speculative steps compute (test_auto_disable_* below: the governor).
@@ -29,9 +28,6 @@ SELF_YAML = """speculative_config:
   draft_min_context_tokens: 0
   auto_disable: false
 """
-HEADWISE = "  snap_ada:\n    method: snapkv\n    budget: 48\n    window: 8\n    head_budgets: adaptive\n"
-DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
-FIXTURES = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
 PROMPTS = [STORY + "What happened next?", "Write a short poem about autumn leaves and rain on the window.\n" * 3,
            STORY * 2 + "Summarise the story in one sentence:", "List five facts about the moon. " * 5]
 
@@ -47,19 +43,8 @@ def srv(request):
     s.close()
 
 
-def counts(srv) -> tuple[float, float]:
-    m = srv.metrics()
-    return m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
-
-
 def test_greedy_is_token_identical_and_drafts_are_accepted(srv):
-    before = counts(srv)
-    for p in PROMPTS:
-        a, b = both(srv, {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
-        assert tokens(a) == tokens(b), p[:40]
-        assert a["choices"][0]["text"] == b["choices"][0]["text"]
-    drafted, accepted = (x - y for x, y in zip(counts(srv), before))
-    assert drafted > 0 and 0 <= accepted <= drafted
+    drafted, accepted = greedy_runs_match(srv, PROMPTS)
     if srv.param == "default":
         # The trained model's draft over sinks + window mostly agrees with full attention.
         assert accepted / drafted > 0.3, (drafted, accepted)
