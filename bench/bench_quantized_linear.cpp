@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "backend/quantization/quantized_weight.h"
-#include "backend/decode_scope.h"
+#include "backend/kernels/decode_scope.h"
 
 namespace {
 

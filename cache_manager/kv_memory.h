@@ -115,7 +115,7 @@ class KvMemory {
     KV_FAIL("this KV memory does not compress contexts (sequence " << seq_id << ")");
   }
   // Scores after the prefill (PolicyConfig::scores_after_prefill: kvzip's reconstruction pass,
-  // backend/kvzip_scorer.h; kvzap's predictor, backend/kvzap_predictor.h): such a sequence holds its
+  // backend/scoring/kvzip_scorer.h; kvzap's predictor, backend/scoring/kvzap_predictor.h): such a sequence holds its
   // whole prompt in every layer after its prefill's layers ran, until select_by_scores gets every
   // layer's scores and keeps the policy's selection; end_prefill comes after.
   // The policy's parameters while that selection is pending (nullptr otherwise).

@@ -81,7 +81,7 @@ void paged_append(const torch::Tensor& pool, const torch::Tensor& tables, const 
                   KvQuant quant = KvQuant::none, bool rotate = false);
 
 // Whether paged_append copies 16-byte vectors (every load before the first store) where D and the
-// pointers allow. On by default, as the fused ops' vectorized level (backend/fused_ops.h) is;
+// pointers allow. On by default, as the fused ops' vectorized level (backend/kernels/fused_ops.h) is;
 // KVSERVE_FUSED_OPS=0 or 1 turns it off at start.
 bool append_vectorized();
 void set_append_vectorized(bool on);

@@ -18,7 +18,7 @@
 
 #include <ATen/Parallel.h>
 
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 #include "backend/engine/cuda_profiler.h"
 #include "backend/engine/decode_graphs.h"
 #include "backend/model/decoder_model.h"

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/model/decoder_model.h"
-#include "backend/safetensors_writer.h"
+#include "backend/model/safetensors_writer.h"
 #include "backend/sharded/sharded_executor.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/cli_files.h"

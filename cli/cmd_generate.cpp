@@ -9,7 +9,7 @@
 
 #include "backend/engine/engine.h"
 #include "backend/model/decoder_model.h"
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 #include "backend/quantization/gguf_tokenizer.h"
 #include "cache_manager/kv_block_pool.h"
 #include "cli/cli_files.h"

@@ -7,7 +7,7 @@
 
 #include "backend/model/weight_source.h"
 #include "backend/quantization/gguf_file.h"
-#include "backend/safetensors_writer.h"
+#include "backend/model/safetensors_writer.h"
 #include "cli/commands.h"
 
 namespace kvserve::cli {

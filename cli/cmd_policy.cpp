@@ -12,7 +12,7 @@
 #include <torch/torch.h>
 
 #include "backend/quantization/gguf_tokenizer.h"
-#include "backend/safetensors_file.h"
+#include "backend/model/safetensors_file.h"
 #include "backend/sharded/parallel_job.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "cli/cli_files.h"

@@ -6,7 +6,7 @@
 
 #include "fuzz/fuzz_common.h"
 #include "common/check.h"
-#include "backend/safetensors_file.h"
+#include "backend/model/safetensors_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // A copy of exactly `size` bytes, so that ASan sees any read past the image.

@@ -2,7 +2,7 @@
 // KVzip's score bookkeeping (Kim et al., 2025, arXiv 2505.23416; docs/eval/kvzip-notes.md): which
 // passes reconstruct which context positions, the maximum attention each (layer, KV head, position)
 // receives from a pass's queries, and the selection over every layer's scores at once. Tensor math
-// only; the passes themselves run in the backend (backend/kvzip_scorer.h).
+// only; the passes themselves run in the backend (backend/scoring/kvzip_scorer.h).
 #include <cstdint>
 #include <utility>
 #include <vector>

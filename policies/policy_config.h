@@ -15,9 +15,9 @@ namespace kvserve {
 enum class AllocatorKind { kFull, kUniform, kPyramid, kDynamic, kGlobal };
 // How tokens are ranked inside a layer (higher score = kept first).
 // kReconstruction: KVzip (Kim et al., 2025): the most attention an entry receives while the model, given
-// the prompt's cache, is fed a repeat prompt and the prompt again (backend/kvzip_scorer.h); query-agnostic.
+// the prompt's cache, is fed a repeat prompt and the prompt again (backend/scoring/kvzip_scorer.h); query-agnostic.
 // kPredicted: KVzap (arXiv 2601.07891): a small per-layer model predicts KVzip+'s log scores from
-// the hidden states entering each layer's attention (backend/kvzap_predictor.h); query-agnostic, no
+// the hidden states entering each layer's attention (backend/scoring/kvzap_predictor.h); query-agnostic, no
 // extra pass.
 enum class ScorerKind {
   kNone,

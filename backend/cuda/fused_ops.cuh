@@ -1,7 +1,7 @@
 #pragma once
 // Raw-pointer launchers of the decode step's fused elementwise kernels (RMSNorm with the residual
 // add, RoPE of q and k with v's copy, SiLU-and-multiply). Plain CUDA on purpose: nvcc never parses
-// ATen here; the torch wrappers (backend/fused_ops.h) are compiled by the host compiler.
+// ATen here; the torch wrappers (backend/kernels/fused_ops.h) are compiled by the host compiler.
 //
 // Each kernel rounds where the torch op chain it replaces rounds (every op of that chain returns the
 // activations' dtype, fp32 inside RMSNorm), so bf16 results equal the chain's up to the order of

@@ -75,7 +75,7 @@ struct EngineOptions {
 };
 
 // The options as the model allows them. Dynamic NTK and longrope RoPE rotate a prompt's keys with
-// the frequencies of the prompt's whole length (backend/rope.h), so a prefix cached from another
+// the frequencies of the prompt's whole length (backend/model/rope.h), so a prefix cached from another
 // prompt, or the earlier chunks of a chunked prefill, would hold other keys than one forward of the
 // prompt computes: for such models prefix caching (with its host tier) and chunked prefill are off.
 EngineOptions options_for_model(EngineOptions options, const ModelConfig& config);

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "backend/fused_ops.h"
+#include "backend/kernels/fused_ops.h"
 
 namespace kvserve::block_ops {
 

@@ -1,7 +1,7 @@
 #include "backend/model/decoder_model.h"
 
-#include "backend/chunk_attention.h"
-#include "backend/after_prefill_selection.h"
+#include "backend/kernels/chunk_attention.h"
+#include "backend/scoring/after_prefill_selection.h"
 #include "cache_manager/kv_block_pool.h"
 
 #include <algorithm>
@@ -12,18 +12,18 @@
 #include <tuple>
 #include <utility>
 
-#include "backend/checkpoint.h"
-#include "backend/decode_scope.h"
+#include "backend/model/checkpoint.h"
+#include "backend/kernels/decode_scope.h"
 #include "backend/model/weight_source.h"
 #include "backend/quantization/fp8_weight.h"
 #include "backend/quantization/int4_weight.h"
 #include "backend/quantization/quantized_weight.h"
 #include "backend/quantization/weight_quantization.h"
 #include "ggml.h"
-#include "backend/dense.h"
-#include "backend/fused_ops.h"
+#include "backend/kernels/dense.h"
+#include "backend/kernels/fused_ops.h"
 #include "backend/model/block_ops.h"
-#include "backend/sliding_window_attention.h"
+#include "backend/kernels/sliding_window_attention.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"

@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "backend/dense.h"
-#include "backend/kvzap_predictor.h"
+#include "backend/kernels/dense.h"
+#include "backend/scoring/kvzap_predictor.h"
 #include "backend/model/model_config.h"
 #include "backend/quantization/linear_weight.h"
-#include "backend/rope.h"
+#include "backend/model/rope.h"
 #include "backend/engine/step_profile.h"
 #include "parallel/shard_layout.h"
 #include "cache_manager/kv_memory.h"
@@ -148,7 +148,7 @@ class DecoderModel {
   // This shard's layers over a prompt's hidden states [T, hidden] at positions start..start+T-1 of a
   // prompt of prompt_len (0 = start + T); start > 0: the earlier positions' K/V are in `kv`.
   torch::Tensor prefill_layers(int64_t seq_id, torch::Tensor x, KvMemory& kv, int64_t start = 0, int64_t prompt_len = 0);
-  // A detached pass (kvzip's reconstruction, backend/kvzip_scorer.h): hidden states x [n, hidden] of
+  // A detached pass (kvzip's reconstruction, backend/scoring/kvzip_scorer.h): hidden states x [n, hidden] of
   // token ids at positions start..start+n-1 through this shard's layers, attending to
   // context(layer)'s K/V ([KV, P, D] of this shard's heads after RoPE at positions start-P..start-1,
   // every one visible; a sliding-window layer sees only its window of them) and causally to

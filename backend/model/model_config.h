@@ -33,7 +33,7 @@ struct RopeScaling {
   std::vector<double> short_factor, long_factor;
 
   // dynamic and longrope change the frequencies with the sequence length (a forward's last position
-  // + 1), so a position's K depends on how long its prompt was (backend/rope.h).
+  // + 1), so a position's K depends on how long its prompt was (backend/model/rope.h).
   bool length_dependent() const { return kind == Kind::kDynamic || kind == Kind::kLongRope; }
 };
 

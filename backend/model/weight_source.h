@@ -1,6 +1,6 @@
 #pragma once
 // WeightSource: where DecoderModel::load reads a model's tensors, by their Hugging Face names: a
-// safetensors checkpoint (backend/checkpoint.h), or a GGUF file whose tensors are renamed and
+// safetensors checkpoint (backend/model/checkpoint.h), or a GGUF file whose tensors are renamed and
 // reshaped into the Hugging Face layout, and whose linear weights stay in their ggml blocks.
 #include <torch/torch.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 #include "backend/model/model_config.h"
 #include "backend/quantization/linear_weight.h"
 

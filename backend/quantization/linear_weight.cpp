@@ -1,6 +1,6 @@
 #include "backend/quantization/linear_weight.h"
 
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 #include "common/check.h"
 
 namespace kvserve {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/dense.h"
+#include "backend/kernels/dense.h"
 #include "backend/quantization/fp8_weight.h"
 #include "backend/quantization/int4_weight.h"
 #include "backend/quantization/int8_weight.h"

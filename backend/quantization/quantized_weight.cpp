@@ -10,7 +10,7 @@
 #include <mutex>
 #include <sstream>
 
-#include "backend/decode_scope.h"
+#include "backend/kernels/decode_scope.h"
 #include "backend/quantization/gemv_tiles.h"
 #include "backend/quantization/ggml_sgemm.h"
 #include "backend/quantization/k_quant_tiles.h"

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/dense.h"
+#include "backend/kernels/dense.h"
 
 namespace kvserve {
 

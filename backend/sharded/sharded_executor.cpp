@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
-#include "backend/after_prefill_selection.h"
-#include "backend/decode_scope.h"
+#include "backend/scoring/after_prefill_selection.h"
+#include "backend/kernels/decode_scope.h"
 #include "backend/model/decoder_model.h"
 #include "backend/quantization/quantized_weight.h"
 #include "common/check.h"

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "backend/chunk_attention.h"
+#include "backend/kernels/chunk_attention.h"
 
 namespace kvserve {
 namespace {

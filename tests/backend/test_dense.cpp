@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "backend/decode_scope.h"
-#include "backend/dense.h"
-#include "backend/dense_kernel.h"
+#include "backend/kernels/decode_scope.h"
+#include "backend/kernels/dense.h"
+#include "backend/kernels/dense_kernel.h"
 
 namespace kvserve {
 namespace {

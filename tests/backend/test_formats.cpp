@@ -11,7 +11,7 @@
 
 #include "backend/model/model_config.h"
 #include "backend/model/model_family.h"
-#include "backend/safetensors_file.h"
+#include "backend/model/safetensors_file.h"
 #include "common/check.h"
 
 using kvserve::KvError;

@@ -1,4 +1,4 @@
-// The fused elementwise ops on the CPU (backend/fused_ops_cpu.h, reached through backend/fused_ops.h):
+// The fused elementwise ops on the CPU (backend/kernels/fused_ops_cpu.h, reached through backend/kernels/fused_ops.h):
 // each against the torch op chain it replaces (the same call at CPU level 0) and against fp64, for
 // fp32, bf16 and fp16, odd widths, one and many rows (the threaded path), strided views and the
 // rope scalings' tables. Level 1 must give the chain's bits; level 2 the chain's values up to the
@@ -12,8 +12,8 @@
 #include <tuple>
 #include <vector>
 
-#include "backend/fused_ops.h"
-#include "backend/rope.h"
+#include "backend/kernels/fused_ops.h"
+#include "backend/model/rope.h"
 
 namespace kvserve {
 namespace {

@@ -1,4 +1,4 @@
-// The fused elementwise ops (backend/fused_ops.h): on CUDA, each kernel against an fp64 reference
+// The fused elementwise ops (backend/kernels/fused_ops.h): on CUDA, each kernel against an fp64 reference
 // and against the torch op chain it replaces on the same device; on CPU (and with the kernels off)
 // the chain itself. The kernel tests skip without a CUDA device.
 #include <gtest/gtest.h>
@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-#include "backend/fused_ops.h"
-#include "backend/rope.h"
+#include "backend/kernels/fused_ops.h"
+#include "backend/model/rope.h"
 #include "cache_manager/paged_attention_cuda.h"
 
 namespace kvserve {

@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 #include "backend/model/decoder_model.h"
 #include "cache_manager/kv_memory_factory.h"
 #include "common/check.h"

@@ -1,4 +1,4 @@
-// KVzap's predictor (backend/kvzap_predictor.h) and `method: kvzap` on the fixtures: the scores equal
+// KVzap's predictor (backend/scoring/kvzap_predictor.h) and `method: kvzap` on the fixtures: the scores equal
 // a double-precision evaluation of kvpress's KVzapModel layers (linear; Linear, exact GELU, Linear),
 // a bad predictor directory fails naming what is wrong, and a kvzap prefill keeps kvzip's global total
 // with the sinks, the same alone as batched with other prompts. That the kept entries are the top of
@@ -15,7 +15,7 @@
 #include <set>
 #include <string>
 
-#include "backend/kvzap_predictor.h"
+#include "backend/scoring/kvzap_predictor.h"
 #include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "policies/kvzip_scores.h"

@@ -1,4 +1,4 @@
-// kvzip's reconstruction passes (backend/kvzip_scorer.h) on the fixtures: the passes' ids, the repeat
+// kvzip's reconstruction passes (backend/scoring/kvzip_scorer.h) on the fixtures: the passes' ids, the repeat
 // prompts derived from a tokenizer and chat template, and a prefill's kept set depending only on the
 // context it reconstructs (positions before the trailing window).
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/kvzip_scorer.h"
+#include "backend/scoring/kvzip_scorer.h"
 #include "backend/model/decoder_model.h"
 #include "cache_manager/paged_kv_memory.h"
 #include "policies/kvzip_scores.h"

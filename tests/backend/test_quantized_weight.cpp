@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/decode_scope.h"
-#include "backend/dense.h"
+#include "backend/kernels/decode_scope.h"
+#include "backend/kernels/dense.h"
 #include "backend/quantization/linear_weight.h"
 #include "backend/quantization/pair_tiles.h"
 #include "backend/quantization/quantized_weight.h"

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <string>
 
-#include "backend/safetensors_file.h"
+#include "backend/model/safetensors_file.h"
 #include "cache_manager/host_kv_tier.h"
 #include "cache_manager/kv_quant.h"
 #include "cache_manager/paged_kv_cache.h"

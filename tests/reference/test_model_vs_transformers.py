@@ -45,7 +45,7 @@ GREEDY_CASES = [(name, 24) for name in FIXTURES if name not in SCALED_ROPE] + \
 
 # The scaled-rope prompts start below the original context and decode past it (50 + 32 > 64), or
 # start past it: transformers' generate rotates each new token with the frequencies of its own
-# length, the cached keys keep theirs, and so does kvserve (backend/rope.h).
+# length, the cached keys keep theirs, and so does kvserve (backend/model/rope.h).
 @pytest.mark.parametrize("name,prompt_len", GREEDY_CASES)
 def test_greedy_generation_matches(name, prompt_len):
     model = hf_model(name)

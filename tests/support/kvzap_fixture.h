@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/model/model_config.h"
-#include "backend/safetensors_writer.h"
+#include "backend/model/safetensors_writer.h"
 
 namespace kvserve::test {
 

@@ -1,4 +1,4 @@
-#include "backend/kvzip_scorer.h"
+#include "backend/scoring/kvzip_scorer.h"
 
 #include <chrono>
 #include <cstdlib>

@@ -1,6 +1,6 @@
-#include "backend/after_prefill_selection.h"
+#include "backend/scoring/after_prefill_selection.h"
 
-#include "backend/kvzap_predictor.h"
+#include "backend/scoring/kvzap_predictor.h"
 #include "common/check.h"
 
 namespace kvserve {

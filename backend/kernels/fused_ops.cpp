@@ -1,10 +1,10 @@
-#include "backend/fused_ops.h"
+#include "backend/kernels/fused_ops.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
 
-#include "backend/fused_ops_cpu.h"
+#include "backend/kernels/fused_ops_cpu.h"
 #include "cache_manager/paged_attention_cuda.h"
 #include "common/check.h"
 

@@ -1,4 +1,4 @@
-#include "backend/sliding_window_attention.h"
+#include "backend/kernels/sliding_window_attention.h"
 
 #include <algorithm>
 

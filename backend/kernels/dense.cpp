@@ -1,4 +1,4 @@
-#include "backend/dense.h"
+#include "backend/kernels/dense.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -7,8 +7,8 @@
 #include <atomic>
 #include <vector>
 
-#include "backend/decode_scope.h"
-#include "backend/dense_kernel.h"
+#include "backend/kernels/decode_scope.h"
+#include "backend/kernels/dense_kernel.h"
 #include "common/check.h"
 
 namespace kvserve {

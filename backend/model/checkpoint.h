@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/safetensors_file.h"
+#include "backend/model/safetensors_file.h"
 #include "cache_manager/kv_quant.h"
 
 namespace kvserve {

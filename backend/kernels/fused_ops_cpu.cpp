@@ -1,4 +1,4 @@
-#include "backend/fused_ops_cpu.h"
+#include "backend/kernels/fused_ops_cpu.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

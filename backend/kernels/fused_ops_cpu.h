@@ -1,5 +1,5 @@
 #pragma once
-// The CPU loops behind the fused elementwise ops (backend/fused_ops.h): one pass over each row in
+// The CPU loops behind the fused elementwise ops (backend/kernels/fused_ops.h): one pass over each row in
 // place of a chain of torch ops (a dispatch and a temporary each), rounding where the chain rounds.
 // fused_ops.cpp checks the layouts below before it calls them and keeps the chain for the rest.
 #include <torch/torch.h>

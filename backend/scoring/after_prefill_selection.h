@@ -1,11 +1,11 @@
 #pragma once
 // The selection of a policy whose scores come after the prefill (PolicyConfig::scores_after_prefill):
-// kvzip's reconstruction pass (backend/kvzip_scorer.h) or kvzap's predicted scores, which the
-// prefill's layers recorded (backend/kvzap_predictor.h).
+// kvzip's reconstruction pass (backend/scoring/kvzip_scorer.h) or kvzap's predicted scores, which the
+// prefill's layers recorded (backend/scoring/kvzap_predictor.h).
 #include <cstdint>
 #include <span>
 
-#include "backend/kvzip_scorer.h"
+#include "backend/scoring/kvzip_scorer.h"
 #include "cache_manager/kv_memory.h"
 #include "policies/policy_config.h"
 

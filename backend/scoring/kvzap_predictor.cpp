@@ -1,4 +1,4 @@
-#include "backend/kvzap_predictor.h"
+#include "backend/scoring/kvzap_predictor.h"
 
 #include "common/model_path.h"
 
@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 #include "common/check.h"
 #include "policies/kvzip_scores.h"
 

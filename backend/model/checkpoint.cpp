@@ -1,4 +1,4 @@
-#include "backend/checkpoint.h"
+#include "backend/model/checkpoint.h"
 
 #include <filesystem>
 #include <fstream>

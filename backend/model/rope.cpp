@@ -1,4 +1,4 @@
-#include "backend/rope.h"
+#include "backend/model/rope.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "backend/safetensors_writer.h"
+#include "backend/model/safetensors_writer.h"
 
 #include <cstring>
 #include <fstream>

@@ -1,5 +1,5 @@
 // The small-batch dense kernel for AVX2 + FMA (dense_tiles.inc over 8-float vectors).
-#include "backend/dense_kernel.h"
+#include "backend/kernels/dense_kernel.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -23,7 +23,7 @@ struct Vec {
 // 8 accumulators + 4 weight vectors + 1 input vector of 16 registers.
 constexpr int kNR = 4, kMR = 2;
 
-#include "backend/dense_tiles.inc"
+#include "backend/kernels/dense_tiles.inc"
 
 }  // namespace
 

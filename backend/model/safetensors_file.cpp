@@ -1,4 +1,4 @@
-#include "backend/safetensors_file.h"
+#include "backend/model/safetensors_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

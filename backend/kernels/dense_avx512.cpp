@@ -1,7 +1,7 @@
 // The small-batch dense kernel for AVX-512F (dense_tiles.inc over 16-float vectors). This file alone
 // is compiled with -mavx512f (backend/CMakeLists.txt), so it includes nothing but intrinsics: an
 // inline function from a shared header compiled here could replace the baseline copy at link time.
-#include "backend/dense_kernel.h"
+#include "backend/kernels/dense_kernel.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -25,7 +25,7 @@ struct Vec {
 // 16 accumulators + 4 weight vectors + 1 input vector of 32 registers.
 constexpr int kNR = 4, kMR = 4;
 
-#include "backend/dense_tiles.inc"
+#include "backend/kernels/dense_tiles.inc"
 
 }  // namespace
 

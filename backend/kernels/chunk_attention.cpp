@@ -1,4 +1,4 @@
-#include "backend/chunk_attention.h"
+#include "backend/kernels/chunk_attention.h"
 
 #include "common/check.h"
 

@@ -1,7 +1,7 @@
 #pragma once
 // The model's small elementwise chains (RMSNorm with its residual add, RoPE of q and k with v's
 // copy, SiLU-and-multiply), each one kernel on a CUDA device, one pass per row on the CPU
-// (backend/fused_ops_cpu.h), and the plain torch op chain otherwise (other dtypes and layouts).
+// (backend/kernels/fused_ops_cpu.h), and the plain torch op chain otherwise (other dtypes and layouts).
 // All give transformers' rounding: every op of the chain returns the activations' dtype (fp32
 // inside RMSNorm), and the kernels round where the chain does. The decode step on a GPU is bound by
 // its number of kernels as much as by its bytes (docs/gpu.md), so these cut a layer's launches from
@@ -19,7 +19,7 @@
 #include <tuple>
 #include <utility>
 
-#include "backend/rope.h"
+#include "backend/model/rope.h"
 
 namespace kvserve::fused {
 

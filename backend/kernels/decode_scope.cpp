@@ -1,4 +1,4 @@
-#include "backend/decode_scope.h"
+#include "backend/kernels/decode_scope.h"
 
 namespace kvserve {
 
