@@ -55,11 +55,14 @@ void SeparateKvDrafter::follow_prefill(const PrefillWork& w) {
     return;
   }
   PrefillInput in{w.seq_id, w.tokens, "full", w.start, w.total()};
-  in.reuse_prefix = false;
+  // The draft's own prefix cache (where the served model has one): a prompt's first chunk starts
+  // after the blocks of it that an earlier prompt left there.
+  in.reuse_prefix = kv_->prefix_caching();
   in.keep_copy = false;
   try {
     draft_->prefill_batch({in}, *kv_);
     s.length = w.start + static_cast<int64_t>(w.tokens.size());
+    if (w.start == 0 && in.reuse_prefix) prefix_hits_ += kv_->prefix_hit(w.seq_id);
   } catch (const std::exception& e) {
     KV_LOG("the draft model could not prefill sequence " << w.seq_id << " (" << e.what() << "); it decodes without drafts");
     drop(w.seq_id, s);
@@ -184,6 +187,7 @@ std::unique_ptr<SeparateKvDrafter> make_separate_kv_drafter(std::shared_ptr<Deco
   size.block_size = g.block_size;
   size.num_blocks = per_layer * layout.num_layers;
   size.layout = KvLayout::kLayer;
+  size.prefix_caching = served.prefix_caching();
   std::unique_ptr<PagedKvMemory> memory;
   // A sequence the draft's cache cannot hold decodes without drafts.
   while (!memory) {
@@ -199,7 +203,9 @@ std::unique_ptr<SeparateKvDrafter> make_separate_kv_drafter(std::shared_ptr<Deco
                                                                       << size.num_blocks << " blocks of " << g.block_size
                                                                       << " tokens ("
                                                                       << memory->cache().block_bytes() * size.num_blocks / (1 << 20)
-                                                                      << " MiB)");
+                                                                      << " MiB"
+                                                                      << (size.prefix_caching ? ", with a prefix cache" : "")
+                                                                      << ")");
   return std::make_unique<SeparateKvDrafter>(std::move(draft), std::move(memory));
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 // SeparateKvDrafter: a draft model of another shape than the served model (fewer layers, other heads;
 // the same vocabulary) drafting over a KV cache of its own. The draft follows the served model: it
-// prefills every prompt chunk the served model prefills for a sequence that may draft (PrefillWork::drafts), takes the tokens of plain steps and the
+// prefills every prompt chunk the served model prefills for a sequence that may draft
+// (PrefillWork::drafts), from its own prefix cache where it can, takes the tokens of plain steps and the
 // accepted drafts as they come, and drops what the verify step rejected, so that at each speculative
 // step its cache holds the sequence's positions before the last token, as the served model's does.
 #include <cstdint>
@@ -42,6 +43,8 @@ class SeparateKvDrafter {
                     bool failed);
 
   const PagedKvMemory& memory() const { return *kv_; }
+  // Prompt tokens the draft took from its own prefix cache instead of prefilling them.
+  int64_t prefix_hits() const { return prefix_hits_; }
   // After a step: its prefills, which the draft follows at the next step's start (so that a
   // prompt's first token waits for the served model only).
   void defer_prefills(const std::vector<PrefillWork>& work) { pending_ = work; }
@@ -64,6 +67,7 @@ class SeparateKvDrafter {
   std::unique_ptr<PagedKvMemory> kv_;
   std::unordered_map<int64_t, Seq> seqs_;
   std::vector<PrefillWork> pending_;
+  int64_t prefix_hits_ = 0;
 };
 
 // A drafter for `draft` (whose KV layout differs from the served model's as `why` says) with a cache

@@ -162,7 +162,7 @@ def test_a_draft_of_another_shape_drafts_over_its_own_cache(mha_draft):
     s = Server(extra_yaml=spec_yaml(model=str(mha_draft), disable_by_batch_size=3), kv_cache_bytes="2MiB",
                extra_args=("--max-num-batched-tokens", "96", "--max-num-seqs", "6"))
     try:
-        assert "it drafts over a cache of its own" in s.log()
+        assert "it drafts over a cache of its own" in s.log() and "with a prefix cache" in s.log()
         m = concurrent_rounds(s, 8, 120)
         drafted, accepted = m["vllm:spec_decode_num_draft_tokens_total"], m["vllm:spec_decode_num_accepted_tokens_total"]
         assert drafted > 0 and accepted / drafted > 0.9, (drafted, accepted)
@@ -175,6 +175,29 @@ def test_a_draft_of_another_shape_drafts_over_its_own_cache(mha_draft):
                       {"temperature": 0, "kv_policy": "snapkv"}):
             a, b = both(s, {"prompt": PROMPTS[2], "max_tokens": 32, **extra})
             assert tokens(a) == tokens(b), extra
+    finally:
+        s.close()
+
+
+def test_a_draft_of_another_shape_drafts_over_blocks_from_its_prefix_cache(mha_draft):
+    # The same prompt twice: the second time the draft takes the prompt's full blocks from its own
+    # prefix cache (as the served model does from its own) and prefills only the rest. Its drafts over
+    # those blocks predict the served model as well as the first time's, and the output is the same.
+    s = Server(extra_yaml=spec_yaml(model=str(mha_draft)), kv_cache_bytes="64MiB")
+    try:
+        body = {"prompt": STORY * 3 + "Go on:", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        runs = []
+        for _ in range(2):
+            before = counts(s)
+            out = tokens(complete(s, body))
+            runs.append((out, *(x - y for x, y in zip(counts(s), before))))
+        assert runs[0][0] == runs[1][0]
+        for _, drafted, accepted in runs:
+            assert drafted > 0 and accepted / drafted > 0.9, runs
+        m = s.wait_idle()
+        assert m["kvserve:prefix_cache_hits_total"] > 0
+        assert m["kvserve:kv_cache_blocks_used"] == 0
+        assert "lost track" not in s.log() and "could not prefill" not in s.log()
     finally:
         s.close()
 
