@@ -93,8 +93,9 @@ def drop_parted_stream(a: dict, b: dict, body: dict) -> None:
     apart = [(k, next((j for j, (x, y) in enumerate(zip(ta[k], tb[k])) if x != y), min(len(ta[k]), len(tb[k]))))
              for k in range(len(ta)) if ta[k] != tb[k]]
     assert len(apart) <= 1, (body, "streams parted at (stream, position)", apart)
+    parted = {k for k, _ in apart}
     for r in (a, b):
-        r["choices"] = [c for k, c in enumerate(r["choices"]) if k not in dict(apart)]
+        r["choices"] = [c for k, c in enumerate(r["choices"]) if k not in parted]
 
 
 def assert_same_as_plain(srv, prompt: str, extra: dict) -> None:
