@@ -3,6 +3,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -129,6 +130,8 @@ void add_generate_command(CLI::App& app) {
     eo.kv_layout = parse_kv_layout(a->kv_layout);
     if (!a->speculative_config.empty())
       eo.speculative = parse_speculative_config_json(a->speculative_config, "--speculative-config");
+    // A prompts file is one batch, queued whole: no bound on the queue.
+    eo.max_waiting = std::numeric_limits<int32_t>::max();
     if (!job->is_driver()) {  // another rank of a sharded job: follow rank 0's steps
       const int rc = job->run_worker(eo);
       if (rc != 0) throw CLI::RuntimeError(rc);
@@ -172,6 +175,8 @@ void add_generate_command(CLI::App& app) {
     std::condition_variable cv;
     size_t finished = 0;
     const bool print_text = !a->json && prompts.size() == 1;
+    // All prompts queued together (Engine::submit_all): they meet the scheduler in the same step.
+    std::vector<Submission> batch;
     for (size_t i = 0; i < prompts.size(); ++i) {
       GenerationRequest req;
       req.request_id = "cli-" + std::to_string(i);
@@ -187,7 +192,7 @@ void add_generate_command(CLI::App& app) {
       sp.stop = a->stop;
       sp.ignore_eos = a->ignore_eos;
       req.kv_policy = eo.default_policy;
-      engine.submit(req, [&, i](const GenerationEvent& ev) {
+      batch.push_back({std::move(req), [&, i](const GenerationEvent& ev) {
         Result& r = results[i];
         if (!r.t_first) r.t_first = std::chrono::steady_clock::now();
         r.text += ev.text_delta;
@@ -207,8 +212,9 @@ void add_generate_command(CLI::App& app) {
           ++finished;
           cv.notify_all();
         }
-      });
+      }});
     }
+    engine.submit_all(std::move(batch));
     {
       std::unique_lock<std::mutex> lk(mu);
       cv.wait(lk, [&] { return finished == prompts.size(); });
@@ -243,6 +249,7 @@ void add_generate_command(CLI::App& app) {
         {"accepted_tokens", stats.spec_decode_num_accepted_tokens},
         {"accepted_per_position", stats.spec_decode_accepted_per_pos},
         {"draft_steps", stats.spec_decode_draft_steps},
+        {"draft_prefix_hits", stats.spec_decode_draft_prefix_hits},
         {"draft_s", stats.spec_decode_draft_seconds},
         {"verify_steps", stats.spec_decode_verify_steps},
         {"verify_s", stats.spec_decode_verify_seconds},

@@ -33,6 +33,7 @@ class EngineBackend : public ServingBackend {
   void submit(GenerationRequest request, EventCallback on_event) override {
     engine_->submit(std::move(request), std::move(on_event));
   }
+  void submit_all(std::vector<Submission> batch) override { engine_->submit_all(std::move(batch)); }
   void cancel(const std::string& request_id) override { engine_->cancel(request_id); }
   EngineStats stats() const override { return engine_->stats(); }
   bool healthy() const override { return engine_->healthy(); }
@@ -106,6 +107,18 @@ class EngineBackend : public ServingBackend {
 };
 
 }  // namespace
+
+void ServingBackend::submit_all(std::vector<Submission> batch) {
+  std::vector<std::string> ids;
+  for (const Submission& s : batch) ids.push_back(s.request.request_id);
+  size_t queued = 0;
+  try {
+    for (; queued < batch.size(); ++queued) submit(std::move(batch[queued].request), std::move(batch[queued].on_event));
+  } catch (...) {
+    for (size_t i = 0; i < queued; ++i) cancel(ids[i]);
+    throw;
+  }
+}
 
 std::shared_ptr<const StructuredGrammar> ServingBackend::compile_grammar(const StructuredOutputSpec& spec) {
   throw GrammarError(spec.field, "structured outputs are not supported by this backend");

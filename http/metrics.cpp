@@ -231,6 +231,9 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
           static_cast<double>(s.spec_decode_num_accepted_tokens));
   counter("kvserve:spec_decode_draft_steps_total", "Speculative decoding: self-draft forward steps.",
           static_cast<double>(s.spec_decode_draft_steps));
+  counter("kvserve:spec_decode_draft_prefix_cache_hits_total",
+          "Speculative decoding: prompt tokens a draft model of another shape took from its own prefix cache.",
+          static_cast<double>(s.spec_decode_draft_prefix_hits));
   counter("kvserve:spec_decode_draft_seconds_total", "Speculative decoding: seconds the self-draft steps took.",
           s.spec_decode_draft_seconds);
   counter("kvserve:spec_decode_verify_steps_total", "Speculative decoding: decode steps that verified drafts.",

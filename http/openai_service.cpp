@@ -944,45 +944,41 @@ void OpenAIService::generate(const HttpRequest& http_req, Endpoint endpoint, std
               << (r.stream ? " stream" : "") << (ignored.empty() ? "" : " ignored_fields=" + ignored) << "\n";
   }
 
-  // Submit every choice. Events may arrive before all are submitted; they are buffered (stream)
-  // or accumulated until the last choice finishes.
-  size_t submitted = 0;
-  try {
-    for (size_t p = 0; p < prompts.size(); ++p) {
-      for (int64_t k = 0; k < r.n; ++k) {
-        const size_t index = p * static_cast<size_t>(r.n) + static_cast<size_t>(k);
-        GenerationRequest g;
-        g.request_id = ex->id + "-" + std::to_string(index);
-        g.prompt_ids = prompts[p];
-        g.sampling = r.sampling;
-        if (g.sampling.seed && k > 0) g.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(k);
-        if (ex->echo_only) g.sampling.max_tokens = 1;  // as vLLM: one token is generated and dropped
-        if (!r.max_tokens && chat && max_len > 0) g.sampling.max_tokens = max_len - static_cast<int64_t>(prompts[p].size());
-        else if (!r.max_tokens && max_len > 0)
-          g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));
-        g.kv_policy = policy;
-        g.reuse_compressed = r.reuse_compressed;
-        g.speculative = r.speculative;
-        g.max_draft_tokens = max_draft_tokens;
-        g.context_len = contexts[p];
-        {
-          std::lock_guard<std::mutex> lock(ex->mu);
-          ex->choices[index].request_id = g.request_id;
-          ex->choices[index].prompt_index = p;
-        }
-        backend->submit(std::move(g), [ex, index](const GenerationEvent& ev) { ex->on_event(index, ev); });
-        ++submitted;
+  // Every choice, queued together (all or none): they meet the scheduler in the same step. Events
+  // may arrive before submit_all returns; they are buffered (stream) or accumulated until the last
+  // choice finishes.
+  std::vector<Submission> batch;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    for (int64_t k = 0; k < r.n; ++k) {
+      const size_t index = p * static_cast<size_t>(r.n) + static_cast<size_t>(k);
+      GenerationRequest g;
+      g.request_id = ex->id + "-" + std::to_string(index);
+      g.prompt_ids = prompts[p];
+      g.sampling = r.sampling;
+      if (g.sampling.seed && k > 0) g.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(k);
+      if (ex->echo_only) g.sampling.max_tokens = 1;  // as vLLM: one token is generated and dropped
+      if (!r.max_tokens && chat && max_len > 0) g.sampling.max_tokens = max_len - static_cast<int64_t>(prompts[p].size());
+      else if (!r.max_tokens && max_len > 0)
+        g.sampling.max_tokens = std::min<int64_t>(g.sampling.max_tokens, max_len - static_cast<int64_t>(prompts[p].size()));
+      g.kv_policy = policy;
+      g.reuse_compressed = r.reuse_compressed;
+      g.speculative = r.speculative;
+      g.max_draft_tokens = max_draft_tokens;
+      g.context_len = contexts[p];
+      {
+        std::lock_guard<std::mutex> lock(ex->mu);
+        ex->choices[index].request_id = g.request_id;
+        ex->choices[index].prompt_index = p;
       }
+      batch.push_back({std::move(g), [ex, index](const GenerationEvent& ev) { ex->on_event(index, ev); }});
     }
+  }
+  try {
+    backend->submit_all(std::move(batch));
   } catch (...) {
-    std::vector<std::string> cancel;
-    {
-      std::lock_guard<std::mutex> lock(ex->mu);
-      ex->done = true;
-      ex->release();
-      for (size_t i = 0; i < submitted; ++i) cancel.push_back(ex->choices[i].request_id);
-    }
-    for (const auto& id : cancel) backend->cancel(id);
+    std::lock_guard<std::mutex> lock(ex->mu);
+    ex->done = true;
+    ex->release();
     throw;
   }
   // A stream's status is sent now; a JSON response's when it is complete (it may still fail).

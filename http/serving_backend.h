@@ -25,6 +25,9 @@ class ServingBackend {
   // Queues a request; throws KvError (bad request -> 400) or EngineOverloaded (-> 429).
   // `on_event` runs on the engine's thread and must not block.
   virtual void submit(GenerationRequest request, EventCallback on_event) = 0;
+  // Queues several requests together, all or none (Engine::submit_all). By default one by one,
+  // cancelling those queued when a later one throws.
+  virtual void submit_all(std::vector<Submission> batch);
   virtual void cancel(const std::string& request_id) = 0;
   virtual EngineStats stats() const = 0;
   virtual bool healthy() const = 0;

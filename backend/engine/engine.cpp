@@ -171,37 +171,56 @@ std::shared_ptr<const StructuredGrammar> Engine::compile_grammar(const Structure
 }
 
 void Engine::submit(GenerationRequest req, EventCallback on_event) {
+  std::vector<Submission> one;
+  one.push_back({std::move(req), std::move(on_event)});
+  submit_all(std::move(one));
+}
+
+void Engine::submit_all(std::vector<Submission> batch) {
   if (!healthy_) throw EngineOverloaded("the engine is unhealthy: " + unhealthy_reason());
-  if (req.sampling.grammar)
-    KV_CHECK(impl_->runner->samples_in_process() && req.sampling.grammar->vocab_size == model_->config().vocab_size,
-             "a grammar compiled for another model or runner");
   const int64_t vocab = model_->config().vocab_size;
-  KV_CHECK(!req.prompt_ids.empty(), "the prompt is empty");
-  for (int64_t t : req.prompt_ids) KV_CHECK(t >= 0 && t < vocab, "prompt token id " << t << " is outside the vocabulary");
-  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
-  if (n >= impl_->max_model_len) {
-    KV_FAIL("the prompt has " << n << " tokens, but this model's maximum context length is " << impl_->max_model_len
-                              << " tokens");
+  const auto arrival = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  seqs.reserve(batch.size());
+  for (Submission& sub : batch) {
+    GenerationRequest& req = sub.request;
+    if (req.sampling.grammar)
+      KV_CHECK(impl_->runner->samples_in_process() && req.sampling.grammar->vocab_size == vocab,
+               "a grammar compiled for another model or runner");
+    KV_CHECK(!req.prompt_ids.empty(), "the prompt is empty");
+    for (int64_t t : req.prompt_ids) KV_CHECK(t >= 0 && t < vocab, "prompt token id " << t << " is outside the vocabulary");
+    const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
+    if (n >= impl_->max_model_len) {
+      KV_FAIL("the prompt has " << n << " tokens, but this model's maximum context length is " << impl_->max_model_len
+                                << " tokens");
+    }
+    if (req.kv_policy.empty()) req.kv_policy = options_.default_policy;
+    if (!has_policy(req.kv_policy)) KV_FAIL("unknown kv_policy '" << req.kv_policy << "'");
+    KV_CHECK(req.sampling.max_tokens >= 1, "max_tokens must be at least 1");
+    if (req.sampling.prompt_logprobs >= 0 && !impl_->runner->prompt_logprobs())
+      KV_FAIL("prompt_logprobs are not supported by the sharded (tensor/pipeline parallel) runtime");
+    auto seq = std::make_unique<Sequence>();
+    seq->arrival = arrival;
+    seq->req = std::move(req);
+    seq->on_event = std::move(sub.on_event);
+    seqs.push_back(std::move(seq));
   }
-  if (req.kv_policy.empty()) req.kv_policy = options_.default_policy;
-  if (!has_policy(req.kv_policy)) KV_FAIL("unknown kv_policy '" << req.kv_policy << "'");
-  KV_CHECK(req.sampling.max_tokens >= 1, "max_tokens must be at least 1");
-  if (req.sampling.prompt_logprobs >= 0 && !impl_->runner->prompt_logprobs())
-    KV_FAIL("prompt_logprobs are not supported by the sharded (tensor/pipeline parallel) runtime");
-  auto seq = std::make_unique<Sequence>();
-  seq->arrival = std::chrono::steady_clock::now();
-  seq->req = std::move(req);
-  seq->on_event = std::move(on_event);
+  if (seqs.empty()) return;
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
     if (impl_->stopping) throw EngineOverloaded("the server is shutting down");
-    if (impl_->stats.waiting + static_cast<int64_t>(impl_->incoming.size()) >= options_.max_waiting) {
-      throw EngineOverloaded("too many requests waiting (" + std::to_string(options_.max_waiting) + "); retry later");
+    const int64_t queued = impl_->stats.waiting + static_cast<int64_t>(impl_->incoming.size());
+    if (queued + static_cast<int64_t>(seqs.size()) > options_.max_waiting) {
+      std::ostringstream why;
+      why << "too many requests waiting (" << options_.max_waiting << ")";
+      if (seqs.size() > 1) why << " for " << seqs.size() << " more";
+      why << "; retry later";
+      throw EngineOverloaded(why.str());
     }
     // The queue is already slow: its oldest request has waited half the limit without starting, so
     // one arriving now would likely wait past it. Refused now (503) rather than failed later.
     if (options_.max_queue_time_s > 0 && impl_->oldest_waiting) {
-      const double waited = std::chrono::duration<double>(seq->arrival - *impl_->oldest_waiting).count();
+      const double waited = std::chrono::duration<double>(arrival - *impl_->oldest_waiting).count();
       if (waited > options_.max_queue_time_s / 2) {
         std::ostringstream why;
         why << "the server is over capacity: the oldest queued request has waited " << static_cast<int64_t>(waited + 0.5)
@@ -209,7 +228,8 @@ void Engine::submit(GenerationRequest req, EventCallback on_event) {
         throw EngineOverloaded(why.str(), /*over_capacity=*/true);
       }
     }
-    impl_->incoming.push_back(std::move(seq));
+    // All under one lock: the engine thread takes them in the same step.
+    for (auto& seq : seqs) impl_->incoming.push_back(std::move(seq));
   }
   impl_->cv.notify_all();
 }
@@ -297,7 +317,7 @@ void Engine::loop() {
     });
   });
   struct {
-    int64_t draft_steps = 0, verify_steps = 0;
+    int64_t draft_steps = 0, verify_steps = 0, draft_prefix_hits = 0;
     double draft_s = 0.0, verify_s = 0.0;
   } speculated;  // the runner's speculative steps so far
   // One step: cancellations, the plan, the runner, the events. True = the loop is done.
@@ -331,6 +351,7 @@ void Engine::loop() {
       speculated.draft_s += result.draft_s;
       speculated.verify_steps += result.verify_s > 0;
       speculated.verify_s += result.verify_s;
+      if (result.draft_prefix_hits >= 0) speculated.draft_prefix_hits = result.draft_prefix_hits;
       outputs = sched.update(plan, std::move(result));
     }
     int64_t generated = 0;
@@ -383,6 +404,7 @@ void Engine::loop() {
       im.stats.spec_decode_accepted_per_pos = spec.accepted_per_pos;
       im.stats.spec_decode_pauses = spec.pauses;
       im.stats.spec_decode_draft_steps = speculated.draft_steps;
+      im.stats.spec_decode_draft_prefix_hits = speculated.draft_prefix_hits;
       im.stats.spec_decode_draft_seconds = speculated.draft_s;
       im.stats.spec_decode_verify_steps = speculated.verify_steps;
       im.stats.spec_decode_verify_seconds = speculated.verify_s;

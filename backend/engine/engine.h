@@ -103,6 +103,8 @@ struct EngineStats {
   std::vector<int64_t> spec_decode_accepted_per_pos;
   // Their cost: self-draft steps and seconds, steps that verified drafts and their seconds.
   int64_t spec_decode_draft_steps = 0;
+  // Prompt tokens a draft model of another shape took from its own prefix cache.
+  int64_t spec_decode_draft_prefix_hits = 0;
   double spec_decode_draft_seconds = 0.0;
   int64_t spec_decode_verify_steps = 0;
   double spec_decode_verify_seconds = 0.0;
@@ -145,6 +147,12 @@ class EngineOverloaded : public std::runtime_error {
   bool over_capacity_;
 };
 
+// A request with the callback its events go to: one of a batch that Engine::submit_all queues together.
+struct Submission {
+  GenerationRequest request;
+  EventCallback on_event;
+};
+
 class Engine {
  public:
   // `runner` executes the model (a sharded job's ShardedRunner); null = this process, a LocalRunner.
@@ -158,6 +166,11 @@ class Engine {
   // max_model_len, empty prompt) and EngineOverloaded when the queue is full. `on_event` runs on the
   // engine thread and must not block; the last event it gets has finished = true.
   void submit(GenerationRequest request, EventCallback on_event);
+  // The same for several requests (an HTTP request's choices and prompts): each is validated, then
+  // all are queued under one lock or none is. They reach the scheduler in the same step, so how they
+  // are batched (and with it the last bits of their prefill's products) does not hang on when the
+  // engine thread woke between two submits.
+  void submit_all(std::vector<Submission> batch);
   // Compiles a structured-output spec for SamplingParams::grammar (any thread; cached; bounded in
   // time). Throws GrammarError naming the spec's field.
   std::shared_ptr<const StructuredGrammar> compile_grammar(const StructuredOutputSpec& spec);

@@ -49,7 +49,10 @@ void LocalRunner::set_cancel_check(CancelCheck check) { model_->set_cancel_check
 
 StepResult LocalRunner::execute(const StepPlan& plan) {
   StepResult r;
-  if (separate_) separate_->begin_step(plan);
+  if (separate_) {
+    separate_->begin_step(plan);  // the prompts it follows: where its prefix cache serves them
+    r.draft_prefix_hits = separate_->prefix_hits();
+  }
   for (const auto& [id, n] : plan.truncate) kv_->truncate(id, n);
   for (int64_t id : plan.release) kv_->release(id);
   for (int64_t id : plan.park) kv_->park(id);

@@ -55,9 +55,12 @@ int64_t Scheduler::max_drafts(const Sequence& s) const {
 }
 
 bool Scheduler::may_draft(const Sequence& s) const {
-  // Policies that evict during decode pick victims by length, and a parked conversation keeps its
-  // KV as the request left it: their sequences decode plainly.
-  return max_drafts(s) > 0 && options_.policies.at(s.req.kv_policy).decode_budget == 0 && !reuses_compressed(s);
+  // Policies that evict during decode pick victims by length: their sequences decode plainly. So do
+  // a conversation's turns (parked and resumed KV, prefix_reuse: compressed) under self-drafting,
+  // whose view is chosen at a whole prefill; drafts over the whole cache or from a prompt lookup
+  // serve them (the KV is trimmed to the fed tokens before it is parked: drop_later).
+  return max_drafts(s) > 0 && options_.policies.at(s.req.kv_policy).decode_budget == 0 &&
+         !(reuses_compressed(s) && options_.speculative.self_draft());
 }
 
 const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const std::vector<int64_t>& prompt) const {
@@ -77,8 +80,18 @@ void Scheduler::drop_later(Sequence& s, bool park) {
       if (auto p = std::find(park_.begin(), park_.end(), oldest); p != park_.end()) park_.erase(p);
       release_.push_back(oldest);
     }
+    // A verify step may have kept K/V for tokens past where a stop string, EOS or max_tokens ended
+    // the output: they go before the KV is parked, which must hold exactly the tokens it is filed
+    // under (the plan truncates before it parks).
+    const std::vector<int64_t> fed = s.prefill_tokens();
+    if (s.kv_end > 0) {
+      const int64_t surplus = s.kv_end - static_cast<int64_t>(fed.size());
+      KV_CHECK(surplus >= 0, "internal: sequence " << s.id << " holds KV up to " << s.kv_end << " for " << fed.size()
+                                                   << " fed tokens");
+      if (surplus > 0) truncate_.push_back({s.id, surplus});
+    }
     park_.push_back(s.id);
-    parked_.park(s.id, s.prefill_tokens(), s.req.kv_policy);
+    parked_.park(s.id, fed, s.req.kv_policy);
   } else if (s.in_cache) {
     release_.push_back(s.id);
   }
@@ -373,6 +386,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     owned->keep_copy = keep_copy;
     owned->prefill_len = n;
     owned->prefill_done = 0;
+    owned->kv_end = 0;
     plan_chunk(*owned, chunk ? budget : n, plan);
     if (from) {
       plan.prefill.back().resume = {from->seq_id, resumed};
@@ -441,6 +455,7 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
                                                                                   << " tokens from " << rows << " rows");
       s->suspect = false;
       for (int64_t j = 0; j < m; ++j) out.push_back({s, std::move(result.decoded.at(t++)), ""});
+      s->kv_end = plan.decode.positions.at(r) + m;
       const int64_t drafts = static_cast<int64_t>(rows) - 1, accepted = m - 1;
       if (drafts > 0) {
         ++spec_.drafts;
@@ -471,6 +486,7 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
         out.push_back({s, std::nullopt, result.decode_error});
       } else {
         s->suspect = false;
+        s->kv_end = 0;
         out.push_back({s, std::move(result.decoded.at(r)), ""});
       }
     }

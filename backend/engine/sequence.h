@@ -35,6 +35,9 @@ struct Sequence {
   // Back-off: steps left to decode without drafts, and the next pause (doubles while a single draft
   // keeps being rejected, back to the first after a draft accepted whole).
   int64_t spec_pause = 0, spec_backoff = 0;
+  // After a verify step: the positions its KV holds (the last token and the accepted drafts past the
+  // positions before), of which a stop may emit fewer; 0 after any other step.
+  int64_t kv_end = 0;
   bool prefilling() const { return in_cache && prefill_done < prefill_len; }
 
   // Output state.

@@ -135,6 +135,9 @@ struct StepResult {
   // seconds of the forward and sampling that verified drafts (a step without drafts adds nothing).
   int64_t draft_steps = 0;
   double draft_s = 0.0, verify_s = 0.0;
+  // A draft model of another shape: prompt tokens its own prefix cache has served so far (a running
+  // total); -1 without one, or on a step whose drafter did not report.
+  int64_t draft_prefix_hits = -1;
   // The decode part's seconds (drafting, forward, sampling) for the speculation governor; 0: untimed.
   // A sharded job's are the sampling rank's.
   double decode_s = 0.0;

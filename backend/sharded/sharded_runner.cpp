@@ -334,7 +334,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   // Self-drafts and a draft model's: every rank runs the draft steps on its shard (of the model,
   // through the view, or of the draft model, over the whole cache); the sampler rank chooses each
   // step's drafts and one broadcast gives them to every rank for the next step.
-  int64_t draft_steps_run = 0;
+  int64_t draft_steps_run = 0, draft_prefix_hits = -1;
   double draft_s = 0.0;
   std::vector<int64_t> tokens = plan.decode_tokens;
   std::vector<SampledDraft> sampled_drafts;
@@ -345,12 +345,15 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
     const auto t0 = std::chrono::steady_clock::now();
     if (sampler)
       draft_steps_run = own.drafter->draft(plan.decode, tokens, draws ? &samplers : nullptr, draws ? &sampled_drafts : nullptr);
+    // ... and the drafter's prefix-cache hits so far, for rank 0's /metrics.
     std::vector<int64_t> shared = tokens;
     shared.push_back(draft_steps_run);
+    shared.push_back(sampler ? own.drafter->prefix_hits() : 0);
     auto t = torch::tensor(shared, torch::kInt64);
     world.broadcast(t, src);
-    tokens.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel() - 1);
-    draft_steps_run = t.data_ptr<int64_t>()[t.numel() - 1];
+    tokens.assign(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel() - 2);
+    draft_steps_run = t.data_ptr<int64_t>()[t.numel() - 2];
+    draft_prefix_hits = t.data_ptr<int64_t>()[t.numel() - 1];
     draft_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } else if (drafts && (plan.self_draft.active() || plan.model_draft)) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -462,6 +465,7 @@ StepResult run_step(const StepPlan& plan, ShardedExecutor& exec, PagedKvMemory& 
   if (drafts) result.verify_s = static_cast<double>(decode_ns) * 1e-9;
   result.draft_s = draft_s;
   result.draft_steps = draft_steps_run;
+  result.draft_prefix_hits = draft_prefix_hits;
   const int64_t* a = all.data_ptr<int64_t>();
   std::vector<int64_t> kept(static_cast<size_t>(R), 0);
   std::vector<PagedKvMemory::HeadKeptStats> heads(static_cast<size_t>(R));

@@ -48,9 +48,10 @@ void SeparateKvDrafter::follow_prefill(const PrefillWork& w) {
   if (!w.drafts) return;                // it never drafts (opted out; its KV policy evicts)
   Seq& s = seqs_[w.seq_id];
   if (s.broken) return;
-  // A resumed conversation's earlier turns are in the served model's cache only (and its sequences
-  // decode one token a step); a chunk the draft did not follow from the start cannot continue.
-  if (w.resume.seq_id >= 0 || s.length != w.start) {
+  // A chunk the draft did not follow from the start cannot continue. A conversation's next turn
+  // (prefix_reuse: compressed) comes whole: the served model resumes its parked KV and prefills the
+  // rest, the draft prefills all of it over its own prefix cache (its earlier turns' blocks).
+  if (s.length != w.start) {
     drop(w.seq_id, s);
     return;
   }

@@ -25,9 +25,10 @@ class SeparateKvDrafter {
 
   // The sequence is over, preempted or parked: its draft KV goes.
   void release(int64_t seq_id);
-  // After the served model ran a prompt chunk: the draft prefills the same tokens. A chunk the draft
-  // cannot take (its pool is full, a resumed conversation whose earlier KV it never saw) leaves the
-  // sequence without drafts; the served model's prefill is not affected.
+  // After the served model ran a prompt chunk: the draft prefills the same tokens (a resumed
+  // conversation's whole prompt, which the served model continues from its parked KV). A chunk the
+  // draft cannot take (its pool is full) leaves the sequence without drafts; the served model's
+  // prefill is not affected.
   void follow_prefill(const PrefillWork& w);
   // Fills the draft rows of a speculative decode batch (placeholders after each sequence's last
   // token), as draft_with_own_kv does, with the draft model over its own cache: its first step also

@@ -68,7 +68,14 @@ def choice_ids(r: dict) -> list[list[int]]:
 
 
 def with_and_without_speculation(srv, body: dict) -> tuple[dict, dict]:
-    """The request as the server speculates, then the same with `"speculative": false`."""
+    """The request as the server speculates, then the same with `"speculative": false`. A one-token
+    request of the same prompt goes first, so that both find its blocks in the prefix cache: a prompt
+    prefilled whole and one prefilled over cached blocks differ in the last bits (other products,
+    another attention path), and at temperature 1 such a difference can move a draw."""
+    warm = {**body, "max_tokens": 1, "n": 1, "temperature": 0, "speculative": False}
+    for k in ("min_tokens", "logprobs", "stream", "best_of"):
+        warm.pop(k, None)
+    complete_ids(srv, warm)
     return complete_ids(srv, body), complete_ids(srv, {**body, "speculative": False})
 
 

@@ -186,17 +186,51 @@ def test_a_draft_of_another_shape_drafts_over_blocks_from_its_prefix_cache(mha_d
     s = Server(extra_yaml=spec_yaml(model=str(mha_draft)), kv_cache_bytes="64MiB")
     try:
         body = {"prompt": STORY * 3 + "Go on:", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
-        runs = []
+        runs, hits = [], []
         for _ in range(2):
             before = counts(s)
             out = tokens(complete(s, body))
             runs.append((out, *(x - y for x, y in zip(counts(s), before))))
+            hits.append(s.metrics()["kvserve:spec_decode_draft_prefix_cache_hits_total"])
         assert runs[0][0] == runs[1][0]
+        # The draft's own prefix cache: nothing the first time, the prompt's full blocks the second.
+        assert hits[0] == 0 and hits[1] > 0 and hits[1] % 16 == 0, hits
         for _, drafted, accepted in runs:
             assert drafted > 0 and accepted / drafted > 0.9, runs
         m = s.wait_idle()
         assert m["kvserve:prefix_cache_hits_total"] > 0
         assert m["kvserve:kv_cache_blocks_used"] == 0
+        assert "lost track" not in s.log() and "could not prefill" not in s.log()
+    finally:
+        s.close()
+
+
+def test_a_draft_of_another_shape_follows_a_conversation_resumed_from_its_parked_kv(mha_draft):
+    # prefix_reuse: compressed: the second turn continues the served model's parked, compressed KV.
+    # The draft prefills that whole prompt in its own cache (the first turn's blocks from its own
+    # prefix cache) and drafts for it: both turns speculate, and decode as they do without. (Few
+    # drafts are kept: the served model reads snapkv's 24 kept positions, the draft every position.)
+    s = Server(extra_yaml=spec_yaml(model=str(mha_draft)), kv_cache_bytes="64MiB")
+    try:
+        prompt = [5 + (i * 37) % 900 for i in range(100)]
+
+        def conversation(spec: bool):
+            common = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "kv_policy": "snapkv",
+                      "prefix_reuse": "compressed", "speculative": spec}
+            first = complete(s, {"prompt": prompt, **common})
+            ids = first["choices"][0]["token_ids"]
+            before, hits = counts(s), s.metrics()["kvserve:spec_decode_draft_prefix_cache_hits_total"]
+            second = complete(s, {"prompt": prompt + ids + prompt[:10], **common})
+            assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + len(ids) - 1
+            drafted, accepted = (x - y for x, y in zip(counts(s), before))
+            hits = s.metrics()["kvserve:spec_decode_draft_prefix_cache_hits_total"] - hits
+            return ids, second["choices"][0]["token_ids"], drafted, accepted, hits
+
+        fast, slow = conversation(True), conversation(False)
+        assert fast[:2] == slow[:2]
+        drafted, accepted, hits = fast[2:]
+        assert drafted > 0 and hits > 0, fast[2:]
+        assert slow[2:] == (0, 0, 0)
         assert "lost track" not in s.log() and "could not prefill" not in s.log()
     finally:
         s.close()
@@ -220,6 +254,9 @@ def test_a_draft_of_another_shape_drafts_on_the_sampling_rank(mha_draft, layout)
         assert "lost track" not in s.log()
         m = s.wait_idle()
         assert m["kvserve:kv_cache_blocks_used"] == 0
+        # PROMPTS[0] ran several times: the sampling rank's draft took its blocks from its own prefix
+        # cache, and rank 0 reports it.
+        assert m["kvserve:spec_decode_draft_prefix_cache_hits_total"] > 0
     finally:
         s.close()
 
