@@ -55,12 +55,12 @@ int64_t Scheduler::max_drafts(const Sequence& s) const {
 }
 
 bool Scheduler::may_draft(const Sequence& s) const {
-  // Policies that evict during decode pick victims by length: their sequences decode plainly. So do
-  // a conversation's turns (parked and resumed KV, prefix_reuse: compressed) under self-drafting,
-  // whose view is chosen at a whole prefill; drafts over the whole cache or from a prompt lookup
-  // serve them (the KV is trimmed to the fed tokens before it is parked: drop_later).
-  return max_drafts(s) > 0 && options_.policies.at(s.req.kv_policy).decode_budget == 0 &&
-         !(reuses_compressed(s) && options_.speculative.self_draft());
+  // Policies that evict during decode pick victims by length: their sequences decode plainly. A
+  // conversation's turns (parked and resumed KV, prefix_reuse: compressed) draft like any other
+  // sequence: the KV is trimmed to the fed tokens before it is parked (drop_later), and a resumed
+  // turn's self-drafts read the sinks and window of the rows it holds (its prompt compressed, so no
+  // draft policy's selection is made for it).
+  return max_drafts(s) > 0 && options_.policies.at(s.req.kv_policy).decode_budget == 0;
 }
 
 const ConversationCache::Entry* Scheduler::resumable(const Sequence& s, const std::vector<int64_t>& prompt) const {

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import os
 import pathlib
 import statistics
 
 import pytest
 
-from kvserve_server import REPO, Server
+from kvserve_server import REPO, Server, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
 
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -59,6 +60,10 @@ def greedy_runs_match(srv, prompts, max_tokens: int = 40) -> tuple[float, float]
     assert drafted > 0 and 0 <= accepted <= drafted
     return drafted, accepted
 
+PASSAGE = ("The river runs past the old mill, under the stone bridge, and into the lake. "
+           "Children play on the bridge in summer and skate on the lake in winter. ")
+COPY = "Repeat the passage exactly.\n" + PASSAGE * 3 + "\n" + PASSAGE[:40]
+
 STORY = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. From the top he could see "
          "the fishing boats returning, the gulls circling the harbour, and the storm clouds gathering far "
          "out over the grey sea. One night the lamp would not light, and he had to decide what to do. ")
@@ -77,6 +82,40 @@ SAME_TOKEN_CASES = [
     {"temperature": 0, "kv_policy": "snap_ada"},
     {"temperature": 0, "guided_regex": "[a-z ]{4,40}\\."},
 ]
+
+
+def conversation_speculates_as_plainly(srv, param: str) -> None:
+    """prefix_reuse: compressed: a turn's compressed (snapkv) KV is parked and the next turn continues
+    from it. Both turns speculate (the second one's drafts are counted apart). A stop string ends the
+    first turn, on the default model inside a run of accepted drafts: the K/V of the drafts past it
+    must go before the KV is parked, so that the second turn reads the tokens its conversation was
+    filed under, as plain decoding's second turn does."""
+    status, _, data = raw(srv, "POST", "/tokenize", json.dumps({"prompt": COPY}))
+    assert status == 200, data
+    prompt = json.loads(data)["tokens"]
+    complete(srv, {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_policy": "snapkv", "speculative": False})
+
+    def conversation(spec: bool) -> tuple[list, str, list, float, float]:
+        common = {"kv_policy": "snapkv", "prefix_reuse": "compressed", "temperature": 0, "speculative": spec}
+        accepted = srv.metrics()["vllm:spec_decode_num_accepted_tokens_total"]
+        first = complete(srv, {"prompt": prompt, "max_tokens": 40, "stop": ["bridge"], **common})
+        ids = first["choices"][0]["token_ids"]
+        drafted = srv.metrics()["vllm:spec_decode_num_draft_tokens_total"]
+        second = complete(srv, {"prompt": prompt + ids + prompt[-12:], "max_tokens": 24, **common})
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == len(prompt) + len(ids) - 1, (spec, cached, len(prompt), len(ids))
+        m = srv.metrics()
+        assert m["kvserve:conversations_parked"] >= 1
+        return (ids, first["choices"][0]["finish_reason"], second["choices"][0]["token_ids"],
+                m["vllm:spec_decode_num_accepted_tokens_total"] - accepted,
+                m["vllm:spec_decode_num_draft_tokens_total"] - drafted)
+
+    fast, slow = conversation(True), conversation(False)
+    assert fast[:3] == slow[:3]
+    assert slow[3:] == (0, 0)
+    assert fast[4] > 0, "the resumed turn was meant to draft"
+    if param == "default":  # the default model copies the passage: drafts accepted, the stop inside a run
+        assert fast[1] == "stop" and fast[3] > 0, fast
 
 
 def drop_parted_stream(a: dict, b: dict, body: dict) -> None:

@@ -16,7 +16,8 @@ import pytest
 from kvserve_server import Server, kvserve_bin, model_dir
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
 from speculation_cases import (DEFAULT_MODEL, FIXTURES, HEADWISE, SAME_TOKEN_CASES, STORY, assert_same_as_plain,
-                               chi2_critical, concurrent_rounds, counts, greedy_runs_match, homogeneity)
+                               chi2_critical, concurrent_rounds, conversation_speculates_as_plainly, counts,
+                               greedy_runs_match, homogeneity)
 
 # auto_disable off: on these small models and short contexts drafting does not pay on a CPU, and
 # the tests check what the speculative steps compute (test_auto_disable_* below: the governor).
@@ -67,6 +68,23 @@ def test_concurrent_chunked_and_preempted_match():
         assert m["kvserve:kv_cache_blocks_used"] == 0
         assert m["kvserve:spec_decode_draft_steps_total"] >= m["kvserve:spec_decode_verify_steps_total"] > 0
         assert m["kvserve:spec_decode_draft_seconds_total"] > 0 and m["kvserve:spec_decode_verify_seconds_total"] > 0
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("param, layout", [("tiny", ()), ("default", ()), ("tiny", ("--tp", "2"))])
+def test_a_conversation_continued_from_its_parked_kv_self_drafts_and_decodes_as_plainly(param, layout):
+    # prefix_reuse: compressed: the resumed turn's self-drafts read the sinks and window of the rows it
+    # holds (the first turn's kept positions, then its own), and the first turn's KV is trimmed to its
+    # fed tokens before it is parked (speculation_cases.conversation_speculates_as_plainly); under TP
+    # every rank trims and parks its shard alike.
+    if param == "default" and not (DEFAULT_MODEL / "config.json").exists():
+        pytest.skip("the default model is not made (make model)")
+    s = Server(extra_yaml=SELF_YAML, model=str(DEFAULT_MODEL) if param == "default" else None, kv_cache_bytes="256MiB",
+               extra_args=layout)
+    try:
+        conversation_speculates_as_plainly(s, param)
+        assert "lost track" not in s.log()
     finally:
         s.close()
 

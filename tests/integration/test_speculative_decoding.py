@@ -17,7 +17,7 @@ import pytest
 
 from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
-from speculation_cases import drop_parted_stream
+from speculation_cases import COPY, PASSAGE, conversation_speculates_as_plainly, drop_parted_stream
 
 # auto_disable off: these tests check what speculative steps compute, and on the tiny fixture the
 # governor may well find that they do not pay (test_self_speculation.py tests the governor).
@@ -28,9 +28,6 @@ SPEC_YAML = """speculative_config:
   prompt_lookup_max: 3
   auto_disable: false
 """
-PASSAGE = ("The river runs past the old mill, under the stone bridge, and into the lake. "
-           "Children play on the bridge in summer and skate on the lake in winter. ")
-COPY = "Repeat the passage exactly.\n" + PASSAGE * 3 + "\n" + PASSAGE[:40]
 
 
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -164,11 +161,8 @@ def test_concurrent_requests_chunked_and_preempted_match(srv):
 
 @pytest.mark.parametrize("param", ["tiny", "default"])
 def test_a_conversation_continued_from_its_parked_kv_speculates_and_decodes_as_plainly(param):
-    # prefix_reuse: compressed: a turn's compressed KV is parked, and the next turn continues from it.
-    # Both turns speculate. A stop string ends the first turn inside a run of accepted drafts: the
-    # K/V of the drafts past it must go before the KV is parked, so that the second turn reads the
-    # tokens its conversation was filed under, as plain decoding's second turn does. A server of its
-    # own: parked conversations keep their blocks.
+    # Prompt lookup over a conversation's turns (speculation_cases.conversation_speculates_as_plainly).
+    # A server of its own: parked conversations keep their blocks.
     if param == "default" and not (DEFAULT_MODEL / "config.json").exists():
         pytest.skip("the default model is not made (make model)")
     srv = Server(extra_yaml=SPEC_YAML, model=str(DEFAULT_MODEL) if param == "default" else None, kv_cache_bytes="256MiB")
@@ -176,32 +170,6 @@ def test_a_conversation_continued_from_its_parked_kv_speculates_and_decodes_as_p
         conversation_speculates_as_plainly(srv, param)
     finally:
         srv.close()
-
-
-def conversation_speculates_as_plainly(srv, param: str) -> None:
-    status, _, data = raw(srv, "POST", "/tokenize", json.dumps({"prompt": COPY}))
-    assert status == 200, data
-    prompt = json.loads(data)["tokens"]
-    complete(srv, {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_policy": "snapkv", "speculative": False})
-
-    def conversation(spec: bool) -> tuple[list, list, list, float]:
-        common = {"kv_policy": "snapkv", "prefix_reuse": "compressed", "temperature": 0, "speculative": spec}
-        accepted = srv.metrics()["vllm:spec_decode_num_accepted_tokens_total"]
-        first = complete(srv, {"prompt": prompt, "max_tokens": 40, "stop": ["bridge"], **common})
-        ids = first["choices"][0]["token_ids"]
-        second = complete(srv, {"prompt": prompt + ids + prompt[-12:], "max_tokens": 24, **common})
-        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached == len(prompt) + len(ids) - 1, (spec, cached, len(prompt), len(ids))
-        m = srv.metrics()
-        assert m["kvserve:conversations_parked"] >= 1
-        return (ids, first["choices"][0]["finish_reason"], second["choices"][0]["token_ids"],
-                m["vllm:spec_decode_num_accepted_tokens_total"] - accepted)
-
-    fast, slow = conversation(True), conversation(False)
-    assert fast[:3] == slow[:3]
-    assert slow[3] == 0
-    if param == "default":  # the default model copies the passage: drafts accepted, the stop inside a run
-        assert fast[1] == "stop" and fast[3] > 0, fast
 
 
 def test_decode_evicting_policy_decodes_plainly():
