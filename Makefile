@@ -70,7 +70,7 @@ fixtures: deps
 test: deps build model fixtures
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
 	KVSERVE_BIN=$(CURDIR)/$(BUILD_DIR)/kvserve KVSERVE_FIXTURES=$(CURDIR)/$(FIXTURES) \
-	  $(PYTHON) -m pytest -q tests
+	  $(PYTHON) -m pytest -q --durations=30 tests
 	$(MAKE) fuzz FUZZ_SECONDS=4 FUZZ_RUNS=
 
 $(FUZZ_DIR)/CMakeCache.txt: | deps

@@ -21,7 +21,7 @@ struct DecodeBatch {
   std::vector<int64_t> positions;
   // A self-speculative draft step attends through this view of each sequence's cache (inactive:
   // everything it holds); what the step appends is the draft's, truncated before verification.
-  DraftView view;
+  DraftView view{};
   // A draft step (through a view, or a draft model's over the whole cache): its appends are
   // truncated before the step that verifies them, so nothing is evicted or trimmed for it.
   bool draft = false;

@@ -13,7 +13,7 @@ namespace kvserve {
 struct HeadSelection {
   torch::Tensor positions;
   std::vector<int64_t> counts;
-  torch::Tensor kept;  // bool [KV, N + window]: what each head keeps (adaptive_head_selection only)
+  torch::Tensor kept{};  // bool [KV, N + window]: what each head keeps (adaptive_head_selection only)
 };
 
 // Selects KV * per_head positions of scores [KV, N] jointly: first each head's top `guaranteed`

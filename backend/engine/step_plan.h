@@ -46,7 +46,7 @@ struct PrefillWork {
   int64_t cached = KvMemory::kNoLookup;
   // prefix_reuse: compressed: the parked sequence of the same conversation whose KV this prompt
   // (a whole one) continues.
-  ResumeFrom resume;
+  ResumeFrom resume{};
   // Compressed contexts: the (whole) prompt's first context_len tokens are compressed alone, from
   // or into the memory's cache (PrefillInput::context_len). 0 = none.
   int64_t context_len = 0;

@@ -42,7 +42,7 @@ struct PrefillInput {
   bool reuse_prefix = true;
   bool keep_copy = true;
   // prefix_reuse: compressed: the parked sequence whose KV the prompt continues.
-  ResumeFrom resume;
+  ResumeFrom resume{};
   // Compressed contexts (KvMemory::begin_context): > 0 for a whole prompt whose policy compresses
   // its first context_len tokens alone; the rest follows them uncompressed.
   int64_t context_len = 0;

@@ -22,7 +22,7 @@ struct SampledToken {
   std::vector<TokenLogprob> top;
   // prompt_logprobs (a prefill's first token only): per prompt position from the second on, that
   // prompt token as `token`/`chosen` and the position's top-k.
-  std::vector<SampledToken> prompt;
+  std::vector<SampledToken> prompt{};
   bool grammar_dead_end = false;  // the request's grammar allowed no token: `token` is void
 };
 

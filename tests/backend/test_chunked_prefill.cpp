@@ -76,7 +76,9 @@ TEST_P(ChunkedPrefill, LogitsKvAndDecodeMatchWholePrompt) {
     for (int64_t l = 0; l < L; ++l) {
       // A sliding-window layer keeps only its window's blocks, chunked as whole.
       ASSERT_EQ(kv->cached_tokens(1, l), model->config().layer_window(l) > 0 ? whole->cached_tokens(1, l) : kLen);
-      if (model->config().layer_window(l) > 0) ASSERT_LT(kv->cached_tokens(1, l) - model->config().layer_window(l), 16);
+      if (model->config().layer_window(l) > 0) {
+        ASSERT_LT(kv->cached_tokens(1, l) - model->config().layer_window(l), 16);
+      }
       EXPECT_TRUE(torch::equal(kv->kept_positions(1, l), whole->kept_positions(1, l)));
       auto [ka, va] = whole->cache().gather(1, l);
       auto [kb, vb] = kv->cache().gather(1, l);

@@ -193,8 +193,8 @@ TEST_P(SlidingWindowPrefix, LayersShareTheDocumentAndThenKeepTheirWindow) {
     for (int64_t l = 0; l < L; ++l) {
       const int64_t w = c.layer_window(l);
       const auto held = static_cast<int64_t>(cached->cache().layer_blocks(2, l).blocks.size());
-      if (w > 0) EXPECT_LE(held, (w + 15) / 16 + 1) << "layer " << l;
-      if (w == 0 && policy == "full") EXPECT_EQ(cached->cached_tokens(2, l), T + step + 1);
+      if (w > 0) { EXPECT_LE(held, (w + 15) / 16 + 1) << "layer " << l; }
+      if (w == 0 && policy == "full") { EXPECT_EQ(cached->cached_tokens(2, l), T + step + 1); }
       EXPECT_TRUE(torch::equal(cached->kept_positions(2, l), plain->kept_positions(2, l))) << "layer " << l;
     }
   }
@@ -235,19 +235,19 @@ TEST_P(HeadWiseLayout, AHitKeepsAndComputesWhatAMissDoes) {
     const torch::Tensor want = model->prefill(2, second, *plain, false, policy);
     EXPECT_EQ(cached->prefix_hit(2), kDoc) << name;
     EXPECT_LE(max_diff(got, want), 1e-4) << name;
-    if (per_layer) EXPECT_LE(max_diff(model->prefill(2, second, *per_layer, false, policy), want), 1e-5) << name;
+    if (per_layer) { EXPECT_LE(max_diff(model->prefill(2, second, *per_layer, false, policy), want), 1e-5) << name; }
     bool ragged = false;
     for (int64_t l = 0; l < L; ++l) {
       EXPECT_TRUE(torch::equal(cached->kept_positions(2, l), plain->kept_positions(2, l))) << name << " layer " << l;
-      if (per_layer) EXPECT_TRUE(torch::equal(per_layer->kept_positions(2, l), plain->kept_positions(2, l)));
+      if (per_layer) { EXPECT_TRUE(torch::equal(per_layer->kept_positions(2, l), plain->kept_positions(2, l))); }
       ragged = ragged || !plain->cache().uniform(2, l);
     }
     const bool compressed = plain->kept_tokens(2) < T * L;
     // One KV head (llama-kvfew) has nothing to spread a budget over.
     EXPECT_EQ(ragged, adaptive && compressed && model->config().num_key_value_heads > 1) << name;
     // A compressing policy decodes from blocks of its own: it holds what a miss holds.
-    if (compressed) EXPECT_EQ(cached->private_blocks(2), plain->blocks_held(2)) << name;
-    if (per_layer) EXPECT_EQ(per_layer->cache().bytes_of(2), plain->cache().bytes_of(2));
+    if (compressed) { EXPECT_EQ(cached->private_blocks(2), plain->blocks_held(2)) << name; }
+    if (per_layer) { EXPECT_EQ(per_layer->cache().bytes_of(2), plain->cache().bytes_of(2)); }
     float decode_diff = 0;
     for (int64_t step = 0; step < 20; ++step) {
       DecodeBatch b{{2}, {T + step}};

@@ -115,9 +115,9 @@ TEST(KeptDistribution, IsWhatTheSamplerDraws) {
     for (int64_t i = 0; i < N; ++i) ++counts[bank.sample_batch({1}, logits, {0}).at(0).token];
     const auto p = kept_distribution(l.data(), V, sp);
     for (int64_t t = 0; t < V; ++t)
-      if (p[t] == 0) EXPECT_EQ(counts[t], 0) << "token " << t << " is not kept but was drawn";
+      if (p[t] == 0) { EXPECT_EQ(counts[t], 0) << "token " << t << " is not kept but was drawn"; }
     const auto [stat, df] = chi_square(counts, p, N);
-    if (df > 0) EXPECT_LT(stat, critical(df)) << "temperature " << sp.temperature << " top_k " << sp.top_k;
+    if (df > 0) { EXPECT_LT(stat, critical(df)) << "temperature " << sp.temperature << " top_k " << sp.top_k; }
   }
 }
 

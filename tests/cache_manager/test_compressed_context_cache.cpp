@@ -44,6 +44,7 @@ TEST(CompressedContextCache, UsersPinEntriesAndIdleOnesGoLeastRecentlyUsedFirst)
   const int32_t a = cc.insert(1, {1}, tables(alloc, {8}), 2);  // 2 blocks each
   const int32_t b = cc.insert(2, {2}, tables(alloc, {8}), 2);
   const int32_t c = cc.insert(3, {3}, tables(alloc, {8}), 2);
+  EXPECT_TRUE(a != b && b != c && a != c);
   EXPECT_EQ(alloc.free_blocks(), 0);
   EXPECT_EQ(cc.reclaimable_blocks(), 6);
   cc.acquire(a);

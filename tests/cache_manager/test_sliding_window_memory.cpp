@@ -117,7 +117,7 @@ void run(const Run& r) {
   EXPECT_LE(worst, 1e-5);
   kv.release(1);
   kv.cache().check_invariants();
-  if (!r.prefix_caching) EXPECT_EQ(kv.blocks_used(), 0);
+  if (!r.prefix_caching) { EXPECT_EQ(kv.blocks_used(), 0); }
 }
 
 TEST(SlidingWindowMemory, LocalLayersStayWithinTheirBlocksOverA4KGeneration) {

@@ -91,11 +91,11 @@ TEST(PrefillSelector, UniformAndPyramidRespectBudgets) {
         const bool skipped = cfg.skips_layer(l);
         expect_valid(kept, KV, T, cfg.window, skipped ? T : planned[l]);
         EXPECT_EQ(kept.size(1), planned[l]) << name << " " << sem << " layer " << l;
-        if (!skipped && cfg.allocator == AllocatorKind::kUniform) EXPECT_EQ(kept.size(1), 40) << name;
+        if (!skipped && cfg.allocator == AllocatorKind::kUniform) { EXPECT_EQ(kept.size(1), 40) << name; }
       }
       sel.finish();
       EXPECT_TRUE(sel.take_updates().empty());
-      if (name == "pyramidkv" && sem == "paper") EXPECT_EQ(planned, pyramid_budgets_paper(T, 40, 8, 20, L));
+      if (name == "pyramidkv" && sem == "paper") { EXPECT_EQ(planned, pyramid_budgets_paper(T, 40, 8, 20, L)); }
     }
   }
 }
@@ -362,7 +362,7 @@ TEST(PrefillSelector, DynamicOnLocalLayersEqualsAModelOfTheGlobalLayers) {
     stage.apply_final_budgets(dm);
     for (auto& [layer, k] : stage.take_updates()) {
       EXPECT_EQ(layer, 2) << what;
-      if (!whole.head_adaptive()) EXPECT_EQ(k.size(1), bm[2]) << what;
+      if (!whole.head_adaptive()) { EXPECT_EQ(k.size(1), bm[2]) << what; }
     }
     // The budget moved: some global layer ends below the candidates it started with.
     EXPECT_LT(*std::min_element(bg.begin(), bg.end()), 16 * 4 + 8) << what;
