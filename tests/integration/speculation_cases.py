@@ -60,6 +60,7 @@ def greedy_runs_match(srv, prompts, max_tokens: int = 40) -> tuple[float, float]
     assert drafted > 0 and 0 <= accepted <= drafted
     return drafted, accepted
 
+
 PASSAGE = ("The river runs past the old mill, under the stone bridge, and into the lake. "
            "Children play on the bridge in summer and skate on the lake in winter. ")
 COPY = "Repeat the passage exactly.\n" + PASSAGE * 3 + "\n" + PASSAGE[:40]

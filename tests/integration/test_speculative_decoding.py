@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import pathlib
 import re
 import socket
 import subprocess
 
 import pytest
 
-from kvserve_server import REPO, Server, kvserve_bin, model_dir, raw
+from kvserve_server import Server, kvserve_bin, model_dir, raw
 from kvserve_server import choice_ids as tokens, complete_ids as complete, with_and_without_speculation as both
-from speculation_cases import COPY, PASSAGE, conversation_speculates_as_plainly, drop_parted_stream
+from speculation_cases import (COPY, DEFAULT_MODEL, FIXTURES, PASSAGE, conversation_speculates_as_plainly,
+                               drop_parted_stream)
 
 # auto_disable off: these tests check what speculative steps compute, and on the tiny fixture the
 # governor may well find that they do not pay (test_self_speculation.py tests the governor).
@@ -28,9 +27,6 @@ SPEC_YAML = """speculative_config:
   prompt_lookup_max: 3
   auto_disable: false
 """
-
-
-DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])
@@ -278,12 +274,11 @@ def test_sharded_speculation_matches_plain(layout):
     # Every shard appends a verify step's rows and drops the rejected ones; the sampling rank
     # verifies and tells rank 0 each sequence's count. Concurrent requests split the step's rows
     # into pipeline micro-batches.
-    fixtures = pathlib.Path(os.environ.get("KVSERVE_FIXTURES", REPO / ".fixtures"))
-    if not (fixtures / "llama-kvfew" / "config.json").exists():
+    if not (FIXTURES / "llama-kvfew" / "config.json").exists():
         pytest.skip("no llama-kvfew fixture")
     # The governor on (the default): the sampling rank times each step's decode part and rank 0
     # reports it (kvserve:spec_decode_verify_seconds_total), which the governor judges.
-    s = Server(model=str(fixtures / "llama-kvfew"), extra_yaml=SPEC_YAML.replace("  auto_disable: false\n", ""),
+    s = Server(model=str(FIXTURES / "llama-kvfew"), extra_yaml=SPEC_YAML.replace("  auto_disable: false\n", ""),
                extra_args=layout)
     try:
         prompts = [COPY[i * 7:] for i in range(4)]
