@@ -44,7 +44,7 @@ struct Weights {
 };
 
 const Weights& weights(int type_index) {
-  static const char* const kTypes[] = {"q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0"};
+  static const char* const kTypes[] = {"q4_1", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q5_0", "q3_k", "q2_k"};
   static std::map<int, std::unique_ptr<Weights>> made;  // built on first use: 30 layers each
   auto& w = made[type_index];
   if (!w) w = std::make_unique<Weights>(kTypes[type_index]);
@@ -72,8 +72,8 @@ void BM_Step(benchmark::State& state) {
 
 // type: 0 = Q4_1 (the default model's GGUF), 1 = Q8_0 (--quantization int8), 2 = Q4_0 (int4),
 // 3-5 = Q4_K, Q5_K, Q6_K (a Q4_K_M GGUF's types, e.g. Gemma 3's; inputs of 576 widened to 768),
-// 6 = Q5_0 (most of Gemma 3's Q4_K_M file: q, k, gate and up).
-BENCHMARK(BM_Step)->ArgNames({"type", "M"})->ArgsProduct({{0, 1, 2, 3, 4, 5, 6}, {1, 2, 4, 8}})->Unit(benchmark::kMillisecond)->UseRealTime();
+// 6 = Q5_0 (most of Gemma 3's Q4_K_M file: q, k, gate and up), 7-8 = Q3_K, Q2_K (Q3_K_M / Q2_K files).
+BENCHMARK(BM_Step)->ArgNames({"type", "M"})->ArgsProduct({{0, 1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 4, 8}})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);

@@ -117,7 +117,7 @@ std::string check_kv_cache_dtype(const std::string& s) {
 }
 const std::set<std::string> kCpuGemms = {"mkl", "onednn"};
 const std::set<std::string> kQuantizations = {"none", "int8", "int4", "fp8",  "q8_0", "q4_0",
-                                              "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+                                              "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"};
 const std::set<std::string> kToolParsers = {"auto", "hermes", "llama3_json", "mistral"};
 
 // One spelling per dtype of kDtypes (aliases folded), to compare two names.
@@ -412,7 +412,7 @@ std::vector<ConfigIssue> validate(const ServerConfig& c) {
   }
   if (!kDtypes.count(c.model.dtype)) add("model.dtype", "must be one of float32, bfloat16, float16, auto; got '" + c.model.dtype + "'");
   if (!kQuantizations.count(c.model.quantization)) {
-    add("model.quantization", "must be one of none, int8, int4, fp8 or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); got '" + c.model.quantization + "'");
+    add("model.quantization", "must be one of none, int8, int4, fp8 or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k); got '" + c.model.quantization + "'");
   } else if (c.model.quantization != "none" && c.model.quantization != "fp8" && c.model.quantization != "int4" &&
              c.model.device.rfind("cuda", 0) == 0) {
     add("model.quantization", "'" + c.model.quantization + "' on " + c.model.device +
@@ -504,7 +504,7 @@ ServerConfig parse_server_config(const std::string& yaml_text, const std::string
                                   {"quantization", p.string_of(m.quantization,
                                                                [](const std::string& s) {
                                                                  return kQuantizations.count(s) ? std::string()
-                                                                                                : "must be one of none, int8, int4, fp8 or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); got '" + s + "'";
+                                                                                                : "must be one of none, int8, int4, fp8 or a ggml type (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k); got '" + s + "'";
                                                                })},
                                   {"served_model_name", p.string_of(m.served_model_name)},
                                   {"device", p.string_of(m.device,

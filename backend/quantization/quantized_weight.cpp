@@ -47,12 +47,14 @@ const ggml_type_traits_cpu& cpu_traits(int type) {
 }
 
 // Which tiled product takes several rows of x for a weight type and its activation format.
-enum class Tiles { kNone, kLlamafile, kQ4_1, kQ4_K, kQ5_K, kQ6_K };
+enum class Tiles { kNone, kLlamafile, kQ4_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
 Tiles tiles_for(int type, int act) {
   if (!tiles_enabled()) return Tiles::kNone;
   if (tiled_quant_matmul_supports(type, act)) return Tiles::kLlamafile;
   if (type == GGML_TYPE_Q4_1 && act == GGML_TYPE_Q8_1 && q4_1_tiles_available()) return Tiles::kQ4_1;
   if (act == GGML_TYPE_Q8_K && k_quant_tiles_available()) {
+    if (type == GGML_TYPE_Q2_K) return Tiles::kQ2_K;
+    if (type == GGML_TYPE_Q3_K) return Tiles::kQ3_K;
     if (type == GGML_TYPE_Q4_K) return Tiles::kQ4_K;
     if (type == GGML_TYPE_Q5_K) return Tiles::kQ5_K;
     if (type == GGML_TYPE_Q6_K) return Tiles::kQ6_K;
@@ -336,8 +338,11 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
     const auto* wp = static_cast<const uint8_t*>(p.data.data_ptr());
     const auto* ap = a.type == GGML_TYPE_F32 ? reinterpret_cast<const uint8_t*>(xp) : static_cast<const uint8_t*>(a.data.data_ptr());
     const int64_t a_row = a.type == GGML_TYPE_F32 ? K * static_cast<int64_t>(sizeof(float)) : a.row_bytes;
-    // One row of x takes the K-quant tiles too (their prefetch is what one row gains from; the other
-    // types have one-row tiles below).
+    // One row of x takes the Q4_K / Q5_K / Q6_K tiles too (their prefetch is what one row gains from;
+    // the other types have one-row tiles below). Q2_K's and Q3_K's vec_dot is compute-bound at one
+    // row (few bytes a value, many instructions), and the tiles' prefetch gained nothing there: one
+    // row 1.04x (Q3_K) and 1.07-1.15x (Q2_K) the loop's time (30 layers of the default model's
+    // shapes, bench_quantized_linear, interleaved rounds).
     const Tiles for_type = tiles_for(p.type, a.type);
     const bool k_quant = for_type == Tiles::kQ4_K || for_type == Tiles::kQ5_K || for_type == Tiles::kQ6_K;
     const Tiles tiles = M >= 2 || k_quant ? for_type : Tiles::kNone;
@@ -377,6 +382,8 @@ torch::Tensor QuantizedWeight::dot(const torch::Tensor& x_in, const torch::Tenso
       // The same for Q4_1 and the K-quants (no ggml tile kernel): one unpacked weight block serves
       // four rows of x.
       const auto kernel = tiles == Tiles::kQ4_1   ? q4_1_tiled_dot
+                          : tiles == Tiles::kQ2_K ? q2_k_tiled_dot
+                          : tiles == Tiles::kQ3_K ? q3_k_tiled_dot
                           : tiles == Tiles::kQ4_K ? q4_k_tiled_dot
                           : tiles == Tiles::kQ5_K ? q5_k_tiled_dot
                                                   : q6_k_tiled_dot;

@@ -17,7 +17,7 @@ std::string lower(std::string n) {
 
 const std::vector<std::string>& weight_quantization_names() {
   static const std::vector<std::string> names = {"none", "int8", "int4", "fp8",  "q8_0", "q4_0",
-                                                 "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+                                                 "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"};
   return names;
 }
 
@@ -30,7 +30,7 @@ int weight_quantization_ggml_type(const std::string& name_in, const std::string&
   for (const std::string& n : weight_quantization_names())
     if (n == name) return quant_type_from_name(name);
   KV_FAIL(field << ": unknown weight quantization '" << name_in
-                << "' (use none, int8, int4, fp8, or a ggml type: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)");
+                << "' (use none, int8, int4, fp8, or a ggml type: q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k)");
 }
 
 bool weight_quantization_is_fp8(const std::string& name) { return lower(name) == "fp8"; }

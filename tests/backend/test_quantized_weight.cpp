@@ -40,8 +40,8 @@ struct TypeCase {
 TEST(QuantizedWeight, DotProductsMatchFp64OverTheDequantizedWeights) {
   torch::manual_seed(3);
   const std::vector<TypeCase> cases = {{"q8_0", 96, 0.01},  {"q4_0", 96, 0.15}, {"q4_1", 96, 0.15}, {"q5_0", 64, 0.08},
-                                       {"q5_1", 64, 0.08}, {"q4_K", 256, 0.12}, {"q5_K", 512, 0.06}, {"q6_K", 256, 0.03},
-                                       {"f16", 40, 1e-3}};
+                                       {"q5_1", 64, 0.08}, {"q2_K", 256, 0.45}, {"q3_K", 256, 0.25}, {"q4_K", 256, 0.12},
+                                       {"q5_K", 512, 0.06}, {"q6_K", 256, 0.03}, {"f16", 40, 1e-3}};
   for (const TypeCase& tc : cases) {
     const int type = quant_type_from_name(tc.name);
     for (int64_t N : {1, 7, 33}) {
@@ -84,7 +84,7 @@ TEST(QuantizedWeight, DotIsBatchInvariantAndAddsTheBias) {
 // tiles take. 512 columns: two K-quant super-blocks a row.
 TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
   torch::manual_seed(6);
-  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1", "q4_K", "q5_K", "q6_K"}) {
+  for (const char* name : {"q8_0", "q4_0", "q5_0", "q4_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K"}) {
     const QuantizedWeight q = QuantizedWeight::quantize(torch::randn({75, 512}), quant_type_from_name(name), name);
     ASSERT_TRUE(q.tiled()) << name;
     const auto x = torch::randn({kQuantDotMaxRows, 512});
@@ -98,13 +98,13 @@ TEST(QuantizedWeight, TiledProductsEqualTheOneRowDotProducts) {
 
 // One row of x (a one-sequence decode step) takes the one-row tiles for Q4_1, Q4_0, Q5_0, Q5_1 and
 // Q8_0 (four weight rows at a time) and the K-quant tiles for Q4_K, Q5_K and Q6_K (prefetching
-// ahead in the row); each output equals bit for bit ggml's own vec_dot of that row, called here
+// ahead in the row; Q2_K's and Q3_K's one row stays on vec_dot); each output equals bit for bit ggml's own vec_dot of that row, called here
 // directly. Row counts that leave 1-3 rows after the groups of four, and row slices that start
 // mid-group, are covered.
 TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(11);
   ggml_cpu_init();
-  for (const char* name : {"q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q4_K", "q5_K", "q6_K"}) {
+  for (const char* name : {"q4_1", "q4_0", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K"}) {
     const int type = quant_type_from_name(name);
     for (int64_t N : std::vector<int64_t>{1, 7, 64, 75}) {
       const int64_t K = std::string(name).back() == 'K' ? 512 : 576;
@@ -134,18 +134,19 @@ TEST(QuantizedWeight, OneRowProductsEqualGgmlsVecDotBitForBit) {
 }
 
 // Several rows of x through the Q4_1 tiles (the default model's GGUF), Q8_0's (--quantization
-// int8, and the GGUF's tied LM head) and Q4_K's (Q4_K_M files): on a CPU with AVX-512 VNNI rows go in pairs through
-// pair_tiles_avx512.cpp, an odd last row through the one-row tiles; every output equals ggml's
+// int8, and the GGUF's tied LM head) and the K-quants' (Q2_K ... Q6_K files): on a CPU with AVX-512 VNNI
+// rows go in pairs through pair_tiles_avx512.cpp where it has a kernel for the type (not Q2_K or
+// Q3_K), an odd last row through the one-row tiles; every output equals ggml's
 // vec_dot of its (weight row, x row) bit for bit, called here directly. Weights and activations with
 // zeros, negatives and the largest codes (±127) included.
 TEST(QuantizedWeight, RowsInPairsEqualGgmlsVecDotBitForBit) {
   torch::manual_seed(12);
   ggml_cpu_init();
-  for (const char* name : {"q4_1", "q8_0", "q4_0", "q5_0", "q4_K", "q5_K", "q6_K"}) {
+  for (const char* name : {"q4_1", "q8_0", "q4_0", "q5_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K"}) {
     const int type = quant_type_from_name(name);
     const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
     const auto act = traits->vec_dot_type;
-    if (!pair_tiles_available(type, act)) std::cout << "[ note ] no AVX-512 VNNI here: " << name << " without pairs\n";
+    if (!pair_tiles_available(type, act)) std::cout << "[ note ] no pair kernel here: " << name << " without pairs\n";
     const int64_t N = 37, K = std::string(name).back() == 'K' ? 768 : 576;
     auto w = torch::randn({N, K}) * 0.05;
     w[3].zero_();
@@ -262,6 +263,8 @@ TEST(WeightQuantization, NamesAndCpuTypes) {
   EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("int4")), "q4_0");
   EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("Q4_1")), "q4_1");
   EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("q5_k")), "q5_K");
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("Q3_K")), "q3_K");
+  EXPECT_EQ(quant_type_name(weight_quantization_ggml_type("q2_k")), "q2_K");
   EXPECT_EQ(weight_quantization_ggml_type("fp8"), -1);  // not a ggml type: Fp8Weight
   try {
     weight_quantization_ggml_type("fp4", "model.quantization");
