@@ -250,12 +250,21 @@ std::string gguf_hf_config_json(const GgufFile& f) {
     KV_FAIL(f.path() << ": GGUF architecture '" << arch << "' is not served (llama, qwen2, qwen3, gemma3)");
   }
   const int64_t hidden = req_int("embedding_length"), heads = req_int("attention.head_count");
+  // Every block holds tensors: a count past the file's tensors is not a model (and Gemma 3's layer
+  // types below would otherwise be built for it, however large).
+  const int64_t blocks = req_int("block_count");
+  const auto tensors = static_cast<int64_t>(f.tensor_names().size());
+  KV_CHECK(blocks <= tensors, f.path() << ": metadata key '" << arch << ".block_count' is " << blocks
+                                       << " but the file holds " << tensors << " tensors");
   j["hidden_size"] = hidden;
   j["intermediate_size"] = req_int("feed_forward_length");
-  j["num_hidden_layers"] = req_int("block_count");
+  j["num_hidden_layers"] = blocks;
   j["num_attention_heads"] = heads;
   j["num_key_value_heads"] = opt_int("attention.head_count_kv").value_or(heads);
-  j["head_dim"] = opt_int("attention.key_length").value_or(opt_int("rope.dimension_count").value_or(hidden / heads));
+  // A head count below 1 is refused with the config's other checks (parse_model_config); it must not
+  // divide here first.
+  const int64_t split = heads > 0 ? hidden / heads : 0;
+  j["head_dim"] = opt_int("attention.key_length").value_or(opt_int("rope.dimension_count").value_or(split));
   j["max_position_embeddings"] = opt_int("context_length").value_or(2048);
   j["rms_norm_eps"] = opt_float("attention.layer_norm_rms_epsilon").value_or(1e-6);
   j["rope_theta"] = opt_float("rope.freq_base").value_or(10000.0);
@@ -282,7 +291,7 @@ std::string gguf_hf_config_json(const GgufFile& f) {
     j["sliding_window"] = window;
     // Gemma 3 interleaves five local layers with one global one (llama.cpp assumes the same).
     json types = json::array();
-    for (int64_t i = 0; i < req_int("block_count"); ++i) types.push_back((i + 1) % 6 == 0 ? "full_attention" : "sliding_attention");
+    for (int64_t i = 0; i < blocks; ++i) types.push_back((i + 1) % 6 == 0 ? "full_attention" : "sliding_attention");
     j["layer_types"] = types;
     j["query_pre_attn_scalar"] = j["head_dim"];
     j["rope_local_base_freq"] = 10000.0;
