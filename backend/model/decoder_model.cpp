@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "backend/quantization/fp8_weight.h"
 #include "backend/quantization/int4_weight.h"
 #include "backend/quantization/quantized_weight.h"
+#include "backend/quantization/type_fallback.h"
 #include "backend/quantization/weight_quantization.h"
 #include "ggml.h"
 #include "backend/kernels/dense.h"
@@ -101,6 +103,9 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
   // int4 on CUDA: one whose rows are not a multiple of 8 or columns of 32 stays dense; int8 on CUDA:
   // one whose columns are not a multiple of 32.
   int64_t fp8_dense = 0, int4_dense = 0, int8_dense = 0;
+  // A ggml type whose blocks do not fit a weight's rows: how many weights took which other type
+  // (quant_type_for_cols; -1: stayed dense).
+  std::map<int, int64_t> fallbacks;
   auto quantized = [&](LinearWeight w, const std::string& what) {
     if (fp8 && !w.quantized() && !w.is_fp8()) {
       if (Fp8Weight::fits(w.rows(), w.cols())) return LinearWeight(Fp8Weight::quantize(w.dense, what));
@@ -118,7 +123,10 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
       return w;
     }
     if (quant_type < 0 || w.quantized()) return w;
-    return LinearWeight(QuantizedWeight::quantize(w.dense, quant_type, what));
+    const int type = quant_type_for_cols(quant_type, w.cols());
+    if (type != quant_type) ++fallbacks[type];
+    if (type < 0) return w;
+    return LinearWeight(QuantizedWeight::quantize(w.dense, type, what));
   };
   auto linear_w = [&](const std::string& name, std::vector<int64_t> shape, std::optional<TensorSlice> slice = std::nullopt) {
     return source->load_linear(name, shape, m->dtype_, m->device_, slice);
@@ -205,6 +213,11 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     KV_LOG(model_dir << ": its " << types << " linear tensors are dequantized to " << dtype_name(m->dtype_) << " on "
                      << m->device_ << " (kvserve's CUDA kernels keep only Q8_0 blocks as codes), so they take "
                      << c10::elementSize(m->dtype_) * 8 << " bits a weight there; on the CPU they run as they ship");
+  for (const auto& [type, n] : fallbacks)
+    KV_LOG("quantization " << opt.quantization << ": " << n << " linear weights of " << model_dir
+                           << " have rows that are not whole " << quant_type_name(quant_type) << " blocks and are "
+                           << (type < 0 ? dtype_name(m->dtype_) : quant_type_name(type))
+                           << (type < 0 ? "" : " (llama-quantize's fallback)"));
   if (int4_cuda && int4_dense > 0)
     KV_LOG("quantization int4: " << int4_dense << " linear weights of " << model_dir
                                  << " have rows that are not a multiple of 8 or columns not of 32 and stay " << dtype_name(m->dtype_));

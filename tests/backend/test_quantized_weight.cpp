@@ -13,6 +13,7 @@
 #include "backend/quantization/linear_weight.h"
 #include "backend/quantization/pair_tiles.h"
 #include "backend/quantization/quantized_weight.h"
+#include "backend/quantization/type_fallback.h"
 #include "backend/quantization/weight_quantization.h"
 #include "common/check.h"
 #include "ggml-cpu.h"
@@ -273,6 +274,17 @@ TEST(WeightQuantization, NamesAndCpuTypes) {
     EXPECT_NE(std::string(e.what()).find("model.quantization"), std::string::npos) << e.what();
   }
   EXPECT_THROW(weight_quantization_ggml_type("int3", "--quantization"), KvError);
+  // Rows that are not whole blocks of the type asked for take llama-quantize's fallback.
+  const auto t = [](const char* name) { return quant_type_from_name(name); };
+  EXPECT_EQ(quant_type_for_cols(t("q4_K"), 1536), t("q4_K"));
+  EXPECT_EQ(quant_type_for_cols(t("q4_K"), 576), t("q5_0"));  // the default model's hidden size
+  EXPECT_EQ(quant_type_for_cols(t("q5_K"), 640), t("q5_1"));  // Gemma 3 270M's
+  EXPECT_EQ(quant_type_for_cols(t("q6_K"), 384), t("q8_0"));  // a TP 2 slice of 768
+  EXPECT_EQ(quant_type_for_cols(t("q3_K"), 576), t("q4_0"));
+  EXPECT_EQ(quant_type_for_cols(t("q2_K"), 576), t("q4_0"));
+  EXPECT_EQ(quant_type_for_cols(t("q4_K"), 40), -1);  // not even 32-value blocks: stays float
+  EXPECT_EQ(quant_type_for_cols(t("q8_0"), 40), -1);  // no fallback for a 32-value type
+  EXPECT_EQ(quant_type_for_cols(t("q8_0"), 64), t("q8_0"));
   EXPECT_THROW(weight_quantization_ggml_type("iq2_xxs", "--quantization"), KvError);  // needs an importance matrix
 }
 
