@@ -99,7 +99,7 @@ def test_fp8_default_model_keeps_the_perplexity_at_half_the_linear_bytes(tmp_pat
 
 
 def test_fp8_of_a_gguf_is_refused(tmp_path):
-    gguf = model = default_model_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = default_model_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
     proc = run_kvserve("generate", "--model", str(gguf), "--quantization", "fp8", "--prompt", "hi", check=False)
     assert proc.returncode == 1 and "GGUF" in proc.stderr and "quantization" in proc.stderr, proc.stderr
 

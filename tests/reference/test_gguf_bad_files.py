@@ -93,6 +93,16 @@ def generate(path):
     return run_kvserve("generate", "--model", str(path), "--prompt", "ab a b", "--max-tokens", "3", check=False)
 
 
+def refused_naming(path, case, words):
+    """generate on `path` fails cleanly (exit 1, kvserve's error line naming the file) with `words`."""
+    proc = generate(path)
+    assert proc.returncode == 1, f"{case}: rc={proc.returncode}\n{proc.stderr}"
+    err = proc.stderr
+    assert "kvserve: error:" in err and path.name in err, err
+    for word in words:
+        assert word in err, f"{case}: {word!r} not in\n{err}"
+
+
 def test_the_valid_files_generate(tmp_path):
     beside = write_gguf(model_dir(tmp_path, True) / "m.gguf", base_metadata())
     lone = tmp_path / "lone"
@@ -138,12 +148,7 @@ METADATA_CASES = [
 @pytest.mark.parametrize("case,changes,drop,tensors,words", METADATA_CASES, ids=[c[0] for c in METADATA_CASES])
 def test_a_broken_model_is_named(tmp_path, case, changes, drop, tensors, words):
     path = write_gguf(model_dir(tmp_path, True) / "bad.gguf", base_metadata() | changes, drop, tensors)
-    proc = generate(path)
-    assert proc.returncode == 1, f"{case}: rc={proc.returncode}\n{proc.stderr}"
-    err = proc.stderr
-    assert "kvserve: error:" in err and "bad.gguf" in err, err
-    for word in words:
-        assert word in err, f"{case}: {word!r} not in\n{err}"
+    refused_naming(path, case, words)
     # inspect reads the same file: it reports or refuses it, it does not crash.
     assert run_kvserve("gguf", "inspect", "--model", str(path), check=False).returncode in (0, 1)
 
@@ -166,9 +171,4 @@ TOKENIZER_CASES = [
 @pytest.mark.parametrize("case,changes,words", TOKENIZER_CASES, ids=[c[0] for c in TOKENIZER_CASES])
 def test_a_broken_tokenizer_in_the_metadata_is_named(tmp_path, case, changes, words):
     path = write_gguf(model_dir(tmp_path, False) / "bad.gguf", base_metadata() | tokenizer_metadata() | changes)
-    proc = generate(path)
-    assert proc.returncode == 1, f"{case}: rc={proc.returncode}\n{proc.stderr}"
-    err = proc.stderr
-    assert "kvserve: error:" in err and "bad.gguf" in err, err
-    for word in words:
-        assert word in err, f"{case}: {word!r} not in\n{err}"
+    refused_naming(path, case, words)
