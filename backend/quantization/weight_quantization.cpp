@@ -1,7 +1,5 @@
 #include "backend/quantization/weight_quantization.h"
 
-#include "backend/quantization/type_fallback.h"
-
 #include <cctype>
 
 #include "backend/quantization/quantized_weight.h"
@@ -33,21 +31,6 @@ int weight_quantization_ggml_type(const std::string& name_in, const std::string&
     if (n == name) return quant_type_from_name(name);
   KV_FAIL(field << ": unknown weight quantization '" << name_in
                 << "' (use none, int8, int4, fp8, or a ggml type: q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k)");
-}
-
-int quant_type_for_cols(int type, int64_t cols) {
-  const auto fits = [&](int t) { return cols > 0 && cols % ggml_blck_size(static_cast<ggml_type>(t)) == 0; };
-  if (fits(type)) return type;
-  int fallback = -1;
-  switch (type) {
-    case GGML_TYPE_Q2_K:
-    case GGML_TYPE_Q3_K: fallback = GGML_TYPE_Q4_0; break;
-    case GGML_TYPE_Q4_K: fallback = GGML_TYPE_Q5_0; break;
-    case GGML_TYPE_Q5_K: fallback = GGML_TYPE_Q5_1; break;
-    case GGML_TYPE_Q6_K: fallback = GGML_TYPE_Q8_0; break;
-    default: break;
-  }
-  return fallback >= 0 && fits(fallback) ? fallback : -1;
 }
 
 bool weight_quantization_is_fp8(const std::string& name) { return lower(name) == "fp8"; }

@@ -118,18 +118,17 @@ def test_a_k_quant_whose_blocks_do_not_fit_falls_back_as_llama_quantize_does(tmp
     models hold) and the MLP's down projection (rows of 1536) Q4_K, and says so at load; prompts
     decoded together (the K-quant tiles) equal each decoded alone (vec_dot), and the perplexity
     stays near float32's (+7 % on 200 tokens of this README, 2026-12-02)."""
-    proc = run_kvserve("generate", "--model", str(default_model_dir()), "--quantization", "q4_k", "--prompt",
-                       "The capital of France is", "--max-tokens", "4", "--json")
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["weights"]["format"] == "q5_0+q4_K+q8_0"
+    def q4_k(*args):
+        proc = run_kvserve("generate", "--model", str(default_model_dir()), "--quantization", "q4_k", "--json", *args)
+        return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+    proc, out = q4_k("--prompt", "The capital of France is", "--max-tokens", "4")
+    assert out["weights"]["format"] == "q5_0+q4_K+q8_0"
     assert "90 linear weights" in proc.stderr and "are q5_0 (llama-quantize's fallback)" in proc.stderr, proc.stderr
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,", "def add(a, b):"]
-    batch = json.loads(run_kvserve("generate", "--model", str(default_model_dir()), "--quantization", "q4_k",
-                                   "--prompts-file", str(write_json(tmp_path / "p.json", prompts)), "--max-tokens",
-                                   "12", "--json").stdout.strip().splitlines()[-1])["results"]
+    batch = q4_k("--prompts-file", str(write_json(tmp_path / "p.json", prompts)), "--max-tokens", "12")[1]["results"]
     for p, got in zip(prompts, batch):
-        alone = json.loads(run_kvserve("generate", "--model", str(default_model_dir()), "--quantization", "q4_k",
-                                       "--prompt", p, "--max-tokens", "12", "--json").stdout.strip().splitlines()[-1])
-        assert got["token_ids"] == alone["token_ids"], p
+        assert got["token_ids"] == q4_k("--prompt", p, "--max-tokens", "12")[1]["token_ids"], p
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
     ids = tok.encode((ROOT / "README.md").read_text()[:3000]).ids[:200]
