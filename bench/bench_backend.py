@@ -35,7 +35,6 @@ import pathlib
 import platform
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile

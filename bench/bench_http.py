@@ -15,7 +15,6 @@ import os
 import pathlib
 import re
 import signal
-import statistics
 import subprocess
 import tempfile
 import threading

@@ -457,7 +457,7 @@ def render(meta: dict, points: list[dict]) -> str:
             if b:
                 by[(b.get("mtime"), b.get("version"))].append(r)
         dirty = [f for f in meta.get("dirty", []) if f.endswith((".cpp", ".h", ".cu", ".cuh", ".hpp", "CMakeLists.txt"))]
-        L += [f"`build/kvserve` as each row found it"
+        L += ["`build/kvserve` as each row found it"
               + (f" (built from the work tree, which had {len(dirty)} C++/CMake files changed against the commit: "
                  "another change was in progress)" if dirty else "") + ": "
               + "; ".join(f"{', '.join(rs)}: version {v or '?'}, linked {m}" for (m, v), rs in by.items())

@@ -115,7 +115,6 @@ def main() -> None:
         el = time.time() - t0
         print(f"[study] {done}/{len(samples)} samples, {el:.0f} s, eta {el / done * (len(samples) - done):.0f} s",
               file=sys.stderr, flush=True)
-        summary = {k: {tk: f"{v[0]}/{v[1]}" for tk, v in d.items()} for k, d in cells.items()}
         pathlib.Path(a.out).write_text(json.dumps({"args": vars(a), "cells": cells, "layers": layers}, indent=1))
     for k, d in cells.items():
         tot = sum(v[0] for v in d.values()), sum(v[1] for v in d.values())

@@ -38,7 +38,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request

@@ -217,7 +217,6 @@ def select(policy: str, cap: Capture, t: int, budget: int, opts: dict | None = N
     kept = []
     for i in range(L):
         if per_q:  # each query head's top b_i, the union stored per KV head
-            g = hs[i].shape[0] // kv
             top = torch.topk(hs[i], min(b[i], hs[i].shape[1]), -1).indices.view(kv, -1)
             sets = [torch.unique(row) for row in top]
             n = max(len(x) for x in sets)

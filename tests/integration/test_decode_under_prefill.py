@@ -31,8 +31,8 @@ def stream(port: int, prompt: list[int], max_tokens: int, times: list[float], re
                  {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
-    for raw in resp:
-        line = raw.decode().strip()
+    for chunk in resp:
+        line = chunk.decode().strip()
         if line.startswith("data: {") and json.loads(line[6:])["choices"]:
             times.append(time.perf_counter())
             if ready is not None and len(times) == 3:

@@ -3,7 +3,6 @@ client: the README's snippet answers sensibly, and chat answers are transformers
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 import subprocess
 import sys
