@@ -182,7 +182,8 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
     }
     l.wqkv = quantized(LinearWeight::stack({linear_w(p + "self_attn.q_proj.weight", {H * D, Hd}, q_rows),
                                             linear_w(p + "self_attn.k_proj.weight", {KV * D, Hd}, kv_rows),
-                                            linear_w(p + "self_attn.v_proj.weight", {KV * D, Hd}, kv_rows)}),
+                                            linear_w(p + "self_attn.v_proj.weight", {KV * D, Hd}, kv_rows)},
+                                           m->dtype_),
                        p + "qkv");
     if (c.attention_bias) {
       l.bqkv = torch::cat({load(p + "self_attn.q_proj.bias", {H * D}, q_rows), load(p + "self_attn.k_proj.bias", {KV * D}, kv_rows),
@@ -196,7 +197,8 @@ std::shared_ptr<DecoderModel> DecoderModel::load(const std::string& model_dir, c
                      p + "self_attn.o_proj.weight");
     if (c.o_proj_bias) l.bo = load(p + "self_attn.o_proj.bias", {Hd});
     l.wgate_up = quantized(LinearWeight::stack({linear_w(p + "mlp.gate_proj.weight", {I, Hd}, mlp_rows),
-                                                linear_w(p + "mlp.up_proj.weight", {I, Hd}, mlp_rows)}),
+                                                linear_w(p + "mlp.up_proj.weight", {I, Hd}, mlp_rows)},
+                                               m->dtype_),
                            p + "gate_up");
     l.wdown = quantized(linear_w(p + "mlp.down_proj.weight", {Hd, I}, cols(s.inter_begin, s.inter_len)), p + "mlp.down_proj.weight");
     if (c.mlp_bias) {

@@ -4,10 +4,12 @@
 #include <regex>
 #include <set>
 
+#include "backend/quantization/gguf_cuda_forms.h"
 #include "backend/quantization/gguf_file.h"
-#include "backend/quantization/int8_weight.h"
+#include "backend/quantization/int4_weight.h"
 #include "ggml.h"
 #include "common/check.h"
+#include "common/log.h"
 #include "common/model_path.h"
 
 namespace kvserve {
@@ -64,13 +66,16 @@ class GgufSource final : public WeightSource {
                            const torch::Device& device, std::optional<TensorSlice> slice) const override {
     const std::string g = checked(name, shape);
     const int type = f_.tensor_type(g);
-    // On CUDA a Q8_0 tensor keeps its codes (Int8Weight); other block types are dequantized there.
-    const bool int8_cuda = device.is_cuda() && type == GGML_TYPE_Q8_0;
-    if ((!device.is_cpu() && !int8_cuda) || type == 0 /* F32 */) {
-      if (type != GGML_TYPE_F32 && type != GGML_TYPE_F16 && type != GGML_TYPE_BF16) {
-        std::lock_guard<std::mutex> lk(mu_);
-        dequantized_.insert(ggml_type_name(static_cast<ggml_type>(type)));
-      }
+    // On CUDA the types with a CUDA form keep their integers (gguf_cuda_forms.h: Q4_0, Q4_1 and Q4_K
+    // as int4 where tinygemm runs, Q5_0, Q6_K and Q8_0 as int8); the others are dequantized there.
+    // An embedding is read a few rows at a time, which tinygemm's tiles of 8 rows cannot do: in a
+    // 4-bit type it is dequantized (Q8_0, Q5_0 and Q6_K ones read their rows' codes).
+    const GgufCudaForm form = gguf_cuda_form(type);
+    const bool embedding = name == "model.embed_tokens.weight";
+    const bool cuda_form = device.is_cuda() && form != GgufCudaForm::kNone &&
+                           (form != GgufCudaForm::kInt4 || (!embedding && int4_runs(device)));
+    if ((!device.is_cpu() && !cuda_form) || type == 0 /* F32 */) {
+      if (type != GGML_TYPE_F32 && type != GGML_TYPE_F16 && type != GGML_TYPE_BF16) note_dequantized(type);
       return LinearWeight(load(name, shape, dtype, device, slice));
     }
     QuantizedWeight q = f_.load_blocks(g);
@@ -80,7 +85,11 @@ class GgufSource final : public WeightSource {
       q = slice->dim == 0 ? q.slice_rows(slice->start, slice->length)
                           : q.slice_cols(slice->start, slice->length, f_.path() + ": tensor '" + g + "'");
     }
-    if (int8_cuda) return LinearWeight(Int8Weight::from_q8_0(q).to(device));
+    if (cuda_form) {
+      if (auto w = gguf_cuda_weight(q, device, f_.path() + ": tensor '" + g + "'")) return std::move(*w);
+      note_dequantized(type, " (some shapes)");
+      return LinearWeight(q.dequantize().to(device, dtype));
+    }
     return LinearWeight(std::move(q));
   }
 
@@ -150,11 +159,33 @@ class GgufSource final : public WeightSource {
     return order;
   }
 
+  void note_dequantized(int type, const std::string& why = "") const {
+    std::lock_guard<std::mutex> lk(mu_);
+    dequantized_.insert(ggml_type_name(static_cast<ggml_type>(type)) + why);
+  }
+
+  // Whether tinygemm runs on `device` (Int4Weight::check_device, once); where it does not, the
+  // 4-bit types are dequantized and the log says why.
+  bool int4_runs(const torch::Device& device) const {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!int4_checked_) {
+      int4_checked_ = true;
+      try {
+        Int4Weight::check_device(device);
+        int4_ok_ = true;
+      } catch (const std::exception& e) {
+        KV_LOG(f_.path() << ": its 4-bit tensors are dequantized on " << device << ": " << e.what());
+      }
+    }
+    return int4_ok_;
+  }
+
   GgufFile f_;
   ModelConfig c_;
   std::string arch_;
   mutable std::mutex mu_;  // load_linear is const and may be called from several threads
   mutable std::set<std::string> dequantized_;
+  mutable bool int4_checked_ = false, int4_ok_ = false;
 };
 
 }  // namespace

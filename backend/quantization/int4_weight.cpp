@@ -75,18 +75,36 @@ Int4Weight Int4Weight::quantize(const torch::Tensor& w, const std::string& what)
   KV_CHECK(w.is_cpu() || w.is_cuda(), what << ": int4 weights live on the CPU or a CUDA device, not " << w.device());
   KV_CHECK(w.is_cuda() || w.size(0) % 16 == 0, what << ": the CPU's int4 reference kernel needs rows a multiple of 16, got "
                                                    << w.sizes());
+  const int64_t group = group_for(w.size(1));
+  const Codes c = quantize_codes(w, group);
+  return from_codes(c.q, c.scale, c.zero, group, what);
+}
+
+Int4Weight Int4Weight::from_codes(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& zero,
+                                  int64_t group, const std::string& what) {
+  KV_CHECK(q.dim() == 2 && fits(q.size(0), q.size(1)),
+           what << ": int4 needs rows a multiple of 8 and columns a multiple of 32 (the tinygemm kernel's tiles), got "
+                << q.sizes());
+  KV_CHECK(q.is_cuda() || q.size(0) % 16 == 0, what << ": the CPU's int4 reference kernel needs rows a multiple of 16, got "
+                                                    << q.sizes());
+  KV_CHECK((group == 32 || group == 64 || group == 128) && q.size(1) % group == 0,
+           what << ": int4 groups are 32, 64 or 128 columns dividing " << q.size(1) << ", got " << group);
+  const std::vector<int64_t> groups{q.size(0), q.size(1) / group};
+  KV_CHECK(scale.sizes() == groups && zero.sizes() == groups,
+           what << ": int4 scales and zeros must be " << groups << ", got " << scale.sizes() << " and " << zero.sizes());
   Int4Weight f;
-  f.rows_ = w.size(0);
-  f.cols_ = w.size(1);
-  f.group_ = group_for(f.cols_);
-  const Codes c = quantize_codes(w, f.group_);
+  f.rows_ = q.size(0);
+  f.cols_ = q.size(1);
+  f.group_ = group;
   // Two codes a byte, the even column in the high nibble (the CUDA packing kernel's input order).
-  const auto hi = c.q.slice(1, 0, f.cols_, 2), lo = c.q.slice(1, 1, f.cols_, 2);
+  const auto qi = q.to(torch::kInt32);
+  const auto hi = qi.slice(1, 0, f.cols_, 2), lo = qi.slice(1, 1, f.cols_, 2);
   const auto bytes = hi.bitwise_left_shift(4).bitwise_or_(lo).to(torch::kUInt8).contiguous();
   // The CPU keeps these bytes (its kernel's packing groups rows, so stacked parts could not be
   // concatenated) and packs them at each product: a reference path.
-  f.packed_ = w.is_cuda() ? at::_convert_weight_to_int4pack(bytes, inner_k_tiles(f.cols_)) : bytes;
-  f.scales_zeros_ = torch::stack({c.scale.t(), c.zero.t()}, 2).contiguous();  // [K / group, N, 2]
+  f.packed_ = q.is_cuda() ? at::_convert_weight_to_int4pack(bytes, inner_k_tiles(f.cols_)) : bytes;
+  const auto opts = torch::TensorOptions().dtype(torch::kBFloat16).device(q.device());
+  f.scales_zeros_ = torch::stack({scale.to(opts).t(), zero.to(opts).t()}, 2).contiguous();  // [K / group, N, 2]
   return f;
 }
 

@@ -25,6 +25,12 @@ class Int4Weight {
   // w: [N, K] float weights (any float dtype) on the CPU or a CUDA device; the result lives there.
   // Throws naming `what` when the shape does not fit.
   static Int4Weight quantize(const torch::Tensor& w, const std::string& what);
+  // Codes chosen elsewhere (a GGUF's 4-bit blocks, backend/quantization/ggml_cuda_forms.h): q [N, K]
+  // integers in [0, 15] on the device the weight is to live on, scale and zero [N, K / group] (any
+  // float dtype, rounded to bfloat16 here), group 32, 64 or 128. Throws naming `what` where the
+  // shape does not fit.
+  static Int4Weight from_codes(const torch::Tensor& q, const torch::Tensor& scale, const torch::Tensor& zero,
+                               int64_t group, const std::string& what);
   // The rows of several weights with the same columns, in order (a fused projection).
   static Int4Weight stack(const std::vector<Int4Weight>& parts);
   // Runs a small product on `device` and checks it against the float weight it came from: throws

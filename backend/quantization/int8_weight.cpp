@@ -84,6 +84,33 @@ Int8Weight Int8Weight::from_q8_0(const QuantizedWeight& q) {
   return f;
 }
 
+Int8Weight Int8Weight::from_codes(torch::Tensor codes, torch::Tensor scales, int64_t group, const std::string& what) {
+  KV_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8, what << ": int8 codes must be an int8 matrix, got "
+                                                                         << codes.sizes() << " " << codes.scalar_type());
+  const int64_t N = codes.size(0), K = codes.size(1);
+  KV_CHECK(group > 0 && group % 16 == 0 && K % group == 0 && K % 32 == 0,
+           what << ": int8 scale groups must be a multiple of 16 columns dividing " << K
+                << " (itself a multiple of 32), got " << group);
+  KV_CHECK(scales.sizes() == torch::IntArrayRef({N, K / group}) && scales.scalar_type() == torch::kFloat32,
+           what << ": int8 scales must be float32 [" << N << ", " << K / group << "], got " << scales.sizes() << " "
+                << scales.scalar_type());
+  Int8Weight f;
+  f.group_ = group;
+  f.codes_ = codes.contiguous();
+  f.scales_ = scales.to(codes.device()).contiguous();
+  return f;
+}
+
+Int8Weight Int8Weight::regrouped(int64_t group) const {
+  KV_CHECK(group > 0 && group % 16 == 0 && group_ % group == 0,
+           "internal: int8 scale groups of " << group_ << " columns cannot become groups of " << group);
+  if (group == group_) return *this;
+  Int8Weight f = *this;
+  f.group_ = group;
+  f.scales_ = scales_.repeat_interleave(group_ / group, 1).contiguous();
+  return f;
+}
+
 Int8Weight Int8Weight::to(const torch::Device& device) const {
   Int8Weight f = *this;
   f.codes_ = codes_.to(device);

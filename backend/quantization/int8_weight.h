@@ -30,6 +30,13 @@ class Int8Weight {
   // A Q8_0 weight (a GGUF's blocks: 32 int8 codes and an fp16 scale) as it stands: groups of 32, each
   // scale widened to float32, so every value dequantizes bit for bit as ggml's. On the CPU.
   static Int8Weight from_q8_0(const QuantizedWeight& q);
+  // Codes chosen elsewhere (a GGUF's symmetric blocks, backend/quantization/ggml_cuda_forms.h): int8
+  // codes [N, K] and float32 scales [N, K / group], group a multiple of 16 dividing K; the weight
+  // lives where the codes are. Each value is code x scale, as stored.
+  static Int8Weight from_codes(torch::Tensor codes, torch::Tensor scales, int64_t group, const std::string& what);
+  // The same weight with scale groups of `group` columns (a divisor of group(): each scale repeated),
+  // so that weights of different groups stack (a GGUF's Q8_0 beside its Q6_K) with every value kept.
+  Int8Weight regrouped(int64_t group) const;
   // The rows of several weights with the same columns, in order (a fused projection).
   static Int8Weight stack(const std::vector<Int8Weight>& parts);
   // The same weight on `device`.

@@ -1,5 +1,7 @@
 #include "backend/quantization/linear_weight.h"
 
+#include <algorithm>
+
 #include "backend/model/checkpoint.h"
 #include "common/check.h"
 
@@ -21,7 +23,7 @@ torch::Tensor LinearWeight::lookup(const torch::Tensor& ids, torch::Dtype dtype)
   return dense.index_select(0, ids);
 }
 
-LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
+LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts, torch::Dtype dense_dtype) {
   KV_CHECK(!parts.empty(), "internal: stacking no weights");
   bool all_quantized = true, all_fp8 = true, all_int4 = true, all_int8 = true;
   for (const LinearWeight& p : parts) {
@@ -31,8 +33,11 @@ LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
     all_int8 = all_int8 && p.is_int8();
   }
   if (all_int8) {
+    // The smallest group divides the others (16, 32, 64, 128): every part's scales repeat to it.
+    int64_t group = parts.front().int8->group();
+    for (const LinearWeight& p : parts) group = std::min(group, p.int8->group());
     std::vector<Int8Weight> fs;
-    for (const LinearWeight& p : parts) fs.push_back(*p.int8);
+    for (const LinearWeight& p : parts) fs.push_back(p.int8->regrouped(group));
     return LinearWeight(Int8Weight::stack(fs));
   }
   if (all_int4) {
@@ -47,8 +52,9 @@ LinearWeight LinearWeight::stack(const std::vector<LinearWeight>& parts) {
   }
   if (!all_quantized) {
     // A file that stores one projection in floats and another in blocks (on CUDA: a GGUF's Q8_0
-    // tensor beside dequantized ones): the fused one is dense, in the dense parts' dtype.
-    torch::Dtype dtype = torch::kFloat32;
+    // tensor beside dequantized ones, or its Q4_K tensors in int4 form beside a Q6_K one in int8
+    // form): the fused one is dense, in the dense parts' dtype.
+    torch::Dtype dtype = dense_dtype;
     for (const LinearWeight& p : parts)
       if (p.dense.defined()) dtype = p.dense.scalar_type();
     std::vector<torch::Tensor> ts;

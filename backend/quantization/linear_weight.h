@@ -56,8 +56,10 @@ struct LinearWeight {
   // Rows `ids` (int64, on the weight's device) as `dtype`: an embedding lookup.
   torch::Tensor lookup(const torch::Tensor& ids, torch::Dtype dtype) const;
   // The rows of several weights stacked in order (a fused projection): dense with dense, blocks
-  // with blocks, fp8 with fp8, int4 with int4, int8 with int8 (mixed kinds are stacked dense).
-  static LinearWeight stack(const std::vector<LinearWeight>& parts);
+  // with blocks, fp8 with fp8, int4 with int4, int8 with int8 (in the smallest of their scale
+  // groups). Mixed kinds are stacked dense: in the dense parts' dtype, or `dense_dtype` where no
+  // part is dense (on CUDA a GGUF's int4-form q_proj beside an int8-form v_proj).
+  static LinearWeight stack(const std::vector<LinearWeight>& parts, torch::Dtype dense_dtype = torch::kFloat32);
 };
 
 // y = x Wᵀ (+ b): dense() for a dense weight, QuantizedWeight::matmul for blocks, Fp8Weight::matmul,

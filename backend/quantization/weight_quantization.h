@@ -13,7 +13,7 @@ const std::vector<std::string>& weight_quantization_names();
 
 // The ggml type a CPU linear layer is quantized to: -1 for "" / none and for fp8 (not a ggml type:
 // Fp8Weight); int8 = Q8_0 (a scale per 32 weights); int4 = Q4_0 (docs/architecture.md "Quantized
-// weights" gives the measured choice); a ggml type by its name (q4_1, q5_0, q5_1, q8_0, q4_K, q5_K,
+// weights" gives the measured choice); a ggml type by its name (q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K,
 // q6_K). Throws naming `field` and the accepted values.
 int weight_quantization_ggml_type(const std::string& name, const std::string& field = "quantization");
 

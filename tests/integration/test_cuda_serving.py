@@ -196,11 +196,12 @@ def test_int8_weights_on_cuda_track_the_dense_model(tmp_path, monkeypatch):
     assert j["weights"]["format"].startswith("int8_g") and j["completion_tokens"] == 8
 
 
-def test_gguf_q8_0_tensors_keep_their_codes_on_cuda(tmp_path):
-    # The default model's Q4_1 GGUF on a GPU: its Q8_0 embedding (tied to the LM head) stays int8 codes
-    # with their fp16 scales widened (Int8Weight, groups of 32, the LM head's product on kvserve's kernel),
-    # the Q4_1 layers are dequantized. The float32 directory is that file's dequantization, so float32
-    # logits on the GPU must match it to fp32 sums.
+def test_gguf_blocks_keep_their_integers_on_cuda(tmp_path):
+    # The default model's Q4_1 GGUF on a GPU (backend/quantization/gguf_cuda_forms.h): its Q8_0
+    # embedding (tied to the LM head) stays int8 codes with their fp16 scales widened (Int8Weight,
+    # groups of 32, the LM head's product on kvserve's kernel); its Q4_1 layers become tinygemm's int4
+    # groups of 32 (the nibbles, bfloat16 scale and zero, bfloat16 activations). The float32 directory
+    # is that file's dequantization: the GPU's logits track it as bfloat16 rounding allows.
     import json
     import subprocess
     import numpy as np
@@ -218,14 +219,16 @@ def test_gguf_q8_0_tensors_keep_their_codes_on_cuda(tmp_path):
         subprocess.run([kvserve_bin(), "forward", "--model", str(model), "--device", "cuda", "--dtype", "float32",
                         "--input-ids", str(ids), "--output", str(out)], check=True, timeout=300)
         logits[name] = load_file(str(out))["logits"].astype(np.float32)
-    assert np.abs(logits["gguf"] - logits["f32"]).max() <= 1e-3 * np.abs(logits["f32"]).max()
+    assert np.abs(logits["gguf"] - logits["f32"]).max() <= 0.1 * np.abs(logits["f32"]).max()
+    assert (logits["gguf"].argmax(-1) == logits["f32"].argmax(-1)).mean() >= 0.75
     gen = subprocess.run([kvserve_bin(), "generate", "--model", str(gguf), "--device", "cuda", "--dtype", "bfloat16",
                           "--prompt", PROMPT, "--max-tokens", "8", "--json"],
                          capture_output=True, text=True, timeout=300, check=True)
     j = json.loads(gen.stdout.strip().splitlines()[-1])
-    assert "int8_g32" in j["weights"]["format"] and j["completion_tokens"] == 8, j["weights"]
-    # The load says which blocks it widened, and to what.
-    assert "its q4_1 linear tensors are dequantized to bfloat16" in gen.stderr, gen.stderr[-2000:]
+    fmt = j["weights"]["format"]
+    assert "int8_g32" in fmt and "int4_g32" in fmt and j["completion_tokens"] == 8, j["weights"]
+    # Nothing of the file is widened to bfloat16.
+    assert "dequantized" not in gen.stderr, gen.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4", "q4_1"])

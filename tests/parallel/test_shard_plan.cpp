@@ -162,7 +162,7 @@ TEST(ShardPlan, Llama70bTp8OneKvHeadPerRank) {
 // TP=16 > 8 KV heads: each rank holds one KV head (replicated twice), so KV per GPU does not
 // shrink below TP=8's, while the query heads (4 per rank) and MLP still split 16 ways.
 // Quantized weights (a GGUF's or --quantization's block format): bytes = params x bits / 8, rounded
-// up, and what they free goes to the KV cache. TP 8 of Llama-3-70B at q4_k (4.5 bits):
+// up, and what they free goes to the KV cache. TP 8 of Llama-3-70B at 4.5 bits a weight (ggml's Q4_K):
 // 8,820,367,360 params -> 4,961,456,640 bytes, against 17,640,734,720 in bf16.
 TEST(ShardPlan, QuantizedWeightsCountTheirBitsAndLeaveTheRestToKv) {
   PlanOptions o = opts(8, 1, 32768);
@@ -178,7 +178,7 @@ TEST(ShardPlan, QuantizedWeightsCountTheirBitsAndLeaveTheRestToKv) {
   EXPECT_EQ(b.kv_capacity_bytes - a.kv_capacity_bytes, a.weight_bytes - b.weight_bytes);
   EXPECT_EQ(q4.policies[0].max_seqs, (77309411328 - 4961456640) / 1342177280);  // 53 full 32K sequences, not 44
   EXPECT_EQ(bf16.policies[0].max_seqs, 44);
-  o.weight_bits = 8.5;  // q8_0: 34 bytes per 32 weights
+  o.weight_bits = 8.5;  // 34 bytes per 32 weights (ggml's Q8_0)
   EXPECT_EQ(make_shard_plan(llama3_70b(), o, full_and("pyramidkv", "128")).stages.at(0).weight_bytes, 9371640320);
 }
 

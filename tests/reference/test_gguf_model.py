@@ -357,23 +357,28 @@ def test_a_gguf_tokenizer_kvserve_does_not_build_is_named(tmp_path):
 
 
 def test_plan_counts_quantized_weight_bytes():
-    """`kvserve plan --dtype q4_1` (the default GGUF's format), `q8_0` and `int8` (a GPU's int8 groups
-    of 128 with a float32 scale): the weights' bytes at the format's bits per weight, scales included,
-    and the KV cache takes the rest of the memory in bfloat16 (the compute dtype of quantized weights
-    on a GPU)."""
+    """`kvserve plan --dtype q4_1` (the default GGUF's format), `q8_0`, `q6_k` and `int8` (a GPU's int8
+    groups of 128 with a float32 scale): the weights' bytes at the bits per weight of their CUDA form
+    (gguf_cuda_forms.h: int4 with a bfloat16 scale and zero per 32, int8 codes with a float32 scale
+    per 32 or 16), scales included, and the KV cache takes the rest of the memory in bfloat16 (the
+    compute dtype of quantized weights on a GPU). q5_k, which a GPU dequantizes, counts 16 bits."""
     cfg = str(default_model_dir() / "config.json")
 
     def plan(dtype):
         return json.loads(run_kvserve("plan", "--model-config", cfg, "--gpu-memory", "1GiB", "--context", "4096",
                                       "--dtype", dtype, "--json").stdout)
-    bf16, q41, q80, i8 = plan("bfloat16"), plan("q4_1"), plan("q8_0"), plan("int8")
+    bf16, q41, q80, q6k, i8 = plan("bfloat16"), plan("q4_1"), plan("q8_0"), plan("q6_k"), plan("int8")
     params = bf16["stages"][0]["weight_params_per_gpu"]
-    assert q41["weight_bits"] == 5.0 and q80["weight_bits"] == 8.5 and bf16["weight_bits"] == 16.0
-    assert i8["weight_bits"] == 8.25
+    assert q41["weight_bits"] == 5.0 and q80["weight_bits"] == 9.0 and q6k["weight_bits"] == 10.0
+    assert bf16["weight_bits"] == 16.0 and i8["weight_bits"] == 8.25
     assert q41["stages"][0]["weight_bytes_per_gpu"] == -(-params * 5 // 8)
-    assert q80["stages"][0]["weight_bytes_per_gpu"] == -(-params * 17 // 16)
+    assert q80["stages"][0]["weight_bytes_per_gpu"] == -(-params * 9 // 8)
+    assert q6k["stages"][0]["weight_bytes_per_gpu"] == -(-params * 10 // 8)
     assert i8["stages"][0]["weight_bytes_per_gpu"] == -(-params * 33 // 32)
-    for p in (q41, q80, i8):
+    q5k = run_kvserve("plan", "--model-config", cfg, "--gpu-memory", "1GiB", "--context", "4096", "--dtype", "q5_k", "--json")
+    assert json.loads(q5k.stdout)["stages"][0]["weight_bytes_per_gpu"] == params * 2
+    assert "dequantizes q5_k tensors to bfloat16" in q5k.stderr
+    for p in (q41, q80, q6k, i8):
         assert p["stages"][0]["kv_bytes_per_token"] == bf16["stages"][0]["kv_bytes_per_token"]
         assert p["policies"][0]["max_seqs"] > bf16["policies"][0]["max_seqs"]
 
