@@ -1,6 +1,5 @@
 // `kvserve plan`: per-GPU weight bytes, KV bytes per sequence per shard and the maximum concurrent
 // sequences of a model split over TP x PP GPUs, for `full` and a chosen policy (parallel/shard_plan.h).
-#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -47,13 +46,14 @@ int64_t dtype_bytes(const std::string& d) {
 
 // Quantized weights as a GPU holds them, bits per weight with their scales: --quantization int8 (codes
 // with a float32 scale per 128) and int4 (tinygemm: a bf16 scale and zero per 128), and a GGUF's block
-// types in their CUDA forms (backend/quantization/gguf_cuda_forms.h): q8_0, q5_0 as int8 codes with a
-// float32 scale per 32 (9 bits), q6_k per 16 (10), q4_0 / q4_1 / q4_k as int4 with a bf16 scale and zero
-// per 32 (5). 0 for a plain dtype; -1 for the block types a GPU dequantizes to the compute dtype.
+// types in their CUDA forms (backend/quantization/gguf_cuda_forms.h): int8 codes with a float32 scale per
+// 32 values (q8_0, q5_0: 9 bits) or 16 (q3_k, q6_k: 10), and an offset besides where the type is
+// affine (q5_1, q5_k: 10; q2_k: 12); q4_0 / q4_1 / q4_k as int4 with a bf16 scale and zero per 32 (5).
+// 0 for a plain dtype.
 double quantized_weight_bits(const std::string& d) {
   static const std::map<std::string, double> bits = {
-      {"int8", 8.25}, {"q8_0", 9.0}, {"int4", 4.25}, {"q4_0", 5.0}, {"q4_1", 5.0}, {"q5_0", 9.0},
-      {"q5_1", -1},   {"q2_k", -1},  {"q3_k", -1},   {"q4_k", 5.0}, {"q5_k", -1},  {"q6_k", 10.0}};
+      {"int8", 8.25}, {"q8_0", 9.0},  {"int4", 4.25}, {"q4_0", 5.0}, {"q4_1", 5.0},  {"q5_0", 9.0},
+      {"q5_1", 10.0}, {"q2_k", 12.0}, {"q3_k", 10.0}, {"q4_k", 5.0}, {"q5_k", 10.0}, {"q6_k", 10.0}};
   const auto it = bits.find(d);
   return it == bits.end() ? 0.0 : it->second;
 }
@@ -146,11 +146,9 @@ void run_plan(const PlanArgs& a) {
   o.reserve_fraction = a.reserve;
   o.block_size = a.block_size;
   o.layer_windows = mc.layer_windows;
-  const double bits = quantized_weight_bits(a.dtype);
-  if (bits < 0) std::cerr << "plan: a GPU dequantizes " << a.dtype << " tensors to bfloat16 at load; counted so\n";
-  o.weight_bits = std::max(0.0, bits);
+  o.weight_bits = quantized_weight_bits(a.dtype);
   // Quantized weights compute in bfloat16 on a GPU (their KV cache's "auto" dtype).
-  const std::string compute = bits != 0 ? "bfloat16" : a.dtype;
+  const std::string compute = o.weight_bits > 0 ? "bfloat16" : a.dtype;
   o.weight_dtype_bytes = dtype_bytes(compute);
   // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
   const std::string kv = a.kv_dtype.empty() || a.kv_dtype == "auto" ? compute : a.kv_dtype;
@@ -199,8 +197,8 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
   cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
   cmd->add_option("--dtype", a->dtype, "weights: bfloat16, float16, float32, fp8, a GPU's groups of 128: int8 (8.25 bits), "
-                  "int4 (tinygemm, 4.25 bits), or a GGUF's block type as a GPU holds it: q8_0, q5_0 (9 bits), q6_k (10), "
-                  "q4_0, q4_1, q4_k (5), q5_1, q5_k, q2_k, q3_k (dequantized: bfloat16)")->capture_default_str();
+                  "int4 (tinygemm, 4.25 bits), or a GGUF's block type as a GPU holds it: q4_0, q4_1, q4_k (5 bits), "
+                  "q8_0, q5_0 (9), q5_1, q5_k, q3_k, q6_k (10), q2_k (12)")->capture_default_str();
   cmd->add_option("--kv-dtype", a->kv_dtype, "KV cache dtype: auto (= --dtype, the default), bfloat16, float16, float32, fp8, int8 (q8_0), "
                   "int4 (q4_0), q4_1");
   cmd->add_option("--gpu-reserve-fraction", a->reserve, "fraction of GPU memory kept for activations/workspace")

@@ -67,9 +67,10 @@ class GgufSource final : public WeightSource {
     const std::string g = checked(name, shape);
     const int type = f_.tensor_type(g);
     // On CUDA the types with a CUDA form keep their integers (gguf_cuda_forms.h: Q4_0, Q4_1 and Q4_K
-    // as int4 where tinygemm runs, Q5_0, Q6_K and Q8_0 as int8); the others are dequantized there.
+    // as int4 where tinygemm runs, the other legacy and K-quant types as int8); the i-quants are
+    // dequantized there.
     // An embedding is read a few rows at a time, which tinygemm's tiles of 8 rows cannot do: in a
-    // 4-bit type it is dequantized (Q8_0, Q5_0 and Q6_K ones read their rows' codes).
+    // 4-bit type it is dequantized (the int8 forms read their rows' codes).
     const GgufCudaForm form = gguf_cuda_form(type);
     const bool embedding = name == "model.embed_tokens.weight";
     const bool cuda_form = device.is_cuda() && form != GgufCudaForm::kNone &&

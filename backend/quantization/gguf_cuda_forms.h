@@ -1,9 +1,9 @@
 #pragma once
 // The forms a GGUF's ggml blocks take on a CUDA device, where ggml's CPU kernels do not run: the
 // 4-bit types (Q4_0, Q4_1, Q4_K) as Int4Weight (tinygemm: a bfloat16 scale and zero per 32 values),
-// the symmetric wider ones (Q5_0, Q6_K, Q8_0) as Int8Weight (their integers as int8 codes, a
-// float32 scale per 32 or 16 values, every value as ggml computes it). The other types are
-// dequantized at load (weight_source.cpp says which).
+// the others (Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q5_K, Q6_K) as Int8Weight (their integers as int8 codes,
+// a float32 scale per 32 or 16 values and, for the affine ones, a float32 offset: every value as
+// ggml computes it). The i-quants are dequantized at load (weight_source.cpp says so).
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -15,7 +15,8 @@
 
 namespace kvserve {
 
-// Which CUDA form a ggml type takes: none (dequantized), int4 or int8.
+// Which CUDA form a ggml type takes: none (dequantized: F16 / BF16 / F32 are dense anyway, the
+// i-quants), int4 or int8.
 enum class GgufCudaForm { kNone, kInt4, kInt8 };
 GgufCudaForm gguf_cuda_form(int ggml_type);
 
@@ -29,8 +30,8 @@ struct GgufGroups {
   int64_t group = 0;
   int code_min = 0;      // the type's least code (4-bit types: code - code_min is the 0..15 nibble)
 };
-// Decodes a single-type weight of Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K on the CPU; throws naming
-// `what` for another type.
+// Decodes a single-type weight of one of the types above on the CPU; throws naming `what` for
+// another type.
 GgufGroups gguf_groups(const QuantizedWeight& q, const std::string& what);
 
 // The weight in its CUDA form on `device` (a CUDA device, or the CPU for the tests' reference

@@ -84,7 +84,8 @@ Int8Weight Int8Weight::from_q8_0(const QuantizedWeight& q) {
   return f;
 }
 
-Int8Weight Int8Weight::from_codes(torch::Tensor codes, torch::Tensor scales, int64_t group, const std::string& what) {
+Int8Weight Int8Weight::from_codes(torch::Tensor codes, torch::Tensor scales, int64_t group, const std::string& what,
+                                  torch::Tensor offsets) {
   KV_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8, what << ": int8 codes must be an int8 matrix, got "
                                                                          << codes.sizes() << " " << codes.scalar_type());
   const int64_t N = codes.size(0), K = codes.size(1);
@@ -94,10 +95,14 @@ Int8Weight Int8Weight::from_codes(torch::Tensor codes, torch::Tensor scales, int
   KV_CHECK(scales.sizes() == torch::IntArrayRef({N, K / group}) && scales.scalar_type() == torch::kFloat32,
            what << ": int8 scales must be float32 [" << N << ", " << K / group << "], got " << scales.sizes() << " "
                 << scales.scalar_type());
+  KV_CHECK(!offsets.defined() || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == torch::kFloat32),
+           what << ": int8 offsets must be float32 " << scales.sizes() << ", got " << offsets.sizes() << " "
+                << offsets.scalar_type());
   Int8Weight f;
   f.group_ = group;
   f.codes_ = codes.contiguous();
   f.scales_ = scales.to(codes.device()).contiguous();
+  if (offsets.defined()) f.offsets_ = offsets.to(codes.device()).contiguous();
   return f;
 }
 
@@ -108,6 +113,7 @@ Int8Weight Int8Weight::regrouped(int64_t group) const {
   Int8Weight f = *this;
   f.group_ = group;
   f.scales_ = scales_.repeat_interleave(group_ / group, 1).contiguous();
+  if (offsets_.defined()) f.offsets_ = offsets_.repeat_interleave(group_ / group, 1).contiguous();
   return f;
 }
 
@@ -115,40 +121,52 @@ Int8Weight Int8Weight::to(const torch::Device& device) const {
   Int8Weight f = *this;
   f.codes_ = codes_.to(device);
   f.scales_ = scales_.to(device);
+  if (offsets_.defined()) f.offsets_ = offsets_.to(device);
   return f;
 }
 
 Int8Weight Int8Weight::stack(const std::vector<Int8Weight>& parts) {
   KV_CHECK(!parts.empty(), "internal: stacking no int8 weights");
   if (parts.size() == 1) return parts.front();
-  std::vector<torch::Tensor> cs, ss;
+  std::vector<torch::Tensor> cs, ss, os;
+  bool affine = false;
   for (const Int8Weight& p : parts) {
     KV_CHECK(p.cols() == parts.front().cols() && p.group_ == parts.front().group_,
              "internal: stacking int8 weights of " << p.cols() << " columns in groups of " << p.group_ << " and "
                                                    << parts.front().cols() << " in groups of " << parts.front().group_);
     cs.push_back(p.codes_);
     ss.push_back(p.scales_);
+    affine = affine || p.offsets_.defined();
   }
   Int8Weight f;
   f.group_ = parts.front().group_;
   f.codes_ = torch::cat(cs);
   f.scales_ = torch::cat(ss);
+  if (affine) {  // a symmetric part's offsets are zero
+    for (const Int8Weight& p : parts) os.push_back(p.offsets_.defined() ? p.offsets_ : torch::zeros_like(p.scales_));
+    f.offsets_ = torch::cat(os);
+  }
   return f;
 }
 
 namespace {
-// codes [n, K] times their scales [n, K / group], in fp32 (fp64 when asked for: exact) and then `dtype`.
-torch::Tensor expand(const torch::Tensor& codes, const torch::Tensor& scales, int64_t group, torch::Dtype dtype) {
+// codes [n, K] times their scales [n, K / group], plus the offsets where there are any, in fp32 (fp64
+// when asked for: exact) and then `dtype`.
+torch::Tensor expand(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& offsets,
+                     int64_t group, torch::Dtype dtype) {
   const int64_t n = codes.size(0), K = codes.size(1);
   const auto work = dtype == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
-  return (codes.to(work).view({n, K / group, group}) * scales.to(work).unsqueeze(2)).view({n, K}).to(dtype);
+  auto v = codes.to(work).view({n, K / group, group}) * scales.to(work).unsqueeze(2);
+  if (offsets.defined()) v = v + offsets.to(work).unsqueeze(2);
+  return v.view({n, K}).to(dtype);
 }
 }  // namespace
 
-torch::Tensor Int8Weight::dequantize(torch::Dtype dtype) const { return expand(codes_, scales_, group_, dtype); }
+torch::Tensor Int8Weight::dequantize(torch::Dtype dtype) const { return expand(codes_, scales_, offsets_, group_, dtype); }
 
 torch::Tensor Int8Weight::dequantize_rows(const torch::Tensor& ids, torch::Dtype dtype) const {
-  return expand(codes_.index_select(0, ids), scales_.index_select(0, ids), group_, dtype);
+  return expand(codes_.index_select(0, ids), scales_.index_select(0, ids),
+                offsets_.defined() ? offsets_.index_select(0, ids) : torch::Tensor(), group_, dtype);
 }
 
 torch::Tensor Int8Weight::matmul(const torch::Tensor& x, const torch::Tensor& b) const {
@@ -160,7 +178,15 @@ torch::Tensor Int8Weight::matmul(const torch::Tensor& x, const torch::Tensor& b)
   torch::Tensor y;
 #ifdef KVSERVE_HAVE_CUDA_KERNELS
   const int64_t most = dense_rows();
-  if (x.is_cuda() && x2.size(0) > 0 && (most <= 0 || x2.size(0) <= most)) y = kernel_product(x2, codes_, scales_, group_);
+  if (x.is_cuda() && x2.size(0) > 0 && (most <= 0 || x2.size(0) <= most)) {
+    y = kernel_product(x2, codes_, scales_, group_);
+    // An affine weight: each output gains sum over groups of (x's sum over the group) x offset, one
+    // small GEMM in fp32 (K / group columns).
+    if (offsets_.defined()) {
+      const auto sums = x2.to(torch::kFloat32).view({x2.size(0), K / group_, group_}).sum(2);
+      y = y.to(torch::kFloat32).add_(torch::matmul(sums, offsets_.t())).to(x2.scalar_type());
+    }
+  }
 #endif
   // Prefill (and the CPU's reference): one GEMM over the expanded weight in x's dtype.
   if (!y.defined()) {
@@ -176,13 +202,18 @@ namespace {
 // How far products of `M` rows land outside what `dtype` allows against fp64 over the stored codes
 // (<= 0 when inside): the output's rounding, and, where the weight is expanded to `dtype` for a GEMM,
 // each weight's rounding, bounded together by a unit of `dtype` times sum |x| |w|.
-double probe_excess(const torch::Device& device, int64_t M, torch::Dtype dtype) {
+// An affine weight (offsets per group, as a GGUF's Q5_K becomes) is probed with `affine`.
+double probe_excess(const torch::Device& device, int64_t M, torch::Dtype dtype, bool affine) {
   // A generator of its own: the probe leaves the global random state alone.
   auto gen = at::make_generator<at::CPUGeneratorImpl>(0);
   const int64_t N = 72, K = 384;  // N not a multiple of the kernel's 8 rows a block; K of 128 but not of 512
   const auto w = torch::randn({N, K}, gen).to(device);
   const auto x = torch::randn({M, K}, gen).to(dtype).to(device);
-  const Int8Weight f = Int8Weight::quantize(w, "int8 probe");
+  Int8Weight f = Int8Weight::quantize(w, "int8 probe");
+  if (affine) {
+    f = Int8Weight::from_codes(f.codes(), f.scales(), f.group(), "int8 probe",
+                               torch::randn(f.scales().sizes(), gen).to(device));
+  }
   const auto y = f.matmul(x).to(torch::kFloat64).cpu();
   const auto x64 = x.to(torch::kFloat64).cpu(), w64 = f.dequantize(torch::kFloat64).cpu();
   const auto ref = torch::matmul(x64, w64.t());
@@ -197,9 +228,12 @@ void Int8Weight::check_device(const torch::Device& device) {
   for (const torch::Dtype dtype : {torch::kBFloat16, torch::kFloat16, torch::kFloat32}) {
     for (const int64_t M : {int64_t{1}, int64_t{3}, int64_t{11}, dense_rows() + 1}) {
       if (M <= 0) continue;
-      const double over = probe_excess(device, M, dtype);
-      KV_CHECK(over <= 0, "int8 weights on " << device << ": a product of " << M << " " << dtype
-                                             << " rows is off by " << over << " beyond fp32 sums (a kernel mismatch)");
+      for (const bool affine : {false, true}) {
+        const double over = probe_excess(device, M, dtype, affine);
+        KV_CHECK(over <= 0, "int8 weights on " << device << ": a product of " << M << " " << dtype << " rows"
+                                               << (affine ? " with offsets" : "") << " is off by " << over
+                                               << " beyond fp32 sums (a kernel mismatch)");
+      }
     }
   }
 }

@@ -18,8 +18,15 @@
 namespace kvserve {
 namespace {
 
-const std::vector<int> kFormTypes{GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
-                                  GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K};
+const std::vector<int> kFormTypes{GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0,
+                                  GGML_TYPE_Q2_K, GGML_TYPE_Q3_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K};
+bool affine(int type) {
+  return type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q4_K ||
+         type == GGML_TYPE_Q5_K;
+}
+int64_t group_of(int type) {
+  return type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_Q2_K ? 16 : 32;
+}
 
 std::string name_of(int type) { return ggml_type_name(static_cast<ggml_type>(type)); }
 
@@ -44,30 +51,45 @@ TEST(GgufCudaForms, GroupsGiveGgmlsDequantizedValuesBitForBit) {
   for (int type : kFormTypes) {
     const QuantizedWeight q = QuantizedWeight::quantize(weights(16, 512, 7), type, "w");
     const GgufGroups g = gguf_groups(q, "w");
-    const int64_t group = type == GGML_TYPE_Q6_K ? 16 : 32;
+    const int64_t group = group_of(type);
     ASSERT_EQ(g.group, group) << name_of(type);
     ASSERT_EQ(g.codes.sizes(), (std::vector<int64_t>{16, 512})) << name_of(type);
     ASSERT_EQ(g.scale.sizes(), (std::vector<int64_t>{16, 512 / group})) << name_of(type);
     EXPECT_TRUE(torch::equal(rebuilt(g), q.dequantize())) << name_of(type);
     // The codes are the type's integers: 4-bit types' nibbles start at code_min.
     const auto u = g.codes.to(torch::kInt32) - g.code_min;
-    const int top = type == GGML_TYPE_Q8_0 ? 255 : type == GGML_TYPE_Q6_K ? 63 : type == GGML_TYPE_Q5_0 ? 31 : 15;
+    const int top = type == GGML_TYPE_Q8_0   ? 255
+                    : type == GGML_TYPE_Q6_K ? 63
+                    : type == GGML_TYPE_Q5_0 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K ? 31
+                    : type == GGML_TYPE_Q3_K ? 7
+                    : type == GGML_TYPE_Q2_K ? 3
+                                             : 15;
     EXPECT_GE(u.min().item<int>(), 0) << name_of(type);
     EXPECT_LE(u.max().item<int>(), top) << name_of(type);
-    const bool affine = type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q4_K;
-    EXPECT_EQ(g.offset.abs().max().item<float>() > 0, affine) << name_of(type);
+    EXPECT_EQ(u.max().item<int>() > top / 2, true) << name_of(type);  // the codes use their range
+    EXPECT_EQ(g.offset.abs().max().item<float>() > 0, affine(type)) << name_of(type);
   }
 }
 
+// Every value as ggml's, the products over them equal fp64's to fp32 sums (the CPU's expansion; a
+// CUDA device's kernel in ProductsOnCuda...), and rows looked up as the weight holds them.
 TEST(GgufCudaForms, Int8FormsKeepEveryValue) {
-  for (int type : {GGML_TYPE_Q5_0, GGML_TYPE_Q8_0, GGML_TYPE_Q6_K}) {
+  for (int type : kFormTypes) {
+    if (gguf_cuda_form(type) != GgufCudaForm::kInt8) continue;
     const QuantizedWeight q = QuantizedWeight::quantize(weights(24, 768, 8), type, "w");
     const auto w = gguf_cuda_weight(q, torch::kCPU, "w");
     ASSERT_TRUE(w.has_value() && w->is_int8()) << name_of(type);
-    EXPECT_EQ(w->int8->group(), type == GGML_TYPE_Q6_K ? 16 : 32) << name_of(type);
+    const int64_t group = group_of(type);
+    EXPECT_EQ(w->int8->group(), group) << name_of(type);
+    EXPECT_EQ(w->int8->offsets().defined(), affine(type)) << name_of(type);
     EXPECT_TRUE(torch::equal(w->int8->dequantize(torch::kFloat32), q.dequantize())) << name_of(type);
-    // 8 bits a value and a float32 scale per group: 9 or 10 bits, against 16 for bfloat16.
-    EXPECT_EQ(w->bytes(), 24 * 768 + 24 * (768 / w->int8->group()) * 4) << name_of(type);
+    const auto ids = torch::tensor({5, 0, 23}, torch::kInt64);
+    EXPECT_TRUE(torch::equal(w->lookup(ids, torch::kFloat32), q.dequantize().index_select(0, ids))) << name_of(type);
+    const auto x = torch::randn({4, 768});
+    const auto ref = torch::matmul(x.to(torch::kFloat64), q.dequantize().to(torch::kFloat64).t());
+    EXPECT_TRUE(torch::allclose(linear(x, *w).to(torch::kFloat64), ref, 1e-4, 1e-4)) << name_of(type);
+    // 8 bits a value, a float32 scale per group and an offset where affine: 9 to 12 bits, against 16.
+    EXPECT_EQ(w->bytes(), 24 * 768 + 24 * (768 / group) * 4 * (affine(type) ? 2 : 1)) << name_of(type);
   }
 }
 
@@ -123,8 +145,9 @@ TEST(GgufCudaForms, MixedFormsStackWithEveryValueKept) {
 }
 
 TEST(GgufCudaForms, OtherTypesAndShapesAreLeftToDequantization) {
-  for (int type : {GGML_TYPE_Q5_1, GGML_TYPE_Q5_K, GGML_TYPE_Q2_K, GGML_TYPE_Q3_K}) {
+  for (int type : {GGML_TYPE_IQ4_NL, GGML_TYPE_IQ2_XS, GGML_TYPE_F16, GGML_TYPE_BF16})
     EXPECT_EQ(gguf_cuda_form(type), GgufCudaForm::kNone) << name_of(type);
+  for (int type : {GGML_TYPE_F16, GGML_TYPE_BF16}) {
     const QuantizedWeight q = QuantizedWeight::quantize(weights(16, 256, 13), type, "w");
     EXPECT_FALSE(gguf_cuda_weight(q, torch::kCPU, "w").has_value()) << name_of(type);
     try {
