@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "cache_manager/kv_slabs.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -16,15 +17,45 @@ BlockAllocator::BlockAllocator(int64_t num_blocks) {
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
 }
 
+BlockAllocator::BlockAllocator(std::shared_ptr<KvSlabs> slabs, int64_t per_slab)
+    : slabs_(std::move(slabs)), per_slab_(per_slab) {
+  KV_CHECK(slabs_ && per_slab > 0, "block allocator on a shared storage needs the storage and blocks per slab");
+  const int64_t n = slabs_->num_slabs() * per_slab;
+  KV_CHECK(n <= std::numeric_limits<int32_t>::max(), "block count " << n << " out of range");
+  refcount_.assign(static_cast<size_t>(n), 0);
+  slab_used_.assign(static_cast<size_t>(slabs_->num_slabs()), 0);
+  client_ = slabs_->join();
+}
+
+BlockAllocator::~BlockAllocator() {
+  if (!slabs_) return;
+  for (size_t s = 0; s < slab_used_.size(); ++s) {
+    if (slabs_->holder(static_cast<int32_t>(s)) == client_) slabs_->give(static_cast<int32_t>(s), client_);
+  }
+}
+
+int64_t BlockAllocator::free_blocks() const {
+  return static_cast<int64_t>(free_.size()) + (slabs_ ? slabs_->free_slabs() * per_slab_ : 0);
+}
+
 void BlockAllocator::check_id(int32_t block) const {
   KV_CHECK(block >= 0 && block < total_blocks(), "block id " << block << " out of range [0, " << total_blocks() << ")");
 }
 
+void BlockAllocator::take_slab(int64_t need) {
+  const int32_t s = slabs_ ? slabs_->take(client_) : -1;
+  KV_CHECK(s >= 0, "KV pool exhausted: need " << need << " blocks, " << free_blocks() << " free");
+  // Highest first, so the slab's blocks come off the LIFO in ascending order.
+  for (int64_t b = (int64_t{s} + 1) * per_slab_ - 1; b >= int64_t{s} * per_slab_; --b) free_.push_back(static_cast<int32_t>(b));
+}
+
 int32_t BlockAllocator::allocate() {
-  KV_CHECK(!free_.empty(), "KV pool exhausted: need 1 blocks, 0 free");
+  if (free_.empty()) take_slab(1);
   const int32_t b = free_.back();
   free_.pop_back();
   refcount_[b] = 1;
+  ++used_;
+  if (slabs_) ++slab_used_[static_cast<size_t>(b / per_slab_)];
   high_water_ = std::max(high_water_, used_blocks());
   return b;
 }
@@ -32,10 +63,15 @@ int32_t BlockAllocator::allocate() {
 std::vector<int32_t> BlockAllocator::allocate(int64_t n) {
   KV_CHECK(n >= 0, "negative block count " << n);
   KV_CHECK(n <= free_blocks(), "KV pool exhausted: need " << n << " blocks, " << free_blocks() << " free");
+  while (static_cast<int64_t>(free_.size()) < n) take_slab(n);
   std::vector<int32_t> out(free_.end() - n, free_.end());
   std::reverse(out.begin(), out.end());  // keep ascending order for a fresh pool
   free_.resize(free_.size() - static_cast<size_t>(n));
-  for (int32_t b : out) refcount_[b] = 1;
+  for (int32_t b : out) {
+    refcount_[b] = 1;
+    if (slabs_) ++slab_used_[static_cast<size_t>(b / per_slab_)];
+  }
+  used_ += n;
   high_water_ = std::max(high_water_, used_blocks());
   return out;
 }
@@ -49,11 +85,18 @@ void BlockAllocator::incref(int32_t block) {
 bool BlockAllocator::decref(int32_t block) {
   check_id(block);
   KV_CHECK(refcount_[block] > 0, "decref of free block " << block << " (double free)");
-  if (--refcount_[block] == 0) {
-    free_.push_back(block);
-    return true;
+  if (--refcount_[block] != 0) return false;
+  free_.push_back(block);
+  --used_;
+  if (slabs_) {
+    const int32_t s = static_cast<int32_t>(block / per_slab_);
+    if (--slab_used_[static_cast<size_t>(s)] == 0) {
+      // The slab holds nothing of ours any more: its bytes go back to the storage for any format.
+      std::erase_if(free_, [&](int32_t b) { return b / per_slab_ == s; });
+      slabs_->give(s, client_);
+    }
   }
-  return false;
+  return true;
 }
 
 int32_t BlockAllocator::refcount(int32_t block) const {
@@ -62,12 +105,12 @@ int32_t BlockAllocator::refcount(int32_t block) const {
 }
 
 void BlockAllocator::check_invariants() const {
-  int64_t zero = 0;
+  int64_t used = 0;
   for (int32_t r : refcount_) {
     KV_CHECK(r >= 0, "negative refcount");
-    zero += (r == 0);
+    used += (r > 0);
   }
-  KV_CHECK(zero == free_blocks(), "free list has " << free_blocks() << " blocks but " << zero << " have refcount 0");
+  KV_CHECK(used == used_, used << " blocks have a refcount but " << used_ << " are counted used");
   std::vector<char> seen(refcount_.size(), 0);
   for (int32_t b : free_) {
     check_id(b);
@@ -75,7 +118,23 @@ void BlockAllocator::check_invariants() const {
     KV_CHECK(!seen[b], "block " << b << " twice in the free list");
     seen[b] = 1;
   }
-  KV_CHECK(used_blocks() + free_blocks() == total_blocks(), "used + free != total");
+  if (!slabs_) {
+    KV_CHECK(used_blocks() + free_blocks() == total_blocks(), "used + free != total");
+  } else {
+    // A slab is ours exactly while some block of it is used; then every unused block of it is free.
+    for (int64_t s = 0; s < static_cast<int64_t>(slab_used_.size()); ++s) {
+      int64_t in_use = 0, in_free = 0;
+      for (int64_t b = s * per_slab_; b < (s + 1) * per_slab_; ++b) {
+        in_use += refcount_[static_cast<size_t>(b)] > 0;
+        in_free += seen[static_cast<size_t>(b)];
+      }
+      const bool ours = slabs_->holder(static_cast<int32_t>(s)) == client_;
+      KV_CHECK(in_use == slab_used_[static_cast<size_t>(s)], "slab " << s << " counts " << slab_used_[static_cast<size_t>(s)]
+                                                                    << " used blocks, holds " << in_use);
+      KV_CHECK(ours == (in_use > 0), "slab " << s << (ours ? " held with no block in use" : " not held but in use"));
+      KV_CHECK(in_free == (ours ? per_slab_ - in_use : 0), "slab " << s << ": " << in_free << " of its blocks on the free list");
+    }
+  }
   KV_CHECK(high_water_ >= used_blocks(), "high-water mark below current usage");
 }
 

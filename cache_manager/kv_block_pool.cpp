@@ -49,22 +49,48 @@ int64_t KvBlockPool::resolve_num_blocks(const KvPoolOptions& o) {
   return n;
 }
 
+namespace {
+void check_pool_dtype(const KvPoolOptions& o) {
+  KV_CHECK(o.dtype == torch::kFloat32 || o.dtype == torch::kBFloat16 || o.dtype == torch::kFloat16,
+           "KV pool dtype must be float32, bfloat16 or float16, got " << o.dtype);
+}
+}  // namespace
+
+std::vector<int64_t> KvBlockPool::shape_of(int64_t n) const {
+  const KvPoolOptions& o = options_;
+  const int64_t row = o.quant != KvQuant::none ? kv_quant_row_bytes(o.quant, o.head_dim) : o.head_dim;
+  return {n, 2, o.num_kv_heads, o.block_size, row};
+}
+
 KvBlockPool::KvBlockPool(const KvPoolOptions& options) : options_(options) {
-  KV_CHECK(options.dtype == torch::kFloat32 || options.dtype == torch::kBFloat16 || options.dtype == torch::kFloat16,
-           "KV pool dtype must be float32, bfloat16 or float16, got " << options.dtype);
+  check_pool_dtype(options);
   num_blocks_ = resolve_num_blocks(options);
   block_bytes_ = bytes_per_block(options.num_kv_heads, options.block_size, options.head_dim, options.dtype, options.quant);
-  const int64_t row = options.quant != KvQuant::none ? kv_quant_row_bytes(options.quant, options.head_dim) : options.head_dim;
-  const std::vector<int64_t> shape = {num_blocks_, 2, options.num_kv_heads, options.block_size, row};
+  const std::vector<int64_t> shape = shape_of(num_blocks_);
   const auto topts = torch::TensorOptions().dtype(storage_dtype()).device(options.device);
   if (options.device.is_cpu()) {
-    storage_ = allocate_host(shape, topts, total_bytes());
+    storage_ = host_storage(shape, topts, total_bytes());
   } else {
     storage_ = torch::empty(shape, topts);
   }
 }
 
-torch::Tensor KvBlockPool::allocate_host(const std::vector<int64_t>& shape, const torch::TensorOptions& topts,
+KvBlockPool::KvBlockPool(const KvPoolOptions& options, const torch::Tensor& bytes) : options_(options) {
+  check_pool_dtype(options);
+  KV_CHECK(options.num_kv_heads > 0 && options.head_dim > 0 && options.block_size > 0,
+           "KV pool needs positive num_kv_heads, head_dim and block_size");
+  check_kv_quant_head_dim(options.quant, options.head_dim, "KV pool");
+  KV_CHECK(bytes.scalar_type() == torch::kUInt8 && bytes.dim() == 1 && bytes.is_contiguous(),
+           "KV pool view: the storage must be flat contiguous bytes, got " << bytes.scalar_type() << " " << bytes.sizes());
+  KV_CHECK(bytes.device() == options.device, "KV pool view: storage on " << bytes.device() << ", pool on " << options.device);
+  block_bytes_ = bytes_per_block(options.num_kv_heads, options.block_size, options.head_dim, options.dtype, options.quant);
+  num_blocks_ = bytes.numel() / block_bytes_;
+  KV_CHECK(num_blocks_ > 0 && num_blocks_ <= std::numeric_limits<int32_t>::max(),
+           "KV pool view: " << bytes.numel() << " bytes make " << num_blocks_ << " blocks of " << block_bytes_ << " bytes");
+  storage_ = bytes.narrow(0, 0, num_blocks_ * block_bytes_).view(storage_dtype()).view(shape_of(num_blocks_));
+}
+
+torch::Tensor KvBlockPool::host_storage(const std::vector<int64_t>& shape, const torch::TensorOptions& topts,
                                          int64_t bytes) {
   // Decode reads scattered 4 KiB tiles of a pool of many GiB: with 4 KiB pages nearly every tile is a
   // TLB miss (and software prefetches may be dropped), so ask for transparent huge pages.

@@ -39,6 +39,9 @@ struct KvPoolOptions {
 class KvBlockPool {
  public:
   explicit KvBlockPool(const KvPoolOptions& options);
+  // A view of `bytes` (uint8, flat: a KvSlabs storage) as blocks of this format, as many as fit;
+  // nothing is allocated or copied, and writes through the view land in `bytes`.
+  KvBlockPool(const KvPoolOptions& options, const torch::Tensor& bytes);
 
   static int64_t bytes_per_block(int64_t num_kv_heads, int64_t block_size, int64_t head_dim, torch::ScalarType dtype,
                                  KvQuant quant = KvQuant::none);
@@ -46,6 +49,9 @@ class KvBlockPool {
   static int64_t row_bytes(int64_t head_dim, torch::ScalarType dtype, KvQuant quant);
   // How many blocks `options` asks for (resolves bytes / device fraction); throws on a zero pool.
   static int64_t resolve_num_blocks(const KvPoolOptions& options);
+
+  // Host memory for a pool of this shape: 2 MiB aligned, transparent huge pages asked for, not zeroed.
+  static torch::Tensor host_storage(const std::vector<int64_t>& shape, const torch::TensorOptions& topts, int64_t bytes);
 
   const torch::Tensor& storage() const { return storage_; }
   torch::Tensor keys() const { return storage_.select(1, 0); }    // [N, KV, bs, D] view
@@ -65,7 +71,8 @@ class KvBlockPool {
   torch::Device device() const { return options_.device; }
 
  private:
-  static torch::Tensor allocate_host(const std::vector<int64_t>& shape, const torch::TensorOptions& topts, int64_t bytes);
+  // The storage's [N, 2, KV, block_size, R] shape for n blocks.
+  std::vector<int64_t> shape_of(int64_t n) const;
   KvPoolOptions options_;
   int64_t block_bytes_ = 0;
   int64_t num_blocks_ = 0;

@@ -34,6 +34,10 @@ KvPoolOptions block_options(KvPoolOptions o) {
   if (o.head_blocks) o.num_kv_heads = 1;
   return o;
 }
+std::shared_ptr<KvSlabs> present(std::shared_ptr<KvSlabs> slabs) {
+  KV_CHECK(slabs, "KV cache on a shared storage: no storage given");
+  return slabs;
+}
 }  // namespace
 
 PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
@@ -51,6 +55,32 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
       rotates_(pool_.quantized() && kv_quant_rotation_enabled()) {
   KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
   pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
+}
+
+PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs)
+    : num_layers_(num_layers),
+      heads_(options.num_kv_heads),
+      lanes_(options.head_blocks ? options.num_kv_heads : 1),
+      head_split_(options.head_blocks),
+      heads_per_block_(options.head_blocks ? 1 : options.num_kv_heads),
+      slabs_(present(std::move(slabs))),
+      pool_(block_options(options), slabs_->storage()),
+      alloc_(slabs_, slabs_->slab_bytes() / pool_.block_bytes()),
+      kv_(pool_.num_kv_heads()),
+      bs_(options.block_size),
+      d_(options.head_dim),
+      dev_(num_layers, options.device),
+      rotates_(pool_.quantized() && kv_quant_rotation_enabled()) {
+  KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
+  KV_CHECK(slabs_->slab_bytes() % pool_.block_bytes() == 0,
+           "KV cache on a shared storage: its " << pool_.block_bytes() << "-byte blocks do not divide the "
+                                                << slabs_->slab_bytes() << "-byte slabs (a format it was not sized for)");
+  pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
+  slabs_->set_reclaimer(alloc_.slab_client(), [this](int64_t n) { reclaim_slabs(n); });
+}
+
+PagedKvCache::~PagedKvCache() {
+  if (slabs_) slabs_->set_reclaimer(alloc_.slab_client(), nullptr);
 }
 
 torch::Tensor PagedKvCache::encode(const torch::Tensor& x) const {
@@ -160,6 +190,24 @@ std::vector<int64_t> PagedKvCache::lane_lengths(const char* what, const std::vec
 }
 
 bool PagedKvCache::reclaim(int64_t need) {
+  if (reclaim_own(need) || !slabs_) return need <= alloc_.free_blocks();
+  // Short on a shared storage: the other formats' caches give up cached blocks until enough of
+  // their slabs empty (a slab returns only once none of its blocks is used).
+  const int64_t per = alloc_.blocks_per_slab();
+  const int64_t short_by = need - alloc_.free_blocks();
+  slabs_->reclaim_for(alloc_.slab_client(), slabs_->free_slabs() + (short_by + per - 1) / per);
+  return need <= alloc_.free_blocks();
+}
+
+void PagedKvCache::reclaim_slabs(int64_t slabs) {
+  while (slabs_->free_slabs() < slabs) {
+    const int64_t used = alloc_.used_blocks();
+    reclaim_own(alloc_.free_blocks() + 1);
+    if (alloc_.used_blocks() == used) return;  // nothing cached is idle any more
+  }
+}
+
+bool PagedKvCache::reclaim_own(int64_t need) {
   // Prefix-cache blocks go first: a compressed context stands for its whole compression pass.
   if (need > alloc_.free_blocks() && prefix_) prefix_->reclaim(need, alloc_);
   // Compressed contexts move to the host tier where it has room for them, else they are dropped.

@@ -17,6 +17,7 @@
 #include "cache_manager/draft_view.h"
 #include "cache_manager/host_kv_tier.h"
 #include "cache_manager/kv_block_pool.h"
+#include "cache_manager/kv_slabs.h"
 #include "cache_manager/prefix_cache.h"
 
 namespace kvserve {
@@ -40,6 +41,16 @@ struct DecodeTables {
 class PagedKvCache {
  public:
   PagedKvCache(int64_t num_layers, const KvPoolOptions& options);
+  // A cache whose blocks are carved from slabs of a storage it shares with caches of other formats
+  // (cache_manager/kv_slabs.h; `options` must be one of the formats the storage was sized for).
+  // Its pool is a view of the whole storage in its own blocks, its allocator takes slabs as it needs
+  // them, and when it is short it first reclaims its own cached blocks, then asks the other caches
+  // to reclaim theirs. The pool's size options are ignored: the storage's bytes are the budget.
+  PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs);
+  ~PagedKvCache();
+  // The shared storage's reclaimer points at this cache.
+  PagedKvCache(const PagedKvCache&) = delete;
+  PagedKvCache& operator=(const PagedKvCache&) = delete;
 
   // --- sequences -------------------------------------------------------------------------------
   void add_sequence(int64_t seq_id);  // every layer empty
@@ -155,6 +166,8 @@ class PagedKvCache {
   // Frees cached blocks no request uses (prefix cache first, then compressed contexts, which move to
   // the host tier where it has room) until `need` are free; whether they are.
   bool reclaim(int64_t need);
+  // The shared storage (null: the cache owns its pool).
+  const KvSlabs* slabs() const { return slabs_.get(); }
   // Brings a compressed context in the host tier (in use: acquired) back into pool blocks with the
   // positions it was kept at; throws the exhaustion error when the pool has no room.
   void context_to_pool(int32_t entry);
@@ -252,6 +265,10 @@ class PagedKvCache {
   std::vector<int64_t> lane_lengths(const char* what, const std::vector<int64_t>& head_lengths, int64_t n) const;
   // A [KV, ...] tensor's rows of one lane.
   torch::Tensor lane_rows(const torch::Tensor& t, int64_t lane) const { return t.narrow(0, lane * kv_, kv_); }
+  // reclaim() of this cache's own cached blocks only, and what another cache on the same storage
+  // asks of it: reclaim cached blocks until the storage has `slabs` free slabs or nothing is left.
+  bool reclaim_own(int64_t need);
+  void reclaim_slabs(int64_t slabs);
   // Takes n blocks or throws the exhaustion error naming the sequence and layer; no change on failure.
   std::vector<int32_t> take_blocks(int64_t n, int64_t seq_id, int64_t layer);
   // K or V rows [..., D] in the pool's storage form (its dtype, or quantized rows) on its device,
@@ -328,6 +345,7 @@ class PagedKvCache {
   int64_t lanes_;            // block tables per (sequence, layer)
   bool head_split_;          // KvPoolOptions::head_blocks
   int64_t heads_per_block_;  // KV heads one block holds (heads_ / lanes_)
+  std::shared_ptr<KvSlabs> slabs_;  // the storage shared with other formats' caches (null: own pool)
   KvBlockPool pool_;
   BlockAllocator alloc_;
   int64_t kv_, bs_, d_;      // kv_: heads per block (and per lane)

@@ -230,15 +230,15 @@ KvPoolOptions pool_options(bool head_blocks, torch::Device device = torch::kCPU)
   return o;
 }
 
-// A cache holding sequence 7's prompt (k, v [KV, n, D]) in every layer.
-PagedKvCache with_prompt(bool head_blocks, const torch::Tensor& k, const torch::Tensor& v,
-                         torch::Device device = torch::kCPU) {
-  PagedKvCache c(kLayers, pool_options(head_blocks, device));
+PagedKvCache fresh_cache(bool head_blocks, torch::Device device = torch::kCPU) {
+  return PagedKvCache(kLayers, pool_options(head_blocks, device));
+}
+// Makes the cache hold sequence 7's prompt (k, v [KV, n, D]) in every layer.
+void hold_prompt(PagedKvCache& c, const torch::Tensor& k, const torch::Tensor& v) {
   c.add_sequence(7);
   const int64_t n = k.size(1);
   const auto pos = torch::arange(n, torch::kLong).view({1, n}).expand({kKV, n}).contiguous();
   for (int64_t l = 0; l < kLayers; ++l) c.write(7, l, k, v, pos);
-  return c;
 }
 
 class VerifyStep : public ::testing::TestWithParam<bool> {};
@@ -250,7 +250,8 @@ TEST_P(VerifyStep, RowsOfOneSequenceAttendCausallyAndRejectedRowsGoBack) {
   const torch::Tensor q = torch::randn({T, kH, kD}), k = torch::randn({T, kKV, kD}), v = torch::randn({T, kKV, kD});
 
   // One token per step.
-  PagedKvCache plain = with_prompt(GetParam(), pk, pv);
+  PagedKvCache plain = fresh_cache(GetParam());
+  hold_prompt(plain, pk, pv);
   std::vector<torch::Tensor> one(static_cast<size_t>(kLayers * T));
   int64_t used_after_two = 0;
   for (int64_t t = 0; t < T; ++t) {
@@ -261,7 +262,8 @@ TEST_P(VerifyStep, RowsOfOneSequenceAttendCausallyAndRejectedRowsGoBack) {
   }
 
   // All five in one step.
-  PagedKvCache spec = with_prompt(GetParam(), pk, pv);
+  PagedKvCache spec = fresh_cache(GetParam());
+  hold_prompt(spec, pk, pv);
   spec.begin_decode({7, 7, 7, 7, 7}, {6, 7, 8, 9, 10});
   for (int64_t l = 0; l < kLayers; ++l) {
     const torch::Tensor out = spec.decode_layer(l, q, k, v);
@@ -301,7 +303,8 @@ void attends_to_the_sinks_and_the_window_only(bool head_blocks, torch::Device de
   torch::manual_seed(5);
   constexpr int64_t n = 22;
   const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
-  PagedKvCache c = with_prompt(head_blocks, pk, pv, dev);
+  PagedKvCache c = fresh_cache(head_blocks, dev);
+  hold_prompt(c, pk, pv);
   const int64_t used = c.used_blocks();
   const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
   c.begin_decode({7}, {n}, 0, DraftView{1, 2});
@@ -338,7 +341,8 @@ void attends_to_the_chosen_blocks_too(bool head_blocks, torch::Device dev) {
   torch::manual_seed(6);
   constexpr int64_t n = 22;
   const torch::Tensor pk = torch::randn({kKV, n, kD}), pv = torch::randn({kKV, n, kD});
-  PagedKvCache c = with_prompt(head_blocks, pk, pv, dev);
+  PagedKvCache c = fresh_cache(head_blocks, dev);
+  hold_prompt(c, pk, pv);
   for (int64_t lane = 0; lane < c.lanes(); ++lane) c.set_draft_blocks(7, 0, lane, {2});
   EXPECT_EQ(c.draft_blocks(7, 1, 0), nullptr);
   const torch::Tensor q = torch::randn({1, kH, kD}), k = torch::randn({1, kKV, kD}), v = torch::randn({1, kKV, kD});
@@ -382,7 +386,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, DraftStepCuda, ::testing::Values(false, true),
 
 TEST(VerifyStepBatch, RowsMustBeConsecutive) {
   torch::manual_seed(1);
-  PagedKvCache c = with_prompt(false, torch::randn({kKV, 6, kD}), torch::randn({kKV, 6, kD}));
+  PagedKvCache c = fresh_cache(false);
+  hold_prompt(c, torch::randn({kKV, 6, kD}), torch::randn({kKV, 6, kD}));
   c.add_sequence(8);
   EXPECT_THROW(c.begin_decode({7, 8, 7}, {6, 0, 7}), std::exception);  // 7 comes back after 8
   EXPECT_THROW(c.begin_decode({7, 7}, {6, 8}), std::exception);        // positions skip one
