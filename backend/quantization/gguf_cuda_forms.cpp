@@ -223,6 +223,7 @@ GgufGroups gguf_groups(const QuantizedWeight& q, const std::string& what) {
   GgufGroups g;
   g.group = lay.group;
   g.code_min = lay.code_min;
+  g.affine = lay.affine;
   g.codes = torch::empty({N, K}, torch::kInt8);
   g.scale = torch::empty({N, K / lay.group}, torch::kFloat32);
   g.offset = torch::empty({N, K / lay.group}, torch::kFloat32);
@@ -242,9 +243,8 @@ std::optional<LinearWeight> gguf_cuda_weight(const QuantizedWeight& q, const tor
   if (form == GgufCudaForm::kNone) return std::nullopt;
   if (form == GgufCudaForm::kInt8) {
     if (!Int8Weight::fits(q.rows(), q.cols())) return std::nullopt;
-    if (type == GGML_TYPE_Q8_0) return LinearWeight(Int8Weight::from_q8_0(q).to(device));
     GgufGroups g = gguf_groups(q, what);
-    const torch::Tensor offsets = layout_of(type, what).affine ? g.offset.to(device) : torch::Tensor();
+    const torch::Tensor offsets = g.affine ? g.offset.to(device) : torch::Tensor();
     return LinearWeight(Int8Weight::from_codes(g.codes.to(device), g.scale.to(device), g.group, what, offsets));
   }
   // tinygemm tiles 8 rows on CUDA; the CPU's reference kernel 16.

@@ -29,6 +29,7 @@ struct GgufGroups {
   torch::Tensor offset;  // float32 [N, K / group]; all zero for a symmetric type
   int64_t group = 0;
   int code_min = 0;      // the type's least code (4-bit types: code - code_min is the 0..15 nibble)
+  bool affine = false;   // the type has an offset (a minimum) per group
 };
 // Decodes a single-type weight of one of the types above on the CPU; throws naming `what` for
 // another type.

@@ -2,7 +2,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-
+#include "backend/quantization/gguf_cuda_forms.h"
 #include "common/check.h"
 #include "common/env_int.h"
 #include "ggml.h"
@@ -73,15 +73,8 @@ Int8Weight Int8Weight::quantize(const torch::Tensor& w, const std::string& what)
 
 Int8Weight Int8Weight::from_q8_0(const QuantizedWeight& q) {
   KV_CHECK(q.single_type() == GGML_TYPE_Q8_0, "internal: an int8 weight from " << q.type_names() << " blocks, not q8_0");
-  const int64_t N = q.rows(), K = q.cols(), blocks = K / 32;
-  // ggml's Q8_0 block: an fp16 scale, then 32 int8 codes.
-  KV_CHECK(quant_row_bytes(GGML_TYPE_Q8_0, 32, "q8_0") == 34, "internal: a Q8_0 block is not 34 bytes");
-  const auto b = q.block_bytes().view({N, blocks, 34});
-  Int8Weight f;
-  f.group_ = 32;
-  f.scales_ = b.narrow(2, 0, 2).contiguous().view(torch::kFloat16).view({N, blocks}).to(torch::kFloat32);
-  f.codes_ = b.narrow(2, 2, 32).contiguous().view(torch::kInt8).view({N, K});
-  return f;
+  GgufGroups g = gguf_groups(q, "q8_0");
+  return from_codes(std::move(g.codes), std::move(g.scale), g.group, "q8_0");
 }
 
 Int8Weight Int8Weight::from_codes(torch::Tensor codes, torch::Tensor scales, int64_t group, const std::string& what,
