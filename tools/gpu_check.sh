@@ -164,7 +164,7 @@ run)
   # with the CPU padding tests of the same file) targets.
   cuda_targets=$(cmake --build "$BUILD" --target help 2>/dev/null | sed -e 's/^\.\.\. //' -e 's/:.*//' \
     | grep -i -e cuda -e '^backend_test_sampler$' -e '^cache_manager_test_device_block_tables$' \
-      -e '^backend_test_decode_graphs$' -e '^backend_test_fp8_weight$' -e '^backend_test_int4_weight$' -e '^backend_test_int8_weight$' -e '^backend_test_spec_decode$' | grep -v -e '[/.]' -e '^bench_' || true)
+      -e '^backend_test_decode_graphs$' -e '^backend_test_fp8_weight$' -e '^backend_test_int4_weight$' -e '^backend_test_int8_weight$' -e '^backend_test_spec_decode$' -e '^cache_manager_test_kv_slabs$' | grep -v -e '[/.]' -e '^bench_' || true)
   if [ -n "$cuda_targets" ]; then
     echo "CUDA gtest targets: $cuda_targets"
     cmake --build "$BUILD" -j "$(nproc)" --target $cuda_targets >> "$out/build.log" 2>&1

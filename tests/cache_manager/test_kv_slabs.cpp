@@ -3,6 +3,7 @@
 // all-or-nothing, and one cache's idle cached blocks make room for the other's.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <random>
 #include <tuple>
@@ -145,11 +146,31 @@ TEST(KvSlabs, RandomTrafficOfTwoAllocatorsKeepsBytesApart) {
   b.check_invariants();
 }
 
+// Paged attention of one query per KV head over a sequence's layer, against fp64 attention over what
+// gather() reads back (the decoded rows): the kernel reads the blocks through the cache's view.
+void expect_attention_over_stored(PagedKvCache& c, int64_t id, int64_t layer, torch::Device device) {
+  auto [k, v] = c.gather(id, layer);
+  const int64_t kv = k.size(0), d = k.size(2);
+  const torch::Tensor q = torch::randn({1, kv, d});
+  const torch::Tensor out = c.attend(layer, {id}, q.to(device)).to(torch::kCPU, torch::kDouble);
+  const auto kd = k.to(torch::kCPU, torch::kDouble), vd = v.to(torch::kCPU, torch::kDouble);
+  const auto scores = torch::matmul(q[0].to(torch::kDouble).unsqueeze(1), kd.transpose(1, 2)) / std::sqrt(double(d));
+  const auto ref = torch::matmul(torch::softmax(scores, -1), vd).squeeze(1);  // [KV, D]
+  const double err = (out[0] - ref).abs().max().item<double>();
+  ASSERT_LE(err, 1e-5) << "sequence " << id << " layer " << layer << " of " << k.size(1) << " tokens";
+}
+
+class KvSlabsCaches : public ::testing::TestWithParam<torch::DeviceType> {};
+
 // An int8 cache and an int4 cache on one storage, under random writes, appends and releases: every
-// sequence reads back exactly what its own format stores, and the storage ends empty.
-TEST(KvSlabs, CachesOfTwoFormatsKeepTheirContent) {
+// sequence reads back exactly what its own format stores, paged attention reads the same, and the
+// storage ends empty.
+TEST_P(KvSlabsCaches, TwoFormatsKeepTheirContent) {
+  const torch::Device device(GetParam());
+  if (device.is_cuda() && !torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   constexpr int64_t kLayers = 2, kKv = 3, kD = 64;
   KvPoolOptions i8 = format(KvQuant::q8_0), i4 = format(KvQuant::q4_0);
+  i8.device = i4.device = device;
   i8.num_blocks = 45;  // 5 slabs
   auto slabs = std::make_shared<KvSlabs>(std::vector<KvPoolOptions>{i8, i4});
   PagedKvCache c8(kLayers, i8, slabs), c4(kLayers, i4, slabs);
@@ -191,7 +212,7 @@ TEST(KvSlabs, CachesOfTwoFormatsKeepTheirContent) {
       std::vector<std::pair<torch::Tensor, torch::Tensor>> kv;
       for (int64_t l = 0; l < kLayers; ++l) kv.emplace_back(torch::randn({B, kKv, kD}), torch::randn({B, kKv, kD}));
       try {
-        for (int64_t l = 0; l < kLayers; ++l) c.append(l, ids, kv[l].first, kv[l].second, pos);
+        for (int64_t l = 0; l < kLayers; ++l) c.append(l, ids, kv[l].first.to(device), kv[l].second.to(device), pos);
       } catch (const KvError& e) {
         // Layer 0 takes its blocks first: a failure there changes nothing; stop the test otherwise.
         ASSERT_EQ(c.length(ids[0], 0), pos[0]) << e.what();
@@ -216,9 +237,10 @@ TEST(KvSlabs, CachesOfTwoFormatsKeepTheirContent) {
     for (const auto& [key, layers] : want) {
       for (int64_t l = 0; l < kLayers; ++l) {
         auto [k, v] = caches[key.first]->gather(key.second, l);
-        ASSERT_TRUE(torch::equal(k, layers[l].first)) << "cache " << key.first << " sequence " << key.second << " layer " << l;
-        ASSERT_TRUE(torch::equal(v, layers[l].second)) << "cache " << key.first << " sequence " << key.second << " layer " << l;
+        ASSERT_TRUE(torch::equal(k.cpu(), layers[l].first.cpu())) << "cache " << key.first << " sequence " << key.second << " layer " << l;
+        ASSERT_TRUE(torch::equal(v.cpu(), layers[l].second.cpu())) << "cache " << key.first << " sequence " << key.second << " layer " << l;
       }
+      if (step % 8 == 0) expect_attention_over_stored(*caches[key.first], key.second, 1, device);
     }
     c8.check_invariants();
     c4.check_invariants();
@@ -229,6 +251,9 @@ TEST(KvSlabs, CachesOfTwoFormatsKeepTheirContent) {
   EXPECT_EQ(slabs->free_slabs(), slabs->num_slabs());
   EXPECT_EQ(c8.used_blocks() + c4.used_blocks(), 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, KvSlabsCaches, ::testing::Values(torch::kCPU, torch::kCUDA),
+                         [](const auto& info) { return std::string(info.param == torch::kCPU ? "cpu" : "cuda"); });
 
 // Idle prefix-cache blocks of the int8 cache fill the storage; the int4 cache's write takes their
 // slabs (the int8 cache reclaims its least recently used entries for it).
