@@ -41,13 +41,20 @@ std::shared_ptr<KvSlabs> present(std::shared_ptr<KvSlabs> slabs) {
 }  // namespace
 
 PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
+    : PagedKvCache(num_layers, options, nullptr, Own{}) {}
+
+PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs)
+    : PagedKvCache(num_layers, options, present(std::move(slabs)), Own{}) {}
+
+PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs, Own)
     : num_layers_(num_layers),
       heads_(options.num_kv_heads),
       lanes_(options.head_blocks ? options.num_kv_heads : 1),
       head_split_(options.head_blocks),
       heads_per_block_(options.head_blocks ? 1 : options.num_kv_heads),
-      pool_(block_options(options)),
-      alloc_(pool_.num_blocks()),
+      slabs_(std::move(slabs)),
+      pool_(slabs_ ? KvBlockPool(block_options(options), slabs_->storage()) : KvBlockPool(block_options(options))),
+      alloc_(slabs_ ? BlockAllocator(slabs_, slabs_->slab_bytes() / pool_.block_bytes()) : BlockAllocator(pool_.num_blocks())),
       kv_(pool_.num_kv_heads()),
       bs_(options.block_size),
       d_(options.head_dim),
@@ -55,27 +62,10 @@ PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
       rotates_(pool_.quantized() && kv_quant_rotation_enabled()) {
   KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
   pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
-}
-
-PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs)
-    : num_layers_(num_layers),
-      heads_(options.num_kv_heads),
-      lanes_(options.head_blocks ? options.num_kv_heads : 1),
-      head_split_(options.head_blocks),
-      heads_per_block_(options.head_blocks ? 1 : options.num_kv_heads),
-      slabs_(present(std::move(slabs))),
-      pool_(block_options(options), slabs_->storage()),
-      alloc_(slabs_, slabs_->slab_bytes() / pool_.block_bytes()),
-      kv_(pool_.num_kv_heads()),
-      bs_(options.block_size),
-      d_(options.head_dim),
-      dev_(num_layers, options.device),
-      rotates_(pool_.quantized() && kv_quant_rotation_enabled()) {
-  KV_CHECK(num_layers > 0, "PagedKvCache needs at least one layer, got " << num_layers);
+  if (!slabs_) return;
   KV_CHECK(slabs_->slab_bytes() % pool_.block_bytes() == 0,
            "KV cache on a shared storage: its " << pool_.block_bytes() << "-byte blocks do not divide the "
                                                 << slabs_->slab_bytes() << "-byte slabs (a format it was not sized for)");
-  pos_.assign(static_cast<size_t>(pool_.num_blocks() * kv_ * bs_), 0);
   slabs_->set_reclaimer(alloc_.slab_client(), [this](int64_t n) { reclaim_slabs(n); });
 }
 

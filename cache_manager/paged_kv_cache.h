@@ -255,6 +255,8 @@ class PagedKvCache {
   const BlockAllocator& allocator() const { return alloc_; }
 
  private:
+  struct Own {};  // the constructors' common part (slabs null: the cache owns its pool)
+  PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs, Own);
   SequenceBlockTable& table_of(int64_t seq_id);
   const SequenceBlockTable& table_of(int64_t seq_id) const;
   // A (layer, lane)'s index in a SequenceBlockTable, and a (sequence, lane)'s key in the device tables.
