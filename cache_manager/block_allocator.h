@@ -6,11 +6,11 @@
 
 namespace kvserve {
 
+class KvSlabs;
+
 // Hands out block ids from a fixed pool; reference counts let several block tables share one
 // block later (prefix sharing), so a block returns to the free list only when its last holder lets go.
 // Not thread-safe: one engine thread drives a shard's cache.
-class KvSlabs;
-
 class BlockAllocator {
  public:
   explicit BlockAllocator(int64_t num_blocks);
@@ -43,8 +43,7 @@ class BlockAllocator {
   // Starts a new measurement window (e.g. one prefill) at the current usage.
   void reset_high_water() { high_water_ = used_blocks(); }
 
-  // A shared storage's allocator: its client id there and blocks per slab (null / 0 otherwise).
-  const KvSlabs* slabs() const { return slabs_.get(); }
+  // A shared storage's allocator: its client id there and blocks per slab (-1 / 0 otherwise).
   int slab_client() const { return client_; }
   int64_t blocks_per_slab() const { return per_slab_; }
 

@@ -23,11 +23,17 @@ int64_t KvBlockPool::bytes_per_block(int64_t num_kv_heads, int64_t block_size, i
   return 2 * num_kv_heads * block_size * row_bytes(head_dim, dtype, quant);
 }
 
-int64_t KvBlockPool::resolve_num_blocks(const KvPoolOptions& o) {
+namespace {
+void check_geometry(const KvPoolOptions& o) {
   KV_CHECK(o.num_kv_heads > 0 && o.head_dim > 0 && o.block_size > 0,
            "KV pool needs positive num_kv_heads, head_dim and block_size (got " << o.num_kv_heads << ", " << o.head_dim
                                                                                 << ", " << o.block_size << ")");
   check_kv_quant_head_dim(o.quant, o.head_dim, "KV pool");
+}
+}  // namespace
+
+int64_t KvBlockPool::resolve_num_blocks(const KvPoolOptions& o) {
+  check_geometry(o);
   const int64_t bb = bytes_per_block(o.num_kv_heads, o.block_size, o.head_dim, o.dtype, o.quant);
   int64_t n = 0;
   if (o.num_blocks > 0) {
@@ -77,9 +83,7 @@ KvBlockPool::KvBlockPool(const KvPoolOptions& options) : options_(options) {
 
 KvBlockPool::KvBlockPool(const KvPoolOptions& options, const torch::Tensor& bytes) : options_(options) {
   check_pool_dtype(options);
-  KV_CHECK(options.num_kv_heads > 0 && options.head_dim > 0 && options.block_size > 0,
-           "KV pool needs positive num_kv_heads, head_dim and block_size");
-  check_kv_quant_head_dim(options.quant, options.head_dim, "KV pool");
+  check_geometry(options);
   KV_CHECK(bytes.scalar_type() == torch::kUInt8 && bytes.dim() == 1 && bytes.is_contiguous(),
            "KV pool view: the storage must be flat contiguous bytes, got " << bytes.scalar_type() << " " << bytes.sizes());
   KV_CHECK(bytes.device() == options.device, "KV pool view: storage on " << bytes.device() << ", pool on " << options.device);
