@@ -24,6 +24,7 @@ BlockAllocator::BlockAllocator(std::shared_ptr<KvSlabs> slabs, int64_t per_slab)
   KV_CHECK(n <= std::numeric_limits<int32_t>::max(), "block count " << n << " out of range");
   refcount_.assign(static_cast<size_t>(n), 0);
   slab_used_.assign(static_cast<size_t>(slabs_->num_slabs()), 0);
+  slab_free_.resize(static_cast<size_t>(slabs_->num_slabs()));
   client_ = slabs_->join();
 }
 
@@ -35,7 +36,7 @@ BlockAllocator::~BlockAllocator() {
 }
 
 int64_t BlockAllocator::free_blocks() const {
-  return static_cast<int64_t>(free_.size()) + (slabs_ ? slabs_->free_slabs() * per_slab_ : 0);
+  return slabs_ ? held_free_ + slabs_->free_slabs() * per_slab_ : static_cast<int64_t>(free_.size());
 }
 
 void BlockAllocator::check_id(int32_t block) const {
@@ -45,17 +46,36 @@ void BlockAllocator::check_id(int32_t block) const {
 void BlockAllocator::take_slab(int64_t need) {
   const int32_t s = slabs_ ? slabs_->take(client_) : -1;
   KV_CHECK(s >= 0, "KV pool exhausted: need " << need << " blocks, " << free_blocks() << " free");
-  // Highest first, so the slab's blocks come off the LIFO in ascending order.
-  for (int64_t b = (int64_t{s} + 1) * per_slab_ - 1; b >= int64_t{s} * per_slab_; --b) free_.push_back(static_cast<int32_t>(b));
+  // Highest first, so the slab's blocks come off its list in ascending order.
+  auto& list = slab_free_[static_cast<size_t>(s)];
+  for (int64_t b = (int64_t{s} + 1) * per_slab_ - 1; b >= int64_t{s} * per_slab_; --b) list.push_back(static_cast<int32_t>(b));
+  held_free_ += per_slab_;
+  open_.emplace(0, s);
+}
+
+int32_t BlockAllocator::pop_free() {
+  if (!slabs_) {
+    KV_CHECK(!free_.empty(), "KV pool exhausted: need 1 block, 0 free");
+    const int32_t b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  if (open_.empty()) take_slab(1);
+  const int32_t s = open_.begin()->second;
+  open_.erase(open_.begin());
+  auto& list = slab_free_[static_cast<size_t>(s)];
+  const int32_t b = list.back();
+  list.pop_back();
+  --held_free_;
+  const int32_t used = ++slab_used_[static_cast<size_t>(s)];
+  if (!list.empty()) open_.emplace(-used, s);
+  return b;
 }
 
 int32_t BlockAllocator::allocate() {
-  if (free_.empty()) take_slab(1);
-  const int32_t b = free_.back();
-  free_.pop_back();
+  const int32_t b = pop_free();
   refcount_[b] = 1;
   ++used_;
-  if (slabs_) ++slab_used_[static_cast<size_t>(b / per_slab_)];
   high_water_ = std::max(high_water_, used_blocks());
   return b;
 }
@@ -63,14 +83,10 @@ int32_t BlockAllocator::allocate() {
 std::vector<int32_t> BlockAllocator::allocate(int64_t n) {
   KV_CHECK(n >= 0, "negative block count " << n);
   KV_CHECK(n <= free_blocks(), "KV pool exhausted: need " << n << " blocks, " << free_blocks() << " free");
-  while (static_cast<int64_t>(free_.size()) < n) take_slab(n);
-  std::vector<int32_t> out(free_.end() - n, free_.end());
-  std::reverse(out.begin(), out.end());  // keep ascending order for a fresh pool
-  free_.resize(free_.size() - static_cast<size_t>(n));
-  for (int32_t b : out) {
-    refcount_[b] = 1;
-    if (slabs_) ++slab_used_[static_cast<size_t>(b / per_slab_)];
-  }
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out.push_back(pop_free());  // a fresh pool hands out 0, 1, 2, ...
+  for (int32_t b : out) refcount_[b] = 1;
   used_ += n;
   high_water_ = std::max(high_water_, used_blocks());
   return out;
@@ -86,15 +102,24 @@ bool BlockAllocator::decref(int32_t block) {
   check_id(block);
   KV_CHECK(refcount_[block] > 0, "decref of free block " << block << " (double free)");
   if (--refcount_[block] != 0) return false;
-  free_.push_back(block);
   --used_;
-  if (slabs_) {
-    const int32_t s = static_cast<int32_t>(block / per_slab_);
-    if (--slab_used_[static_cast<size_t>(s)] == 0) {
-      // The slab holds nothing of ours any more: its bytes go back to the storage for any format.
-      std::erase_if(free_, [&](int32_t b) { return b / per_slab_ == s; });
-      slabs_->give(s, client_);
-    }
+  if (!slabs_) {
+    free_.push_back(block);
+    return true;
+  }
+  const int32_t s = static_cast<int32_t>(block / per_slab_);
+  auto& list = slab_free_[static_cast<size_t>(s)];
+  int32_t& used = slab_used_[static_cast<size_t>(s)];
+  if (!list.empty()) open_.erase({-used, s});
+  if (--used == 0) {
+    // The slab holds nothing of ours any more: its bytes go back to the storage for any format.
+    held_free_ -= static_cast<int64_t>(list.size());
+    list.clear();
+    slabs_->give(s, client_);
+  } else {
+    list.push_back(block);
+    ++held_free_;
+    open_.emplace(-used, s);
   }
   return true;
 }
@@ -112,12 +137,27 @@ void BlockAllocator::check_invariants() const {
   }
   KV_CHECK(used == used_, used << " blocks have a refcount but " << used_ << " are counted used");
   std::vector<char> seen(refcount_.size(), 0);
-  for (int32_t b : free_) {
-    check_id(b);
-    KV_CHECK(refcount_[b] == 0, "free block " << b << " has refcount " << refcount_[b]);
-    KV_CHECK(!seen[b], "block " << b << " twice in the free list");
-    seen[b] = 1;
+  auto see = [&](const std::vector<int32_t>& list) {
+    for (int32_t b : list) {
+      check_id(b);
+      KV_CHECK(refcount_[b] == 0, "free block " << b << " has refcount " << refcount_[b]);
+      KV_CHECK(!seen[b], "block " << b << " twice in the free lists");
+      seen[b] = 1;
+    }
+  };
+  see(free_);
+  int64_t held_free = 0, open = 0;
+  for (size_t s = 0; s < slab_free_.size(); ++s) {
+    see(slab_free_[s]);
+    for (int32_t b : slab_free_[s]) KV_CHECK(b / per_slab_ == static_cast<int64_t>(s), "block " << b << " on slab " << s << "'s free list");
+    held_free += static_cast<int64_t>(slab_free_[s].size());
+    if (!slab_free_[s].empty()) {
+      ++open;
+      KV_CHECK(open_.count({-slab_used_[s], static_cast<int32_t>(s)}) == 1, "slab " << s << " has free blocks but is not open");
+    }
   }
+  KV_CHECK(held_free == held_free_, held_free << " free blocks in held slabs, " << held_free_ << " counted");
+  KV_CHECK(open == static_cast<int64_t>(open_.size()), open_.size() << " slabs open, " << open << " have free blocks");
   if (!slabs_) {
     KV_CHECK(used_blocks() + free_blocks() == total_blocks(), "used + free != total");
   } else {

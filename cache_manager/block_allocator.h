@@ -2,6 +2,8 @@
 // BlockAllocator: which pool blocks are free, and who still references the others.
 #include <cstdint>
 #include <memory>
+#include <set>
+#include <utility>
 #include <vector>
 
 namespace kvserve {
@@ -16,8 +18,10 @@ class BlockAllocator {
   explicit BlockAllocator(int64_t num_blocks);
   // Blocks carved from the slabs of a storage shared with other allocators (cache_manager/kv_slabs.h):
   // per_slab blocks fill one slab, block b lies in slab b / per_slab, and ids cover the whole
-  // storage. A slab is taken when the free list runs dry and given back as soon as none of its
-  // blocks is used, so free_blocks() counts the storage's free slabs too.
+  // storage. A slab is taken when no slab held has a free block and given back as soon as none of
+  // its blocks is used, so free_blocks() counts the storage's free slabs too. Allocations fill the
+  // fullest slab held first: the emptiest ones then drain and go back to the storage, where a LIFO
+  // list would keep handing out the block freed last and leave every slab a few blocks used.
   BlockAllocator(std::shared_ptr<KvSlabs> slabs, int64_t per_slab);
   ~BlockAllocator();
   BlockAllocator(BlockAllocator&&) noexcept = default;
@@ -52,16 +56,21 @@ class BlockAllocator {
 
  private:
   void check_id(int32_t block) const;
-  // Takes a slab from the shared storage onto the free list; throws the exhaustion error when none is free.
+  // A free block taken off its list (a shared storage's fullest slab with one, else a new slab).
+  int32_t pop_free();
+  // Takes a slab from the shared storage; throws the exhaustion error when none is free.
   void take_slab(int64_t need);
   std::vector<int32_t> refcount_;
-  std::vector<int32_t> free_;  // LIFO: recently freed blocks are likely still in cache
+  std::vector<int32_t> free_;  // own pool: LIFO, recently freed blocks are likely still in cache
   int64_t used_ = 0;
   int64_t high_water_ = 0;
   std::shared_ptr<KvSlabs> slabs_;
   int client_ = -1;
   int64_t per_slab_ = 0;
-  std::vector<int32_t> slab_used_;  // per slab of the storage: this allocator's used blocks in it
+  std::vector<int32_t> slab_used_;                // per slab of the storage: this allocator's used blocks in it
+  std::vector<std::vector<int32_t>> slab_free_;   // per slab held: its free blocks (LIFO within the slab)
+  std::set<std::pair<int32_t, int32_t>> open_;    // (-used, slab) of the held slabs with a free block: fullest first
+  int64_t held_free_ = 0;                         // free blocks in held slabs
 };
 
 }  // namespace kvserve
