@@ -34,19 +34,9 @@ KvPoolOptions block_options(KvPoolOptions o) {
   if (o.head_blocks) o.num_kv_heads = 1;
   return o;
 }
-std::shared_ptr<KvSlabs> present(std::shared_ptr<KvSlabs> slabs) {
-  KV_CHECK(slabs, "KV cache on a shared storage: no storage given");
-  return slabs;
-}
 }  // namespace
 
-PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options)
-    : PagedKvCache(num_layers, options, nullptr, Own{}) {}
-
 PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs)
-    : PagedKvCache(num_layers, options, present(std::move(slabs)), Own{}) {}
-
-PagedKvCache::PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs, Own)
     : num_layers_(num_layers),
       heads_(options.num_kv_heads),
       lanes_(options.head_blocks ? options.num_kv_heads : 1),

@@ -40,13 +40,13 @@ struct DecodeTables {
 // before changing anything. Not thread-safe: one engine thread drives it.
 class PagedKvCache {
  public:
-  PagedKvCache(int64_t num_layers, const KvPoolOptions& options);
-  // A cache whose blocks are carved from slabs of a storage it shares with caches of other formats
-  // (cache_manager/kv_slabs.h; `options` must be one of the formats the storage was sized for).
+  // slabs null: the cache owns its pool, sized by `options`. Otherwise its blocks are carved from
+  // slabs of a storage it shares with caches of other formats (cache_manager/kv_slabs.h; `options`
+  // must be one of the formats the storage was sized for).
   // Its pool is a view of the whole storage in its own blocks, its allocator takes slabs as it needs
   // them, and when it is short it first reclaims its own cached blocks, then asks the other caches
   // to reclaim theirs. The pool's size options are ignored: the storage's bytes are the budget.
-  PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs);
+  PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs = nullptr);
   ~PagedKvCache();
   // The shared storage's reclaimer points at this cache.
   PagedKvCache(const PagedKvCache&) = delete;
@@ -255,8 +255,6 @@ class PagedKvCache {
   const BlockAllocator& allocator() const { return alloc_; }
 
  private:
-  struct Own {};  // the constructors' common part (slabs null: the cache owns its pool)
-  PagedKvCache(int64_t num_layers, const KvPoolOptions& options, std::shared_ptr<KvSlabs> slabs, Own);
   SequenceBlockTable& table_of(int64_t seq_id);
   const SequenceBlockTable& table_of(int64_t seq_id) const;
   // A (layer, lane)'s index in a SequenceBlockTable, and a (sequence, lane)'s key in the device tables.

@@ -49,8 +49,8 @@ std::map<std::string, PolicyConfig> resolve_policies(
 }
 
 PagedKvMemory::PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std::map<std::string, PolicyConfig> policies,
-                             std::string default_policy, KvShard shard)
-    : num_layers_(num_layers), shard_(std::move(shard)), cache_(num_layers, pool), policies_(std::move(policies)),
+                             std::string default_policy, KvShard shard, std::shared_ptr<KvSlabs> slabs)
+    : num_layers_(num_layers), shard_(std::move(shard)), cache_(num_layers, pool, std::move(slabs)), policies_(std::move(policies)),
       default_policy_(std::move(default_policy)), rounds_kv_(pool.rounds) {
   if (shard_.total_layers == 0) shard_.total_layers = num_layers;
   if (!shard_.exchange) shard_.exchange = std::make_shared<LocalScoreExchange>();

@@ -36,8 +36,10 @@ struct KvShard {
 
 class PagedKvMemory final : public KvMemory {
  public:
+  // slabs: a storage shared with memories of other KV formats (PagedKvCache's third argument; null:
+  // this memory owns its pool), so that sequences of different precisions draw on one byte budget.
   PagedKvMemory(int64_t num_layers, const KvPoolOptions& pool, std::map<std::string, PolicyConfig> policies,
-                std::string default_policy = "full", KvShard shard = {});
+                std::string default_policy = "full", KvShard shard = {}, std::shared_ptr<KvSlabs> slabs = nullptr);
 
   void begin_prefill(int64_t seq_id, int64_t prompt_len, const std::string& policy) override;
   void store_prefill(int64_t seq_id, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,

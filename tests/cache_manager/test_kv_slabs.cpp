@@ -1,8 +1,10 @@
 // KvSlabs: caches of different KV formats (int8 and int4 rows) carve their blocks from one storage a
 // slab at a time: their bytes never overlap, every sequence reads back what it stored, exhaustion is
-// all-or-nothing, and one cache's idle cached blocks make room for the other's.
+// all-or-nothing, allocations fill the fullest slab, one cache's idle cached blocks make room for the
+// other's, and two policy-driven memories on one storage compute what each computes on its own pool.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -12,6 +14,7 @@
 #include "cache_manager/block_allocator.h"
 #include "cache_manager/kv_slabs.h"
 #include "cache_manager/paged_kv_cache.h"
+#include "cache_manager/paged_kv_memory.h"
 #include "common/check.h"
 
 namespace kvserve {
@@ -146,6 +149,53 @@ TEST(KvSlabs, RandomTrafficOfTwoAllocatorsKeepsBytesApart) {
   b.check_invariants();
 }
 
+// Allocations fill the fullest slab held, so the emptiest drains back to the storage: after blocks
+// 4 (slab 1) and 0, 1, 2 (slab 0) are freed, the next block is 4, not 2 (the one freed last), and
+// freeing 3 then returns slab 0 for any format to take.
+TEST(KvSlabs, AllocationsFillTheFullestSlab) {
+  auto slabs = std::make_shared<KvSlabs>(3, 4);
+  BlockAllocator a(slabs, 4);
+  EXPECT_EQ(a.allocate(8), (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+  for (int32_t b : {4, 0, 1, 2}) a.decref(b);
+  EXPECT_EQ(a.allocate(), 4);
+  a.decref(3);
+  EXPECT_EQ(slabs->holder(0), -1);
+  EXPECT_EQ(slabs->holder(1), a.slab_client());
+  // Slab 1 is full again: a new block opens a slab only when no held slab has one free.
+  EXPECT_EQ(a.allocate(), 0);  // slab 0 again, the storage's last freed
+  EXPECT_EQ(a.allocate(), 1);
+  a.check_invariants();
+  slabs->check_invariants();
+}
+
+// Under churn (one random block freed, one allocated) a pool that once held twice its live blocks
+// comes back to about the slabs those need: a held slab that loses blocks gets none back while a
+// fuller one has room, so it drains.
+TEST(KvSlabs, ChurnDrainsSparseSlabs) {
+  constexpr int64_t kPerSlab = 17, kSlabs = 24, kPeak = 20 * kPerSlab, kLive = 10 * kPerSlab;
+  auto slabs = std::make_shared<KvSlabs>(kSlabs, kPerSlab);
+  BlockAllocator a(slabs, kPerSlab);
+  std::mt19937 rng(5);
+  std::vector<int32_t> held = a.allocate(kPeak);
+  auto free_one = [&] {
+    const size_t i = rng() % held.size();
+    a.decref(held[i]);
+    held[i] = held.back();
+    held.pop_back();
+  };
+  while (static_cast<int64_t>(held.size()) > kLive) free_one();
+  const int64_t held_after_frees = kSlabs - slabs->free_slabs();
+  for (int step = 0; step < 4000; ++step) {
+    free_one();
+    held.push_back(a.allocate());
+  }
+  const int64_t held_after_churn = kSlabs - slabs->free_slabs();
+  EXPECT_EQ(held_after_frees, 20);  // random frees leave every slab a few blocks
+  EXPECT_LE(held_after_churn, kLive / kPerSlab + 2) << "slabs held after churn (" << kLive << " blocks live)";
+  a.check_invariants();
+  slabs->check_invariants();
+}
+
 // Paged attention of one query per KV head over a sequence's layer, against fp64 attention over what
 // gather() reads back (the decoded rows): the kernel reads the blocks through the cache's view.
 void expect_attention_over_stored(PagedKvCache& c, int64_t id, int64_t layer, torch::Device device) {
@@ -211,14 +261,19 @@ TEST_P(KvSlabsCaches, TwoFormatsKeepTheirContent) {
       const auto B = static_cast<int64_t>(ids.size());
       std::vector<std::pair<torch::Tensor, torch::Tensor>> kv;
       for (int64_t l = 0; l < kLayers; ++l) kv.emplace_back(torch::randn({B, kKv, kD}), torch::randn({B, kKv, kD}));
-      try {
-        for (int64_t l = 0; l < kLayers; ++l) c.append(l, ids, kv[l].first.to(device), kv[l].second.to(device), pos);
-      } catch (const KvError& e) {
-        // Layer 0 takes its blocks first: a failure there changes nothing; stop the test otherwise.
-        ASSERT_EQ(c.length(ids[0], 0), pos[0]) << e.what();
+      // A step takes a block per layer for each sequence whose last block is full. One append is
+      // all-or-nothing; a step whose later layers would not fit is not started (the engine's
+      // admission makes the same check before a step).
+      const int64_t per_layer = std::count_if(pos.begin(), pos.end(), [&](int64_t p) { return p % c.block_size() == 0; });
+      if (per_layer * kLayers > c.free_blocks()) {
+        if (per_layer > c.free_blocks()) {
+          EXPECT_THROW(c.append(0, ids, kv[0].first.to(device), kv[0].second.to(device), pos), KvError);
+          ASSERT_EQ(c.length(ids[0], 0), pos[0]) << "a failed append changed the cache";
+        }
         ++exhausted;
         continue;
       }
+      for (int64_t l = 0; l < kLayers; ++l) c.append(l, ids, kv[l].first.to(device), kv[l].second.to(device), pos);
       for (int64_t b = 0; b < B; ++b) {
         auto& layers = want[{which, ids[b]}];
         for (int64_t l = 0; l < kLayers; ++l) {
@@ -297,6 +352,81 @@ TEST(KvSlabs, OneCachesIdleBlocksMakeRoomForTheOther) {
   c8.check_invariants();
   c4.check_invariants();
   EXPECT_EQ(slabs->free_slabs(), 2);
+}
+
+// An int8 memory and an int4 memory on one storage, prompts compressed by SnapKV or kept whole and
+// decoded in turns: every attention output and kept position equals that of the same memory on a
+// pool of its own (the kernels read the same bytes wherever the blocks lie), and releasing every
+// sequence gives every slab back.
+TEST(KvSlabs, TwoMemoriesOnOneStorageComputeWhatTheirOwnPoolsDo) {
+  constexpr int64_t kLayers = 3, kKv = 2, kH = 4, kD = 64;
+  const std::map<std::string, std::map<std::string, std::string>> specs = {
+      {"snap", {{"name", "snapkv"}, {"budget", "24"}, {"window", "4"}, {"kernel", "3"}}}};
+  KvPoolOptions i8 = format(KvQuant::q8_0, kKv), i4 = format(KvQuant::q4_0, kKv);
+  i8.block_size = i4.block_size = 4;
+  i8.num_blocks = 9 * 20;  // 20 slabs
+  i4.num_blocks = 17 * 20;
+  auto slabs = std::make_shared<KvSlabs>(std::vector<KvPoolOptions>{i8, i4});
+  PagedKvMemory m8(kLayers, i8, resolve_policies(specs), "full", {}, slabs), m4(kLayers, i4, resolve_policies(specs), "full", {}, slabs);
+  PagedKvMemory own8(kLayers, i8, resolve_policies(specs)), own4(kLayers, i4, resolve_policies(specs));
+  struct Seq {
+    int64_t id, prompt;
+    std::string policy;
+    bool int8;
+  };
+  const std::vector<Seq> seqs = {{1, 80, "snap", true}, {2, 60, "full", false}, {3, 40, "full", true}, {4, 90, "snap", false}};
+  torch::manual_seed(9);
+  for (const Seq& s : seqs) {
+    for (PagedKvMemory* m : s.int8 ? std::vector<PagedKvMemory*>{&m8, &own8} : std::vector<PagedKvMemory*>{&m4, &own4}) {
+      m->begin_prefill(s.id, s.prompt, s.policy);
+    }
+    for (int64_t l = 0; l < kLayers; ++l) {
+      const auto q = torch::randn({kH, s.prompt, kD}), k = torch::randn({kKv, s.prompt, kD}), v = torch::randn({kKv, s.prompt, kD});
+      (s.int8 ? m8 : m4).store_prefill(s.id, l, q, k, v);
+      (s.int8 ? own8 : own4).store_prefill(s.id, l, q, k, v);
+    }
+    (s.int8 ? m8 : m4).end_prefill(s.id);
+    (s.int8 ? own8 : own4).end_prefill(s.id);
+  }
+  EXPECT_GT(m8.cache().allocator().used_blocks(), 0);
+  EXPECT_GT(m4.cache().allocator().used_blocks(), 0);
+  std::map<int64_t, int64_t> next;
+  for (const Seq& s : seqs) next[s.id] = s.prompt;
+  for (int step = 0; step < 6; ++step) {
+    for (bool int8 : {true, false}) {
+      DecodeBatch batch;
+      for (const Seq& s : seqs) {
+        if (s.int8 != int8) continue;
+        batch.seq_ids.push_back(s.id);
+        batch.positions.push_back(next[s.id]++);
+      }
+      const auto B = static_cast<int64_t>(batch.seq_ids.size());
+      PagedKvMemory& shared = int8 ? m8 : m4;
+      PagedKvMemory& own = int8 ? own8 : own4;
+      shared.begin_decode(batch);
+      own.begin_decode(batch);
+      for (int64_t l = 0; l < kLayers; ++l) {
+        const auto q = torch::randn({B, kH, kD}), k = torch::randn({B, kKv, kD}), v = torch::randn({B, kKv, kD});
+        ASSERT_TRUE(torch::equal(shared.decode_attention(l, batch, q, k, v), own.decode_attention(l, batch, q, k, v)))
+            << (int8 ? "int8" : "int4") << " step " << step << " layer " << l;
+      }
+    }
+  }
+  for (const Seq& s : seqs) {
+    const PagedKvMemory& shared = s.int8 ? m8 : m4;
+    const PagedKvMemory& own = s.int8 ? own8 : own4;
+    for (int64_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(torch::equal(shared.cache().positions(s.id, l), own.cache().positions(s.id, l))) << "sequence " << s.id;
+    }
+  }
+  EXPECT_LT(m8.cached_tokens(1, 0), 80 + 6);  // SnapKV compressed the prompt
+  // Both memories' bytes fit the storage together.
+  EXPECT_LE(m8.cache().allocator().used_blocks() * KvSlabs::block_bytes_of(i8) +
+                m4.cache().allocator().used_blocks() * KvSlabs::block_bytes_of(i4),
+            slabs->num_slabs() * slabs->slab_bytes());
+  for (const Seq& s : seqs) (s.int8 ? m8 : m4).release(s.id);
+  EXPECT_EQ(slabs->free_slabs(), slabs->num_slabs());
+  slabs->check_invariants();
 }
 
 }  // namespace
