@@ -227,11 +227,12 @@ class PagedKvCache {
 
   // --- accounting --------------------------------------------------------------------------------
   // Free counts cached blocks no request uses: an allocation reclaims them.
-  int64_t free_blocks() const {
-    return alloc_.free_blocks() + (prefix_ ? prefix_->reclaimable_blocks() : 0) +
-           (contexts_ ? contexts_->reclaimable_blocks() : 0);
+  int64_t free_blocks() const { return alloc_.free_blocks() + reclaimable_blocks(); }
+  // Blocks this cache's requests hold (on a shared storage, not the other formats' slabs).
+  int64_t used_blocks() const { return alloc_.used_blocks() - reclaimable_blocks(); }
+  int64_t reclaimable_blocks() const {
+    return (prefix_ ? prefix_->reclaimable_blocks() : 0) + (contexts_ ? contexts_->reclaimable_blocks() : 0);
   }
-  int64_t used_blocks() const { return total_blocks() - free_blocks(); }
   // Blocks the prefix cache holds (used by requests or not).
   int64_t cached_blocks() const { return prefix_ ? prefix_->cached_blocks() : 0; }
   int64_t total_blocks() const { return alloc_.total_blocks(); }

@@ -388,8 +388,8 @@ TEST(KvSlabs, TwoMemoriesOnOneStorageComputeWhatTheirOwnPoolsDo) {
     (s.int8 ? m8 : m4).end_prefill(s.id);
     (s.int8 ? own8 : own4).end_prefill(s.id);
   }
-  EXPECT_GT(m8.cache().allocator().used_blocks(), 0);
-  EXPECT_GT(m4.cache().allocator().used_blocks(), 0);
+  EXPECT_GT(m8.blocks_used(), 0);
+  EXPECT_GT(m4.blocks_used(), 0);
   std::map<int64_t, int64_t> next;
   for (const Seq& s : seqs) next[s.id] = s.prompt;
   for (int step = 0; step < 6; ++step) {
@@ -420,9 +420,10 @@ TEST(KvSlabs, TwoMemoriesOnOneStorageComputeWhatTheirOwnPoolsDo) {
     }
   }
   EXPECT_LT(m8.cached_tokens(1, 0), 80 + 6);  // SnapKV compressed the prompt
-  // Both memories' bytes fit the storage together.
-  EXPECT_LE(m8.cache().allocator().used_blocks() * KvSlabs::block_bytes_of(i8) +
-                m4.cache().allocator().used_blocks() * KvSlabs::block_bytes_of(i4),
+  // Each memory counts only its own blocks as used, and their bytes fit the storage together.
+  EXPECT_EQ(m8.blocks_used(), own8.blocks_used());
+  EXPECT_EQ(m4.blocks_used(), own4.blocks_used());
+  EXPECT_LE(m8.blocks_used() * KvSlabs::block_bytes_of(i8) + m4.blocks_used() * KvSlabs::block_bytes_of(i4),
             slabs->num_slabs() * slabs->slab_bytes());
   for (const Seq& s : seqs) (s.int8 ? m8 : m4).release(s.id);
   EXPECT_EQ(slabs->free_slabs(), slabs->num_slabs());
