@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_manager/mixed_kv_memory.h"
 #include "cache_manager/paged_kv_memory.h"
 
 namespace kvserve {
@@ -34,6 +35,14 @@ struct KvMemoryLayout {
   // The whole model's sliding-window layers (global indices, ascending): the policies spread their
   // budgets over the other layers (PolicyConfig::local_layers).
   std::vector<int64_t> local_layers;
+};
+
+// A shard's KV layouts when policies store K/V in other dtypes than the cache's (PolicyConfig::kv_dtype):
+// `base` is the cache's, `by_dtype` the model's layout for each other name a policy gives (the
+// backend builds them: the names and what they mean depend on the device).
+struct KvFormats {
+  KvMemoryLayout base;
+  std::map<std::string, KvMemoryLayout> by_dtype;
 };
 
 // Tells every policy the model's sliding-window layers, as make_kv_memory does for its memory's
@@ -64,10 +73,21 @@ std::string to_string(KvLayout layout);
 // Whether a pool for these policies uses head-wise blocks under `layout`.
 bool uses_head_blocks(KvLayout layout, const std::map<std::string, PolicyConfig>& policies);
 
+// The same, each policy's budget_bytes resolved in its own KV dtype.
+void apply_model_layout(std::map<std::string, PolicyConfig>& policies, const KvFormats& formats);
+
 // `policies`: the named policies sequences may ask for ("full" is always there); `shard`: a sharded
 // job's score exchange (its layer fields are taken from `layout`).
 std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, const KvPoolSize& size,
                                               std::map<std::string, PolicyConfig> policies,
                                               const std::string& default_policy = "full", KvShard shard = {});
+
+// A memory whose policies may name KV dtypes of their own: one PagedKvMemory per distinct format on
+// one KvSlabs storage sized as `size` sizes the base format's pool, each policy's sequences in its
+// format (a single format: make_kv_memory's memory, passed through). Throws naming a policy whose
+// kv_dtype has no layout in `formats`.
+std::unique_ptr<MixedKvMemory> make_mixed_kv_memory(const KvFormats& formats, const KvPoolSize& size,
+                                                    std::map<std::string, PolicyConfig> policies,
+                                                    const std::string& default_policy = "full", KvShard shard = {});
 
 }  // namespace kvserve

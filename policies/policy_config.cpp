@@ -214,6 +214,13 @@ const std::map<std::string, Setter>& setters() {
          c.budget = 0;
          c.budget_ratio = 0.0;
        }},
+      {"kv_dtype",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         // Names are checked where the model's KV layouts are built (they depend on the device).
+         KV_CHECK(!v.empty() && v.find_first_of(" \t,") == std::string::npos,
+                  "policy parameter '" << k << "': '" << v << "' is not a KV cache dtype name (int8, int4, float16, ...)");
+         c.kv_dtype = v == "auto" ? "" : v;
+       }},
       {"budget_ratio",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          double r = parse_double(k, v);
@@ -530,6 +537,7 @@ nlohmann::json to_json(const PolicyConfig& c) {
   j["allocator"] = to_string(c.allocator);
   j["scorer"] = to_string(c.scorer);
   if (c.budget_bytes > 0) j["budget_bytes"] = c.budget_bytes;
+  if (!c.kv_dtype.empty()) j["kv_dtype"] = c.kv_dtype;
   if (c.budget_ratio > 0.0) {
     j["budget_ratio"] = c.budget_ratio;
   } else {

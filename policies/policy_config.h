@@ -79,6 +79,10 @@ struct PolicyConfig {
   // per layer (resolve_budget_bytes): the same bytes keep ~1.9x the tokens at int8 and ~3.6x at
   // int4 as at float16, so a deployment trades bits for tokens by its cache.kv_cache_dtype alone.
   int64_t budget_bytes = 0;
+  // The KV cache dtype this policy's sequences store K/V in ("" = the cache's, cache.kv_cache_dtype).
+  // Sequences of several precisions then share one storage (cache_manager/mixed_kv_memory.h), and
+  // budget_bytes is resolved in this dtype: the policy itself trades bits for tokens.
+  std::string kv_dtype;
   int64_t window = 8;        // observation window / recent tokens always kept
   int64_t kernel = 7;        // pooling kernel (odd)
   PoolingKind pooling = PoolingKind::kMax;
