@@ -105,7 +105,7 @@ std::unique_ptr<PagedKvMemory> make_kv_memory(const KvMemoryLayout& layout, cons
     KV_CHECK(cfg.kv_dtype.empty(), "policy '" << name << "': kv_dtype '" << cfg.kv_dtype
                                               << "': a KV dtype per policy is served by one process's engine only "
                                               << "(not by tensor / pipeline parallel shards or this tool); "
-                                              << "set cache.kv_cache_dtype instead");
+                                              << "set cache.kv_cache_dtype (--kv-cache-dtype) instead");
   return build_memory(layout, size, std::move(policies), default_policy, std::move(shard), nullptr);
 }
 

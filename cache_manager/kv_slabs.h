@@ -30,7 +30,7 @@ class KvSlabs {
   // The least common multiple of the formats' block bytes; throws naming them when it would hold
   // more than kMaxBlocksPerSlab of the smallest format's blocks, or when they differ in device.
   static int64_t slab_bytes_of(const std::vector<KvPoolOptions>& formats);
-  static constexpr int64_t kMaxBlocksPerSlab = 256;
+  static constexpr int64_t kMaxBlocksPerSlab = 2048;
   // Bytes of one block of a cache built with these options (a head-wise cache's block holds one head).
   static int64_t block_bytes_of(const KvPoolOptions& o);
 

@@ -1,5 +1,6 @@
 #include "cache_manager/mixed_kv_memory.h"
 
+#include <numeric>
 #include <utility>
 
 #include "common/check.h"
@@ -14,6 +15,9 @@ MixedKvMemory::MixedKvMemory(std::vector<std::unique_ptr<PagedKvMemory>> memorie
   KV_CHECK(memories_.size() == 1 || slabs_ != nullptr, "internal: KV memories of several formats need one shared storage");
   for (const auto& [policy, f] : policy_format_)
     KV_CHECK(f < memories_.size(), "internal: policy '" << policy << "' names KV format " << f << " of " << memories_.size());
+  unit_bytes_ = 0;
+  for (const auto& m : memories_) unit_bytes_ = std::gcd(unit_bytes_, m->cache().block_bytes());
+  for (const auto& m : memories_) block_units_.push_back(m->cache().block_bytes() / unit_bytes_);
 }
 
 MixedKvMemory::MixedKvMemory(std::unique_ptr<PagedKvMemory> only) : MixedKvMemory([&] {
@@ -195,25 +199,23 @@ int64_t MixedKvMemory::bytes_used() const {
   return n;
 }
 
-namespace {
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-}  // namespace
-
 int64_t MixedKvMemory::blocks_total() const {
   if (memories_.size() == 1) return memories_[0]->blocks_total();
-  return bytes_total() / memories_[0]->cache().block_bytes();
+  return bytes_total() / unit_bytes_;
 }
 
 int64_t MixedKvMemory::blocks_used() const {
   if (memories_.size() == 1) return memories_[0]->blocks_used();
-  return ceil_div(bytes_used(), memories_[0]->cache().block_bytes());
+  int64_t n = 0;
+  for (size_t f = 0; f < memories_.size(); ++f) n += memories_[f]->blocks_used() * block_units_[f];
+  return n;
 }
 
 int64_t MixedKvMemory::blocks_high_water() const {
   if (memories_.size() == 1) return memories_[0]->blocks_high_water();
-  int64_t bytes = 0;
-  for (const auto& m : memories_) bytes += m->blocks_high_water() * m->cache().block_bytes();
-  return ceil_div(bytes, memories_[0]->cache().block_bytes());
+  int64_t n = 0;
+  for (size_t f = 0; f < memories_.size(); ++f) n += memories_[f]->blocks_high_water() * block_units_[f];
+  return n;
 }
 
 void MixedKvMemory::reset_caches() {

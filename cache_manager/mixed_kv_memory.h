@@ -36,6 +36,9 @@ class MixedKvMemory final : public KvMemory {
   PagedKvMemory& of(int64_t seq_id) { return *memories_[owner(seq_id)]; }
   const PagedKvMemory& of(int64_t seq_id) const { return *memories_[owner(seq_id)]; }
   bool holds(int64_t seq_id) const { return owner_.count(seq_id) > 0; }
+  size_t format_of(int64_t seq_id) const { return owner(seq_id); }
+  // Policies whose sequences are not in memories[0]'s format, and theirs.
+  const std::map<std::string, size_t>& policy_formats() const { return policy_format_; }
   const KvSlabs* slabs() const { return slabs_.get(); }
 
   // KvMemory, routed by sequence.
@@ -66,8 +69,12 @@ class MixedKvMemory final : public KvMemory {
   void release(int64_t seq_id) override;
   int64_t layer_window(int64_t layer) const override { return memories_[0]->layer_window(layer); }
   int64_t cached_tokens(int64_t seq_id, int64_t layer) const override { return of(seq_id).cached_tokens(seq_id, layer); }
-  // In memories[0]'s blocks: with several formats, the bytes every format holds over its block bytes
-  // (rounded up; high water: the sum of each format's).
+  // With one format, its blocks. With several, in units of unit_bytes() (the largest size that
+  // divides every format's block): a block of format f is block_units(f) units, the storage
+  // bytes_total() / unit_bytes(), and used / high water each format's blocks in units, summed. The
+  // scheduler counts in these units (ShardUsage::policy_units) so that one admission check covers
+  // every format. A format's free blocks inside slabs it holds are not another's: counting them free
+  // is exact only once its slabs drain (fullest-first allocation keeps that slack small).
   int64_t blocks_total() const override;
   int64_t blocks_used() const override;
   int64_t blocks_high_water() const override;
@@ -76,6 +83,9 @@ class MixedKvMemory final : public KvMemory {
   // KV bytes the storage holds, and those the sequences and caches of every format use.
   int64_t bytes_total() const;
   int64_t bytes_used() const;
+  int64_t unit_bytes() const { return unit_bytes_; }
+  int64_t block_units(size_t format) const { return block_units_.at(format); }
+  int64_t policy_block_units(const std::string& policy) const { return block_units_[format_of_policy(policy)]; }
 
   // PagedKvMemory's per-sequence and per-policy questions, routed.
   void park(int64_t seq_id) { of(seq_id).park(seq_id); }
@@ -104,6 +114,8 @@ class MixedKvMemory final : public KvMemory {
   std::vector<std::unique_ptr<PagedKvMemory>> memories_;
   std::map<std::string, size_t> policy_format_;
   std::shared_ptr<KvSlabs> slabs_;
+  int64_t unit_bytes_ = 0;
+  std::vector<int64_t> block_units_;  // per format
   std::unordered_map<int64_t, size_t> owner_;  // sequence -> format, from begin_prefill to release
   DecodeBatch split_of_;
   std::vector<Part> parts_;

@@ -63,7 +63,10 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   options_ = options_for_model(options_, c);
   impl_->max_model_len = options_.max_model_len > 0 ? options_.max_model_len : context_length(c);
   auto policies = resolve_policies(options_.policies);
-  apply_model_layout(policies, model_->kv_layout());  // the scheduler's copies too (budget_bytes in tokens)
+  // Each policy's KV format (its kv_dtype, else the cache's); budget_bytes in tokens of that format,
+  // the scheduler's copies too.
+  const KvFormats formats = model_->kv_formats(policies);
+  apply_model_layout(policies, formats);
   // A kvzap policy's predictor is loaded now, so that a missing or mismatched one fails the start
   // (naming its directory) instead of every request that uses it.
   for (const auto& [name, cfg] : policies)
@@ -71,7 +74,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   impl_->runner = runner ? std::move(runner)
                          : std::make_unique<LocalRunner>(
                                model_,
-                               make_kv_memory(model_->kv_layout(),
+                               make_mixed_kv_memory(formats,
                                               {options_.block_size, 0, options_.kv_cache_bytes, options_.enable_prefix_caching,
                                                options_.prefix_cache_bytes, options_.kv_layout,
                                                options_.enable_context_caching},

@@ -14,17 +14,22 @@
 namespace kvserve {
 
 LocalRunner::LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options)
+    : LocalRunner(std::move(model), std::make_unique<MixedKvMemory>(std::move(kv)), options) {}
+
+LocalRunner::LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<MixedKvMemory> kv, LocalRunnerOptions options)
     : model_(std::move(model)), kv_(std::move(kv)),
       prefill_batch_tokens_(static_cast<size_t>(std::max<int64_t>(1, options.prefill_batch_tokens))) {
   if (options.enforce_eager || !model_->device().is_cuda()) return;
-  const std::string why = DecodeGraphs::unsupported(*model_, *kv_);
+  const std::string why = kv_->num_formats() > 1
+                              ? "the KV cache holds " + std::to_string(kv_->num_formats()) + " formats (policies' kv_dtype)"
+                              : DecodeGraphs::unsupported(*model_, kv_->format(0));
   if (!why.empty()) {
     KV_LOG("decode runs eagerly, without CUDA graphs: " << why);
     return;
   }
   DecodeGraphOptions go;
   go.max_batch = options.max_num_seqs;
-  graphs_ = std::make_unique<DecodeGraphs>(*model_, *kv_, go);
+  graphs_ = std::make_unique<DecodeGraphs>(*model_, kv_->format(0), go);
 }
 
 LocalRunner::~LocalRunner() = default;
@@ -38,7 +43,8 @@ void LocalRunner::set_draft_model(std::shared_ptr<DecoderModel> draft) {
     draft_model_ = std::move(draft);
     return;
   }
-  separate_ = make_separate_kv_drafter(std::move(draft), *kv_, why);
+  // Sized after the default format's pool (what a draft of another shape keeps is its own).
+  separate_ = make_separate_kv_drafter(std::move(draft), kv_->format(0), why);
 }
 
 int64_t LocalRunner::graph_captures() const { return graphs_ ? graphs_->stats().captures : 0; }

@@ -91,6 +91,9 @@ class LocalRunner final : public ModelRunner {
   // On a CUDA model whose decode step can be captured (DecodeGraphs::unsupported), and unless
   // enforce_eager, decode steps run as CUDA graphs.
   LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<PagedKvMemory> kv, LocalRunnerOptions options = {});
+  // Over a memory whose policies may store K/V in several formats; decode steps then run eagerly
+  // (a CUDA graph captures one format's kernels) unless there is only one.
+  LocalRunner(std::shared_ptr<DecoderModel> model, std::unique_ptr<MixedKvMemory> kv, LocalRunnerOptions options = {});
   ~LocalRunner() override;
   StepResult execute(const StepPlan& plan) override;
   bool chunked_prefill() const override { return true; }
@@ -127,7 +130,7 @@ class LocalRunner final : public ModelRunner {
   std::shared_ptr<DecoderModel> model_;
   std::shared_ptr<DecoderModel> draft_model_;      // a draft model over kv_, or null
   std::unique_ptr<SeparateKvDrafter> separate_;  // a draft model over its own cache, or null
-  std::unique_ptr<PagedKvMemory> kv_;
+  std::unique_ptr<MixedKvMemory> kv_;
   std::unique_ptr<DecodeGraphs> graphs_;  // refers to *kv_: declared after it, destroyed before it
   size_t prefill_batch_tokens_ = 8192;
   SamplerBank samplers_;

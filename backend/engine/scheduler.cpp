@@ -109,7 +109,7 @@ std::optional<std::string> Scheduler::unfit_reason(int64_t n, const std::string&
   const PolicyConfig& cfg = options_.policies.at(policy);
   for (const Pool& p : shards_) {
     // Copies for the prefix cache are optional (admission leaves them out when they do not fit).
-    if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n) > p.usage.blocks_total)
+    if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n) * p.usage.units(policy) > p.usage.blocks_total)
       return "the request needs more KV cache than the whole pool holds (" + std::to_string(n) +
              " tokens); raise cache.kv_cache_bytes or use a compressing kv_policy";
   }
@@ -134,7 +134,8 @@ bool Scheduler::may_chunk(int64_t n, const std::string& policy) const {
   // cannot hold that, the prompt is prefilled whole (at its compressed peak) instead.
   for (const Pool& p : shards_) {
     if (!cfg.is_full() && p.usage.geometry.rounds_kv) return false;  // see Geometry::rounds_kv
-    if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n, true) > p.usage.blocks_total) return false;
+    if (PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, n, true) * p.usage.units(policy) > p.usage.blocks_total)
+      return false;
   }
   return true;
 }
@@ -144,6 +145,7 @@ int64_t Scheduler::reserved(const Sequence& s, size_t i) const {
   const PolicyConfig& cfg = options_.policies.at(s.req.kv_policy);
   int64_t peak = PagedKvMemory::prompt_blocks(cfg, p.usage.geometry, s.prefill_len, true);
   if (s.keep_copy) peak += PagedKvMemory::prefix_copy_blocks(cfg, p.usage.geometry, s.prefill_len);
+  peak *= p.usage.units(s.req.kv_policy);
   auto h = p.held.find(s.id);
   return std::max<int64_t>(0, peak - (h == p.held.end() ? 0 : h->second));
 }
@@ -280,7 +282,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     }
     auto draft_blocks = [&](size_t i, int64_t n) {
       const auto& g = shards_[i].usage.geometry;
-      return g.num_layers * g.lanes() * blocks_for_tokens(n, g.block_size);
+      return g.num_layers * g.lanes() * blocks_for_tokens(n, g.block_size) * shards_[i].usage.units(s->req.kv_policy);
     };
     bool room = true;
     for (size_t i = 0; i < S; ++i) room = room && draft_blocks(i, k) <= free[i];
@@ -356,6 +358,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
         if (auto shared = options_.shared_prefix_blocks(tokens, s.req.kv_policy, plan.release))
           need[i] = std::max<int64_t>(0, need[i] - *shared);
       }
+      need[i] *= shards_[i].usage.units(s.req.kv_policy);
       fits = fits && need[i] <= free[i];
     }
     if (!fits && evict_parked()) continue;
@@ -367,7 +370,8 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     // where every shard has room for it besides the prompt's peak.
     bool keep_copy = !from;
     for (size_t i = 0; i < S; ++i) {
-      copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, context ? context : n);
+      copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, context ? context : n) *
+                  shards_[i].usage.units(s.req.kv_policy);
       keep_copy = keep_copy && need[i] + copies[i] <= free[i];
     }
     for (size_t i = 0; i < S; ++i) free[i] -= need[i] + (keep_copy ? copies[i] : 0);

@@ -2,6 +2,7 @@
 // StepPlan and StepResult: one engine step as the scheduler decides it and as a runner reports it.
 // One plan drives one process or every shard of a sharded job alike, so it holds plain values only.
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "backend/sampling/sampler.h"
 #include "backend/sampling/sampling_params.h"
 #include "cache_manager/kv_memory.h"
+#include "cache_manager/mixed_kv_memory.h"
 #include "cache_manager/paged_kv_memory.h"
 
 namespace kvserve {
@@ -112,6 +114,15 @@ struct ShardUsage {
   // a failed part.
   std::vector<int64_t> held;
   std::vector<int64_t> demand;
+  // Where policies store K/V in several formats (PolicyConfig::kv_dtype), every count above is in
+  // units of block_bytes (MixedKvMemory's units): a block of a policy named in policy_units takes
+  // that many, one of any other policy base_units. One format: blocks, one unit each.
+  int64_t base_units = 1;
+  std::map<std::string, int64_t> policy_units;
+  int64_t units(const std::string& policy) const {
+    auto it = policy_units.find(policy);
+    return it == policy_units.end() ? base_units : it->second;
+  }
 };
 
 struct PrefillOutcome {
@@ -171,5 +182,7 @@ struct KvUsage {
 
 // One shard's pool after `plan` ran: geometry, occupancy, and the touched sequences' blocks.
 ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan);
+// The same over every format of a mixed memory, counted in its units (one format: its blocks).
+ShardUsage shard_usage(const MixedKvMemory& kv, const StepPlan& plan);
 
 }  // namespace kvserve

@@ -292,18 +292,45 @@ int64_t DecoderModel::kv_bytes_per_token() const {
   return 2 * layout_.num_layers() * layout_.kv_heads * KvBlockPool::row_bytes(config_.head_dim, kv_dtype_, kv_quant_);
 }
 
-KvMemoryLayout DecoderModel::kv_layout() const {
+KvMemoryLayout DecoderModel::kv_layout() const { return layout_in(kv_dtype_, kv_quant_); }
+
+KvMemoryLayout DecoderModel::kv_layout(const std::string& kv_cache_dtype) const {
+  if (kv_cache_dtype.empty()) return kv_layout();
+  const std::string what = "kv_dtype '" + kv_cache_dtype + "'";
+  const torch::Dtype dtype = kv_cache_dtype_from_name(kv_cache_dtype, dtype_);
+  const KvQuant quant = kv_cache_quant_from_name(kv_cache_dtype);
+  check_kv_quant_head_dim(quant, config_.head_dim, what);
+  KV_CHECK(!device_.is_cuda() || dtype == dtype_, what << ": CUDA pools take only the compute dtype "
+                                                       << dtype_name(dtype_) << " or a quantized format");
+  return layout_in(dtype, quant);
+}
+
+KvFormats DecoderModel::kv_formats(const std::map<std::string, PolicyConfig>& policies) const {
+  KvFormats f;
+  f.base = kv_layout();
+  for (const auto& [name, cfg] : policies) {
+    if (cfg.kv_dtype.empty() || f.by_dtype.count(cfg.kv_dtype)) continue;
+    try {
+      f.by_dtype.emplace(cfg.kv_dtype, kv_layout(cfg.kv_dtype));
+    } catch (const std::exception& e) {
+      KV_FAIL("policy '" << name << "': " << e.what());
+    }
+  }
+  return f;
+}
+
+KvMemoryLayout DecoderModel::layout_in(torch::Dtype kv, KvQuant quant) const {
   KvMemoryLayout l;
   l.num_layers = layout_.num_layers();
   l.first_layer = layout_.layer_begin;
   l.total_layers = config_.num_hidden_layers;
   l.num_kv_heads = layout_.kv_heads;
   l.head_dim = config_.head_dim;
-  l.dtype = kv_dtype_;
-  l.quant = kv_quant_;
+  l.dtype = kv;
+  l.quant = quant;
   l.device = device_;
-  l.rounds = kv_dtype_ != dtype_ || kv_quant_ != KvQuant::none;
-  l.model_token_layer_bytes = 2 * config_.num_key_value_heads * KvBlockPool::row_bytes(config_.head_dim, kv_dtype_, kv_quant_);
+  l.rounds = kv != dtype_ || quant != KvQuant::none;
+  l.model_token_layer_bytes = 2 * config_.num_key_value_heads * KvBlockPool::row_bytes(config_.head_dim, kv, quant);
   if (config_.has_local_layers()) {
     for (int64_t li = layout_.layer_begin; li < layout_.layer_end; ++li) l.layer_windows.push_back(config_.layer_window(li));
     for (int64_t li = 0; li < config_.num_hidden_layers; ++li)
@@ -316,7 +343,7 @@ KvMemoryLayout DecoderModel::kv_layout() const {
        << config_.num_key_value_heads << '|' << config_.head_dim << '|' << config_.rope_theta << '|'
        << static_cast<int>(config_.rope_scaling.kind) << '|' << config_.rope_scaling.factor << '|'
        << config_.local_rope_theta << '|' << q_factor_ << '|' << dtype_name(dtype_)
-       << '|' << kv_cache_dtype_label(kv_dtype_, kv_quant_) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
+       << '|' << kv_cache_dtype_label(kv, quant) << '|' << static_cast<int>(gemm_) << '|' << device_.str() << '|'
        << weight_format_ << '|'
        << layout_.describe();
   l.kv_salt = std::hash<std::string>{}(what.str());

@@ -100,6 +100,11 @@ class DecoderModel {
   const ShardLayout& layout() const { return layout_; }
   // This shard's KV shape, for make_kv_memory.
   KvMemoryLayout kv_layout() const;
+  // The same in another KV cache dtype (a policy's kv_dtype: "float16", "int8", "int4", "fp8", ...;
+  // "" = kv_layout()); throws naming the dtype where this model or device cannot store it.
+  KvMemoryLayout kv_layout(const std::string& kv_cache_dtype) const;
+  // kv_layout() and one layout per other kv_dtype the policies name, for make_mixed_kv_memory.
+  KvFormats kv_formats(const std::map<std::string, PolicyConfig>& policies) const;
 
   // Runs the whole prompt through every layer, handing each layer's K/V to `kv`. Returns fp32
   // logits for every position ([T, V]) when all_logits, else for the last position ([1, V]).
@@ -178,6 +183,7 @@ class DecoderModel {
   void set_cancel_check(CancelCheck check) { cancel_check_ = std::move(check); }
 
  private:
+  KvMemoryLayout layout_in(torch::Dtype kv, KvQuant quant) const;  // kv_layout() in a KV dtype and row format
   struct Layer {
     torch::Tensor input_norm, post_norm;  // before attention, before the MLP
     torch::Tensor attn_out_norm, mlp_out_norm;  // BlockSpec::sandwich_norms: after attention, after the MLP (else undefined)

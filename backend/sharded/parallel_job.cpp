@@ -111,14 +111,26 @@ KvShard ParallelJob::kv_shard() const {
   return shard;
 }
 
+namespace {
+KvPoolSize pool_size(const EngineOptions& options) {
+  return {options.block_size,     0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes,
+          options.kv_layout, options.enable_context_caching};
+}
+}  // namespace
+
 std::unique_ptr<PagedKvMemory> ParallelJob::make_memory(const EngineOptions& requested) const {
   // Every shard caches its own layers and heads; rank 0 makes the lookup decision (ShardedRunner).
   const EngineOptions options = options_for_model(requested, model_->config());
-  return make_kv_memory(model_->kv_layout(),
-                        {options.block_size, 0, options.kv_cache_bytes, options.enable_prefix_caching, options.prefix_cache_bytes,
-                         options.kv_layout,
-                         options.enable_context_caching},
-                        resolve_policies(options.policies), options.default_policy, kv_shard());
+  return make_kv_memory(model_->kv_layout(), pool_size(options), resolve_policies(options.policies),
+                        options.default_policy, kv_shard());
+}
+
+std::unique_ptr<MixedKvMemory> ParallelJob::make_local_memory(const EngineOptions& requested) const {
+  // One process: policies may store their sequences in KV dtypes of their own (PolicyConfig::kv_dtype).
+  const EngineOptions options = options_for_model(requested, model_->config());
+  auto policies = resolve_policies(options.policies);
+  const KvFormats formats = model_->kv_formats(policies);
+  return make_mixed_kv_memory(formats, pool_size(options), std::move(policies), options.default_policy);
 }
 
 std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& options) {
@@ -127,7 +139,7 @@ std::unique_ptr<ModelRunner> ParallelJob::make_runner(const EngineOptions& optio
   ShardDraft draft = load_draft(options);
   if (!sharded()) {
     auto runner = std::make_unique<LocalRunner>(
-        model_, make_memory(options), LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
+        model_, make_local_memory(options), LocalRunnerOptions{options.max_num_seqs, options.enforce_eager, options.max_num_batched_tokens});
     runner->set_draft_model(std::move(draft.model));
     return runner;
   }

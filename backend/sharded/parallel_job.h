@@ -51,6 +51,8 @@ class ParallelJob {
 
   // This rank's KV memory (its layers and KV heads, its score exchange wired in).
   std::unique_ptr<PagedKvMemory> make_memory(const EngineOptions& options) const;
+  // A single process's memory: one format per KV dtype its policies name (make_mixed_kv_memory).
+  std::unique_ptr<MixedKvMemory> make_local_memory(const EngineOptions& options) const;
   // The score exchange that makes this rank's policies decide as one process would (none when the
   // job is one process).
   KvShard kv_shard() const;

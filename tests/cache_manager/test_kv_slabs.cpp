@@ -53,7 +53,7 @@ TEST(KvSlabs, SlabIsTheFormatsCommonMultiple) {
 
 TEST(KvSlabs, RefusesFormatsThatShareNoSmallSlab) {
   KvPoolOptions a = format(KvQuant::none), b = format(KvQuant::none);
-  b.block_size = 257;  // 16 and 257 share only 16 x 257
+  b.block_size = 4099;  // 16 and 4099 (a prime) share only 16 x 4099
   try {
     (void)KvSlabs::slab_bytes_of({a, b});
     FAIL() << "no error";

@@ -122,8 +122,15 @@ TEST(MixedKvMemory, MixedStepComputesWhatEachFormatComputesAlone) {
                                        t.own4->blocks_used() * t.own4->cache().block_bytes());
   EXPECT_LE(t.mixed->bytes_used(), t.mixed->bytes_total());
   EXPECT_EQ(t.mixed->bytes_total(), 20 * t.slabs->slab_bytes());
-  EXPECT_EQ(t.mixed->blocks_total(), 20 * 9);  // in int8 blocks
-  EXPECT_GE(t.mixed->blocks_used() * t.own8->cache().block_bytes(), t.mixed->bytes_used());
+  // Counted in units that divide both blocks: a slab is 9 int8 or 17 int4 blocks.
+  const int64_t u8 = t.mixed->block_units(0), u4 = t.mixed->block_units(1);
+  EXPECT_EQ(u8 * t.mixed->unit_bytes(), t.own8->cache().block_bytes());
+  EXPECT_EQ(u4 * t.mixed->unit_bytes(), t.own4->cache().block_bytes());
+  EXPECT_EQ(9 * u8, 17 * u4);
+  EXPECT_EQ(t.mixed->policy_block_units("full4"), u4);
+  EXPECT_EQ(t.mixed->policy_block_units("no such policy"), u8);
+  EXPECT_EQ(t.mixed->blocks_total(), 20 * 9 * u8);
+  EXPECT_EQ(t.mixed->blocks_used() * t.mixed->unit_bytes(), t.mixed->bytes_used());
   // A padded step (a CUDA graph's bucket) cannot span formats.
   DecodeBatch two{{1, 2}, {next[1], next[2]}};
   EXPECT_THROW(t.mixed->begin_decode(two, 4), KvError);

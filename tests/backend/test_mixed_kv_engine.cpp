@@ -1,0 +1,159 @@
+// Policies that name their own KV dtype (kv_dtype) on one engine: sequences of a float32, an int8
+// and an int4 policy decode in the same steps, each generating what an engine whose whole cache
+// has that dtype generates; a budget_bytes buys more tokens at fewer bits; the pool drains to
+// nothing. On the tiny model (head_dim 32) and the real engine, runner and scheduler.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/engine/engine.h"
+#include "backend/engine/model_runner.h"
+#include "backend/model/decoder_model.h"
+#include "common/check.h"
+#include "text/tokenizer.h"
+
+using namespace kvserve;
+
+namespace {
+
+const std::string kModel = std::string(KVSERVE_SOURCE_DIR) + "/models/tiny-llama";
+
+using Specs = std::map<std::string, std::map<std::string, std::string>>;
+
+struct Result {
+  std::vector<int64_t> tokens;
+  std::vector<double> logprobs;  // the chosen tokens': they tell the dtypes apart where tokens agree
+  std::string finish_reason, error;
+  int64_t kept = 0;
+};
+
+// An engine on the tiny model whose whole cache is `kv_cache_dtype`, with `policies`.
+struct EngineRun {
+  EngineRun(const std::string& kv_cache_dtype, Specs policies) {
+    LoadOptions lo{"cpu", "", false};
+    lo.kv_cache_dtype = kv_cache_dtype;
+    auto model = DecoderModel::load(kModel, lo);
+    auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(kModel));
+    EngineOptions eo;
+    eo.kv_cache_bytes = 8 << 20;
+    eo.max_num_seqs = 8;
+    eo.max_num_batched_tokens = 4096;
+    eo.enable_chunked_prefill = false;
+    eo.warmup_tokens = 0;
+    eo.policies = std::move(policies);
+    engine = std::make_unique<Engine>(model, tok, eo);
+  }
+
+  // Submits one prompt per policy in one batch (one step prefills them all, later steps decode them
+  // together) and waits for every one.
+  std::map<std::string, Result> generate(const std::vector<std::pair<std::string, std::string>>& id_policy) {
+    std::vector<Submission> batch;
+    for (size_t i = 0; i < id_policy.size(); ++i) {
+      const auto& [id, policy] = id_policy[i];
+      Submission s;
+      s.request.request_id = id;
+      for (int t = 0; t < 300; ++t) s.request.prompt_ids.push_back(5 + (t * 37 + 101 * static_cast<int>(i)) % 1900);
+      s.request.sampling.temperature = 0;
+      s.request.sampling.max_tokens = 12;
+      s.request.sampling.ignore_eos = true;
+      s.request.sampling.logprobs = 0;
+      s.request.kv_policy = policy;
+      s.on_event = [this, id](const GenerationEvent& ev) {
+        std::lock_guard<std::mutex> lock(mu);
+        Result& r = results[id];
+        r.tokens.insert(r.tokens.end(), ev.token_ids.begin(), ev.token_ids.end());
+        for (const TokenLogprob& c : ev.chosen) r.logprobs.push_back(c.logprob);
+        if (ev.kept_kv_tokens > 0) r.kept = ev.kept_kv_tokens;
+        if (ev.finished) {
+          r.finish_reason = ev.finish_reason;
+          r.error = ev.error;
+          ++finished;
+          cv.notify_all();
+        }
+      };
+      batch.push_back(std::move(s));
+    }
+    engine->submit_all(std::move(batch));
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return finished >= id_policy.size(); }));
+    return results;
+  }
+
+  std::unique_ptr<Engine> engine;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, Result> results;
+  size_t finished = 0;
+};
+
+// What the mixed engine names "p8" / "p4" are the plain engines' "p" in int8 / int4.
+Specs snap(const std::string& budget_key, const std::string& budget, const std::string& kv_dtype = "") {
+  std::map<std::string, std::string> p{{"name", "snapkv"}, {budget_key, budget}, {"window", "8"}};
+  if (!kv_dtype.empty()) p["kv_dtype"] = kv_dtype;
+  return {{"p", p}};
+}
+
+}  // namespace
+
+TEST(MixedKvEngine, EachPolicyGeneratesWhatItsDtypeAloneGenerates) {
+  // One engine: full in float32 (the cache's dtype), full in int8, snapkv keeping 64 tokens in int4.
+  Specs mixed{{"full8", {{"name", "full"}, {"kv_dtype", "int8"}}},
+              {"snap4", {{"name", "snapkv"}, {"budget", "64"}, {"window", "8"}, {"kv_dtype", "int4"}}}};
+  EngineRun m("", mixed);
+  const auto got = m.generate({{"a", ""}, {"b", "full8"}, {"c", "snap4"}});
+  for (const auto& [id, r] : got) {
+    EXPECT_EQ(r.finish_reason, "length") << id << ": " << r.error;
+    EXPECT_EQ(r.tokens.size(), 12u) << id;
+  }
+  // The same prompts in engines of one dtype each, three rows a step as in the mixed engine.
+  EngineRun f32("", {});
+  EngineRun i8("int8", {});
+  EngineRun i4("int4", snap("budget", "64"));
+  const auto want32 = f32.generate({{"a", ""}, {"b", ""}, {"c", ""}});
+  const auto want8 = i8.generate({{"a", ""}, {"b", ""}, {"c", ""}});
+  const auto want4 = i4.generate({{"a", "p"}, {"b", "p"}, {"c", "p"}});
+  EXPECT_EQ(got.at("a").tokens, want32.at("a").tokens);
+  EXPECT_EQ(got.at("b").tokens, want8.at("b").tokens);
+  EXPECT_EQ(got.at("c").tokens, want4.at("c").tokens);
+  EXPECT_EQ(got.at("c").kept, want4.at("c").kept);
+  // Bit for bit: each row's attention read its own format's blocks, and the step's other rows
+  // changed nothing in it.
+  EXPECT_EQ(got.at("a").logprobs, want32.at("a").logprobs);
+  EXPECT_EQ(got.at("b").logprobs, want8.at("b").logprobs);
+  EXPECT_EQ(got.at("c").logprobs, want4.at("c").logprobs);
+  ASSERT_EQ(want8.at("b").logprobs.size(), 12u);
+  EXPECT_NE(want8.at("b").logprobs, want32.at("b").logprobs) << "int8 and float32 should differ in the last bits";
+  // Everything went back: the step's three formats hold nothing once their sequences finished.
+  const EngineStats s = m.engine->stats();
+  EXPECT_EQ(s.kv_bytes_used, 0);
+  EXPECT_GT(s.kv_bytes_total, 0);
+  EXPECT_LE(s.kv_bytes_total, int64_t{8} << 20);
+}
+
+TEST(MixedKvEngine, BudgetBytesBuysMoreTokensAtFewerBits) {
+  // 24 KiB per sequence: float32 K/V of 2 KV heads × 32 dims are 512 bytes a token-layer, int4's 72.
+  Specs both{{"snap32", {{"name", "snapkv"}, {"budget_bytes", "24576"}, {"window", "8"}}},
+             {"snap4", {{"name", "snapkv"}, {"budget_bytes", "24576"}, {"window", "8"}, {"kv_dtype", "int4"}}}};
+  EngineRun m("", both);
+  const auto got = m.generate({{"x", "snap32"}, {"y", "snap4"}});
+  ASSERT_GT(got.at("x").kept, 0);
+  // Each kept what an engine of its dtype keeps under the same bytes.
+  EngineRun i4("int4", snap("budget_bytes", "24576"));
+  EXPECT_EQ(got.at("y").kept, i4.generate({{"x", "p"}, {"y", "p"}}).at("y").kept);
+  EXPECT_GE(got.at("y").kept, 6 * got.at("x").kept);
+}
+
+TEST(MixedKvEngine, AKvDtypeTheModelCannotStoreNamesThePolicy) {
+  try {
+    EngineRun m("", {{"odd", {{"name", "full"}, {"kv_dtype", "int3"}}}});
+    FAIL() << "an engine started with kv_dtype int3";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("policy 'odd'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("int3"), std::string::npos) << e.what();
+  }
+}
