@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/hash_mix.h"
+#include "policies/kv_dtype_ladder.h"
 #include "policies/kvzip_scores.h"
 #include "policies/token_scorer.h"
 
@@ -40,6 +41,12 @@ std::map<std::string, PolicyConfig> resolve_policies(
     try {
       PolicyConfig cfg = make_policy_config(method, rest);
       cfg.name = name;
+      if (cfg.kv_dtype == "ladder") {
+        expand_kv_dtype_ladder(name, cfg, out);
+        continue;
+      }
+      KV_CHECK(!out.count(name) || out.at(name).kv_dtype.empty(),
+               "the name is a rung of a kv_dtype ladder policy; rename it");
       out[name] = cfg;
     } catch (const KvError& e) {
       KV_FAIL("policy '" << name << "': " << e.what());

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -83,6 +84,9 @@ struct PolicyConfig {
   // Sequences of several precisions then share one storage (cache_manager/mixed_kv_memory.h), and
   // budget_bytes is resolved in this dtype: the policy itself trades bits for tokens.
   std::string kv_dtype;
+  // kv_dtype "ladder" (policies/kv_dtype_ladder.h): the narrower rungs' policies in order, each with
+  // the least fraction of a prompt it must keep to be chosen. Empty for any other policy.
+  std::vector<std::pair<std::string, double>> kv_rungs;
   int64_t window = 8;        // observation window / recent tokens always kept
   int64_t kernel = 7;        // pooling kernel (odd)
   PoolingKind pooling = PoolingKind::kMax;

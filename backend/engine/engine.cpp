@@ -16,6 +16,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
+#include "policies/kv_dtype_ladder.h"
 #include "text/tokenizer.h"
 
 namespace kvserve {
@@ -37,6 +38,8 @@ struct Engine::Impl {
   // arrived, as of the last step (none: nothing waits).
   std::optional<std::chrono::steady_clock::time_point> oldest_waiting;
 
+  // The resolved policies (budget_bytes in tokens), for choosing a ladder's rung at submit.
+  std::map<std::string, PolicyConfig> policies;
   // Loop thread only.
   int64_t next_id = 1;
   std::mt19937_64 seed_rng{std::random_device{}()};
@@ -112,6 +115,7 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   if (so.compressed_contexts)
     for (const auto& [name, cfg] : policies)
       if (!cfg.is_full() && cfg.compress_context) context_policies_.insert(name);
+  impl_->policies = policies;
   so.policies = std::move(policies);
   so.eos_ids = eos_ids;
   options_.speculative.validate("speculative_config");
@@ -199,6 +203,8 @@ void Engine::submit_all(std::vector<Submission> batch) {
     }
     if (req.kv_policy.empty()) req.kv_policy = options_.default_policy;
     if (!has_policy(req.kv_policy)) KV_FAIL("unknown kv_policy '" << req.kv_policy << "'");
+    // A kv_dtype ladder's request runs under the rung its budget_bytes buy most from at this length.
+    req.kv_policy = choose_kv_rung(impl_->policies, req.kv_policy, n);
     KV_CHECK(req.sampling.max_tokens >= 1, "max_tokens must be at least 1");
     if (req.sampling.prompt_logprobs >= 0 && !impl_->runner->prompt_logprobs())
       KV_FAIL("prompt_logprobs are not supported by the sharded (tensor/pipeline parallel) runtime");

@@ -51,13 +51,15 @@ struct EngineRun {
 
   // Submits one prompt per policy in one batch (one step prefills them all, later steps decode them
   // together) and waits for every one.
-  std::map<std::string, Result> generate(const std::vector<std::pair<std::string, std::string>>& id_policy) {
+  std::map<std::string, Result> generate(const std::vector<std::pair<std::string, std::string>>& id_policy,
+                                         const std::vector<int>& lengths = {}) {
     std::vector<Submission> batch;
     for (size_t i = 0; i < id_policy.size(); ++i) {
       const auto& [id, policy] = id_policy[i];
       Submission s;
       s.request.request_id = id;
-      for (int t = 0; t < 300; ++t) s.request.prompt_ids.push_back(5 + (t * 37 + 101 * static_cast<int>(i)) % 1900);
+      const int len = i < lengths.size() ? lengths[i] : 300;
+      for (int t = 0; t < len; ++t) s.request.prompt_ids.push_back(5 + (t * 37 + 101 * static_cast<int>(i)) % 1900);
       s.request.sampling.temperature = 0;
       s.request.sampling.max_tokens = 12;
       s.request.sampling.ignore_eos = true;
@@ -156,4 +158,15 @@ TEST(MixedKvEngine, AKvDtypeTheModelCannotStoreNamesThePolicy) {
     EXPECT_NE(std::string(e.what()).find("policy 'odd'"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("int3"), std::string::npos) << e.what();
   }
+}
+
+TEST(MixedKvEngine, ALadderPicksTheRungByPromptLength) {
+  // 24 KiB over 4 layers: 12 float32 tokens a layer, 45 int8, 85 int4 (512, 136, 72 bytes a token-layer).
+  EngineRun m("", {{"lad", {{"name", "snapkv"}, {"budget_bytes", "24576"}, {"window", "4"}, {"kv_dtype", "ladder"}}}});
+  const auto got = m.generate({{"short", "lad"}, {"mid", "lad"}, {"long", "lad"}}, {10, 80, 300});
+  for (const auto& [id, r] : got) EXPECT_EQ(r.finish_reason, "length") << id << ": " << r.error;
+  EXPECT_EQ(got.at("short").kept, 4 * 10);  // the whole prompt in float32
+  EXPECT_EQ(got.at("mid").kept, 4 * 45);    // 45 of 80 in int8: over half
+  EXPECT_EQ(got.at("long").kept, 4 * 85);   // 45 of 300 is under half: int4
+  EXPECT_EQ(m.engine->stats().kv_bytes_used, 0);
 }

@@ -1,5 +1,5 @@
-"""A precision per policy (issue 47): policies that name a `kv_dtype` of their own, served from one
-YAML config by `kvserve serve`. Each policy's request answers, token for token and logprob for
+"""A precision per policy (issue 47): policies that name a `kv_dtype` of their own (or a ladder of
+them), served from one YAML config by `kvserve serve`. Each policy's request answers, token for token and logprob for
 logprob, what a server whose whole cache has that dtype answers; a `budget_bytes` keeps more tokens
 at fewer bits; a dtype the model cannot store stops the server naming the policy; the one-shot tools
 refuse such a policy."""
@@ -53,6 +53,11 @@ MIXED = """  full8:
     budget_bytes: 24KiB
     window: 4
     kv_dtype: int4
+  lad:
+    method: snapkv
+    budget_bytes: 24KiB
+    window: 4
+    kv_dtype: ladder
 """
 
 
@@ -71,7 +76,7 @@ def tmp():
 def test_each_policy_answers_as_a_cache_of_its_dtype(tmp):
     mixed = Server(config=config(tmp, "float32", MIXED))
     try:
-        got = {p: ask(mixed, p) for p in ("full", "full8", "snap4", "snap32b", "snap4b")}
+        got = {p: ask(mixed, p) for p in ("full", "full8", "snap4", "snap32b", "snap4b", "lad")}
         idle = mixed.wait_idle()
         assert idle["kvserve:kv_cache_bytes_used"] == 0, idle
     finally:
@@ -97,6 +102,10 @@ def test_each_policy_answers_as_a_cache_of_its_dtype(tmp):
     kept32, kept4 = got["snap32b"][2]["kv_kept_tokens"], got["snap4b"][2]["kv_kept_tokens"]
     assert kept4 == want[("int4", "snapb")][2]["kv_kept_tokens"]
     assert kept4 >= 6 * kept32 > 0, (kept32, kept4)
+    # The ladder: 45 int8 tokens a layer are under half of this prompt, so it runs as int4 does.
+    assert got["lad"][2]["kv_kept_tokens"] == kept4
+    assert got["lad"][2]["kv_policy"] == "lad"
+    assert got["lad"][:2] == got["snap4b"][:2]
 
 
 def test_a_dtype_the_model_cannot_store_names_the_policy(tmp):
