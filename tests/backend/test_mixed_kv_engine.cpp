@@ -34,7 +34,7 @@ struct Result {
 
 // An engine on the tiny model whose whole cache is `kv_cache_dtype`, with `policies`.
 struct EngineRun {
-  EngineRun(const std::string& kv_cache_dtype, Specs policies) {
+  EngineRun(const std::string& kv_cache_dtype, Specs policies, bool speculate = false) {
     LoadOptions lo{"cpu", "", false};
     lo.kv_cache_dtype = kv_cache_dtype;
     auto model = DecoderModel::load(kModel, lo);
@@ -46,6 +46,12 @@ struct EngineRun {
     eo.enable_chunked_prefill = false;
     eo.warmup_tokens = 0;
     eo.policies = std::move(policies);
+    if (speculate) {  // prompt lookup: a sequence's drafts are further rows of its format's part
+      eo.speculative.method = "ngram";
+      eo.speculative.num_speculative_tokens = 4;
+      eo.speculative.prompt_lookup_min = 1;
+      eo.speculative.auto_disable = false;
+    }
     engine = std::make_unique<Engine>(model, tok, eo);
   }
 
@@ -169,4 +175,34 @@ TEST(MixedKvEngine, ALadderPicksTheRungByPromptLength) {
   EXPECT_EQ(got.at("mid").kept, 4 * 45);    // 45 of 80 in int8: over half
   EXPECT_EQ(got.at("long").kept, 4 * 85);   // 45 of 300 is under half: int4
   EXPECT_EQ(m.engine->stats().kv_bytes_used, 0);
+}
+
+TEST(MixedKvEngine, KvzipInInt8BesideFloat32) {
+  // kvzip scores from the full-precision prefill, then keeps its heads' tokens in int8 blocks
+  // (head-wise layout), beside a float32 full-KV request in the same steps.
+  EngineRun m("", {{"zip8", {{"name", "kvzip"}, {"budget", "64"}, {"kv_dtype", "int8"}}}});
+  const auto got = m.generate({{"a", ""}, {"z", "zip8"}});
+  EngineRun i8("int8", {{"p", {{"name", "kvzip"}, {"budget", "64"}}}});
+  const auto want = i8.generate({{"a", ""}, {"z", "p"}});
+  EXPECT_EQ(got.at("z").finish_reason, "length") << got.at("z").error;
+  EXPECT_EQ(got.at("z").tokens, want.at("z").tokens);
+  EXPECT_EQ(got.at("z").logprobs, want.at("z").logprobs);
+  EXPECT_EQ(got.at("z").kept, want.at("z").kept);
+  EXPECT_LT(got.at("z").kept, 4 * 300);
+  EXPECT_EQ(m.engine->stats().kv_bytes_used, 0);
+}
+
+TEST(MixedKvEngine, SpeculationOverSeveralFormatsKeepsTheTokens) {
+  Specs mixed{{"full8", {{"name", "full"}, {"kv_dtype", "int8"}}},
+              {"snap4", {{"name", "snapkv"}, {"budget", "64"}, {"window", "8"}, {"kv_dtype", "int4"}}}};
+  EngineRun plain("", mixed);
+  EngineRun spec("", mixed, /*speculate=*/true);
+  const std::vector<std::pair<std::string, std::string>> reqs{{"a", ""}, {"b", "full8"}, {"c", "snap4"}};
+  const auto want = plain.generate(reqs), got = spec.generate(reqs);
+  for (const auto& [id, r] : want) {
+    EXPECT_EQ(got.at(id).finish_reason, "length") << id << ": " << got.at(id).error;
+    EXPECT_EQ(got.at(id).tokens, r.tokens) << id;
+  }
+  EXPECT_GT(spec.engine->stats().spec_decode_num_draft_tokens, 0);
+  EXPECT_EQ(spec.engine->stats().kv_bytes_used, 0);
 }
