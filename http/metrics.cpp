@@ -217,6 +217,13 @@ std::string ServerMetrics::render(const std::optional<EngineStats>& stats) const
   gauge("kvserve:kv_cache_bytes_used", "Bytes of the KV-cache blocks in use (what the KV cache dtype makes of them).",
         static_cast<double>(s.kv_bytes_used));
   gauge("kvserve:kv_cache_bytes_total", "Bytes of the KV-cache pool.", static_cast<double>(s.kv_bytes_total));
+  if (!s.kv_bytes_used_by_dtype.empty()) {
+    header(out, "kvserve:kv_cache_bytes_used_by_dtype", "gauge",
+           "Bytes of the KV-cache blocks in use per KV cache dtype (policies may store theirs in their own).");
+    for (const auto& [dtype, bytes] : s.kv_bytes_used_by_dtype)
+      out += "kvserve:kv_cache_bytes_used_by_dtype{" + model + ",kv_dtype=\"" + prometheus_escape(dtype) + "\"} " +
+             fmt(static_cast<double>(bytes)) + "\n";
+  }
   counter("kvserve:prompt_tokens_total", "Prefilled prompt tokens.", static_cast<double>(s.prompt_tokens_total));
   counter("kvserve:generation_tokens_total", "Generated tokens.", static_cast<double>(s.generation_tokens_total));
   counter("kvserve:num_preemptions_total", "Preemptions (recompute).", static_cast<double>(s.preemptions_total));

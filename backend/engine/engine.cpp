@@ -275,6 +275,7 @@ void record_usage(EngineStats& st, const KvUsage& usage) {
   st.kv_blocks_high_water = usage.blocks_high_water;
   st.kv_bytes_total = usage.bytes_total;
   st.kv_bytes_used = usage.bytes_used;
+  st.kv_bytes_used_by_dtype = usage.bytes_used_by_dtype;
   st.kv_blocks_cached = usage.blocks_cached;
   st.prefix_cache_bytes = usage.cached_bytes;
   st.prefix_cache_host_bytes = usage.host_cached_bytes;

@@ -90,6 +90,7 @@ struct EngineStats {
   int64_t kv_blocks_high_water = 0;
   int64_t kv_bytes_total = 0;  // the pools' bytes, and those of the blocks in use (per KV cache dtype)
   int64_t kv_bytes_used = 0;
+  std::map<std::string, int64_t> kv_bytes_used_by_dtype;  // per KV cache dtype (policies' kv_dtype)
   int64_t prompt_tokens_total = 0;
   int64_t generation_tokens_total = 0;
   int64_t preemptions_total = 0;

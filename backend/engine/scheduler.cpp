@@ -528,6 +528,7 @@ KvUsage Scheduler::usage() const {
     u.blocks_used += p.usage.blocks_used;
     u.bytes_total += p.usage.blocks_total * p.usage.block_bytes;
     u.bytes_used += p.usage.blocks_used * p.usage.block_bytes;
+    for (const auto& [dtype, bytes] : p.usage.bytes_used_by_dtype) u.bytes_used_by_dtype[dtype] += bytes;
     u.blocks_high_water += p.usage.blocks_high_water;
     u.blocks_cached += p.usage.blocks_cached;
     u.cached_bytes += p.usage.cached_bytes;

@@ -1,6 +1,14 @@
 #include "backend/engine/step_plan.h"
 
+#include "cache_manager/kv_quant.h"
+
 namespace kvserve {
+
+namespace {
+std::string dtype_label(const PagedKvMemory& kv) {
+  return kv_cache_dtype_label(kv.cache().pool().dtype(), kv.cache().pool().quant());
+}
+}  // namespace
 
 ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
   ShardUsage u;
@@ -11,6 +19,7 @@ ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
   u.blocks_cached = kv.cache().cached_blocks();
   u.block_bytes = kv.cache().block_bytes();
   u.cached_bytes = u.blocks_cached * u.block_bytes;
+  u.bytes_used_by_dtype[dtype_label(kv)] = u.blocks_used * u.block_bytes;
   if (const HostKvTier* t = kv.cache().host_tier()) {
     u.host_cached_bytes = t->used_slots() * t->slot_bytes();
     u.host_capacity_bytes = t->total_bytes();
@@ -45,6 +54,7 @@ ShardUsage shard_usage(const MixedKvMemory& kv, const StepPlan& plan) {
     // A compressing policy must not chunk where any format rounds what a chunk reads back.
     u.geometry.rounds_kv = u.geometry.rounds_kv || m.geometry().rounds_kv;
     u.blocks_cached += m.cache().cached_blocks() * w;
+    u.bytes_used_by_dtype[dtype_label(m)] += m.blocks_used() * m.cache().block_bytes();
     if (const HostKvTier* t = m.cache().host_tier()) {
       u.host_cached_bytes += t->used_slots() * t->slot_bytes();
       u.host_capacity_bytes += t->total_bytes();

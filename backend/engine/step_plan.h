@@ -118,6 +118,8 @@ struct ShardUsage {
   // units of block_bytes (MixedKvMemory's units): a block of a policy named in policy_units takes
   // that many, one of any other policy base_units. One format: blocks, one unit each.
   int64_t base_units = 1;
+  // Bytes of the blocks in use per KV cache dtype (kv_cache_dtype_label: "float16", "int8", ...).
+  std::map<std::string, int64_t> bytes_used_by_dtype;
   std::map<std::string, int64_t> policy_units;
   int64_t units(const std::string& policy) const {
     auto it = policy_units.find(policy);
@@ -163,6 +165,7 @@ struct KvUsage {
   // The same in bytes (a block's bytes depend on the KV cache dtype: int8 / int4 blocks are smaller).
   int64_t bytes_total = 0;
   int64_t bytes_used = 0;
+  std::map<std::string, int64_t> bytes_used_by_dtype;  // the same per KV cache dtype
   int64_t blocks_high_water = 0;
   int64_t blocks_cached = 0;
   int64_t cached_bytes = 0;

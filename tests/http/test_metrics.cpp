@@ -25,6 +25,7 @@ TEST(Metrics, RendersVllmStyleNames) {
   s.kv_blocks_used = 25;
   s.kv_bytes_total = 6800;
   s.kv_bytes_used = 1700;
+  s.kv_bytes_used_by_dtype = {{"float16", 1200}, {"int8", 500}};
   s.prompt_tokens_total = 42;
   s.generation_tokens_total = 7;
   std::string t = m.render(s);
@@ -36,6 +37,8 @@ TEST(Metrics, RendersVllmStyleNames) {
   EXPECT_TRUE(has_line(t, "kvserve:kv_cache_blocks_total{" + L + "} 100"));
   EXPECT_TRUE(has_line(t, "kvserve:kv_cache_bytes_used{" + L + "} 1700"));
   EXPECT_TRUE(has_line(t, "kvserve:kv_cache_bytes_total{" + L + "} 6800"));
+  EXPECT_TRUE(has_line(t, "kvserve:kv_cache_bytes_used_by_dtype{" + L + ",kv_dtype=\"float16\"} 1200")) << t;
+  EXPECT_TRUE(has_line(t, "kvserve:kv_cache_bytes_used_by_dtype{" + L + ",kv_dtype=\"int8\"} 500"));
   EXPECT_TRUE(has_line(t, "kvserve:prompt_tokens_total{" + L + "} 42"));
   EXPECT_TRUE(has_line(t, "kvserve:generation_tokens_total{" + L + "} 7"));
   EXPECT_TRUE(has_line(t, "kvserve:request_success_total{" + L + ",finished_reason=\"length\"} 2"));

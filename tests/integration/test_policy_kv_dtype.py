@@ -79,6 +79,8 @@ def test_each_policy_answers_as_a_cache_of_its_dtype(tmp):
         got = {p: ask(mixed, p) for p in ("full", "full8", "snap4", "snap32b", "snap4b", "lad")}
         idle = mixed.wait_idle()
         assert idle["kvserve:kv_cache_bytes_used"] == 0, idle
+        for dtype in ("float32", "int8", "int4"):  # every format's bytes, none held now
+            assert idle[f'kvserve:kv_cache_bytes_used_by_dtype{{model_name="tiny",kv_dtype="{dtype}"}}'] == 0, idle
     finally:
         mixed.close()
     want = {}
