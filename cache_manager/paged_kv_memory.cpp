@@ -49,7 +49,10 @@ std::map<std::string, PolicyConfig> resolve_policies(
                "the name is a rung of a kv_dtype ladder policy; rename it");
       out[name] = cfg;
     } catch (const KvError& e) {
-      KV_FAIL("policy '" << name << "': " << e.what());
+      // A message that already names this policy (its name is its method) is not named twice.
+      const std::string what = e.what(), prefix = "policy '" + name + "': ";
+      if (what.rfind(prefix, 0) == 0) throw;
+      KV_FAIL(prefix << what);
     }
   }
   return out;

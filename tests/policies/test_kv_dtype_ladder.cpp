@@ -80,4 +80,8 @@ TEST(KvDtypeLadder, ErrorsNameThePolicy) {
                                       {"zip@int8", {{"name", "snapkv"}}}});
   EXPECT_NE(taken.find("zip@int8"), std::string::npos) << taken;
   EXPECT_NE(taken.find("rename"), std::string::npos) << taken;
+  // A policy named for its method is named once.
+  const std::string once = error_of({{"snapkv", {{"budget", "4"}, {"window", "8"}}}});
+  EXPECT_EQ(once.find("policy 'snapkv'"), 0u) << once;
+  EXPECT_EQ(once.find("policy 'snapkv'", 1), std::string::npos) << once;
 }
