@@ -8,6 +8,21 @@ namespace {
 std::string dtype_label(const PagedKvMemory& kv) {
   return kv_cache_dtype_label(kv.cache().pool().dtype(), kv.cache().pool().quant());
 }
+
+// Adds a cache's host tier and compressed contexts to `u`, its blocks as `units` each.
+void add_caches(ShardUsage& u, const PagedKvCache& cache, int64_t units) {
+  if (const HostKvTier* t = cache.host_tier()) {
+    u.host_cached_bytes += t->used_slots() * t->slot_bytes();
+    u.host_capacity_bytes += t->total_bytes();
+    u.host_stores += t->stores();
+    u.host_loads += t->loads();
+  }
+  if (const CompressedContextCache* c = cache.context_cache()) {
+    u.context_entries += c->num_entries();
+    u.context_blocks += c->cached_blocks() * units;
+    u.context_full_blocks += c->full_blocks() * units;
+  }
+}
 }  // namespace
 
 ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
@@ -20,17 +35,7 @@ ShardUsage shard_usage(const PagedKvMemory& kv, const StepPlan& plan) {
   u.block_bytes = kv.cache().block_bytes();
   u.cached_bytes = u.blocks_cached * u.block_bytes;
   u.bytes_used_by_dtype[dtype_label(kv)] = u.blocks_used * u.block_bytes;
-  if (const HostKvTier* t = kv.cache().host_tier()) {
-    u.host_cached_bytes = t->used_slots() * t->slot_bytes();
-    u.host_capacity_bytes = t->total_bytes();
-    u.host_stores = t->stores();
-    u.host_loads = t->loads();
-  }
-  if (const CompressedContextCache* c = kv.cache().context_cache()) {
-    u.context_entries = c->num_entries();
-    u.context_blocks = c->cached_blocks();
-    u.context_full_blocks = c->full_blocks();
-  }
+  add_caches(u, kv.cache(), 1);
   auto add = [&](int64_t id) {
     u.held.push_back(kv.private_blocks(id));
     u.demand.push_back(kv.decode_demand({id}));
@@ -55,17 +60,7 @@ ShardUsage shard_usage(const MixedKvMemory& kv, const StepPlan& plan) {
     u.geometry.rounds_kv = u.geometry.rounds_kv || m.geometry().rounds_kv;
     u.blocks_cached += m.cache().cached_blocks() * w;
     u.bytes_used_by_dtype[dtype_label(m)] += m.blocks_used() * m.cache().block_bytes();
-    if (const HostKvTier* t = m.cache().host_tier()) {
-      u.host_cached_bytes += t->used_slots() * t->slot_bytes();
-      u.host_capacity_bytes += t->total_bytes();
-      u.host_stores += t->stores();
-      u.host_loads += t->loads();
-    }
-    if (const CompressedContextCache* c = m.cache().context_cache()) {
-      u.context_entries += c->num_entries();
-      u.context_blocks += c->cached_blocks() * w;
-      u.context_full_blocks += c->full_blocks() * w;
-    }
+    add_caches(u, m.cache(), w);
   }
   u.cached_bytes = u.blocks_cached * u.block_bytes;
   u.base_units = kv.block_units(0);
