@@ -50,6 +50,8 @@ class BlockAllocator {
   // A shared storage's allocator: its client id there and blocks per slab (-1 / 0 otherwise).
   int slab_client() const { return client_; }
   int64_t blocks_per_slab() const { return per_slab_; }
+  // A shared storage's slab: this allocator's blocks in use there (0 for a slab it does not hold).
+  int32_t slab_used(int64_t slab) const { return slab_used_.at(static_cast<size_t>(slab)); }
 
   // Full O(total) consistency check: used + free == total (alone), free list matches zero refcounts.
   void check_invariants() const;

@@ -199,6 +199,11 @@ void CompressedContextCache::count_refs(std::vector<int32_t>& refs) const {
         for (int32_t b : t.blocks) ++refs[static_cast<size_t>(b)];
 }
 
+void CompressedContextCache::idle_blocks(std::vector<int32_t>& out) const {
+  for (const auto& [last_use, id] : lru_)
+    for (const Table& t : entries_[static_cast<size_t>(id)].tables) out.insert(out.end(), t.blocks.begin(), t.blocks.end());
+}
+
 void CompressedContextCache::check_invariants() const {
   int64_t live = 0, blocks = 0, idle = 0, full = 0, idle_entries = 0, host_entries = 0, host_slots = 0, host_idle = 0;
   for (size_t i = 0; i < entries_.size(); ++i) {

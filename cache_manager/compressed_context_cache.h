@@ -87,6 +87,8 @@ class CompressedContextCache {
   int64_t full_blocks() const { return full_blocks_; }
   // References the cache holds on each pool block (for the pool's invariant check).
   void count_refs(std::vector<int32_t>& refs) const;
+  // Appends the pool blocks of the entries without users (reclaimable_blocks() of them).
+  void idle_blocks(std::vector<int32_t>& out) const;
   void check_invariants() const;
 
  private:

@@ -1,5 +1,7 @@
 #include "cache_manager/kv_slabs.h"
 
+#include <algorithm>
+
 #include <limits>
 #include <numeric>
 #include <sstream>
@@ -84,6 +86,7 @@ int32_t KvSlabs::take(int client) {
   const int32_t s = free_.back();
   free_.pop_back();
   holder_[static_cast<size_t>(s)] = client;
+  high_water_ = std::max(high_water_, num_slabs() - free_slabs());
   return s;
 }
 

@@ -39,6 +39,9 @@ class KvSlabs {
   int64_t slab_bytes() const { return slab_bytes_; }
   int64_t free_slabs() const { return static_cast<int64_t>(free_.size()); }
   torch::Device device() const { return storage_.device(); }
+  // The most slabs held at once since the start or the last reset (a new measurement window).
+  int64_t high_water_slabs() const { return high_water_; }
+  void reset_high_water() { high_water_ = num_slabs() - free_slabs(); }
 
   // A new holder of slabs (one per allocator); its id names it to take, give and holder.
   int join();
@@ -65,6 +68,7 @@ class KvSlabs {
   std::vector<int> holder_;     // per slab: its client, -1 when free
   std::vector<int32_t> free_;   // LIFO; a fresh storage hands out 0, 1, 2, ...
   std::vector<Reclaimer> reclaimers_;  // per client (empty: nothing to reclaim)
+  int64_t high_water_ = 0;
   bool reclaiming_ = false;     // a reclaimer that frees blocks never asks the others in turn
 };
 

@@ -199,6 +199,36 @@ int64_t MixedKvMemory::bytes_used() const {
   return n;
 }
 
+MixedKvMemory::Room MixedKvMemory::room() const {
+  Room r;
+  r.own_units.assign(memories_.size(), 0);
+  if (memories_.size() == 1 || !slabs_) {
+    r.own_units[0] = blocks_total() - blocks_used();
+    return r;
+  }
+  r.slab_units = slabs_->slab_bytes() / unit_bytes_;
+  std::vector<std::vector<int32_t>> used(memories_.size());
+  std::unordered_map<int, size_t> format_of_client;
+  for (size_t f = 0; f < memories_.size(); ++f) {
+    used[f] = memories_[f]->cache().request_blocks_per_slab();
+    format_of_client[memories_[f]->cache().allocator().slab_client()] = f;
+  }
+  for (int32_t s = 0; s < static_cast<int32_t>(slabs_->num_slabs()); ++s) {
+    const int h = slabs_->holder(s);
+    if (h < 0) {
+      ++r.free_slabs;
+      continue;
+    }
+    auto it = format_of_client.find(h);
+    if (it == format_of_client.end()) continue;  // not a format of this memory: no room for it
+    const size_t f = it->second;
+    const int32_t u = used[f][static_cast<size_t>(s)];
+    if (u == 0) ++r.free_slabs;
+    else r.own_units[f] += (memories_[f]->cache().allocator().blocks_per_slab() - u) * block_units_[f];
+  }
+  return r;
+}
+
 int64_t MixedKvMemory::blocks_total() const {
   if (memories_.size() == 1) return memories_[0]->blocks_total();
   return bytes_total() / unit_bytes_;
@@ -213,13 +243,13 @@ int64_t MixedKvMemory::blocks_used() const {
 
 int64_t MixedKvMemory::blocks_high_water() const {
   if (memories_.size() == 1) return memories_[0]->blocks_high_water();
-  int64_t n = 0;
-  for (size_t f = 0; f < memories_.size(); ++f) n += memories_[f]->blocks_high_water() * block_units_[f];
-  return n;
+  // The formats' own high waters fall at different times: their sum can exceed the storage.
+  return slabs_->high_water_slabs() * (slabs_->slab_bytes() / unit_bytes_);
 }
 
 void MixedKvMemory::reset_caches() {
   for (auto& m : memories_) m->reset_caches();
+  if (slabs_) slabs_->reset_high_water();
 }
 
 void MixedKvMemory::set_draft_policy(const std::string& name, int64_t budget, int64_t min_prompt_tokens,

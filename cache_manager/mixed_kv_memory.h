@@ -71,7 +71,8 @@ class MixedKvMemory final : public KvMemory {
   int64_t cached_tokens(int64_t seq_id, int64_t layer) const override { return of(seq_id).cached_tokens(seq_id, layer); }
   // With one format, its blocks. With several, in units of unit_bytes() (the largest size that
   // divides every format's block): a block of format f is block_units(f) units, the storage
-  // bytes_total() / unit_bytes(), and used / high water each format's blocks in units, summed. The
+  // bytes_total() / unit_bytes(), used each format's blocks in units, summed, and high water the
+  // most slabs held at once, in units (with what is free inside them). The
   // scheduler counts in these units (ShardUsage::policy_units) so that one admission check covers
   // every format. A format's free blocks inside slabs it holds are not another's: counting them free
   // is exact only once its slabs drain (fullest-first allocation keeps that slack small).
@@ -79,6 +80,18 @@ class MixedKvMemory final : public KvMemory {
   int64_t blocks_used() const override;
   int64_t blocks_high_water() const override;
   int64_t kept_tokens(int64_t seq_id) const override { return of(seq_id).kept_tokens(seq_id); }
+
+  // Where each format could put blocks now, in units, with several formats on one storage: the free
+  // and reclaimable blocks of slabs its requests use (only it can fill them) and the slabs no request
+  // uses (free, or holding only cached blocks a reclaim frees), which any format takes whole. The
+  // scheduler plans against this rather than one free count, so that blocks free inside one
+  // format's slabs never look like room for another's.
+  struct Room {
+    std::vector<int64_t> own_units;  // per format
+    int64_t free_slabs = 0;
+    int64_t slab_units = 0;          // 0: one pool, own_units[0] is all the room
+  };
+  Room room() const;
 
   // KV bytes the storage holds, and those the sequences and caches of every format use.
   int64_t bytes_total() const;

@@ -179,6 +179,20 @@ bool PagedKvCache::reclaim(int64_t need) {
   return need <= alloc_.free_blocks();
 }
 
+std::vector<int32_t> PagedKvCache::request_blocks_per_slab() const {
+  if (!slabs_) return {};
+  std::vector<int32_t> used(static_cast<size_t>(slabs_->num_slabs()));
+  for (size_t s = 0; s < used.size(); ++s) used[s] = alloc_.slab_used(static_cast<int64_t>(s));
+  std::vector<int32_t> idle;
+  if (prefix_) prefix_->idle_blocks(idle);
+  if (contexts_) contexts_->idle_blocks(idle);
+  const int64_t per = alloc_.blocks_per_slab();
+  // A reclaim frees a block only where the cache holds its last reference.
+  for (int32_t b : idle)
+    if (alloc_.refcount(b) == 1) --used[static_cast<size_t>(b / per)];
+  return used;
+}
+
 void PagedKvCache::reclaim_slabs(int64_t slabs) {
   while (slabs_->free_slabs() < slabs) {
     const int64_t used = alloc_.used_blocks();

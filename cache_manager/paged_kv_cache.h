@@ -233,6 +233,9 @@ class PagedKvCache {
   int64_t reclaimable_blocks() const {
     return (prefix_ ? prefix_->reclaimable_blocks() : 0) + (contexts_ ? contexts_->reclaimable_blocks() : 0);
   }
+  // On a shared storage: per slab of it, the blocks this cache's requests use there (its blocks in
+  // use less the cached ones no request uses, which a reclaim frees); empty on an own pool.
+  std::vector<int32_t> request_blocks_per_slab() const;
   // Blocks the prefix cache holds (used by requests or not).
   int64_t cached_blocks() const { return prefix_ ? prefix_->cached_blocks() : 0; }
   int64_t total_blocks() const { return alloc_.total_blocks(); }

@@ -228,6 +228,11 @@ void PrefixCache::count_refs(std::vector<int32_t>& refs) const {
       for (int32_t b : e.blocks) ++refs[static_cast<size_t>(b)];
 }
 
+void PrefixCache::idle_blocks(std::vector<int32_t>& out) const {
+  for (const Entry& e : entries_)
+    if (movable(e)) out.insert(out.end(), e.blocks.begin(), e.blocks.end());
+}
+
 void PrefixCache::check_invariants(int64_t other_tier_slots) const {
   int64_t live = 0, idle = 0, host = 0, leaves = 0, movable_count = 0, host_leaves = 0;
   std::vector<int64_t> children(entries_.size(), 0);

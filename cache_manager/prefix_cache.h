@@ -81,6 +81,8 @@ class PrefixCache {
   int64_t host_entries() const { return on_host_; }
   // References the cache holds on each pool block (for the pool's invariant check).
   void count_refs(std::vector<int32_t>& refs) const;
+  // Appends the pool blocks of the reclaimable entries (reclaimable_blocks() of them).
+  void idle_blocks(std::vector<int32_t>& out) const;
   // Full consistency check: index, tree links, users and the eviction order agree.
   // other_tier_slots: tier slots held by others (compressed contexts share the tier).
   void check_invariants(int64_t other_tier_slots = 0) const;

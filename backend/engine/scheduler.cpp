@@ -197,17 +197,20 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   plan.remove.swap(remove_);
   plan.park.swap(park_);
 
-  // Free blocks per shard once this plan's releases ran.
+  // Room per shard once this plan's releases ran.
   const size_t S = shards_.size();
-  std::vector<int64_t> free(S);
+  std::vector<KvRoom> room(S);
   auto forget = [&](int64_t id) {
     for (size_t i = 0; i < S; ++i) {
-      auto h = shards_[i].held.find(id);
-      if (h != shards_[i].held.end()) free[i] += h->second, shards_[i].held.erase(h);
-      shards_[i].demand.erase(id);
+      Pool& p = shards_[i];
+      auto f = p.format.find(id);
+      auto h = p.held.find(id);
+      if (h != p.held.end()) room[i].give(f == p.format.end() ? 0 : f->second, h->second), p.held.erase(h);
+      if (f != p.format.end()) p.format.erase(f);
+      p.demand.erase(id);
     }
   };
-  for (size_t i = 0; i < S; ++i) free[i] = shards_[i].usage.blocks_total - shards_[i].usage.blocks_used;
+  for (size_t i = 0; i < S; ++i) room[i] = shards_[i].usage.room();
   for (int64_t id : plan.release) forget(id);
   // A parked conversation goes (oldest first) before anything waits or is preempted for its room.
   auto evict_parked = [&] {
@@ -225,27 +228,43 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
   // Decode first: every running sequence advances one token. Preempt (recompute later) the most
   // recently admitted sequences while some shard cannot hold one more token for each. A prompt still
   // being prefilled in chunks does not decode yet; it keeps the rest of its peak reserved instead.
+  // By KV format: a format's demand can only shrink by preempting its own sequences.
   auto demand = [&](size_t i) {
-    int64_t d = 0;
+    std::vector<int64_t> d(shards_[i].usage.num_formats(), 0);
     for (const auto& s : running_) {
+      int64_t& df = d.at(shards_[i].format_of(*s));
       if (s->prefilling()) {
-        d += reserved(*s, i);
+        df += reserved(*s, i);
         continue;
       }
       auto it = shards_[i].demand.find(s->id);
-      if (it != shards_[i].demand.end()) d += it->second;
+      if (it != shards_[i].demand.end()) df += it->second;
     }
     return d;
   };
+  // The most recently admitted sequence whose preemption helps a shard that lacks room: one of a
+  // format that needs more than its own room there (with one pool, the last one).
+  auto victim_index = [&] {
+    for (size_t i = 0; i < S; ++i) {
+      const std::vector<int64_t> d = demand(i);
+      if (room[i].fits(d)) continue;
+      for (size_t k = running_.size(); k-- > 0;) {
+        const size_t f = shards_[i].format_of(*running_[k]);
+        if (room[i].draws_slabs(f, d[f])) return k;
+      }
+    }
+    return running_.size() - 1;
+  };
   auto decode_fits = [&] {
     for (size_t i = 0; i < S; ++i)
-      if (demand(i) > free[i]) return false;
+      if (!room[i].fits(demand(i))) return false;
     return true;
   };
   while (!running_.empty() && !decode_fits()) {
     if (evict_parked()) continue;
-    std::unique_ptr<Sequence> victim = std::move(running_.back());
-    running_.pop_back();
+    const auto k = static_cast<std::ptrdiff_t>(victim_index());
+    std::unique_ptr<Sequence> victim = std::move(running_[static_cast<size_t>(k)]);
+    running_.erase(running_.begin() + k);
     forget(victim->id);
     plan.release.push_back(victim->id);
     victim->in_cache = false;
@@ -253,7 +272,10 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     waiting_.push_front(std::move(victim));
     ++preemptions_;
   }
-  for (size_t i = 0; i < S; ++i) free[i] -= demand(i);
+  for (size_t i = 0; i < S; ++i) {
+    const std::vector<int64_t> d = demand(i);
+    for (size_t f = 0; f < d.size(); ++f) room[i].take(f, d[f]);
+  }
   // After a failed decode step its sequences decode alone, one per step, until each succeeds once:
   // a sequence that keeps failing then fails alone (the others wait meanwhile).
   auto suspect = std::find_if(running_.begin(), running_.end(), [](const auto& s) { return s->suspect; });
@@ -284,9 +306,9 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       const auto& g = shards_[i].usage.geometry;
       return g.num_layers * g.lanes() * blocks_for_tokens(n, g.block_size) * shards_[i].usage.units(s->req.kv_policy);
     };
-    bool room = true;
-    for (size_t i = 0; i < S; ++i) room = room && draft_blocks(i, k) <= free[i];
-    if (!room) continue;
+    bool fits = true;
+    for (size_t i = 0; i < S; ++i) fits = fits && room[i].fits(shards_[i].format_of(*s), draft_blocks(i, k));
+    if (!fits) continue;
     const std::vector<int64_t> draft = propose(*s, k);
     if (draft.empty()) continue;
     plan.model_draft = plan.model_draft || spec.loads_draft_model();
@@ -295,7 +317,8 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
       plan.self_draft = {blocks_for_tokens(spec.draft_sink_tokens, bs),
                          std::max<int64_t>(1, blocks_for_tokens(spec.draft_window_tokens, bs))};
     }
-    for (size_t i = 0; i < S; ++i) free[i] -= draft_blocks(i, static_cast<int64_t>(draft.size()));
+    for (size_t i = 0; i < S; ++i)
+      room[i].take(shards_[i].format_of(*s), draft_blocks(i, static_cast<int64_t>(draft.size())));
     const int64_t min_tokens = s->req.sampling.ignore_eos ? 0 : s->req.sampling.min_tokens;
     for (size_t j = 0; j < draft.size(); ++j) {
       plan.decode.seq_ids.push_back(s->id);
@@ -359,7 +382,7 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
           need[i] = std::max<int64_t>(0, need[i] - *shared);
       }
       need[i] *= shards_[i].usage.units(s.req.kv_policy);
-      fits = fits && need[i] <= free[i];
+      fits = fits && room[i].fits(shards_[i].format_of(s), need[i]);
     }
     if (!fits && evict_parked()) continue;
     if (!fits) {
@@ -372,9 +395,9 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
     for (size_t i = 0; i < S; ++i) {
       copies[i] = PagedKvMemory::prefix_copy_blocks(cfg, shards_[i].usage.geometry, context ? context : n) *
                   shards_[i].usage.units(s.req.kv_policy);
-      keep_copy = keep_copy && need[i] + copies[i] <= free[i];
+      keep_copy = keep_copy && room[i].fits(shards_[i].format_of(s), need[i] + copies[i]);
     }
-    for (size_t i = 0; i < S; ++i) free[i] -= need[i] + (keep_copy ? copies[i] : 0);
+    for (size_t i = 0; i < S; ++i) room[i].take(shards_[i].format_of(s), need[i] + (keep_copy ? copies[i] : 0));
     std::unique_ptr<Sequence> owned = std::move(waiting_.front());
     waiting_.pop_front();
     if (!owned->scheduled) {  // queue time ends at the first admission, not at a re-admission
@@ -406,6 +429,8 @@ StepPlan Scheduler::schedule(std::vector<Rejected>* rejected) {
 std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResult result) {
   // The pools as the step left them, and each touched sequence's blocks there.
   if (shards_.size() != result.shards.size()) shards_.assign(result.shards.size(), Pool{});
+  std::unordered_map<int64_t, Sequence*> by_id;
+  for (auto& s : running_) by_id[s->id] = s.get();
   std::vector<int64_t> rows = plan.decode.seq_ids;
   for (const auto& p : plan.prefill) rows.push_back(p.seq_id);
   for (size_t i = 0; i < shards_.size(); ++i) {
@@ -414,11 +439,10 @@ std::vector<Scheduler::Output> Scheduler::update(const StepPlan& plan, StepResul
     for (size_t r = 0; r < rows.size(); ++r) {
       if (r < pool.usage.held.size()) pool.held[rows[r]] = pool.usage.held[r];
       if (r < pool.usage.demand.size()) pool.demand[rows[r]] = pool.usage.demand[r];
+      if (auto s = by_id.find(rows[r]); s != by_id.end()) pool.format[rows[r]] = pool.format_of(*s->second);
     }
   }
 
-  std::unordered_map<int64_t, Sequence*> by_id;
-  for (auto& s : running_) by_id[s->id] = s.get();
   std::vector<Output> out;
   const size_t rows_decoded = plan.decode.seq_ids.size();
   if (rows_decoded > 0 && result.decode_error.empty() && options_.speculative.enabled()) {

@@ -124,6 +124,8 @@ class Scheduler {
   struct Pool {
     ShardUsage usage;
     std::unordered_map<int64_t, int64_t> held, demand;
+    std::unordered_map<int64_t, size_t> format;  // each sequence's KV format there (ShardUsage::format)
+    size_t format_of(const Sequence& s) const { return usage.format(s.req.kv_policy); }
   };
   // Frees `id` from the books at the start of the next plan (parks its KV when `park`).
   void drop_later(Sequence& s, bool park = false);

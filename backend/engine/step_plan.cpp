@@ -65,6 +65,11 @@ ShardUsage shard_usage(const MixedKvMemory& kv, const StepPlan& plan) {
   u.cached_bytes = u.blocks_cached * u.block_bytes;
   u.base_units = kv.block_units(0);
   for (const auto& [policy, f] : kv.policy_formats()) u.policy_units[policy] = kv.block_units(f);
+  const MixedKvMemory::Room room = kv.room();
+  u.format_room = room.own_units;
+  u.free_slabs = room.free_slabs;
+  u.slab_units = room.slab_units;
+  u.policy_format = kv.policy_formats();
   auto add = [&](int64_t id) {
     if (!kv.holds(id)) {
       u.held.push_back(0);

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/engine/kv_room.h"
 #include "backend/sampling/sampler.h"
 #include "backend/sampling/sampling_params.h"
 #include "cache_manager/kv_memory.h"
@@ -124,6 +125,21 @@ struct ShardUsage {
   int64_t units(const std::string& policy) const {
     auto it = policy_units.find(policy);
     return it == policy_units.end() ? base_units : it->second;
+  }
+  // Several formats on one slab storage (MixedKvMemory::Room): each format's room in the slabs it
+  // holds, the slabs any format may take, a slab's units, and the format of each policy named (any
+  // other: format 0). Empty format_room: one pool, whose room is blocks_total - blocks_used.
+  std::vector<int64_t> format_room;
+  int64_t free_slabs = 0;
+  int64_t slab_units = 0;
+  std::map<std::string, size_t> policy_format;
+  size_t format(const std::string& policy) const {
+    auto it = policy_format.find(policy);
+    return it == policy_format.end() ? 0 : it->second;
+  }
+  size_t num_formats() const { return format_room.empty() ? 1 : format_room.size(); }
+  KvRoom room() const {
+    return format_room.empty() ? KvRoom(blocks_total - blocks_used) : KvRoom(format_room, free_slabs, slab_units);
   }
 };
 

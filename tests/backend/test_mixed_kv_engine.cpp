@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <string>
@@ -35,14 +36,15 @@ struct Result {
 
 // An engine on the tiny model whose whole cache is `kv_cache_dtype`, with `policies`.
 struct EngineRun {
-  EngineRun(const std::string& kv_cache_dtype, Specs policies, bool speculate = false) {
+  EngineRun(const std::string& kv_cache_dtype, Specs policies, bool speculate = false, int64_t kv_cache_bytes = 8 << 20,
+            int64_t max_num_seqs = 8) {
     LoadOptions lo{"cpu", "", false};
     lo.kv_cache_dtype = kv_cache_dtype;
     auto model = DecoderModel::load(kModel, lo);
     auto tok = std::make_shared<Tokenizer>(Tokenizer::from_dir(kModel));
     EngineOptions eo;
-    eo.kv_cache_bytes = 8 << 20;
-    eo.max_num_seqs = 8;
+    eo.kv_cache_bytes = kv_cache_bytes;
+    eo.max_num_seqs = max_num_seqs;
     eo.max_num_batched_tokens = 4096;
     eo.enable_chunked_prefill = false;
     eo.warmup_tokens = 0;
@@ -59,7 +61,7 @@ struct EngineRun {
   // Submits one prompt per policy in one batch (one step prefills them all, later steps decode them
   // together) and waits for every one.
   std::map<std::string, Result> generate(const std::vector<std::pair<std::string, std::string>>& id_policy,
-                                         const std::vector<int>& lengths = {}) {
+                                         const std::vector<int>& lengths = {}, const std::vector<int>& max_tokens = {}) {
     std::vector<Submission> batch;
     for (size_t i = 0; i < id_policy.size(); ++i) {
       const auto& [id, policy] = id_policy[i];
@@ -68,7 +70,7 @@ struct EngineRun {
       const int len = i < lengths.size() ? lengths[i] : 300;
       for (int t = 0; t < len; ++t) s.request.prompt_ids.push_back(5 + (t * 37 + 101 * static_cast<int>(i)) % 1900);
       s.request.sampling.temperature = 0;
-      s.request.sampling.max_tokens = 12;
+      s.request.sampling.max_tokens = i < max_tokens.size() ? max_tokens[i] : 12;
       s.request.sampling.ignore_eos = true;
       s.request.sampling.logprobs = 0;
       s.request.kv_policy = policy;
@@ -218,4 +220,43 @@ TEST(MixedKvEngine, SpeculationOverSeveralFormatsKeepsTheTokens) {
   }
   EXPECT_GT(spec.engine->stats().spec_decode_num_draft_tokens, 0);
   EXPECT_EQ(spec.bytes_used_when_idle(), 0);
+}
+
+TEST(MixedKvEngine, ASoakOfTwoFormatsInAFullPoolFinishesEveryRequest) {
+  // int8 (the cache's dtype) and int4 sequences in a pool that holds a few of them at a time: they
+  // are admitted, grow, are preempted and recomputed, and their slabs change hands. Every request
+  // must end with all its tokens and no error (the scheduler counts only a format's own slabs and
+  // free slabs as its room, so no decode step meets a pool it thought had room), and the pool must
+  // end empty.
+  Specs specs = {{"full4", {{"name", "full"}, {"kv_dtype", "int4"}}},
+                 {"snap4", {{"name", "snapkv"}, {"budget", "48"}, {"window", "8"}, {"kv_dtype", "int4"}}},
+                 {"snap8", {{"name", "snapkv"}, {"budget", "48"}, {"window", "8"}}}};
+  EngineRun run("int8", specs, false, 160 << 10, 12);
+  const std::vector<std::string> policies = {"full", "full4", "snap4", "snap8"};
+  std::vector<std::pair<std::string, std::string>> ids;
+  std::vector<int> lengths, max_tokens;
+  uint32_t x = 12345;
+  auto next = [&](int lo, int hi) {
+    x = x * 1664525u + 1013904223u;
+    return lo + static_cast<int>((x >> 8) % static_cast<uint32_t>(hi - lo + 1));
+  };
+  for (int i = 0; i < 48; ++i) {
+    ids.emplace_back("r" + std::to_string(i), policies[static_cast<size_t>(next(0, 3))]);
+    lengths.push_back(next(8, 160));
+    max_tokens.push_back(next(4, 48));
+  }
+  const auto results = run.generate(ids, lengths, max_tokens);
+  ASSERT_EQ(results.size(), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Result& r = results.at(ids[i].first);
+    EXPECT_EQ(r.error, "") << ids[i].first << " (" << ids[i].second << ")";
+    EXPECT_EQ(r.finish_reason, "length") << ids[i].first;
+    EXPECT_EQ(static_cast<int>(r.tokens.size()), max_tokens[i]) << ids[i].first;
+  }
+  const EngineStats st = run.engine->stats();
+  EXPECT_GT(st.preemptions_total + st.kv_admission_waits_total, 0) << "the pool never ran short: no soak";
+  EXPECT_LE(st.kv_blocks_high_water, st.kv_blocks_total);  // the most held at once, not each format's most
+  std::cout << "preemptions " << st.preemptions_total << ", admission waits " << st.kv_admission_waits_total
+            << ", high water " << st.kv_blocks_high_water << " of " << st.kv_blocks_total << " units\n";
+  EXPECT_EQ(run.bytes_used_when_idle(), 0);
 }

@@ -164,6 +164,42 @@ TEST(MixedKvMemory, StepOneFormatCannotFitLeavesTheOtherAsItWas) {
   EXPECT_EQ(t.slabs->free_slabs(), 3);
 }
 
+TEST(MixedKvMemory, RoomIsExactlyWhatEachFormatCanTake) {
+  Twins t = make_twins(4);
+  torch::manual_seed(5);
+  // Blocks of 1,088 (int8) and 576 bytes (int4): units of 64 bytes, 17 and 9 of them, 153 a slab.
+  ASSERT_EQ(t.mixed->block_units(0), 17);
+  ASSERT_EQ(t.mixed->block_units(1), 9);
+  // int8: 6 tokens (2 blocks in each of 3 layers) leave 3 of its slab's 9 blocks free; int4: 20
+  // tokens (5 blocks a layer) leave 2 of 17.
+  prefill(t, {1, 6, "full"});
+  prefill(t, {2, 20, "full4"});
+  MixedKvMemory::Room r = t.mixed->room();
+  EXPECT_EQ(r.own_units, (std::vector<int64_t>{3 * 17, 2 * 9}));
+  EXPECT_EQ(r.free_slabs, 2);
+  EXPECT_EQ(r.slab_units, 153);
+  // One count over the storage would offer int4 the int8 slab's 3 free blocks too (41 blocks).
+  EXPECT_EQ((t.mixed->blocks_total() - t.mixed->blocks_used()) / 9, 41);
+  // int4 can take 2 + 2 x 17 = 36 blocks: 12 a layer (48 tokens), and then nothing.
+  prefill(t, {3, 48, "full4"});
+  r = t.mixed->room();
+  EXPECT_EQ(r.own_units, (std::vector<int64_t>{3 * 17, 0}));
+  EXPECT_EQ(r.free_slabs, 0);
+  EXPECT_THROW(prefill(t, {4, 1, "full4"}), KvError);
+  t.mixed->release(4);
+  // int8's 3 free blocks are still its own: one block a layer fits.
+  prefill(t, {5, 4, "full"});
+  EXPECT_EQ(t.mixed->room().own_units[0], 0);
+  // Released, the int4 sequences' slabs show as free again.
+  t.mixed->release(2);
+  t.mixed->release(3);
+  r = t.mixed->room();
+  EXPECT_EQ(r.free_slabs, 3);
+  EXPECT_EQ(r.own_units[1], 0);
+  for (int64_t id : {1, 5}) t.mixed->release(id);
+  EXPECT_EQ(t.mixed->room().free_slabs, 4);
+}
+
 KvMemoryLayout layout(KvQuant q) {
   KvMemoryLayout l;
   l.num_layers = l.total_layers = kLayers;
