@@ -15,6 +15,7 @@
 #include "common/check.h"
 #include "configs/server_config.h"
 #include "parallel/shard_plan.h"
+#include "policies/kv_dtype_ladder.h"
 #include "policies/policy_config.h"
 
 namespace kvserve::cli {
@@ -122,7 +123,9 @@ void print_text(const parallel::ShardPlan& p) {
   }
   if (!p.weights_fit) std::cout << "WARNING: weights do not fit in usable memory on some stage\n";
   for (const auto& pol : p.policies) {
-    std::cout << "policy " << pol.policy << ": KV/seq per stage";
+    std::cout << "policy " << pol.policy;
+    if (!pol.kv_dtype.empty()) std::cout << " (KV " << pol.kv_dtype << ")";
+    std::cout << ": KV/seq per stage";
     for (size_t i = 0; i < pol.kv_bytes_per_seq.size(); ++i) {
       std::cout << (i ? ", " : " ") << mib(pol.kv_bytes_per_seq[i]);
       if (pol.kv_bytes_per_seq_peak[i] != pol.kv_bytes_per_seq[i]) std::cout << " (peak " << mib(pol.kv_bytes_per_seq_peak[i]) << ")";
@@ -152,25 +155,39 @@ void run_plan(const PlanArgs& a) {
   o.weight_dtype_bytes = dtype_bytes(compute);
   // "auto" as in cache.kv_cache_dtype / --kv-cache-dtype: the KV cache takes the compute dtype.
   const std::string kv = a.kv_dtype.empty() || a.kv_dtype == "auto" ? compute : a.kv_dtype;
-  // The quantized KV caches (cache_manager/kv_quant.h): bits per value, scale bytes per 32 values.
-  if (kv == "int8" || kv == "q8_0" || kv == "fp8" || kv == "fp8_e4m3") {
-    o.kv_quant_bits = 8, o.kv_quant_scale_bytes = 2;
-  } else if (kv == "int4" || kv == "q4_0") {
-    o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 2;
-  } else if (kv == "q4_1") {
-    o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 4;
+  try {
+    parallel::set_kv_dtype(o, kv);
+  } catch (const KvError& e) {
+    KV_FAIL("--kv-dtype: " << e.what());
   }
-  o.kv_dtype_bytes = o.kv_quant_bits > 0 ? 1 : dtype_bytes(kv);
 
   std::map<std::string, std::string> params = parse_key_values(a.params, "--param");
   if (!a.budget.empty()) params["budget"] = a.budget;
-  std::vector<PolicyConfig> policies{make_policy_config("full")};
-  if (a.policy != "full") policies.push_back(make_policy_config(a.policy, params));
-  // budget_bytes: tokens per layer at this KV dtype (a row is one token's K or V of one KV head).
-  for (PolicyConfig& p : policies) {
+  // budget_bytes: tokens per layer in the policy's KV dtype (a row is one token's K or V of one KV
+  // head), the cache's unless the policy names its own (--param kv_dtype=int4).
+  auto resolve = [&](PolicyConfig& p) {
     for (int64_t l = 0; l < mc.num_hidden_layers; ++l)
       if (mc.layer_window(l) > 0) p.local_layers.push_back(l);
-    p.resolve_budget_bytes(2 * m.num_kv_heads * parallel::kv_row_bytes(o, m.head_dim), m.num_layers, kv);
+    parallel::PlanOptions own = o;
+    if (!p.kv_dtype.empty()) parallel::set_kv_dtype(own, p.kv_dtype);
+    p.resolve_budget_bytes(2 * m.num_kv_heads * parallel::kv_row_bytes(own, m.head_dim), m.num_layers,
+                           p.kv_dtype.empty() ? kv : p.kv_dtype);
+  };
+  std::vector<PolicyConfig> policies{make_policy_config("full")};
+  resolve(policies[0]);
+  if (a.policy != "full") {
+    PolicyConfig p = make_policy_config(a.policy, params);
+    if (p.kv_dtype == "ladder") {
+      // The rung the engine would pick for a prompt of --context tokens (policies/kv_dtype_ladder.h).
+      std::map<std::string, PolicyConfig> rungs;
+      const std::string name = p.name;
+      expand_kv_dtype_ladder(name, p, rungs);
+      for (auto& [rung, cfg] : rungs) resolve(cfg);
+      p = rungs.at(choose_kv_rung(rungs, name, o.context));
+    } else {
+      resolve(p);
+    }
+    policies.push_back(std::move(p));
   }
 
   const auto plan = parallel::make_shard_plan(m, o, policies);
@@ -195,7 +212,8 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--shared-prefix", a->shared_prefix,
                   "leading tokens of the context every sequence shares, held once by the prefix cache (e.g. 8k)");
   cmd->add_option("--budget", a->budget, "policy budget: tokens per layer incl. the window, or a ratio in (0, 1)");
-  cmd->add_option("--param", a->params, "policy parameter key=value (repeatable)");
+  cmd->add_option("--param", a->params, "policy parameter key=value (repeatable); kv_dtype=int4 holds the policy's KV in "
+                  "that dtype, kv_dtype=ladder with budget_bytes=B shows the rung a prompt of --context tokens gets");
   cmd->add_option("--dtype", a->dtype, "weights: bfloat16, float16, float32, fp8, a GPU's groups of 128: int8 (8.25 bits), "
                   "int4 (tinygemm, 4.25 bits), or a GGUF's block type as a GPU holds it: q4_0, q4_1, q4_k (5 bits), "
                   "q8_0, q5_0 (9), q5_1, q5_k, q3_k, q6_k (10), q2_k (12)")->capture_default_str();

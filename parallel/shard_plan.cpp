@@ -16,6 +16,29 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
+void set_kv_dtype(PlanOptions& o, const std::string& kv) {
+  // The quantized KV caches (cache_manager/kv_quant.h): bits per value, scale bytes per 32 values.
+  o.kv_quant_bits = o.kv_quant_scale_bytes = 0;
+  if (kv == "int8" || kv == "q8_0" || kv == "fp8" || kv == "fp8_e4m3") {
+    o.kv_quant_bits = 8, o.kv_quant_scale_bytes = 2;
+  } else if (kv == "int4" || kv == "q4_0") {
+    o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 2;
+  } else if (kv == "q4_1") {
+    o.kv_quant_bits = 4, o.kv_quant_scale_bytes = 4;
+  }
+  if (o.kv_quant_bits > 0) {
+    o.kv_dtype_bytes = 1;
+  } else if (kv == "bfloat16" || kv == "bf16" || kv == "float16" || kv == "fp16" || kv == "half") {
+    o.kv_dtype_bytes = 2;
+  } else if (kv == "float32" || kv == "fp32" || kv == "float") {
+    o.kv_dtype_bytes = 4;
+  } else if (kv == "fp8_e5m2" || kv == "float8") {
+    o.kv_dtype_bytes = 1;
+  } else {
+    KV_FAIL("unknown KV cache dtype '" << kv << "' (bfloat16, float16, float32, fp8, int8, int4, q4_1)");
+  }
+}
+
 int64_t kv_row_bytes(const PlanOptions& o, int64_t head_dim) {
   return o.kv_quant_bits > 0 ? head_dim * o.kv_quant_bits / 8 + (head_dim + 31) / 32 * o.kv_quant_scale_bytes
                              : head_dim * o.kv_dtype_bytes;
@@ -125,6 +148,9 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
   for (const auto& cfg : policies) {
     PolicyPlan pp;
     pp.policy = cfg.name;
+    pp.kv_dtype = cfg.kv_dtype;
+    PlanOptions own = o;
+    if (!cfg.kv_dtype.empty()) set_kv_dtype(own, cfg.kv_dtype);
     PolicyConfig c = cfg;
     c.local_layers = local_layers;
     std::tie(pp.kept_per_layer, pp.peak_per_layer) = policy_kept_tokens(c, o.context, m.num_layers, m.num_kv_heads);
@@ -149,7 +175,8 @@ ShardPlan make_shard_plan(const ModelShape& m, const PlanOptions& o, const std::
         steady_blocks += ceil_div(pp.kept_per_layer[l], o.block_size) - shared;
         peak_blocks += ceil_div(pp.peak_per_layer[l], o.block_size) - shared;
       }
-      const int64_t steady = steady_blocks * st.block_bytes, peak = peak_blocks * st.block_bytes;
+      const int64_t block_bytes = cfg.kv_dtype.empty() ? st.block_bytes : 2 * st.kv_heads * kv_row_bytes(own, m.head_dim) * o.block_size;
+      const int64_t steady = steady_blocks * block_bytes, peak = peak_blocks * block_bytes;
       pp.kv_bytes_per_seq.push_back(steady);
       pp.kv_bytes_per_seq_peak.push_back(peak);
       const int64_t cap = std::max<int64_t>(0, st.kv_capacity_bytes - st.prefix_cache_bytes);
@@ -219,6 +246,7 @@ nlohmann::json to_json(const ShardPlan& p) {
                              {"max_seqs", pp.max_seqs},
                              {"max_seqs_peak", pp.max_seqs_peak},
                              {"tightest_stage", pp.tightest_stage}});
+    if (!pp.kv_dtype.empty()) j["policies"].back()["kv_dtype"] = pp.kv_dtype;
   }
   return j;
 }

@@ -45,6 +45,9 @@ struct PlanOptions {
 
 // Bytes of one (token, KV head) row of K or V in the planned KV dtype (quantized or not).
 int64_t kv_row_bytes(const PlanOptions& o, int64_t head_dim);
+// Sets o's KV dtype fields for a KV cache dtype as cache.kv_cache_dtype names it (bfloat16, float16,
+// float32, fp8, int8, int4, q4_1, ...); throws naming it when it is none of them.
+void set_kv_dtype(PlanOptions& o, const std::string& kv_dtype);
 
 // Parameters one TP rank of a stage holds (the largest rank where a split is uneven).
 int64_t stage_weight_params(const ModelShape& m, int64_t tp, const LayerRange& layers, bool first_stage, bool last_stage);
@@ -70,6 +73,7 @@ struct StagePlan {
 // One policy's KV footprint on every stage at the planned context.
 struct PolicyPlan {
   std::string policy;
+  std::string kv_dtype;  // the policy's own KV dtype (PolicyConfig::kv_dtype; "" = the cache's)
   std::vector<int64_t> kept_per_layer;  // steady state after prefill (DynamicKV: the mean budget; local layers: their window)
   std::vector<int64_t> peak_per_layer;  // what admission reserves (DynamicKV: its candidate sets)
   std::vector<int64_t> kv_bytes_per_seq;       // per stage, steady, block-rounded
@@ -97,7 +101,8 @@ struct ShardPlan {
 std::pair<std::vector<int64_t>, std::vector<int64_t>> policy_kept_tokens(const PolicyConfig& cfg, int64_t context,
                                                                          int64_t num_layers, int64_t num_kv_heads);
 
-// The plan for `policies` (typically full and one compressing policy). Throws KvError on a shape
+// The plan for `policies` (typically full and one compressing policy); a policy with its own
+// kv_dtype holds its KV in that dtype, out of the same capacity. Throws KvError on a shape
 // that cannot split (heads % tp, KV heads vs tp, pp > layers, non-positive sizes).
 ShardPlan make_shard_plan(const ModelShape& model, const PlanOptions& options, const std::vector<PolicyConfig>& policies);
 

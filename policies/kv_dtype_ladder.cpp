@@ -19,15 +19,21 @@ double kept_fraction(const PolicyConfig& cfg, int64_t n) {
 }  // namespace
 
 std::vector<KvDtypeRung> kv_dtype_ladder(const std::string& name, const PolicyConfig& cfg) {
-  return {{name + "@int8", "int8", rebuilds_context(cfg) ? 0.25 : 0.5}, {name + "@int4", "int4", 0.0}};
+  if (cfg.kv_ladder.empty())
+    return {{name + "@int8", "int8", rebuilds_context(cfg) ? 0.25 : 0.5}, {name + "@int4", "int4", 0.0}};
+  std::vector<KvDtypeRung> rungs;
+  for (const auto& [dtype, kept] : cfg.kv_ladder) rungs.push_back({name + "@" + dtype, dtype, kept});
+  return rungs;
 }
 
 void expand_kv_dtype_ladder(const std::string& name, PolicyConfig cfg, std::map<std::string, PolicyConfig>& out) {
   KV_CHECK(!cfg.is_full() && cfg.budget_bytes > 0,
            "policy '" << name << "': kv_dtype 'ladder' chooses a dtype for a budget in bytes: give it budget_bytes");
+  const std::vector<KvDtypeRung> rungs = kv_dtype_ladder(name, cfg);
   cfg.kv_dtype.clear();
   cfg.kv_rungs.clear();
-  for (const KvDtypeRung& r : kv_dtype_ladder(name, cfg)) {
+  cfg.kv_ladder.clear();
+  for (const KvDtypeRung& r : rungs) {
     KV_CHECK(!out.count(r.policy), "policy '" << name << "': its ladder's rung '" << r.policy
                                               << "' is also configured as a policy; rename that one");
     PolicyConfig rung = cfg;

@@ -19,7 +19,8 @@ struct KvDtypeRung {
   double min_kept = 0.0;
 };
 
-// The rungs below the cache's dtype for `cfg`, in order. Scorers that rebuild the context (kvzip,
+// The rungs below the cache's dtype for `cfg`, in order: its kv_ladder where it has one, else by
+// scorer. Scorers that rebuild the context (kvzip,
 // kvzap) keep their answers at a quarter kept in int8, so int8 holds down to 25 %; query-aware
 // scorers (snapkv, pyramidkv, ...) gain more from tokens than from bits, so int4 takes over below
 // half kept (the equal-bytes rows of docs/eval/kv-dtype.md).

@@ -221,6 +221,44 @@ const std::map<std::string, Setter>& setters() {
                   "policy parameter '" << k << "': '" << v << "' is not a KV cache dtype name (int8, int4, float16, ...)");
          c.kv_dtype = v == "auto" ? "" : v;
        }},
+      {"kv_ladder",
+       [](PolicyConfig& c, const std::string& k, const std::string& v) {
+         // "int8:0.3,int4": rungs in order, each but the last with the least fraction it keeps.
+         c.kv_ladder.clear();
+         std::stringstream in(v);
+         std::string rung;
+         while (std::getline(in, rung, ',')) {
+           rung.erase(0, rung.find_first_not_of(" \t"));
+           rung.erase(rung.find_last_not_of(" \t") + 1);
+           const auto colon = rung.find(':');
+           const std::string dtype = rung.substr(0, colon);
+           KV_CHECK(!dtype.empty() && dtype.find_first_of(" \t") == std::string::npos,
+                    "policy parameter '" << k << "': '" << rung << "' in '" << v << "' is not 'dtype:fraction' (e.g. int8:0.25)");
+           double kept = 0.0;
+           if (colon != std::string::npos) {
+             kept = parse_double(k, rung.substr(colon + 1));
+             KV_CHECK(kept > 0.0 && kept <= 1.0, "policy parameter '" << k << "': the fraction of rung '" << rung
+                                                                       << "' must be in (0, 1]");
+           }
+           c.kv_ladder.emplace_back(dtype, kept);
+         }
+         KV_CHECK(!c.kv_ladder.empty(), "policy parameter '" << k << "': name at least one rung (e.g. int8:0.25,int4)");
+         for (size_t i = 0; i < c.kv_ladder.size(); ++i) {
+           const auto& [dtype, kept] = c.kv_ladder[i];
+           const bool last = i + 1 == c.kv_ladder.size();
+           KV_CHECK(last || kept > 0.0, "policy parameter '" << k << "': rung '" << dtype << "' of '" << v
+                                                             << "' needs the least fraction it keeps (" << dtype
+                                                             << ":0.25); only the last rung takes every prompt left");
+           KV_CHECK(!last || kept == 0.0, "policy parameter '" << k << "': the last rung ('" << dtype << "') of '" << v
+                                                               << "' takes every prompt the rungs before it do not: "
+                                                               << "drop its fraction");
+           KV_CHECK(i == 0 || last || kept < c.kv_ladder[i - 1].second,
+                    "policy parameter '" << k << "': the fractions of '" << v << "' must fall rung by rung");
+           for (size_t j = 0; j < i; ++j)
+             KV_CHECK(c.kv_ladder[j].first != dtype, "policy parameter '" << k << "': '" << v << "' names " << dtype
+                                                                          << " twice");
+         }
+       }},
       {"budget_ratio",
        [](PolicyConfig& c, const std::string& k, const std::string& v) {
          double r = parse_double(k, v);
@@ -405,6 +443,9 @@ PolicyConfig named_defaults(const std::string& name) {
 }  // namespace
 
 void validate_policy_config(const PolicyConfig& c) {
+  KV_CHECK(c.kv_ladder.empty() || c.kv_dtype == "ladder",
+           "policy '" << c.name << "': kv_ladder orders the rungs of kv_dtype: ladder (this policy's kv_dtype is '"
+                      << (c.kv_dtype.empty() ? "auto" : c.kv_dtype) << "')");
   KV_CHECK(!(c.reuse_compressed && c.is_full()),
            "policy '" << c.name << "': prefix_reuse: compressed needs a compressing policy (full KV is reused exactly "
                       << "by the prefix cache)");

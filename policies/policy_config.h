@@ -87,6 +87,10 @@ struct PolicyConfig {
   // kv_dtype "ladder" (policies/kv_dtype_ladder.h): the narrower rungs' policies in order, each with
   // the least fraction of a prompt it must keep to be chosen. Empty for any other policy.
   std::vector<std::pair<std::string, double>> kv_rungs;
+  // kv_dtype "ladder" with YAML `kv_ladder: "int8:0.3,int4"`: the rungs below the cache's dtype as
+  // the deployment orders them, each a KV dtype and the least fraction of a prompt it must keep to
+  // be chosen (the last rung takes the rest: 0). Empty: the ladder the eval chose for the scorer.
+  std::vector<std::pair<std::string, double>> kv_ladder;
   int64_t window = 8;        // observation window / recent tokens always kept
   int64_t kernel = 7;        // pooling kernel (odd)
   PoolingKind pooling = PoolingKind::kMax;

@@ -40,6 +40,35 @@ std::vector<PolicyConfig> full_and(const std::string& name, const std::string& b
   return {make_policy_config("full"), make_policy_config(name, {{"budget", budget}})};
 }
 
+TEST(ShardPlan, APolicyInItsOwnKvDtypeHoldsItsTokensInThoseBytes) {
+  // TP 4 x PP 2 at 32K, a bfloat16 cache: snapkv-2048 in the cache's dtype, and in int8 (a row of
+  // 128 values is 128 bytes + 4 scales of 2 against 256), out of the same capacity.
+  const auto m = llama3_70b();
+  PolicyConfig snap = make_policy_config("snapkv", {{"budget", "2048"}});
+  PolicyConfig snap8 = make_policy_config("snapkv", {{"budget", "2048"}, {"kv_dtype", "int8"}});
+  snap8.name = "snapkv8";
+  const auto plan = make_shard_plan(m, opts(4, 2, 32768), {make_policy_config("full"), snap, snap8});
+  ASSERT_EQ(plan.policies.size(), 3u);
+  const PolicyPlan &b = plan.policies[1], &q = plan.policies[2];
+  EXPECT_EQ(b.kv_dtype, "");
+  EXPECT_EQ(q.kv_dtype, "int8");
+  EXPECT_EQ(q.kept_per_layer, b.kept_per_layer);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(q.kv_bytes_per_seq[s] * 256, b.kv_bytes_per_seq[s] * 136);
+    EXPECT_GE(q.max_seqs_per_stage[s], b.max_seqs_per_stage[s] * 185 / 100);
+  }
+  EXPECT_EQ(to_json(plan)["policies"][2]["kv_dtype"], "int8");
+  EXPECT_FALSE(to_json(plan)["policies"][1].contains("kv_dtype"));
+  PolicyConfig bad = snap;
+  bad.kv_dtype = "int3";
+  try {
+    make_shard_plan(m, opts(4, 2, 32768), {bad});
+    FAIL() << "int3 planned";
+  } catch (const KvError& e) {
+    EXPECT_NE(std::string(e.what()).find("'int3'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ShardPlan, PipelineRangesFirstStagesTakeTheExtraLayer) {
   auto r = pipeline_layer_ranges(80, 2);
   ASSERT_EQ(r.size(), 2u);

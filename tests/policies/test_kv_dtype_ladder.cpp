@@ -85,3 +85,40 @@ TEST(KvDtypeLadder, ErrorsNameThePolicy) {
   EXPECT_EQ(once.find("policy 'snapkv'"), 0u) << once;
   EXPECT_EQ(once.find("policy 'snapkv'", 1), std::string::npos) << once;
 }
+
+TEST(KvDtypeLadder, KvLadderOrdersTheRungs) {
+  // A deployment that trusts int8 down to 30 % kept and never stores 4 bits: int8, then fp8 below.
+  auto p = resolve_policies({{"snap", {{"name", "snapkv"}, {"budget_bytes", "1MiB"}, {"kv_dtype", "ladder"},
+                                       {"kv_ladder", "int8:0.3, fp8"}}},
+                             {"deep", {{"name", "snapkv"}, {"budget_bytes", "1MiB"}, {"kv_dtype", "ladder"},
+                                       {"kv_ladder", "int8:0.6,int4:0.2,int3"}}}});
+  ASSERT_EQ(p.at("snap").kv_rungs.size(), 2u);
+  EXPECT_EQ(p.at("snap").kv_rungs[0], (std::pair<std::string, double>{"snap@int8", 0.3}));
+  EXPECT_EQ(p.at("snap").kv_rungs[1], (std::pair<std::string, double>{"snap@fp8", 0.0}));
+  EXPECT_EQ(p.at("snap@fp8").kv_dtype, "fp8");
+  EXPECT_FALSE(p.count("snap@int4"));
+  EXPECT_TRUE(p.at("snap@int8").kv_ladder.empty());
+  p.at("snap").budget = 100;
+  p.at("snap@int8").budget = 188;
+  p.at("snap@fp8").budget = 188;
+  EXPECT_EQ(choose_kv_rung(p, "snap", 400), "snap@int8");  // 47 % >= 30 %
+  EXPECT_EQ(choose_kv_rung(p, "snap", 700), "snap@fp8");   // 27 %
+  ASSERT_EQ(p.at("deep").kv_rungs.size(), 3u);  // names are checked where the KV layouts are built
+  EXPECT_EQ(p.at("deep").kv_rungs[2].first, "deep@int3");
+}
+
+TEST(KvDtypeLadder, ABadKvLadderSaysWhatIsWrong) {
+  auto err = [](const std::string& ladder, const std::string& dtype = "ladder") {
+    return error_of({{"snap", {{"name", "snapkv"}, {"budget_bytes", "1MiB"}, {"kv_dtype", dtype}, {"kv_ladder", ladder}}}});
+  };
+  EXPECT_NE(err("int8,int4").find("needs the least fraction"), std::string::npos) << err("int8,int4");
+  EXPECT_NE(err("int8:0.3,int4:0.1").find("drop its fraction"), std::string::npos) << err("int8:0.3,int4:0.1");
+  EXPECT_NE(err("int8:0.2,fp8:0.4,int4").find("must fall"), std::string::npos) << err("int8:0.2,fp8:0.4,int4");
+  EXPECT_NE(err("int8:1.5,int4").find("(0, 1]"), std::string::npos) << err("int8:1.5,int4");
+  EXPECT_NE(err("int8:x,int4").find("kv_ladder"), std::string::npos) << err("int8:x,int4");
+  EXPECT_NE(err("int8:0.5,int8").find("twice"), std::string::npos) << err("int8:0.5,int8");
+  EXPECT_NE(err(",").find("kv_ladder"), std::string::npos) << err(",");
+  const std::string not_ladder = err("int8:0.5,int4", "int8");
+  EXPECT_NE(not_ladder.find("policy 'snap'"), std::string::npos) << not_ladder;
+  EXPECT_NE(not_ladder.find("kv_dtype: ladder"), std::string::npos) << not_ladder;
+}

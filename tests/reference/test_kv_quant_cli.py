@@ -115,6 +115,38 @@ def test_bench_and_plan_report_the_bytes():
     assert per_token["float16"] / per_token["int4"] >= 3.2
 
 
+def test_plan_holds_a_policy_in_its_own_kv_dtype():
+    # A policy with kv_dtype: its KV in that dtype out of the cache's bytes; a ladder with budget_bytes
+    # shows the rung a prompt of --context tokens gets (policies/kv_dtype_ladder.h).
+    cfg = str(default_model_dir() / "config.json")
+
+    def plan(*param):
+        flags = [f for p in param for f in ("--param", p)]
+        out = run_kvserve("plan", "--model-config", cfg, "--gpu-memory", "2GiB", "--context", "4096", "--kv-dtype",
+                          "float16", "--policy", "snapkv", *flags, "--json").stdout
+        return {p["policy"]: p for p in json.loads(out)["policies"]}
+
+    base = plan("budget=1024")["snapkv"]
+    int4 = plan("budget=1024", "kv_dtype=int4")["snapkv"]
+    assert "kv_dtype" not in base and int4["kv_dtype"] == "int4"
+    assert int4["kept_per_layer"] == base["kept_per_layer"]
+    # head_dim 64: a float16 row is 128 bytes, a q4_0 row 32 + 4.
+    assert int4["kv_bytes_per_seq_per_stage"][0] * 128 == base["kv_bytes_per_seq_per_stage"][0] * 36
+    assert int4["max_seqs"] >= 3.2 * base["max_seqs"]
+    assert plan("budget=1024", "kv_dtype=int4")["full"] == plan("budget=1024")["full"]
+    # 26 MiB a sequence over 30 layers of 3 KV heads: 1,183 float16 tokens a layer (29 % of 4,096),
+    # 2,227 int8 (54 %), so the ladder stops at int8 for snapkv (>= 50 %) ...
+    ladder = plan("budget_bytes=26MiB", "kv_dtype=ladder")
+    assert "snapkv@int8" in ladder, ladder.keys()
+    assert ladder["snapkv@int8"]["kv_dtype"] == "int8"
+    # ... and goes on to int4 with 20 MiB (42 % in int8), or where kv_ladder asks int8 to keep 60 %.
+    assert "snapkv@int4" in plan("budget_bytes=20MiB", "kv_dtype=ladder")
+    assert "snapkv@int4" in plan("budget_bytes=26MiB", "kv_dtype=ladder", "kv_ladder=int8:0.6,int4")
+    proc = run_kvserve("plan", "--model-config", cfg, "--policy", "snapkv", "--param", "kv_dtype=int3",
+                       "--param", "budget=64", check=False)
+    assert proc.returncode != 0 and "int3" in proc.stderr, proc.stderr
+
+
 def test_errors_name_what_is_wrong(tmp_path):
     proc = run_kvserve("generate", "--model", str(fixtures_dir() / "llama-gqa"), "--prompt", "hi",
                        "--kv-cache-dtype", "int8", check=False)  # head_dim 16
