@@ -164,9 +164,9 @@ void add_generate_command(CLI::App& app) {
 
     // One result per prompt, filled by engine callbacks (engine thread) and read after all finish.
     struct Result {
-      std::string text, finish_reason, error;
+      std::string text, finish_reason, error, kv_cache_dtype;
       std::vector<int64_t> ids;
-      int64_t prompt_tokens = 0, kept_kv = 0, full_kv = 0, head_min = 0, head_max = 0;
+      int64_t prompt_tokens = 0, kept_kv = 0, full_kv = 0, head_min = 0, head_max = 0, token_layer_bytes = 0;
       double head_mean = 0.0;
       std::optional<std::chrono::steady_clock::time_point> t_first, t_end;
     };
@@ -204,6 +204,8 @@ void add_generate_command(CLI::App& app) {
           r.prompt_tokens = ev.prompt_tokens;
           r.kept_kv = ev.kept_kv_tokens;
           r.full_kv = ev.full_kv_tokens;
+          r.kv_cache_dtype = ev.kv_cache_dtype;
+          r.token_layer_bytes = ev.kv_token_layer_bytes;
           r.head_min = ev.kept_head_min;
           r.head_max = ev.kept_head_max;
           r.head_mean = ev.kept_head_mean;
@@ -230,9 +232,11 @@ void add_generate_command(CLI::App& app) {
                 << stats.kv_blocks_total << " blocks) held prompts back for " << stats.kv_admission_waits_total
                 << " steps and preempted " << stats.preemptions_total
                 << " sequences; a larger --kv-cache runs more of them at once\n";
-    // KV bytes a kept token costs in one layer, all KV heads of the model, in the cache's dtype.
-    const int64_t token_layer_bytes = 2 * model->config().num_key_value_heads *
-                                      KvBlockPool::row_bytes(model->config().head_dim, model->kv_dtype(), model->kv_quant());
+    // KV bytes a kept token costs in one layer, all KV heads of the model, in the dtype its policy
+    // stored it in (the engine's report; the cache's where a runner leaves it out).
+    const int64_t cache_token_layer_bytes =
+        2 * model->config().num_key_value_heads *
+        KvBlockPool::row_bytes(model->config().head_dim, model->kv_dtype(), model->kv_quant());
     // load_s covers everything before the prompts were submitted, the warm-up (warmup_s) included.
     const WarmupReport warmup = engine.warmup();
     const nlohmann::json warmup_json{{"prompts", warmup.prompts}, {"tokens", warmup.tokens},
@@ -269,6 +273,9 @@ void add_generate_command(CLI::App& app) {
     for (const auto& r : results)
       if (r.finish_reason == "error") KV_FAIL(r.error);
     using secs = std::chrono::duration<double>;
+    auto token_layer_bytes = [&](const Result& r) {
+      return r.token_layer_bytes > 0 ? r.token_layer_bytes : cache_token_layer_bytes;
+    };
     auto as_json = [&](const Result& r) {
       const double decode_s = secs(*r.t_end - *r.t_first).count();
       return nlohmann::json{{"text", r.text},
@@ -278,9 +285,11 @@ void add_generate_command(CLI::App& app) {
                             {"finish_reason", r.finish_reason},
                             {"kv_tokens_kept", r.kept_kv},
                             {"kv_tokens_full", r.full_kv},
-                            {"kv_bytes_kept", r.kept_kv * token_layer_bytes},
-                            {"kv_bytes_full", r.full_kv * token_layer_bytes},
-                            {"kv_cache_dtype", kv_cache_dtype_label(model->kv_dtype(), model->kv_quant())},
+                            {"kv_bytes_kept", r.kept_kv * token_layer_bytes(r)},
+                            {"kv_bytes_full", r.full_kv * token_layer_bytes(r)},
+                            {"kv_cache_dtype", r.kv_cache_dtype.empty()
+                                                   ? kv_cache_dtype_label(model->kv_dtype(), model->kv_quant())
+                                                   : r.kv_cache_dtype},
                             {"weights", {{"format", model->weight_format()}, {"bytes", model->weight_bytes()}}},
                             {"kv_tokens_per_head", {{"min", r.head_min}, {"mean", r.head_mean}, {"max", r.head_max}}},
                             {"timings",

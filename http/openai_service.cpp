@@ -186,6 +186,7 @@ struct Choice {
   bool unavailable = false;    // the engine failed for good (a rank died): 503, retry elsewhere
   int64_t kept_kv = 0;
   int64_t full_kv = 0;
+  std::string kv_cache_dtype;  // the dtype its KV was stored in (its policy's or ladder rung's)
   int64_t kept_head_min = 0, kept_head_max = 0;  // per (layer, KV head)
   double kept_head_mean = 0.0;
   int64_t cached_tokens = 0;  // prompt tokens from the prefix cache
@@ -270,6 +271,11 @@ struct Exchange {
     }
     int64_t cached_total = 0;
     for (int64_t n : cached) cached_total += n;
+    // Prompts of one request may fall on different rungs of a kv_dtype ladder: each dtype once.
+    std::string dtypes;
+    for (const auto& c : choices)
+      if (!c.kv_cache_dtype.empty() && ("," + dtypes + ",").find("," + c.kv_cache_dtype + ",") == std::string::npos)
+        dtypes += (dtypes.empty() ? "" : ",") + c.kv_cache_dtype;
     json out = {{"prompt_tokens", prompt},
                 {"completion_tokens", completion},
                 {"total_tokens", prompt + completion},
@@ -280,6 +286,7 @@ struct Exchange {
                 // Tokens kept per (layer, KV head): head-wise budgets (head_budgets: adaptive) spread them.
                 {"kv_kept_tokens_per_head",
                  {{"min", head_min}, {"mean", head_n ? head_mean / static_cast<double>(head_n) : 0.0}, {"max", head_max}}}};
+    if (!dtypes.empty()) out["kv_cache_dtype"] = dtypes;
     if (!rollout_rule.empty()) out["kv_rollout_rule"] = rollout_rule;  // absent without rollout rules
     if (!context_boundary.empty()) out["kv_context_boundary"] = context_boundary;
     return out;
@@ -424,6 +431,7 @@ struct Exchange {
       c.unavailable = ev.unavailable;
       c.kept_kv = ev.kept_kv_tokens;
       c.full_kv = ev.full_kv_tokens;
+      c.kv_cache_dtype = ev.kv_cache_dtype;
       c.kept_head_min = ev.kept_head_min;
       c.kept_head_max = ev.kept_head_max;
       c.kept_head_mean = ev.kept_head_mean;

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <random>
 #include <sstream>
+#include <tuple>
 #include <unordered_set>
 
 #include "backend/sampling/grammar_compiler.h"
@@ -13,6 +14,7 @@
 #include "backend/engine/output_processor.h"
 #include "backend/engine/scheduler.h"
 #include "cache_manager/kv_memory_factory.h"
+#include "cache_manager/kv_quant.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "parallel/communicator.h"
@@ -38,8 +40,10 @@ struct Engine::Impl {
   // arrived, as of the last step (none: nothing waits).
   std::optional<std::chrono::steady_clock::time_point> oldest_waiting;
 
-  // The resolved policies (budget_bytes in tokens), for choosing a ladder's rung at submit.
+  // The resolved policies (budget_bytes in tokens), for choosing a ladder's rung at submit, and
+  // each one's KV cache dtype and token-layer bytes (GenerationEvent::kv_cache_dtype).
   std::map<std::string, PolicyConfig> policies;
+  std::map<std::string, std::pair<std::string, int64_t>> policy_kv;
   // Loop thread only.
   int64_t next_id = 1;
   std::mt19937_64 seed_rng{std::random_device{}()};
@@ -115,6 +119,10 @@ Engine::Engine(std::shared_ptr<DecoderModel> model, std::shared_ptr<const Tokeni
   if (so.compressed_contexts)
     for (const auto& [name, cfg] : policies)
       if (!cfg.is_full() && cfg.compress_context) context_policies_.insert(name);
+  for (const auto& [name, cfg] : policies) {
+    const KvMemoryLayout& l = cfg.kv_dtype.empty() ? formats.base : formats.by_dtype.at(cfg.kv_dtype);
+    impl_->policy_kv[name] = {kv_cache_dtype_label(l.dtype, l.quant), l.model_token_layer_bytes};
+  }
   impl_->policies = policies;
   so.policies = std::move(policies);
   so.eos_ids = eos_ids;
@@ -210,6 +218,7 @@ void Engine::submit_all(std::vector<Submission> batch) {
       KV_FAIL("prompt_logprobs are not supported by the sharded (tensor/pipeline parallel) runtime");
     auto seq = std::make_unique<Sequence>();
     seq->arrival = arrival;
+    std::tie(seq->kv_cache_dtype, seq->kv_token_layer_bytes) = impl_->policy_kv.at(req.kv_policy);
     seq->req = std::move(req);
     seq->on_event = std::move(sub.on_event);
     seqs.push_back(std::move(seq));

@@ -60,6 +60,11 @@ struct GenerationEvent {
   int64_t kept_head_min = 0, kept_head_max = 0;
   double kept_head_mean = 0.0;
   int64_t full_kv_tokens = 0;             // what full KV would have held
+  // The KV cache dtype the request's K/V were stored in (its policy's kv_dtype, its ladder rung's,
+  // else the cache's: "float16", "int8", ...) and one token's K and V of one layer in it (all KV
+  // heads, scales included), so kept_kv_tokens x this is the KV bytes kept.
+  std::string kv_cache_dtype;
+  int64_t kv_token_layer_bytes = 0;
   int64_t cached_tokens = 0;              // prompt tokens served from the prefix cache
 };
 

@@ -87,6 +87,8 @@ void OutputProcessor::finish(Sequence& s, const std::string& reason, const std::
   ev.kept_head_max = s.kept_head_max;
   ev.kept_head_mean = s.kept_head_mean;
   ev.full_kv_tokens = s.full_kv;
+  ev.kv_cache_dtype = s.kv_cache_dtype;
+  ev.kv_token_layer_bytes = s.kv_token_layer_bytes;
   s.on_event(ev);
 }
 

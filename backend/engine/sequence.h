@@ -44,6 +44,8 @@ struct Sequence {
   std::unique_ptr<IncrementalDetokenizer> detok;
   std::string held;  // decoded text not yet sent (could be the start of a stop string)
   int64_t kept_kv = 0, full_kv = 0;
+  std::string kv_cache_dtype;        // GenerationEvent's, from the policy it runs under
+  int64_t kv_token_layer_bytes = 0;
   int64_t kept_head_min = 0, kept_head_max = 0;  // tokens kept per (layer, KV head)
   double kept_head_mean = 0.0;
   int64_t cached_tokens = 0;     // prompt tokens its first prefill took from the prefix cache

@@ -30,8 +30,8 @@ using Specs = std::map<std::string, std::map<std::string, std::string>>;
 struct Result {
   std::vector<int64_t> tokens;
   std::vector<double> logprobs;  // the chosen tokens': they tell the dtypes apart where tokens agree
-  std::string finish_reason, error;
-  int64_t kept = 0;
+  std::string finish_reason, error, kv_cache_dtype;
+  int64_t kept = 0, kv_token_layer_bytes = 0;
 };
 
 // An engine on the tiny model whose whole cache is `kv_cache_dtype`, with `policies`.
@@ -83,6 +83,8 @@ struct EngineRun {
         if (ev.finished) {
           r.finish_reason = ev.finish_reason;
           r.error = ev.error;
+          r.kv_cache_dtype = ev.kv_cache_dtype;
+          r.kv_token_layer_bytes = ev.kv_token_layer_bytes;
           ++finished;
           cv.notify_all();
         }
@@ -189,6 +191,13 @@ TEST(MixedKvEngine, ALadderPicksTheRungByPromptLength) {
   EXPECT_EQ(got.at("short").kept, 4 * 10);  // the whole prompt in float32
   EXPECT_EQ(got.at("mid").kept, 4 * 45);    // 45 of 80 in int8: over half
   EXPECT_EQ(got.at("long").kept, 4 * 85);   // 45 of 300 is under half: int4
+  // Each request reports the dtype of its rung and what a token-layer costs in it.
+  EXPECT_EQ(got.at("short").kv_cache_dtype, "float32");
+  EXPECT_EQ(got.at("mid").kv_cache_dtype, "int8");
+  EXPECT_EQ(got.at("long").kv_cache_dtype, "int4");
+  EXPECT_EQ(got.at("short").kv_token_layer_bytes, 512);
+  EXPECT_EQ(got.at("mid").kv_token_layer_bytes, 136);
+  EXPECT_EQ(got.at("long").kv_token_layer_bytes, 72);
   EXPECT_EQ(m.bytes_used_when_idle(), 0);
 }
 

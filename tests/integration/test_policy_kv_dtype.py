@@ -107,6 +107,10 @@ def test_each_policy_answers_as_a_cache_of_its_dtype(tmp):
     # The ladder: 45 int8 tokens a layer are under half of this prompt, so it runs as int4 does.
     assert got["lad"][2]["kv_kept_tokens"] == kept4
     assert got["lad"][2]["kv_policy"] == "lad"
+    # Each request says what its K/V were stored in: the policy's dtype, the ladder's rung.
+    dtypes = {p: got[p][2]["kv_cache_dtype"] for p in ("full", "full8", "snap4", "snap32b", "snap4b", "lad")}
+    assert dtypes == {"full": "float32", "full8": "int8", "snap4": "int4", "snap32b": "float32", "snap4b": "int4",
+                      "lad": "int4"}, dtypes
     assert got["lad"][:2] == got["snap4b"][:2]
 
 
